@@ -1,0 +1,93 @@
+//! The KV cache of one sequence: per layer, the MLA latent rows and the DSA indexer keys.
+//!
+//! Row `s` of every layer's tensors belongs to token position `s`:
+//! - latent `[capacity, kv_lora_rank + qk_rope_head_dim]`: `[c (RMS-normed latent) | k_pe (rotated)]`, the
+//!   only thing absorbed MLA attention reads;
+//! - index keys `[capacity, index_head_dim]`: the indexer's LayerNormed, rotated key.
+//!
+//! Storage is allocated once for `capacity` tokens; a forward that would go past it is a `CacheFull` error.
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::config::Config;
+use crate::error::{ModelError, Result};
+
+pub(crate) struct LayerCache {
+    latent: Tensor,
+    index_keys: Tensor,
+}
+
+impl LayerCache {
+    /// Writes `rows` at position `offset` and returns all latent rows up to and including them.
+    pub(crate) fn append_latent(&self, rows: &Tensor, offset: usize) -> Result<Tensor> {
+        self.latent.slice_set(&rows.contiguous()?, 0, offset)?;
+        Ok(self.latent.narrow(0, 0, offset + rows.dim(0)?)?)
+    }
+
+    /// Writes indexer keys at position `offset` and returns all keys up to and including them.
+    pub(crate) fn append_index_keys(&self, keys: &Tensor, offset: usize) -> Result<Tensor> {
+        self.index_keys.slice_set(&keys.contiguous()?, 0, offset)?;
+        Ok(self.index_keys.narrow(0, 0, offset + keys.dim(0)?)?)
+    }
+}
+
+/// The cache of one sequence for every layer. Create it with [`crate::Glm5::new_cache`].
+pub struct KvCache {
+    pub(crate) layers: Vec<LayerCache>,
+    len: usize,
+    capacity: usize,
+}
+
+impl KvCache {
+    pub(crate) fn new(config: &Config, capacity: usize, dtype: DType, device: &Device) -> Result<Self> {
+        if capacity == 0 || capacity > config.max_position_embeddings {
+            return Err(ModelError::CacheShape(format!(
+                "capacity {capacity} must be in 1..={} (max_position_embeddings)",
+                config.max_position_embeddings
+            )));
+        }
+        let layers = (0..config.num_hidden_layers)
+            .map(|_| {
+                Ok(LayerCache {
+                    latent: Tensor::zeros((capacity, config.latent_dim()), dtype, device)?,
+                    index_keys: Tensor::zeros((capacity, config.index_head_dim), dtype, device)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self { layers, len: 0, capacity })
+    }
+
+    /// Tokens cached so far (the next forward's `start_pos`).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Tokens the cache can hold.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Forgets every cached token (the storage is kept).
+    pub fn clear(&mut self) {
+        self.len = 0;
+    }
+
+    /// Checks that `n_new` tokens starting at `start_pos` continue this cache and fit in it.
+    pub(crate) fn check_append(&self, start_pos: usize, n_new: usize) -> Result<()> {
+        if start_pos != self.len {
+            return Err(ModelError::CacheMismatch { start_pos, cached: self.len });
+        }
+        if start_pos + n_new > self.capacity {
+            return Err(ModelError::CacheFull { needed: start_pos + n_new, capacity: self.capacity });
+        }
+        Ok(())
+    }
+
+    pub(crate) fn advance(&mut self, n_new: usize) {
+        self.len += n_new;
+    }
+}

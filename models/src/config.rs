@@ -1,0 +1,311 @@
+//! The model's configuration: Hugging Face `config.json` of `model_type: glm_moe_dsa`, parsed and validated.
+//!
+//! Defaults are HF's (`GlmMoeDsaConfig`, i.e. GLM-5's own numbers) for every field that may be absent.
+//! `rope_theta` is read from `rope_parameters.rope_theta` (transformers 5 form) or a top-level `rope_theta`;
+//! the MLP kind per layer from `mlp_layer_types` or, failing that, `first_k_dense_replace`.
+
+use std::path::Path;
+
+use serde::Deserialize;
+
+use crate::error::{ModelError, Result};
+
+/// Which feed-forward block a decoder layer has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MlpKind {
+    Dense,
+    MoE,
+}
+
+/// A validated GLM-5 configuration. Every size the model uses comes from here.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub num_hidden_layers: usize,
+    pub rms_norm_eps: f64,
+    pub max_position_embeddings: usize,
+    pub tie_word_embeddings: bool,
+    pub eos_token_ids: Vec<u32>,
+    // MLA attention
+    pub num_attention_heads: usize,
+    pub q_lora_rank: usize,
+    pub kv_lora_rank: usize,
+    pub qk_nope_head_dim: usize,
+    pub qk_rope_head_dim: usize,
+    pub v_head_dim: usize,
+    pub rope_theta: f64,
+    // DSA lightning indexer
+    pub index_n_heads: usize,
+    pub index_head_dim: usize,
+    pub index_topk: usize,
+    // Feed-forward
+    pub mlp_layer_types: Vec<MlpKind>,
+    pub intermediate_size: usize,
+    pub moe_intermediate_size: usize,
+    pub n_routed_experts: usize,
+    pub n_shared_experts: usize,
+    pub num_experts_per_tok: usize,
+    pub n_group: usize,
+    pub topk_group: usize,
+    pub norm_topk_prob: bool,
+    pub routed_scaling_factor: f64,
+}
+
+/// Epsilon of `q_a_layernorm` and `kv_a_layernorm` in HF (the module default, not `rms_norm_eps`).
+pub const LATENT_NORM_EPS: f64 = 1e-6;
+/// Epsilon of the indexer's key LayerNorm.
+pub const INDEX_KEY_NORM_EPS: f64 = 1e-6;
+
+impl Config {
+    /// Width of one query/key head: nope part then rope part.
+    pub fn qk_head_dim(&self) -> usize {
+        self.qk_nope_head_dim + self.qk_rope_head_dim
+    }
+
+    /// Width of one latent cache row: `[c (kv_lora) | k_pe (rope)]`.
+    pub fn latent_dim(&self) -> usize {
+        self.kv_lora_rank + self.qk_rope_head_dim
+    }
+
+    /// Softmax scale of the MLA attention, `qk_head_dim^-1/2` (GLM-5 uses no YaRN mscale).
+    pub fn softmax_scale(&self) -> f64 {
+        (self.qk_head_dim() as f64).powf(-0.5)
+    }
+
+    /// Scale folded into the indexer's per-head weights: `index_n_heads^-1/2 · index_head_dim^-1/2`.
+    pub fn index_weight_scale(&self) -> f64 {
+        ((self.index_n_heads * self.index_head_dim) as f64).powf(-0.5)
+    }
+
+    /// Reads and validates `config.json`.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| ModelError::Io { path: path.to_path_buf(), source })?;
+        Self::from_json(&text)
+    }
+
+    /// Parses and validates the text of a `config.json`.
+    pub fn from_json(text: &str) -> Result<Self> {
+        let raw: RawConfig = serde_json::from_str(text)?;
+        raw.validate()
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum OneOrMany {
+    One(u32),
+    Many(Vec<u32>),
+}
+
+#[derive(Deserialize)]
+struct RopeParameters {
+    rope_theta: Option<f64>,
+    rope_type: Option<String>,
+}
+
+/// `config.json` as written, before defaults and checks.
+#[derive(Deserialize)]
+struct RawConfig {
+    model_type: Option<String>,
+    vocab_size: Option<usize>,
+    hidden_size: Option<usize>,
+    num_hidden_layers: Option<usize>,
+    rms_norm_eps: Option<f64>,
+    max_position_embeddings: Option<usize>,
+    tie_word_embeddings: Option<bool>,
+    eos_token_id: Option<OneOrMany>,
+    hidden_act: Option<String>,
+    attention_bias: Option<bool>,
+    mlp_bias: Option<bool>,
+    num_attention_heads: Option<usize>,
+    q_lora_rank: Option<Option<usize>>,
+    kv_lora_rank: Option<usize>,
+    qk_nope_head_dim: Option<usize>,
+    qk_rope_head_dim: Option<usize>,
+    v_head_dim: Option<usize>,
+    rope_theta: Option<f64>,
+    rope_parameters: Option<RopeParameters>,
+    rope_scaling: Option<serde_json::Value>,
+    index_n_heads: Option<usize>,
+    index_head_dim: Option<usize>,
+    index_topk: Option<usize>,
+    indexer_types: Option<Vec<String>>,
+    mlp_layer_types: Option<Vec<String>>,
+    first_k_dense_replace: Option<usize>,
+    intermediate_size: Option<usize>,
+    moe_intermediate_size: Option<usize>,
+    n_routed_experts: Option<usize>,
+    n_shared_experts: Option<usize>,
+    num_experts_per_tok: Option<usize>,
+    n_group: Option<usize>,
+    topk_group: Option<usize>,
+    norm_topk_prob: Option<bool>,
+    routed_scaling_factor: Option<f64>,
+    scoring_func: Option<String>,
+    topk_method: Option<String>,
+}
+
+fn invalid(field: &'static str, reason: impl Into<String>) -> ModelError {
+    ModelError::InvalidConfig { field, reason: reason.into() }
+}
+
+fn positive(field: &'static str, value: usize) -> Result<usize> {
+    if value == 0 {
+        return Err(invalid(field, "must be at least 1"));
+    }
+    Ok(value)
+}
+
+impl RawConfig {
+    fn validate(self) -> Result<Config> {
+        match self.model_type.as_deref() {
+            Some("glm_moe_dsa") => {}
+            Some(other) => return Err(ModelError::WrongModelType { found: other.to_string() }),
+            None => return Err(ModelError::MissingField { field: "model_type" }),
+        }
+        let unsupported = |what: String| Err(ModelError::Unsupported { what });
+        if let Some(act) = self.hidden_act.as_deref().filter(|a| *a != "silu") {
+            return unsupported(format!("hidden_act {act:?} (GLM-5 uses \"silu\")"));
+        }
+        if self.attention_bias == Some(true) || self.mlp_bias == Some(true) {
+            return unsupported("attention_bias/mlp_bias = true".into());
+        }
+        if let Some(f) = self.scoring_func.as_deref().filter(|f| *f != "sigmoid") {
+            return unsupported(format!("scoring_func {f:?}"));
+        }
+        if let Some(m) = self.topk_method.as_deref().filter(|m| *m != "noaux_tc") {
+            return unsupported(format!("topk_method {m:?}"));
+        }
+        if let Some(types) = &self.indexer_types {
+            if let Some(t) = types.iter().find(|t| *t != "full") {
+                return unsupported(format!("indexer_types {t:?} (IndexShare layers of GLM-5.2+)"));
+            }
+        }
+        let rope_type = self.rope_parameters.as_ref().and_then(|r| r.rope_type.clone());
+        if let Some(t) = rope_type.as_deref().filter(|t| *t != "default") {
+            return unsupported(format!("rope_type {t:?}"));
+        }
+        if self.rope_scaling.as_ref().is_some_and(|v| !v.is_null()) {
+            return unsupported("rope_scaling".into());
+        }
+
+        let num_hidden_layers = positive("num_hidden_layers", self.num_hidden_layers.unwrap_or(78))?;
+        let q_lora_rank = match self.q_lora_rank {
+            Some(None) => return unsupported("q_lora_rank = null (the DSA indexer reads the q_lora vector)".into()),
+            Some(Some(r)) => positive("q_lora_rank", r)?,
+            None => 2048,
+        };
+        let rope_theta = self
+            .rope_parameters
+            .as_ref()
+            .and_then(|r| r.rope_theta)
+            .or(self.rope_theta)
+            .unwrap_or(1_000_000.0);
+        if !(rope_theta.is_finite() && rope_theta > 0.0) {
+            return Err(invalid("rope_theta", format!("must be a positive number, got {rope_theta}")));
+        }
+        let rms_norm_eps = self.rms_norm_eps.unwrap_or(1e-5);
+        if !(rms_norm_eps.is_finite() && rms_norm_eps > 0.0) {
+            return Err(invalid("rms_norm_eps", format!("must be positive, got {rms_norm_eps}")));
+        }
+
+        let mlp_layer_types = match self.mlp_layer_types {
+            Some(types) => types
+                .iter()
+                .map(|t| match t.as_str() {
+                    "dense" => Ok(MlpKind::Dense),
+                    "sparse" | "moe" => Ok(MlpKind::MoE),
+                    other => Err(invalid("mlp_layer_types", format!("has unknown entry {other:?}"))),
+                })
+                .collect::<Result<Vec<_>>>()?,
+            None => {
+                let dense = self.first_k_dense_replace.unwrap_or(3).min(num_hidden_layers);
+                (0..num_hidden_layers).map(|l| if l < dense { MlpKind::Dense } else { MlpKind::MoE }).collect()
+            }
+        };
+        if mlp_layer_types.len() != num_hidden_layers {
+            return Err(invalid(
+                "mlp_layer_types",
+                format!("has {} entries for {num_hidden_layers} layers", mlp_layer_types.len()),
+            ));
+        }
+
+        let config = Config {
+            vocab_size: positive("vocab_size", self.vocab_size.unwrap_or(154_880))?,
+            hidden_size: positive("hidden_size", self.hidden_size.unwrap_or(6144))?,
+            num_hidden_layers,
+            rms_norm_eps,
+            max_position_embeddings: positive(
+                "max_position_embeddings",
+                self.max_position_embeddings.unwrap_or(202_752),
+            )?,
+            tie_word_embeddings: self.tie_word_embeddings.unwrap_or(false),
+            eos_token_ids: match self.eos_token_id {
+                Some(OneOrMany::One(id)) => vec![id],
+                Some(OneOrMany::Many(ids)) => ids,
+                None => vec![],
+            },
+            num_attention_heads: positive("num_attention_heads", self.num_attention_heads.unwrap_or(64))?,
+            q_lora_rank,
+            kv_lora_rank: positive("kv_lora_rank", self.kv_lora_rank.unwrap_or(512))?,
+            qk_nope_head_dim: positive("qk_nope_head_dim", self.qk_nope_head_dim.unwrap_or(192))?,
+            qk_rope_head_dim: positive("qk_rope_head_dim", self.qk_rope_head_dim.unwrap_or(64))?,
+            v_head_dim: positive("v_head_dim", self.v_head_dim.unwrap_or(256))?,
+            rope_theta,
+            index_n_heads: positive("index_n_heads", self.index_n_heads.unwrap_or(32))?,
+            index_head_dim: positive("index_head_dim", self.index_head_dim.unwrap_or(128))?,
+            index_topk: positive("index_topk", self.index_topk.unwrap_or(2048))?,
+            mlp_layer_types,
+            intermediate_size: positive("intermediate_size", self.intermediate_size.unwrap_or(12288))?,
+            moe_intermediate_size: positive("moe_intermediate_size", self.moe_intermediate_size.unwrap_or(2048))?,
+            n_routed_experts: positive("n_routed_experts", self.n_routed_experts.unwrap_or(256))?,
+            n_shared_experts: self.n_shared_experts.unwrap_or(1),
+            num_experts_per_tok: positive("num_experts_per_tok", self.num_experts_per_tok.unwrap_or(8))?,
+            n_group: positive("n_group", self.n_group.unwrap_or(1))?,
+            topk_group: positive("topk_group", self.topk_group.unwrap_or(1))?,
+            norm_topk_prob: self.norm_topk_prob.unwrap_or(true),
+            routed_scaling_factor: self.routed_scaling_factor.unwrap_or(2.5),
+        };
+        config.check_consistency()?;
+        Ok(config)
+    }
+}
+
+impl Config {
+    /// Cross-field rules: every one names the field it rejects.
+    fn check_consistency(&self) -> Result<()> {
+        if self.qk_rope_head_dim % 2 != 0 {
+            return Err(invalid("qk_rope_head_dim", format!("must be even for RoPE pairs, got {}", self.qk_rope_head_dim)));
+        }
+        if self.qk_rope_head_dim > self.index_head_dim {
+            return Err(invalid(
+                "qk_rope_head_dim",
+                format!("({}) exceeds index_head_dim ({}): the indexer rotates its first qk_rope_head_dim dims",
+                    self.qk_rope_head_dim, self.index_head_dim),
+            ));
+        }
+        if self.n_routed_experts % self.n_group != 0 {
+            return Err(invalid(
+                "n_group",
+                format!("({}) does not divide n_routed_experts ({})", self.n_group, self.n_routed_experts),
+            ));
+        }
+        if self.topk_group > self.n_group {
+            return Err(invalid("topk_group", format!("({}) exceeds n_group ({})", self.topk_group, self.n_group)));
+        }
+        let reachable = self.topk_group * (self.n_routed_experts / self.n_group);
+        if self.num_experts_per_tok > reachable {
+            return Err(invalid(
+                "num_experts_per_tok",
+                format!("({}) exceeds the {reachable} experts in topk_group groups", self.num_experts_per_tok),
+            ));
+        }
+        if !(self.routed_scaling_factor.is_finite() && self.routed_scaling_factor > 0.0) {
+            return Err(invalid("routed_scaling_factor", format!("must be positive, got {}", self.routed_scaling_factor)));
+        }
+        Ok(())
+    }
+}

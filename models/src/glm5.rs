@@ -1,0 +1,526 @@
+//! The GLM-5 module graph (`GlmMoeDsaForCausalLM`), in the order of the spec
+//! (`shared/spec/glm5-architecture.md`): §3.1 block structure, §3.2 RoPE, §3.3–3.4 MLA in its absorbed
+//! form, §4 the DSA lightning indexer, §5 MoE routing.
+//!
+//! One sequence at a time: `forward(input_ids, start_pos, &mut cache)` runs a prompt chunk or one decode
+//! token and returns the logits of every position it was given. Attention is always the absorbed (MQA) form
+//! over the latent cache: `W_UK` is folded into the query, `W_UV` applied after, so prefill and decode share
+//! one path through the `sparse_mla` op.
+
+use candle_core::{DType, Device, Module, Tensor, D};
+use candle_nn::{LayerNorm, Linear};
+use glm5_ops::{dsa_indexer, sparse_mla};
+
+use crate::cache::{KvCache, LayerCache};
+use crate::config::{Config, MlpKind, INDEX_KEY_NORM_EPS, LATENT_NORM_EPS};
+use crate::error::{ModelError, Result};
+use crate::weights::Checkpoint;
+
+/// Which positions each query attends to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AttentionMode {
+    /// DeepSeek Sparse Attention: the indexer's top-`index_topk` positions (the model as trained).
+    #[default]
+    Sparse,
+    /// Every causal position, indexer skipped. Only for debugging and quality comparisons, never a fallback.
+    Dense,
+}
+
+/// Fetches tensors by checkpoint name with the shapes the config implies.
+struct Loader<'a> {
+    checkpoint: &'a Checkpoint,
+    dtype: DType,
+    device: &'a Device,
+}
+
+impl Loader<'_> {
+    fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        self.checkpoint.tensor(name, shape, self.dtype, self.device)
+    }
+
+    fn tensor_f32(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        self.checkpoint.tensor(name, shape, DType::F32, self.device)
+    }
+
+    /// A bias-free `nn.Linear` stored as `[out, in]`.
+    fn linear(&self, prefix: &str, in_dim: usize, out_dim: usize) -> Result<Linear> {
+        Ok(Linear::new(self.tensor(&format!("{prefix}.weight"), &[out_dim, in_dim])?, None))
+    }
+
+    fn rms_norm(&self, prefix: &str, dim: usize, eps: f64) -> Result<RmsNorm> {
+        Ok(RmsNorm { weight: self.tensor(&format!("{prefix}.weight"), &[dim])?, eps })
+    }
+}
+
+/// §3.1 RMSNorm as HF computes it: normalise in f32, cast back, then scale.
+struct RmsNorm {
+    weight: Tensor,
+    eps: f64,
+}
+
+impl Module for RmsNorm {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let x32 = x.to_dtype(DType::F32)?;
+        let inv_rms = (x32.sqr()?.mean_keepdim(D::Minus1)? + self.eps)?.sqrt()?.recip()?;
+        x32.broadcast_mul(&inv_rms)?.to_dtype(x.dtype())?.broadcast_mul(&self.weight)
+    }
+}
+
+/// §3.2 interleaved RoPE at the positions of one forward call: pairs `(x[2i], x[2i+1])` rotate by
+/// `pos · θ^(-2i/R)`. Used on the MLA rope slice (last dims) and the indexer rope slice (first dims).
+struct Rope {
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl Rope {
+    fn at_positions(config: &Config, start_pos: usize, len: usize, dtype: DType, device: &Device) -> Result<Self> {
+        let half = config.qk_rope_head_dim / 2;
+        let inv_freq: Vec<f32> = (0..half)
+            .map(|i| (1.0 / config.rope_theta.powf(2.0 * i as f64 / config.qk_rope_head_dim as f64)) as f32)
+            .collect();
+        let (mut cos, mut sin) = (Vec::with_capacity(len * half), Vec::with_capacity(len * half));
+        for pos in start_pos..start_pos + len {
+            for f in &inv_freq {
+                let angle = pos as f32 * f;
+                cos.push(angle.cos());
+                sin.push(angle.sin());
+            }
+        }
+        let cos = Tensor::from_vec(cos, (len, half), device)?.to_dtype(dtype)?;
+        let sin = Tensor::from_vec(sin, (len, half), device)?.to_dtype(dtype)?;
+        Ok(Self { cos, sin })
+    }
+
+    /// Rotates `x` of shape `[T, heads, R]`.
+    fn apply(&self, x: &Tensor) -> Result<Tensor> {
+        let per_head = x.transpose(0, 1)?.unsqueeze(0)?.contiguous()?;
+        let rotated = candle_nn::rotary_emb::rope_i(&per_head, &self.cos, &self.sin)?;
+        Ok(rotated.squeeze(0)?.transpose(0, 1)?)
+    }
+}
+
+/// §4 The DSA lightning indexer: scores every visible past token for each query and keeps the top-k.
+struct Indexer {
+    wq_b: Linear,
+    wk: Linear,
+    k_norm: LayerNorm,
+    weights_proj: Linear,
+    n_heads: usize,
+    head_dim: usize,
+    rope_dim: usize,
+    top_k: usize,
+    weight_scale: f64,
+}
+
+impl Indexer {
+    fn load(config: &Config, loader: &Loader, prefix: &str) -> Result<Self> {
+        let (heads, dim) = (config.index_n_heads, config.index_head_dim);
+        Ok(Self {
+            wq_b: loader.linear(&format!("{prefix}.wq_b"), config.q_lora_rank, heads * dim)?,
+            wk: loader.linear(&format!("{prefix}.wk"), config.hidden_size, dim)?,
+            k_norm: LayerNorm::new(
+                loader.tensor(&format!("{prefix}.k_norm.weight"), &[dim])?,
+                loader.tensor(&format!("{prefix}.k_norm.bias"), &[dim])?,
+                INDEX_KEY_NORM_EPS,
+            ),
+            weights_proj: loader.linear(&format!("{prefix}.weights_proj"), config.hidden_size, heads)?,
+            n_heads: heads,
+            head_dim: dim,
+            rope_dim: config.qk_rope_head_dim,
+            top_k: config.index_topk,
+            weight_scale: config.index_weight_scale(),
+        })
+    }
+
+    /// RoPE on the first `rope_dim` dims of `x` `[T, heads, head_dim]`; the rest pass through.
+    fn rotate_leading(&self, x: &Tensor, rope: &Rope) -> Result<Tensor> {
+        let rotated = rope.apply(&x.narrow(2, 0, self.rope_dim)?)?;
+        if self.rope_dim == self.head_dim {
+            return Ok(rotated);
+        }
+        let pass = x.narrow(2, self.rope_dim, self.head_dim - self.rope_dim)?;
+        Ok(Tensor::cat(&[rotated, pass], 2)?)
+    }
+
+    /// `hidden` `[T, hidden]` (the normed layer input), `q_lora` `[T, q_lora_rank]` (after q_a_layernorm).
+    /// Returns the selected positions `[T, index_topk]` (i32, -1 padded) and caches this chunk's keys.
+    fn forward(&self, hidden: &Tensor, q_lora: &Tensor, start_pos: usize, rope: &Rope, cache: &LayerCache) -> Result<Tensor> {
+        let t = hidden.dim(0)?;
+        let q = self.wq_b.forward(q_lora)?.reshape((t, self.n_heads, self.head_dim))?;
+        let q = self.rotate_leading(&q, rope)?;
+        let k = self.k_norm.forward(&self.wk.forward(hidden)?)?.unsqueeze(1)?;
+        let k = self.rotate_leading(&k, rope)?.squeeze(1)?;
+        let keys = cache.append_index_keys(&k, start_pos)?;
+        let head_weights = (self.weights_proj.forward(hidden)?.to_dtype(DType::F32)? * self.weight_scale)?;
+        let visible: Vec<usize> = (1..=t).map(|i| start_pos + i).collect();
+        Ok(dsa_indexer(&q, &head_weights, &keys, &visible, self.top_k)?)
+    }
+}
+
+/// §3.3–3.4 Multi-head latent attention with the DSA restriction, computed in the absorbed form.
+struct Attention {
+    q_a_proj: Linear,
+    q_a_layernorm: RmsNorm,
+    q_b_proj: Linear,
+    kv_a_proj_with_mqa: Linear,
+    kv_a_layernorm: RmsNorm,
+    /// `W_UK` per head, `[heads, qk_nope_head_dim, kv_lora_rank]`: folded into the query.
+    w_uk: Tensor,
+    /// `W_UVᵀ` per head, `[heads, kv_lora_rank, v_head_dim]`: applied to the attended latent.
+    w_uv_t: Tensor,
+    o_proj: Linear,
+    indexer: Indexer,
+    heads: usize,
+    nope_dim: usize,
+    rope_dim: usize,
+    kv_lora_rank: usize,
+    v_head_dim: usize,
+    softmax_scale: f64,
+}
+
+impl Attention {
+    fn load(config: &Config, loader: &Loader, prefix: &str) -> Result<Self> {
+        let heads = config.num_attention_heads;
+        let (nope, v, lora) = (config.qk_nope_head_dim, config.v_head_dim, config.kv_lora_rank);
+        let kv_b = loader
+            .tensor(&format!("{prefix}.kv_b_proj.weight"), &[heads * (nope + v), lora])?
+            .reshape((heads, nope + v, lora))?;
+        Ok(Self {
+            q_a_proj: loader.linear(&format!("{prefix}.q_a_proj"), config.hidden_size, config.q_lora_rank)?,
+            q_a_layernorm: loader.rms_norm(&format!("{prefix}.q_a_layernorm"), config.q_lora_rank, LATENT_NORM_EPS)?,
+            q_b_proj: loader.linear(&format!("{prefix}.q_b_proj"), config.q_lora_rank, heads * config.qk_head_dim())?,
+            kv_a_proj_with_mqa: loader.linear(&format!("{prefix}.kv_a_proj_with_mqa"), config.hidden_size, config.latent_dim())?,
+            kv_a_layernorm: loader.rms_norm(&format!("{prefix}.kv_a_layernorm"), lora, LATENT_NORM_EPS)?,
+            w_uk: kv_b.narrow(1, 0, nope)?.contiguous()?,
+            w_uv_t: kv_b.narrow(1, nope, v)?.transpose(1, 2)?.contiguous()?,
+            o_proj: loader.linear(&format!("{prefix}.o_proj"), heads * v, config.hidden_size)?,
+            indexer: Indexer::load(config, loader, &format!("{prefix}.indexer"))?,
+            heads,
+            nope_dim: nope,
+            rope_dim: config.qk_rope_head_dim,
+            kv_lora_rank: lora,
+            v_head_dim: v,
+            softmax_scale: config.softmax_scale(),
+        })
+    }
+
+    fn forward(&self, hidden: &Tensor, start_pos: usize, rope: &Rope, cache: &LayerCache, mode: AttentionMode) -> Result<Tensor> {
+        let t = hidden.dim(0)?;
+        // Queries: q_lora (shared with the indexer) → per-head [nope | rope].
+        let q_lora = self.q_a_layernorm.forward(&self.q_a_proj.forward(hidden)?)?;
+        let q = self.q_b_proj.forward(&q_lora)?.reshape((t, self.heads, self.nope_dim + self.rope_dim))?;
+        let q_nope = q.narrow(2, 0, self.nope_dim)?;
+        let q_pe = rope.apply(&q.narrow(2, self.nope_dim, self.rope_dim)?)?;
+
+        // This chunk's latent rows [c | k_pe] go into the cache; attention reads all cached rows.
+        let kv = self.kv_a_proj_with_mqa.forward(hidden)?;
+        let c = self.kv_a_layernorm.forward(&kv.narrow(1, 0, self.kv_lora_rank)?)?;
+        let k_pe = rope.apply(&kv.narrow(1, self.kv_lora_rank, self.rope_dim)?.unsqueeze(1)?)?.squeeze(1)?;
+        let latent = cache.append_latent(&Tensor::cat(&[c, k_pe], 1)?, start_pos)?;
+
+        // Absorb W_UK: q̃_h = W_UK_hᵀ q_nope_h, so scores are 576-wide dots against the latent rows.
+        let q_latent = q_nope.transpose(0, 1)?.contiguous()?.matmul(&self.w_uk)?.transpose(0, 1)?;
+        let q_absorbed = Tensor::cat(&[q_latent, q_pe], 2)?.contiguous()?;
+
+        let selected = match mode {
+            AttentionMode::Sparse => self.indexer.forward(hidden, &q_lora, start_pos, rope, cache)?,
+            AttentionMode::Dense => all_causal_positions(t, start_pos, hidden.device())?,
+        };
+        let (attended, _lse) = sparse_mla(&q_absorbed, &latent, &selected, self.kv_lora_rank, self.softmax_scale)?;
+
+        // Apply W_UV per head, then the output projection.
+        let per_head = attended.transpose(0, 1)?.contiguous()?.matmul(&self.w_uv_t)?;
+        let merged = per_head.transpose(0, 1)?.reshape((t, self.heads * self.v_head_dim))?;
+        Ok(self.o_proj.forward(&merged)?)
+    }
+}
+
+/// Dense mode's "selection": every position `0..=start_pos+i` for query `i`, -1 padded to a common width.
+fn all_causal_positions(t: usize, start_pos: usize, device: &Device) -> Result<Tensor> {
+    let width = start_pos + t;
+    let rows: Vec<i32> = (0..t)
+        .flat_map(|i| (0..width).map(move |s| if s <= start_pos + i { s as i32 } else { -1 }))
+        .collect();
+    Ok(Tensor::from_vec(rows, (t, width), device)?)
+}
+
+/// §3.1 `down(silu(gate(x)) ⊙ up(x))`: the dense MLP, each routed expert and the shared expert.
+struct Mlp {
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+}
+
+impl Mlp {
+    fn load(loader: &Loader, prefix: &str, hidden: usize, intermediate: usize) -> Result<Self> {
+        Ok(Self {
+            gate_proj: loader.linear(&format!("{prefix}.gate_proj"), hidden, intermediate)?,
+            up_proj: loader.linear(&format!("{prefix}.up_proj"), hidden, intermediate)?,
+            down_proj: loader.linear(&format!("{prefix}.down_proj"), intermediate, hidden)?,
+        })
+    }
+}
+
+impl Module for Mlp {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let gated = (candle_nn::ops::silu(&self.gate_proj.forward(x)?)? * self.up_proj.forward(x)?)?;
+        self.down_proj.forward(&gated)
+    }
+}
+
+/// §5 Sigmoid router (`noaux_tc`) in f32: the correction bias steers selection only.
+struct Router {
+    weight: Tensor,
+    correction_bias: Vec<f32>,
+    n_group: usize,
+    topk_group: usize,
+    top_k: usize,
+    norm_topk_prob: bool,
+    scaling: f32,
+}
+
+impl Router {
+    /// For every token, its experts and their gate weights.
+    fn route(&self, hidden: &Tensor) -> Result<Vec<Vec<(usize, f32)>>> {
+        let scores = candle_nn::ops::sigmoid(&hidden.to_dtype(DType::F32)?.matmul(&self.weight.t()?)?)?;
+        let scores: Vec<Vec<f32>> = scores.to_vec2()?;
+        Ok(scores.iter().map(|s| self.route_token(s)).collect())
+    }
+
+    fn route_token(&self, scores: &[f32]) -> Vec<(usize, f32)> {
+        let choice: Vec<f32> = scores.iter().zip(&self.correction_bias).map(|(s, b)| s + b).collect();
+        // Group limiting: a group's score is the sum of its two best choice scores; keep topk_group groups.
+        let group_size = choice.len() / self.n_group;
+        let group_score = |g: usize| {
+            let mut members: Vec<f32> = choice[g * group_size..(g + 1) * group_size].to_vec();
+            members.sort_by(|a, b| b.total_cmp(a));
+            members.iter().take(2).sum::<f32>()
+        };
+        let kept_groups = top_indices(&(0..self.n_group).map(group_score).collect::<Vec<_>>(), self.topk_group);
+        let allowed: Vec<f32> = choice
+            .iter()
+            .enumerate()
+            .map(|(e, &c)| if kept_groups.contains(&(e / group_size)) { c } else { f32::NEG_INFINITY })
+            .collect();
+        let experts = top_indices(&allowed, self.top_k);
+        let mut gates: Vec<f32> = experts.iter().map(|&e| scores[e]).collect();
+        if self.norm_topk_prob {
+            let total = gates.iter().sum::<f32>() + 1e-20;
+            gates.iter_mut().for_each(|g| *g /= total);
+        }
+        experts.into_iter().zip(gates.into_iter().map(|g| g * self.scaling)).collect()
+    }
+}
+
+/// Indices of the `k` largest values, ties toward the lower index.
+fn top_indices(values: &[f32], k: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..values.len()).collect();
+    order.sort_by(|&a, &b| values[b].total_cmp(&values[a]).then(a.cmp(&b)));
+    order.truncate(k);
+    order
+}
+
+/// §5 Mixture of experts: routed experts weighted by the router, plus the unweighted shared expert.
+struct MoE {
+    router: Router,
+    experts: Vec<Mlp>,
+    shared_experts: Option<Mlp>,
+}
+
+impl MoE {
+    fn load(config: &Config, loader: &Loader, prefix: &str) -> Result<Self> {
+        let (hidden, n_experts) = (config.hidden_size, config.n_routed_experts);
+        let router = Router {
+            weight: loader.tensor_f32(&format!("{prefix}.gate.weight"), &[n_experts, hidden])?,
+            correction_bias: loader
+                .tensor_f32(&format!("{prefix}.gate.e_score_correction_bias"), &[n_experts])?
+                .to_vec1()?,
+            n_group: config.n_group,
+            topk_group: config.topk_group,
+            top_k: config.num_experts_per_tok,
+            norm_topk_prob: config.norm_topk_prob,
+            scaling: config.routed_scaling_factor as f32,
+        };
+        let experts = (0..n_experts)
+            .map(|e| Mlp::load(loader, &format!("{prefix}.experts.{e}"), hidden, config.moe_intermediate_size))
+            .collect::<Result<Vec<_>>>()?;
+        let shared_experts = (config.n_shared_experts > 0)
+            .then(|| {
+                let width = config.moe_intermediate_size * config.n_shared_experts;
+                Mlp::load(loader, &format!("{prefix}.shared_experts"), hidden, width)
+            })
+            .transpose()?;
+        Ok(Self { router, experts, shared_experts })
+    }
+
+    fn forward(&self, hidden: &Tensor) -> Result<Tensor> {
+        let routes = self.router.route(hidden)?;
+        let mut tokens_of_expert: Vec<Vec<(u32, f32)>> = vec![Vec::new(); self.experts.len()];
+        for (token, choices) in routes.iter().enumerate() {
+            for &(expert, gate) in choices {
+                tokens_of_expert[expert].push((token as u32, gate));
+            }
+        }
+        let mut out = hidden.zeros_like()?;
+        for (expert, assigned) in self.experts.iter().zip(&tokens_of_expert) {
+            if assigned.is_empty() {
+                continue;
+            }
+            let rows = Tensor::from_vec(assigned.iter().map(|a| a.0).collect(), assigned.len(), hidden.device())?;
+            let gates = Tensor::from_vec(assigned.iter().map(|a| a.1).collect(), (assigned.len(), 1), hidden.device())?
+                .to_dtype(hidden.dtype())?;
+            let y = expert.forward(&hidden.index_select(&rows, 0)?)?.broadcast_mul(&gates)?;
+            out = out.index_add(&rows, &y, 0)?;
+        }
+        if let Some(shared) = &self.shared_experts {
+            out = (out + shared.forward(hidden)?)?;
+        }
+        Ok(out)
+    }
+}
+
+enum FeedForward {
+    Dense(Mlp),
+    MoE(MoE),
+}
+
+/// §3.1 one decoder block: `x += Attn(norm(x)); x += FFN(norm(x))`.
+struct DecoderLayer {
+    input_layernorm: RmsNorm,
+    self_attn: Attention,
+    post_attention_layernorm: RmsNorm,
+    mlp: FeedForward,
+}
+
+impl DecoderLayer {
+    fn load(config: &Config, loader: &Loader, layer: usize) -> Result<Self> {
+        let prefix = format!("model.layers.{layer}");
+        let mlp = match config.mlp_layer_types[layer] {
+            MlpKind::Dense => FeedForward::Dense(Mlp::load(
+                loader,
+                &format!("{prefix}.mlp"),
+                config.hidden_size,
+                config.intermediate_size,
+            )?),
+            MlpKind::MoE => FeedForward::MoE(MoE::load(config, loader, &format!("{prefix}.mlp"))?),
+        };
+        Ok(Self {
+            input_layernorm: loader.rms_norm(&format!("{prefix}.input_layernorm"), config.hidden_size, config.rms_norm_eps)?,
+            self_attn: Attention::load(config, loader, &format!("{prefix}.self_attn"))?,
+            post_attention_layernorm: loader.rms_norm(
+                &format!("{prefix}.post_attention_layernorm"),
+                config.hidden_size,
+                config.rms_norm_eps,
+            )?,
+            mlp,
+        })
+    }
+
+    fn forward(&self, x: &Tensor, start_pos: usize, rope: &Rope, cache: &LayerCache, mode: AttentionMode) -> Result<Tensor> {
+        let attn = self.self_attn.forward(&self.input_layernorm.forward(x)?, start_pos, rope, cache, mode)?;
+        let x = (x + attn)?;
+        let h = self.post_attention_layernorm.forward(&x)?;
+        let ffn = match &self.mlp {
+            FeedForward::Dense(mlp) => mlp.forward(&h)?,
+            FeedForward::MoE(moe) => moe.forward(&h)?,
+        };
+        Ok((x + ffn)?)
+    }
+}
+
+/// GLM-5 (`GlmMoeDsaForCausalLM`) for one sequence at a time.
+pub struct Glm5 {
+    config: Config,
+    embed_tokens: Tensor,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    lm_head: Linear,
+    mode: AttentionMode,
+    dtype: DType,
+    device: Device,
+}
+
+impl Glm5 {
+    /// Builds the graph from `checkpoint`, converting weights to `dtype` (the router stays f32).
+    pub fn load(config: &Config, checkpoint: &Checkpoint, dtype: DType, device: &Device, mode: AttentionMode) -> Result<Self> {
+        let loader = Loader { checkpoint, dtype, device };
+        let (vocab, hidden) = (config.vocab_size, config.hidden_size);
+        let embed_tokens = loader.tensor("model.embed_tokens.weight", &[vocab, hidden])?;
+        let lm_head = if config.tie_word_embeddings && !checkpoint.contains("lm_head.weight") {
+            Linear::new(embed_tokens.clone(), None)
+        } else {
+            loader.linear("lm_head", hidden, vocab)?
+        };
+        let layers = (0..config.num_hidden_layers)
+            .map(|layer| DecoderLayer::load(config, &loader, layer))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            config: config.clone(),
+            embed_tokens,
+            layers,
+            norm: loader.rms_norm("model.norm", hidden, config.rms_norm_eps)?,
+            lm_head,
+            mode,
+            dtype,
+            device: device.clone(),
+        })
+    }
+
+    /// Reads `config.json` and the safetensors checkpoint of a model directory.
+    pub fn from_dir(dir: impl AsRef<std::path::Path>, dtype: DType, device: &Device, mode: AttentionMode) -> Result<Self> {
+        let dir = dir.as_ref();
+        let config = Config::from_file(dir.join("config.json"))?;
+        Self::load(&config, &Checkpoint::open(dir)?, dtype, device, mode)
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    pub fn mode(&self) -> AttentionMode {
+        self.mode
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// An empty cache for up to `capacity` tokens of one sequence.
+    pub fn new_cache(&self, capacity: usize) -> Result<KvCache> {
+        KvCache::new(&self.config, capacity, self.dtype, &self.device)
+    }
+
+    /// Runs `input_ids` at positions `start_pos..start_pos + len` (a prompt chunk or one decode token),
+    /// appending them to `cache`, and returns f32 logits `[len, vocab_size]`.
+    pub fn forward(&self, input_ids: &[u32], start_pos: usize, cache: &mut KvCache) -> Result<Tensor> {
+        let t = input_ids.len();
+        if t == 0 {
+            return Err(ModelError::EmptyInput);
+        }
+        if let Some((position, &token)) = input_ids.iter().enumerate().find(|(_, &id)| id as usize >= self.config.vocab_size) {
+            return Err(ModelError::TokenOutOfRange { token, position: start_pos + position, vocab_size: self.config.vocab_size });
+        }
+        let max_positions = self.config.max_position_embeddings;
+        if start_pos + t > max_positions {
+            return Err(ModelError::ContextOverflow { start: start_pos, end: start_pos + t, max_positions });
+        }
+        if cache.layers.len() != self.layers.len() {
+            return Err(ModelError::CacheShape(format!("{} layers, model has {}", cache.layers.len(), self.layers.len())));
+        }
+        cache.check_append(start_pos, t)?;
+
+        let rope = Rope::at_positions(&self.config, start_pos, t, self.dtype, &self.device)?;
+        let ids = Tensor::from_slice(input_ids, t, &self.device)?;
+        let mut x = self.embed_tokens.index_select(&ids, 0)?;
+        for (layer, layer_cache) in self.layers.iter().zip(&cache.layers) {
+            x = layer.forward(&x, start_pos, &rope, layer_cache, self.mode)?;
+        }
+        cache.advance(t);
+        Ok(self.lm_head.forward(&self.norm.forward(&x)?)?.to_dtype(DType::F32)?)
+    }
+}

@@ -1,0 +1,11 @@
+//! glm5: GLM-5 (`GlmMoeDsaForCausalLM`) inference on candle.
+//!
+//! The layers, each knowing only the one below: `glm5-kernels` (CUDA sources) → `glm5-ops` (DSA indexer,
+//! sparse MLA) → `glm5-models` (config, checkpoint, module graph, KV cache) → this crate (the runtime).
+
+pub use candle_core;
+pub use candle_nn;
+pub use glm5_models as models;
+pub use glm5_ops as ops;
+
+pub use glm5_models::{AttentionMode, Checkpoint, Config, Glm5, KvCache, ModelError};
