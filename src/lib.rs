@@ -3,9 +3,21 @@
 //! The layers, each knowing only the one below: `glm5-kernels` (CUDA sources) → `glm5-ops` (DSA indexer,
 //! sparse MLA) → `glm5-models` (config, checkpoint, module graph, KV cache) → this crate (the runtime).
 
+pub mod chat;
+pub mod embedded;
+pub mod error;
+pub mod generate;
+pub mod hub;
+pub mod model;
+pub mod tokenizer;
+
 pub use candle_core;
 pub use candle_nn;
 pub use glm5_models as models;
 pub use glm5_ops as ops;
 
-pub use glm5_models::{AttentionMode, Checkpoint, Config, Glm5, KvCache, ModelError};
+pub use chat::{ChatOptions, Message};
+pub use error::{Error, Result};
+pub use generate::{FinishReason, GeneratedToken, Generation, GenerationParams, GenerationStats, SequenceCache};
+pub use glm5_models::{AttentionMode, Checkpoint, Config, Glm5ForCausalLM, KvCache, ModelError};
+pub use model::{Glm5, LoadOptions};

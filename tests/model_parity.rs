@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use glm5::candle_core::{DType, Device, Tensor};
-use glm5::{AttentionMode, Glm5};
+use glm5::{AttentionMode, Glm5ForCausalLM};
 
 fn fixture_dir(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
@@ -18,11 +18,11 @@ fn reference(name: &str) -> (Vec<u32>, Tensor) {
     (ids.into_iter().map(|id| id as u32).collect(), tensors["logits"].clone())
 }
 
-fn load(name: &str, mode: AttentionMode) -> Glm5 {
-    Glm5::from_dir(fixture_dir(name), DType::F32, &Device::Cpu, mode).expect("fixture model loads")
+fn load(name: &str, mode: AttentionMode) -> Glm5ForCausalLM {
+    Glm5ForCausalLM::from_dir(fixture_dir(name), DType::F32, &Device::Cpu, mode).expect("fixture model loads")
 }
 
-fn full_forward(model: &Glm5, ids: &[u32]) -> Tensor {
+fn full_forward(model: &Glm5ForCausalLM, ids: &[u32]) -> Tensor {
     let mut cache = model.new_cache(ids.len()).expect("cache");
     model.forward(ids, 0, &mut cache).expect("forward")
 }
@@ -102,7 +102,7 @@ fn sparse_equals_dense_when_index_topk_covers_the_sequence() {
 #[test]
 fn bf16_compute_stays_close_to_f32() {
     let (ids, expected) = reference("bf16_storage");
-    let model = Glm5::from_dir(fixture_dir("bf16_storage"), DType::BF16, &Device::Cpu, AttentionMode::Sparse).unwrap();
+    let model = Glm5ForCausalLM::from_dir(fixture_dir("bf16_storage"), DType::BF16, &Device::Cpu, AttentionMode::Sparse).unwrap();
     let topk = model.config().index_topk;
     let logits = full_forward(&model, &ids);
     let mut relative: Vec<f32> = logits

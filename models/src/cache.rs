@@ -31,7 +31,7 @@ impl LayerCache {
     }
 }
 
-/// The cache of one sequence for every layer. Create it with [`crate::Glm5::new_cache`].
+/// The cache of one sequence for every layer. Create it with [`crate::Glm5ForCausalLM::new_cache`].
 pub struct KvCache {
     pub(crate) layers: Vec<LayerCache>,
     len: usize,
@@ -74,6 +74,11 @@ impl KvCache {
     /// Forgets every cached token (the storage is kept).
     pub fn clear(&mut self) {
         self.len = 0;
+    }
+
+    /// Keeps only the first `len` tokens (e.g. the prompt prefix a new chat turn shares with the last).
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
     }
 
     /// Checks that `n_new` tokens starting at `start_pos` continue this cache and fit in it.

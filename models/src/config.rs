@@ -121,7 +121,9 @@ struct RawConfig {
     attention_bias: Option<bool>,
     mlp_bias: Option<bool>,
     num_attention_heads: Option<usize>,
-    q_lora_rank: Option<Option<usize>>,
+    /// Kept raw: `null` (no query compression) must be told apart from absent (the default).
+    #[serde(default, deserialize_with = "present")]
+    q_lora_rank: Option<serde_json::Value>,
     kv_lora_rank: Option<usize>,
     qk_nope_head_dim: Option<usize>,
     qk_rope_head_dim: Option<usize>,
@@ -146,6 +148,11 @@ struct RawConfig {
     routed_scaling_factor: Option<f64>,
     scoring_func: Option<String>,
     topk_method: Option<String>,
+}
+
+/// `Some(value)` whenever the key is present, `null` included (plain `Option` maps `null` to `None`).
+fn present<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Option<serde_json::Value>, D::Error> {
+    serde_json::Value::deserialize(d).map(Some)
 }
 
 fn invalid(field: &'static str, reason: impl Into<String>) -> ModelError {
@@ -193,10 +200,15 @@ impl RawConfig {
         }
 
         let num_hidden_layers = positive("num_hidden_layers", self.num_hidden_layers.unwrap_or(78))?;
-        let q_lora_rank = match self.q_lora_rank {
-            Some(None) => return unsupported("q_lora_rank = null (the DSA indexer reads the q_lora vector)".into()),
-            Some(Some(r)) => positive("q_lora_rank", r)?,
+        let q_lora_rank = match &self.q_lora_rank {
             None => 2048,
+            Some(serde_json::Value::Null) => {
+                return unsupported("q_lora_rank = null (the DSA indexer reads the q_lora vector)".into())
+            }
+            Some(value) => match value.as_u64() {
+                Some(rank) => positive("q_lora_rank", rank as usize)?,
+                None => return Err(invalid("q_lora_rank", format!("must be a positive integer, got {value}"))),
+            },
         };
         let rope_theta = self
             .rope_parameters

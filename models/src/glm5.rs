@@ -430,7 +430,7 @@ impl DecoderLayer {
 }
 
 /// GLM-5 (`GlmMoeDsaForCausalLM`) for one sequence at a time.
-pub struct Glm5 {
+pub struct Glm5ForCausalLM {
     config: Config,
     embed_tokens: Tensor,
     layers: Vec<DecoderLayer>,
@@ -441,7 +441,7 @@ pub struct Glm5 {
     device: Device,
 }
 
-impl Glm5 {
+impl Glm5ForCausalLM {
     /// Builds the graph from `checkpoint`, converting weights to `dtype` (the router stays f32).
     pub fn load(config: &Config, checkpoint: &Checkpoint, dtype: DType, device: &Device, mode: AttentionMode) -> Result<Self> {
         let loader = Loader { checkpoint, dtype, device };

@@ -39,6 +39,7 @@ use crate::error::{check_float, check_same_dtype, check_shape, OpError, Result};
 /// Upper bound on the elements of the gathered `[T_chunk, K, D]` rows of one chunk.
 const MAX_CHUNK_ELEMS: usize = 64 << 20;
 
+/// Attention of every head over the selected latent rows: `(out, lse)` (contract in the module docs).
 pub fn sparse_mla(
     q: &Tensor,
     latent_cache: &Tensor,

@@ -1,0 +1,300 @@
+//! Chat prompts: a model's Hugging Face chat template (Jinja), rendered with minijinja the way
+//! transformers renders it (`trim_blocks`, `lstrip_blocks`, loop controls, `raise_exception`, a
+//! Python-style `tojson`, and Python string/dict methods through minijinja-contrib's pycompat).
+
+use std::path::{Path, PathBuf};
+
+use minijinja::value::{Kwargs, Value, ValueKind};
+use minijinja::{Environment, ErrorKind};
+
+/// Why a chat template could not be loaded or rendered.
+#[derive(Debug, thiserror::Error)]
+pub enum ChatError {
+    /// A template or config file exists but cannot be read.
+    #[error("cannot read {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The I/O failure.
+        #[source]
+        source: std::io::Error,
+    },
+    /// `tokenizer_config.json` is not valid JSON.
+    #[error("{path} is not valid JSON: {source}")]
+    Json {
+        /// The file.
+        path: PathBuf,
+        /// The parse failure.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// Neither `chat_template.jinja` nor a `chat_template` entry of `tokenizer_config.json` exists.
+    #[error("no chat template in {dir}: expected chat_template.jinja or a \"chat_template\" in tokenizer_config.json")]
+    MissingTemplate {
+        /// The model directory searched.
+        dir: PathBuf,
+    },
+    /// The template text is not valid Jinja.
+    #[error("chat template does not parse: {0:#}")]
+    Syntax(#[source] minijinja::Error),
+    /// Rendering failed (including `raise_exception` called by the template).
+    #[error("chat template failed to render: {0:#}")]
+    Render(#[source] minijinja::Error),
+}
+
+/// Result of chat-template operations.
+pub type Result<T> = std::result::Result<T, ChatError>;
+
+/// One chat turn.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Message {
+    /// `system`, `user`, `assistant` or `tool`.
+    pub role: String,
+    /// The visible text.
+    pub content: String,
+    /// An assistant turn's thinking, rendered inside `<think>…</think>` where the template keeps it.
+    pub reasoning_content: Option<String>,
+}
+
+impl Message {
+    /// A message with any role.
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        Self { role: role.into(), content: content.into(), reasoning_content: None }
+    }
+
+    /// A system message.
+    pub fn system(content: impl Into<String>) -> Self {
+        Self::new("system", content)
+    }
+
+    /// A user message.
+    pub fn user(content: impl Into<String>) -> Self {
+        Self::new("user", content)
+    }
+
+    /// An assistant message without reasoning.
+    pub fn assistant(content: impl Into<String>) -> Self {
+        Self::new("assistant", content)
+    }
+
+    /// Attaches the assistant's thinking.
+    pub fn with_reasoning(mut self, reasoning: impl Into<String>) -> Self {
+        self.reasoning_content = Some(reasoning.into());
+        self
+    }
+
+    fn to_value(&self) -> Value {
+        let mut pairs = vec![("role", Value::from(self.role.as_str())), ("content", Value::from(self.content.as_str()))];
+        if let Some(reasoning) = &self.reasoning_content {
+            pairs.push(("reasoning_content", Value::from(reasoning.as_str())));
+        }
+        Value::from_pairs(pairs)
+    }
+}
+
+/// Template switches passed as kwargs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChatOptions {
+    /// End the prompt with the assistant's turn header so the model answers next.
+    pub add_generation_prompt: bool,
+    /// Let the model think first (`<think>`), or skip thinking.
+    pub enable_thinking: bool,
+}
+
+impl Default for ChatOptions {
+    fn default() -> Self {
+        Self { add_generation_prompt: true, enable_thinking: true }
+    }
+}
+
+/// A compiled chat template plus the `bos_token`/`eos_token` strings it may refer to.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    bos_token: Option<String>,
+    eos_token: Option<String>,
+}
+
+const NAME: &str = "chat_template";
+
+impl ChatTemplate {
+    /// Loads `dir/chat_template.jinja`, or else the `chat_template` of `dir/tokenizer_config.json` (a string,
+    /// or a list of `{name, template}` where `default` wins); bos/eos strings come from the tokenizer config.
+    pub fn from_model_dir(dir: impl AsRef<Path>) -> Result<Self> {
+        let dir = dir.as_ref();
+        let config_path = dir.join("tokenizer_config.json");
+        let config: Option<serde_json::Value> = match std::fs::read_to_string(&config_path) {
+            Ok(text) => Some(serde_json::from_str(&text).map_err(|source| ChatError::Json { path: config_path, source })?),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(source) => return Err(ChatError::Io { path: config_path, source }),
+        };
+        let jinja_path = dir.join("chat_template.jinja");
+        let source = match std::fs::read_to_string(&jinja_path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => config
+                .as_ref()
+                .and_then(|c| template_from_config(c.get("chat_template")?))
+                .ok_or_else(|| ChatError::MissingTemplate { dir: dir.to_path_buf() })?,
+            Err(source) => return Err(ChatError::Io { path: jinja_path, source }),
+        };
+        let token = |key: &str| config.as_ref().and_then(|c| token_string(c.get(key)?));
+        Self::new(source, token("bos_token"), token("eos_token"))
+    }
+
+    /// Compiles template text; `bos_token`/`eos_token` are exposed to it under those names when given.
+    pub fn new(source: impl Into<String>, bos_token: Option<String>, eos_token: Option<String>) -> Result<Self> {
+        let mut env = Environment::new();
+        env.set_syntax(
+            minijinja::syntax::SyntaxConfig::builder()
+                .trim_blocks(true)
+                .lstrip_blocks(true)
+                .build()
+                .map_err(ChatError::Syntax)?,
+        );
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", |message: String| -> std::result::Result<Value, minijinja::Error> {
+            Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
+        });
+        env.add_filter("tojson", tojson);
+        env.add_template_owned(NAME, source.into()).map_err(ChatError::Syntax)?;
+        Ok(Self { env, bos_token, eos_token })
+    }
+
+    /// Renders `messages` into the prompt text (no tools).
+    pub fn render(&self, messages: &[Message], options: &ChatOptions) -> Result<String> {
+        let template = self.env.get_template(NAME).map_err(ChatError::Render)?;
+        let mut ctx = vec![
+            ("messages", Value::from(messages.iter().map(Message::to_value).collect::<Vec<_>>())),
+            ("add_generation_prompt", Value::from(options.add_generation_prompt)),
+            ("enable_thinking", Value::from(options.enable_thinking)),
+            ("tools", Value::from(())),
+        ];
+        if let Some(bos) = &self.bos_token {
+            ctx.push(("bos_token", Value::from(bos.as_str())));
+        }
+        if let Some(eos) = &self.eos_token {
+            ctx.push(("eos_token", Value::from(eos.as_str())));
+        }
+        template.render(Value::from_pairs(ctx)).map_err(ChatError::Render)
+    }
+}
+
+/// `chat_template` as a string, or the `default` (else first) entry of a `[{name, template}]` list.
+fn template_from_config(value: &serde_json::Value) -> Option<String> {
+    if let Some(text) = value.as_str() {
+        return Some(text.to_string());
+    }
+    let list = value.as_array()?;
+    let template_of = |entry: &serde_json::Value| entry.get("template")?.as_str().map(str::to_string);
+    list.iter()
+        .find(|entry| entry.get("name").and_then(|n| n.as_str()) == Some("default"))
+        .and_then(template_of)
+        .or_else(|| list.iter().find_map(template_of))
+}
+
+/// A special token given as a string or as an added-token object `{"content": ...}`.
+fn token_string(value: &serde_json::Value) -> Option<String> {
+    value.as_str().or_else(|| value.get("content")?.as_str()).map(str::to_string)
+}
+
+/// Python's `json.dumps` as transformers exposes it: `tojson(ensure_ascii=False, indent=None,
+/// separators=None, sort_keys=False)`, no HTML escaping.
+fn tojson(value: &Value, kwargs: Kwargs) -> std::result::Result<Value, minijinja::Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    let ensure_ascii = kwargs.get::<Option<bool>>("ensure_ascii")?.unwrap_or(false);
+    let sort_keys = kwargs.get::<Option<bool>>("sort_keys")?.unwrap_or(false);
+    let separators: Option<Vec<String>> = kwargs.get("separators")?;
+    kwargs.assert_all_used()?;
+    let (item, key) = match separators.as_deref() {
+        Some([item, key]) => (item.clone(), key.clone()),
+        Some(_) => return Err(minijinja::Error::new(ErrorKind::InvalidOperation, "separators must be (item, key)")),
+        None if indent.is_some() => (",".into(), ": ".into()),
+        None => (", ".into(), ": ".into()),
+    };
+    let style = JsonStyle { indent, item, key, sort_keys };
+    let mut out = String::new();
+    style.write(&mut out, value, 0)?;
+    if ensure_ascii {
+        out = out.chars().fold(String::new(), |mut s, c| {
+            if c.is_ascii() {
+                s.push(c);
+            } else {
+                let mut units = [0u16; 2];
+                for unit in c.encode_utf16(&mut units) {
+                    s.push_str(&format!("\\u{unit:04x}"));
+                }
+            }
+            s
+        });
+    }
+    Ok(Value::from_safe_string(out))
+}
+
+struct JsonStyle {
+    indent: Option<usize>,
+    item: String,
+    key: String,
+    sort_keys: bool,
+}
+
+impl JsonStyle {
+    fn write(&self, out: &mut String, value: &Value, depth: usize) -> std::result::Result<(), minijinja::Error> {
+        match value.kind() {
+            ValueKind::Undefined | ValueKind::None => out.push_str("null"),
+            ValueKind::Bool => out.push_str(if value.is_true() { "true" } else { "false" }),
+            ValueKind::Number => out.push_str(&value.to_string()),
+            ValueKind::String | ValueKind::Plain => out.push_str(&json_string(&value.to_string())),
+            ValueKind::Map => {
+                let mut keys: Vec<Value> = value.try_iter()?.collect();
+                if self.sort_keys {
+                    keys.sort();
+                }
+                let entries = keys
+                    .into_iter()
+                    .map(|k| Ok((k.clone(), value.get_item(&k)?)))
+                    .collect::<std::result::Result<Vec<_>, minijinja::Error>>()?;
+                self.container(out, ('{', '}'), entries, depth, |out, (k, v)| {
+                    out.push_str(&json_string(&k.to_string()));
+                    out.push_str(&self.key);
+                    self.write(out, &v, depth + 1)
+                })?;
+            }
+            _ => {
+                let items: Vec<Value> = value.try_iter()?.collect();
+                self.container(out, ('[', ']'), items, depth, |out, v| self.write(out, &v, depth + 1))?;
+            }
+        }
+        Ok(())
+    }
+
+    fn container<T>(
+        &self,
+        out: &mut String,
+        (open, close): (char, char),
+        items: Vec<T>,
+        depth: usize,
+        mut each: impl FnMut(&mut String, T) -> std::result::Result<(), minijinja::Error>,
+    ) -> std::result::Result<(), minijinja::Error> {
+        out.push(open);
+        let empty = items.is_empty();
+        for (i, item) in items.into_iter().enumerate() {
+            if i > 0 {
+                out.push_str(&self.item);
+            }
+            if let Some(n) = self.indent {
+                out.push('\n');
+                out.push_str(&" ".repeat(n * (depth + 1)));
+            }
+            each(out, item)?;
+        }
+        if let (Some(n), false) = (self.indent, empty) {
+            out.push('\n');
+            out.push_str(&" ".repeat(n * depth));
+        }
+        out.push(close);
+        Ok(())
+    }
+}
+
+fn json_string(s: &str) -> String {
+    serde_json::Value::from(s).to_string()
+}

@@ -1,0 +1,370 @@
+//! Token generation: sampling settings, the sampler, stop conditions and the streaming token iterator.
+//!
+//! Prefill runs the whole prompt once; every decode step runs one token through the KV cache. Each step
+//! yields the newly completed text (never half a UTF-8 character), holding back text that could still
+//! become a stop string.
+
+use std::time::{Duration, Instant};
+
+use candle_core::{Tensor, D};
+use candle_transformers::generation::{LogitsProcessor, Sampling};
+
+use crate::error::{Error, Result};
+use crate::tokenizer::TokenStream;
+use crate::{Glm5ForCausalLM, KvCache};
+
+/// How to pick each next token and when to stop.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerationParams {
+    /// Most tokens to generate after the prompt.
+    pub max_new_tokens: usize,
+    /// Softmax temperature; `0` means greedy (argmax).
+    pub temperature: f64,
+    /// Keep only the `k` most likely tokens.
+    pub top_k: Option<usize>,
+    /// Keep the smallest set of most likely tokens whose probability reaches `p`.
+    pub top_p: Option<f64>,
+    /// Drop tokens whose probability is below `min_p` times the most likely token's.
+    pub min_p: Option<f64>,
+    /// Divide positive (multiply negative) logits of already seen tokens by this; `1.0` is off.
+    pub repetition_penalty: f32,
+    /// How many of the latest tokens the repetition penalty looks at.
+    pub repeat_last_n: usize,
+    /// Seed of the sampler's random generator: the same seed gives the same tokens.
+    pub seed: u64,
+    /// Extra token ids that end generation (the model's eos ids always do).
+    pub stop_token_ids: Vec<u32>,
+    /// Strings that end generation; the text stops before them.
+    pub stop_strings: Vec<String>,
+}
+
+impl Default for GenerationParams {
+    fn default() -> Self {
+        Self {
+            max_new_tokens: 256,
+            temperature: 0.0,
+            top_k: None,
+            top_p: None,
+            min_p: None,
+            repetition_penalty: 1.0,
+            repeat_last_n: 64,
+            seed: 299_792_458,
+            stop_token_ids: Vec::new(),
+            stop_strings: Vec::new(),
+        }
+    }
+}
+
+impl GenerationParams {
+    /// Checks the values a user can get wrong.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |what: String| Err(Error::InvalidParams(what));
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return bad(format!("temperature must be >= 0, got {}", self.temperature));
+        }
+        if let Some(p) = self.top_p.filter(|p| !(*p > 0.0 && *p <= 1.0)) {
+            return bad(format!("top_p must be in (0, 1], got {p}"));
+        }
+        if let Some(p) = self.min_p.filter(|p| !(0.0..=1.0).contains(p)) {
+            return bad(format!("min_p must be in [0, 1], got {p}"));
+        }
+        if self.top_k == Some(0) {
+            return bad("top_k must be at least 1".into());
+        }
+        if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
+            return bad(format!("repetition_penalty must be > 0, got {}", self.repetition_penalty));
+        }
+        if self.stop_strings.iter().any(String::is_empty) {
+            return bad("stop strings must not be empty".into());
+        }
+        Ok(())
+    }
+}
+
+/// Picks next tokens from logits: repetition penalty, then temperature / top-k / top-p / min-p through
+/// candle-transformers' `LogitsProcessor`.
+pub struct Sampler {
+    processor: LogitsProcessor,
+    min_p: Option<f64>,
+    repetition_penalty: f32,
+    repeat_last_n: usize,
+}
+
+impl Sampler {
+    pub fn new(params: &GenerationParams) -> Self {
+        let temperature = params.temperature;
+        let sampling = match (temperature > 0.0, params.top_k, params.top_p) {
+            (false, _, _) => Sampling::ArgMax,
+            (true, None, None) => Sampling::All { temperature },
+            (true, Some(k), None) => Sampling::TopK { k, temperature },
+            (true, None, Some(p)) => Sampling::TopP { p, temperature },
+            (true, Some(k), Some(p)) => Sampling::TopKThenTopP { k, p, temperature },
+        };
+        Self {
+            processor: LogitsProcessor::from_sampling(params.seed, sampling),
+            min_p: params.min_p.filter(|_| temperature > 0.0),
+            repetition_penalty: params.repetition_penalty,
+            repeat_last_n: params.repeat_last_n,
+        }
+    }
+
+    /// The next token given `logits` `[vocab]` and the tokens so far.
+    pub fn sample(&mut self, logits: &Tensor, history: &[u32]) -> Result<u32> {
+        let logits = if self.repetition_penalty == 1.0 {
+            logits.clone()
+        } else {
+            let recent = &history[history.len().saturating_sub(self.repeat_last_n)..];
+            candle_transformers::utils::apply_repeat_penalty(logits, self.repetition_penalty, recent)?
+        };
+        let min_p = self.min_p;
+        Ok(self.processor.sample_f(&logits, |probs| {
+            if let Some(min_p) = min_p {
+                apply_min_p(probs, min_p);
+            }
+        })?)
+    }
+}
+
+/// Zeroes every probability below `min_p` times the largest one.
+pub fn apply_min_p(probs: &mut [f32], min_p: f64) {
+    let max = probs.iter().copied().fold(0.0f32, f32::max);
+    let threshold = (max as f64 * min_p) as f32;
+    probs.iter_mut().filter(|p| **p < threshold).for_each(|p| *p = 0.0);
+}
+
+/// Why generation ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FinishReason {
+    /// The model produced an end-of-sequence token (its id).
+    EndOfSequence(u32),
+    /// The text reached a stop string (which is not part of the output).
+    StopString(String),
+    /// `max_new_tokens` were generated.
+    MaxTokens,
+    /// The KV cache is full.
+    ContextFull,
+}
+
+/// One decoded step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GeneratedToken {
+    /// The sampled token; `None` for the final flush of text held back until generation ended.
+    pub id: Option<u32>,
+    /// Text completed by this token (may be empty while a character or a possible stop string is pending).
+    pub text: String,
+}
+
+/// Token counts and timings of one generation.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct GenerationStats {
+    pub prompt_tokens: usize,
+    pub prompt_time: Duration,
+    pub generated_tokens: usize,
+    pub generation_time: Duration,
+}
+
+impl GenerationStats {
+    pub fn prompt_tokens_per_second(&self) -> f64 {
+        self.prompt_tokens as f64 / self.prompt_time.as_secs_f64().max(1e-9)
+    }
+
+    pub fn generation_tokens_per_second(&self) -> f64 {
+        self.generated_tokens as f64 / self.generation_time.as_secs_f64().max(1e-9)
+    }
+}
+
+/// A KV cache together with the tokens it holds, so a later prompt that starts with them reuses them.
+pub struct SequenceCache {
+    pub cache: KvCache,
+    pub tokens: Vec<u32>,
+}
+
+impl SequenceCache {
+    /// An empty sequence over `cache` (which is cleared).
+    pub fn new(mut cache: KvCache) -> Self {
+        cache.clear();
+        Self { cache, tokens: Vec::new() }
+    }
+}
+
+/// Streams generated tokens; created by [`crate::Glm5::generate`]. Iterate it, then read
+/// [`Generation::finish_reason`] and [`Generation::stats`].
+pub struct Generation<'a> {
+    model: &'a Glm5ForCausalLM,
+    cache: KvCache,
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    next_logits: Option<Tensor>,
+    sampler: Sampler,
+    stream: TokenStream<'a>,
+    stop_ids: Vec<u32>,
+    stop_strings: Vec<String>,
+    max_new_tokens: usize,
+    /// Decoded text not yet handed out because it may begin a stop string.
+    held_text: String,
+    finish: Option<FinishReason>,
+    stats: GenerationStats,
+}
+
+impl<'a> Generation<'a> {
+    /// Prefills `prompt`, reusing the part of `sequence` that it starts with.
+    pub(crate) fn start(
+        model: &'a Glm5ForCausalLM,
+        sequence: SequenceCache,
+        prompt: Vec<u32>,
+        params: &GenerationParams,
+        stream: TokenStream<'a>,
+        eos_ids: &[u32],
+    ) -> Result<Self> {
+        params.validate()?;
+        if prompt.is_empty() {
+            return Err(Error::EmptyPrompt);
+        }
+        let SequenceCache { mut cache, tokens: cached } = sequence;
+        let limit = cache.capacity();
+        if prompt.len() >= limit {
+            return Err(Error::PromptTooLong { prompt_tokens: prompt.len(), limit });
+        }
+        let started = Instant::now();
+        // Reuse the cached prefix shared with the prompt; at least the last prompt token is recomputed.
+        let shared = cached.iter().zip(&prompt).take_while(|(a, b)| a == b).count();
+        let reuse = shared.min(cache.len()).min(prompt.len() - 1);
+        cache.truncate(reuse);
+        let logits = model.forward(&prompt[reuse..], reuse, &mut cache)?;
+        let last = logits.get(logits.dim(0)? - 1)?;
+        let stats = GenerationStats { prompt_tokens: prompt.len(), prompt_time: started.elapsed(), ..Default::default() };
+        let mut stop_ids = eos_ids.to_vec();
+        stop_ids.extend(&params.stop_token_ids);
+        Ok(Self {
+            model,
+            cache,
+            prompt_len: prompt.len(),
+            tokens: prompt,
+            next_logits: Some(last),
+            sampler: Sampler::new(params),
+            stream,
+            stop_ids,
+            stop_strings: params.stop_strings.clone(),
+            max_new_tokens: params.max_new_tokens,
+            held_text: String::new(),
+            finish: None,
+            stats,
+        })
+    }
+
+    /// Why generation ended (`None` while it is still running).
+    pub fn finish_reason(&self) -> Option<&FinishReason> {
+        self.finish.as_ref()
+    }
+
+    pub fn stats(&self) -> &GenerationStats {
+        &self.stats
+    }
+
+    /// The generated token ids so far.
+    pub fn generated(&self) -> &[u32] {
+        &self.tokens[self.prompt_len..]
+    }
+
+    /// Hands the cache back (holding the prompt and the generated tokens) for a follow-up turn.
+    pub fn into_sequence(self) -> SequenceCache {
+        let cached = self.cache.len();
+        let mut tokens = self.tokens;
+        tokens.truncate(cached);
+        SequenceCache { cache: self.cache, tokens }
+    }
+
+    fn step(&mut self) -> Result<Option<GeneratedToken>> {
+        let Some(logits) = self.next_logits.take() else { return Ok(None) };
+        if self.generated().len() >= self.max_new_tokens {
+            return self.end(FinishReason::MaxTokens);
+        }
+        let started = Instant::now();
+        let id = self.sampler.sample(&logits, &self.tokens)?;
+        if self.stop_ids.contains(&id) {
+            self.stats.generation_time += started.elapsed();
+            return self.end(FinishReason::EndOfSequence(id));
+        }
+        self.tokens.push(id);
+        self.stats.generated_tokens += 1;
+        if let Some(text) = self.stream.push(id)? {
+            self.held_text.push_str(&text);
+        }
+        let text = match self.take_text_before_stop() {
+            Ok(text) => text,
+            Err(stop) => {
+                self.stats.generation_time += started.elapsed();
+                self.finish = Some(FinishReason::StopString(stop.1));
+                return Ok(Some(GeneratedToken { id: Some(id), text: stop.0 }));
+            }
+        };
+        if self.generated().len() < self.max_new_tokens {
+            if self.cache.len() + 1 > self.cache.capacity() {
+                self.finish = Some(FinishReason::ContextFull);
+            } else {
+                let logits = self.model.forward(&[id], self.tokens.len() - 1, &mut self.cache)?;
+                self.next_logits = Some(logits.squeeze(0)?);
+            }
+        } else {
+            self.finish = Some(FinishReason::MaxTokens);
+        }
+        self.stats.generation_time += started.elapsed();
+        let text = if self.finish.is_some() { text + &self.flush()? } else { text };
+        Ok(Some(GeneratedToken { id: Some(id), text }))
+    }
+
+    /// Text safe to hand out: everything except a tail that could still grow into a stop string.
+    /// `Err((text before the stop string, stop string))` when one is complete.
+    fn take_text_before_stop(&mut self) -> std::result::Result<String, (String, String)> {
+        if let Some((at, stop)) = self
+            .stop_strings
+            .iter()
+            .filter_map(|s| self.held_text.find(s.as_str()).map(|at| (at, s.clone())))
+            .min_by_key(|(at, _)| *at)
+        {
+            let before = self.held_text[..at].to_string();
+            self.held_text.clear();
+            return Err((before, stop));
+        }
+        let keep = self
+            .stop_strings
+            .iter()
+            .flat_map(|s| s.char_indices().skip(1).map(|(i, _)| &s[..i]))
+            .filter(|prefix| self.held_text.ends_with(prefix))
+            .map(str::len)
+            .max()
+            .unwrap_or(0);
+        let ready = self.held_text.len() - keep;
+        Ok(self.held_text.drain(..ready).collect())
+    }
+
+    fn flush(&mut self) -> Result<String> {
+        let mut rest = std::mem::take(&mut self.held_text);
+        if let Some(tail) = self.stream.finish()? {
+            rest.push_str(&tail);
+        }
+        Ok(rest)
+    }
+
+    fn end(&mut self, reason: FinishReason) -> Result<Option<GeneratedToken>> {
+        self.finish = Some(reason);
+        let rest = self.flush()?;
+        Ok((!rest.is_empty()).then_some(GeneratedToken { id: None, text: rest }))
+    }
+}
+
+impl Iterator for Generation<'_> {
+    type Item = Result<GeneratedToken>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.finish.is_some() && self.next_logits.is_none() {
+            return None;
+        }
+        self.step().transpose()
+    }
+}
+
+/// The argmax of `logits` `[vocab]` (what greedy sampling must return).
+pub fn argmax(logits: &Tensor) -> Result<u32> {
+    Ok(logits.argmax(D::Minus1)?.to_scalar::<u32>()?)
+}

@@ -1,0 +1,174 @@
+//! The runtime's model handle: GLM-5 weights plus the tokenizer, the chat template and the generation
+//! defaults of one model directory, local or from the Hugging Face Hub.
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use serde::Deserialize;
+
+use crate::chat::{ChatOptions, ChatTemplate, Message};
+use crate::error::{Error, Result};
+use crate::generate::{Generation, GenerationParams, SequenceCache};
+use crate::hub::{resolve_model, HubOptions};
+use crate::tokenizer::{TokenStream, Tokenizer};
+use crate::{embedded, AttentionMode, Glm5ForCausalLM, KvCache};
+
+/// Where and how to load a model.
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    pub device: Device,
+    /// Activation and weight dtype; `None` picks f32 on CPU and bf16 on GPUs.
+    pub dtype: Option<DType>,
+    /// Sparse (DSA, the default) or the explicit dense debugging mode.
+    pub attention: AttentionMode,
+    /// Revision, offline mode, endpoint and cache of Hub downloads.
+    pub hub: HubOptions,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        Self { device: Device::Cpu, dtype: None, attention: AttentionMode::Sparse, hub: HubOptions::from_env() }
+    }
+}
+
+/// `generation_config.json`, the fields glm5 uses.
+#[derive(Deserialize, Default)]
+struct GenerationConfig {
+    eos_token_id: Option<serde_json::Value>,
+    temperature: Option<f64>,
+    top_p: Option<f64>,
+    top_k: Option<usize>,
+}
+
+/// GLM-5 ready to run: weights, tokenizer, chat template and generation defaults.
+pub struct Glm5 {
+    model: Glm5ForCausalLM,
+    tokenizer: Tokenizer,
+    chat_template: Option<ChatTemplate>,
+    eos_token_ids: Vec<u32>,
+    sampling_defaults: GenerationParams,
+    label: String,
+    dir: PathBuf,
+}
+
+impl Glm5 {
+    /// Loads a model from a local directory or a Hub repo id (`zai-org/GLM-5-FP8`), downloading what is
+    /// missing into the Hugging Face cache.
+    pub fn from_pretrained(id_or_dir: &str, options: &LoadOptions) -> Result<Self> {
+        let dir = resolve_model(id_or_dir, &options.hub)?;
+        Self::from_dir(&dir, id_or_dir, options)
+    }
+
+    /// The tiny random-weight GLM-5-architecture model built into glm5 (works offline; its output is noise).
+    pub fn embedded(options: &LoadOptions) -> Result<Self> {
+        let dir = embedded::materialize().map_err(|e| Error::ModelFile {
+            path: std::env::temp_dir(),
+            reason: format!("cannot write the embedded model: {e}"),
+        })?;
+        Self::from_dir(&dir, embedded::NAME, options)
+    }
+
+    fn from_dir(dir: &Path, label: &str, options: &LoadOptions) -> Result<Self> {
+        let dtype = options.dtype.unwrap_or(if options.device.is_cpu() { DType::F32 } else { DType::BF16 });
+        let model = Glm5ForCausalLM::from_dir(dir, dtype, &options.device, options.attention)?;
+        let tokenizer = Tokenizer::from_file(dir.join("tokenizer.json"))?;
+        let chat_template = ChatTemplate::from_model_dir(dir).ok();
+        let generation = read_generation_config(&dir.join("generation_config.json"))?;
+        let mut eos_token_ids = model.config().eos_token_ids.clone();
+        for id in generation.eos_token_id.iter().flat_map(token_ids) {
+            if !eos_token_ids.contains(&id) {
+                eos_token_ids.push(id);
+            }
+        }
+        let sampling_defaults = GenerationParams {
+            temperature: generation.temperature.unwrap_or(0.0),
+            top_p: generation.top_p.filter(|p| *p < 1.0),
+            top_k: generation.top_k.filter(|k| *k > 0),
+            ..GenerationParams::default()
+        };
+        Ok(Self { model, tokenizer, chat_template, eos_token_ids, sampling_defaults, label: label.to_string(), dir: dir.to_path_buf() })
+    }
+
+    /// What was loaded: the repo id or directory given, or the embedded model's name.
+    pub fn label(&self) -> &str {
+        &self.label
+    }
+
+    /// The local directory the files were read from.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The module graph (config, forward, cache).
+    pub fn model(&self) -> &Glm5ForCausalLM {
+        &self.model
+    }
+
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    /// Token ids that end generation (config.json and generation_config.json together).
+    pub fn eos_token_ids(&self) -> &[u32] {
+        &self.eos_token_ids
+    }
+
+    /// Sampling settings from generation_config.json, on top of [`GenerationParams::default`].
+    pub fn sampling_defaults(&self) -> &GenerationParams {
+        &self.sampling_defaults
+    }
+
+    /// An empty KV cache for up to `capacity` tokens.
+    pub fn new_cache(&self, capacity: usize) -> Result<KvCache> {
+        Ok(self.model.new_cache(capacity)?)
+    }
+
+    /// Logits `[len, vocab]` of `input_ids` at `start_pos..`, appended to `cache`.
+    pub fn forward(&self, input_ids: &[u32], start_pos: usize, cache: &mut KvCache) -> Result<Tensor> {
+        Ok(self.model.forward(input_ids, start_pos, cache)?)
+    }
+
+    /// Renders a conversation with the model's own chat template.
+    pub fn apply_chat_template(&self, messages: &[Message], options: &ChatOptions) -> Result<String> {
+        let template = self.chat_template.as_ref().ok_or_else(|| Error::ModelFile {
+            path: self.dir.clone(),
+            reason: "the model ships no chat template (chat_template.jinja or tokenizer_config.json)".into(),
+        })?;
+        Ok(template.render(messages, options)?)
+    }
+
+    /// Streams the continuation of `prompt` (text, used as is: render chats with
+    /// [`Glm5::apply_chat_template`] first).
+    pub fn generate(&self, prompt: &str, params: &GenerationParams) -> Result<Generation<'_>> {
+        let ids = self.tokenizer.encode(prompt)?;
+        let capacity = (ids.len() + params.max_new_tokens).min(self.model.config().max_position_embeddings);
+        if ids.len() >= capacity {
+            return Err(Error::PromptTooLong { prompt_tokens: ids.len(), limit: capacity });
+        }
+        self.generate_ids(ids, params, SequenceCache::new(self.new_cache(capacity)?))
+    }
+
+    /// Streams the continuation of `prompt_ids` in `sequence`, reusing the cached tokens the prompt starts
+    /// with (a chat turn re-sends the whole conversation); get the sequence back with
+    /// [`Generation::into_sequence`].
+    pub fn generate_ids(&self, prompt_ids: Vec<u32>, params: &GenerationParams, sequence: SequenceCache) -> Result<Generation<'_>> {
+        Generation::start(&self.model, sequence, prompt_ids, params, TokenStream::new(&self.tokenizer), &self.eos_token_ids)
+    }
+}
+
+fn token_ids(value: &serde_json::Value) -> Vec<u32> {
+    match value {
+        serde_json::Value::Number(n) => n.as_u64().map(|id| vec![id as u32]).unwrap_or_default(),
+        serde_json::Value::Array(items) => items.iter().flat_map(token_ids).collect(),
+        _ => Vec::new(),
+    }
+}
+
+fn read_generation_config(path: &Path) -> Result<GenerationConfig> {
+    if !path.exists() {
+        return Ok(GenerationConfig::default());
+    }
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| Error::ModelFile { path: path.to_path_buf(), reason: e.to_string() })?;
+    serde_json::from_str(&text).map_err(|e| Error::ModelFile { path: path.to_path_buf(), reason: format!("invalid JSON: {e}") })
+}
