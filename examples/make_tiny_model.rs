@@ -20,13 +20,30 @@ type Error = Box<dyn std::error::Error + Send + Sync>;
 const BPE_VOCAB: usize = 800;
 /// Added control tokens (`special`: hidden by `skip_special_tokens`), in GLM's id order.
 const SPECIAL: [&str; 10] = [
-    "<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>",
-    "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>",
+    "<|endoftext|>",
+    "[MASK]",
+    "[gMASK]",
+    "[sMASK]",
+    "<sop>",
+    "<eop>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|observation|>",
 ];
 /// Added markup tokens that stay visible in decoded text.
 const MARKUP: [&str; 11] = [
-    "<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
-    "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "/nothink",
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    "<arg_key>",
+    "</arg_key>",
+    "<arg_value>",
+    "</arg_value>",
+    "/nothink",
 ];
 
 /// Training text for the merges: plain English, so that common words become single tokens.
@@ -183,8 +200,14 @@ fn config(vocab_size: usize, eos: &[u32]) -> serde_json::Value {
 /// Every tensor the model loads, `(name, shape, kind)`; `kind` 'w' = random 1/sqrt(fan_in), '1' = ones, '0' = zeros.
 fn tensor_specs(c: &glm5::Config) -> Vec<(String, Vec<usize>, char)> {
     let h = c.hidden_size;
-    let mut specs = vec![("model.embed_tokens.weight".to_string(), vec![c.vocab_size, h], 'w')];
-    let linear = |specs: &mut Vec<_>, name: String, out_dim: usize, in_dim: usize| specs.push((name, vec![out_dim, in_dim], 'w'));
+    let mut specs = vec![(
+        "model.embed_tokens.weight".to_string(),
+        vec![c.vocab_size, h],
+        'w',
+    )];
+    let linear = |specs: &mut Vec<_>, name: String, out_dim: usize, in_dim: usize| {
+        specs.push((name, vec![out_dim, in_dim], 'w'))
+    };
     let mlp = |specs: &mut Vec<_>, p: String, inter: usize| {
         linear(specs, format!("{p}.gate_proj.weight"), inter, h);
         linear(specs, format!("{p}.up_proj.weight"), inter, h);
@@ -196,27 +219,97 @@ fn tensor_specs(c: &glm5::Config) -> Vec<(String, Vec<usize>, char)> {
         let heads = c.num_attention_heads;
         specs.push((format!("{p}.input_layernorm.weight"), vec![h], '1'));
         linear(&mut specs, format!("{a}.q_a_proj.weight"), c.q_lora_rank, h);
-        specs.push((format!("{a}.q_a_layernorm.weight"), vec![c.q_lora_rank], '1'));
-        linear(&mut specs, format!("{a}.q_b_proj.weight"), heads * c.qk_head_dim(), c.q_lora_rank);
-        linear(&mut specs, format!("{a}.kv_a_proj_with_mqa.weight"), c.latent_dim(), h);
-        specs.push((format!("{a}.kv_a_layernorm.weight"), vec![c.kv_lora_rank], '1'));
-        linear(&mut specs, format!("{a}.kv_b_proj.weight"), heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank);
-        linear(&mut specs, format!("{a}.o_proj.weight"), h, heads * c.v_head_dim);
-        linear(&mut specs, format!("{a}.indexer.wq_b.weight"), c.index_n_heads * c.index_head_dim, c.q_lora_rank);
-        linear(&mut specs, format!("{a}.indexer.wk.weight"), c.index_head_dim, h);
-        specs.push((format!("{a}.indexer.k_norm.weight"), vec![c.index_head_dim], '1'));
-        specs.push((format!("{a}.indexer.k_norm.bias"), vec![c.index_head_dim], '0'));
-        linear(&mut specs, format!("{a}.indexer.weights_proj.weight"), c.index_n_heads, h);
+        specs.push((
+            format!("{a}.q_a_layernorm.weight"),
+            vec![c.q_lora_rank],
+            '1',
+        ));
+        linear(
+            &mut specs,
+            format!("{a}.q_b_proj.weight"),
+            heads * c.qk_head_dim(),
+            c.q_lora_rank,
+        );
+        linear(
+            &mut specs,
+            format!("{a}.kv_a_proj_with_mqa.weight"),
+            c.latent_dim(),
+            h,
+        );
+        specs.push((
+            format!("{a}.kv_a_layernorm.weight"),
+            vec![c.kv_lora_rank],
+            '1',
+        ));
+        linear(
+            &mut specs,
+            format!("{a}.kv_b_proj.weight"),
+            heads * (c.qk_nope_head_dim + c.v_head_dim),
+            c.kv_lora_rank,
+        );
+        linear(
+            &mut specs,
+            format!("{a}.o_proj.weight"),
+            h,
+            heads * c.v_head_dim,
+        );
+        linear(
+            &mut specs,
+            format!("{a}.indexer.wq_b.weight"),
+            c.index_n_heads * c.index_head_dim,
+            c.q_lora_rank,
+        );
+        linear(
+            &mut specs,
+            format!("{a}.indexer.wk.weight"),
+            c.index_head_dim,
+            h,
+        );
+        specs.push((
+            format!("{a}.indexer.k_norm.weight"),
+            vec![c.index_head_dim],
+            '1',
+        ));
+        specs.push((
+            format!("{a}.indexer.k_norm.bias"),
+            vec![c.index_head_dim],
+            '0',
+        ));
+        linear(
+            &mut specs,
+            format!("{a}.indexer.weights_proj.weight"),
+            c.index_n_heads,
+            h,
+        );
         specs.push((format!("{p}.post_attention_layernorm.weight"), vec![h], '1'));
         match c.mlp_layer_types[l] {
-            glm5::models::MlpKind::Dense => mlp(&mut specs, format!("{p}.mlp"), c.intermediate_size),
+            glm5::models::MlpKind::Dense => {
+                mlp(&mut specs, format!("{p}.mlp"), c.intermediate_size)
+            }
             glm5::models::MlpKind::MoE => {
-                linear(&mut specs, format!("{p}.mlp.gate.weight"), c.n_routed_experts, h);
-                specs.push((format!("{p}.mlp.gate.e_score_correction_bias"), vec![c.n_routed_experts], '0'));
+                linear(
+                    &mut specs,
+                    format!("{p}.mlp.gate.weight"),
+                    c.n_routed_experts,
+                    h,
+                );
+                specs.push((
+                    format!("{p}.mlp.gate.e_score_correction_bias"),
+                    vec![c.n_routed_experts],
+                    '0',
+                ));
                 for e in 0..c.n_routed_experts {
-                    mlp(&mut specs, format!("{p}.mlp.experts.{e}"), c.moe_intermediate_size);
+                    mlp(
+                        &mut specs,
+                        format!("{p}.mlp.experts.{e}"),
+                        c.moe_intermediate_size,
+                    );
                 }
-                mlp(&mut specs, format!("{p}.mlp.shared_experts"), c.moe_intermediate_size * c.n_shared_experts);
+                mlp(
+                    &mut specs,
+                    format!("{p}.mlp.shared_experts"),
+                    c.moe_intermediate_size * c.n_shared_experts,
+                );
             }
         }
     }
@@ -226,18 +319,31 @@ fn tensor_specs(c: &glm5::Config) -> Vec<(String, Vec<usize>, char)> {
 }
 
 fn write_json(path: &Path, value: &serde_json::Value) -> Result<(), Error> {
-    Ok(std::fs::write(path, serde_json::to_string_pretty(value)? + "\n")?)
+    Ok(std::fs::write(
+        path,
+        serde_json::to_string_pretty(value)? + "\n",
+    )?)
 }
 
 fn main() -> Result<(), Error> {
-    let out = std::env::args().nth(1).ok_or("usage: make_tiny_model <output dir>")?;
+    let out = std::env::args()
+        .nth(1)
+        .ok_or("usage: make_tiny_model <output dir>")?;
     let out = Path::new(&out);
     std::fs::create_dir_all(out)?;
 
     let tokenizer = build_tokenizer()?;
     tokenizer.save(out.join("tokenizer.json"), false)?;
-    let id = |t: &str| tokenizer.token_to_id(t).ok_or_else(|| format!("token {t} missing"));
-    let eos = [id("<|endoftext|>")?, id("<|user|>")?, id("<|observation|>")?];
+    let id = |t: &str| {
+        tokenizer
+            .token_to_id(t)
+            .ok_or_else(|| format!("token {t} missing"))
+    };
+    let eos = [
+        id("<|endoftext|>")?,
+        id("<|user|>")?,
+        id("<|observation|>")?,
+    ];
     let vocab_size = tokenizer.get_vocab_size(true).div_ceil(64) * 64;
 
     std::fs::write(out.join("chat_template.jinja"), CHAT_TEMPLATE)?;
@@ -274,13 +380,24 @@ fn main() -> Result<(), Error> {
             '1' => vec![1.0; n],
             _ => vec![0.0; n],
         };
-        tensors.insert(name, Tensor::from_vec(data, shape, &Device::Cpu)?.to_dtype(DType::BF16)?);
+        tensors.insert(
+            name,
+            Tensor::from_vec(data, shape, &Device::Cpu)?.to_dtype(DType::BF16)?,
+        );
     }
     glm5::candle_core::safetensors::save(&tensors, out.join("model.safetensors"))?;
 
     // Check it loads and runs.
-    let model = glm5::Glm5ForCausalLM::from_dir(out, DType::F32, &Device::Cpu, glm5::AttentionMode::Sparse)?;
-    let ids = tokenizer.encode("[gMASK]<sop><|user|>\nHello!<|assistant|><think>", false)?.get_ids().to_vec();
+    let model = glm5::Glm5ForCausalLM::from_dir(
+        out,
+        DType::F32,
+        &Device::Cpu,
+        glm5::AttentionMode::Sparse,
+    )?;
+    let ids = tokenizer
+        .encode("[gMASK]<sop><|user|>\nHello!<|assistant|><think>", false)?
+        .get_ids()
+        .to_vec();
     let logits = model.forward(&ids, 0, &mut model.new_cache(ids.len())?)?;
     println!(
         "wrote {}: vocab {} (tokenizer {}), {} tensors, prompt {} tokens -> logits {:?}",

@@ -59,7 +59,11 @@ pub struct Message {
 impl Message {
     /// A message with any role.
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        Self { role: role.into(), content: content.into(), reasoning_content: None }
+        Self {
+            role: role.into(),
+            content: content.into(),
+            reasoning_content: None,
+        }
     }
 
     /// A system message.
@@ -84,7 +88,10 @@ impl Message {
     }
 
     fn to_value(&self) -> Value {
-        let mut pairs = vec![("role", Value::from(self.role.as_str())), ("content", Value::from(self.content.as_str()))];
+        let mut pairs = vec![
+            ("role", Value::from(self.role.as_str())),
+            ("content", Value::from(self.content.as_str())),
+        ];
         if let Some(reasoning) = &self.reasoning_content {
             pairs.push(("reasoning_content", Value::from(reasoning.as_str())));
         }
@@ -103,7 +110,10 @@ pub struct ChatOptions {
 
 impl Default for ChatOptions {
     fn default() -> Self {
-        Self { add_generation_prompt: true, enable_thinking: true }
+        Self {
+            add_generation_prompt: true,
+            enable_thinking: true,
+        }
     }
 }
 
@@ -123,9 +133,19 @@ impl ChatTemplate {
         let dir = dir.as_ref();
         let config_path = dir.join("tokenizer_config.json");
         let config: Option<serde_json::Value> = match std::fs::read_to_string(&config_path) {
-            Ok(text) => Some(serde_json::from_str(&text).map_err(|source| ChatError::Json { path: config_path, source })?),
+            Ok(text) => Some(
+                serde_json::from_str(&text).map_err(|source| ChatError::Json {
+                    path: config_path,
+                    source,
+                })?,
+            ),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-            Err(source) => return Err(ChatError::Io { path: config_path, source }),
+            Err(source) => {
+                return Err(ChatError::Io {
+                    path: config_path,
+                    source,
+                })
+            }
         };
         let jinja_path = dir.join("chat_template.jinja");
         let source = match std::fs::read_to_string(&jinja_path) {
@@ -133,15 +153,26 @@ impl ChatTemplate {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => config
                 .as_ref()
                 .and_then(|c| template_from_config(c.get("chat_template")?))
-                .ok_or_else(|| ChatError::MissingTemplate { dir: dir.to_path_buf() })?,
-            Err(source) => return Err(ChatError::Io { path: jinja_path, source }),
+                .ok_or_else(|| ChatError::MissingTemplate {
+                    dir: dir.to_path_buf(),
+                })?,
+            Err(source) => {
+                return Err(ChatError::Io {
+                    path: jinja_path,
+                    source,
+                })
+            }
         };
         let token = |key: &str| config.as_ref().and_then(|c| token_string(c.get(key)?));
         Self::new(source, token("bos_token"), token("eos_token"))
     }
 
     /// Compiles template text; `bos_token`/`eos_token` are exposed to it under those names when given.
-    pub fn new(source: impl Into<String>, bos_token: Option<String>, eos_token: Option<String>) -> Result<Self> {
+    pub fn new(
+        source: impl Into<String>,
+        bos_token: Option<String>,
+        eos_token: Option<String>,
+    ) -> Result<Self> {
         let mut env = Environment::new();
         env.set_syntax(
             minijinja::syntax::SyntaxConfig::builder()
@@ -151,20 +182,34 @@ impl ChatTemplate {
                 .map_err(ChatError::Syntax)?,
         );
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function("raise_exception", |message: String| -> std::result::Result<Value, minijinja::Error> {
-            Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
-        });
+        env.add_function(
+            "raise_exception",
+            |message: String| -> std::result::Result<Value, minijinja::Error> {
+                Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
+            },
+        );
         env.add_filter("tojson", tojson);
-        env.add_template_owned(NAME, source.into()).map_err(ChatError::Syntax)?;
-        Ok(Self { env, bos_token, eos_token })
+        env.add_template_owned(NAME, source.into())
+            .map_err(ChatError::Syntax)?;
+        Ok(Self {
+            env,
+            bos_token,
+            eos_token,
+        })
     }
 
     /// Renders `messages` into the prompt text (no tools).
     pub fn render(&self, messages: &[Message], options: &ChatOptions) -> Result<String> {
         let template = self.env.get_template(NAME).map_err(ChatError::Render)?;
         let mut ctx = vec![
-            ("messages", Value::from(messages.iter().map(Message::to_value).collect::<Vec<_>>())),
-            ("add_generation_prompt", Value::from(options.add_generation_prompt)),
+            (
+                "messages",
+                Value::from(messages.iter().map(Message::to_value).collect::<Vec<_>>()),
+            ),
+            (
+                "add_generation_prompt",
+                Value::from(options.add_generation_prompt),
+            ),
             ("enable_thinking", Value::from(options.enable_thinking)),
             ("tools", Value::from(())),
         ];
@@ -174,7 +219,9 @@ impl ChatTemplate {
         if let Some(eos) = &self.eos_token {
             ctx.push(("eos_token", Value::from(eos.as_str())));
         }
-        template.render(Value::from_pairs(ctx)).map_err(ChatError::Render)
+        template
+            .render(Value::from_pairs(ctx))
+            .map_err(ChatError::Render)
     }
 }
 
@@ -184,7 +231,8 @@ fn template_from_config(value: &serde_json::Value) -> Option<String> {
         return Some(text.to_string());
     }
     let list = value.as_array()?;
-    let template_of = |entry: &serde_json::Value| entry.get("template")?.as_str().map(str::to_string);
+    let template_of =
+        |entry: &serde_json::Value| entry.get("template")?.as_str().map(str::to_string);
     list.iter()
         .find(|entry| entry.get("name").and_then(|n| n.as_str()) == Some("default"))
         .and_then(template_of)
@@ -193,7 +241,10 @@ fn template_from_config(value: &serde_json::Value) -> Option<String> {
 
 /// A special token given as a string or as an added-token object `{"content": ...}`.
 fn token_string(value: &serde_json::Value) -> Option<String> {
-    value.as_str().or_else(|| value.get("content")?.as_str()).map(str::to_string)
+    value
+        .as_str()
+        .or_else(|| value.get("content")?.as_str())
+        .map(str::to_string)
 }
 
 /// Python's `json.dumps` as transformers exposes it: `tojson(ensure_ascii=False, indent=None,
@@ -206,11 +257,21 @@ fn tojson(value: &Value, kwargs: Kwargs) -> std::result::Result<Value, minijinja
     kwargs.assert_all_used()?;
     let (item, key) = match separators.as_deref() {
         Some([item, key]) => (item.clone(), key.clone()),
-        Some(_) => return Err(minijinja::Error::new(ErrorKind::InvalidOperation, "separators must be (item, key)")),
+        Some(_) => {
+            return Err(minijinja::Error::new(
+                ErrorKind::InvalidOperation,
+                "separators must be (item, key)",
+            ))
+        }
         None if indent.is_some() => (",".into(), ": ".into()),
         None => (", ".into(), ": ".into()),
     };
-    let style = JsonStyle { indent, item, key, sort_keys };
+    let style = JsonStyle {
+        indent,
+        item,
+        key,
+        sort_keys,
+    };
     let mut out = String::new();
     style.write(&mut out, value, 0)?;
     if ensure_ascii {
@@ -237,7 +298,12 @@ struct JsonStyle {
 }
 
 impl JsonStyle {
-    fn write(&self, out: &mut String, value: &Value, depth: usize) -> std::result::Result<(), minijinja::Error> {
+    fn write(
+        &self,
+        out: &mut String,
+        value: &Value,
+        depth: usize,
+    ) -> std::result::Result<(), minijinja::Error> {
         match value.kind() {
             ValueKind::Undefined | ValueKind::None => out.push_str("null"),
             ValueKind::Bool => out.push_str(if value.is_true() { "true" } else { "false" }),
@@ -260,7 +326,9 @@ impl JsonStyle {
             }
             _ => {
                 let items: Vec<Value> = value.try_iter()?.collect();
-                self.container(out, ('[', ']'), items, depth, |out, v| self.write(out, &v, depth + 1))?;
+                self.container(out, ('[', ']'), items, depth, |out, v| {
+                    self.write(out, &v, depth + 1)
+                })?;
             }
         }
         Ok(())

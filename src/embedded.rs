@@ -14,20 +14,45 @@ pub const NAME: &str = "glm5-tiny (embedded, random weights: output is noise)";
 
 /// The embedded files: `(file name, contents)`.
 pub const FILES: [(&str, &[u8]); 6] = [
-    ("config.json", include_bytes!("../assets/tiny-glm5/config.json")),
-    ("generation_config.json", include_bytes!("../assets/tiny-glm5/generation_config.json")),
-    ("tokenizer.json", include_bytes!("../assets/tiny-glm5/tokenizer.json")),
-    ("tokenizer_config.json", include_bytes!("../assets/tiny-glm5/tokenizer_config.json")),
-    ("chat_template.jinja", include_bytes!("../assets/tiny-glm5/chat_template.jinja")),
-    ("model.safetensors", include_bytes!("../assets/tiny-glm5/model.safetensors")),
+    (
+        "config.json",
+        include_bytes!("../assets/tiny-glm5/config.json"),
+    ),
+    (
+        "generation_config.json",
+        include_bytes!("../assets/tiny-glm5/generation_config.json"),
+    ),
+    (
+        "tokenizer.json",
+        include_bytes!("../assets/tiny-glm5/tokenizer.json"),
+    ),
+    (
+        "tokenizer_config.json",
+        include_bytes!("../assets/tiny-glm5/tokenizer_config.json"),
+    ),
+    (
+        "chat_template.jinja",
+        include_bytes!("../assets/tiny-glm5/chat_template.jinja"),
+    ),
+    (
+        "model.safetensors",
+        include_bytes!("../assets/tiny-glm5/model.safetensors"),
+    ),
 ];
 
 /// FNV-1a 64 over every file name and content: names the cache directory, so a changed model gets a new one.
 fn content_hash() -> u64 {
-    FILES.iter().flat_map(|(name, bytes)| name.as_bytes().iter().chain([0u8].iter()).chain(bytes.iter())).fold(
-        0xcbf2_9ce4_8422_2325u64,
-        |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3),
-    )
+    FILES
+        .iter()
+        .flat_map(|(name, bytes)| {
+            name.as_bytes()
+                .iter()
+                .chain([0u8].iter())
+                .chain(bytes.iter())
+        })
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+        })
 }
 
 /// Candidate parent directories: `$XDG_CACHE_HOME/glm5`, `~/.cache/glm5`, then the OS temp dir.
@@ -52,10 +77,13 @@ pub fn materialize() -> io::Result<PathBuf> {
         let dir = parent.join(&name);
         match write_files(&dir) {
             Ok(()) => return Ok(dir),
-            Err(e) => last_error = Some(io::Error::new(e.kind(), format!("{}: {e}", dir.display()))),
+            Err(e) => {
+                last_error = Some(io::Error::new(e.kind(), format!("{}: {e}", dir.display())))
+            }
         }
     }
-    Err(last_error.unwrap_or_else(|| io::Error::other("no directory to write the embedded model to")))
+    Err(last_error
+        .unwrap_or_else(|| io::Error::other("no directory to write the embedded model to")))
 }
 
 fn write_files(dir: &Path) -> io::Result<()> {

@@ -3,24 +3,44 @@
 /// Errors of the glm5 runtime.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    /// Config, checkpoint or forward-pass error of the model graph.
     #[error(transparent)]
     Model(#[from] glm5_models::ModelError),
+    /// Download or cache error of the Hugging Face Hub layer.
     #[error(transparent)]
     Hub(#[from] crate::hub::HubError),
+    /// tokenizer.json could not be loaded, or text could not be encoded/decoded.
     #[error(transparent)]
     Tokenizer(#[from] crate::tokenizer::TokenizerError),
+    /// The chat template is missing or failed to render.
     #[error(transparent)]
     Chat(#[from] crate::chat::ChatError),
+    /// A sampling or stopping setting is out of range.
     #[error("invalid generation parameter: {0}")]
     InvalidParams(String),
+    /// Generation was asked to continue an empty prompt.
     #[error("the prompt is empty")]
     EmptyPrompt,
+    /// The prompt leaves no room in the context (or the KV cache) for a new token.
     #[error("the prompt has {prompt_tokens} tokens but the context holds {limit} (prompt plus at least one new token)")]
-    PromptTooLong { prompt_tokens: usize, limit: usize },
+    PromptTooLong {
+        /// Tokens in the prompt.
+        prompt_tokens: usize,
+        /// Tokens the context or cache can hold.
+        limit: usize,
+    },
+    /// A model file other than config/weights/tokenizer (e.g. generation_config.json) is unusable.
     #[error("{path}: {reason}")]
-    ModelFile { path: std::path::PathBuf, reason: String },
+    ModelFile {
+        /// The file or directory at fault.
+        path: std::path::PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A tensor operation failed.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
 }
 
+/// The runtime's result type.
 pub type Result<T> = std::result::Result<T, Error>;

@@ -60,7 +60,10 @@ impl GenerationParams {
     pub fn validate(&self) -> Result<()> {
         let bad = |what: String| Err(Error::InvalidParams(what));
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
-            return bad(format!("temperature must be >= 0, got {}", self.temperature));
+            return bad(format!(
+                "temperature must be >= 0, got {}",
+                self.temperature
+            ));
         }
         if let Some(p) = self.top_p.filter(|p| !(*p > 0.0 && *p <= 1.0)) {
             return bad(format!("top_p must be in (0, 1], got {p}"));
@@ -72,7 +75,10 @@ impl GenerationParams {
             return bad("top_k must be at least 1".into());
         }
         if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
-            return bad(format!("repetition_penalty must be > 0, got {}", self.repetition_penalty));
+            return bad(format!(
+                "repetition_penalty must be > 0, got {}",
+                self.repetition_penalty
+            ));
         }
         if self.stop_strings.iter().any(String::is_empty) {
             return bad("stop strings must not be empty".into());
@@ -91,6 +97,7 @@ pub struct Sampler {
 }
 
 impl Sampler {
+    /// A sampler for `params` (its seed starts the random generator).
     pub fn new(params: &GenerationParams) -> Self {
         let temperature = params.temperature;
         let sampling = match (temperature > 0.0, params.top_k, params.top_p) {
@@ -114,7 +121,11 @@ impl Sampler {
             logits.clone()
         } else {
             let recent = &history[history.len().saturating_sub(self.repeat_last_n)..];
-            candle_transformers::utils::apply_repeat_penalty(logits, self.repetition_penalty, recent)?
+            candle_transformers::utils::apply_repeat_penalty(
+                logits,
+                self.repetition_penalty,
+                recent,
+            )?
         };
         let min_p = self.min_p;
         Ok(self.processor.sample_f(&logits, |probs| {
@@ -129,7 +140,10 @@ impl Sampler {
 pub fn apply_min_p(probs: &mut [f32], min_p: f64) {
     let max = probs.iter().copied().fold(0.0f32, f32::max);
     let threshold = (max as f64 * min_p) as f32;
-    probs.iter_mut().filter(|p| **p < threshold).for_each(|p| *p = 0.0);
+    probs
+        .iter_mut()
+        .filter(|p| **p < threshold)
+        .for_each(|p| *p = 0.0);
 }
 
 /// Why generation ended.
@@ -157,17 +171,23 @@ pub struct GeneratedToken {
 /// Token counts and timings of one generation.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct GenerationStats {
+    /// Tokens in the prompt.
     pub prompt_tokens: usize,
+    /// Time of the prefill.
     pub prompt_time: Duration,
+    /// Tokens sampled after the prompt (stop tokens excluded).
     pub generated_tokens: usize,
+    /// Time of sampling and decoding them.
     pub generation_time: Duration,
 }
 
 impl GenerationStats {
+    /// Prefill speed.
     pub fn prompt_tokens_per_second(&self) -> f64 {
         self.prompt_tokens as f64 / self.prompt_time.as_secs_f64().max(1e-9)
     }
 
+    /// Decode speed.
     pub fn generation_tokens_per_second(&self) -> f64 {
         self.generated_tokens as f64 / self.generation_time.as_secs_f64().max(1e-9)
     }
@@ -175,7 +195,9 @@ impl GenerationStats {
 
 /// A KV cache together with the tokens it holds, so a later prompt that starts with them reuses them.
 pub struct SequenceCache {
+    /// The KV cache.
     pub cache: KvCache,
+    /// The tokens whose rows it holds, in order.
     pub tokens: Vec<u32>,
 }
 
@@ -183,7 +205,10 @@ impl SequenceCache {
     /// An empty sequence over `cache` (which is cleared).
     pub fn new(mut cache: KvCache) -> Self {
         cache.clear();
-        Self { cache, tokens: Vec::new() }
+        Self {
+            cache,
+            tokens: Vec::new(),
+        }
     }
 }
 
@@ -220,19 +245,33 @@ impl<'a> Generation<'a> {
         if prompt.is_empty() {
             return Err(Error::EmptyPrompt);
         }
-        let SequenceCache { mut cache, tokens: cached } = sequence;
+        let SequenceCache {
+            mut cache,
+            tokens: cached,
+        } = sequence;
         let limit = cache.capacity();
         if prompt.len() >= limit {
-            return Err(Error::PromptTooLong { prompt_tokens: prompt.len(), limit });
+            return Err(Error::PromptTooLong {
+                prompt_tokens: prompt.len(),
+                limit,
+            });
         }
         let started = Instant::now();
         // Reuse the cached prefix shared with the prompt; at least the last prompt token is recomputed.
-        let shared = cached.iter().zip(&prompt).take_while(|(a, b)| a == b).count();
+        let shared = cached
+            .iter()
+            .zip(&prompt)
+            .take_while(|(a, b)| a == b)
+            .count();
         let reuse = shared.min(cache.len()).min(prompt.len() - 1);
         cache.truncate(reuse);
         let logits = model.forward(&prompt[reuse..], reuse, &mut cache)?;
         let last = logits.get(logits.dim(0)? - 1)?;
-        let stats = GenerationStats { prompt_tokens: prompt.len(), prompt_time: started.elapsed(), ..Default::default() };
+        let stats = GenerationStats {
+            prompt_tokens: prompt.len(),
+            prompt_time: started.elapsed(),
+            ..Default::default()
+        };
         let mut stop_ids = eos_ids.to_vec();
         stop_ids.extend(&params.stop_token_ids);
         Ok(Self {
@@ -257,6 +296,7 @@ impl<'a> Generation<'a> {
         self.finish.as_ref()
     }
 
+    /// Token counts and timings so far.
     pub fn stats(&self) -> &GenerationStats {
         &self.stats
     }
@@ -271,11 +311,16 @@ impl<'a> Generation<'a> {
         let cached = self.cache.len();
         let mut tokens = self.tokens;
         tokens.truncate(cached);
-        SequenceCache { cache: self.cache, tokens }
+        SequenceCache {
+            cache: self.cache,
+            tokens,
+        }
     }
 
     fn step(&mut self) -> Result<Option<GeneratedToken>> {
-        let Some(logits) = self.next_logits.take() else { return Ok(None) };
+        let Some(logits) = self.next_logits.take() else {
+            return Ok(None);
+        };
         if self.generated().len() >= self.max_new_tokens {
             return self.end(FinishReason::MaxTokens);
         }
@@ -295,21 +340,30 @@ impl<'a> Generation<'a> {
             Err(stop) => {
                 self.stats.generation_time += started.elapsed();
                 self.finish = Some(FinishReason::StopString(stop.1));
-                return Ok(Some(GeneratedToken { id: Some(id), text: stop.0 }));
+                return Ok(Some(GeneratedToken {
+                    id: Some(id),
+                    text: stop.0,
+                }));
             }
         };
         if self.generated().len() < self.max_new_tokens {
             if self.cache.len() + 1 > self.cache.capacity() {
                 self.finish = Some(FinishReason::ContextFull);
             } else {
-                let logits = self.model.forward(&[id], self.tokens.len() - 1, &mut self.cache)?;
+                let logits = self
+                    .model
+                    .forward(&[id], self.tokens.len() - 1, &mut self.cache)?;
                 self.next_logits = Some(logits.squeeze(0)?);
             }
         } else {
             self.finish = Some(FinishReason::MaxTokens);
         }
         self.stats.generation_time += started.elapsed();
-        let text = if self.finish.is_some() { text + &self.flush()? } else { text };
+        let text = if self.finish.is_some() {
+            text + &self.flush()?
+        } else {
+            text
+        };
         Ok(Some(GeneratedToken { id: Some(id), text }))
     }
 
@@ -349,7 +403,10 @@ impl<'a> Generation<'a> {
     fn end(&mut self, reason: FinishReason) -> Result<Option<GeneratedToken>> {
         self.finish = Some(reason);
         let rest = self.flush()?;
-        Ok((!rest.is_empty()).then_some(GeneratedToken { id: None, text: rest }))
+        Ok((!rest.is_empty()).then_some(GeneratedToken {
+            id: None,
+            text: rest,
+        }))
     }
 }
 

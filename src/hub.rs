@@ -16,7 +16,7 @@ use std::sync::{Arc, OnceLock};
 use hf_hub::progress::{DownloadEvent, FileStatus, ProgressEvent, ProgressHandler};
 use hf_hub::repository::RepoTypeModel;
 use hf_hub::{HFClient, HFClientSync, HFError, HFRepositorySync};
-use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
+use indicatif::{HumanBytes, MultiProgress, ProgressBar, ProgressStyle};
 
 /// Files glm5 reads besides the weights: `(name, required)`, in download order.
 const MODEL_FILES: [(&str, bool); 5] = [
@@ -80,7 +80,12 @@ impl HubOptions {
     pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Self {
         let get = |name: &str| var(name).filter(|v| !v.trim().is_empty());
         let truthy = |name: &str| {
-            get(name).is_some_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true" | "yes" | "on"))
+            get(name).is_some_and(|v| {
+                matches!(
+                    v.trim().to_ascii_lowercase().as_str(),
+                    "1" | "true" | "yes" | "on"
+                )
+            })
         };
         let cache_dir = get("HF_HUB_CACHE")
             .map(PathBuf::from)
@@ -258,7 +263,9 @@ pub fn resolve_model(id_or_dir: &str, options: &HubOptions) -> Result<PathBuf, H
     let dir = Path::new(id_or_dir);
     if dir.is_dir() {
         if !dir.join("config.json").is_file() {
-            return Err(HubError::NotAModelDir { path: dir.to_path_buf() });
+            return Err(HubError::NotAModelDir {
+                path: dir.to_path_buf(),
+            });
         }
         return Ok(dir.to_path_buf());
     }
@@ -268,17 +275,33 @@ pub fn resolve_model(id_or_dir: &str, options: &HubOptions) -> Result<PathBuf, H
 
 /// Splits and checks a Hub repo id (`owner/name`, letters, digits, `-`, `_`, `.`).
 fn parse_repo_id(id: &str) -> Result<(&str, &str), HubError> {
-    let invalid = |reason: &str| HubError::InvalidRepoId { id: id.to_string(), reason: reason.to_string() };
-    let (owner, name) = id.split_once('/').ok_or_else(|| invalid("expected owner/name"))?;
+    let invalid = |reason: &str| HubError::InvalidRepoId {
+        id: id.to_string(),
+        reason: reason.to_string(),
+    };
+    let (owner, name) = id
+        .split_once('/')
+        .ok_or_else(|| invalid("expected owner/name"))?;
     for part in [owner, name] {
         if part.is_empty() || part.len() > 96 {
             return Err(invalid("each part must have 1 to 96 characters"));
         }
-        if !part.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')) {
-            return Err(invalid("only letters, digits, '-', '_' and '.' are allowed, with one '/'"));
+        if !part
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        {
+            return Err(invalid(
+                "only letters, digits, '-', '_' and '.' are allowed, with one '/'",
+            ));
         }
-        if part.starts_with(['-', '.']) || part.ends_with(['-', '.']) || part.contains("--") || part.contains("..") {
-            return Err(invalid("no leading/trailing '-' or '.', and no '--' or '..'"));
+        if part.starts_with(['-', '.'])
+            || part.ends_with(['-', '.'])
+            || part.contains("--")
+            || part.contains("..")
+        {
+            return Err(invalid(
+                "no leading/trailing '-' or '.', and no '--' or '..'",
+            ));
         }
     }
     Ok((owner, name))
@@ -298,7 +321,11 @@ struct Fetcher<'a> {
 impl<'a> Fetcher<'a> {
     fn new(owner: &str, name: &str, options: &'a HubOptions) -> Result<Self, HubError> {
         let repo_id = format!("{owner}/{name}");
-        let hub_err = |source| HubError::Hub { repo: repo_id.clone(), file: None, source };
+        let hub_err = |source| HubError::Hub {
+            repo: repo_id.clone(),
+            file: None,
+            source,
+        };
         let mut builder = HFClient::builder();
         if let Some(endpoint) = &options.endpoint {
             builder = builder.endpoint(endpoint.as_str());
@@ -320,7 +347,10 @@ impl<'a> Fetcher<'a> {
             repo_id,
             options,
             cache_dir,
-            revision: options.revision.clone().unwrap_or_else(|| DEFAULT_REVISION.to_string()),
+            revision: options
+                .revision
+                .clone()
+                .unwrap_or_else(|| DEFAULT_REVISION.to_string()),
             bars: options.progress.then(MultiProgress::new),
         })
     }
@@ -328,7 +358,9 @@ impl<'a> Fetcher<'a> {
     fn fetch(mut self) -> Result<PathBuf, HubError> {
         let mut snapshot = None;
         for (file, required) in MODEL_FILES {
-            let Some(path) = self.download(file, required)? else { continue };
+            let Some(path) = self.download(file, required)? else {
+                continue;
+            };
             if snapshot.is_none() {
                 // config.json: pin every later file to the commit it resolved to.
                 let dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
@@ -375,9 +407,13 @@ impl<'a> Fetcher<'a> {
         match err {
             // Offline, an optional file that is not cached is skipped too: snapshots made by other tools carry
             // no "does not exist" markers.
-            HFError::EntryNotFound { .. } | HFError::LocalEntryNotFound { .. } if !required => Ok(None),
+            HFError::EntryNotFound { .. } | HFError::LocalEntryNotFound { .. } if !required => {
+                Ok(None)
+            }
             // Hub unreachable and nothing cached: hf-hub already tried the cache; go on without it.
-            HFError::Request { ref source, .. } if !required && (source.is_connect() || source.is_timeout()) => {
+            HFError::Request { ref source, .. }
+                if !required && (source.is_connect() || source.is_timeout()) =>
+            {
                 tracing::warn!(repo = %self.repo_id, file, "Hub unreachable, skipping optional file: {err}");
                 Ok(None)
             }
@@ -392,12 +428,20 @@ impl<'a> Fetcher<'a> {
     fn missing_config(&self) -> HubError {
         let file = MODEL_FILES[0].0;
         match self.repo.exists().send() {
-            Ok(false) => return HubError::RepoNotFound { repo: self.repo_id.clone(), status: Some(404) },
+            Ok(false) => {
+                return HubError::RepoNotFound {
+                    repo: self.repo_id.clone(),
+                    status: Some(404),
+                }
+            }
             Err(err) => return self.classify(err, file),
             Ok(true) => {}
         }
         if let Ok(false) = self.repo.revision_exists().revision(&self.revision).send() {
-            return HubError::RevisionNotFound { repo: self.repo_id.clone(), revision: self.revision.clone() };
+            return HubError::RevisionNotFound {
+                repo: self.repo_id.clone(),
+                revision: self.revision.clone(),
+            };
         }
         HubError::FileNotFound {
             repo: self.repo_id.clone(),
@@ -411,73 +455,123 @@ impl<'a> Fetcher<'a> {
         let repo = self.repo_id.clone();
         let file = file.to_string();
         match err {
-            HFError::RepoNotFound { context, .. } => {
-                HubError::RepoNotFound { repo, status: context.map(|c| c.status.as_u16()) }
-            }
-            HFError::RevisionNotFound { .. } => HubError::RevisionNotFound { repo, revision: self.revision.clone() },
+            HFError::RepoNotFound { context, .. } => HubError::RepoNotFound {
+                repo,
+                status: context.map(|c| c.status.as_u16()),
+            },
+            HFError::RevisionNotFound { .. } => HubError::RevisionNotFound {
+                repo,
+                revision: self.revision.clone(),
+            },
             HFError::EntryNotFound { context, .. } => HubError::FileNotFound {
                 repo,
                 file,
                 revision: self.revision.clone(),
-                status: context.map(|c| c.status.as_u16()).or((!self.options.offline).then_some(404)),
+                status: context
+                    .map(|c| c.status.as_u16())
+                    .or((!self.options.offline).then_some(404)),
             },
             HFError::AuthRequired { context } | HFError::Forbidden { context } => {
                 let status = context.status.as_u16();
                 if context.error_code.as_deref() == Some("RepoNotFound") {
-                    HubError::RepoNotFound { repo, status: Some(status) }
+                    HubError::RepoNotFound {
+                        repo,
+                        status: Some(status),
+                    }
                 } else {
-                    HubError::Gated { repo, file, status, message: context.server_message }
+                    HubError::Gated {
+                        repo,
+                        file,
+                        status,
+                        message: context.server_message,
+                    }
                 }
             }
-            HFError::Http { context } | HFError::RateLimited { context, .. } | HFError::Conflict { context } => {
-                HubError::Http { repo, file, status: context.status.as_u16(), message: context.server_message }
-            }
+            HFError::Http { context }
+            | HFError::RateLimited { context, .. }
+            | HFError::Conflict { context } => HubError::Http {
+                repo,
+                file,
+                status: context.status.as_u16(),
+                message: context.server_message,
+            },
             HFError::LocalEntryNotFound { .. } => HubError::NotCached {
                 repo,
                 file,
                 revision: self.revision.clone(),
                 cache_dir: self.cache_dir.clone(),
             },
-            err @ HFError::Request { .. } => HubError::Network { repo, file, source: err },
-            err => HubError::Hub { repo, file: Some(file), source: err },
+            err @ HFError::Request { .. } => HubError::Network {
+                repo,
+                file,
+                source: err,
+            },
+            err => HubError::Hub {
+                repo,
+                file: Some(file),
+                source: err,
+            },
         }
     }
 
     /// The distinct shard files named by the index's `weight_map`, each a plain relative path.
     fn shard_names(&self, index: &Path) -> Result<BTreeSet<String>, HubError> {
-        let corrupt = |reason: String| self.corrupt(INDEX_FILE, index, reason);
-        let json = read_json(index)?.map_err(|e| corrupt(format!("not valid JSON ({e})")))?;
+        let corrupt = |reason: &str| self.corrupt(INDEX_FILE, index, reason);
+        let json = read_json(index)?.map_err(|e| corrupt(&format!("not valid JSON ({e})")))?;
         let map = json
             .get("weight_map")
             .and_then(|m| m.as_object())
-            .ok_or_else(|| corrupt("no \"weight_map\" object".to_string()))?;
+            .ok_or_else(|| corrupt("no \"weight_map\" object"))?;
         let mut shards = BTreeSet::new();
         for value in map.values() {
-            let shard = value.as_str().ok_or_else(|| corrupt(format!("weight_map value {value} is not a string")))?;
-            let plain = Path::new(shard).components().all(|c| matches!(c, Component::Normal(_)));
+            let shard = value
+                .as_str()
+                .ok_or_else(|| corrupt(&format!("weight_map value {value} is not a string")))?;
+            let plain = Path::new(shard)
+                .components()
+                .all(|c| matches!(c, Component::Normal(_)));
             if shard.is_empty() || !plain {
-                return Err(corrupt(format!("weight_map names an invalid shard path '{shard}'")));
+                return Err(corrupt(&format!(
+                    "weight_map names an invalid shard path '{shard}'"
+                )));
             }
             shards.insert(shard.to_string());
         }
         if shards.is_empty() {
-            return Err(corrupt("empty weight_map".to_string()));
+            return Err(corrupt("empty weight_map"));
         }
         Ok(shards)
     }
 
     /// Checks a file against the size the Hub announced and the format its extension implies.
-    fn validate(&self, file: &str, path: &Path, expected_size: Option<u64>) -> Result<(), HubError> {
-        let io = |source| HubError::Io { path: path.to_path_buf(), source };
+    fn validate(
+        &self,
+        file: &str,
+        path: &Path,
+        expected_size: Option<u64>,
+    ) -> Result<(), HubError> {
+        let io = |source| HubError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
         let size = std::fs::metadata(path).map_err(io)?.len();
         if let Some(expected) = expected_size.filter(|&e| e != size) {
-            return Err(self.corrupt(file, path, format!("{size} bytes, but the Hub announced {expected}")));
+            return Err(self.corrupt(
+                file,
+                path,
+                &format!("{size} bytes, but the Hub announced {expected}"),
+            ));
         }
         let problem = if file.ends_with(".json") {
             match read_json(path)? {
                 Err(e) => Some(format!("not valid JSON ({e})")),
-                Ok(serde_json::Value::Object(map)) if map.len() == 1 && map.contains_key("error") => {
-                    Some(format!("it holds a Hub error response: {}", serde_json::Value::Object(map)))
+                Ok(serde_json::Value::Object(map))
+                    if map.len() == 1 && map.contains_key("error") =>
+                {
+                    Some(format!(
+                        "it holds a Hub error response: {}",
+                        serde_json::Value::Object(map)
+                    ))
                 }
                 Ok(serde_json::Value::Object(_)) => None,
                 Ok(_) => Some("not a JSON object".to_string()),
@@ -485,27 +579,36 @@ impl<'a> Fetcher<'a> {
         } else if file.ends_with(".safetensors") {
             check_safetensors(path, size).map_err(io)?.err()
         } else {
-            std::fs::read_to_string(path).err().map(|e| format!("not UTF-8 text ({e})"))
+            std::fs::read_to_string(path)
+                .err()
+                .map(|e| format!("not UTF-8 text ({e})"))
         };
         match problem {
-            Some(reason) => Err(self.corrupt(file, path, reason)),
+            Some(reason) => Err(self.corrupt(file, path, &reason)),
             None => Ok(()),
         }
     }
 
-    fn corrupt(&self, file: &str, path: &Path, reason: String) -> HubError {
+    fn corrupt(&self, file: &str, path: &Path, reason: &str) -> HubError {
         let blob = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
         HubError::Corrupt {
             repo: self.repo_id.clone(),
             file: file.to_string(),
-            reason: format!("{reason} (cached at {}, blob {})", path.display(), blob.display()),
+            reason: format!(
+                "{reason} (cached at {}, blob {})",
+                path.display(),
+                blob.display()
+            ),
         }
     }
 }
 
 /// Parses a JSON file; the outer error is I/O, the inner one a parse failure.
 fn read_json(path: &Path) -> Result<Result<serde_json::Value, serde_json::Error>, HubError> {
-    let file = File::open(path).map_err(|source| HubError::Io { path: path.to_path_buf(), source })?;
+    let file = File::open(path).map_err(|source| HubError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
     Ok(serde_json::from_reader(BufReader::new(file)))
 }
 
@@ -515,22 +618,31 @@ fn check_safetensors(path: &Path, size: u64) -> std::io::Result<Result<(), Strin
     let mut file = File::open(path)?;
     let mut len = [0u8; 8];
     if size < 8 {
-        return Ok(Err(format!("{size} bytes, too short for a safetensors header")));
+        return Ok(Err(format!(
+            "{size} bytes, too short for a safetensors header"
+        )));
     }
     file.read_exact(&mut len)?;
     let header_len = u64::from_le_bytes(len);
     if header_len > MAX_SAFETENSORS_HEADER || header_len > size - 8 {
-        return Ok(Err(format!("header length {header_len} does not fit a {size}-byte file (not safetensors)")));
+        return Ok(Err(format!(
+            "header length {header_len} does not fit a {size}-byte file (not safetensors)"
+        )));
     }
     let mut header = Vec::new();
     file.take(header_len).read_to_end(&mut header)?;
-    let Ok(serde_json::Value::Object(tensors)) = serde_json::from_slice::<serde_json::Value>(&header) else {
+    let Ok(serde_json::Value::Object(tensors)) =
+        serde_json::from_slice::<serde_json::Value>(&header)
+    else {
         return Ok(Err("safetensors header is not a JSON object".to_string()));
     };
     let mut data_end = 0u64;
     for (name, info) in tensors.iter().filter(|(name, _)| *name != "__metadata__") {
         let offsets = info.get("data_offsets").and_then(|o| o.as_array());
-        let range = match offsets.map(|o| o.iter().map(serde_json::Value::as_u64).collect::<Vec<_>>()).as_deref() {
+        let range = match offsets
+            .map(|o| o.iter().map(serde_json::Value::as_u64).collect::<Vec<_>>())
+            .as_deref()
+        {
             Some([Some(start), Some(end)]) if start <= end => (*start, *end),
             _ => return Ok(Err(format!("tensor '{name}' has invalid data_offsets"))),
         };
@@ -538,7 +650,9 @@ fn check_safetensors(path: &Path, size: u64) -> std::io::Result<Result<(), Strin
     }
     let expected = 8 + header_len + data_end;
     if expected != size {
-        return Ok(Err(format!("header describes {expected} bytes but the file has {size} (truncated or padded)")));
+        return Ok(Err(format!(
+            "header describes {expected} bytes but the file has {size} (truncated or padded)"
+        )));
     }
     Ok(Ok(()))
 }
@@ -554,7 +668,12 @@ struct Tracker {
 
 impl Tracker {
     fn new(file: &str, bars: Option<MultiProgress>) -> Self {
-        Self { file: file.to_string(), expected: AtomicU64::new(0), bars, bar: OnceLock::new() }
+        Self {
+            file: file.to_string(),
+            expected: AtomicU64::new(0),
+            bars,
+            bar: OnceLock::new(),
+        }
     }
 
     fn bar(&self, total: u64) -> Option<&ProgressBar> {
@@ -582,9 +701,14 @@ impl Tracker {
 
 impl ProgressHandler for Tracker {
     fn on_progress(&self, event: &ProgressEvent) {
-        let ProgressEvent::Download(event) = event else { return };
+        let ProgressEvent::Download(event) = event else {
+            return;
+        };
         match event {
-            DownloadEvent::Start { total_files: 1, total_bytes } => self.expected.store(*total_bytes, Ordering::Relaxed),
+            DownloadEvent::Start {
+                total_files: 1,
+                total_bytes,
+            } => self.expected.store(*total_bytes, Ordering::Relaxed),
             DownloadEvent::Progress { files } => {
                 for f in files.iter().filter(|f| f.filename == self.file) {
                     if f.total_bytes > 0 {
@@ -598,9 +722,14 @@ impl ProgressHandler for Tracker {
                             }
                         }
                         FileStatus::Complete => {
-                            if let Some(bar) = self.bar.get() {
-                                bar.set_position(f.bytes_completed);
-                                bar.finish();
+                            // A finished bar leaves one line behind, so hundreds of shards do not pile up bars.
+                            if let (Some(bar), Some(bars)) = (self.bar.get(), &self.bars) {
+                                bar.finish_and_clear();
+                                let _ = bars.println(format!(
+                                    "{} ({})",
+                                    self.file,
+                                    HumanBytes(f.bytes_completed)
+                                ));
                             }
                         }
                     }
@@ -618,8 +747,13 @@ mod tests {
     #[test]
     fn repo_ids() {
         assert!(parse_repo_id("zai-org/GLM-5").is_ok());
-        for bad in ["glm5", "a/b/c", "/abs", "a/", "a/b c", "a/..", "-a/b", "a--b/c"] {
-            assert!(matches!(parse_repo_id(bad), Err(HubError::InvalidRepoId { .. })), "{bad}");
+        for bad in [
+            "glm5", "a/b/c", "/abs", "a/", "a/b c", "a/..", "-a/b", "a--b/c",
+        ] {
+            assert!(
+                matches!(parse_repo_id(bad), Err(HubError::InvalidRepoId { .. })),
+                "{bad}"
+            );
         }
     }
 }

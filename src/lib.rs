@@ -1,3 +1,4 @@
+#![warn(missing_docs)]
 //! glm5: GLM-5 (`GlmMoeDsaForCausalLM`) inference on candle.
 //!
 //! The layers, each knowing only the one below: `glm5-kernels` (CUDA sources) → `glm5-ops` (DSA indexer,
@@ -18,6 +19,8 @@ pub use glm5_ops as ops;
 
 pub use chat::{ChatOptions, Message};
 pub use error::{Error, Result};
-pub use generate::{FinishReason, GeneratedToken, Generation, GenerationParams, GenerationStats, SequenceCache};
+pub use generate::{
+    FinishReason, GeneratedToken, Generation, GenerationParams, GenerationStats, SequenceCache,
+};
 pub use glm5_models::{AttentionMode, Checkpoint, Config, Glm5ForCausalLM, KvCache, ModelError};
 pub use model::{Glm5, LoadOptions};

@@ -7,7 +7,10 @@ use std::process::ExitCode;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use glm5::candle_core::{DType, Device};
 use glm5::hub::HubOptions;
-use glm5::{AttentionMode, ChatOptions, Generation, GenerationParams, Glm5, LoadOptions, Message, SequenceCache};
+use glm5::{
+    AttentionMode, ChatOptions, Generation, GenerationParams, Glm5, LoadOptions, Message,
+    SequenceCache,
+};
 
 #[derive(Parser)]
 #[command(name = "glm5", version, about = "Run GLM-5 (glm_moe_dsa) with candle")]
@@ -172,10 +175,21 @@ fn generate(args: GenerateArgs) -> Result<(), Box<dyn std::error::Error>> {
         Some(id) => Glm5::from_pretrained(id, &options)?,
         None => Glm5::embedded(&options)?,
     };
-    eprintln!("[model: {}{}]", model.label(), if args.attention == AttentionArg::Dense { ", DENSE attention (debug mode)" } else { "" });
+    eprintln!(
+        "[model: {}{}]",
+        model.label(),
+        if args.attention == AttentionArg::Dense {
+            ", DENSE attention (debug mode)"
+        } else {
+            ""
+        }
+    );
     let params = generation_params(&args, model.sampling_defaults());
-    let chat_options = ChatOptions { add_generation_prompt: true, enable_thinking: !args.no_think };
-    let mut messages: Vec<Message> = args.system.iter().map(|s| Message::system(s)).collect();
+    let chat_options = ChatOptions {
+        add_generation_prompt: true,
+        enable_thinking: !args.no_think,
+    };
+    let mut messages: Vec<Message> = args.system.iter().map(Message::system).collect();
 
     if let Some(prompt) = &args.prompt {
         let text = if args.raw {
@@ -188,7 +202,10 @@ fn generate(args: GenerateArgs) -> Result<(), Box<dyn std::error::Error>> {
         return Ok(());
     }
 
-    let context = args.max_context.unwrap_or(8192).min(model.model().config().max_position_embeddings);
+    let context = args
+        .max_context
+        .unwrap_or(8192)
+        .min(model.model().config().max_position_embeddings);
     let mut sequence = SequenceCache::new(model.new_cache(context)?);
     let stdin = std::io::stdin();
     loop {
@@ -198,7 +215,9 @@ fn generate(args: GenerateArgs) -> Result<(), Box<dyn std::error::Error>> {
             return Ok(());
         }
         messages.push(Message::user(line.trim_end()));
-        let prompt = model.tokenizer().encode(&model.apply_chat_template(&messages, &chat_options)?)?;
+        let prompt = model
+            .tokenizer()
+            .encode(&model.apply_chat_template(&messages, &chat_options)?)?;
         let mut generation = model.generate_ids(prompt, &params, sequence)?;
         let reply = stream(&mut generation)?;
         sequence = generation.into_sequence();
@@ -215,13 +234,23 @@ fn main() -> ExitCode {
         }
         Err(e) => {
             let message = e.to_string();
-            eprintln!("{}", message.lines().next().unwrap_or("error: invalid arguments"));
+            eprintln!(
+                "{}",
+                message.lines().next().unwrap_or("error: invalid arguments")
+            );
             return ExitCode::from(2);
         }
     };
     if cli.verbose > 0 {
-        let level = if cli.verbose > 1 { "glm5=trace" } else { "glm5=debug" };
-        tracing_subscriber::fmt().with_writer(std::io::stderr).with_env_filter(level).init();
+        let level = if cli.verbose > 1 {
+            "glm5=trace"
+        } else {
+            "glm5=debug"
+        };
+        tracing_subscriber::fmt()
+            .with_writer(std::io::stderr)
+            .with_env_filter(level)
+            .init();
     }
     let result = match cli.command {
         Command::Generate(args) => generate(args),

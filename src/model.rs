@@ -16,6 +16,7 @@ use crate::{embedded, AttentionMode, Glm5ForCausalLM, KvCache};
 /// Where and how to load a model.
 #[derive(Debug, Clone)]
 pub struct LoadOptions {
+    /// Where weights and the KV cache live.
     pub device: Device,
     /// Activation and weight dtype; `None` picks f32 on CPU and bf16 on GPUs.
     pub dtype: Option<DType>,
@@ -27,7 +28,12 @@ pub struct LoadOptions {
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        Self { device: Device::Cpu, dtype: None, attention: AttentionMode::Sparse, hub: HubOptions::from_env() }
+        Self {
+            device: Device::Cpu,
+            dtype: None,
+            attention: AttentionMode::Sparse,
+            hub: HubOptions::from_env(),
+        }
     }
 }
 
@@ -69,7 +75,11 @@ impl Glm5 {
     }
 
     fn from_dir(dir: &Path, label: &str, options: &LoadOptions) -> Result<Self> {
-        let dtype = options.dtype.unwrap_or(if options.device.is_cpu() { DType::F32 } else { DType::BF16 });
+        let dtype = options.dtype.unwrap_or(if options.device.is_cpu() {
+            DType::F32
+        } else {
+            DType::BF16
+        });
         let model = Glm5ForCausalLM::from_dir(dir, dtype, &options.device, options.attention)?;
         let tokenizer = Tokenizer::from_file(dir.join("tokenizer.json"))?;
         let chat_template = ChatTemplate::from_model_dir(dir).ok();
@@ -86,7 +96,15 @@ impl Glm5 {
             top_k: generation.top_k.filter(|k| *k > 0),
             ..GenerationParams::default()
         };
-        Ok(Self { model, tokenizer, chat_template, eos_token_ids, sampling_defaults, label: label.to_string(), dir: dir.to_path_buf() })
+        Ok(Self {
+            model,
+            tokenizer,
+            chat_template,
+            eos_token_ids,
+            sampling_defaults,
+            label: label.to_string(),
+            dir: dir.to_path_buf(),
+        })
     }
 
     /// What was loaded: the repo id or directory given, or the embedded model's name.
@@ -104,6 +122,7 @@ impl Glm5 {
         &self.model
     }
 
+    /// The model's tokenizer.
     pub fn tokenizer(&self) -> &Tokenizer {
         &self.tokenizer
     }
@@ -124,12 +143,21 @@ impl Glm5 {
     }
 
     /// Logits `[len, vocab]` of `input_ids` at `start_pos..`, appended to `cache`.
-    pub fn forward(&self, input_ids: &[u32], start_pos: usize, cache: &mut KvCache) -> Result<Tensor> {
+    pub fn forward(
+        &self,
+        input_ids: &[u32],
+        start_pos: usize,
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
         Ok(self.model.forward(input_ids, start_pos, cache)?)
     }
 
     /// Renders a conversation with the model's own chat template.
-    pub fn apply_chat_template(&self, messages: &[Message], options: &ChatOptions) -> Result<String> {
+    pub fn apply_chat_template(
+        &self,
+        messages: &[Message],
+        options: &ChatOptions,
+    ) -> Result<String> {
         let template = self.chat_template.as_ref().ok_or_else(|| Error::ModelFile {
             path: self.dir.clone(),
             reason: "the model ships no chat template (chat_template.jinja or tokenizer_config.json)".into(),
@@ -141,9 +169,13 @@ impl Glm5 {
     /// [`Glm5::apply_chat_template`] first).
     pub fn generate(&self, prompt: &str, params: &GenerationParams) -> Result<Generation<'_>> {
         let ids = self.tokenizer.encode(prompt)?;
-        let capacity = (ids.len() + params.max_new_tokens).min(self.model.config().max_position_embeddings);
+        let capacity =
+            (ids.len() + params.max_new_tokens).min(self.model.config().max_position_embeddings);
         if ids.len() >= capacity {
-            return Err(Error::PromptTooLong { prompt_tokens: ids.len(), limit: capacity });
+            return Err(Error::PromptTooLong {
+                prompt_tokens: ids.len(),
+                limit: capacity,
+            });
         }
         self.generate_ids(ids, params, SequenceCache::new(self.new_cache(capacity)?))
     }
@@ -151,8 +183,20 @@ impl Glm5 {
     /// Streams the continuation of `prompt_ids` in `sequence`, reusing the cached tokens the prompt starts
     /// with (a chat turn re-sends the whole conversation); get the sequence back with
     /// [`Generation::into_sequence`].
-    pub fn generate_ids(&self, prompt_ids: Vec<u32>, params: &GenerationParams, sequence: SequenceCache) -> Result<Generation<'_>> {
-        Generation::start(&self.model, sequence, prompt_ids, params, TokenStream::new(&self.tokenizer), &self.eos_token_ids)
+    pub fn generate_ids(
+        &self,
+        prompt_ids: Vec<u32>,
+        params: &GenerationParams,
+        sequence: SequenceCache,
+    ) -> Result<Generation<'_>> {
+        Generation::start(
+            &self.model,
+            sequence,
+            prompt_ids,
+            params,
+            TokenStream::new(&self.tokenizer),
+            &self.eos_token_ids,
+        )
     }
 }
 
@@ -168,7 +212,12 @@ fn read_generation_config(path: &Path) -> Result<GenerationConfig> {
     if !path.exists() {
         return Ok(GenerationConfig::default());
     }
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| Error::ModelFile { path: path.to_path_buf(), reason: e.to_string() })?;
-    serde_json::from_str(&text).map_err(|e| Error::ModelFile { path: path.to_path_buf(), reason: format!("invalid JSON: {e}") })
+    let text = std::fs::read_to_string(path).map_err(|e| Error::ModelFile {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })?;
+    serde_json::from_str(&text).map_err(|e| Error::ModelFile {
+        path: path.to_path_buf(),
+        reason: format!("invalid JSON: {e}"),
+    })
 }

@@ -38,8 +38,10 @@ impl Tokenizer {
     /// Loads a `tokenizer.json`.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let inner = tokenizers::Tokenizer::from_file(path)
-            .map_err(|e| TokenizerError::Load { path: path.to_path_buf(), reason: e.to_string() })?;
+        let inner = tokenizers::Tokenizer::from_file(path).map_err(|e| TokenizerError::Load {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })?;
         Ok(Self { inner })
     }
 
@@ -56,7 +58,10 @@ impl Tokenizer {
     /// Token ids of `text`. Adds no BOS/EOS, but special tokens written in `text` (e.g. `<|user|>`) map to
     /// their single ids.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let encoding = self.inner.encode(text, false).map_err(|e| TokenizerError::Encode(e.to_string()))?;
+        let encoding = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| TokenizerError::Encode(e.to_string()))?;
         Ok(encoding.get_ids().to_vec())
     }
 
@@ -67,7 +72,9 @@ impl Tokenizer {
 
     /// Text of `ids`, leaving out tokens marked special when `skip_special_tokens` is set.
     pub fn decode_with(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
-        self.inner.decode(ids, skip_special_tokens).map_err(|e| TokenizerError::Decode(e.to_string()))
+        self.inner
+            .decode(ids, skip_special_tokens)
+            .map_err(|e| TokenizerError::Decode(e.to_string()))
     }
 
     /// Id of a token string (a vocabulary entry or an added token such as `<|endoftext|>`).
@@ -97,7 +104,13 @@ pub struct TokenStream<'a> {
 impl<'a> TokenStream<'a> {
     /// A stream that keeps special tokens in its output.
     pub fn new(tokenizer: &'a Tokenizer) -> Self {
-        Self { tokenizer, tokens: Vec::new(), prefix_offset: 0, read_offset: 0, skip_special_tokens: false }
+        Self {
+            tokenizer,
+            tokens: Vec::new(),
+            prefix_offset: 0,
+            read_offset: 0,
+            skip_special_tokens: false,
+        }
     }
 
     /// Sets whether tokens marked special are left out of the output.
@@ -119,7 +132,9 @@ impl<'a> TokenStream<'a> {
         if text.len() <= prefix.len() || text.ends_with('\u{FFFD}') {
             return Ok(None);
         }
-        let Some(new) = text.get(prefix.len()..) else { return Ok(None) };
+        let Some(new) = text.get(prefix.len()..) else {
+            return Ok(None);
+        };
         let new = new.to_string();
         self.prefix_offset = self.read_offset;
         self.read_offset = self.tokens.len();
@@ -132,10 +147,14 @@ impl<'a> TokenStream<'a> {
         let text = self.decode(self.prefix_offset..self.tokens.len())?;
         self.prefix_offset = self.tokens.len();
         self.read_offset = self.tokens.len();
-        Ok(text.get(prefix.len()..).filter(|rest| !rest.is_empty()).map(str::to_string))
+        Ok(text
+            .get(prefix.len()..)
+            .filter(|rest| !rest.is_empty())
+            .map(str::to_string))
     }
 
     fn decode(&self, range: std::ops::Range<usize>) -> Result<String> {
-        self.tokenizer.decode_with(&self.tokens[range], self.skip_special_tokens)
+        self.tokenizer
+            .decode_with(&self.tokens[range], self.skip_special_tokens)
     }
 }

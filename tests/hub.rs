@@ -12,8 +12,11 @@ use hub_server::{dead_endpoint, Fault, HubServer, RepoFixture, ServerConfig};
 
 const REPO: &str = "glm5-test/tiny-dense";
 const COMMIT: &str = "0123456789abcdef0123456789abcdef01234567";
-const SHARDS: [&str; 3] =
-    ["model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors"];
+const SHARDS: [&str; 3] = [
+    "model-00001-of-00003.safetensors",
+    "model-00002-of-00003.safetensors",
+    "model-00003-of-00003.safetensors",
+];
 const TOKENIZER: &str = r#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],
 "normalizer":null,"pre_tokenizer":{"type":"Whitespace"},"post_processor":null,"decoder":null,
 "model":{"type":"WordLevel","vocab":{"<unk>":0,"hello":1,"world":2,"!":3},"unk_token":"<unk>"}}"#;
@@ -26,18 +29,38 @@ fn fixture_dir() -> PathBuf {
 /// that glm5 must not download.
 fn repo() -> RepoFixture {
     let mut files = BTreeMap::new();
-    for name in ["config.json", "model.safetensors.index.json"].into_iter().chain(SHARDS) {
-        files.insert(name.to_string(), std::fs::read(fixture_dir().join(name)).expect("fixture file"));
+    for name in ["config.json", "model.safetensors.index.json"]
+        .into_iter()
+        .chain(SHARDS)
+    {
+        files.insert(
+            name.to_string(),
+            std::fs::read(fixture_dir().join(name)).expect("fixture file"),
+        );
     }
     files.insert("tokenizer.json".into(), TOKENIZER.as_bytes().to_vec());
-    files.insert("generation_config.json".into(), br#"{"eos_token_id":[2,3],"temperature":0.6}"#.to_vec());
-    files.insert("chat_template.jinja".into(), b"{% for m in messages %}{{ m.content }}{% endfor %}".to_vec());
+    files.insert(
+        "generation_config.json".into(),
+        br#"{"eos_token_id":[2,3],"temperature":0.6}"#.to_vec(),
+    );
+    files.insert(
+        "chat_template.jinja".into(),
+        b"{% for m in messages %}{{ m.content }}{% endfor %}".to_vec(),
+    );
     files.insert("README.md".into(), b"# tiny\n".to_vec());
-    RepoFixture { id: REPO.into(), commit: COMMIT.into(), files }
+    RepoFixture {
+        id: REPO.into(),
+        commit: COMMIT.into(),
+        files,
+    }
 }
 
 fn serve(repo: RepoFixture, faults: Vec<Fault>) -> HubServer {
-    HubServer::start(ServerConfig { repos: vec![repo], faults, ..Default::default() })
+    HubServer::start(ServerConfig {
+        repos: vec![repo],
+        faults,
+        ..Default::default()
+    })
 }
 
 fn options(endpoint: &str, cache: &Path) -> HubOptions {
@@ -50,13 +73,21 @@ fn options(endpoint: &str, cache: &Path) -> HubOptions {
     }
 }
 
-const DOWNLOADED: [&str; 5] =
-    ["config.json", "generation_config.json", "tokenizer.json", "chat_template.jinja", "model.safetensors.index.json"];
+const DOWNLOADED: [&str; 5] = [
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "chat_template.jinja",
+    "model.safetensors.index.json",
+];
 
 fn assert_model_files(dir: &Path, repo: &RepoFixture) {
     for name in DOWNLOADED.into_iter().chain(SHARDS) {
         let bytes = std::fs::read(dir.join(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
-        assert!(bytes == repo.files[name], "{name} differs from the served bytes");
+        assert!(
+            bytes == repo.files[name],
+            "{name} differs from the served bytes"
+        );
     }
 }
 
@@ -65,12 +96,20 @@ fn download_lays_out_the_hf_cache() {
     let repo = repo();
     let server = serve(repo.clone(), vec![]);
     let cache = tempfile::tempdir().unwrap();
-    let opts = HubOptions { progress: true, ..options(&server.url, cache.path()) };
+    let opts = HubOptions {
+        progress: true,
+        ..options(&server.url, cache.path())
+    };
 
     let dir = resolve_model(REPO, &opts).unwrap();
     let root = cache.path().join("models--glm5-test--tiny-dense");
     assert_eq!(dir, root.join("snapshots").join(COMMIT));
-    assert_eq!(std::fs::read_to_string(root.join("refs/main")).unwrap().trim(), COMMIT);
+    assert_eq!(
+        std::fs::read_to_string(root.join("refs/main"))
+            .unwrap()
+            .trim(),
+        COMMIT
+    );
     assert_model_files(&dir, &repo);
     for name in DOWNLOADED.into_iter().chain(SHARDS) {
         let link = std::fs::read_link(dir.join(name)).unwrap();
@@ -81,19 +120,31 @@ fn download_lays_out_the_hf_cache() {
     // Only what glm5 needs; the absent optional file is remembered as absent.
     assert!(!dir.join("README.md").exists());
     assert!(!dir.join("tokenizer_config.json").exists());
-    assert!(root.join(".no_exist").join(COMMIT).join("tokenizer_config.json").exists());
+    assert!(root
+        .join(".no_exist")
+        .join(COMMIT)
+        .join("tokenizer_config.json")
+        .exists());
     let blobs = std::fs::read_dir(root.join("blobs")).unwrap().count();
     assert_eq!(blobs, DOWNLOADED.len() + SHARDS.len());
 
     // Files after config.json are fetched at the commit config.json resolved to.
     let requests = server.requests();
-    assert!(requests.iter().any(|r| r.path.ends_with("/resolve/main/config.json")));
-    assert!(requests.iter().any(|r| r.path.ends_with(&format!("/resolve/{COMMIT}/tokenizer.json"))));
+    assert!(requests
+        .iter()
+        .any(|r| r.path.ends_with("/resolve/main/config.json")));
+    assert!(requests.iter().any(|r| r
+        .path
+        .ends_with(&format!("/resolve/{COMMIT}/tokenizer.json"))));
 
     // A second online run downloads nothing: pinned-commit files come straight from the snapshot.
     let before = requests.iter().filter(|r| r.method == "GET").count();
     assert_eq!(resolve_model(REPO, &opts).unwrap(), dir);
-    let after = server.requests().iter().filter(|r| r.method == "GET").count();
+    let after = server
+        .requests()
+        .iter()
+        .filter(|r| r.method == "GET")
+        .count();
     assert_eq!(before, after);
 }
 
@@ -119,7 +170,10 @@ fn offline_reuses_the_cache_without_a_server() {
         resolve_model(REPO, &options(&server.url, cache.path())).unwrap()
     }; // server stopped here
 
-    let offline = HubOptions { offline: true, ..options(&dead_endpoint(), cache.path()) };
+    let offline = HubOptions {
+        offline: true,
+        ..options(&dead_endpoint(), cache.path())
+    };
     let dir = resolve_model(REPO, &offline).unwrap();
     assert_eq!(dir, online);
     assert_model_files(&dir, &repo);
@@ -132,17 +186,28 @@ fn offline_reuses_the_cache_without_a_server() {
 #[test]
 fn offline_with_an_empty_cache_is_not_cached() {
     let cache = tempfile::tempdir().unwrap();
-    let opts = HubOptions { offline: true, ..options(&dead_endpoint(), cache.path()) };
+    let opts = HubOptions {
+        offline: true,
+        ..options(&dead_endpoint(), cache.path())
+    };
     let err = resolve_model(REPO, &opts).unwrap_err();
     match &err {
-        HubError::NotCached { repo, file, cache_dir, .. } => {
+        HubError::NotCached {
+            repo,
+            file,
+            cache_dir,
+            ..
+        } => {
             assert_eq!((repo.as_str(), file.as_str()), (REPO, "config.json"));
             assert_eq!(cache_dir, cache.path());
         }
         other => panic!("expected NotCached, got {other:?}"),
     }
     let msg = err.to_string();
-    assert!(msg.contains("not in the local cache") && msg.contains("offline"), "{msg}");
+    assert!(
+        msg.contains("not in the local cache") && msg.contains("offline"),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -154,7 +219,11 @@ fn unknown_repo_is_repo_not_found() {
             ..Default::default()
         });
         let cache = tempfile::tempdir().unwrap();
-        let err = resolve_model("glm5-test/no-such-model", &options(&server.url, cache.path())).unwrap_err();
+        let err = resolve_model(
+            "glm5-test/no-such-model",
+            &options(&server.url, cache.path()),
+        )
+        .unwrap_err();
         match &err {
             HubError::RepoNotFound { repo, status: got } => {
                 assert_eq!(repo, "glm5-test/no-such-model");
@@ -170,9 +239,14 @@ fn unknown_repo_is_repo_not_found() {
 fn unknown_revision_is_revision_not_found() {
     let server = serve(repo(), vec![]);
     let cache = tempfile::tempdir().unwrap();
-    let opts = HubOptions { revision: Some("v9".into()), ..options(&server.url, cache.path()) };
+    let opts = HubOptions {
+        revision: Some("v9".into()),
+        ..options(&server.url, cache.path())
+    };
     match resolve_model(REPO, &opts).unwrap_err() {
-        HubError::RevisionNotFound { repo, revision } => assert_eq!((repo.as_str(), revision.as_str()), (REPO, "v9")),
+        HubError::RevisionNotFound { repo, revision } => {
+            assert_eq!((repo.as_str(), revision.as_str()), (REPO, "v9"))
+        }
         other => panic!("expected RevisionNotFound, got {other:?}"),
     }
 }
@@ -185,23 +259,42 @@ fn missing_required_file_is_file_not_found() {
     let cache = tempfile::tempdir().unwrap();
     let err = resolve_model(REPO, &options(&server.url, cache.path())).unwrap_err();
     match &err {
-        HubError::FileNotFound { repo, file, status, .. } => {
-            assert_eq!((repo.as_str(), file.as_str(), *status), (REPO, "tokenizer.json", Some(404)));
+        HubError::FileNotFound {
+            repo, file, status, ..
+        } => {
+            assert_eq!(
+                (repo.as_str(), file.as_str(), *status),
+                (REPO, "tokenizer.json", Some(404))
+            );
         }
         other => panic!("expected FileNotFound, got {other:?}"),
     }
     let msg = err.to_string();
-    assert!(msg.contains("tokenizer.json") && msg.contains(REPO) && msg.contains("404"), "{msg}");
+    assert!(
+        msg.contains("tokenizer.json") && msg.contains(REPO) && msg.contains("404"),
+        "{msg}"
+    );
 }
 
 #[test]
 fn gated_repo_is_gated() {
-    let server =
-        HubServer::start(ServerConfig { repos: vec![repo()], gated: vec![REPO.into()], ..Default::default() });
+    let server = HubServer::start(ServerConfig {
+        repos: vec![repo()],
+        gated: vec![REPO.into()],
+        ..Default::default()
+    });
     let cache = tempfile::tempdir().unwrap();
     match resolve_model(REPO, &options(&server.url, cache.path())).unwrap_err() {
-        HubError::Gated { repo, file, status, message } => {
-            assert_eq!((repo.as_str(), file.as_str(), status), (REPO, "config.json", 403));
+        HubError::Gated {
+            repo,
+            file,
+            status,
+            message,
+        } => {
+            assert_eq!(
+                (repo.as_str(), file.as_str(), status),
+                (REPO, "config.json", 403)
+            );
             assert!(message.unwrap_or_default().contains("restricted"));
         }
         other => panic!("expected Gated, got {other:?}"),
@@ -213,13 +306,21 @@ fn interrupted_download_restarts_from_scratch() {
     let repo = repo();
     let shard = SHARDS[1];
     let after = 100_000;
-    let server = serve(repo.clone(), vec![Fault::TruncateOnce { file: shard.into(), after }]);
+    let server = serve(
+        repo.clone(),
+        vec![Fault::TruncateOnce {
+            file: shard.into(),
+            after,
+        }],
+    );
     let cache = tempfile::tempdir().unwrap();
     let opts = options(&server.url, cache.path());
 
     let err = resolve_model(REPO, &opts).unwrap_err();
     match &err {
-        HubError::Network { repo, file, .. } => assert_eq!((repo.as_str(), file.as_str()), (REPO, shard)),
+        HubError::Network { repo, file, .. } => {
+            assert_eq!((repo.as_str(), file.as_str()), (REPO, shard))
+        }
         other => panic!("expected Network, got {other:?}"),
     }
     // hf-hub leaves the partial body in `<blob>.incomplete` ...
@@ -231,9 +332,16 @@ fn interrupted_download_restarts_from_scratch() {
     let dir = resolve_model(REPO, &opts).unwrap();
     assert_model_files(&dir, &repo);
     assert!(!incomplete.exists());
-    let gets: Vec<_> = server.requests().into_iter().filter(|r| r.method == "GET" && r.path.ends_with(shard)).collect();
+    let gets: Vec<_> = server
+        .requests()
+        .into_iter()
+        .filter(|r| r.method == "GET" && r.path.ends_with(shard))
+        .collect();
     assert_eq!(gets.len(), 2);
-    assert!(gets.iter().all(|r| r.header("Range").is_none()), "hf-hub 1.0 sent a Range request: {gets:?}");
+    assert!(
+        gets.iter().all(|r| r.header("Range").is_none()),
+        "hf-hub 1.0 sent a Range request: {gets:?}"
+    );
 }
 
 #[test]
@@ -241,10 +349,20 @@ fn error_page_stored_as_file_is_corrupt() {
     let repo = repo();
     let cache = tempfile::tempdir().unwrap();
     for file in ["tokenizer.json", SHARDS[2]] {
-        let server = serve(repo.clone(), vec![Fault::ErrorBody { file: file.into(), status: 500 }]);
+        let server = serve(
+            repo.clone(),
+            vec![Fault::ErrorBody {
+                file: file.into(),
+                status: 500,
+            }],
+        );
         let err = resolve_model(REPO, &options(&server.url, cache.path())).unwrap_err();
         match &err {
-            HubError::Corrupt { repo, file: got, reason } => {
+            HubError::Corrupt {
+                repo,
+                file: got,
+                reason,
+            } => {
                 assert_eq!((repo.as_str(), got.as_str()), (REPO, file));
                 assert!(reason.contains("announced"), "{reason}");
             }
@@ -253,11 +371,21 @@ fn error_page_stored_as_file_is_corrupt() {
         assert!(err.to_string().contains("re-download"));
 
         // The bad blob stays in the cache: offline use reports it too (format checks, no HEAD size).
-        let offline = HubOptions { offline: true, ..options(&dead_endpoint(), cache.path()) };
-        assert!(matches!(resolve_model(REPO, &offline), Err(HubError::Corrupt { .. })));
+        let offline = HubOptions {
+            offline: true,
+            ..options(&dead_endpoint(), cache.path())
+        };
+        assert!(matches!(
+            resolve_model(REPO, &offline),
+            Err(HubError::Corrupt { .. })
+        ));
 
         // Following the advice (delete the cached file and its blob) and retrying against a healthy Hub heals it.
-        let link = cache.path().join("models--glm5-test--tiny-dense/snapshots").join(COMMIT).join(file);
+        let link = cache
+            .path()
+            .join("models--glm5-test--tiny-dense/snapshots")
+            .join(COMMIT)
+            .join(file);
         std::fs::remove_file(std::fs::canonicalize(&link).unwrap()).unwrap();
         std::fs::remove_file(&link).unwrap();
     }
@@ -268,26 +396,45 @@ fn error_page_stored_as_file_is_corrupt() {
 
 #[test]
 fn local_directory_and_invalid_ids() {
-    let opts = HubOptions { offline: true, ..Default::default() };
-    assert_eq!(resolve_model(fixture_dir().to_str().unwrap(), &opts).unwrap(), fixture_dir());
+    let opts = HubOptions {
+        offline: true,
+        ..Default::default()
+    };
+    assert_eq!(
+        resolve_model(fixture_dir().to_str().unwrap(), &opts).unwrap(),
+        fixture_dir()
+    );
     let empty = tempfile::tempdir().unwrap();
     assert!(matches!(
         resolve_model(empty.path().to_str().unwrap(), &opts),
         Err(HubError::NotAModelDir { .. })
     ));
     for bad in ["no-slash", "a/b/c", "./missing/dir", "owner/na me"] {
-        assert!(matches!(resolve_model(bad, &opts), Err(HubError::InvalidRepoId { .. })), "{bad}");
+        assert!(
+            matches!(
+                resolve_model(bad, &opts),
+                Err(HubError::InvalidRepoId { .. })
+            ),
+            "{bad}"
+        );
     }
 }
 
 #[test]
 fn options_from_environment_variables() {
     let env = |vars: &'static [(&'static str, &'static str)]| {
-        HubOptions::from_vars(move |k| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string()))
+        HubOptions::from_vars(move |k| {
+            vars.iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+        })
     };
     let none = env(&[]);
     assert!(!none.offline && none.progress);
-    assert_eq!((none.endpoint, none.cache_dir, none.token, none.revision), (None, None, None, None));
+    assert_eq!(
+        (none.endpoint, none.cache_dir, none.token, none.revision),
+        (None, None, None, None)
+    );
 
     let all = env(&[
         ("HF_ENDPOINT", "https://hf-mirror.example"),
@@ -299,13 +446,20 @@ fn options_from_environment_variables() {
     assert!(all.offline && !all.progress);
     assert_eq!(all.cache_dir, Some(PathBuf::from("/data/hf/hub")));
 
-    let cache = env(&[("HF_HUB_CACHE", "/fast/hub"), ("HF_HOME", "/data/hf"), ("HF_HUB_OFFLINE", "0")]);
+    let cache = env(&[
+        ("HF_HUB_CACHE", "/fast/hub"),
+        ("HF_HOME", "/data/hf"),
+        ("HF_HUB_OFFLINE", "0"),
+    ]);
     assert_eq!(cache.cache_dir, Some(PathBuf::from("/fast/hub")));
     assert!(!cache.offline);
     assert!(env(&[("HF_HUB_OFFLINE", "YES")]).offline);
     assert_eq!(env(&[("HF_ENDPOINT", "")]).endpoint, None);
 
     // The debug output never shows the token.
-    let secret = HubOptions { token: Some("hf_secret".into()), ..Default::default() };
+    let secret = HubOptions {
+        token: Some("hf_secret".into()),
+        ..Default::default()
+    };
     assert!(!format!("{secret:?}").contains("hf_secret"));
 }

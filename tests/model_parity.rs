@@ -7,19 +7,28 @@ use glm5::candle_core::{DType, Device, Tensor};
 use glm5::{AttentionMode, Glm5ForCausalLM};
 
 fn fixture_dir(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
 }
 
 /// (input ids, reference logits [T, vocab]).
 fn reference(name: &str) -> (Vec<u32>, Tensor) {
-    let tensors = glm5::candle_core::safetensors::load(fixture_dir(name).join("reference.safetensors"), &Device::Cpu)
-        .expect("reference.safetensors");
+    let tensors = glm5::candle_core::safetensors::load(
+        fixture_dir(name).join("reference.safetensors"),
+        &Device::Cpu,
+    )
+    .expect("reference.safetensors");
     let ids: Vec<i64> = tensors["input_ids"].to_vec1().expect("input_ids");
-    (ids.into_iter().map(|id| id as u32).collect(), tensors["logits"].clone())
+    (
+        ids.into_iter().map(|id| id as u32).collect(),
+        tensors["logits"].clone(),
+    )
 }
 
 fn load(name: &str, mode: AttentionMode) -> Glm5ForCausalLM {
-    Glm5ForCausalLM::from_dir(fixture_dir(name), DType::F32, &Device::Cpu, mode).expect("fixture model loads")
+    Glm5ForCausalLM::from_dir(fixture_dir(name), DType::F32, &Device::Cpu, mode)
+        .expect("fixture model loads")
 }
 
 fn full_forward(model: &Glm5ForCausalLM, ids: &[u32]) -> Tensor {
@@ -28,12 +37,28 @@ fn full_forward(model: &Glm5ForCausalLM, ids: &[u32]) -> Tensor {
 }
 
 fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar().unwrap()
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar()
+        .unwrap()
 }
 
 /// Max-abs difference per position (row).
 fn row_diffs(a: &Tensor, b: &Tensor) -> Vec<f32> {
-    (a - b).unwrap().abs().unwrap().max(1).unwrap().to_vec1().unwrap()
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max(1)
+        .unwrap()
+        .to_vec1()
+        .unwrap()
 }
 
 const FIXTURES: [&str; 3] = ["sparse_long", "dense_equiv", "bf16_storage"];
@@ -64,7 +89,10 @@ fn cached_decode_equals_full_forward() {
         assert_eq!(cache.len(), ids.len());
         let stepped = Tensor::cat(&rows, 0).unwrap();
         let err = max_abs_diff(&stepped, &full);
-        assert!(err < 1e-4, "{name}: prompt + decode differs from the full forward by {err}");
+        assert!(
+            err < 1e-4,
+            "{name}: prompt + decode differs from the full forward by {err}"
+        );
     }
 }
 
@@ -73,27 +101,44 @@ fn indexer_restricts_attention_beyond_index_topk() {
     let model = load("sparse_long", AttentionMode::Sparse);
     let topk = model.config().index_topk;
     let (ids, _) = reference("sparse_long");
-    assert!(ids.len() > 4 * topk, "the fixture must reach well past index_topk");
+    assert!(
+        ids.len() > 4 * topk,
+        "the fixture must reach well past index_topk"
+    );
     let sparse = full_forward(&model, &ids);
     let dense = full_forward(&load("sparse_long", AttentionMode::Dense), &ids);
     let diffs = row_diffs(&sparse, &dense);
     // Up to index_topk visible tokens the indexer selects all of them: DSA is exactly dense.
     for (pos, d) in diffs.iter().enumerate().take(topk) {
-        assert!(*d < 1e-5, "position {pos} (<= index_topk) differs from dense by {d}");
+        assert!(
+            *d < 1e-5,
+            "position {pos} (<= index_topk) differs from dense by {d}"
+        );
     }
     // Beyond it, tokens are dropped and the logits move.
     let moved = diffs[topk..].iter().filter(|d| **d > 1e-2).count();
-    assert!(moved * 2 > diffs.len() - topk, "only {moved} positions past index_topk differ from dense: {diffs:?}");
+    assert!(
+        moved * 2 > diffs.len() - topk,
+        "only {moved} positions past index_topk differ from dense: {diffs:?}"
+    );
 }
 
 #[test]
 fn sparse_equals_dense_when_index_topk_covers_the_sequence() {
     let (ids, _) = reference("dense_equiv");
     let sparse = full_forward(&load("dense_equiv", AttentionMode::Sparse), &ids);
-    assert!(sparse.dim(0).unwrap() <= load("dense_equiv", AttentionMode::Sparse).config().index_topk);
+    assert!(
+        sparse.dim(0).unwrap()
+            <= load("dense_equiv", AttentionMode::Sparse)
+                .config()
+                .index_topk
+    );
     let dense = full_forward(&load("dense_equiv", AttentionMode::Dense), &ids);
     let err = max_abs_diff(&sparse, &dense);
-    assert!(err < 1e-5, "index_topk >= length must be dense attention, differs by {err}");
+    assert!(
+        err < 1e-5,
+        "index_topk >= length must be dense attention, differs by {err}"
+    );
 }
 
 /// bf16 activations drift ~1-2% from f32 on these tiny random models. Past index_topk a few positions
@@ -102,7 +147,13 @@ fn sparse_equals_dense_when_index_topk_covers_the_sequence() {
 #[test]
 fn bf16_compute_stays_close_to_f32() {
     let (ids, expected) = reference("bf16_storage");
-    let model = Glm5ForCausalLM::from_dir(fixture_dir("bf16_storage"), DType::BF16, &Device::Cpu, AttentionMode::Sparse).unwrap();
+    let model = Glm5ForCausalLM::from_dir(
+        fixture_dir("bf16_storage"),
+        DType::BF16,
+        &Device::Cpu,
+        AttentionMode::Sparse,
+    )
+    .unwrap();
     let topk = model.config().index_topk;
     let logits = full_forward(&model, &ids);
     let mut relative: Vec<f32> = logits
@@ -111,7 +162,12 @@ fn bf16_compute_stays_close_to_f32() {
         .iter()
         .zip(expected.to_vec2::<f32>().unwrap())
         .map(|(got, want)| {
-            let num: f32 = got.iter().zip(&want).map(|(a, b)| (a - b) * (a - b)).sum::<f32>().sqrt();
+            let num: f32 = got
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (a - b) * (a - b))
+                .sum::<f32>()
+                .sqrt();
             num / want.iter().map(|b| b * b).sum::<f32>().sqrt()
         })
         .collect();

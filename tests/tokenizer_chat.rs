@@ -18,20 +18,33 @@ fn tokenizer() -> Tokenizer {
 }
 
 fn no_prompt() -> ChatOptions {
-    ChatOptions { add_generation_prompt: false, ..ChatOptions::default() }
+    ChatOptions {
+        add_generation_prompt: false,
+        ..ChatOptions::default()
+    }
 }
 
 #[test]
 fn system_and_user_with_thinking() {
     let messages = [Message::system("You are terse."), Message::user("Hi!")];
-    let text = template().render(&messages, &ChatOptions::default()).unwrap();
-    assert_eq!(text, "[gMASK]<sop><|system|>\nYou are terse.<|user|>\nHi!<|assistant|><think>");
+    let text = template()
+        .render(&messages, &ChatOptions::default())
+        .unwrap();
+    assert_eq!(
+        text,
+        "[gMASK]<sop><|system|>\nYou are terse.<|user|>\nHi!<|assistant|><think>"
+    );
 }
 
 #[test]
 fn thinking_off() {
-    let options = ChatOptions { enable_thinking: false, ..ChatOptions::default() };
-    let text = template().render(&[Message::user("Hi!")], &options).unwrap();
+    let options = ChatOptions {
+        enable_thinking: false,
+        ..ChatOptions::default()
+    };
+    let text = template()
+        .render(&[Message::user("Hi!")], &options)
+        .unwrap();
     assert_eq!(text, "[gMASK]<sop><|user|>\nHi!<|assistant|></think>");
 }
 
@@ -50,7 +63,10 @@ fn multi_turn_keeps_reasoning_only_after_last_user() {
     );
     // Reasoning inline in the content is split out the same way.
     let inline = [Message::user("Q"), Message::assistant("<think>R</think>A")];
-    assert_eq!(template().render(&inline, &no_prompt()).unwrap(), "[gMASK]<sop><|user|>\nQ<|assistant|><think>R</think>A");
+    assert_eq!(
+        template().render(&inline, &no_prompt()).unwrap(),
+        "[gMASK]<sop><|user|>\nQ<|assistant|><think>R</think>A"
+    );
 }
 
 #[test]
@@ -71,26 +87,57 @@ fn template_from_tokenizer_config() {
         .unwrap();
     assert_eq!(text, "<s>[USER]hello\n{\"a\": [1, \"é\"]}<|endoftext|>");
 
-    std::fs::write(dir.path().join("tokenizer_config.json"), r#"{"chat_template": "{{ raise_exception('no ' ~ messages[0].role) }}"}"#).unwrap();
-    let err = ChatTemplate::from_model_dir(dir.path()).unwrap().render(&[Message::user("x")], &ChatOptions::default());
-    assert!(matches!(&err, Err(ChatError::Render(e)) if format!("{e:#}").contains("no user")), "{err:?}");
+    std::fs::write(
+        dir.path().join("tokenizer_config.json"),
+        r#"{"chat_template": "{{ raise_exception('no ' ~ messages[0].role) }}"}"#,
+    )
+    .unwrap();
+    let err = ChatTemplate::from_model_dir(dir.path())
+        .unwrap()
+        .render(&[Message::user("x")], &ChatOptions::default());
+    assert!(
+        matches!(&err, Err(ChatError::Render(e)) if format!("{e:#}").contains("no user")),
+        "{err:?}"
+    );
 }
 
 #[test]
 fn missing_template_is_an_error() {
     let dir = tempfile::tempdir().unwrap();
-    assert!(matches!(ChatTemplate::from_model_dir(dir.path()), Err(ChatError::MissingTemplate { .. })));
-    std::fs::write(dir.path().join("tokenizer_config.json"), r#"{"eos_token": "</s>"}"#).unwrap();
-    assert!(matches!(ChatTemplate::from_model_dir(dir.path()), Err(ChatError::MissingTemplate { .. })));
+    assert!(matches!(
+        ChatTemplate::from_model_dir(dir.path()),
+        Err(ChatError::MissingTemplate { .. })
+    ));
+    std::fs::write(
+        dir.path().join("tokenizer_config.json"),
+        r#"{"eos_token": "</s>"}"#,
+    )
+    .unwrap();
+    assert!(matches!(
+        ChatTemplate::from_model_dir(dir.path()),
+        Err(ChatError::MissingTemplate { .. })
+    ));
     std::fs::write(dir.path().join("tokenizer_config.json"), "{not json").unwrap();
-    assert!(matches!(ChatTemplate::from_model_dir(dir.path()), Err(ChatError::Json { .. })));
-    assert!(matches!(ChatTemplate::new("{% if %}", None, None), Err(ChatError::Syntax(_))));
+    assert!(matches!(
+        ChatTemplate::from_model_dir(dir.path()),
+        Err(ChatError::Json { .. })
+    ));
+    assert!(matches!(
+        ChatTemplate::new("{% if %}", None, None),
+        Err(ChatError::Syntax(_))
+    ));
 }
 
 #[test]
 fn round_trip_ascii_and_multibyte() {
     let tok = tokenizer();
-    for text in ["Hello, how are you today?", "café é", "日本語のテキスト", "emoji 🦀👍🏽!", "  spaces\tand\nlines  "] {
+    for text in [
+        "Hello, how are you today?",
+        "café é",
+        "日本語のテキスト",
+        "emoji 🦀👍🏽!",
+        "  spaces\tand\nlines  ",
+    ] {
         let ids = tok.encode(text).unwrap();
         assert_eq!(tok.decode(&ids).unwrap(), text, "ids {ids:?}");
     }
@@ -101,7 +148,9 @@ fn round_trip_ascii_and_multibyte() {
 #[test]
 fn special_tokens_in_text_are_single_ids() {
     let tok = tokenizer();
-    let ids = tok.encode("[gMASK]<sop><|user|>\nHi<|assistant|><think>").unwrap();
+    let ids = tok
+        .encode("[gMASK]<sop><|user|>\nHi<|assistant|><think>")
+        .unwrap();
     let id = |t: &str| tok.token_id(t).unwrap_or_else(|| panic!("{t} missing"));
     assert_eq!(&ids[..3], &[id("[gMASK]"), id("<sop>"), id("<|user|>")]);
     assert_eq!(&ids[ids.len() - 2..], &[id("<|assistant|>"), id("<think>")]);
@@ -117,7 +166,10 @@ fn token_stream_never_splits_characters() {
     let text = "Grüße, 日本語 🦀🦀 naïve café 👍🏽 done";
     let ids = tok.encode(text).unwrap();
     let decoded_singly: Vec<String> = ids.iter().map(|&i| tok.decode(&[i]).unwrap()).collect();
-    assert!(decoded_singly.iter().any(|s| s.contains('\u{FFFD}')), "test needs characters split across tokens");
+    assert!(
+        decoded_singly.iter().any(|s| s.contains('\u{FFFD}')),
+        "test needs characters split across tokens"
+    );
 
     let mut stream = TokenStream::new(&tok);
     let mut out = String::new();
@@ -145,7 +197,10 @@ fn token_stream_flushes_incomplete_tail_and_can_skip_specials() {
         out.extend(stream.push(id).unwrap());
     }
     assert_eq!(out, "a", "the partial crab is held back");
-    assert!(stream.finish().unwrap().is_some_and(|rest| rest.ends_with('\u{FFFD}')));
+    assert!(stream
+        .finish()
+        .unwrap()
+        .is_some_and(|rest| rest.ends_with('\u{FFFD}')));
 
     let ids = tok.encode("<|assistant|>hi<|endoftext|>").unwrap();
     let mut stream = TokenStream::new(&tok).skip_special_tokens(true);

@@ -39,7 +39,12 @@ pub struct KvCache {
 }
 
 impl KvCache {
-    pub(crate) fn new(config: &Config, capacity: usize, dtype: DType, device: &Device) -> Result<Self> {
+    pub(crate) fn new(
+        config: &Config,
+        capacity: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
         if capacity == 0 || capacity > config.max_position_embeddings {
             return Err(ModelError::CacheShape(format!(
                 "capacity {capacity} must be in 1..={} (max_position_embeddings)",
@@ -54,7 +59,11 @@ impl KvCache {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Self { layers, len: 0, capacity })
+        Ok(Self {
+            layers,
+            len: 0,
+            capacity,
+        })
     }
 
     /// Tokens cached so far (the next forward's `start_pos`).
@@ -84,10 +93,16 @@ impl KvCache {
     /// Checks that `n_new` tokens starting at `start_pos` continue this cache and fit in it.
     pub(crate) fn check_append(&self, start_pos: usize, n_new: usize) -> Result<()> {
         if start_pos != self.len {
-            return Err(ModelError::CacheMismatch { start_pos, cached: self.len });
+            return Err(ModelError::CacheMismatch {
+                start_pos,
+                cached: self.len,
+            });
         }
         if start_pos + n_new > self.capacity {
-            return Err(ModelError::CacheFull { needed: start_pos + n_new, capacity: self.capacity });
+            return Err(ModelError::CacheFull {
+                needed: start_pos + n_new,
+                capacity: self.capacity,
+            });
         }
         Ok(())
     }

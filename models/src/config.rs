@@ -81,8 +81,10 @@ impl Config {
     /// Reads and validates `config.json`.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| ModelError::Io { path: path.to_path_buf(), source })?;
+        let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
         Self::from_json(&text)
     }
 
@@ -151,12 +153,17 @@ struct RawConfig {
 }
 
 /// `Some(value)` whenever the key is present, `null` included (plain `Option` maps `null` to `None`).
-fn present<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Option<serde_json::Value>, D::Error> {
+fn present<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> std::result::Result<Option<serde_json::Value>, D::Error> {
     serde_json::Value::deserialize(d).map(Some)
 }
 
 fn invalid(field: &'static str, reason: impl Into<String>) -> ModelError {
-    ModelError::InvalidConfig { field, reason: reason.into() }
+    ModelError::InvalidConfig {
+        field,
+        reason: reason.into(),
+    }
 }
 
 fn positive(field: &'static str, value: usize) -> Result<usize> {
@@ -170,8 +177,16 @@ impl RawConfig {
     fn validate(self) -> Result<Config> {
         match self.model_type.as_deref() {
             Some("glm_moe_dsa") => {}
-            Some(other) => return Err(ModelError::WrongModelType { found: other.to_string() }),
-            None => return Err(ModelError::MissingField { field: "model_type" }),
+            Some(other) => {
+                return Err(ModelError::WrongModelType {
+                    found: other.to_string(),
+                })
+            }
+            None => {
+                return Err(ModelError::MissingField {
+                    field: "model_type",
+                })
+            }
         }
         let unsupported = |what: String| Err(ModelError::Unsupported { what });
         if let Some(act) = self.hidden_act.as_deref().filter(|a| *a != "silu") {
@@ -188,10 +203,15 @@ impl RawConfig {
         }
         if let Some(types) = &self.indexer_types {
             if let Some(t) = types.iter().find(|t| *t != "full") {
-                return unsupported(format!("indexer_types {t:?} (IndexShare layers of GLM-5.2+)"));
+                return unsupported(format!(
+                    "indexer_types {t:?} (IndexShare layers of GLM-5.2+)"
+                ));
             }
         }
-        let rope_type = self.rope_parameters.as_ref().and_then(|r| r.rope_type.clone());
+        let rope_type = self
+            .rope_parameters
+            .as_ref()
+            .and_then(|r| r.rope_type.clone());
         if let Some(t) = rope_type.as_deref().filter(|t| *t != "default") {
             return unsupported(format!("rope_type {t:?}"));
         }
@@ -199,15 +219,23 @@ impl RawConfig {
             return unsupported("rope_scaling".into());
         }
 
-        let num_hidden_layers = positive("num_hidden_layers", self.num_hidden_layers.unwrap_or(78))?;
+        let num_hidden_layers =
+            positive("num_hidden_layers", self.num_hidden_layers.unwrap_or(78))?;
         let q_lora_rank = match &self.q_lora_rank {
             None => 2048,
             Some(serde_json::Value::Null) => {
-                return unsupported("q_lora_rank = null (the DSA indexer reads the q_lora vector)".into())
+                return unsupported(
+                    "q_lora_rank = null (the DSA indexer reads the q_lora vector)".into(),
+                )
             }
             Some(value) => match value.as_u64() {
                 Some(rank) => positive("q_lora_rank", rank as usize)?,
-                None => return Err(invalid("q_lora_rank", format!("must be a positive integer, got {value}"))),
+                None => {
+                    return Err(invalid(
+                        "q_lora_rank",
+                        format!("must be a positive integer, got {value}"),
+                    ))
+                }
             },
         };
         let rope_theta = self
@@ -217,11 +245,17 @@ impl RawConfig {
             .or(self.rope_theta)
             .unwrap_or(1_000_000.0);
         if !(rope_theta.is_finite() && rope_theta > 0.0) {
-            return Err(invalid("rope_theta", format!("must be a positive number, got {rope_theta}")));
+            return Err(invalid(
+                "rope_theta",
+                format!("must be a positive number, got {rope_theta}"),
+            ));
         }
         let rms_norm_eps = self.rms_norm_eps.unwrap_or(1e-5);
         if !(rms_norm_eps.is_finite() && rms_norm_eps > 0.0) {
-            return Err(invalid("rms_norm_eps", format!("must be positive, got {rms_norm_eps}")));
+            return Err(invalid(
+                "rms_norm_eps",
+                format!("must be positive, got {rms_norm_eps}"),
+            ));
         }
 
         let mlp_layer_types = match self.mlp_layer_types {
@@ -230,18 +264,35 @@ impl RawConfig {
                 .map(|t| match t.as_str() {
                     "dense" => Ok(MlpKind::Dense),
                     "sparse" | "moe" => Ok(MlpKind::MoE),
-                    other => Err(invalid("mlp_layer_types", format!("has unknown entry {other:?}"))),
+                    other => Err(invalid(
+                        "mlp_layer_types",
+                        format!("has unknown entry {other:?}"),
+                    )),
                 })
                 .collect::<Result<Vec<_>>>()?,
             None => {
-                let dense = self.first_k_dense_replace.unwrap_or(3).min(num_hidden_layers);
-                (0..num_hidden_layers).map(|l| if l < dense { MlpKind::Dense } else { MlpKind::MoE }).collect()
+                let dense = self
+                    .first_k_dense_replace
+                    .unwrap_or(3)
+                    .min(num_hidden_layers);
+                (0..num_hidden_layers)
+                    .map(|l| {
+                        if l < dense {
+                            MlpKind::Dense
+                        } else {
+                            MlpKind::MoE
+                        }
+                    })
+                    .collect()
             }
         };
         if mlp_layer_types.len() != num_hidden_layers {
             return Err(invalid(
                 "mlp_layer_types",
-                format!("has {} entries for {num_hidden_layers} layers", mlp_layer_types.len()),
+                format!(
+                    "has {} entries for {num_hidden_layers} layers",
+                    mlp_layer_types.len()
+                ),
             ));
         }
 
@@ -260,7 +311,10 @@ impl RawConfig {
                 Some(OneOrMany::Many(ids)) => ids,
                 None => vec![],
             },
-            num_attention_heads: positive("num_attention_heads", self.num_attention_heads.unwrap_or(64))?,
+            num_attention_heads: positive(
+                "num_attention_heads",
+                self.num_attention_heads.unwrap_or(64),
+            )?,
             q_lora_rank,
             kv_lora_rank: positive("kv_lora_rank", self.kv_lora_rank.unwrap_or(512))?,
             qk_nope_head_dim: positive("qk_nope_head_dim", self.qk_nope_head_dim.unwrap_or(192))?,
@@ -271,11 +325,20 @@ impl RawConfig {
             index_head_dim: positive("index_head_dim", self.index_head_dim.unwrap_or(128))?,
             index_topk: positive("index_topk", self.index_topk.unwrap_or(2048))?,
             mlp_layer_types,
-            intermediate_size: positive("intermediate_size", self.intermediate_size.unwrap_or(12288))?,
-            moe_intermediate_size: positive("moe_intermediate_size", self.moe_intermediate_size.unwrap_or(2048))?,
+            intermediate_size: positive(
+                "intermediate_size",
+                self.intermediate_size.unwrap_or(12288),
+            )?,
+            moe_intermediate_size: positive(
+                "moe_intermediate_size",
+                self.moe_intermediate_size.unwrap_or(2048),
+            )?,
             n_routed_experts: positive("n_routed_experts", self.n_routed_experts.unwrap_or(256))?,
             n_shared_experts: self.n_shared_experts.unwrap_or(1),
-            num_experts_per_tok: positive("num_experts_per_tok", self.num_experts_per_tok.unwrap_or(8))?,
+            num_experts_per_tok: positive(
+                "num_experts_per_tok",
+                self.num_experts_per_tok.unwrap_or(8),
+            )?,
             n_group: positive("n_group", self.n_group.unwrap_or(1))?,
             topk_group: positive("topk_group", self.topk_group.unwrap_or(1))?,
             norm_topk_prob: self.norm_topk_prob.unwrap_or(true),
@@ -289,8 +352,11 @@ impl RawConfig {
 impl Config {
     /// Cross-field rules: every one names the field it rejects.
     fn check_consistency(&self) -> Result<()> {
-        if self.qk_rope_head_dim % 2 != 0 {
-            return Err(invalid("qk_rope_head_dim", format!("must be even for RoPE pairs, got {}", self.qk_rope_head_dim)));
+        if !self.qk_rope_head_dim.is_multiple_of(2) {
+            return Err(invalid(
+                "qk_rope_head_dim",
+                format!("must be even for RoPE pairs, got {}", self.qk_rope_head_dim),
+            ));
         }
         if self.qk_rope_head_dim > self.index_head_dim {
             return Err(invalid(
@@ -299,24 +365,36 @@ impl Config {
                     self.qk_rope_head_dim, self.index_head_dim),
             ));
         }
-        if self.n_routed_experts % self.n_group != 0 {
+        if !self.n_routed_experts.is_multiple_of(self.n_group) {
             return Err(invalid(
                 "n_group",
-                format!("({}) does not divide n_routed_experts ({})", self.n_group, self.n_routed_experts),
+                format!(
+                    "({}) does not divide n_routed_experts ({})",
+                    self.n_group, self.n_routed_experts
+                ),
             ));
         }
         if self.topk_group > self.n_group {
-            return Err(invalid("topk_group", format!("({}) exceeds n_group ({})", self.topk_group, self.n_group)));
+            return Err(invalid(
+                "topk_group",
+                format!("({}) exceeds n_group ({})", self.topk_group, self.n_group),
+            ));
         }
         let reachable = self.topk_group * (self.n_routed_experts / self.n_group);
         if self.num_experts_per_tok > reachable {
             return Err(invalid(
                 "num_experts_per_tok",
-                format!("({}) exceeds the {reachable} experts in topk_group groups", self.num_experts_per_tok),
+                format!(
+                    "({}) exceeds the {reachable} experts in topk_group groups",
+                    self.num_experts_per_tok
+                ),
             ));
         }
         if !(self.routed_scaling_factor.is_finite() && self.routed_scaling_factor > 0.0) {
-            return Err(invalid("routed_scaling_factor", format!("must be positive, got {}", self.routed_scaling_factor)));
+            return Err(invalid(
+                "routed_scaling_factor",
+                format!("must be positive, got {}", self.routed_scaling_factor),
+            ));
         }
         Ok(())
     }

@@ -13,7 +13,9 @@ pub enum ModelError {
     },
     #[error("config.json is not valid JSON for glm_moe_dsa: {0}")]
     ConfigJson(#[from] serde_json::Error),
-    #[error("config.json has model_type {found:?}; glm5 runs \"glm_moe_dsa\" (GlmMoeDsaForCausalLM)")]
+    #[error(
+        "config.json has model_type {found:?}; glm5 runs \"glm_moe_dsa\" (GlmMoeDsaForCausalLM)"
+    )]
     WrongModelType { found: String },
     #[error("config.json: `{field}` is missing")]
     MissingField { field: &'static str },
@@ -27,16 +29,30 @@ pub enum ModelError {
     #[error("checkpoint has no tensor `{name}`")]
     MissingTensor { name: String },
     #[error("tensor `{name}` has shape {found:?}, expected {expected:?}")]
-    TensorShape { name: String, expected: Vec<usize>, found: Vec<usize> },
+    TensorShape {
+        name: String,
+        expected: Vec<usize>,
+        found: Vec<usize>,
+    },
     #[error("tensor `{name}` is stored as {dtype}; glm5 loads f32, bf16 and f16 checkpoints")]
     TensorDtype { name: String, dtype: String },
 
-    #[error("token id {token} at position {position} is outside the vocabulary (size {vocab_size})")]
-    TokenOutOfRange { token: u32, position: usize, vocab_size: usize },
+    #[error(
+        "token id {token} at position {position} is outside the vocabulary (size {vocab_size})"
+    )]
+    TokenOutOfRange {
+        token: u32,
+        position: usize,
+        vocab_size: usize,
+    },
     #[error("empty input: forward needs at least one token")]
     EmptyInput,
     #[error("positions {start}..{end} exceed the model's context of {max_positions} tokens")]
-    ContextOverflow { start: usize, end: usize, max_positions: usize },
+    ContextOverflow {
+        start: usize,
+        end: usize,
+        max_positions: usize,
+    },
     #[error("KV cache full: {needed} tokens needed, capacity {capacity}")]
     CacheFull { needed: usize, capacity: usize },
     #[error("start_pos {start_pos} does not continue the KV cache, which holds {cached} tokens")]

@@ -44,11 +44,17 @@ impl Loader<'_> {
 
     /// A bias-free `nn.Linear` stored as `[out, in]`.
     fn linear(&self, prefix: &str, in_dim: usize, out_dim: usize) -> Result<Linear> {
-        Ok(Linear::new(self.tensor(&format!("{prefix}.weight"), &[out_dim, in_dim])?, None))
+        Ok(Linear::new(
+            self.tensor(&format!("{prefix}.weight"), &[out_dim, in_dim])?,
+            None,
+        ))
     }
 
     fn rms_norm(&self, prefix: &str, dim: usize, eps: f64) -> Result<RmsNorm> {
-        Ok(RmsNorm { weight: self.tensor(&format!("{prefix}.weight"), &[dim])?, eps })
+        Ok(RmsNorm {
+            weight: self.tensor(&format!("{prefix}.weight"), &[dim])?,
+            eps,
+        })
     }
 }
 
@@ -61,8 +67,12 @@ struct RmsNorm {
 impl Module for RmsNorm {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let x32 = x.to_dtype(DType::F32)?;
-        let inv_rms = (x32.sqr()?.mean_keepdim(D::Minus1)? + self.eps)?.sqrt()?.recip()?;
-        x32.broadcast_mul(&inv_rms)?.to_dtype(x.dtype())?.broadcast_mul(&self.weight)
+        let inv_rms = (x32.sqr()?.mean_keepdim(D::Minus1)? + self.eps)?
+            .sqrt()?
+            .recip()?;
+        x32.broadcast_mul(&inv_rms)?
+            .to_dtype(x.dtype())?
+            .broadcast_mul(&self.weight)
     }
 }
 
@@ -74,12 +84,25 @@ struct Rope {
 }
 
 impl Rope {
-    fn at_positions(config: &Config, start_pos: usize, len: usize, dtype: DType, device: &Device) -> Result<Self> {
+    fn at_positions(
+        config: &Config,
+        start_pos: usize,
+        len: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
         let half = config.qk_rope_head_dim / 2;
         let inv_freq: Vec<f32> = (0..half)
-            .map(|i| (1.0 / config.rope_theta.powf(2.0 * i as f64 / config.qk_rope_head_dim as f64)) as f32)
+            .map(|i| {
+                (1.0 / config
+                    .rope_theta
+                    .powf(2.0 * i as f64 / config.qk_rope_head_dim as f64)) as f32
+            })
             .collect();
-        let (mut cos, mut sin) = (Vec::with_capacity(len * half), Vec::with_capacity(len * half));
+        let (mut cos, mut sin) = (
+            Vec::with_capacity(len * half),
+            Vec::with_capacity(len * half),
+        );
         for pos in start_pos..start_pos + len {
             for f in &inv_freq {
                 let angle = pos as f32 * f;
@@ -124,7 +147,11 @@ impl Indexer {
                 loader.tensor(&format!("{prefix}.k_norm.bias"), &[dim])?,
                 INDEX_KEY_NORM_EPS,
             ),
-            weights_proj: loader.linear(&format!("{prefix}.weights_proj"), config.hidden_size, heads)?,
+            weights_proj: loader.linear(
+                &format!("{prefix}.weights_proj"),
+                config.hidden_size,
+                heads,
+            )?,
             n_heads: heads,
             head_dim: dim,
             rope_dim: config.qk_rope_head_dim,
@@ -145,14 +172,28 @@ impl Indexer {
 
     /// `hidden` `[T, hidden]` (the normed layer input), `q_lora` `[T, q_lora_rank]` (after q_a_layernorm).
     /// Returns the selected positions `[T, index_topk]` (i32, -1 padded) and caches this chunk's keys.
-    fn forward(&self, hidden: &Tensor, q_lora: &Tensor, start_pos: usize, rope: &Rope, cache: &LayerCache) -> Result<Tensor> {
+    fn forward(
+        &self,
+        hidden: &Tensor,
+        q_lora: &Tensor,
+        start_pos: usize,
+        rope: &Rope,
+        cache: &LayerCache,
+    ) -> Result<Tensor> {
         let t = hidden.dim(0)?;
-        let q = self.wq_b.forward(q_lora)?.reshape((t, self.n_heads, self.head_dim))?;
+        let q = self
+            .wq_b
+            .forward(q_lora)?
+            .reshape((t, self.n_heads, self.head_dim))?;
         let q = self.rotate_leading(&q, rope)?;
-        let k = self.k_norm.forward(&self.wk.forward(hidden)?)?.unsqueeze(1)?;
+        let k = self
+            .k_norm
+            .forward(&self.wk.forward(hidden)?)?
+            .unsqueeze(1)?;
         let k = self.rotate_leading(&k, rope)?.squeeze(1)?;
         let keys = cache.append_index_keys(&k, start_pos)?;
-        let head_weights = (self.weights_proj.forward(hidden)?.to_dtype(DType::F32)? * self.weight_scale)?;
+        let head_weights =
+            (self.weights_proj.forward(hidden)?.to_dtype(DType::F32)? * self.weight_scale)?;
         let visible: Vec<usize> = (1..=t).map(|i| start_pos + i).collect();
         Ok(dsa_indexer(&q, &head_weights, &keys, &visible, self.top_k)?)
     }
@@ -182,16 +223,43 @@ struct Attention {
 impl Attention {
     fn load(config: &Config, loader: &Loader, prefix: &str) -> Result<Self> {
         let heads = config.num_attention_heads;
-        let (nope, v, lora) = (config.qk_nope_head_dim, config.v_head_dim, config.kv_lora_rank);
+        let (nope, v, lora) = (
+            config.qk_nope_head_dim,
+            config.v_head_dim,
+            config.kv_lora_rank,
+        );
         let kv_b = loader
-            .tensor(&format!("{prefix}.kv_b_proj.weight"), &[heads * (nope + v), lora])?
+            .tensor(
+                &format!("{prefix}.kv_b_proj.weight"),
+                &[heads * (nope + v), lora],
+            )?
             .reshape((heads, nope + v, lora))?;
         Ok(Self {
-            q_a_proj: loader.linear(&format!("{prefix}.q_a_proj"), config.hidden_size, config.q_lora_rank)?,
-            q_a_layernorm: loader.rms_norm(&format!("{prefix}.q_a_layernorm"), config.q_lora_rank, LATENT_NORM_EPS)?,
-            q_b_proj: loader.linear(&format!("{prefix}.q_b_proj"), config.q_lora_rank, heads * config.qk_head_dim())?,
-            kv_a_proj_with_mqa: loader.linear(&format!("{prefix}.kv_a_proj_with_mqa"), config.hidden_size, config.latent_dim())?,
-            kv_a_layernorm: loader.rms_norm(&format!("{prefix}.kv_a_layernorm"), lora, LATENT_NORM_EPS)?,
+            q_a_proj: loader.linear(
+                &format!("{prefix}.q_a_proj"),
+                config.hidden_size,
+                config.q_lora_rank,
+            )?,
+            q_a_layernorm: loader.rms_norm(
+                &format!("{prefix}.q_a_layernorm"),
+                config.q_lora_rank,
+                LATENT_NORM_EPS,
+            )?,
+            q_b_proj: loader.linear(
+                &format!("{prefix}.q_b_proj"),
+                config.q_lora_rank,
+                heads * config.qk_head_dim(),
+            )?,
+            kv_a_proj_with_mqa: loader.linear(
+                &format!("{prefix}.kv_a_proj_with_mqa"),
+                config.hidden_size,
+                config.latent_dim(),
+            )?,
+            kv_a_layernorm: loader.rms_norm(
+                &format!("{prefix}.kv_a_layernorm"),
+                lora,
+                LATENT_NORM_EPS,
+            )?,
             w_uk: kv_b.narrow(1, 0, nope)?.contiguous()?,
             w_uv_t: kv_b.narrow(1, nope, v)?.transpose(1, 2)?.contiguous()?,
             o_proj: loader.linear(&format!("{prefix}.o_proj"), heads * v, config.hidden_size)?,
@@ -205,33 +273,70 @@ impl Attention {
         })
     }
 
-    fn forward(&self, hidden: &Tensor, start_pos: usize, rope: &Rope, cache: &LayerCache, mode: AttentionMode) -> Result<Tensor> {
+    fn forward(
+        &self,
+        hidden: &Tensor,
+        start_pos: usize,
+        rope: &Rope,
+        cache: &LayerCache,
+        mode: AttentionMode,
+    ) -> Result<Tensor> {
         let t = hidden.dim(0)?;
         // Queries: q_lora (shared with the indexer) → per-head [nope | rope].
-        let q_lora = self.q_a_layernorm.forward(&self.q_a_proj.forward(hidden)?)?;
-        let q = self.q_b_proj.forward(&q_lora)?.reshape((t, self.heads, self.nope_dim + self.rope_dim))?;
+        let q_lora = self
+            .q_a_layernorm
+            .forward(&self.q_a_proj.forward(hidden)?)?;
+        let q = self.q_b_proj.forward(&q_lora)?.reshape((
+            t,
+            self.heads,
+            self.nope_dim + self.rope_dim,
+        ))?;
         let q_nope = q.narrow(2, 0, self.nope_dim)?;
         let q_pe = rope.apply(&q.narrow(2, self.nope_dim, self.rope_dim)?)?;
 
         // This chunk's latent rows [c | k_pe] go into the cache; attention reads all cached rows.
         let kv = self.kv_a_proj_with_mqa.forward(hidden)?;
-        let c = self.kv_a_layernorm.forward(&kv.narrow(1, 0, self.kv_lora_rank)?)?;
-        let k_pe = rope.apply(&kv.narrow(1, self.kv_lora_rank, self.rope_dim)?.unsqueeze(1)?)?.squeeze(1)?;
+        let c = self
+            .kv_a_layernorm
+            .forward(&kv.narrow(1, 0, self.kv_lora_rank)?)?;
+        let k_pe = rope
+            .apply(
+                &kv.narrow(1, self.kv_lora_rank, self.rope_dim)?
+                    .unsqueeze(1)?,
+            )?
+            .squeeze(1)?;
         let latent = cache.append_latent(&Tensor::cat(&[c, k_pe], 1)?, start_pos)?;
 
         // Absorb W_UK: q̃_h = W_UK_hᵀ q_nope_h, so scores are 576-wide dots against the latent rows.
-        let q_latent = q_nope.transpose(0, 1)?.contiguous()?.matmul(&self.w_uk)?.transpose(0, 1)?;
+        let q_latent = q_nope
+            .transpose(0, 1)?
+            .contiguous()?
+            .matmul(&self.w_uk)?
+            .transpose(0, 1)?;
         let q_absorbed = Tensor::cat(&[q_latent, q_pe], 2)?.contiguous()?;
 
         let selected = match mode {
-            AttentionMode::Sparse => self.indexer.forward(hidden, &q_lora, start_pos, rope, cache)?,
+            AttentionMode::Sparse => self
+                .indexer
+                .forward(hidden, &q_lora, start_pos, rope, cache)?,
             AttentionMode::Dense => all_causal_positions(t, start_pos, hidden.device())?,
         };
-        let (attended, _lse) = sparse_mla(&q_absorbed, &latent, &selected, self.kv_lora_rank, self.softmax_scale)?;
+        let (attended, _lse) = sparse_mla(
+            &q_absorbed,
+            &latent,
+            &selected,
+            self.kv_lora_rank,
+            self.softmax_scale,
+        )?;
 
         // Apply W_UV per head, then the output projection.
-        let per_head = attended.transpose(0, 1)?.contiguous()?.matmul(&self.w_uv_t)?;
-        let merged = per_head.transpose(0, 1)?.reshape((t, self.heads * self.v_head_dim))?;
+        let per_head = attended
+            .transpose(0, 1)?
+            .contiguous()?
+            .matmul(&self.w_uv_t)?;
+        let merged = per_head
+            .transpose(0, 1)?
+            .reshape((t, self.heads * self.v_head_dim))?;
         Ok(self.o_proj.forward(&merged)?)
     }
 }
@@ -264,7 +369,8 @@ impl Mlp {
 
 impl Module for Mlp {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let gated = (candle_nn::ops::silu(&self.gate_proj.forward(x)?)? * self.up_proj.forward(x)?)?;
+        let gated =
+            (candle_nn::ops::silu(&self.gate_proj.forward(x)?)? * self.up_proj.forward(x)?)?;
         self.down_proj.forward(&gated)
     }
 }
@@ -283,13 +389,18 @@ struct Router {
 impl Router {
     /// For every token, its experts and their gate weights.
     fn route(&self, hidden: &Tensor) -> Result<Vec<Vec<(usize, f32)>>> {
-        let scores = candle_nn::ops::sigmoid(&hidden.to_dtype(DType::F32)?.matmul(&self.weight.t()?)?)?;
+        let scores =
+            candle_nn::ops::sigmoid(&hidden.to_dtype(DType::F32)?.matmul(&self.weight.t()?)?)?;
         let scores: Vec<Vec<f32>> = scores.to_vec2()?;
         Ok(scores.iter().map(|s| self.route_token(s)).collect())
     }
 
     fn route_token(&self, scores: &[f32]) -> Vec<(usize, f32)> {
-        let choice: Vec<f32> = scores.iter().zip(&self.correction_bias).map(|(s, b)| s + b).collect();
+        let choice: Vec<f32> = scores
+            .iter()
+            .zip(&self.correction_bias)
+            .map(|(s, b)| s + b)
+            .collect();
         // Group limiting: a group's score is the sum of its two best choice scores; keep topk_group groups.
         let group_size = choice.len() / self.n_group;
         let group_score = |g: usize| {
@@ -297,11 +408,20 @@ impl Router {
             members.sort_by(|a, b| b.total_cmp(a));
             members.iter().take(2).sum::<f32>()
         };
-        let kept_groups = top_indices(&(0..self.n_group).map(group_score).collect::<Vec<_>>(), self.topk_group);
+        let kept_groups = top_indices(
+            &(0..self.n_group).map(group_score).collect::<Vec<_>>(),
+            self.topk_group,
+        );
         let allowed: Vec<f32> = choice
             .iter()
             .enumerate()
-            .map(|(e, &c)| if kept_groups.contains(&(e / group_size)) { c } else { f32::NEG_INFINITY })
+            .map(|(e, &c)| {
+                if kept_groups.contains(&(e / group_size)) {
+                    c
+                } else {
+                    f32::NEG_INFINITY
+                }
+            })
             .collect();
         let experts = top_indices(&allowed, self.top_k);
         let mut gates: Vec<f32> = experts.iter().map(|&e| scores[e]).collect();
@@ -309,7 +429,10 @@ impl Router {
             let total = gates.iter().sum::<f32>() + 1e-20;
             gates.iter_mut().for_each(|g| *g /= total);
         }
-        experts.into_iter().zip(gates.into_iter().map(|g| g * self.scaling)).collect()
+        experts
+            .into_iter()
+            .zip(gates.into_iter().map(|g| g * self.scaling))
+            .collect()
     }
 }
 
@@ -334,7 +457,10 @@ impl MoE {
         let router = Router {
             weight: loader.tensor_f32(&format!("{prefix}.gate.weight"), &[n_experts, hidden])?,
             correction_bias: loader
-                .tensor_f32(&format!("{prefix}.gate.e_score_correction_bias"), &[n_experts])?
+                .tensor_f32(
+                    &format!("{prefix}.gate.e_score_correction_bias"),
+                    &[n_experts],
+                )?
                 .to_vec1()?,
             n_group: config.n_group,
             topk_group: config.topk_group,
@@ -343,7 +469,14 @@ impl MoE {
             scaling: config.routed_scaling_factor as f32,
         };
         let experts = (0..n_experts)
-            .map(|e| Mlp::load(loader, &format!("{prefix}.experts.{e}"), hidden, config.moe_intermediate_size))
+            .map(|e| {
+                Mlp::load(
+                    loader,
+                    &format!("{prefix}.experts.{e}"),
+                    hidden,
+                    config.moe_intermediate_size,
+                )
+            })
             .collect::<Result<Vec<_>>>()?;
         let shared_experts = (config.n_shared_experts > 0)
             .then(|| {
@@ -351,7 +484,11 @@ impl MoE {
                 Mlp::load(loader, &format!("{prefix}.shared_experts"), hidden, width)
             })
             .transpose()?;
-        Ok(Self { router, experts, shared_experts })
+        Ok(Self {
+            router,
+            experts,
+            shared_experts,
+        })
     }
 
     fn forward(&self, hidden: &Tensor) -> Result<Tensor> {
@@ -367,10 +504,20 @@ impl MoE {
             if assigned.is_empty() {
                 continue;
             }
-            let rows = Tensor::from_vec(assigned.iter().map(|a| a.0).collect(), assigned.len(), hidden.device())?;
-            let gates = Tensor::from_vec(assigned.iter().map(|a| a.1).collect(), (assigned.len(), 1), hidden.device())?
-                .to_dtype(hidden.dtype())?;
-            let y = expert.forward(&hidden.index_select(&rows, 0)?)?.broadcast_mul(&gates)?;
+            let rows = Tensor::from_vec(
+                assigned.iter().map(|a| a.0).collect(),
+                assigned.len(),
+                hidden.device(),
+            )?;
+            let gates = Tensor::from_vec(
+                assigned.iter().map(|a| a.1).collect(),
+                (assigned.len(), 1),
+                hidden.device(),
+            )?
+            .to_dtype(hidden.dtype())?;
+            let y = expert
+                .forward(&hidden.index_select(&rows, 0)?)?
+                .broadcast_mul(&gates)?;
             out = out.index_add(&rows, &y, 0)?;
         }
         if let Some(shared) = &self.shared_experts {
@@ -406,7 +553,11 @@ impl DecoderLayer {
             MlpKind::MoE => FeedForward::MoE(MoE::load(config, loader, &format!("{prefix}.mlp"))?),
         };
         Ok(Self {
-            input_layernorm: loader.rms_norm(&format!("{prefix}.input_layernorm"), config.hidden_size, config.rms_norm_eps)?,
+            input_layernorm: loader.rms_norm(
+                &format!("{prefix}.input_layernorm"),
+                config.hidden_size,
+                config.rms_norm_eps,
+            )?,
             self_attn: Attention::load(config, loader, &format!("{prefix}.self_attn"))?,
             post_attention_layernorm: loader.rms_norm(
                 &format!("{prefix}.post_attention_layernorm"),
@@ -417,8 +568,21 @@ impl DecoderLayer {
         })
     }
 
-    fn forward(&self, x: &Tensor, start_pos: usize, rope: &Rope, cache: &LayerCache, mode: AttentionMode) -> Result<Tensor> {
-        let attn = self.self_attn.forward(&self.input_layernorm.forward(x)?, start_pos, rope, cache, mode)?;
+    fn forward(
+        &self,
+        x: &Tensor,
+        start_pos: usize,
+        rope: &Rope,
+        cache: &LayerCache,
+        mode: AttentionMode,
+    ) -> Result<Tensor> {
+        let attn = self.self_attn.forward(
+            &self.input_layernorm.forward(x)?,
+            start_pos,
+            rope,
+            cache,
+            mode,
+        )?;
         let x = (x + attn)?;
         let h = self.post_attention_layernorm.forward(&x)?;
         let ffn = match &self.mlp {
@@ -443,8 +607,18 @@ pub struct Glm5ForCausalLM {
 
 impl Glm5ForCausalLM {
     /// Builds the graph from `checkpoint`, converting weights to `dtype` (the router stays f32).
-    pub fn load(config: &Config, checkpoint: &Checkpoint, dtype: DType, device: &Device, mode: AttentionMode) -> Result<Self> {
-        let loader = Loader { checkpoint, dtype, device };
+    pub fn load(
+        config: &Config,
+        checkpoint: &Checkpoint,
+        dtype: DType,
+        device: &Device,
+        mode: AttentionMode,
+    ) -> Result<Self> {
+        let loader = Loader {
+            checkpoint,
+            dtype,
+            device,
+        };
         let (vocab, hidden) = (config.vocab_size, config.hidden_size);
         let embed_tokens = loader.tensor("model.embed_tokens.weight", &[vocab, hidden])?;
         let lm_head = if config.tie_word_embeddings && !checkpoint.contains("lm_head.weight") {
@@ -468,7 +642,12 @@ impl Glm5ForCausalLM {
     }
 
     /// Reads `config.json` and the safetensors checkpoint of a model directory.
-    pub fn from_dir(dir: impl AsRef<std::path::Path>, dtype: DType, device: &Device, mode: AttentionMode) -> Result<Self> {
+    pub fn from_dir(
+        dir: impl AsRef<std::path::Path>,
+        dtype: DType,
+        device: &Device,
+        mode: AttentionMode,
+    ) -> Result<Self> {
         let dir = dir.as_ref();
         let config = Config::from_file(dir.join("config.json"))?;
         Self::load(&config, &Checkpoint::open(dir)?, dtype, device, mode)
@@ -497,20 +676,41 @@ impl Glm5ForCausalLM {
 
     /// Runs `input_ids` at positions `start_pos..start_pos + len` (a prompt chunk or one decode token),
     /// appending them to `cache`, and returns f32 logits `[len, vocab_size]`.
-    pub fn forward(&self, input_ids: &[u32], start_pos: usize, cache: &mut KvCache) -> Result<Tensor> {
+    pub fn forward(
+        &self,
+        input_ids: &[u32],
+        start_pos: usize,
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
         let t = input_ids.len();
         if t == 0 {
             return Err(ModelError::EmptyInput);
         }
-        if let Some((position, &token)) = input_ids.iter().enumerate().find(|(_, &id)| id as usize >= self.config.vocab_size) {
-            return Err(ModelError::TokenOutOfRange { token, position: start_pos + position, vocab_size: self.config.vocab_size });
+        if let Some((position, &token)) = input_ids
+            .iter()
+            .enumerate()
+            .find(|(_, &id)| id as usize >= self.config.vocab_size)
+        {
+            return Err(ModelError::TokenOutOfRange {
+                token,
+                position: start_pos + position,
+                vocab_size: self.config.vocab_size,
+            });
         }
         let max_positions = self.config.max_position_embeddings;
         if start_pos + t > max_positions {
-            return Err(ModelError::ContextOverflow { start: start_pos, end: start_pos + t, max_positions });
+            return Err(ModelError::ContextOverflow {
+                start: start_pos,
+                end: start_pos + t,
+                max_positions,
+            });
         }
         if cache.layers.len() != self.layers.len() {
-            return Err(ModelError::CacheShape(format!("{} layers, model has {}", cache.layers.len(), self.layers.len())));
+            return Err(ModelError::CacheShape(format!(
+                "{} layers, model has {}",
+                cache.layers.len(),
+                self.layers.len()
+            )));
         }
         cache.check_append(start_pos, t)?;
 
@@ -521,6 +721,9 @@ impl Glm5ForCausalLM {
             x = layer.forward(&x, start_pos, &rope, layer_cache, self.mode)?;
         }
         cache.advance(t);
-        Ok(self.lm_head.forward(&self.norm.forward(&x)?)?.to_dtype(DType::F32)?)
+        Ok(self
+            .lm_head
+            .forward(&self.norm.forward(&x)?)?
+            .to_dtype(DType::F32)?)
     }
 }

@@ -31,12 +31,15 @@ impl Checkpoint {
         let dir = dir.as_ref().to_path_buf();
         let index_path = dir.join("model.safetensors.index.json");
         let paths: Vec<PathBuf> = if index_path.exists() {
-            let text = std::fs::read_to_string(&index_path)
-                .map_err(|source| ModelError::Io { path: index_path.clone(), source })?;
-            let index: ShardIndex = serde_json::from_str(&text).map_err(|e| ModelError::Checkpoint {
+            let text = std::fs::read_to_string(&index_path).map_err(|source| ModelError::Io {
                 path: index_path.clone(),
-                reason: format!("not a valid safetensors index: {e}"),
+                source,
             })?;
+            let index: ShardIndex =
+                serde_json::from_str(&text).map_err(|e| ModelError::Checkpoint {
+                    path: index_path.clone(),
+                    reason: format!("not a valid safetensors index: {e}"),
+                })?;
             let shards: BTreeSet<&String> = index.weight_map.values().collect();
             shards.into_iter().map(|name| dir.join(name)).collect()
         } else {
@@ -44,12 +47,18 @@ impl Checkpoint {
         };
         for path in &paths {
             if !path.is_file() {
-                return Err(ModelError::Checkpoint { path: path.clone(), reason: "file not found".into() });
+                return Err(ModelError::Checkpoint {
+                    path: path.clone(),
+                    reason: "file not found".into(),
+                });
             }
         }
         // SAFETY: the files are mapped read-only; glm5 never writes to a checkpoint while it is loaded.
-        let files = unsafe { MmapedSafetensors::multi(&paths) }
-            .map_err(|e| ModelError::Checkpoint { path: dir.clone(), reason: e.to_string() })?;
+        let files =
+            unsafe { MmapedSafetensors::multi(&paths) }.map_err(|e| ModelError::Checkpoint {
+                path: dir.clone(),
+                reason: e.to_string(),
+            })?;
         Ok(Self { files, dir })
     }
 
@@ -64,8 +73,19 @@ impl Checkpoint {
     }
 
     /// Loads `name`, checks it has `shape`, and converts it to `dtype` on `device`.
-    pub fn tensor(&self, name: &str, shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
-        let view = self.files.get(name).map_err(|_| ModelError::MissingTensor { name: name.to_string() })?;
+    pub fn tensor(
+        &self,
+        name: &str,
+        shape: &[usize],
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Tensor> {
+        let view = self
+            .files
+            .get(name)
+            .map_err(|_| ModelError::MissingTensor {
+                name: name.to_string(),
+            })?;
         if view.shape() != shape {
             return Err(ModelError::TensorShape {
                 name: name.to_string(),
@@ -75,7 +95,10 @@ impl Checkpoint {
         }
         use safetensors::Dtype as St;
         if !matches!(view.dtype(), St::F32 | St::BF16 | St::F16) {
-            return Err(ModelError::TensorDtype { name: name.to_string(), dtype: format!("{:?}", view.dtype()) });
+            return Err(ModelError::TensorDtype {
+                name: name.to_string(),
+                dtype: format!("{:?}", view.dtype()),
+            });
         }
         let tensor = candle_core::safetensors::Load::load(&view, device)?;
         Ok(tensor.to_dtype(dtype)?)

@@ -65,7 +65,10 @@ pub struct Request {
 impl Request {
     /// A header's value (case-insensitive name).
     pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
     }
 }
 
@@ -89,20 +92,35 @@ impl HubServer {
     /// Binds a free port and serves `config` on a background thread.
     pub fn start(config: ServerConfig) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
-        listener.set_nonblocking(true).expect("nonblocking listener");
+        listener
+            .set_nonblocking(true)
+            .expect("nonblocking listener");
         let url = format!("http://{}", listener.local_addr().expect("local addr"));
-        let shared = Arc::new(Shared { config, log: Mutex::new(Vec::new()), fired: Mutex::new(Vec::new()) });
+        let shared = Arc::new(Shared {
+            config,
+            log: Mutex::new(Vec::new()),
+            fired: Mutex::new(Vec::new()),
+        });
         let stop = Arc::new(AtomicBool::new(false));
         let thread = {
             let (shared, stop) = (Arc::clone(&shared), Arc::clone(&stop));
             std::thread::spawn(move || accept_loop(listener, shared, stop))
         };
-        Self { url, shared, stop, thread: Some(thread) }
+        Self {
+            url,
+            shared,
+            stop,
+            thread: Some(thread),
+        }
     }
 
     /// Every request received so far.
     pub fn requests(&self) -> Vec<Request> {
-        self.shared.log.lock().map(|l| l.clone()).unwrap_or_default()
+        self.shared
+            .log
+            .lock()
+            .map(|l| l.clone())
+            .unwrap_or_default()
     }
 }
 
@@ -144,7 +162,9 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>, stop: Arc<AtomicBool>
                     let _ = handle(stream, &shared);
                 });
             }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(2)),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(2))
+            }
             Err(_) => break,
         }
     }
@@ -166,13 +186,19 @@ fn read_request(stream: &mut TcpStream) -> std::io::Result<Option<Request>> {
     let text = String::from_utf8_lossy(&buf);
     let mut lines = text.split("\r\n");
     let mut first = lines.next().unwrap_or_default().split(' ');
-    let (Some(method), Some(path)) = (first.next(), first.next()) else { return Ok(None) };
+    let (Some(method), Some(path)) = (first.next(), first.next()) else {
+        return Ok(None);
+    };
     let headers = lines
         .take_while(|l| !l.is_empty())
         .filter_map(|l| l.split_once(':'))
         .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
         .collect();
-    Ok(Some(Request { method: method.to_string(), path: path.to_string(), headers }))
+    Ok(Some(Request {
+        method: method.to_string(),
+        path: path.to_string(),
+        headers,
+    }))
 }
 
 struct Response {
@@ -185,7 +211,12 @@ struct Response {
 
 impl Response {
     fn new(status: u16) -> Self {
-        Self { status, headers: Vec::new(), body: Vec::new(), truncate: None }
+        Self {
+            status,
+            headers: Vec::new(),
+            body: Vec::new(),
+            truncate: None,
+        }
     }
     fn header(mut self, name: &'static str, value: impl Into<String>) -> Self {
         self.headers.push((name, value.into()));
@@ -196,7 +227,8 @@ impl Response {
         self
     }
     fn json(self, value: &str) -> Self {
-        self.header("Content-Type", "application/json").body(value.as_bytes())
+        self.header("Content-Type", "application/json")
+            .body(value.as_bytes())
     }
     fn error(status: u16, code: &str, message: &str) -> Self {
         Self::new(status)
@@ -210,7 +242,9 @@ fn handle(mut stream: TcpStream, shared: &Shared) -> std::io::Result<()> {
     stream.set_nonblocking(false)?;
     stream.set_read_timeout(Some(Duration::from_secs(5)))?;
     stream.set_write_timeout(Some(Duration::from_secs(5)))?;
-    let Some(request) = read_request(&mut stream)? else { return Ok(()) };
+    let Some(request) = read_request(&mut stream)? else {
+        return Ok(());
+    };
     if let Ok(mut log) = shared.log.lock() {
         log.push(request.clone());
     }
@@ -231,10 +265,16 @@ fn handle(mut stream: TcpStream, shared: &Shared) -> std::io::Result<()> {
     for (k, v) in &response.headers {
         out.push_str(&format!("{k}: {v}\r\n"));
     }
-    out.push_str(&format!("Content-Length: {}\r\nConnection: close\r\n\r\n", response.body.len()));
+    out.push_str(&format!(
+        "Content-Length: {}\r\nConnection: close\r\n\r\n",
+        response.body.len()
+    ));
     stream.write_all(out.as_bytes())?;
     if !head && response.status != 304 {
-        let n = response.truncate.unwrap_or(response.body.len()).min(response.body.len());
+        let n = response
+            .truncate
+            .unwrap_or(response.body.len())
+            .min(response.body.len());
         stream.write_all(&response.body[..n])?;
     }
     stream.flush()?;
@@ -254,7 +294,9 @@ fn route(request: &Request, shared: &Shared) -> Response {
         ["api", "models", rest @ ..] => (true, rest),
         rest => (false, rest),
     };
-    let [owner, name, rest @ ..] = parts else { return Response::error(404, "NotFound", "Not found") };
+    let [owner, name, rest @ ..] = parts else {
+        return Response::error(404, "NotFound", "Not found");
+    };
     let id = format!("{owner}/{name}");
     let Some(repo) = config.repos.iter().find(|r| r.id == id) else {
         let status = config.unknown_repo_status.unwrap_or(401);
@@ -272,7 +314,11 @@ fn route(request: &Request, shared: &Shared) -> Response {
                     .files
                     .iter()
                     .map(|(p, b)| {
-                        format!("{{\"type\":\"file\",\"oid\":\"{}\",\"size\":{},\"path\":\"{p}\"}}", etag(b), b.len())
+                        format!(
+                            "{{\"type\":\"file\",\"oid\":\"{}\",\"size\":{},\"path\":\"{p}\"}}",
+                            etag(b),
+                            b.len()
+                        )
                     })
                     .collect();
                 Response::new(200).json(&format!("[{}]", entries.join(",")))
@@ -281,16 +327,23 @@ fn route(request: &Request, shared: &Shared) -> Response {
             _ => Response::error(404, "NotFound", "Not found"),
         };
     }
-    let ["resolve", rev, file @ ..] = rest else { return Response::error(404, "NotFound", "Not found") };
+    let ["resolve", rev, file @ ..] = rest else {
+        return Response::error(404, "NotFound", "Not found");
+    };
     if !rev_ok(rev) {
         return bad_rev();
     }
     if config.gated.contains(&id) {
-        return Response::error(403, "GatedRepo", "Access to this model is restricted; you must accept its terms");
+        return Response::error(
+            403,
+            "GatedRepo",
+            "Access to this model is restricted; you must accept its terms",
+        );
     }
     let file = file.join("/");
     let Some(bytes) = repo.files.get(&file) else {
-        return Response::error(404, "EntryNotFound", "Entry not found").header("X-Repo-Commit", repo.commit.clone());
+        return Response::error(404, "EntryNotFound", "Entry not found")
+            .header("X-Repo-Commit", repo.commit.clone());
     };
     let tag = format!("\"{}\"", etag(bytes));
     let ok = |status| {
@@ -308,11 +361,19 @@ fn route(request: &Request, shared: &Shared) -> Response {
     if let Some(response) = fault(shared, &file, bytes, ok(200)) {
         return response;
     }
-    match request.header("Range").and_then(|r| parse_range(r, bytes.len())) {
+    match request
+        .header("Range")
+        .and_then(|r| parse_range(r, bytes.len()))
+    {
         Some(Ok((start, end))) => ok(206)
-            .header("Content-Range", format!("bytes {start}-{end}/{}", bytes.len()))
+            .header(
+                "Content-Range",
+                format!("bytes {start}-{end}/{}", bytes.len()),
+            )
             .body(&bytes[start..=end]),
-        Some(Err(())) => Response::new(416).header("Content-Range", format!("bytes */{}", bytes.len())),
+        Some(Err(())) => {
+            Response::new(416).header("Content-Range", format!("bytes */{}", bytes.len()))
+        }
         None => ok(200).body(bytes.clone()),
     }
 }
@@ -324,12 +385,21 @@ fn fault(shared: &Shared, file: &str, bytes: &[u8], ok: Response) -> Option<Resp
                 let mut fired = shared.fired.lock().ok()?;
                 if !fired.contains(&i) {
                     fired.push(i);
-                    return Some(Response { truncate: Some(*after), ..ok.body(bytes) });
+                    return Some(Response {
+                        truncate: Some(*after),
+                        ..ok.body(bytes)
+                    });
                 }
             }
             Fault::ErrorBody { file: f, status } if f == file => {
-                let page = format!("<!DOCTYPE html><html><body><h1>{status} - Internal Error</h1></body></html>\n");
-                return Some(Response::new(*status).header("Content-Type", "text/html").body(page));
+                let page = format!(
+                    "<!DOCTYPE html><html><body><h1>{status} - Internal Error</h1></body></html>\n"
+                );
+                return Some(
+                    Response::new(*status)
+                        .header("Content-Type", "text/html")
+                        .body(page),
+                );
             }
             _ => {}
         }
@@ -343,9 +413,15 @@ fn parse_range(header: &str, len: usize) -> Option<Result<(usize, usize), ()>> {
     let (a, b) = spec.split_once('-')?;
     let last = len.checked_sub(1);
     let range = match (a.trim(), b.trim()) {
-        ("", n) => n.parse::<usize>().ok().and_then(|n| last.map(|l| (len.saturating_sub(n), l))),
+        ("", n) => n
+            .parse::<usize>()
+            .ok()
+            .and_then(|n| last.map(|l| (len.saturating_sub(n), l))),
         (a, "") => a.parse::<usize>().ok().zip(last),
-        (a, b) => a.parse::<usize>().ok().zip(b.parse::<usize>().ok().zip(last).map(|(b, l)| b.min(l))),
+        (a, b) => a
+            .parse::<usize>()
+            .ok()
+            .zip(b.parse::<usize>().ok().zip(last).map(|(b, l)| b.min(l))),
     };
     Some(range.filter(|(s, e)| s <= e).ok_or(()))
 }
