@@ -7,7 +7,7 @@ use std::io::Write;
 
 use glm5::{ChatOptions, GenerationParams, Glm5, LoadOptions, Message};
 
-fn main() -> glm5::Result<()> {
+fn main() -> Result<(), Box<dyn std::error::Error>> {
     let options = LoadOptions::default();
     let model = match std::env::args().nth(1) {
         Some(id_or_dir) => Glm5::from_pretrained(&id_or_dir, &options)?,
@@ -21,8 +21,14 @@ fn main() -> glm5::Result<()> {
     println!("logits {:?} from {}", logits.dims(), model.label());
 
     // Streaming generation from a chat prompt.
-    let prompt = model.apply_chat_template(&[Message::user("Say hello.")], &ChatOptions::default())?;
-    let params = GenerationParams { max_new_tokens: 32, temperature: 0.7, top_p: Some(0.95), ..Default::default() };
+    let prompt =
+        model.apply_chat_template(&[Message::user("Say hello.")], &ChatOptions::default())?;
+    let params = GenerationParams {
+        max_new_tokens: 32,
+        temperature: 0.7,
+        top_p: Some(0.95),
+        ..Default::default()
+    };
     for token in model.generate(&prompt, &params)? {
         print!("{}", token?.text);
         std::io::stdout().flush().ok();

@@ -4,19 +4,27 @@
 //! through hf-hub's blocking client, pins every file to the commit `config.json` resolved to, and validates
 //! each file it returns: hf-hub 1.0 does not check the status of the body `GET`, so an error page can be
 //! stored in the cache as if it were the file ([`HubError::Corrupt`]).
+//!
+//! hf-hub 1.0 does not resume either: an interrupted transfer leaves `blobs/<etag>.incomplete`, and the next
+//! run truncates it and starts over. So before handing a file to hf-hub, [`resolve_model`] continues such a
+//! partial blob itself with a ranged `GET` (see `Fetcher::resume`) and renames it to `blobs/<etag>`, where
+//! hf-hub then finds it and links it into the snapshot as if it had downloaded it.
 
 use std::collections::BTreeSet;
 use std::fmt;
-use std::fs::File;
-use std::io::{BufReader, Read};
+use std::fs::{File, OpenOptions};
+use std::io::{BufReader, Read, Write};
 use std::path::{Component, Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
 
 use hf_hub::progress::{DownloadEvent, FileStatus, ProgressEvent, ProgressHandler};
 use hf_hub::repository::RepoTypeModel;
 use hf_hub::{HFClient, HFClientSync, HFError, HFRepositorySync};
 use indicatif::{HumanBytes, MultiProgress, ProgressBar, ProgressStyle};
+use reqwest::header::{HeaderMap, AUTHORIZATION, CONTENT_RANGE, LOCATION, RANGE};
+use reqwest::{redirect, StatusCode, Url};
 
 /// Files glm5 reads besides the weights: `(name, required)`, in download order.
 const MODEL_FILES: [(&str, bool); 5] = [
@@ -31,6 +39,12 @@ const SINGLE_WEIGHTS_FILE: &str = "model.safetensors";
 const DEFAULT_REVISION: &str = "main";
 /// Upper bound for a safetensors JSON header (the format's own limit is 100 MB).
 const MAX_SAFETENSORS_HEADER: u64 = 100 << 20;
+/// Suffix hf-hub gives a blob while it is being written.
+const INCOMPLETE: &str = ".incomplete";
+/// A resumed transfer gives up when connecting takes this long ...
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
+/// ... or when the connection stays silent this long; what arrived so far stays for the next run.
+const STALL_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Where and how [`resolve_model`] fetches a model.
 #[derive(Clone, Default)]
@@ -316,6 +330,13 @@ struct Fetcher<'a> {
     /// The revision asked for, then the commit `config.json` resolved to.
     revision: String,
     bars: Option<MultiProgress>,
+    /// Hub base URL and token, as hf-hub uses them (for [`Fetcher::resume`]).
+    endpoint: String,
+    token: Option<String>,
+    /// `models--owner--name`, the repo's folder in the cache.
+    repo_folder: String,
+    /// ETags of the interrupted downloads (`blobs/<etag>.incomplete`) not resumed yet.
+    partials: Mutex<BTreeSet<String>>,
 }
 
 impl<'a> Fetcher<'a> {
@@ -333,7 +354,9 @@ impl<'a> Fetcher<'a> {
         if let Some(dir) = &options.cache_dir {
             builder = builder.cache_dir(dir);
         }
-        if let Some(token) = &options.token {
+        // Resolved here, not left to hf-hub, so that a resumed transfer sends the same token.
+        let token = options.token.clone().or_else(implicit_token);
+        if let Some(token) = &token {
             builder = builder.token(token.as_str());
         }
         if let Some(retries) = options.retries {
@@ -341,6 +364,16 @@ impl<'a> Fetcher<'a> {
         }
         let client = builder.build().map_err(hub_err)?;
         let cache_dir = client.cache_dir().to_path_buf();
+        let endpoint = client.endpoint().to_string();
+        let repo_folder = format!("models--{owner}--{name}");
+        let partials = std::fs::read_dir(cache_dir.join(&repo_folder).join("blobs"))
+            .into_iter()
+            .flatten()
+            .filter_map(|entry| {
+                let name = entry.ok()?.file_name().into_string().ok()?;
+                name.strip_suffix(INCOMPLETE).map(str::to_string)
+            })
+            .collect();
         let client = HFClientSync::from_inner(client).map_err(hub_err)?;
         Ok(Self {
             repo: client.model(owner, name),
@@ -352,6 +385,10 @@ impl<'a> Fetcher<'a> {
                 .clone()
                 .unwrap_or_else(|| DEFAULT_REVISION.to_string()),
             bars: options.progress.then(MultiProgress::new),
+            endpoint,
+            token,
+            repo_folder,
+            partials: Mutex::new(partials),
         })
     }
 
@@ -387,6 +424,7 @@ impl<'a> Fetcher<'a> {
     /// Fetches (or finds in the cache) one file and validates it; `Ok(None)` for an absent optional file.
     fn download(&self, file: &str, required: bool) -> Result<Option<PathBuf>, HubError> {
         tracing::debug!(repo = %self.repo_id, file, revision = %self.revision, "resolving");
+        self.resume(file)?;
         let tracker = Arc::new(Tracker::new(file, self.bars.clone()));
         let result = self
             .repo
@@ -601,6 +639,330 @@ impl<'a> Fetcher<'a> {
             ),
         }
     }
+}
+
+/// What the Hub's `HEAD` says about a file.
+struct Head {
+    /// Blob name: `X-Linked-Etag`, else `ETag`, without `W/` and quotes.
+    etag: String,
+    /// `X-Repo-Commit`.
+    commit: String,
+    /// `X-Linked-Size`, else `Content-Length`.
+    size: u64,
+    /// `X-Xet-Hash` present: hf-hub fetches the file through Xet, not into `.incomplete`.
+    xet: bool,
+}
+
+/// Resuming what an interrupted hf-hub download left in `blobs/<etag>.incomplete`.
+impl Fetcher<'_> {
+    /// Continues an interrupted download of `file`, if there is one, so that hf-hub then finds the blob.
+    ///
+    /// Runs only online and while some `.incomplete` blob is left. A `HEAD` read as hf-hub 1.0 reads it
+    /// names the blob; if its `.incomplete` is shorter than the file, the rest is fetched (at the commit the
+    /// `HEAD` resolved to) with `Range: bytes=<len>-` and appended, or, if the server answers `200` instead
+    /// of `206`, written from the start; then the size is checked and the file renamed to `blobs/<etag>`,
+    /// all under hf-hub's lock for that blob. hf-hub's `download_file` then sees the blob and links it into
+    /// the snapshot (and writes `refs/<revision>`) as if it had downloaded it. What this cannot continue
+    /// (failed `HEAD`, Xet-backed file, unknown size, lock held elsewhere, `416`, a `Content-Range` that does
+    /// not fit) is left to hf-hub, which starts over.
+    ///
+    /// # Errors
+    ///
+    /// The ranged `GET` failed ([`HubError::Network`], also when the connection stalls for
+    /// [`STALL_TIMEOUT`], [`HubError::Http`], [`HubError::Gated`]): the `.incomplete` file keeps what
+    /// arrived, for the next run. [`HubError::Corrupt`] when more bytes arrived than the Hub announced.
+    fn resume(&self, file: &str) -> Result<(), HubError> {
+        if self.options.offline || self.partials.lock().map_or(true, |p| p.is_empty()) {
+            return Ok(());
+        }
+        // A runtime of our own, on its own thread: this works even when the caller runs inside tokio.
+        std::thread::scope(|scope| {
+            scope
+                .spawn(|| {
+                    tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                        .map_err(|e| HubError::Hub {
+                            repo: self.repo_id.clone(),
+                            file: Some(file.to_string()),
+                            source: HFError::Other(format!("cannot start a tokio runtime: {e}")),
+                        })?
+                        .block_on(self.resume_async(file))
+                })
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+        })
+    }
+
+    async fn resume_async(&self, file: &str) -> Result<(), HubError> {
+        let client = |policy| {
+            reqwest::Client::builder()
+                .user_agent(concat!("glm5/", env!("CARGO_PKG_VERSION")))
+                .connect_timeout(CONNECT_TIMEOUT)
+                .read_timeout(STALL_TIMEOUT)
+                .redirect(policy)
+                .build()
+        };
+        let (Ok(head_client), Ok(get_client)) = (
+            client(redirect::Policy::none()),
+            client(redirect::Policy::default()),
+        ) else {
+            return Ok(());
+        };
+        let Some(head) = self.head(&head_client, file).await else {
+            return Ok(());
+        };
+        let ours = self
+            .partials
+            .lock()
+            .is_ok_and(|mut partials| partials.remove(&head.etag));
+        if !ours || head.xet || head.size == 0 {
+            return Ok(());
+        }
+        let blobs = self.cache_dir.join(&self.repo_folder).join("blobs");
+        let blob = blobs.join(&head.etag);
+        let partial = blobs.join(format!("{}{INCOMPLETE}", head.etag));
+        let Some(_lock) = self.lock_blob(&head.etag) else {
+            return Ok(());
+        };
+        let have = match std::fs::metadata(&partial) {
+            Ok(meta) if !blob.exists() && (1..=head.size).contains(&meta.len()) => meta.len(),
+            _ => return Ok(()),
+        };
+        if have < head.size {
+            let tracker = Tracker::new(file, self.bars.clone());
+            let fetched = self
+                .fetch_rest(&get_client, file, &head, &partial, have, &tracker)
+                .await;
+            tracker.finish();
+            if !fetched? {
+                return Ok(());
+            }
+        }
+        std::fs::rename(&partial, &blob).map_err(|source| HubError::Io {
+            path: partial,
+            source,
+        })
+    }
+
+    /// `HEAD` of `file` at the current revision, read as hf-hub 1.0 reads it: relative redirects followed, an
+    /// absolute one (to a CDN) taken with its own headers. `None` on any failure: hf-hub will report it.
+    async fn head(&self, client: &reqwest::Client, file: &str) -> Option<Head> {
+        let mut url = self.resolve_url(&self.revision, file)?;
+        for _ in 0..=10 {
+            let Ok(response) = client.head(url.clone()).headers(self.auth()).send().await else {
+                // The Hub is unreachable: do not wait for it again for every later file of this run.
+                self.partials.lock().map(|mut p| p.clear()).ok();
+                return None;
+            };
+            let headers = response.headers();
+            let text = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+            if response.status().is_redirection() {
+                if let Some(location) = text(LOCATION.as_str()).filter(|l| is_relative_location(l))
+                {
+                    url = url.join(location).ok()?;
+                    continue;
+                }
+            } else if !response.status().is_success() {
+                return None;
+            }
+            let etag = text("x-linked-etag").or_else(|| text("etag"))?;
+            return Some(Head {
+                etag: etag
+                    .strip_prefix("W/")
+                    .unwrap_or(etag)
+                    .trim_matches('"')
+                    .to_string(),
+                commit: text("x-repo-commit")?.to_string(),
+                size: text("x-linked-size")
+                    .or_else(|| text("content-length"))?
+                    .parse()
+                    .ok()?,
+                xet: headers.contains_key("x-xet-hash"),
+            });
+        }
+        None
+    }
+
+    /// Fetches `file` from byte `have` on into `partial`. `Ok(false)`: the server cannot continue it (the
+    /// partial file is left to hf-hub, which starts over).
+    async fn fetch_rest(
+        &self,
+        client: &reqwest::Client,
+        file: &str,
+        head: &Head,
+        partial: &Path,
+        have: u64,
+        tracker: &Tracker,
+    ) -> Result<bool, HubError> {
+        let net = |e: reqwest::Error| HubError::Network {
+            repo: self.repo_id.clone(),
+            file: file.to_string(),
+            source: e.into(),
+        };
+        let io = |source| HubError::Io {
+            path: partial.to_path_buf(),
+            source,
+        };
+        let Some(url) = self.resolve_url(&head.commit, file) else {
+            return Ok(false);
+        };
+        tracing::info!(repo = %self.repo_id, file, "resuming an interrupted download at byte {have} of {}", head.size);
+        let mut response = client
+            .get(url)
+            .headers(self.auth())
+            .header(RANGE, format!("bytes={have}-"))
+            .send()
+            .await
+            .map_err(net)?;
+        let append = match response.status() {
+            StatusCode::OK => false,
+            StatusCode::PARTIAL_CONTENT if range_fits(response.headers(), have, head.size) => true,
+            status if status.is_success() || status == StatusCode::RANGE_NOT_SATISFIABLE => {
+                tracing::warn!(repo = %self.repo_id, file, "cannot resume (HTTP {status}): downloading it again");
+                return Ok(false);
+            }
+            status => return Err(self.status_error(file, status, response.headers())),
+        };
+        let mut out = if append {
+            OpenOptions::new().append(true).open(partial)
+        } else {
+            File::create(partial)
+        }
+        .map_err(io)?;
+        let mut done = if append { have } else { 0 };
+        let bar = tracker.bar(head.size);
+        while let Some(chunk) = response.chunk().await.map_err(net)? {
+            out.write_all(&chunk).map_err(io)?;
+            done += chunk.len() as u64;
+            if let Some(bar) = bar {
+                bar.set_position(done);
+            }
+        }
+        if done < head.size {
+            return Err(HubError::Network {
+                repo: self.repo_id.clone(),
+                file: file.to_string(),
+                source: HFError::Other(format!(
+                    "the connection closed after {done} of {} bytes",
+                    head.size
+                )),
+            });
+        }
+        if done > head.size {
+            let _ = std::fs::remove_file(partial);
+            return Err(self.corrupt(
+                file,
+                partial,
+                &format!("the resumed download gave {done} bytes, but the Hub announced {}; the partial file was removed", head.size),
+            ));
+        }
+        if let (Some(bar), Some(bars)) = (bar, &self.bars) {
+            bar.finish_and_clear();
+            let from = if append {
+                format!(", resumed at {}", HumanBytes(have))
+            } else {
+                String::new()
+            };
+            let _ = bars.println(format!("{file} ({}{from})", HumanBytes(done)));
+        }
+        Ok(true)
+    }
+
+    /// `{endpoint}/{owner}/{name}/resolve/{revision}/{file}`, segments percent-encoded.
+    fn resolve_url(&self, revision: &str, file: &str) -> Option<Url> {
+        let mut url = Url::parse(&format!("{}/{}/resolve", self.endpoint, self.repo_id)).ok()?;
+        url.path_segments_mut()
+            .ok()?
+            .push(revision)
+            .extend(file.split('/').filter(|s| !s.is_empty()));
+        Some(url)
+    }
+
+    fn auth(&self) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        if let Some(value) = self
+            .token
+            .as_ref()
+            .and_then(|t| format!("Bearer {t}").parse().ok())
+        {
+            headers.insert(AUTHORIZATION, value);
+        }
+        headers
+    }
+
+    /// hf-hub's lock on a blob (`<cache>/.locks/models--owner--name/<etag>.lock`), so that no hf-hub
+    /// download of the same blob runs meanwhile; `None` while another process holds it (or locking fails).
+    fn lock_blob(&self, etag: &str) -> Option<File> {
+        let dir = self.cache_dir.join(".locks").join(&self.repo_folder);
+        std::fs::create_dir_all(&dir).ok()?;
+        let lock = File::create(dir.join(format!("{etag}.lock"))).ok()?;
+        lock.try_lock().ok()?;
+        Some(lock)
+    }
+
+    /// The ranged `GET` answered an error status.
+    fn status_error(&self, file: &str, status: StatusCode, headers: &HeaderMap) -> HubError {
+        let (repo, file, status) = (self.repo_id.clone(), file.to_string(), status.as_u16());
+        let message = headers
+            .get("x-error-message")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        if matches!(status, 401 | 403) {
+            HubError::Gated {
+                repo,
+                file,
+                status,
+                message,
+            }
+        } else {
+            HubError::Http {
+                repo,
+                file,
+                status,
+                message,
+            }
+        }
+    }
+}
+
+/// `Content-Range: bytes <start>-<last>/<size>` (or `/*`) for the given start and size.
+fn range_fits(headers: &HeaderMap, start: u64, size: u64) -> bool {
+    let Some((span, total)) = headers
+        .get(CONTENT_RANGE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("bytes "))
+        .and_then(|v| v.split_once('/'))
+    else {
+        return false;
+    };
+    let first = span
+        .split_once('-')
+        .and_then(|(a, _)| a.trim().parse().ok());
+    first == Some(start) && (total.trim() == "*" || total.trim().parse() == Ok(size))
+}
+
+/// As hf-hub: a `Location` without scheme and host (one that is not a URL at all fails to join later).
+fn is_relative_location(location: &str) -> bool {
+    Url::parse(location).is_err() && !location.starts_with("//")
+}
+
+/// The token hf-hub 1.0 finds by itself: `HF_TOKEN`, else the file named by `HF_TOKEN_PATH`, else
+/// `$HF_HOME/token`; none when `HF_HUB_DISABLE_IMPLICIT_TOKEN` is set.
+fn implicit_token() -> Option<String> {
+    let var = |name| std::env::var(name).ok().filter(|v| !v.is_empty());
+    let read = |path: PathBuf| {
+        std::fs::read_to_string(path)
+            .ok()
+            .map(|t| t.trim().to_string())
+            .filter(|t| !t.is_empty())
+    };
+    if var("HF_HUB_DISABLE_IMPLICIT_TOKEN").is_some() {
+        return None;
+    }
+    var("HF_TOKEN")
+        .or_else(|| var("HF_TOKEN_PATH").and_then(|p| read(p.into())))
+        .or_else(|| read(hf_hub::hf_home().join("token")))
 }
 
 /// Parses a JSON file; the outer error is I/O, the inner one a parse failure.

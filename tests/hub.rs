@@ -1,5 +1,5 @@
 //! Hub download layer against a local stand-in Hub (no internet): cache layout, offline reuse, typed errors,
-//! interrupted downloads and error pages stored as files.
+//! interrupted downloads resumed, and error pages stored as files.
 
 #[path = "common/hub_server.rs"]
 mod hub_server;
@@ -301,11 +301,39 @@ fn gated_repo_is_gated() {
     }
 }
 
+/// The `GET`s of `file` the server answered: `(Range header, status, body bytes sent)`.
+fn gets(server: &HubServer, file: &str) -> Vec<(Option<String>, u16, usize)> {
+    server
+        .requests()
+        .into_iter()
+        .filter(|r| r.method == "GET" && r.path.ends_with(&format!("/{file}")))
+        .map(|r| (r.header("Range").map(str::to_string), r.status, r.body_sent))
+        .collect()
+}
+
+/// Resolving fails with `Network` naming `shard` and leaves `<blob>.incomplete` of `len` bytes (its path).
+fn expect_interrupted(opts: &HubOptions, repo: &RepoFixture, shard: &str, len: usize) -> PathBuf {
+    match resolve_model(REPO, opts).unwrap_err() {
+        HubError::Network { repo, file, .. } => {
+            assert_eq!((repo.as_str(), file.as_str()), (REPO, shard))
+        }
+        other => panic!("expected Network, got {other:?}"),
+    }
+    let incomplete = opts
+        .cache_dir
+        .as_ref()
+        .unwrap()
+        .join("models--glm5-test--tiny-dense/blobs")
+        .join(format!("{}.incomplete", repo.etag(shard).unwrap()));
+    assert_eq!(std::fs::metadata(&incomplete).unwrap().len(), len as u64);
+    incomplete
+}
+
 #[test]
-fn interrupted_download_restarts_from_scratch() {
+fn interrupted_download_is_resumed() {
     let repo = repo();
     let shard = SHARDS[1];
-    let after = 100_000;
+    let (size, after) = (repo.files[shard].len(), 100_000);
     let server = serve(
         repo.clone(),
         vec![Fault::TruncateOnce {
@@ -314,34 +342,104 @@ fn interrupted_download_restarts_from_scratch() {
         }],
     );
     let cache = tempfile::tempdir().unwrap();
-    let opts = options(&server.url, cache.path());
+    let opts = HubOptions {
+        progress: true,
+        ..options(&server.url, cache.path())
+    };
+    let incomplete = expect_interrupted(&opts, &repo, shard, after);
 
-    let err = resolve_model(REPO, &opts).unwrap_err();
-    match &err {
-        HubError::Network { repo, file, .. } => {
-            assert_eq!((repo.as_str(), file.as_str()), (REPO, shard))
-        }
-        other => panic!("expected Network, got {other:?}"),
-    }
-    // hf-hub leaves the partial body in `<blob>.incomplete` ...
-    let blobs = cache.path().join("models--glm5-test--tiny-dense/blobs");
-    let incomplete = blobs.join(format!("{}.incomplete", repo.etag(shard).unwrap()));
-    assert_eq!(std::fs::metadata(&incomplete).unwrap().len(), after as u64);
-
-    // ... but does not resume it: the next run GETs the whole file again, without a Range header.
+    // The next run asks only for the rest, gets 206, appends it, and hf-hub links the finished blob.
     let dir = resolve_model(REPO, &opts).unwrap();
     assert_model_files(&dir, &repo);
     assert!(!incomplete.exists());
-    let gets: Vec<_> = server
+    let etag = repo.etag(shard).unwrap();
+    assert_eq!(
+        std::fs::read_link(dir.join(shard)).unwrap(),
+        Path::new("../../blobs").join(&etag)
+    );
+    let sent = gets(&server, shard);
+    assert_eq!(
+        sent,
+        [
+            (None, 200, after),
+            (Some(format!("bytes={after}-")), 206, size - after)
+        ]
+    );
+    assert_eq!(sent.iter().map(|g| g.2).sum::<usize>(), size);
+    let ranged = server
         .requests()
         .into_iter()
-        .filter(|r| r.method == "GET" && r.path.ends_with(shard))
-        .collect();
-    assert_eq!(gets.len(), 2);
-    assert!(
-        gets.iter().all(|r| r.header("Range").is_none()),
-        "hf-hub 1.0 sent a Range request: {gets:?}"
+        .find(|r| r.header("Range").is_some())
+        .unwrap();
+    assert_eq!(ranged.header("Authorization"), Some("Bearer hf_test_token"));
+    assert!(ranged.path.contains(COMMIT), "{}", ranged.path);
+
+    // Nothing is left to resume: a third run fetches nothing.
+    assert_eq!(resolve_model(REPO, &opts).unwrap(), dir);
+    assert_eq!(gets(&server, shard).len(), 2);
+}
+
+#[test]
+fn resume_starts_over_when_the_server_ignores_range() {
+    let repo = repo();
+    let shard = SHARDS[1];
+    let (size, after) = (repo.files[shard].len(), 100_000);
+    let server = serve(
+        repo.clone(),
+        vec![
+            Fault::TruncateOnce {
+                file: shard.into(),
+                after,
+            },
+            Fault::IgnoreRange { file: shard.into() },
+        ],
     );
+    let cache = tempfile::tempdir().unwrap();
+    let opts = options(&server.url, cache.path());
+    let incomplete = expect_interrupted(&opts, &repo, shard, after);
+
+    // A 200 to the ranged GET carries the whole file: it replaces the partial one instead of being appended.
+    let dir = resolve_model(REPO, &opts).unwrap();
+    assert_model_files(&dir, &repo);
+    assert!(!incomplete.exists());
+    assert_eq!(
+        gets(&server, shard),
+        [
+            (None, 200, after),
+            (Some(format!("bytes={after}-")), 200, size)
+        ]
+    );
+}
+
+#[test]
+fn resume_interrupted_again_keeps_what_arrived() {
+    let repo = repo();
+    let shard = SHARDS[1];
+    let size = repo.files[shard].len();
+    let truncate = |after| Fault::TruncateOnce {
+        file: shard.into(),
+        after,
+    };
+    let server = serve(repo.clone(), vec![truncate(100_000), truncate(50_000)]);
+    let cache = tempfile::tempdir().unwrap();
+    let opts = options(&server.url, cache.path());
+    expect_interrupted(&opts, &repo, shard, 100_000);
+    // The resumed transfer drops too: the partial file grows, and the run fails the same way.
+    let incomplete = expect_interrupted(&opts, &repo, shard, 150_000);
+
+    let dir = resolve_model(REPO, &opts).unwrap();
+    assert_model_files(&dir, &repo);
+    assert!(!incomplete.exists());
+    let sent = gets(&server, shard);
+    assert_eq!(
+        sent,
+        [
+            (None, 200, 100_000),
+            (Some("bytes=100000-".into()), 206, 50_000),
+            (Some("bytes=150000-".into()), 206, size - 150_000)
+        ]
+    );
+    assert_eq!(sent.iter().map(|g| g.2).sum::<usize>(), size);
 }
 
 #[test]

@@ -1,6 +1,9 @@
 //! CUDA kernel blobs for glm5's custom ops.
 //!
-//! With the `cuda` feature, `build.rs` compiles every `src/*.cu` into one fatbin (sm_90 + sm_120 SASS and
-//! compute_120 PTX) and this crate exposes them as `pub const` byte blobs. Without the feature it is empty:
-//! the CPU build needs no CUDA toolchain. No kernel exists yet; the crate is here so the layering
-//! (kernels → ops → models → runtime) is in place.
+//! With the `cuda` feature, `build.rs` compiles every `src/*.cu` with nvcc into one fatbin (SASS for sm_90
+//! and sm_120, compute_120 PTX for newer GPUs) and this crate exposes each as a `pub const` byte blob.
+//! Without the feature it is empty, so CPU builds need no CUDA toolchain.
+
+/// `sparse_mla.cu`: sparse absorbed-MLA attention over a paged latent cache (bf16 mma.sync and f32 kernels).
+#[cfg(feature = "cuda")]
+pub const SPARSE_MLA: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/sparse_mla.fatbin"));

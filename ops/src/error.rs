@@ -54,6 +54,9 @@ pub enum OpError {
     /// The value width asked of a latent row is wider than the row.
     #[error("value_dim = {value_dim} exceeds the latent row width D = {row_dim}")]
     ValueDimTooLarge { value_dim: usize, row_dim: usize },
+    /// A backend cannot serve these shapes or dtypes (the message names the limit).
+    #[error("{0}")]
+    Unsupported(String),
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
 }

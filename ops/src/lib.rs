@@ -5,10 +5,14 @@
 //! the model calls, so a faster backend (a CUDA `CustomOp`, coming later) replaces a body without
 //! touching the model.
 
+#[cfg(feature = "cuda")]
+mod cuda;
 pub mod dsa_indexer;
 pub mod error;
 pub mod sparse_mla;
 
 pub use dsa_indexer::dsa_indexer;
 pub use error::{OpError, Result};
-pub use sparse_mla::sparse_mla;
+#[cfg(feature = "cuda")]
+pub use sparse_mla::set_poison_outputs;
+pub use sparse_mla::{sparse_mla, sparse_mla_paged, sparse_mla_reference, PagedLatentCache};

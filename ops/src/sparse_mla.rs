@@ -39,8 +39,133 @@ use crate::error::{check_float, check_same_dtype, check_shape, OpError, Result};
 /// Upper bound on the elements of the gathered `[T_chunk, K, D]` rows of one chunk.
 const MAX_CHUNK_ELEMS: usize = 64 << 20;
 
+/// A paged latent cache: rows live in fixed-size blocks, and each sequence's block table maps its logical
+/// positions to them (`row(seq, i) = blocks[block_table[seq, i / block_size], i % block_size]`).
+pub struct PagedLatentCache<'a> {
+    /// `[num_blocks, block_size, D]`.
+    pub blocks: &'a Tensor,
+    /// `I32 [B, max_blocks]`: the blocks of each sequence, in order.
+    pub block_table: &'a Tensor,
+    /// `I32 [B]`: tokens cached per sequence; positions at or beyond it are "no row".
+    pub seq_lens: &'a Tensor,
+    /// `I32 [T]`: the sequence of each query token.
+    pub token_seq: &'a Tensor,
+}
+
 /// Attention of every head over the selected latent rows: `(out, lse)` (contract in the module docs).
+///
+/// On a CUDA device with bf16 or f32 inputs this runs glm5's kernel (the cache as one block of `N` rows);
+/// there, indices outside `-1..N` are not reported but read as "no row" (validating them would cost a
+/// device-to-host copy per call).
 pub fn sparse_mla(
+    q: &Tensor,
+    latent_cache: &Tensor,
+    indices: &Tensor,
+    value_dim: usize,
+    softmax_scale: f64,
+) -> Result<(Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
+    if cuda::serves(q) {
+        let [t_len, _, row_dim] = check_shape("q", q, [("T", None), ("H", None), ("D", None)])?;
+        let [cache_len, _] = check_shape(
+            "latent_cache",
+            latent_cache,
+            [("N", None), ("D", Some(row_dim))],
+        )?;
+        let device = q.device();
+        let blocks = latent_cache.reshape((1, cache_len, row_dim))?;
+        let block_table = Tensor::zeros((1, 1), DType::I32, device)?;
+        let seq_lens = Tensor::new(&[cache_len as i32], device)?;
+        let token_seq = Tensor::zeros(t_len, DType::I32, device)?;
+        let cache = PagedLatentCache {
+            blocks: &blocks,
+            block_table: &block_table,
+            seq_lens: &seq_lens,
+            token_seq: &token_seq,
+        };
+        return cuda::sparse_mla_paged(q, &cache, indices, value_dim, softmax_scale);
+    }
+    sparse_mla_reference(q, latent_cache, indices, value_dim, softmax_scale)
+}
+
+/// [`sparse_mla`] over a paged cache: `indices[t]` are logical positions of sequence `token_seq[t]`.
+pub fn sparse_mla_paged(
+    q: &Tensor,
+    cache: &PagedLatentCache,
+    indices: &Tensor,
+    value_dim: usize,
+    softmax_scale: f64,
+) -> Result<(Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
+    if cuda::serves(q) {
+        return cuda::sparse_mla_paged(q, cache, indices, value_dim, softmax_scale);
+    }
+    // Reference: translate logical positions to physical rows on the host, then attend over all rows.
+    let [num_blocks, block_size, row_dim] = check_shape(
+        "blocks",
+        cache.blocks,
+        [("num_blocks", None), ("block_size", None), ("D", None)],
+    )?;
+    let [batch, max_blocks] = check_shape(
+        "block_table",
+        cache.block_table,
+        [("B", None), ("max_blocks", None)],
+    )?;
+    let [t_len, k_len] = check_shape("indices", indices, [("T", None), ("K", None)])?;
+    check_shape("seq_lens", cache.seq_lens, [("B", Some(batch))])?;
+    check_shape("token_seq", cache.token_seq, [("T", Some(t_len))])?;
+    let table = cache.block_table.to_dtype(DType::I64)?.to_vec2::<i64>()?;
+    let seq_lens = cache.seq_lens.to_dtype(DType::I64)?.to_vec1::<i64>()?;
+    let token_seq = cache.token_seq.to_dtype(DType::I64)?.to_vec1::<i64>()?;
+    let logical = indices.to_dtype(DType::I64)?.to_vec2::<i64>()?;
+    let mut physical = Vec::with_capacity(t_len * k_len);
+    for (t, row) in logical.iter().enumerate() {
+        let seq = usize::try_from(token_seq[t])
+            .ok()
+            .filter(|&s| s < batch)
+            .ok_or(OpError::IndexOutOfRange {
+                arg: "token_seq",
+                row: t,
+                col: 0,
+                value: token_seq[t],
+                cache_len: batch,
+            })?;
+        for (col, &pos) in row.iter().enumerate() {
+            let out_of_range = || OpError::IndexOutOfRange {
+                arg: "indices",
+                row: t,
+                col,
+                value: pos,
+                cache_len: seq_lens[seq] as usize,
+            };
+            if pos < 0 {
+                physical.push(-1);
+                continue;
+            }
+            if pos >= seq_lens[seq] || pos as usize / block_size >= max_blocks {
+                return Err(out_of_range());
+            }
+            let block = table[seq][pos as usize / block_size];
+            if !(0..num_blocks as i64).contains(&block) {
+                return Err(OpError::IndexOutOfRange {
+                    arg: "block_table",
+                    row: seq,
+                    col: pos as usize / block_size,
+                    value: block,
+                    cache_len: num_blocks,
+                });
+            }
+            physical.push((block as usize * block_size + pos as usize % block_size) as i32);
+        }
+    }
+    let rows = cache.blocks.reshape((num_blocks * block_size, row_dim))?;
+    let physical = Tensor::from_vec(physical, (t_len, k_len), q.device())?;
+    sparse_mla_reference(q, &rows, &physical, value_dim, softmax_scale)
+}
+
+/// The plain reference over contiguous rows (see the module docs): what the CPU runs, and the baseline the
+/// kernels are checked and timed against (it runs on any device).
+pub fn sparse_mla_reference(
     q: &Tensor,
     latent_cache: &Tensor,
     indices: &Tensor,
@@ -126,4 +251,426 @@ pub fn sparse_mla(
         Tensor::cat(&outs, 0)?.to_dtype(q.dtype())?,
         Tensor::cat(&lses, 0)?,
     ))
+}
+
+#[cfg(feature = "cuda")]
+pub use cuda::set_poison_outputs;
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    //! Launch of `kernels/src/sparse_mla.cu`: bf16 through the mma.sync kernel (split over the top-k and
+    //! combined when the grid would otherwise be small), f32 through the FMA kernel.
+
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, Mutex};
+
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda_backend::cudarc::driver::{
+        DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+    };
+    use candle_core::cuda_backend::{CudaDevice, CudaStorage};
+    use candle_core::{CustomOp1, CustomOp2, DType, Layout, Shape, Storage, Tensor};
+
+    use super::PagedLatentCache;
+    use crate::cuda::{device_info, kernel};
+    use crate::error::{check_shape, OpError, Result};
+
+    const MODULE: &[u8] = glm5_kernels::SPARSE_MLA;
+    /// Keys per tile of the bf16 kernel (`BN` in the .cu file).
+    const TILE: usize = 32;
+    const ROW_PAD: usize = 8;
+    /// Value widths the bf16 kernel is instantiated for.
+    const BF16_VALUE_DIMS: [usize; 6] = [16, 32, 64, 128, 256, 512];
+
+    static POISON_OUTPUTS: AtomicBool = AtomicBool::new(false);
+
+    /// Tests: fill every output buffer with NaN bytes before the kernels run, so an element they forget
+    /// to write shows up.
+    pub fn set_poison_outputs(on: bool) {
+        POISON_OUTPUTS.store(on, Ordering::Relaxed);
+    }
+
+    /// NaN-fills `bytes` at `ptr` when poisoning is on.
+    fn poison(
+        ptr: u64,
+        bytes: usize,
+        stream: &candle_core::cuda_backend::cudarc::driver::CudaStream,
+    ) -> candle_core::Result<()> {
+        if POISON_OUTPUTS.load(Ordering::Relaxed) {
+            // SAFETY: `ptr` is a live allocation of at least `bytes` bytes on this stream's context.
+            unsafe {
+                candle_core::cuda_backend::cudarc::driver::result::memset_d8_async(
+                    ptr,
+                    0xFF,
+                    bytes,
+                    stream.cu_stream(),
+                )
+            }
+            .map_err(cuda_err)?;
+        }
+        Ok(())
+    }
+
+    /// Whether this module serves `q`: a CUDA tensor of a dtype with a kernel.
+    pub(super) fn serves(q: &Tensor) -> bool {
+        q.device().is_cuda() && matches!(q.dtype(), DType::BF16 | DType::F32)
+    }
+
+    /// Mirrors `SparseMlaParams` in the .cu file.
+    #[repr(C)]
+    #[derive(Clone, Copy, Default)]
+    struct Params {
+        q: u64,
+        kv: u64,
+        block_table: u64,
+        seq_lens: u64,
+        token_seq: u64,
+        indices: u64,
+        out: u64,
+        lse: u64,
+        part_out: u64,
+        part_lse: u64,
+        t: i32,
+        h: i32,
+        d: i32,
+        dv: i32,
+        k: i32,
+        block_size: i32,
+        max_blocks: i32,
+        num_splits: i32,
+        tiles_per_split: i32,
+        scale: f32,
+    }
+    // SAFETY: plain-old-data with the C layout of the kernel's parameter struct.
+    unsafe impl DeviceRepr for Params {}
+
+    fn cuda_err(e: impl std::fmt::Display) -> candle_core::Error {
+        candle_core::Error::Cuda(e.to_string().into())
+    }
+
+    /// Device pointer of a contiguous tensor's storage (its layout offset applied).
+    fn int_tensor_ptr(
+        tensor: &Tensor,
+        stream: &Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>,
+    ) -> candle_core::Result<u64> {
+        let (storage, layout) = tensor.storage_and_layout();
+        let Storage::Cuda(cuda) = &*storage else {
+            candle_core::bail!("expected a CUDA tensor")
+        };
+        let (start, end) = layout
+            .contiguous_offsets()
+            .ok_or_else(|| cuda_err("tensor must be contiguous"))?;
+        let slice = cuda.as_cuda_slice::<i32>()?.slice(start..end);
+        let ptr = slice.device_ptr(&stream).0;
+        Ok(ptr)
+    }
+
+    struct SparseMla {
+        indices: Tensor,
+        block_table: Tensor,
+        seq_lens: Tensor,
+        token_seq: Tensor,
+        heads: usize,
+        value_dim: usize,
+        scale: f32,
+        lse: Arc<Mutex<Option<CudaStorage>>>,
+    }
+
+    impl SparseMla {
+        fn launch(
+            &self,
+            q: &CudaStorage,
+            q_layout: &Layout,
+            kv: &CudaStorage,
+            kv_layout: &Layout,
+        ) -> candle_core::Result<(CudaStorage, Shape)> {
+            let dev: &CudaDevice = q.device();
+            let stream = dev.cuda_stream();
+            let (t_len, heads, row_dim) = q_layout.shape().dims3()?;
+            let (num_blocks, block_size, _) = kv_layout.shape().dims3()?;
+            let (batch, max_blocks) = self.block_table.dims2()?;
+            let k_len = self.indices.dim(1)?;
+            let value_dim = self.value_dim;
+            let (q_start, q_end) = q_layout
+                .contiguous_offsets()
+                .ok_or_else(|| cuda_err("q must be contiguous"))?;
+            let (kv_start, kv_end) = kv_layout
+                .contiguous_offsets()
+                .ok_or_else(|| cuda_err("cache must be contiguous"))?;
+            let _ = (batch, num_blocks);
+
+            let mut params = Params {
+                t: t_len as i32,
+                h: heads as i32,
+                d: row_dim as i32,
+                dv: value_dim as i32,
+                k: k_len as i32,
+                block_size: block_size as i32,
+                max_blocks: max_blocks as i32,
+                scale: self.scale,
+                block_table: int_tensor_ptr(&self.block_table, &stream)?,
+                seq_lens: int_tensor_ptr(&self.seq_lens, &stream)?,
+                token_seq: int_tensor_ptr(&self.token_seq, &stream)?,
+                indices: int_tensor_ptr(&self.indices, &stream)?,
+                ..Default::default()
+            };
+            let lse = unsafe { dev.alloc::<f32>(t_len * heads) }?;
+            let lse_ptr = lse.device_ptr(&stream).0;
+            params.lse = lse_ptr;
+            poison(lse_ptr, t_len * heads * 4, &stream)?;
+
+            let out = match q.dtype() {
+                DType::BF16 => {
+                    let q_slice = q.as_cuda_slice::<half::bf16>()?.slice(q_start..q_end);
+                    let kv_slice = kv.as_cuda_slice::<half::bf16>()?.slice(kv_start..kv_end);
+                    let q_ptr = q_slice.device_ptr(&stream).0;
+                    let kv_ptr = kv_slice.device_ptr(&stream).0;
+                    params.q = q_ptr;
+                    params.kv = kv_ptr;
+                    let out = unsafe { dev.alloc::<half::bf16>(t_len * heads * value_dim) }?;
+                    let out_ptr = out.device_ptr(&stream).0;
+                    params.out = out_ptr;
+                    poison(out_ptr, t_len * heads * value_dim * 2, &stream)?;
+                    launch_bf16(dev, &mut params)?;
+                    CudaStorage::wrap_cuda_slice(out, dev.clone())
+                }
+                DType::F32 => {
+                    let q_slice = q.as_cuda_slice::<f32>()?.slice(q_start..q_end);
+                    let kv_slice = kv.as_cuda_slice::<f32>()?.slice(kv_start..kv_end);
+                    let q_ptr = q_slice.device_ptr(&stream).0;
+                    let kv_ptr = kv_slice.device_ptr(&stream).0;
+                    params.q = q_ptr;
+                    params.kv = kv_ptr;
+                    let out = unsafe { dev.alloc::<f32>(t_len * heads * value_dim) }?;
+                    let out_ptr = out.device_ptr(&stream).0;
+                    params.out = out_ptr;
+                    poison(out_ptr, t_len * heads * value_dim * 4, &stream)?;
+                    params.num_splits = 1;
+                    let func = kernel(dev, "sparse_mla", MODULE, "sparse_mla_f32")?;
+                    let smem = (row_dim + 4 * value_dim + 8) * 4;
+                    let cfg = LaunchConfig {
+                        grid_dim: (t_len as u32, heads as u32, 1),
+                        block_dim: (128, 1, 1),
+                        shared_mem_bytes: smem as u32,
+                    };
+                    let mut builder = stream.launch_builder(&func);
+                    builder.arg(&params);
+                    unsafe { builder.launch(cfg) }.map_err(cuda_err)?;
+                    CudaStorage::wrap_cuda_slice(out, dev.clone())
+                }
+                other => candle_core::bail!("sparse_mla kernel: unsupported dtype {other:?}"),
+            };
+            *self.lse.lock().map_err(cuda_err)? =
+                Some(CudaStorage::wrap_cuda_slice(lse, dev.clone()));
+            Ok((out, Shape::from((t_len, heads, value_dim))))
+        }
+    }
+
+    /// Shared memory of the bf16 kernel for `heads_per_block` heads and rows of `row_dim`.
+    fn bf16_shared_bytes(heads_per_block: usize, row_dim: usize) -> usize {
+        let ld = row_dim.div_ceil(16) * 16 + ROW_PAD;
+        (heads_per_block * ld + 2 * TILE * ld + heads_per_block * (TILE + ROW_PAD)) * 2
+            + heads_per_block * 8
+            + 2 * TILE * 8
+    }
+
+    /// Picks the head group and the split of the top-k, then launches the bf16 kernel (and the combine).
+    fn launch_bf16(dev: &CudaDevice, params: &mut Params) -> candle_core::Result<()> {
+        let stream = dev.cuda_stream();
+        let (t_len, heads, row_dim, k_len) = (
+            params.t as usize,
+            params.h as usize,
+            params.d as usize,
+            params.k as usize,
+        );
+        let info = device_info(dev)?;
+        let (max_smem, sms) = (info.max_shared_per_block, info.sms);
+        let heads_per_block = if heads >= 64 && bf16_shared_bytes(64, row_dim) <= max_smem {
+            64
+        } else {
+            16
+        };
+        let smem = bf16_shared_bytes(heads_per_block, row_dim);
+        if smem > max_smem {
+            candle_core::bail!("sparse_mla: rows of {row_dim} need {smem} B of shared memory, the device has {max_smem}");
+        }
+        let groups = heads.div_ceil(heads_per_block);
+        let tiles = k_len.div_ceil(TILE).max(1);
+        // Flash-decoding: split the top-k when tokens x head groups alone would leave SMs idle.
+        let wanted = (2 * sms).div_ceil(t_len * groups).clamp(1, tiles);
+        let tiles_per_split = tiles.div_ceil(wanted);
+        let splits = tiles.div_ceil(tiles_per_split);
+        params.num_splits = splits as i32;
+        params.tiles_per_split = tiles_per_split as i32;
+
+        let value_dim = params.dv as usize;
+        let name = format!("sparse_mla_bf16_dv{value_dim}_hb{heads_per_block}");
+        let func = kernel(dev, "sparse_mla", MODULE, &name)?;
+        let threads = (heads_per_block / 16 * 64) as u32;
+        let grid = (splits as u32, groups as u32, t_len as u32);
+        let cfg = LaunchConfig {
+            grid_dim: grid,
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        if splits == 1 {
+            let mut builder = stream.launch_builder(&func);
+            builder.arg(&*params);
+            return unsafe { builder.launch(cfg) }.map(|_| ()).map_err(cuda_err);
+        }
+        let part_out = unsafe { dev.alloc::<f32>(splits * t_len * heads * value_dim) }?;
+        let part_lse = unsafe { dev.alloc::<f32>(splits * t_len * heads) }?;
+        let part_out_ptr = part_out.device_ptr(&stream).0;
+        let part_lse_ptr = part_lse.device_ptr(&stream).0;
+        params.part_out = part_out_ptr;
+        params.part_lse = part_lse_ptr;
+        poison(
+            part_out_ptr,
+            splits * t_len * heads * value_dim * 4,
+            &stream,
+        )?;
+        poison(part_lse_ptr, splits * t_len * heads * 4, &stream)?;
+        let mut builder = stream.launch_builder(&func);
+        builder.arg(&*params);
+        unsafe { builder.launch(cfg) }.map_err(cuda_err)?;
+        let combine = kernel(dev, "sparse_mla", MODULE, "sparse_mla_combine_bf16")?;
+        let cfg = LaunchConfig {
+            grid_dim: ((t_len * heads) as u32, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: (splits * 4) as u32,
+        };
+        let mut builder = stream.launch_builder(&combine);
+        builder.arg(&*params);
+        unsafe { builder.launch(cfg) }.map(|_| ()).map_err(cuda_err)
+    }
+
+    impl CustomOp2 for SparseMla {
+        fn name(&self) -> &'static str {
+            "sparse_mla"
+        }
+
+        fn cpu_fwd(
+            &self,
+            _: &candle_core::CpuStorage,
+            _: &Layout,
+            _: &candle_core::CpuStorage,
+            _: &Layout,
+        ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
+            candle_core::bail!("sparse_mla: the CUDA op got CPU tensors")
+        }
+
+        fn cuda_fwd(
+            &self,
+            q: &CudaStorage,
+            q_layout: &Layout,
+            kv: &CudaStorage,
+            kv_layout: &Layout,
+        ) -> candle_core::Result<(CudaStorage, Shape)> {
+            debug_assert_eq!(q_layout.dims()[1], self.heads);
+            self.launch(q, q_layout, kv, kv_layout)
+        }
+    }
+
+    /// Hands out the lse the attention launch left behind (a CustomOp has a single output).
+    struct TakeLse {
+        lse: Arc<Mutex<Option<CudaStorage>>>,
+        shape: Shape,
+    }
+
+    impl CustomOp1 for TakeLse {
+        fn name(&self) -> &'static str {
+            "sparse_mla_lse"
+        }
+
+        fn cpu_fwd(
+            &self,
+            _: &candle_core::CpuStorage,
+            _: &Layout,
+        ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
+            candle_core::bail!("sparse_mla_lse: CUDA only")
+        }
+
+        fn cuda_fwd(
+            &self,
+            _: &CudaStorage,
+            _: &Layout,
+        ) -> candle_core::Result<(CudaStorage, Shape)> {
+            let lse = self
+                .lse
+                .lock()
+                .map_err(cuda_err)?
+                .take()
+                .ok_or_else(|| cuda_err("sparse_mla produced no lse"))?;
+            Ok((lse, self.shape.clone()))
+        }
+    }
+
+    pub(super) fn sparse_mla_paged(
+        q: &Tensor,
+        cache: &PagedLatentCache,
+        indices: &Tensor,
+        value_dim: usize,
+        softmax_scale: f64,
+    ) -> Result<(Tensor, Tensor)> {
+        let [t_len, heads, row_dim] = check_shape("q", q, [("T", None), ("H", None), ("D", None)])?;
+        check_shape(
+            "blocks",
+            cache.blocks,
+            [
+                ("num_blocks", None),
+                ("block_size", None),
+                ("D", Some(row_dim)),
+            ],
+        )?;
+        let [batch, _] = check_shape(
+            "block_table",
+            cache.block_table,
+            [("B", None), ("max_blocks", None)],
+        )?;
+        check_shape("seq_lens", cache.seq_lens, [("B", Some(batch))])?;
+        check_shape("token_seq", cache.token_seq, [("T", Some(t_len))])?;
+        check_shape("indices", indices, [("T", Some(t_len)), ("K", None)])?;
+        crate::error::check_same_dtype("blocks", cache.blocks, "q", q)?;
+        for (arg, tensor) in [
+            ("indices", indices),
+            ("block_table", cache.block_table),
+            ("seq_lens", cache.seq_lens),
+            ("token_seq", cache.token_seq),
+        ] {
+            if tensor.dtype() != DType::I32 {
+                return Err(OpError::IndexDType {
+                    arg,
+                    expected: DType::I32,
+                    found: tensor.dtype(),
+                });
+            }
+        }
+        if value_dim > row_dim {
+            return Err(OpError::ValueDimTooLarge { value_dim, row_dim });
+        }
+        if row_dim % 8 != 0 || (q.dtype() == DType::BF16 && !BF16_VALUE_DIMS.contains(&value_dim)) {
+            return Err(OpError::Unsupported(format!(
+                "sparse_mla CUDA kernel: row width {row_dim} must be a multiple of 8 and the bf16 value width one of {BF16_VALUE_DIMS:?} (got {value_dim})"
+            )));
+        }
+        let lse = Arc::new(Mutex::new(None));
+        let op = SparseMla {
+            indices: indices.contiguous()?,
+            block_table: cache.block_table.contiguous()?,
+            seq_lens: cache.seq_lens.contiguous()?,
+            token_seq: cache.token_seq.contiguous()?,
+            heads,
+            value_dim,
+            scale: softmax_scale as f32,
+            lse: lse.clone(),
+        };
+        let out = q
+            .contiguous()?
+            .apply_op2_no_bwd(&cache.blocks.contiguous()?, &op)?;
+        let lse = out.apply_op1_no_bwd(&TakeLse {
+            lse,
+            shape: Shape::from((t_len, heads)),
+        })?;
+        Ok((out, lse))
+    }
 }

@@ -37,8 +37,11 @@ impl RepoFixture {
 /// Misbehaviour injected into `GET` of one file.
 #[derive(Clone, Debug)]
 pub enum Fault {
-    /// The first `GET` of `file` sends the full `Content-Length` but only `after` body bytes, then closes.
+    /// The next `GET` of `file` (whole or ranged) announces its full `Content-Length` but sends only `after`
+    /// body bytes, then closes. Each such fault fires once, in order.
     TruncateOnce { file: String, after: usize },
+    /// `GET` of `file` ignores `Range` and answers `200` with the whole file.
+    IgnoreRange { file: String },
     /// Every `GET` of `file` answers `status` with an HTML error page (its `HEAD` still says 200).
     ErrorBody { file: String, status: u16 },
 }
@@ -54,12 +57,14 @@ pub struct ServerConfig {
     pub faults: Vec<Fault>,
 }
 
-/// One request as the server saw it.
+/// One request as the server saw it, with the status it answered and the body bytes it sent.
 #[derive(Clone, Debug)]
 pub struct Request {
     pub method: String,
     pub path: String,
     pub headers: Vec<(String, String)>,
+    pub status: u16,
+    pub body_sent: usize,
 }
 
 impl Request {
@@ -198,6 +203,8 @@ fn read_request(stream: &mut TcpStream) -> std::io::Result<Option<Request>> {
         method: method.to_string(),
         path: path.to_string(),
         headers,
+        status: 0,
+        body_sent: 0,
     }))
 }
 
@@ -242,14 +249,24 @@ fn handle(mut stream: TcpStream, shared: &Shared) -> std::io::Result<()> {
     stream.set_nonblocking(false)?;
     stream.set_read_timeout(Some(Duration::from_secs(5)))?;
     stream.set_write_timeout(Some(Duration::from_secs(5)))?;
-    let Some(request) = read_request(&mut stream)? else {
+    let Some(mut request) = read_request(&mut stream)? else {
         return Ok(());
     };
-    if let Ok(mut log) = shared.log.lock() {
-        log.push(request.clone());
-    }
     let head = request.method == "HEAD";
     let response = route(&request, shared);
+    let sent = if head || response.status == 304 {
+        0
+    } else {
+        response
+            .truncate
+            .unwrap_or(response.body.len())
+            .min(response.body.len())
+    };
+    request.status = response.status;
+    request.body_sent = sent;
+    if let Ok(mut log) = shared.log.lock() {
+        log.push(request);
+    }
     let reason = match response.status {
         200 => "OK",
         206 => "Partial Content",
@@ -270,13 +287,7 @@ fn handle(mut stream: TcpStream, shared: &Shared) -> std::io::Result<()> {
         response.body.len()
     ));
     stream.write_all(out.as_bytes())?;
-    if !head && response.status != 304 {
-        let n = response
-            .truncate
-            .unwrap_or(response.body.len())
-            .min(response.body.len());
-        stream.write_all(&response.body[..n])?;
-    }
+    stream.write_all(&response.body[..sent])?;
     stream.flush()?;
     let _ = stream.shutdown(Shutdown::Write);
     // Drain what the client may still send so that closing does not reset the connection.
@@ -358,11 +369,14 @@ fn route(request: &Request, shared: &Shared) -> Response {
         }
         return ok(200).body(bytes.clone());
     }
-    if let Some(response) = fault(shared, &file, bytes, ok(200)) {
-        return response;
-    }
-    match request
+    let ignore_range = shared
+        .config
+        .faults
+        .iter()
+        .any(|f| matches!(f, Fault::IgnoreRange { file: f } if *f == file));
+    let response = match request
         .header("Range")
+        .filter(|_| !ignore_range)
         .and_then(|r| parse_range(r, bytes.len()))
     {
         Some(Ok((start, end))) => ok(206)
@@ -375,36 +389,38 @@ fn route(request: &Request, shared: &Shared) -> Response {
             Response::new(416).header("Content-Range", format!("bytes */{}", bytes.len()))
         }
         None => ok(200).body(bytes.clone()),
-    }
+    };
+    fault(shared, &file, response)
 }
 
-fn fault(shared: &Shared, file: &str, bytes: &[u8], ok: Response) -> Option<Response> {
+/// Applies the first matching fault to the answer to a `GET` of `file`.
+fn fault(shared: &Shared, file: &str, response: Response) -> Response {
     for (i, fault) in shared.config.faults.iter().enumerate() {
         match fault {
             Fault::TruncateOnce { file: f, after } if f == file => {
-                let mut fired = shared.fired.lock().ok()?;
+                let Ok(mut fired) = shared.fired.lock() else {
+                    break;
+                };
                 if !fired.contains(&i) {
                     fired.push(i);
-                    return Some(Response {
+                    return Response {
                         truncate: Some(*after),
-                        ..ok.body(bytes)
-                    });
+                        ..response
+                    };
                 }
             }
             Fault::ErrorBody { file: f, status } if f == file => {
                 let page = format!(
                     "<!DOCTYPE html><html><body><h1>{status} - Internal Error</h1></body></html>\n"
                 );
-                return Some(
-                    Response::new(*status)
-                        .header("Content-Type", "text/html")
-                        .body(page),
-                );
+                return Response::new(*status)
+                    .header("Content-Type", "text/html")
+                    .body(page);
             }
             _ => {}
         }
     }
-    None
+    response
 }
 
 /// `bytes=a-b` / `bytes=a-` / `bytes=-n` → inclusive range; `Err` when unsatisfiable.

@@ -1,0 +1,90 @@
+//! glm5's CUDA modules: the fatbins of `glm5-kernels`, loaded once per device, with their functions and the
+//! device attributes the launchers need cached (a launch should cost microseconds of host time).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use candle_core::cuda_backend::cudarc::driver::{sys, CudaFunction, CudaModule};
+use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
+use candle_core::cuda_backend::{CudaDevice, DeviceId};
+
+fn cuda_err(e: impl std::fmt::Display) -> candle_core::Error {
+    candle_core::Error::Cuda(e.to_string().into())
+}
+
+/// What the launchers need to know about a device.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct DeviceInfo {
+    pub sms: usize,
+    pub max_shared_per_block: usize,
+}
+
+#[derive(Default)]
+struct Loaded {
+    modules: HashMap<(DeviceId, &'static str), Arc<CudaModule>>,
+    functions: HashMap<(DeviceId, String), CudaFunction>,
+    devices: HashMap<DeviceId, DeviceInfo>,
+}
+
+fn loaded() -> &'static Mutex<Loaded> {
+    static LOADED: OnceLock<Mutex<Loaded>> = OnceLock::new();
+    LOADED.get_or_init(Default::default)
+}
+
+/// SM count and the opt-in shared memory limit of `dev`.
+pub(crate) fn device_info(dev: &CudaDevice) -> candle_core::Result<DeviceInfo> {
+    let mut loaded = loaded().lock().map_err(cuda_err)?;
+    if let Some(info) = loaded.devices.get(&dev.id()) {
+        return Ok(*info);
+    }
+    let context = dev.cuda_stream().context().clone();
+    let attribute = |a| context.attribute(a).map(|v| v as usize).map_err(cuda_err);
+    let info = DeviceInfo {
+        sms: attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?,
+        max_shared_per_block: attribute(
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+        )?,
+    };
+    loaded.devices.insert(dev.id(), info);
+    Ok(info)
+}
+
+/// Function `name` of module `module` (fatbin `image`) on `dev`. On first use the module is loaded and the
+/// function allowed the device's whole opt-in shared memory.
+pub(crate) fn kernel(
+    dev: &CudaDevice,
+    module: &'static str,
+    image: &'static [u8],
+    name: &str,
+) -> candle_core::Result<CudaFunction> {
+    let info = device_info(dev)?;
+    let mut loaded = loaded().lock().map_err(cuda_err)?;
+    if let Some(function) = loaded.functions.get(&(dev.id(), name.to_string())) {
+        return Ok(function.clone());
+    }
+    let cuda_module = match loaded.modules.get(&(dev.id(), module)) {
+        Some(m) => m.clone(),
+        None => {
+            let m = dev
+                .cuda_stream()
+                .context()
+                .load_module(Ptx::from_binary(image.to_vec()))
+                .map_err(cuda_err)?;
+            loaded.modules.insert((dev.id(), module), m.clone());
+            m
+        }
+    };
+    let function = cuda_module
+        .load_function(name)
+        .map_err(|e| cuda_err(format!("kernel {name} of {module}: {e}")))?;
+    function
+        .set_attribute(
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            info.max_shared_per_block as i32,
+        )
+        .map_err(cuda_err)?;
+    loaded
+        .functions
+        .insert((dev.id(), name.to_string()), function.clone());
+    Ok(function)
+}
