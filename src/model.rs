@@ -80,7 +80,17 @@ impl Glm5 {
         } else {
             DType::BF16
         });
+        let started = std::time::Instant::now();
         let model = Glm5ForCausalLM::from_dir(dir, dtype, &options.device, options.attention)?;
+        tracing::debug!(
+            dir = %dir.display(),
+            ?dtype,
+            device = ?options.device,
+            attention = ?options.attention,
+            layers = model.config().num_hidden_layers,
+            seconds = started.elapsed().as_secs_f64(),
+            "model loaded"
+        );
         let tokenizer = Tokenizer::from_file(dir.join("tokenizer.json"))?;
         let chat_template = ChatTemplate::from_model_dir(dir).ok();
         let generation = read_generation_config(&dir.join("generation_config.json"))?;
