@@ -7,3 +7,7 @@
 /// `sparse_mla.cu`: sparse absorbed-MLA attention over a paged latent cache (bf16 mma.sync and f32 kernels).
 #[cfg(feature = "cuda")]
 pub const SPARSE_MLA: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/sparse_mla.fatbin"));
+
+/// `bench.cu`: microkernels that measure the device's ceilings (the mma.sync bf16 rate).
+#[cfg(feature = "cuda")]
+pub const BENCH: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/bench.fatbin"));

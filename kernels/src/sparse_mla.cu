@@ -35,6 +35,7 @@ struct SparseMlaParams {
 };
 
 constexpr int BN = 32;       // keys per tile
+constexpr int MAX_SPLITS = 128;  // most splits of the top-k the combine merges (the launcher caps it)
 constexpr int ROW_PAD = 8;   // bf16 of padding per shared-memory row: 16 bytes keep ldmatrix conflict-free
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
@@ -307,7 +308,7 @@ template <typename OutT>
 __device__ void combine_impl(const SparseMlaParams& p) {
     const size_t th = blockIdx.x;  // t * H + h
     const size_t stride = (size_t)p.T * p.H;
-    extern __shared__ float weights[];  // num_splits
+    __shared__ float weights[MAX_SPLITS];
     __shared__ float total_s, max_s;
     if (threadIdx.x == 0) {
         float m = -INFINITY;

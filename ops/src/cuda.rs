@@ -8,6 +8,10 @@ use candle_core::cuda_backend::cudarc::driver::{sys, CudaFunction, CudaModule};
 use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use candle_core::cuda_backend::{CudaDevice, DeviceId};
 
+/// Static shared memory our kernels may declare besides the dynamic part (the driver rejects a dynamic
+/// limit that leaves no room for it).
+pub(crate) const STATIC_SHARED_RESERVE: usize = 1024;
+
 fn cuda_err(e: impl std::fmt::Display) -> candle_core::Error {
     candle_core::Error::Cuda(e.to_string().into())
 }
@@ -50,7 +54,7 @@ pub(crate) fn device_info(dev: &CudaDevice) -> candle_core::Result<DeviceInfo> {
 }
 
 /// Function `name` of module `module` (fatbin `image`) on `dev`. On first use the module is loaded and the
-/// function allowed the device's whole opt-in shared memory.
+/// function allowed the device's opt-in shared memory less [`STATIC_SHARED_RESERVE`].
 pub(crate) fn kernel(
     dev: &CudaDevice,
     module: &'static str,
@@ -80,7 +84,7 @@ pub(crate) fn kernel(
     function
         .set_attribute(
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            info.max_shared_per_block as i32,
+            (info.max_shared_per_block - STATIC_SHARED_RESERVE) as i32,
         )
         .map_err(cuda_err)?;
     loaded

@@ -272,13 +272,15 @@ mod cuda {
     use candle_core::{CustomOp1, CustomOp2, DType, Layout, Shape, Storage, Tensor};
 
     use super::PagedLatentCache;
-    use crate::cuda::{device_info, kernel};
+    use crate::cuda::{device_info, kernel, STATIC_SHARED_RESERVE};
     use crate::error::{check_shape, OpError, Result};
 
     const MODULE: &[u8] = glm5_kernels::SPARSE_MLA;
     /// Keys per tile of the bf16 kernel (`BN` in the .cu file).
     const TILE: usize = 32;
     const ROW_PAD: usize = 8;
+    /// Most splits the combine kernel merges (`MAX_SPLITS` in the .cu file).
+    const MAX_SPLITS: usize = 128;
     /// Value widths the bf16 kernel is instantiated for.
     const BF16_VALUE_DIMS: [usize; 6] = [16, 32, 64, 128, 256, 512];
 
@@ -484,7 +486,7 @@ mod cuda {
             params.k as usize,
         );
         let info = device_info(dev)?;
-        let (max_smem, sms) = (info.max_shared_per_block, info.sms);
+        let (max_smem, sms) = (info.max_shared_per_block - STATIC_SHARED_RESERVE, info.sms);
         let heads_per_block = if heads >= 64 && bf16_shared_bytes(64, row_dim) <= max_smem {
             64
         } else {
@@ -497,7 +499,7 @@ mod cuda {
         let groups = heads.div_ceil(heads_per_block);
         let tiles = k_len.div_ceil(TILE).max(1);
         // Flash-decoding: split the top-k when tokens x head groups alone would leave SMs idle.
-        let wanted = (2 * sms).div_ceil(t_len * groups).clamp(1, tiles);
+        let wanted = (2 * sms).div_ceil(t_len * groups).clamp(1, tiles.min(MAX_SPLITS));
         let tiles_per_split = tiles.div_ceil(wanted);
         let splits = tiles.div_ceil(tiles_per_split);
         params.num_splits = splits as i32;
@@ -537,7 +539,7 @@ mod cuda {
         let cfg = LaunchConfig {
             grid_dim: ((t_len * heads) as u32, 1, 1),
             block_dim: (128, 1, 1),
-            shared_mem_bytes: (splits * 4) as u32,
+            shared_mem_bytes: 0,
         };
         let mut builder = stream.launch_builder(&combine);
         builder.arg(&*params);

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Builds the CUDA test and bench binaries on this (GPU-less) machine and packs them, stripped and xz'd,
+# into .gpu/ (git-ignored) for the device machine: run there with `bash scripts/gpu-run.sh`.
+# Needs nvcc 13.0: eval "$(../shared/tools/install-cuda-toolchain.sh)" first. CUDA_COMPUTE_CAP (default 90)
+# picks the arch of candle's own kernels; glm5's kernels are always built for sm_90 and sm_120.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90}
+rm -rf .gpu && mkdir -p .gpu
+cargo test --release --features cuda --workspace --no-run --message-format=json 2>/dev/null |
+  python3 -c '
+import json, sys
+wanted = {"sparse_mla_cuda", "model_cuda"}
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in wanted:
+        print(m["target"]["name"], m["executable"])
+' | while read -r name exe; do cp "$exe" ".gpu/$name"; done
+cargo build --release --features cuda --bin glm5-bench
+cp target/release/glm5-bench .gpu/
+for f in .gpu/*; do strip "$f"; xz -T0 -6 "$f"; done
+# The kernels' fatbins, for cuobjdump there.
+cp "$(ls -td target/release/build/glm5-kernels-*/out | head -1)"/*.fatbin .gpu/
+ls -la .gpu

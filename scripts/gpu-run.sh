@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (device tool): `bash scripts/gpu-run.sh [tests|sanitize|bench]...` (default: all),
+# with .gpu/ carried. Logs go to $OUT (or ./gpu-out).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT" /tmp/glm5-bin
+for f in .gpu/*.xz; do xz -dc "$f" > "/tmp/glm5-bin/$(basename "$f" .xz)"; chmod +x "/tmp/glm5-bin/$(basename "$f" .xz)"; done
+export GLM5_REPO_ROOT=$PWD
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
+steps=${*:-tests sanitize bench}
+status=0
+for step in $steps; do
+  case $step in
+    tests)
+      for t in sparse_mla_cuda model_cuda; do
+        /tmp/glm5-bin/$t --test-threads=1 --nocapture > "$OUT/test-$t.log" 2>&1; rc=$?
+        echo "test $t: rc=$rc ($(grep -E 'test result' "$OUT/test-$t.log" | tail -1))"; [ $rc = 0 ] || status=1
+      done ;;
+    sanitize)
+      for tool in memcheck racecheck; do
+        GLM5_QUICK=1 timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 /tmp/glm5-bin/sparse_mla_cuda \
+          --test-threads=1 bf16_kernel prefill_tokens > "$OUT/sanitize-$tool.log" 2>&1; rc=$?
+        echo "compute-sanitizer $tool: rc=$rc $(grep -E 'ERROR SUMMARY' "$OUT/sanitize-$tool.log" | tail -1)"; [ $rc = 0 ] || status=1
+      done ;;
+    bench)
+      timeout 400 /tmp/glm5-bin/glm5-bench 2>&1 | tee "$OUT/bench.txt"; [ ${PIPESTATUS[0]} = 0 ] || status=1
+      for arch in sm_90 sm_120; do
+        echo "$arch: HMMA instructions in sparse_mla.fatbin: $(cuobjdump --dump-sass --gpu-architecture $arch .gpu/sparse_mla.fatbin 2>&1 | grep -c HMMA)"
+      done | tee "$OUT/sass.txt"
+      cuobjdump --list-elf --list-ptx .gpu/sparse_mla.fatbin | tee -a "$OUT/sass.txt" ;;
+  esac
+done
+exit $status

@@ -1,0 +1,186 @@
+//! `glm5-bench`: GPU benchmarks of glm5's kernels at GLM-5 shapes, against the candle-ops reference path
+//! and against the device's own ceilings (device-to-device copy bandwidth and the mma.sync bf16 rate of a
+//! register-only microkernel), all measured in the same run. Needs `--features cuda` and a GPU.
+//!
+//! Every time is the median of several rounds, each round `n` back-to-back calls then a device sync, so it
+//! includes the launch overhead a real decode step pays. Inputs are random (never zeros).
+
+use std::time::Instant;
+
+use glm5::candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use glm5::candle_core::cuda_backend::cudarc::nvrtc::Ptx;
+use glm5::candle_core::{DType, Device, Result, Tensor};
+use glm5::ops::{sparse_mla_paged, sparse_mla_reference, PagedLatentCache};
+
+/// GLM-5's latent row and value widths, and its top-k.
+const ROW_DIM: usize = 576;
+const VALUE_DIM: usize = 512;
+const TOP_K: usize = 2048;
+const BLOCK_SIZE: usize = 64;
+
+fn median_seconds(device: &Device, rounds: usize, calls: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    f()?; // warm-up: module load, allocator
+    device.synchronize()?;
+    let mut times = Vec::with_capacity(rounds);
+    for _ in 0..rounds {
+        let start = Instant::now();
+        for _ in 0..calls {
+            f()?;
+        }
+        device.synchronize()?;
+        times.push(start.elapsed().as_secs_f64() / calls as f64);
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[rounds / 2])
+}
+
+/// Device-to-device copy bandwidth in bytes/s (read + write counted).
+fn copy_bandwidth(device: &Device) -> Result<f64> {
+    let n = 256 << 20; // 1 GiB of f32
+    let x = Tensor::randn(0f32, 1f32, n, device)?;
+    let seconds = median_seconds(device, 5, 10, || x.copy().map(|_| ()))?;
+    Ok(2.0 * (n * 4) as f64 / seconds)
+}
+
+/// mma.sync bf16 rate in flop/s from the `mma_bf16_peak` microkernel.
+fn mma_peak(device: &Device) -> Result<f64> {
+    let Device::Cuda(dev) = device else { glm5::candle_core::bail!("needs a CUDA device") };
+    let stream = dev.cuda_stream();
+    let module = stream.context().load_module(Ptx::from_binary(glm5_kernels::BENCH.to_vec())).map_err(cuda)?;
+    let func = module.load_function("mma_bf16_peak").map_err(cuda)?;
+    let (blocks, threads, iters) = (132 * 16, 256u32, 4096i32);
+    let out = stream.alloc_zeros::<f32>(blocks * threads as usize).map_err(cuda)?;
+    let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+    let seconds = median_seconds(device, 5, 3, || {
+        let mut launch = stream.launch_builder(&func);
+        launch.arg(&out).arg(&iters);
+        unsafe { launch.launch(cfg) }.map(|_| ()).map_err(cuda)
+    })?;
+    let flops = blocks as f64 * (threads / 32) as f64 * iters as f64 * 8.0 * (2.0 * 16.0 * 8.0 * 16.0);
+    Ok(flops / seconds)
+}
+
+fn cuda(e: impl std::fmt::Display) -> glm5::candle_core::Error {
+    glm5::candle_core::Error::Cuda(e.to_string().into())
+}
+
+/// A decode batch over a paged cache: `batch` sequences of `context` tokens, one query token each, whose
+/// top-k are `TOP_K` distinct random positions.
+struct Decode {
+    q: Tensor,
+    blocks: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    token_seq: Tensor,
+    indices: Tensor,
+    /// The same selection as physical rows of `blocks`, for the reference path.
+    physical: Tensor,
+}
+
+/// splitmix64: reproducible indices without a rand dependency.
+fn next(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+impl Decode {
+    fn new(device: &Device, batch: usize, heads: usize, context: usize, seed: u64) -> Result<Self> {
+        let blocks_per_seq = context.div_ceil(BLOCK_SIZE);
+        let num_blocks = batch * blocks_per_seq;
+        let blocks = Tensor::zeros((num_blocks, BLOCK_SIZE, ROW_DIM), DType::BF16, device)?;
+        let chunk = 4096.min(num_blocks);
+        for start in (0..num_blocks).step_by(chunk) {
+            let len = chunk.min(num_blocks - start);
+            let random = Tensor::randn(0f32, 1f32, (len, BLOCK_SIZE, ROW_DIM), device)?.to_dtype(DType::BF16)?;
+            blocks.slice_set(&random, 0, start)?;
+        }
+        let mut state = seed;
+        // Physical blocks shuffled across sequences, as a paged allocator leaves them.
+        let mut order: Vec<i32> = (0..num_blocks as i32).collect();
+        for i in (1..order.len()).rev() {
+            order.swap(i, (next(&mut state) % (i as u64 + 1)) as usize);
+        }
+        let (mut indices, mut physical) = (Vec::with_capacity(batch * TOP_K), Vec::with_capacity(batch * TOP_K));
+        for b in 0..batch {
+            let mut chosen = std::collections::HashSet::with_capacity(TOP_K);
+            while chosen.len() < TOP_K.min(context) {
+                chosen.insert((next(&mut state) % context as u64) as i32);
+            }
+            for &pos in &chosen {
+                indices.push(pos);
+                let block = order[b * blocks_per_seq + pos as usize / BLOCK_SIZE];
+                physical.push(block * BLOCK_SIZE as i32 + pos % BLOCK_SIZE as i32);
+            }
+        }
+        Ok(Self {
+            q: Tensor::randn(0f32, 1f32, (batch, heads, ROW_DIM), device)?.to_dtype(DType::BF16)?,
+            blocks,
+            block_table: Tensor::from_vec(order, (batch, blocks_per_seq), device)?,
+            seq_lens: Tensor::from_vec(vec![context as i32; batch], batch, device)?,
+            token_seq: Tensor::from_vec((0..batch as i32).collect(), batch, device)?,
+            indices: Tensor::from_vec(indices, (batch, TOP_K), device)?,
+            physical: Tensor::from_vec(physical, (batch, TOP_K), device)?,
+        })
+    }
+
+    fn kernel(&self) -> Result<()> {
+        let cache = PagedLatentCache {
+            blocks: &self.blocks,
+            block_table: &self.block_table,
+            seq_lens: &self.seq_lens,
+            token_seq: &self.token_seq,
+        };
+        sparse_mla_paged(&self.q, &cache, &self.indices, VALUE_DIM, 1.0 / 16.0).map(|_| ()).map_err(cuda)
+    }
+
+    fn reference(&self) -> Result<()> {
+        let rows = self.blocks.flatten_to(1)?;
+        sparse_mla_reference(&self.q, &rows, &self.physical, VALUE_DIM, 1.0 / 16.0).map(|_| ()).map_err(cuda)
+    }
+}
+
+fn main() -> Result<()> {
+    let device = Device::new_cuda(0)?;
+    let copy = copy_bandwidth(&device)?;
+    let peak = mma_peak(&device)?;
+    println!("device copy bandwidth: {:.0} GB/s   mma.sync bf16 peak: {:.0} TFLOP/s", copy / 1e9, peak / 1e12);
+    println!();
+    println!("sparse_mla decode, bf16, D {ROW_DIM}/{VALUE_DIM}, top-k {TOP_K}, paged (block {BLOCK_SIZE})");
+    println!(
+        "{:>7} {:>5} {:>4} | {:>9} {:>8} {:>7} {:>8} {:>6} {:>7} | {:>10} {:>8}",
+        "context", "batch", "H", "kernel µs", "GB/s", "%copy", "TFLOP/s", "%mma", "floor µs", "ref µs", "speedup"
+    );
+    for context in [32_768usize, 131_072] {
+        for heads in [8usize, 16, 64] {
+            for batch in [1usize, 8, 64, 128] {
+                let problem = Decode::new(&device, batch, heads, context, (context * 1000 + heads * 10 + batch) as u64)?;
+                let kernel = median_seconds(&device, 7, 20, || problem.kernel())?;
+                let reference = median_seconds(&device, 3, 2, || problem.reference())?;
+                // Bytes the op must move: the selected rows, q, out, lse and the indices.
+                let bytes = (batch * TOP_K * ROW_DIM * 2
+                    + batch * heads * (ROW_DIM + VALUE_DIM) * 2
+                    + batch * heads * 4
+                    + batch * TOP_K * 4) as f64;
+                let flops = (batch * heads * TOP_K * 2 * (ROW_DIM + VALUE_DIM)) as f64;
+                println!(
+                    "{:>7} {:>5} {:>4} | {:>9.1} {:>8.0} {:>6.1}% {:>8.1} {:>5.1}% {:>8.2} | {:>10.1} {:>7.1}x",
+                    context,
+                    batch,
+                    heads,
+                    kernel * 1e6,
+                    bytes / kernel / 1e9,
+                    100.0 * bytes / kernel / copy,
+                    flops / kernel / 1e12,
+                    100.0 * flops / kernel / peak,
+                    bytes / copy * 1e6,
+                    reference * 1e6,
+                    reference / kernel,
+                );
+            }
+        }
+    }
+    Ok(())
+}
