@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine (device tool): `bash scripts/gpu-run.sh [tests|sanitize|bench]...` (default: all),
+# Runs on the GPU machine (device tool): `bash scripts/gpu-run.sh [tests|kernel-tests|model-tests|sanitize|bench|profile]...`
+# (default: tests sanitize bench),
 # with .gpu/ carried. Logs go to $OUT (or ./gpu-out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -12,8 +13,9 @@ steps=${*:-tests sanitize bench}
 status=0
 for step in $steps; do
   case $step in
-    tests)
-      for t in sparse_mla_cuda model_cuda; do
+    tests|kernel-tests|model-tests)
+      case $step in kernel-tests) names=sparse_mla_cuda ;; model-tests) names=model_cuda ;; *) names="sparse_mla_cuda model_cuda" ;; esac
+      for t in $names; do
         /tmp/glm5-bin/$t --test-threads=1 --nocapture > "$OUT/test-$t.log" 2>&1; rc=$?
         echo "test $t: rc=$rc ($(grep -E 'test result' "$OUT/test-$t.log" | tail -1))"; [ $rc = 0 ] || status=1
       done ;;
@@ -21,8 +23,15 @@ for step in $steps; do
       for tool in memcheck racecheck; do
         GLM5_QUICK=1 timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 /tmp/glm5-bin/sparse_mla_cuda \
           --test-threads=1 bf16_kernel prefill_tokens > "$OUT/sanitize-$tool.log" 2>&1; rc=$?
-        echo "compute-sanitizer $tool: rc=$rc $(grep -E 'ERROR SUMMARY' "$OUT/sanitize-$tool.log" | tail -1)"; [ $rc = 0 ] || status=1
+        echo "compute-sanitizer $tool: rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize-$tool.log" | tail -1)"; [ $rc = 0 ] || status=1
       done ;;
+    profile)
+      # Kernel-only durations (no launch overhead) of a few shapes, from the hardware's own timer.
+      for shape in "32768 1 8" "32768 8 8" "32768 128 8" "32768 128 64"; do
+        echo "== $shape"
+        timeout 120 ncu --clock-control none --launch-skip 4 --launch-count 4 --metrics gpu__time_duration.sum -k regex:sparse_mla \
+          /tmp/glm5-bin/glm5-bench $shape 2>&1 | grep -E "sparse_mla_|gpu__time_duration" | tail -4
+      done 2>&1 | tee "$OUT/profile.txt" ;;
     bench)
       timeout 400 /tmp/glm5-bin/glm5-bench 2>&1 | tee "$OUT/bench.txt"; [ ${PIPESTATUS[0]} = 0 ] || status=1
       for arch in sm_90 sm_120; do

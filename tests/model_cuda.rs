@@ -69,29 +69,32 @@ fn f32_on_gpu_matches_hf_within_1e_3() {
     }
 }
 
+/// bf16 against f32 on the GPU, per position ‖Δ‖/‖f32‖. These tiny random models use large weights (so that
+/// sparsity matters) and drift 1-5% in bf16 where the indexer keeps every token (positions < index_topk).
+/// Past index_topk bf16 rounding flips the indexer's selections and the errors cascade through the layers:
+/// 0.1-1.35 on sparse_long on the GPU and, identically, on the CPU, so only the first positions are bounded.
 #[test]
-fn bf16_on_gpu_stays_within_2e_2_of_f32() {
+fn bf16_on_gpu_stays_close_to_f32() {
     let gpu = Device::new_cuda(0).unwrap();
     for name in FIXTURES {
         let (ids, _) = reference(name);
+        let topk = Glm5ForCausalLM::from_dir(fixture_dir(name), DType::F32, &Device::Cpu, AttentionMode::Sparse)
+            .unwrap()
+            .config()
+            .index_topk;
         let f32_rows = logits(name, DType::F32, &gpu, &ids, ids.len());
         let bf16_rows = logits(name, DType::BF16, &gpu, &ids, ids.len());
-        let mut worst = (0.0f32, 0);
-        for (pos, (a, b)) in bf16_rows.iter().zip(&f32_rows).enumerate() {
-            let num: f32 = a
-                .iter()
-                .zip(b)
-                .map(|(x, y)| (x - y) * (x - y))
-                .sum::<f32>()
-                .sqrt();
-            let den: f32 = b.iter().map(|y| y * y).sum::<f32>().sqrt();
-            if num / den > worst.0 {
-                worst = (num / den, pos);
-            }
+        let relative: Vec<f32> = bf16_rows
+            .iter()
+            .zip(&f32_rows)
+            .map(|(a, b)| {
+                let num: f32 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum::<f32>().sqrt();
+                num / b.iter().map(|y| y * y).sum::<f32>().sqrt()
+            })
+            .collect();
+        println!("{name} bf16 vs f32 per position: {relative:.3?}");
+        for (pos, r) in relative.iter().enumerate().take(topk) {
+            assert!(*r < 6e-2, "{name} position {pos} (within index_topk): bf16 relative error {r}");
         }
-        println!(
-            "{name} bf16 vs f32: worst relative {:.2e} at position {}",
-            worst.0, worst.1
-        );
     }
 }

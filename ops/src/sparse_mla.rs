@@ -281,6 +281,8 @@ mod cuda {
     const ROW_PAD: usize = 8;
     /// Most splits the combine kernel merges (`MAX_SPLITS` in the .cu file).
     const MAX_SPLITS: usize = 128;
+    /// Most tiles one block resolves up front (`MAX_TILES_PER_SPLIT` in the .cu file).
+    const MAX_TILES_PER_SPLIT: usize = 32;
     /// Value widths the bf16 kernel is instantiated for.
     const BF16_VALUE_DIMS: [usize; 6] = [16, 32, 64, 128, 256, 512];
 
@@ -468,12 +470,13 @@ mod cuda {
         }
     }
 
-    /// Shared memory of the bf16 kernel for `heads_per_block` heads and rows of `row_dim`.
+    /// Shared memory of the bf16 kernel for `heads_per_block` heads and rows of `row_dim` (mirrors the layout
+    /// in the .cu file: Q, two K tiles, P, row maxima and sums, the split's resolved rows).
     fn bf16_shared_bytes(heads_per_block: usize, row_dim: usize) -> usize {
         let ld = row_dim.div_ceil(16) * 16 + ROW_PAD;
         (heads_per_block * ld + 2 * TILE * ld + heads_per_block * (TILE + ROW_PAD)) * 2
-            + heads_per_block * 8
-            + 2 * TILE * 8
+            + 4 * heads_per_block * 4
+            + MAX_TILES_PER_SPLIT * TILE * 4
     }
 
     /// Picks the head group and the split of the top-k, then launches the bf16 kernel (and the combine).
@@ -500,8 +503,14 @@ mod cuda {
         let tiles = k_len.div_ceil(TILE).max(1);
         // Flash-decoding: split the top-k when tokens x head groups alone would leave SMs idle.
         let wanted = (2 * sms).div_ceil(t_len * groups).clamp(1, tiles.min(MAX_SPLITS));
-        let tiles_per_split = tiles.div_ceil(wanted);
+        let tiles_per_split = tiles.div_ceil(wanted).min(MAX_TILES_PER_SPLIT);
         let splits = tiles.div_ceil(tiles_per_split);
+        if splits > MAX_SPLITS {
+            candle_core::bail!(
+                "sparse_mla: top-k {k_len} exceeds the kernel's {} slots per query",
+                MAX_SPLITS * MAX_TILES_PER_SPLIT * TILE
+            );
+        }
         params.num_splits = splits as i32;
         params.tiles_per_split = tiles_per_split as i32;
 
@@ -537,7 +546,7 @@ mod cuda {
         unsafe { builder.launch(cfg) }.map_err(cuda_err)?;
         let combine = kernel(dev, "sparse_mla", MODULE, "sparse_mla_combine_bf16")?;
         let cfg = LaunchConfig {
-            grid_dim: ((t_len * heads) as u32, 1, 1),
+            grid_dim: ((t_len * heads) as u32, value_dim.div_ceil(128) as u32, 1),
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };

@@ -2,6 +2,8 @@
 //! and against the device's own ceilings (device-to-device copy bandwidth and the mma.sync bf16 rate of a
 //! register-only microkernel), all measured in the same run. Needs `--features cuda` and a GPU.
 //!
+//! `glm5-bench CONTEXT BATCH HEADS` runs one shape only (e.g. under a profiler).
+//!
 //! Every time is the median of several rounds, each round `n` back-to-back calls then a device sync, so it
 //! includes the launch overhead a real decode step pays. Inputs are random (never zeros).
 
@@ -37,8 +39,9 @@ fn median_seconds(device: &Device, rounds: usize, calls: usize, mut f: impl FnMu
 /// Device-to-device copy bandwidth in bytes/s (read + write counted).
 fn copy_bandwidth(device: &Device) -> Result<f64> {
     let n = 256 << 20; // 1 GiB of f32
-    let x = Tensor::randn(0f32, 1f32, n, device)?;
-    let seconds = median_seconds(device, 5, 10, || x.copy().map(|_| ()))?;
+    let src = Tensor::randn(0f32, 1f32, n, device)?;
+    let dst = Tensor::zeros(n, DType::F32, device)?;
+    let seconds = median_seconds(device, 5, 10, || dst.slice_set(&src, 0, 0))?;
     Ok(2.0 * (n * 4) as f64 / seconds)
 }
 
@@ -144,6 +147,11 @@ impl Decode {
 
 fn main() -> Result<()> {
     let device = Device::new_cuda(0)?;
+    // One stream: cross-stream event tracking would add driver calls to every launch.
+    if let Device::Cuda(dev) = &device {
+        // SAFETY: everything here runs on the device's single stream.
+        unsafe { dev.disable_event_tracking() };
+    }
     let copy = copy_bandwidth(&device)?;
     let peak = mma_peak(&device)?;
     println!("device copy bandwidth: {:.0} GB/s   mma.sync bf16 peak: {:.0} TFLOP/s", copy / 1e9, peak / 1e12);
@@ -153,9 +161,17 @@ fn main() -> Result<()> {
         "{:>7} {:>5} {:>4} | {:>9} {:>8} {:>7} {:>8} {:>6} {:>7} | {:>10} {:>8}",
         "context", "batch", "H", "kernel µs", "GB/s", "%copy", "TFLOP/s", "%mma", "floor µs", "ref µs", "speedup"
     );
-    for context in [32_768usize, 131_072] {
-        for heads in [8usize, 16, 64] {
-            for batch in [1usize, 8, 64, 128] {
+    let only: Vec<usize> = std::env::args().skip(1).filter_map(|a| a.parse().ok()).collect();
+    let shapes: Vec<(usize, usize, usize)> = match only[..] {
+        [context, batch, heads] => vec![(context, batch, heads)],
+        _ => [32_768usize, 131_072]
+            .iter()
+            .flat_map(|&c| [8usize, 16, 64].iter().flat_map(move |&h| [1usize, 8, 64, 128].map(|b| (c, b, h))))
+            .collect(),
+    };
+    {
+        for &(context, batch, heads) in &shapes {
+            {
                 let problem = Decode::new(&device, batch, heads, context, (context * 1000 + heads * 10 + batch) as u64)?;
                 let kernel = median_seconds(&device, 7, 20, || problem.kernel())?;
                 let reference = median_seconds(&device, 3, 2, || problem.reference())?;
