@@ -265,7 +265,11 @@ impl<'a> Generation<'a> {
             .count();
         let reuse = shared.min(cache.len()).min(prompt.len() - 1);
         cache.truncate(reuse);
-        tracing::debug!(prompt_tokens = prompt.len(), reused_from_cache = reuse, "prefill");
+        tracing::debug!(
+            prompt_tokens = prompt.len(),
+            reused_from_cache = reuse,
+            "prefill"
+        );
         let logits = model.forward(&prompt[reuse..], reuse, &mut cache)?;
         let last = logits.get(logits.dim(0)? - 1)?;
         let stats = GenerationStats {

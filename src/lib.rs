@@ -11,6 +11,7 @@ pub mod generate;
 pub mod hub;
 pub mod model;
 pub mod tokenizer;
+pub mod viz;
 
 pub use candle_core;
 pub use candle_nn;
@@ -23,4 +24,5 @@ pub use generate::{
     FinishReason, GeneratedToken, Generation, GenerationParams, GenerationStats, SequenceCache,
 };
 pub use glm5_models::{AttentionMode, Checkpoint, Config, Glm5ForCausalLM, KvCache, ModelError};
-pub use model::{Glm5, LoadOptions};
+pub use model::{Glm5, LoadOptions, TokenProbability};
+pub use viz::SelectionMap;

@@ -11,6 +11,7 @@ use crate::error::{Error, Result};
 use crate::generate::{Generation, GenerationParams, SequenceCache};
 use crate::hub::{resolve_model, HubOptions};
 use crate::tokenizer::{TokenStream, Tokenizer};
+use crate::viz::SelectionMap;
 use crate::{embedded, AttentionMode, Glm5ForCausalLM, KvCache};
 
 /// Where and how to load a model.
@@ -44,6 +45,17 @@ struct GenerationConfig {
     temperature: Option<f64>,
     top_p: Option<f64>,
     top_k: Option<usize>,
+}
+
+/// One candidate next token and its probability.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenProbability {
+    /// Token id.
+    pub id: u32,
+    /// Its text.
+    pub text: String,
+    /// Softmax probability at temperature 1.
+    pub probability: f32,
 }
 
 /// GLM-5 ready to run: weights, tokenizer, chat template and generation defaults.
@@ -160,6 +172,61 @@ impl Glm5 {
         cache: &mut KvCache,
     ) -> Result<Tensor> {
         Ok(self.model.forward(input_ids, start_pos, cache)?)
+    }
+
+    /// The `k` most likely tokens after `prompt` (text used as is), most likely first.
+    pub fn top_next_tokens(&self, prompt: &str, k: usize) -> Result<Vec<TokenProbability>> {
+        let ids = self.tokenizer.encode(prompt)?;
+        let mut cache = self.new_cache(ids.len().max(1))?;
+        let logits = self.model.forward(&ids, 0, &mut cache)?;
+        let last = logits.get(logits.dim(0)? - 1)?;
+        let probabilities: Vec<f32> = candle_nn::ops::softmax_last_dim(&last)?.to_vec1()?;
+        let mut order: Vec<usize> = (0..probabilities.len()).collect();
+        order.sort_by(|&a, &b| {
+            probabilities[b]
+                .total_cmp(&probabilities[a])
+                .then(a.cmp(&b))
+        });
+        order
+            .into_iter()
+            .take(k)
+            .map(|id| {
+                Ok(TokenProbability {
+                    id: id as u32,
+                    text: self.tokenizer.decode(&[id as u32])?,
+                    probability: probabilities[id],
+                })
+            })
+            .collect()
+    }
+
+    /// Which positions every layer attended to for the last token of `prompt` (text used as is).
+    pub fn selection_map(&self, prompt: &str) -> Result<SelectionMap> {
+        let ids = self.tokenizer.encode(prompt)?;
+        let mut cache = self.new_cache(ids.len().max(1))?;
+        let (_, selections) = self.model.forward_with_selections(&ids, 0, &mut cache)?;
+        let layers = selections
+            .iter()
+            .map(|selected| {
+                let last: Vec<i32> = selected.get(selected.dim(0)? - 1)?.to_vec1()?;
+                let mut positions: Vec<usize> = last
+                    .into_iter()
+                    .filter(|&p| p >= 0)
+                    .map(|p| p as usize)
+                    .collect();
+                positions.sort_unstable();
+                Ok(positions)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let tokens = ids
+            .iter()
+            .map(|&id| self.tokenizer.decode(&[id]))
+            .collect::<std::result::Result<_, _>>()?;
+        Ok(SelectionMap {
+            tokens,
+            layers,
+            index_topk: self.model.config().index_topk,
+        })
     }
 
     /// Renders a conversation with the model's own chat template.

@@ -78,23 +78,36 @@ fn bf16_on_gpu_stays_close_to_f32() {
     let gpu = Device::new_cuda(0).unwrap();
     for name in FIXTURES {
         let (ids, _) = reference(name);
-        let topk = Glm5ForCausalLM::from_dir(fixture_dir(name), DType::F32, &Device::Cpu, AttentionMode::Sparse)
-            .unwrap()
-            .config()
-            .index_topk;
+        let topk = Glm5ForCausalLM::from_dir(
+            fixture_dir(name),
+            DType::F32,
+            &Device::Cpu,
+            AttentionMode::Sparse,
+        )
+        .unwrap()
+        .config()
+        .index_topk;
         let f32_rows = logits(name, DType::F32, &gpu, &ids, ids.len());
         let bf16_rows = logits(name, DType::BF16, &gpu, &ids, ids.len());
         let relative: Vec<f32> = bf16_rows
             .iter()
             .zip(&f32_rows)
             .map(|(a, b)| {
-                let num: f32 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum::<f32>().sqrt();
+                let num: f32 = a
+                    .iter()
+                    .zip(b)
+                    .map(|(x, y)| (x - y) * (x - y))
+                    .sum::<f32>()
+                    .sqrt();
                 num / b.iter().map(|y| y * y).sum::<f32>().sqrt()
             })
             .collect();
         println!("{name} bf16 vs f32 per position: {relative:.3?}");
         for (pos, r) in relative.iter().enumerate().take(topk) {
-            assert!(*r < 6e-2, "{name} position {pos} (within index_topk): bf16 relative error {r}");
+            assert!(
+                *r < 6e-2,
+                "{name} position {pos} (within index_topk): bf16 relative error {r}"
+            );
         }
     }
 }

@@ -9,7 +9,7 @@
 
 use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::{LayerNorm, Linear};
-use glm5_ops::{dsa_indexer, sparse_mla};
+use glm5_ops::{dsa_indexer, dsa_indexer_backend, sparse_mla, sparse_mla_backend};
 
 use crate::cache::{KvCache, LayerCache};
 use crate::config::{Config, MlpKind, INDEX_KEY_NORM_EPS, LATENT_NORM_EPS};
@@ -280,7 +280,7 @@ impl Attention {
         rope: &Rope,
         cache: &LayerCache,
         mode: AttentionMode,
-    ) -> Result<Tensor> {
+    ) -> Result<(Tensor, Tensor)> {
         let t = hidden.dim(0)?;
         // Queries: q_lora (shared with the indexer) → per-head [nope | rope].
         let q_lora = self
@@ -337,7 +337,7 @@ impl Attention {
         let merged = per_head
             .transpose(0, 1)?
             .reshape((t, self.heads * self.v_head_dim))?;
-        Ok(self.o_proj.forward(&merged)?)
+        Ok((self.o_proj.forward(&merged)?, selected))
     }
 }
 
@@ -575,8 +575,8 @@ impl DecoderLayer {
         rope: &Rope,
         cache: &LayerCache,
         mode: AttentionMode,
-    ) -> Result<Tensor> {
-        let attn = self.self_attn.forward(
+    ) -> Result<(Tensor, Tensor)> {
+        let (attn, selected) = self.self_attn.forward(
             &self.input_layernorm.forward(x)?,
             start_pos,
             rope,
@@ -589,7 +589,35 @@ impl DecoderLayer {
             FeedForward::Dense(mlp) => mlp.forward(&h)?,
             FeedForward::MoE(moe) => moe.forward(&h)?,
         };
-        Ok((x + ffn)?)
+        Ok(((x + ffn)?, selected))
+    }
+}
+
+/// The implementations one decoder layer runs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerBackends {
+    pub layer: usize,
+    pub mlp: MlpKind,
+    pub attention: AttentionMode,
+    pub dsa_indexer: &'static str,
+    pub sparse_mla: &'static str,
+    pub device: String,
+    pub dtype: DType,
+}
+
+impl std::fmt::Display for LayerBackends {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "layer {:>3} | {:<6} {:?} {:?} | {:?} attention | dsa_indexer: {} | sparse_mla: {}",
+            self.layer,
+            self.device,
+            self.dtype,
+            self.mlp,
+            self.attention,
+            self.dsa_indexer,
+            self.sparse_mla
+        )
     }
 }
 
@@ -669,6 +697,24 @@ impl Glm5ForCausalLM {
         &self.device
     }
 
+    /// What runs where, per layer (the full dispatch pass with its registry is still to come).
+    pub fn layer_backends(&self) -> Vec<LayerBackends> {
+        (0..self.layers.len())
+            .map(|layer| LayerBackends {
+                layer,
+                mlp: self.config.mlp_layer_types[layer],
+                attention: self.mode,
+                dsa_indexer: match self.mode {
+                    AttentionMode::Sparse => dsa_indexer_backend(&self.device, self.dtype),
+                    AttentionMode::Dense => "skipped (dense mode)",
+                },
+                sparse_mla: sparse_mla_backend(&self.device, self.dtype),
+                device: format!("{:?}", self.device),
+                dtype: self.dtype,
+            })
+            .collect()
+    }
+
     /// An empty cache for up to `capacity` tokens of one sequence.
     pub fn new_cache(&self, capacity: usize) -> Result<KvCache> {
         KvCache::new(&self.config, capacity, self.dtype, &self.device)
@@ -681,6 +727,29 @@ impl Glm5ForCausalLM {
         input_ids: &[u32],
         start_pos: usize,
         cache: &mut KvCache,
+    ) -> Result<Tensor> {
+        self.run(input_ids, start_pos, cache, None)
+    }
+
+    /// [`Self::forward`], also returning every layer's attended positions `[len, K]` (i32, -1 padded): the
+    /// DSA indexer's top-k in sparse mode, all causal positions in dense mode.
+    pub fn forward_with_selections(
+        &self,
+        input_ids: &[u32],
+        start_pos: usize,
+        cache: &mut KvCache,
+    ) -> Result<(Tensor, Vec<Tensor>)> {
+        let mut selections = Vec::with_capacity(self.layers.len());
+        let logits = self.run(input_ids, start_pos, cache, Some(&mut selections))?;
+        Ok((logits, selections))
+    }
+
+    fn run(
+        &self,
+        input_ids: &[u32],
+        start_pos: usize,
+        cache: &mut KvCache,
+        mut selections: Option<&mut Vec<Tensor>>,
     ) -> Result<Tensor> {
         let t = input_ids.len();
         if t == 0 {
@@ -718,7 +787,11 @@ impl Glm5ForCausalLM {
         let ids = Tensor::from_slice(input_ids, t, &self.device)?;
         let mut x = self.embed_tokens.index_select(&ids, 0)?;
         for (layer, layer_cache) in self.layers.iter().zip(&cache.layers) {
-            x = layer.forward(&x, start_pos, &rope, layer_cache, self.mode)?;
+            let (next, selected) = layer.forward(&x, start_pos, &rope, layer_cache, self.mode)?;
+            if let Some(selections) = selections.as_deref_mut() {
+                selections.push(selected);
+            }
+            x = next;
         }
         cache.advance(t);
         Ok(self

@@ -10,5 +10,5 @@ pub mod weights;
 pub use cache::KvCache;
 pub use config::{Config, MlpKind};
 pub use error::{ModelError, Result};
-pub use glm5::{AttentionMode, Glm5ForCausalLM};
+pub use glm5::{AttentionMode, Glm5ForCausalLM, LayerBackends};
 pub use weights::Checkpoint;

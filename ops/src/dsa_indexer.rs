@@ -40,6 +40,11 @@ use crate::error::{check_float, check_same_dtype, check_shape, OpError, Result};
 /// Upper bound on the elements of the f32 `[T_chunk, H_I, N]` score tensor of one chunk.
 const MAX_CHUNK_ELEMS: usize = 64 << 20;
 
+/// Which implementation [`dsa_indexer`] runs (one for now, on every device).
+pub fn dsa_indexer_backend(_device: &candle_core::Device, _dtype: DType) -> &'static str {
+    "reference (candle ops, host top-k)"
+}
+
 /// Top-`top_k` key indices per query, `-1` padded (the contract is in the module docs).
 pub fn dsa_indexer(
     q_index: &Tensor,

@@ -11,8 +11,10 @@ pub mod dsa_indexer;
 pub mod error;
 pub mod sparse_mla;
 
-pub use dsa_indexer::dsa_indexer;
+pub use dsa_indexer::{dsa_indexer, dsa_indexer_backend};
 pub use error::{OpError, Result};
 #[cfg(feature = "cuda")]
 pub use sparse_mla::set_poison_outputs;
-pub use sparse_mla::{sparse_mla, sparse_mla_paged, sparse_mla_reference, PagedLatentCache};
+pub use sparse_mla::{
+    sparse_mla, sparse_mla_backend, sparse_mla_paged, sparse_mla_reference, PagedLatentCache,
+};

@@ -39,6 +39,15 @@ use crate::error::{check_float, check_same_dtype, check_shape, OpError, Result};
 /// Upper bound on the elements of the gathered `[T_chunk, K, D]` rows of one chunk.
 const MAX_CHUNK_ELEMS: usize = 64 << 20;
 
+/// Which implementation [`sparse_mla`] runs for tensors of `dtype` on `device`.
+pub fn sparse_mla_backend(device: &candle_core::Device, dtype: DType) -> &'static str {
+    match (device.is_cuda() && cfg!(feature = "cuda"), dtype) {
+        (true, DType::BF16) => "cuda mma.sync bf16 kernel",
+        (true, DType::F32) => "cuda f32 kernel",
+        _ => "reference (candle ops)",
+    }
+}
+
 /// A paged latent cache: rows live in fixed-size blocks, and each sequence's block table maps its logical
 /// positions to them (`row(seq, i) = blocks[block_table[seq, i / block_size], i % block_size]`).
 pub struct PagedLatentCache<'a> {
@@ -502,7 +511,9 @@ mod cuda {
         let groups = heads.div_ceil(heads_per_block);
         let tiles = k_len.div_ceil(TILE).max(1);
         // Flash-decoding: split the top-k when tokens x head groups alone would leave SMs idle.
-        let wanted = (2 * sms).div_ceil(t_len * groups).clamp(1, tiles.min(MAX_SPLITS));
+        let wanted = (2 * sms)
+            .div_ceil(t_len * groups)
+            .clamp(1, tiles.min(MAX_SPLITS));
         let tiles_per_split = tiles.div_ceil(wanted).min(MAX_TILES_PER_SPLIT);
         let splits = tiles.div_ceil(tiles_per_split);
         if splits > MAX_SPLITS {

@@ -20,7 +20,12 @@ const VALUE_DIM: usize = 512;
 const TOP_K: usize = 2048;
 const BLOCK_SIZE: usize = 64;
 
-fn median_seconds(device: &Device, rounds: usize, calls: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+fn median_seconds(
+    device: &Device,
+    rounds: usize,
+    calls: usize,
+    mut f: impl FnMut() -> Result<()>,
+) -> Result<f64> {
     f()?; // warm-up: module load, allocator
     device.synchronize()?;
     let mut times = Vec::with_capacity(rounds);
@@ -47,19 +52,31 @@ fn copy_bandwidth(device: &Device) -> Result<f64> {
 
 /// mma.sync bf16 rate in flop/s from the `mma_bf16_peak` microkernel.
 fn mma_peak(device: &Device) -> Result<f64> {
-    let Device::Cuda(dev) = device else { glm5::candle_core::bail!("needs a CUDA device") };
+    let Device::Cuda(dev) = device else {
+        glm5::candle_core::bail!("needs a CUDA device")
+    };
     let stream = dev.cuda_stream();
-    let module = stream.context().load_module(Ptx::from_binary(glm5_kernels::BENCH.to_vec())).map_err(cuda)?;
+    let module = stream
+        .context()
+        .load_module(Ptx::from_binary(glm5_kernels::BENCH.to_vec()))
+        .map_err(cuda)?;
     let func = module.load_function("mma_bf16_peak").map_err(cuda)?;
     let (blocks, threads, iters) = (132 * 16, 256u32, 4096i32);
-    let out = stream.alloc_zeros::<f32>(blocks * threads as usize).map_err(cuda)?;
-    let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+    let out = stream
+        .alloc_zeros::<f32>(blocks * threads as usize)
+        .map_err(cuda)?;
+    let cfg = LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    };
     let seconds = median_seconds(device, 5, 3, || {
         let mut launch = stream.launch_builder(&func);
         launch.arg(&out).arg(&iters);
         unsafe { launch.launch(cfg) }.map(|_| ()).map_err(cuda)
     })?;
-    let flops = blocks as f64 * (threads / 32) as f64 * iters as f64 * 8.0 * (2.0 * 16.0 * 8.0 * 16.0);
+    let flops =
+        blocks as f64 * (threads / 32) as f64 * iters as f64 * 8.0 * (2.0 * 16.0 * 8.0 * 16.0);
     Ok(flops / seconds)
 }
 
@@ -97,7 +114,8 @@ impl Decode {
         let chunk = 4096.min(num_blocks);
         for start in (0..num_blocks).step_by(chunk) {
             let len = chunk.min(num_blocks - start);
-            let random = Tensor::randn(0f32, 1f32, (len, BLOCK_SIZE, ROW_DIM), device)?.to_dtype(DType::BF16)?;
+            let random = Tensor::randn(0f32, 1f32, (len, BLOCK_SIZE, ROW_DIM), device)?
+                .to_dtype(DType::BF16)?;
             blocks.slice_set(&random, 0, start)?;
         }
         let mut state = seed;
@@ -106,7 +124,10 @@ impl Decode {
         for i in (1..order.len()).rev() {
             order.swap(i, (next(&mut state) % (i as u64 + 1)) as usize);
         }
-        let (mut indices, mut physical) = (Vec::with_capacity(batch * TOP_K), Vec::with_capacity(batch * TOP_K));
+        let (mut indices, mut physical) = (
+            Vec::with_capacity(batch * TOP_K),
+            Vec::with_capacity(batch * TOP_K),
+        );
         for b in 0..batch {
             let mut chosen = std::collections::HashSet::with_capacity(TOP_K);
             while chosen.len() < TOP_K.min(context) {
@@ -136,12 +157,16 @@ impl Decode {
             seq_lens: &self.seq_lens,
             token_seq: &self.token_seq,
         };
-        sparse_mla_paged(&self.q, &cache, &self.indices, VALUE_DIM, 1.0 / 16.0).map(|_| ()).map_err(cuda)
+        sparse_mla_paged(&self.q, &cache, &self.indices, VALUE_DIM, 1.0 / 16.0)
+            .map(|_| ())
+            .map_err(cuda)
     }
 
     fn reference(&self) -> Result<()> {
         let rows = self.blocks.flatten_to(1)?;
-        sparse_mla_reference(&self.q, &rows, &self.physical, VALUE_DIM, 1.0 / 16.0).map(|_| ()).map_err(cuda)
+        sparse_mla_reference(&self.q, &rows, &self.physical, VALUE_DIM, 1.0 / 16.0)
+            .map(|_| ())
+            .map_err(cuda)
     }
 }
 
@@ -154,25 +179,52 @@ fn main() -> Result<()> {
     }
     let copy = copy_bandwidth(&device)?;
     let peak = mma_peak(&device)?;
-    println!("device copy bandwidth: {:.0} GB/s   mma.sync bf16 peak: {:.0} TFLOP/s", copy / 1e9, peak / 1e12);
+    println!(
+        "device copy bandwidth: {:.0} GB/s   mma.sync bf16 peak: {:.0} TFLOP/s",
+        copy / 1e9,
+        peak / 1e12
+    );
     println!();
     println!("sparse_mla decode, bf16, D {ROW_DIM}/{VALUE_DIM}, top-k {TOP_K}, paged (block {BLOCK_SIZE})");
     println!(
         "{:>7} {:>5} {:>4} | {:>9} {:>8} {:>7} {:>8} {:>6} {:>7} | {:>10} {:>8}",
-        "context", "batch", "H", "kernel µs", "GB/s", "%copy", "TFLOP/s", "%mma", "floor µs", "ref µs", "speedup"
+        "context",
+        "batch",
+        "H",
+        "kernel µs",
+        "GB/s",
+        "%copy",
+        "TFLOP/s",
+        "%mma",
+        "floor µs",
+        "ref µs",
+        "speedup"
     );
-    let only: Vec<usize> = std::env::args().skip(1).filter_map(|a| a.parse().ok()).collect();
+    let only: Vec<usize> = std::env::args()
+        .skip(1)
+        .filter_map(|a| a.parse().ok())
+        .collect();
     let shapes: Vec<(usize, usize, usize)> = match only[..] {
         [context, batch, heads] => vec![(context, batch, heads)],
         _ => [32_768usize, 131_072]
             .iter()
-            .flat_map(|&c| [8usize, 16, 64].iter().flat_map(move |&h| [1usize, 8, 64, 128].map(|b| (c, b, h))))
+            .flat_map(|&c| {
+                [8usize, 16, 64]
+                    .iter()
+                    .flat_map(move |&h| [1usize, 8, 64, 128].map(|b| (c, b, h)))
+            })
             .collect(),
     };
     {
         for &(context, batch, heads) in &shapes {
             {
-                let problem = Decode::new(&device, batch, heads, context, (context * 1000 + heads * 10 + batch) as u64)?;
+                let problem = Decode::new(
+                    &device,
+                    batch,
+                    heads,
+                    context,
+                    (context * 1000 + heads * 10 + batch) as u64,
+                )?;
                 let kernel = median_seconds(&device, 7, 20, || problem.kernel())?;
                 let reference = median_seconds(&device, 3, 2, || problem.reference())?;
                 // Bytes the op must move: the selected rows, q, out, lse and the indices.
