@@ -383,7 +383,6 @@ mod cuda {
         block_table: Tensor,
         seq_lens: Tensor,
         token_seq: Tensor,
-        heads: usize,
         value_dim: usize,
         scale: f32,
         lse: Arc<Mutex<Option<CudaStorage>>>,
@@ -400,8 +399,8 @@ mod cuda {
             let dev: &CudaDevice = q.device();
             let stream = dev.cuda_stream();
             let (t_len, heads, row_dim) = q_layout.shape().dims3()?;
-            let (num_blocks, block_size, _) = kv_layout.shape().dims3()?;
-            let (batch, max_blocks) = self.block_table.dims2()?;
+            let (_, block_size, _) = kv_layout.shape().dims3()?;
+            let (_, max_blocks) = self.block_table.dims2()?;
             let k_len = self.indices.dim(1)?;
             let value_dim = self.value_dim;
             let (q_start, q_end) = q_layout
@@ -410,7 +409,6 @@ mod cuda {
             let (kv_start, kv_end) = kv_layout
                 .contiguous_offsets()
                 .ok_or_else(|| cuda_err("cache must be contiguous"))?;
-            let _ = (batch, num_blocks);
 
             let mut params = Params {
                 t: t_len as i32,
@@ -588,7 +586,6 @@ mod cuda {
             kv: &CudaStorage,
             kv_layout: &Layout,
         ) -> candle_core::Result<(CudaStorage, Shape)> {
-            debug_assert_eq!(q_layout.dims()[1], self.heads);
             self.launch(q, q_layout, kv, kv_layout)
         }
     }
@@ -681,7 +678,6 @@ mod cuda {
             block_table: cache.block_table.contiguous()?,
             seq_lens: cache.seq_lens.contiguous()?,
             token_seq: cache.token_seq.contiguous()?,
-            heads,
             value_dim,
             scale: softmax_scale as f32,
             lse: lse.clone(),
