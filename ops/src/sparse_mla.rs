@@ -374,7 +374,7 @@ mod cuda {
             .contiguous_offsets()
             .ok_or_else(|| cuda_err("tensor must be contiguous"))?;
         let slice = cuda.as_cuda_slice::<i32>()?.slice(start..end);
-        let ptr = slice.device_ptr(&stream).0;
+        let ptr = slice.device_ptr(stream).0;
         Ok(ptr)
     }
 
