@@ -279,7 +279,7 @@ impl Attention {
         start_pos: usize,
         rope: &Rope,
         cache: &LayerCache,
-        mode: AttentionMode,
+        dense: Option<&Tensor>,
     ) -> Result<(Tensor, Tensor)> {
         let t = hidden.dim(0)?;
         // Queries: q_lora (shared with the indexer) → per-head [nope | rope].
@@ -315,11 +315,11 @@ impl Attention {
             .transpose(0, 1)?;
         let q_absorbed = Tensor::cat(&[q_latent, q_pe], 2)?.contiguous()?;
 
-        let selected = match mode {
-            AttentionMode::Sparse => self
+        let selected = match dense {
+            None => self
                 .indexer
                 .forward(hidden, &q_lora, start_pos, rope, cache)?,
-            AttentionMode::Dense => all_causal_positions(t, start_pos, hidden.device())?,
+            Some(all_positions) => all_positions.clone(),
         };
         let (attended, _lse) = sparse_mla(
             &q_absorbed,
@@ -574,14 +574,14 @@ impl DecoderLayer {
         start_pos: usize,
         rope: &Rope,
         cache: &LayerCache,
-        mode: AttentionMode,
+        dense: Option<&Tensor>,
     ) -> Result<(Tensor, Tensor)> {
         let (attn, selected) = self.self_attn.forward(
             &self.input_layernorm.forward(x)?,
             start_pos,
             rope,
             cache,
-            mode,
+            dense,
         )?;
         let x = (x + attn)?;
         let h = self.post_attention_layernorm.forward(&x)?;
@@ -785,9 +785,15 @@ impl Glm5ForCausalLM {
 
         let rope = Rope::at_positions(&self.config, start_pos, t, self.dtype, &self.device)?;
         let ids = Tensor::from_slice(input_ids, t, &self.device)?;
+        // Dense mode attends to every causal position in every layer: one selection for all of them.
+        let dense = match self.mode {
+            AttentionMode::Sparse => None,
+            AttentionMode::Dense => Some(all_causal_positions(t, start_pos, &self.device)?),
+        };
         let mut x = self.embed_tokens.index_select(&ids, 0)?;
         for (layer, layer_cache) in self.layers.iter().zip(&cache.layers) {
-            let (next, selected) = layer.forward(&x, start_pos, &rope, layer_cache, self.mode)?;
+            let (next, selected) =
+                layer.forward(&x, start_pos, &rope, layer_cache, dense.as_ref())?;
             if let Some(selections) = selections.as_deref_mut() {
                 selections.push(selected);
             }
