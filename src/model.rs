@@ -246,12 +246,13 @@ impl Glm5 {
     /// [`Glm5::apply_chat_template`] first).
     pub fn generate(&self, prompt: &str, params: &GenerationParams) -> Result<Generation<'_>> {
         let ids = self.tokenizer.encode(prompt)?;
-        let capacity =
-            (ids.len() + params.max_new_tokens).min(self.model.config().max_position_embeddings);
+        let max_positions = self.model.config().max_position_embeddings;
+        // Room for the prompt and its new tokens (at least one, which the prefill produces anyway).
+        let capacity = (ids.len() + params.max_new_tokens.max(1)).min(max_positions);
         if ids.len() >= capacity {
             return Err(Error::PromptTooLong {
                 prompt_tokens: ids.len(),
-                limit: capacity,
+                limit: max_positions,
             });
         }
         self.generate_ids(ids, params, SequenceCache::new(self.new_cache(capacity)?))
