@@ -41,12 +41,17 @@ fn median_seconds(
     Ok(times[rounds / 2])
 }
 
-/// Device-to-device copy bandwidth in bytes/s (read + write counted).
+/// Device-to-device copy bandwidth in bytes/s (read + write counted), from plain cuMemcpyDtoD of 512 MiB of
+/// random words (candle's `copy`/`slice_set` run their own kernels and under-state it).
 fn copy_bandwidth(device: &Device) -> Result<f64> {
-    let n = 256 << 20; // 1 GiB of f32
-    let src = Tensor::randn(0f32, 1f32, n, device)?;
-    let dst = Tensor::zeros(n, DType::F32, device)?;
-    let seconds = median_seconds(device, 5, 10, || dst.slice_set(&src, 0, 0))?;
+    let Device::Cuda(dev) = device else { glm5::candle_core::bail!("needs a CUDA device") };
+    let stream = dev.cuda_stream();
+    let n = 128 << 20;
+    let mut state = 1u64;
+    let host: Vec<u32> = (0..n).map(|_| next(&mut state) as u32).collect();
+    let src = stream.clone_htod(&host).map_err(cuda)?;
+    let mut dst = stream.alloc_zeros::<u32>(n).map_err(cuda)?;
+    let seconds = median_seconds(device, 5, 10, || stream.memcpy_dtod(&src, &mut dst).map_err(cuda))?;
     Ok(2.0 * (n * 4) as f64 / seconds)
 }
 
