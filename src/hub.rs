@@ -975,7 +975,8 @@ fn read_json(path: &Path) -> Result<Result<serde_json::Value, serde_json::Error>
 }
 
 /// Checks a safetensors header: an 8-byte little-endian length, a JSON object of tensors whose
-/// `data_offsets` are in order, and a data section that ends exactly at the end of the file.
+/// `data_offsets` are in order, and a data section that ends exactly at the end of the file. Only the header is
+/// read: the safetensors crate's own check (`read_metadata`) needs the whole file in memory, shards are GBs.
 fn check_safetensors(path: &Path, size: u64) -> std::io::Result<Result<(), String>> {
     let mut file = File::open(path)?;
     let mut len = [0u8; 8];
