@@ -19,6 +19,6 @@ for line in sys.stdin:
 cargo build --release --features cuda --bin glm5-bench
 cp target/release/glm5-bench .gpu/
 for f in .gpu/*; do strip "$f"; xz -T0 -6 "$f"; done
-# The kernels' fatbins, for cuobjdump there.
-cp "$(ls -td target/release/build/glm5-kernels-*/out | head -1)"/*.fatbin .gpu/
+# The kernels' fatbins (of the newest build: the out folder's own mtime does not change on rebuilds), for cuobjdump there.
+cp "$(dirname "$(ls -t target/release/build/glm5-kernels-*/out/sparse_mla.fatbin | head -1)")"/*.fatbin .gpu/
 ls -la .gpu

@@ -6,12 +6,17 @@
 // Index -1 (or >= seq_lens[seq]) is "no row". Rows are D wide (D % 8 == 0); values are their first DV columns.
 //
 // bf16 kernel (mma.sync.m16n8k16, f32 accumulate; runs on sm_90 and sm_120): one block handles one token,
-// a group of HB heads (16 or 64) and a contiguous range of BN-key tiles (a "split"). It first resolves every
-// slot of its split to a physical row (all index and block-table loads in flight together), then streams
-// the tiles through a cp.async double buffer. Each 16 heads have a warp pair: each warp scores half of the
-// tile's keys (S = Q K^T), the pair agrees on the row maxima through shared memory, both write their part of
-// P (bf16), and each accumulates half of the value columns (O += P V). With several splits each block writes
-// a normalised partial (f32) and its lse; sparse_mla_combine merges them (flash-decoding).
+// HT tiles of 16 heads and a contiguous range of BN-key tiles (a "split"). It first resolves every slot of its
+// split to a physical row (all index and block-table loads in flight together), then streams the tiles
+// through a cp.async double buffer. Each 16-head tile has KW warps, and they divide every step three ways:
+//   S = Q K^T    by row width: warp kw owns every KW-th 16-column step of the row, its Q fragments held in
+//                registers for the whole split; the KW partial scores meet in shared memory;
+//   softmax      by keys: warp kw sums the partials of keys [kw*BN/KW, (kw+1)*BN/KW), the warps agree on
+//                the row maxima through shared memory, and each writes its part of P (bf16);
+//   O += P V     by value columns: warp kw accumulates columns [kw*DV/KW, (kw+1)*DV/KW).
+// So a warp's registers hold a quarter of Q and a quarter of O, and no warp re-reads Q per tile. With several
+// splits each block writes a normalised partial (f32) and its lse; sparse_mla_combine merges them
+// (flash-decoding).
 //
 // f32 kernel: plain FMA, one block per (token, head), for full-precision runs.
 
@@ -91,41 +96,49 @@ __device__ __forceinline__ long long physical_row(const SparseMlaParams& p, int 
 // Dynamic shared memory of the bf16 kernel (mirrored by the launcher).
 __host__ __device__ constexpr int row_stride(int d) { return (d + 15) / 16 * 16 + ROW_PAD; }
 
-template <int DV, int HB>
+constexpr int MAX_ROPE = 64;  // row width beyond the value columns the bf16 kernel holds (D <= DV + MAX_ROPE)
+constexpr int LDS = BN + 8;   // f32 stride of a partial-score row: float2 stores of a half-warp hit 32 banks
+
+// k16 steps of the row each of KW warps owns, for rows up to DV + MAX_ROPE wide.
+__host__ __device__ constexpr int q_steps(int dv, int kw) { return ((dv + MAX_ROPE + 15) / 16 + kw - 1) / kw; }
+
+template <int DV, int HT, int KW, int FIXED_D>
 __device__ __forceinline__ void sparse_mla_bf16_body(const SparseMlaParams& p) {
-    constexpr int PAIRS = HB / 16;  // warp pairs; each pair owns 16 heads
-    constexpr int THREADS = PAIRS * 64;
-    constexpr int DV_HALF = DV / 2;
-    constexpr int NT_O = DV_HALF / 8;  // n8 tiles of O per warp
+    constexpr int HB = 16 * HT;                 // heads per block
+    constexpr int THREADS = HT * KW * 32;
+    constexpr int DV_W = DV / KW;               // value columns per warp
+    constexpr int NT_O = DV_W / 8;              // n8 tiles of O per warp
+    constexpr int KEYS_W = BN / KW;             // keys per warp in the softmax
+    constexpr int NT_K = KEYS_W / 8;            // their n8 tiles
+    constexpr int QS = q_steps(DV, KW);         // Q fragments per warp
     constexpr int LDP = BN + ROW_PAD;
-    static_assert(DV % 16 == 0, "value width must be a multiple of 16");
+    static_assert(DV % (8 * KW) == 0 && BN % (8 * KW) == 0, "warps must split keys and values into n8 tiles");
 
-    // Warp `pair` and warp `pair + PAIRS` share 16 heads: each scores half of a tile's keys, both see the
-    // whole P, and each accumulates half of the value columns.
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int half = warp / PAIRS, head_tile = warp % PAIRS;
-    const int dv_base = half * DV_HALF;
+    const int ht = warp / KW, kw = warp % KW;
     const int split = blockIdx.x, h0 = blockIdx.y * HB, t = blockIdx.z;
+    // FIXED_D > 0: the row width is known at compile time (GLM-5's 576), so every shared-memory offset is an
+    // immediate and no step needs a bounds test. FIXED_D == 0: any width the launcher admits.
+    const int D = FIXED_D > 0 ? FIXED_D : p.D, ld = row_stride(D), chunks = D / 8, k_steps = (D + 15) / 16;
 
-    const int D = p.D, d_pad = (D + 15) / 16 * 16, ld = row_stride(D), chunks = D / 8;
     extern __shared__ __align__(16) unsigned char smem[];
-    bf16* qs = reinterpret_cast<bf16*>(smem);
-    bf16* ks = qs + HB * ld;  // two buffers of BN rows
-    bf16* ps = ks + 2 * BN * ld;
-    float* max_s = reinterpret_cast<float*>(ps + HB * LDP);  // [2][HB] per-half row maxima of a tile
-    float* l_s = max_s + 2 * HB;                                 // [2][HB] per-half row sums at the end
-    int* rows_s = reinterpret_cast<int*>(l_s + 2 * HB);          // physical row of every slot of the split
+    bf16* ks = reinterpret_cast<bf16*>(smem);                    // [2][BN][ld] key tiles
+    bf16* qs = ks + 2 * BN * ld;                                  // [HB][ld]
+    bf16* ps = qs + HB * ld;                                      // [HB][LDP] probabilities of a tile
+    float* sp = reinterpret_cast<float*>(ps + HB * LDP);          // [HT][KW][16][LDS] partial scores
+    float* max_s = sp + HT * KW * 16 * LDS;                       // [HT][KW][16] per-warp row maxima
+    float* l_s = max_s + HT * KW * 16;                            // [HT][KW][16] per-warp row sums
+    int* rows_s = reinterpret_cast<int*>(l_s + HT * KW * 16);     // physical row of every slot of the split
 
     const int seq = p.token_seq[t];
     const int seq_len = p.seq_lens[seq];
     const int* idx_row = p.indices + (size_t)t * p.K;
     const int n_tiles = (p.K + BN - 1) / BN;
     const int tile_begin = split * p.tiles_per_split;
-    const int tile_end = min(tile_begin + p.tiles_per_split, n_tiles);
-    const int tile_count = max(tile_end - tile_begin, 0);
+    const int tile_count = max(min(tile_begin + p.tiles_per_split, n_tiles) - tile_begin, 0);
     const bf16* kv = static_cast<const bf16*>(p.kv);
 
-    // Q rows of this head group, zero beyond H and in the padding columns.
+    // Q rows of this block's heads, zero beyond H and in the padding columns.
     const bf16* q = static_cast<const bf16*>(p.q) + (size_t)t * p.H * D;
     for (int i = threadIdx.x; i < HB * (ld / 8); i += THREADS) {
         const int r = i / (ld / 8), c = (i % (ld / 8)) * 8;
@@ -133,7 +146,7 @@ __device__ __forceinline__ void sparse_mla_bf16_body(const SparseMlaParams& p) {
         cp_async_16(qs + r * ld + c, valid ? q + (size_t)(h0 + r) * D + c : q, valid);
     }
     cp_async_commit();
-    // Padding columns of the K buffers are never written by the tile loads.
+    // Padding columns of the key tiles are never written by the tile loads.
     for (int i = threadIdx.x; i < 2 * BN * (ld - D); i += THREADS) {
         const int r = i / (ld - D), c = D + i % (ld - D);
         ks[r * ld + c] = __float2bfloat16(0.f);
@@ -146,113 +159,129 @@ __device__ __forceinline__ void sparse_mla_bf16_body(const SparseMlaParams& p) {
     }
     __syncthreads();
 
-    auto load_tile = [&](int local_tile, int buf) {
-        bf16* dst = ks + buf * BN * ld;
-        const int* rows = rows_s + local_tile * BN;
-        for (int i = threadIdx.x; i < BN * chunks; i += THREADS) {
-            const int r = i / chunks, c = (i % chunks) * 8;
-            const long long row = rows[r];
-            cp_async_16(dst + r * ld + c, row >= 0 ? kv + row * D + c : kv, row >= 0);
+    // One cp.async group per tile (empty past the split's end). A warp copies whole rows: lane c moves
+    // 16-byte chunks c, c + 32, ... of the row, so no thread divides by the row width.
+    auto load_tile = [&](int local_tile) {
+        if (local_tile < tile_count) {
+            bf16* dst = ks + (local_tile & 1) * BN * ld;
+            const int* rows = rows_s + local_tile * BN;
+            for (int r = warp; r < BN; r += HT * KW) {
+                const long long row = rows[r];
+                const bf16* src = row >= 0 ? kv + row * D : kv;
+                for (int c = lane; c < chunks; c += 32) cp_async_16(dst + r * ld + c * 8, src + c * 8, row >= 0);
+            }
         }
+        cp_async_commit();
     };
+    load_tile(0);
+    load_tile(1);
+
+    // This warp's Q fragments: k16 steps kw, kw + KW, ... of its 16 heads.
+    cp_async_wait<2>();
+    __syncthreads();
+    uint32_t qa[QS][4];
+#pragma unroll
+    for (int s = 0; s < QS; ++s) {
+        const int step = kw + s * KW;
+        if (step < k_steps) ldmatrix_x4(qa[s], qs + (ht * 16 + lane % 16) * ld + step * 16 + (lane / 16) * 8);
+        else qa[s][0] = qa[s][1] = qa[s][2] = qa[s][3] = 0u;
+    }
 
     float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // rows lane/4 and lane/4 + 8
     float o_acc[NT_O][4];
 #pragma unroll
     for (int n = 0; n < NT_O; ++n) o_acc[n][0] = o_acc[n][1] = o_acc[n][2] = o_acc[n][3] = 0.f;
     const float scale_log2 = p.scale * LOG2E;
-    const int row0 = head_tile * 16 + lane / 4;  // this thread's two head rows: row0 and row0 + 8
-
-    if (tile_count > 0) load_tile(0, 0);
-    cp_async_commit();
+    const int r0 = lane / 4;  // this thread's two rows of the 16-head tile: r0 and r0 + 8
+    float* sp_mine = sp + (ht * KW + kw) * 16 * LDS;
 
     for (int local = 0; local < tile_count; ++local) {
-        const int buf = local & 1;
-        if (local + 1 < tile_count) {
-            load_tile(local + 1, buf ^ 1);
-            cp_async_commit();
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
+        cp_async_wait<1>();  // this tile's group is done; the next one may still be in flight
         __syncthreads();
-        const bf16* kt = ks + buf * BN * ld;
+        const bf16* kt = ks + (local & 1) * BN * ld;
         const int* rows = rows_s + local * BN;
 
-        // S = Q K^T for this warp's 16 heads and 16 keys (two n8 tiles). Even and odd k-steps accumulate
-        // separately: two independent mma chains instead of one long dependent one.
-        float s[2][4] = {}, s_odd[2][4] = {};
-        {
-            const bf16* q_frag = qs + (head_tile * 16 + lane % 16) * ld + (lane / 16) * 8;
-            const bf16* k_frag = kt + (half * 16 + lane % 8 + (lane / 16) * 8) * ld + ((lane / 8) % 2) * 8;
-            int k0 = 0;
-            for (; k0 + 32 <= d_pad; k0 += 32) {
-                uint32_t a0[4], b0[4], a1[4], b1[4];
-                ldmatrix_x4(a0, q_frag + k0);
-                ldmatrix_x4(b0, k_frag + k0);
-                ldmatrix_x4(a1, q_frag + k0 + 16);
-                ldmatrix_x4(b1, k_frag + k0 + 16);
-                mma_bf16(s[0], a0, b0[0], b0[1]);
-                mma_bf16(s[1], a0, b0[2], b0[3]);
-                mma_bf16(s_odd[0], a1, b1[0], b1[1]);
-                mma_bf16(s_odd[1], a1, b1[2], b1[3]);
-            }
-            if (k0 < d_pad) {
-                uint32_t a0[4], b0[4];
-                ldmatrix_x4(a0, q_frag + k0);
-                ldmatrix_x4(b0, k_frag + k0);
-                mma_bf16(s[0], a0, b0[0], b0[1]);
-                mma_bf16(s[1], a0, b0[2], b0[3]);
-            }
+        // Partial S over this warp's column steps, all BN keys: four independent accumulators.
+        float s[BN / 8][4] = {};
 #pragma unroll
-            for (int n = 0; n < 2; ++n)
+        for (int st = 0; st < QS; ++st) {
+            const int step = kw + st * KW;
+            if (step < k_steps) {
 #pragma unroll
-                for (int j = 0; j < 4; ++j) s[n][j] += s_odd[n][j];
+                for (int np = 0; np < BN / 16; ++np) {
+                    uint32_t b[4];
+                    ldmatrix_x4(b, kt + (np * 16 + lane % 8 + (lane / 16) * 8) * ld + step * 16 + ((lane / 8) % 2) * 8);
+                    mma_bf16(s[2 * np], qa[st], b[0], b[1]);
+                    mma_bf16(s[2 * np + 1], qa[st], b[2], b[3]);
+                }
+            }
         }
-        // Mask missing rows, scale into the log2 domain; row maxima over both halves of the tile.
+#pragma unroll
+        for (int n = 0; n < BN / 8; ++n) {
+            const int col = n * 8 + (lane % 4) * 2;
+            *reinterpret_cast<float2*>(sp_mine + r0 * LDS + col) = make_float2(s[n][0], s[n][1]);
+            *reinterpret_cast<float2*>(sp_mine + (r0 + 8) * LDS + col) = make_float2(s[n][2], s[n][3]);
+        }
+        __syncthreads();
+
+        // Scores of this warp's keys: the sum of the KW partials, masked, in the log2 domain.
+        float sc[NT_K][4];
         float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-        for (int n = 0; n < 2; ++n)
+        for (int n = 0; n < NT_K; ++n) {
+            const int col = kw * KEYS_W + n * 8 + (lane % 4) * 2;
+            float2 lo = make_float2(0.f, 0.f), hi = make_float2(0.f, 0.f);
+#pragma unroll
+            for (int j = 0; j < KW; ++j) {
+                const float* part = sp + (ht * KW + j) * 16 * LDS;
+                const float2 a = *reinterpret_cast<const float2*>(part + r0 * LDS + col);
+                const float2 b = *reinterpret_cast<const float2*>(part + (r0 + 8) * LDS + col);
+                lo.x += a.x; lo.y += a.y; hi.x += b.x; hi.y += b.y;
+            }
+            const float v[4] = {lo.x, lo.y, hi.x, hi.y};
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-                const int key = half * 16 + n * 8 + (lane % 4) * 2 + (j & 1);
-                s[n][j] = rows[key] >= 0 ? s[n][j] * scale_log2 : -INFINITY;
-                mx[j / 2] = fmaxf(mx[j / 2], s[n][j]);
+                sc[n][j] = rows[col + (j & 1)] >= 0 ? v[j] * scale_log2 : -INFINITY;
+                mx[j / 2] = fmaxf(mx[j / 2], sc[n][j]);
             }
+        }
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 1));
             mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 2));
         }
+        float* max_tile = max_s + ht * KW * 16;
         if (lane % 4 == 0) {
-            max_s[half * HB + row0] = mx[0];
-            max_s[half * HB + row0 + 8] = mx[1];
+            max_tile[kw * 16 + r0] = mx[0];
+            max_tile[kw * 16 + r0 + 8] = mx[1];
         }
         __syncthreads();
         float alpha[2], sum[2] = {0.f, 0.f};
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            const float m_tile = fmaxf(mx[r], max_s[(1 - half) * HB + row0 + r * 8]);
+            float m_tile = -INFINITY;
+#pragma unroll
+            for (int j = 0; j < KW; ++j) m_tile = fmaxf(m_tile, max_tile[j * 16 + r0 + r * 8]);
             const float m_new = fmaxf(m_run[r], m_tile);
             alpha[r] = m_new == -INFINITY ? 1.f : exp2f(m_run[r] - m_new);
             m_run[r] = m_new;
         }
 #pragma unroll
-        for (int n = 0; n < 2; ++n) {
+        for (int n = 0; n < NT_K; ++n) {
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-                s[n][j] = s[n][j] == -INFINITY ? 0.f : exp2f(s[n][j] - m_run[j / 2]);
-                sum[j / 2] += s[n][j];
+                sc[n][j] = sc[n][j] == -INFINITY ? 0.f : exp2f(sc[n][j] - m_run[j / 2]);
+                sum[j / 2] += sc[n][j];
             }
-            const int col = half * 16 + n * 8 + (lane % 4) * 2;
-            *reinterpret_cast<uint32_t*>(ps + row0 * LDP + col) = pack_bf16(s[n][0], s[n][1]);
-            *reinterpret_cast<uint32_t*>(ps + (row0 + 8) * LDP + col) = pack_bf16(s[n][2], s[n][3]);
+            const int col = kw * KEYS_W + n * 8 + (lane % 4) * 2;
+            *reinterpret_cast<uint32_t*>(ps + (ht * 16 + r0) * LDP + col) = pack_bf16(sc[n][0], sc[n][1]);
+            *reinterpret_cast<uint32_t*>(ps + (ht * 16 + r0 + 8) * LDP + col) = pack_bf16(sc[n][2], sc[n][3]);
         }
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             sum[r] += __shfl_xor_sync(0xffffffff, sum[r], 1);
             sum[r] += __shfl_xor_sync(0xffffffff, sum[r], 2);
-            l_run[r] = l_run[r] * alpha[r] + sum[r];  // this half's share; halves add up at the end
+            l_run[r] = l_run[r] * alpha[r] + sum[r];  // this warp's keys only; the KW shares add up at the end
         }
 #pragma unroll
         for (int n = 0; n < NT_O; ++n) {
@@ -261,13 +290,14 @@ __device__ __forceinline__ void sparse_mla_bf16_body(const SparseMlaParams& p) {
             o_acc[n][2] *= alpha[1];
             o_acc[n][3] *= alpha[1];
         }
-        __syncthreads();  // P of both halves is complete
+        __syncthreads();  // P of all warps is complete
 
-        // O[:, dv_base : dv_base + DV/2] += P V over the tile's 32 keys.
+        // O[:, kw*DV_W : (kw+1)*DV_W] += P V over the tile's keys.
+        const int dv_base = kw * DV_W;
 #pragma unroll
         for (int kk = 0; kk < BN; kk += 16) {
             uint32_t a[4];
-            ldmatrix_x4(a, ps + (head_tile * 16 + lane % 16) * LDP + kk + (lane / 16) * 8);
+            ldmatrix_x4(a, ps + (ht * 16 + lane % 16) * LDP + kk + (lane / 16) * 8);
             const int key = kk + lane % 8 + ((lane / 8) % 2) * 8;
 #pragma unroll
             for (int n = 0; n + 1 < NT_O; n += 2) {
@@ -282,27 +312,30 @@ __device__ __forceinline__ void sparse_mla_bf16_body(const SparseMlaParams& p) {
                 mma_bf16(o_acc[NT_O - 1], a, b[0], b[1]);
             }
         }
-        __syncthreads();  // the buffer, P and the maxima are free for the next tile
+        __syncthreads();  // this buffer, P, the partials and the maxima are free
+        load_tile(local + 2);
     }
+    cp_async_wait<0>();  // nothing in flight at exit
 
-    cp_async_wait<0>();  // nothing in flight at exit (an empty split still issued the Q copy)
-
-    // Epilogue: both halves' row sums, normalise, write out / partials.
+    // Epilogue: the KW warps' row sums, normalise, write out / partials.
+    float* l_tile = l_s + ht * KW * 16;
     if (lane % 4 == 0) {
-        l_s[half * HB + row0] = l_run[0];
-        l_s[half * HB + row0 + 8] = l_run[1];
+        l_tile[kw * 16 + r0] = l_run[0];
+        l_tile[kw * 16 + r0 + 8] = l_run[1];
     }
     __syncthreads();
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        const int row = row0 + r * 8, head = h0 + row;
+        const int head = h0 + ht * 16 + r0 + r * 8;
         if (head >= p.H) continue;
-        const float l = l_s[row] + l_s[HB + row];
+        float l = 0.f;
+#pragma unroll
+        for (int j = 0; j < KW; ++j) l += l_tile[j * 16 + r0 + r * 8];
         const float inv_l = l > 0.f ? 1.f / l : 0.f;
         const size_t th = (size_t)t * p.H + head;
 #pragma unroll
         for (int n = 0; n < NT_O; ++n) {
-            const int col = dv_base + n * 8 + (lane % 4) * 2;
+            const int col = kw * DV_W + n * 8 + (lane % 4) * 2;
             const float v0 = o_acc[n][r * 2] * inv_l, v1 = o_acc[n][r * 2 + 1] * inv_l;
             if (p.num_splits == 1) {
                 *reinterpret_cast<uint32_t*>(static_cast<bf16*>(p.out) + th * DV + col) = pack_bf16(v0, v1);
@@ -311,7 +344,7 @@ __device__ __forceinline__ void sparse_mla_bf16_body(const SparseMlaParams& p) {
                 *reinterpret_cast<float2*>(dst) = make_float2(v0, v1);
             }
         }
-        if (half == 0 && lane % 4 == 0) {
+        if (kw == 0 && lane % 4 == 0) {
             const float lse = l > 0.f ? m_run[r] * LN2 + logf(l) : -INFINITY;
             if (p.num_splits == 1) p.lse[th] = lse;
             else p.part_lse[(size_t)split * p.T * p.H + th] = lse;
@@ -319,26 +352,23 @@ __device__ __forceinline__ void sparse_mla_bf16_body(const SparseMlaParams& p) {
     }
 }
 
-// Merges the splits of the bf16 kernel: weights exp(lse_s - max) over the normalised partials.
-template <typename OutT>
-__device__ __forceinline__ OutT from_float(float v);
-template <>
-__device__ __forceinline__ float from_float<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ bf16 from_float<bf16>(float v) { return __float2bfloat16(v); }
+// Merges the splits of the bf16 kernel: out = sum_s w_s o_s / sum_s w_s with w_s = exp(lse_s - max).
+// One block of COMBINE_GROUPS warps per (token, head, 128 value columns): warp g merges splits g,
+// g + COMBINE_GROUPS, ... (its loads independent, so they are in flight together), lane c four columns; the
+// warps' sums meet in shared memory.
+constexpr int COMBINE_GROUPS = 8;
+constexpr int COMBINE_COLUMNS = 128;
 
-template <typename OutT>
 __device__ void combine_impl(const SparseMlaParams& p) {
-    // Block (t*H + h, value chunk): the first warp turns the splits' lse into weights, then every thread
-    // merges one value column over all splits.
     const size_t th = blockIdx.x;
     const size_t stride = (size_t)p.T * p.H;
-    const int lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     __shared__ float weights[MAX_SPLITS];
     __shared__ float total_s, max_s;
+    __shared__ float4 sums[COMBINE_GROUPS][COMBINE_COLUMNS / 4];
     for (int s = threadIdx.x; s < p.num_splits; s += blockDim.x) weights[s] = p.part_lse[s * stride + th];
     __syncthreads();
-    if (threadIdx.x < 32) {
+    if (warp == 0) {
         float m = -INFINITY;
         for (int s = lane; s < p.num_splits; s += 32) m = fmaxf(m, weights[s]);
         for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, o));
@@ -355,13 +385,28 @@ __device__ void combine_impl(const SparseMlaParams& p) {
         }
     }
     __syncthreads();
-    const float inv = total_s > 0.f ? 1.f / total_s : 0.f;
-    const int d = blockIdx.y * blockDim.x + threadIdx.x;
-    if (d < p.DV) {
-        float acc = 0.f;
+    const int c = blockIdx.y * (COMBINE_COLUMNS / 4) + lane;  // float4 column of this lane
+    const bool active = 4 * c < p.DV;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (active) {
 #pragma unroll 8
-        for (int s = 0; s < p.num_splits; ++s) acc += weights[s] * p.part_out[(s * stride + th) * p.DV + d];
-        static_cast<OutT*>(p.out)[th * p.DV + d] = from_float<OutT>(acc * inv);
+        for (int s = warp; s < p.num_splits; s += COMBINE_GROUPS) {
+            const float4 v = reinterpret_cast<const float4*>(p.part_out + (s * stride + th) * p.DV)[c];
+            const float w = weights[s];
+            acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
+        }
+    }
+    sums[warp][lane] = acc;
+    __syncthreads();
+    if (warp == 0 && active) {
+        for (int g = 1; g < COMBINE_GROUPS; ++g) {
+            const float4 v = sums[g][lane];
+            acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
+        }
+        const float inv = total_s > 0.f ? 1.f / total_s : 0.f;
+        bf16* out = static_cast<bf16*>(p.out) + th * p.DV;
+        *reinterpret_cast<uint32_t*>(out + 4 * c) = pack_bf16(acc.x * inv, acc.y * inv);
+        *reinterpret_cast<uint32_t*>(out + 4 * c + 2) = pack_bf16(acc.z * inv, acc.w * inv);
     }
     if (blockIdx.y == 0 && threadIdx.x == 0) p.lse[th] = total_s > 0.f ? max_s + logf(total_s) : -INFINITY;
 }
@@ -417,22 +462,28 @@ __device__ void f32_impl(const SparseMlaParams& p) {
     if (threadIdx.x == 0) p.lse[th] = l_all > 0.f ? m_all + logf(l_all) : -INFINITY;
 }
 
-// Entry points, found by name from Rust. The bf16 kernel is instantiated per value width and head group.
-#define SPARSE_MLA_BF16_ENTRY(DV, HB)                                                          \
-    extern "C" __global__ void __launch_bounds__(HB / 16 * 64)                                 \
-        sparse_mla_bf16_dv##DV##_hb##HB(const SparseMlaParams p) { sparse_mla_bf16_body<DV, HB>(p); }
-SPARSE_MLA_BF16_ENTRY(16, 16)
-SPARSE_MLA_BF16_ENTRY(32, 16)
-SPARSE_MLA_BF16_ENTRY(64, 16)
-SPARSE_MLA_BF16_ENTRY(128, 16)
-SPARSE_MLA_BF16_ENTRY(256, 16)
-SPARSE_MLA_BF16_ENTRY(512, 16)
-SPARSE_MLA_BF16_ENTRY(16, 64)
-SPARSE_MLA_BF16_ENTRY(32, 64)
-SPARSE_MLA_BF16_ENTRY(64, 64)
-SPARSE_MLA_BF16_ENTRY(128, 64)
-SPARSE_MLA_BF16_ENTRY(256, 64)
-SPARSE_MLA_BF16_ENTRY(512, 64)
+// Entry points, found by name from Rust: the bf16 kernel per value width and heads per block (16 * HT), for
+// any row width and, for GLM-5's rows (512 + 64), with the width fixed at compile time. The value width fixes
+// the warps per 16-head tile (KW = 4, or 2 for 16 columns).
+#define SPARSE_MLA_BF16_ENTRY(DV, HT, KW)                                                      \
+    extern "C" __global__ void __launch_bounds__(HT * KW * 32)                                 \
+        sparse_mla_bf16_dv##DV##_hb##HT(const SparseMlaParams p) { sparse_mla_bf16_body<DV, HT, KW, 0>(p); }
+#define SPARSE_MLA_BF16_FIXED_ENTRY(DV, D, HT, KW)                                             \
+    extern "C" __global__ void __launch_bounds__(HT * KW * 32)                                 \
+        sparse_mla_bf16_dv##DV##_d##D##_hb##HT(const SparseMlaParams p) { sparse_mla_bf16_body<DV, HT, KW, D>(p); }
+SPARSE_MLA_BF16_ENTRY(16, 1, 2)
+SPARSE_MLA_BF16_ENTRY(32, 1, 4)
+SPARSE_MLA_BF16_ENTRY(64, 1, 4)
+SPARSE_MLA_BF16_ENTRY(128, 1, 4)
+SPARSE_MLA_BF16_ENTRY(256, 1, 4)
+SPARSE_MLA_BF16_ENTRY(512, 1, 4)
+SPARSE_MLA_BF16_ENTRY(128, 4, 4)
+SPARSE_MLA_BF16_ENTRY(256, 4, 4)
+SPARSE_MLA_BF16_ENTRY(512, 4, 4)
+SPARSE_MLA_BF16_FIXED_ENTRY(512, 576, 1, 4)
+SPARSE_MLA_BF16_FIXED_ENTRY(512, 576, 4, 4)
 
-extern "C" __global__ void sparse_mla_combine_bf16(const SparseMlaParams p) { combine_impl<bf16>(p); }
+extern "C" __global__ void __launch_bounds__(COMBINE_GROUPS * 32) sparse_mla_combine_bf16(const SparseMlaParams p) {
+    combine_impl(p);
+}
 extern "C" __global__ void __launch_bounds__(128) sparse_mla_f32(const SparseMlaParams p) { f32_impl(p); }

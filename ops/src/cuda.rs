@@ -8,8 +8,8 @@ use candle_core::cuda_backend::cudarc::driver::{sys, CudaFunction, CudaModule};
 use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use candle_core::cuda_backend::{CudaDevice, DeviceId};
 
-/// Static shared memory our kernels may declare besides the dynamic part (the driver rejects a dynamic
-/// limit that leaves no room for it).
+/// Shared memory the launchers leave out of a kernel's dynamic budget (the main kernels declare no static
+/// shared memory; the margin keeps the launch valid should they declare a little).
 pub(crate) const STATIC_SHARED_RESERVE: usize = 1024;
 
 fn cuda_err(e: impl std::fmt::Display) -> candle_core::Error {
@@ -54,7 +54,7 @@ pub(crate) fn device_info(dev: &CudaDevice) -> candle_core::Result<DeviceInfo> {
 }
 
 /// Function `name` of module `module` (fatbin `image`) on `dev`. On first use the module is loaded and the
-/// function allowed the device's opt-in shared memory less [`STATIC_SHARED_RESERVE`].
+/// function allowed the device's opt-in shared memory less its own static shared memory.
 pub(crate) fn kernel(
     dev: &CudaDevice,
     module: &'static str,
@@ -81,10 +81,13 @@ pub(crate) fn kernel(
     let function = cuda_module
         .load_function(name)
         .map_err(|e| cuda_err(format!("kernel {name} of {module}: {e}")))?;
+    let static_shared = function
+        .get_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
+        .map_err(cuda_err)? as usize;
     function
         .set_attribute(
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            (info.max_shared_per_block - STATIC_SHARED_RESERVE) as i32,
+            info.max_shared_per_block.saturating_sub(static_shared) as i32,
         )
         .map_err(cuda_err)?;
     loaded

@@ -270,14 +270,16 @@ mod cuda {
     //! Launch of `kernels/src/sparse_mla.cu`: bf16 through the mma.sync kernel (split over the top-k and
     //! combined when the grid would otherwise be small), f32 through the FMA kernel.
 
+    use std::cell::RefCell;
+    use std::collections::HashMap;
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::{Arc, Mutex};
 
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{
-        DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+        CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
     };
-    use candle_core::cuda_backend::{CudaDevice, CudaStorage};
+    use candle_core::cuda_backend::{CudaDevice, CudaStorage, DeviceId};
     use candle_core::{CustomOp1, CustomOp2, DType, Layout, Shape, Storage, Tensor};
 
     use super::PagedLatentCache;
@@ -294,6 +296,16 @@ mod cuda {
     const MAX_TILES_PER_SPLIT: usize = 32;
     /// Value widths the bf16 kernel is instantiated for.
     const BF16_VALUE_DIMS: [usize; 6] = [16, 32, 64, 128, 256, 512];
+    /// Value widths with a 64-head instantiation.
+    const WIDE_VALUE_DIMS: [usize; 3] = [128, 256, 512];
+    /// Row width the bf16 kernel holds beyond the value columns (`MAX_ROPE` in the .cu file).
+    const MAX_ROPE: usize = 64;
+    /// f32 stride of a partial-score row (`LDS` in the .cu file).
+    const PARTIAL_SCORE_STRIDE: usize = TILE + 8;
+    /// Warps of the combine kernel and value columns per block (`COMBINE_GROUPS`, `COMBINE_COLUMNS` in the
+    /// .cu file).
+    const COMBINE_GROUPS: usize = 8;
+    const COMBINE_COLUMNS: usize = 128;
 
     static POISON_OUTPUTS: AtomicBool = AtomicBool::new(false);
 
@@ -477,39 +489,83 @@ mod cuda {
         }
     }
 
-    /// Shared memory of the bf16 kernel for `heads_per_block` heads and rows of `row_dim` (mirrors the layout
-    /// in the .cu file: Q, two K tiles, P, row maxima and sums, the split's resolved rows).
-    fn bf16_shared_bytes(heads_per_block: usize, row_dim: usize) -> usize {
+    /// Warps per 16-head tile of the bf16 kernel for a value width (`KW` of its entry points).
+    fn warps_per_head_tile(value_dim: usize) -> usize {
+        if value_dim == 16 {
+            2
+        } else {
+            4
+        }
+    }
+
+    /// Shared memory of the bf16 kernel with `head_tiles` tiles of 16 heads and rows of `row_dim` (mirrors the
+    /// layout in the .cu file: two key tiles, Q, P, partial scores, row maxima and sums, the split's rows).
+    fn bf16_shared_bytes(head_tiles: usize, warps_per_tile: usize, row_dim: usize) -> usize {
         let ld = row_dim.div_ceil(16) * 16 + ROW_PAD;
-        (heads_per_block * ld + 2 * TILE * ld + heads_per_block * (TILE + ROW_PAD)) * 2
-            + 4 * heads_per_block * 4
+        let heads = 16 * head_tiles;
+        (2 * TILE * ld + heads * ld + heads * (TILE + ROW_PAD)) * 2
+            + head_tiles * warps_per_tile * 16 * (PARTIAL_SCORE_STRIDE + 2) * 4
             + MAX_TILES_PER_SPLIT * TILE * 4
     }
 
-    /// Picks the head group and the split of the top-k, then launches the bf16 kernel (and the combine).
+    thread_local! {
+        /// Split partials (f32 out, then lse) per device, kept between calls. Per thread because candle's
+        /// CUDA device issues work on the per-thread default stream: one thread's launches are ordered.
+        static SPLIT_WORKSPACE: RefCell<HashMap<DeviceId, CudaSlice<f32>>> = RefCell::new(HashMap::new());
+    }
+
+    /// Device pointer to at least `len` f32 of this thread's split workspace on `dev`.
+    fn split_workspace(dev: &CudaDevice, len: usize) -> candle_core::Result<u64> {
+        SPLIT_WORKSPACE.with(|cell| {
+            let mut map = cell.borrow_mut();
+            let stream = dev.cuda_stream();
+            let slot = map.get(&dev.id()).filter(|s| s.len() >= len);
+            if slot.is_none() {
+                // SAFETY: every element the kernels read is written by the same launch first.
+                let fresh = unsafe { dev.alloc::<f32>(len.next_power_of_two()) }?;
+                map.insert(dev.id(), fresh);
+            }
+            let slice = map
+                .get(&dev.id())
+                .ok_or_else(|| cuda_err("split workspace missing"))?;
+            let ptr = slice.device_ptr(&stream).0;
+            Ok(ptr)
+        })
+    }
+
+    /// Picks the head tiles and the split of the top-k, then launches the bf16 kernel (and the combine).
     fn launch_bf16(dev: &CudaDevice, params: &mut Params) -> candle_core::Result<()> {
         let stream = dev.cuda_stream();
-        let (t_len, heads, row_dim, k_len) = (
+        let (t_len, heads, row_dim, k_len, value_dim) = (
             params.t as usize,
             params.h as usize,
             params.d as usize,
             params.k as usize,
+            params.dv as usize,
         );
         let info = device_info(dev)?;
         let (max_smem, sms) = (info.max_shared_per_block - STATIC_SHARED_RESERVE, info.sms);
-        let heads_per_block = if heads >= 64 && bf16_shared_bytes(64, row_dim) <= max_smem {
-            64
+        let warps_per_tile = warps_per_head_tile(value_dim);
+        // Many heads: four 16-head tiles per block share each key tile (a quarter of the key traffic).
+        let head_tiles = if heads >= 64
+            && std::env::var_os("GLM5_SPARSE_MLA_NARROW").is_none()
+            && WIDE_VALUE_DIMS.contains(&value_dim)
+            && bf16_shared_bytes(4, warps_per_tile, row_dim) <= max_smem
+        {
+            4
         } else {
-            16
+            1
         };
-        let smem = bf16_shared_bytes(heads_per_block, row_dim);
+        let smem = bf16_shared_bytes(head_tiles, warps_per_tile, row_dim);
         if smem > max_smem {
             candle_core::bail!("sparse_mla: rows of {row_dim} need {smem} B of shared memory, the device has {max_smem}");
         }
-        let groups = heads.div_ceil(heads_per_block);
+        let groups = heads.div_ceil(16 * head_tiles);
         let tiles = k_len.div_ceil(TILE).max(1);
-        // Flash-decoding: split the top-k when tokens x head groups alone would leave SMs idle.
-        let wanted = (2 * sms)
+        // Flash-decoding: split the top-k when tokens x head groups alone would leave SMs idle (one-tile
+        // blocks fit twice per SM).
+        let resident = if head_tiles == 1 { 2 * sms } else { sms };
+        let wanted = resident
             .div_ceil(t_len * groups)
             .clamp(1, tiles.min(MAX_SPLITS));
         let tiles_per_split = tiles.div_ceil(wanted).min(MAX_TILES_PER_SPLIT);
@@ -523,10 +579,14 @@ mod cuda {
         params.num_splits = splits as i32;
         params.tiles_per_split = tiles_per_split as i32;
 
-        let value_dim = params.dv as usize;
-        let name = format!("sparse_mla_bf16_dv{value_dim}_hb{heads_per_block}");
+        // GLM-5's rows (512 + 64) have an instantiation with the width fixed at compile time.
+        let name = if value_dim == 512 && row_dim == value_dim + MAX_ROPE {
+            format!("sparse_mla_bf16_dv{value_dim}_d{row_dim}_hb{head_tiles}")
+        } else {
+            format!("sparse_mla_bf16_dv{value_dim}_hb{head_tiles}")
+        };
         let func = kernel(dev, "sparse_mla", MODULE, &name)?;
-        let threads = (heads_per_block / 16 * 64) as u32;
+        let threads = (head_tiles * warps_per_tile * 32) as u32;
         let grid = (splits as u32, groups as u32, t_len as u32);
         let cfg = LaunchConfig {
             grid_dim: grid,
@@ -538,25 +598,23 @@ mod cuda {
             builder.arg(&*params);
             return unsafe { builder.launch(cfg) }.map(|_| ()).map_err(cuda_err);
         }
-        let part_out = unsafe { dev.alloc::<f32>(splits * t_len * heads * value_dim) }?;
-        let part_lse = unsafe { dev.alloc::<f32>(splits * t_len * heads) }?;
-        let part_out_ptr = part_out.device_ptr(&stream).0;
-        let part_lse_ptr = part_lse.device_ptr(&stream).0;
-        params.part_out = part_out_ptr;
-        params.part_lse = part_lse_ptr;
-        poison(
-            part_out_ptr,
-            splits * t_len * heads * value_dim * 4,
-            &stream,
-        )?;
-        poison(part_lse_ptr, splits * t_len * heads * 4, &stream)?;
+        let partial_out = splits * t_len * heads * value_dim;
+        let partial_lse = splits * t_len * heads;
+        let workspace = split_workspace(dev, partial_out + partial_lse)?;
+        params.part_out = workspace;
+        params.part_lse = workspace + (partial_out * 4) as u64;
+        poison(workspace, (partial_out + partial_lse) * 4, &stream)?;
         let mut builder = stream.launch_builder(&func);
         builder.arg(&*params);
         unsafe { builder.launch(cfg) }.map_err(cuda_err)?;
         let combine = kernel(dev, "sparse_mla", MODULE, "sparse_mla_combine_bf16")?;
         let cfg = LaunchConfig {
-            grid_dim: ((t_len * heads) as u32, value_dim.div_ceil(128) as u32, 1),
-            block_dim: (128, 1, 1),
+            grid_dim: (
+                (t_len * heads) as u32,
+                value_dim.div_ceil(COMBINE_COLUMNS) as u32,
+                1,
+            ),
+            block_dim: ((COMBINE_GROUPS * 32) as u32, 1, 1),
             shared_mem_bytes: 0,
         };
         let mut builder = stream.launch_builder(&combine);
@@ -667,9 +725,12 @@ mod cuda {
         if value_dim > row_dim {
             return Err(OpError::ValueDimTooLarge { value_dim, row_dim });
         }
-        if row_dim % 8 != 0 || (q.dtype() == DType::BF16 && !BF16_VALUE_DIMS.contains(&value_dim)) {
+        if row_dim % 8 != 0
+            || (q.dtype() == DType::BF16
+                && (!BF16_VALUE_DIMS.contains(&value_dim) || row_dim > value_dim + MAX_ROPE))
+        {
             return Err(OpError::Unsupported(format!(
-                "sparse_mla CUDA kernel: row width {row_dim} must be a multiple of 8 and the bf16 value width one of {BF16_VALUE_DIMS:?} (got {value_dim})"
+                "sparse_mla CUDA kernel: row width {row_dim} must be a multiple of 8, and for bf16 the value width one of {BF16_VALUE_DIMS:?} with at most {MAX_ROPE} more columns in a row (got value width {value_dim})"
             )));
         }
         let lse = Arc::new(Mutex::new(None));
