@@ -196,8 +196,12 @@ __device__ __forceinline__ void sparse_mla_bf16_body(const SparseMlaParams& p) {
     float* sp_mine = sp + (ht * KW + kw) * 16 * LDS;
 
     for (int local = 0; local < tile_count; ++local) {
-        cp_async_wait<1>();  // this tile's group is done; the next one may still be in flight
-        __syncthreads();
+        // This tile has landed (the first time, tile 1 of the prologue may still be in flight) ...
+        if (local == 0) cp_async_wait<1>();
+        else cp_async_wait<0>();
+        __syncthreads();  // ... for every thread, and every warp is done with the previous tile
+        // The previous tile's buffer is free: refill it with the tile after this one.
+        if (local > 0) load_tile(local + 1);
         const bf16* kt = ks + (local & 1) * BN * ld;
         const int* rows = rows_s + local * BN;
 
@@ -312,10 +316,11 @@ __device__ __forceinline__ void sparse_mla_bf16_body(const SparseMlaParams& p) {
                 mma_bf16(o_acc[NT_O - 1], a, b[0], b[1]);
             }
         }
-        __syncthreads();  // this buffer, P, the partials and the maxima are free
-        load_tile(local + 2);
     }
     cp_async_wait<0>();  // nothing in flight at exit
+    // The combine (launched as a programmatic dependent) may start its blocks now; it waits for this grid's
+    // writes itself.
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 
     // Epilogue: the KW warps' row sums, normalise, write out / partials.
     float* l_tile = l_s + ht * KW * 16;
@@ -360,6 +365,8 @@ constexpr int COMBINE_GROUPS = 8;
 constexpr int COMBINE_COLUMNS = 128;
 
 __device__ void combine_impl(const SparseMlaParams& p) {
+    // Launched as a programmatic dependent of the attention kernel: wait for its grid's writes.
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
     const size_t th = blockIdx.x;
     const size_t stride = (size_t)p.T * p.H;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;

@@ -277,7 +277,7 @@ mod cuda {
 
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{
-        CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+        CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
     };
     use candle_core::cuda_backend::{CudaDevice, CudaStorage, DeviceId};
     use candle_core::{CustomOp1, CustomOp2, DType, Layout, Shape, Storage, Tensor};
@@ -292,6 +292,9 @@ mod cuda {
     const ROW_PAD: usize = 8;
     /// Most splits the combine kernel merges (`MAX_SPLITS` in the .cu file).
     const MAX_SPLITS: usize = 128;
+    /// A block's fixed cost in tiles' time, for the split choice (measured on the H200: one-tile blocks take
+    /// about three tiles' time).
+    const BLOCK_COST_IN_TILES: usize = 2;
     /// Most tiles one block resolves up front (`MAX_TILES_PER_SPLIT` in the .cu file).
     const MAX_TILES_PER_SPLIT: usize = 32;
     /// Value widths the bf16 kernel is instantiated for.
@@ -548,7 +551,6 @@ mod cuda {
         let warps_per_tile = warps_per_head_tile(value_dim);
         // Many heads: four 16-head tiles per block share each key tile (a quarter of the key traffic).
         let head_tiles = if heads >= 64
-            && std::env::var_os("GLM5_SPARSE_MLA_NARROW").is_none()
             && WIDE_VALUE_DIMS.contains(&value_dim)
             && bf16_shared_bytes(4, warps_per_tile, row_dim) <= max_smem
         {
@@ -562,13 +564,17 @@ mod cuda {
         }
         let groups = heads.div_ceil(16 * head_tiles);
         let tiles = k_len.div_ceil(TILE).max(1);
-        // Flash-decoding: split the top-k when tokens x head groups alone would leave SMs idle (one-tile
-        // blocks fit twice per SM).
+        // Flash-decoding: split the top-k when tokens x head groups alone would leave SMs idle. The split
+        // count minimises waves x (tiles per block + a block's fixed cost, about two tiles' time: Q, index
+        // and block-table loads, the epilogue) -- a last, partly filled wave costs a whole one -- preferring
+        // fewer splits (less to combine).
         let resident = if head_tiles == 1 { 2 * sms } else { sms };
-        let wanted = resident
-            .div_ceil(t_len * groups)
-            .clamp(1, tiles.min(MAX_SPLITS));
-        let tiles_per_split = tiles.div_ceil(wanted).min(MAX_TILES_PER_SPLIT);
+        let blocks = t_len * groups;
+        let tiles_per_split = (1..=tiles.min(MAX_SPLITS))
+            .map(|splits| tiles.div_ceil(splits))
+            .filter(|&per| per <= MAX_TILES_PER_SPLIT)
+            .min_by_key(|&per| (blocks * tiles.div_ceil(per)).div_ceil(resident) * (per + BLOCK_COST_IN_TILES))
+            .unwrap_or(MAX_TILES_PER_SPLIT);
         let splits = tiles.div_ceil(tiles_per_split);
         if splits > MAX_SPLITS {
             candle_core::bail!(
@@ -617,9 +623,49 @@ mod cuda {
             block_dim: ((COMBINE_GROUPS * 32) as u32, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut builder = stream.launch_builder(&combine);
-        builder.arg(&*params);
-        unsafe { builder.launch(cfg) }.map(|_| ()).map_err(cuda_err)
+        launch_dependent(&combine, &stream, cfg, params)
+    }
+
+    /// Launches `func` as a programmatic dependent of the previous launch on `stream`: its blocks may be
+    /// scheduled while that kernel's last blocks finish, hiding the launch gap; the kernel waits for the
+    /// previous grid's writes itself (`griddepcontrol.wait`).
+    fn launch_dependent(
+        func: &CudaFunction,
+        stream: &CudaStream,
+        cfg: LaunchConfig,
+        params: &Params,
+    ) -> candle_core::Result<()> {
+        use candle_core::cuda_backend::cudarc::driver::sys;
+        // SAFETY: an all-zero launch attribute is valid; the id and its value are set right after.
+        let mut attribute: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attribute.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attribute.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: stream.cu_stream(),
+            attrs: &mut attribute,
+            numAttrs: 1,
+        };
+        let mut args = [params as *const Params as *mut std::ffi::c_void];
+        stream.context().bind_to_thread().map_err(cuda_err)?;
+        // SAFETY: `func` takes one `SparseMlaParams` by value, which `Params` mirrors; the pointers in it
+        // stay valid until the stream reaches this launch (they belong to tensors the op holds or returns).
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &config,
+                func.cu_function(),
+                args.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+        .map_err(cuda_err)
     }
 
     impl CustomOp2 for SparseMla {
