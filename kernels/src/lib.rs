@@ -8,6 +8,11 @@
 #[cfg(feature = "cuda")]
 pub const SPARSE_MLA: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/sparse_mla.fatbin"));
 
+/// `dsa_indexer.cu`: DSA indexer scores (bf16/FP8 mma.sync, f32) and exact top-k over a paged key cache,
+/// and the FP8 key quantiser.
+#[cfg(feature = "cuda")]
+pub const DSA_INDEXER: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/dsa_indexer.fatbin"));
+
 /// `bench.cu`: microkernels that measure the device's ceilings (the mma.sync bf16 rate).
 #[cfg(feature = "cuda")]
 pub const BENCH: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/bench.fatbin"));

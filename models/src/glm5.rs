@@ -705,7 +705,12 @@ impl Glm5ForCausalLM {
                 mlp: self.config.mlp_layer_types[layer],
                 attention: self.mode,
                 dsa_indexer: match self.mode {
-                    AttentionMode::Sparse => dsa_indexer_backend(&self.device, self.dtype),
+                    AttentionMode::Sparse => dsa_indexer_backend(
+                        &self.device,
+                        self.dtype,
+                        self.config.index_n_heads,
+                        self.config.index_head_dim,
+                    ),
                     AttentionMode::Dense => "skipped (dense mode)",
                 },
                 sparse_mla: sparse_mla_backend(&self.device, self.dtype),

@@ -18,10 +18,25 @@
 //!
 //! is computed in f32 (inputs are upcast).
 //!
-//! Output: an `I32` tensor `[T, top_k]` on the inputs' device. Row `t` holds the indices of the
-//! `min(top_k, visible_keys[t])` highest scores over `s < visible_keys[t]`, by score descending;
-//! equal scores (`-0.0` equals `0.0`) are ordered by index ascending, so the lower index wins a tie
-//! and the result is deterministic. The remaining slots hold `-1`.
+//! Output: an `I32` tensor `[T, top_k]` on the inputs' device. Row `t` holds the SET of indices of
+//! the `min(top_k, visible_keys[t])` highest scores over `s < visible_keys[t]`; among equal scores
+//! (`-0.0` equals `0.0`) the lower index wins, so the set is deterministic. The remaining slots hold
+//! `-1`. The order inside a row is the backend's: the reference lists by score descending (then
+//! index), the CUDA kernel by ascending position; sparse attention does not depend on it.
+//!
+//! [`dsa_indexer_paged`] takes the keys from a paged cache instead: `[num_blocks, block_size, D]`
+//! rows (float, or FP8 with one scale per key, see [`crate::index_keys`]), a block table per
+//! sequence and the sequence of each query, position `s` of sequence `b` being row
+//! `block_table[b][s / block_size]·block_size + s % block_size` (the latent cache's paging).
+//!
+//! # CUDA kernels (`kernels/src/dsa_indexer.cu`)
+//!
+//! bf16 or FP8 keys with bf16 queries: scores by `mma.sync` (FP8 keys are exact in bf16; the key's
+//! scale multiplies its column of scores), `H_I <= 32` heads, `D` in {16, 32, 64, 128}; f32: an FMA
+//! kernel. Top-k: one block per query, an exact radix select over the score row (4 passes of 8 bits)
+//! and one ordered collection pass. Scores are written to an f32 workspace `[T_chunk, N]`; queries go
+//! in chunks that keep it under [`MAX_CHUNK_ELEMS`] elements (a long prefill never holds `[T, N]`).
+//! Other dtypes and shapes run the reference.
 //!
 //! # Reference implementation
 //!
@@ -36,13 +51,43 @@ use std::cmp::Ordering;
 use candle_core::{DType, Tensor, D};
 
 use crate::error::{check_float, check_same_dtype, check_shape, OpError, Result};
+use crate::index_keys::{check_fp8, IndexKeys};
 
-/// Upper bound on the elements of the f32 `[T_chunk, H_I, N]` score tensor of one chunk.
+/// Upper bound on the elements of the f32 score tensor of one chunk of queries (the reference's
+/// `[T_chunk, H_I, N]`, the CUDA path's `[T_chunk, N]`).
 const MAX_CHUNK_ELEMS: usize = 64 << 20;
 
-/// Which implementation [`dsa_indexer`] runs (one for now, on every device).
-pub fn dsa_indexer_backend(_device: &candle_core::Device, _dtype: DType) -> &'static str {
+/// Which implementation [`dsa_indexer`] runs on `device` for queries of `dtype`, `heads` heads of
+/// width `head_dim`.
+pub fn dsa_indexer_backend(
+    device: &candle_core::Device,
+    dtype: DType,
+    heads: usize,
+    head_dim: usize,
+) -> &'static str {
+    #[cfg(feature = "cuda")]
+    if device.is_cuda() {
+        match dtype {
+            DType::BF16 if cuda::mma_serves(heads, head_dim) => {
+                return "cuda mma.sync scores + radix top-k"
+            }
+            DType::F32 => return "cuda f32 scores + radix top-k",
+            _ => {}
+        }
+    }
+    let _ = (device, heads, head_dim);
+    let _ = dtype;
     "reference (candle ops, host top-k)"
+}
+
+/// A paged indexer key cache (layout in the module docs).
+pub struct PagedIndexKeys<'a> {
+    /// Rows `[num_blocks, block_size, D]` (FP8 scales `[num_blocks, block_size]`).
+    pub keys: IndexKeys<'a>,
+    /// `I32 [B, max_blocks]`: the blocks of each sequence, in order.
+    pub block_table: &'a Tensor,
+    /// `I32 [T]`: the sequence of each query.
+    pub token_seq: &'a Tensor,
 }
 
 /// Top-`top_k` key indices per query, `-1` padded (the contract is in the module docs).
@@ -88,7 +133,30 @@ pub fn dsa_indexer(
     if top_k == 0 {
         return Err(OpError::ZeroTopK);
     }
+    #[cfg(feature = "cuda")]
+    if q_index.device().is_cuda() && cuda::serves(q_index.dtype(), heads, dim) {
+        // The contiguous cache as one block of `key_count` rows.
+        let keys = keys.reshape((1, key_count, dim))?;
+        let device = q_index.device();
+        let cache = PagedIndexKeys {
+            keys: IndexKeys::Float(&keys),
+            block_table: &Tensor::zeros((1, 1), DType::I32, device)?,
+            token_seq: &Tensor::zeros(t_len, DType::I32, device)?,
+        };
+        return cuda::dsa_indexer_paged(q_index, head_weights, &cache, visible_keys, top_k);
+    }
+    reference(q_index, head_weights, keys, visible_keys, top_k)
+}
 
+/// The candle-ops scores and host top-k behind [`dsa_indexer`] (arguments checked).
+fn reference(
+    q_index: &Tensor,
+    head_weights: &Tensor,
+    keys: &Tensor,
+    visible_keys: &[usize],
+    top_k: usize,
+) -> Result<Tensor> {
+    let (t_len, heads, dim) = q_index.dims3()?;
     let mut selected = vec![-1i32; t_len * top_k];
     let max_visible = visible_keys.iter().copied().max().unwrap_or(0);
     if max_visible > 0 {
@@ -121,6 +189,134 @@ pub fn dsa_indexer(
     )?)
 }
 
+/// [`dsa_indexer`] over a paged key cache (layout in the module docs).
+pub fn dsa_indexer_paged(
+    q_index: &Tensor,
+    head_weights: &Tensor,
+    cache: &PagedIndexKeys,
+    visible_keys: &[usize],
+    top_k: usize,
+) -> Result<Tensor> {
+    let [t_len, heads, dim] = check_shape(
+        "q_index",
+        q_index,
+        [("T", None), ("H_I", None), ("D", None)],
+    )?;
+    check_shape(
+        "head_weights",
+        head_weights,
+        [("T", Some(t_len)), ("H_I", Some(heads))],
+    )?;
+    check_float("q_index", q_index)?;
+    check_float("head_weights", head_weights)?;
+    let [_, block_size, _] = check_shape(
+        "keys",
+        cache.keys.values(),
+        [("num_blocks", None), ("block_size", None), ("D", Some(dim))],
+    )?;
+    match cache.keys {
+        IndexKeys::Float(keys) => check_same_dtype("keys", keys, "q_index", q_index)?,
+        IndexKeys::Fp8 { bytes, scales } => check_fp8(bytes, scales)?,
+    }
+    let [batch, max_blocks] = check_shape(
+        "block_table",
+        cache.block_table,
+        [("B", None), ("max_blocks", None)],
+    )?;
+    check_shape("token_seq", cache.token_seq, [("T", Some(t_len))])?;
+    for (arg, tensor) in [("block_table", cache.block_table), ("token_seq", cache.token_seq)] {
+        if tensor.dtype() != DType::I32 {
+            return Err(OpError::IndexDType {
+                arg,
+                expected: DType::I32,
+                found: tensor.dtype(),
+            });
+        }
+    }
+    if visible_keys.len() != t_len {
+        return Err(OpError::Shape {
+            arg: "visible_keys",
+            expected: format!("[T={t_len}]"),
+            found: vec![visible_keys.len()],
+        });
+    }
+    let capacity = max_blocks * block_size;
+    if let Some((row, &visible)) = visible_keys
+        .iter()
+        .enumerate()
+        .find(|&(_, &v)| v > capacity)
+    {
+        return Err(OpError::VisibleKeysTooLong {
+            row,
+            visible,
+            key_count: capacity,
+        });
+    }
+    if top_k == 0 {
+        return Err(OpError::ZeroTopK);
+    }
+    let token_seq = cache.token_seq.to_vec1::<i32>()?;
+    if let Some((row, &seq)) = token_seq
+        .iter()
+        .enumerate()
+        .find(|&(_, &b)| b < 0 || b as usize >= batch)
+    {
+        return Err(OpError::IndexOutOfRange {
+            arg: "token_seq",
+            row,
+            col: 0,
+            value: seq as i64,
+            cache_len: batch,
+        });
+    }
+    #[cfg(feature = "cuda")]
+    if q_index.device().is_cuda() {
+        let fp8 = matches!(cache.keys, IndexKeys::Fp8 { .. });
+        let dtype = if fp8 { DType::BF16 } else { q_index.dtype() };
+        if cuda::serves(dtype, heads, dim) {
+            return cuda::dsa_indexer_paged(q_index, head_weights, cache, visible_keys, top_k);
+        }
+    }
+    paged_reference(q_index, head_weights, cache, &token_seq, visible_keys, top_k)
+}
+
+/// The reference over a paged cache: each query's visible keys gathered through the block table
+/// (dequantised), then [`reference`].
+fn paged_reference(
+    q_index: &Tensor,
+    head_weights: &Tensor,
+    cache: &PagedIndexKeys,
+    token_seq: &[i32],
+    visible_keys: &[usize],
+    top_k: usize,
+) -> Result<Tensor> {
+    let device = q_index.device();
+    let block_size = cache.keys.values().dim(1)?;
+    let dim = cache.keys.values().dim(2)?;
+    let rows = cache.keys.dequantize()?.reshape(((), dim))?;
+    let block_table = cache.block_table.to_vec2::<i32>()?;
+    let mut selected = Vec::with_capacity(token_seq.len());
+    for (t, (&seq, &visible)) in token_seq.iter().zip(visible_keys).enumerate() {
+        let physical: Vec<u32> = (0..visible)
+            .map(|s| (block_table[seq as usize][s / block_size] as usize * block_size + s % block_size) as u32)
+            .collect();
+        let keys = if physical.is_empty() {
+            Tensor::zeros((0, dim), DType::F32, device)?
+        } else {
+            rows.index_select(&Tensor::new(physical.as_slice(), device)?, 0)?
+        };
+        let q = q_index.narrow(0, t, 1)?.to_dtype(DType::F32)?;
+        selected.push(reference(
+            &q,
+            &head_weights.narrow(0, t, 1)?,
+            &keys,
+            &[visible],
+            top_k,
+        )?);
+    }
+    Ok(Tensor::cat(&selected, 0)?)
+}
+
 /// Indices of the `min(k, scores.len())` highest scores, by score descending then index ascending.
 fn top_indices(scores: &[f32], k: usize) -> Vec<i32> {
     // `+ 0.0` turns -0.0 into 0.0 so that the two tie.
@@ -138,4 +334,281 @@ fn top_indices(scores: &[f32], k: usize) -> Vec<i32> {
     candidates.sort_unstable_by(by_rank);
     // Key positions index a tensor, so they fit in i32.
     candidates.into_iter().map(|s| s as i32).collect()
+}
+
+#[cfg(feature = "cuda")]
+pub(crate) fn quantize_fp8_cuda(keys: &Tensor, n: usize, dim: usize) -> Result<(Tensor, Tensor)> {
+    cuda::quantize_fp8(keys, n, dim)
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    //! Launch of `kernels/src/dsa_indexer.cu`.
+
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda_backend::cudarc::driver::{DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::{CudaDevice, CudaStorage};
+    use candle_core::{CustomOp1, DType, Layout, Shape, Storage, Tensor};
+
+    use super::{PagedIndexKeys, MAX_CHUNK_ELEMS};
+    use crate::cuda::kernel;
+    use crate::error::{OpError, Result};
+    use crate::index_keys::IndexKeys;
+
+    const MODULE: &[u8] = glm5_kernels::DSA_INDEXER;
+    /// Positions one score block covers (`KEYS_PER_BLOCK` in the .cu file).
+    const KEYS_PER_BLOCK: usize = 256;
+    const SCORE_THREADS: u32 = 128;
+    const TOPK_THREADS: u32 = 1024;
+    /// Key widths the mma score kernels are instantiated for.
+    const MMA_HEAD_DIMS: [usize; 4] = [16, 32, 64, 128];
+    /// Most heads the mma score kernels hold (two tiles of 16).
+    const MMA_MAX_HEADS: usize = 32;
+
+    /// Whether the mma score kernels serve `heads` heads of width `head_dim`.
+    pub(super) fn mma_serves(heads: usize, head_dim: usize) -> bool {
+        heads <= MMA_MAX_HEADS && MMA_HEAD_DIMS.contains(&head_dim)
+    }
+
+    /// Whether a kernel serves queries of `dtype` (FP8 keys count as bf16).
+    pub(super) fn serves(dtype: DType, heads: usize, head_dim: usize) -> bool {
+        match dtype {
+            DType::BF16 => mma_serves(heads, head_dim),
+            DType::F32 => true,
+            _ => false,
+        }
+    }
+
+    /// Mirrors `DsaParams` in the .cu file.
+    #[repr(C)]
+    #[derive(Clone, Copy, Default)]
+    struct Params {
+        q: u64,
+        weights: u64,
+        keys: u64,
+        key_scales: u64,
+        block_table: u64,
+        token_seq: u64,
+        visible: u64,
+        scores: u64,
+        indices: u64,
+        t: i32,
+        h: i32,
+        d: i32,
+        k: i32,
+        block_size: i32,
+        max_blocks: i32,
+        score_stride: i32,
+        positions: i32,
+    }
+    // SAFETY: plain-old-data with the C layout of the kernel's parameter struct.
+    unsafe impl DeviceRepr for Params {}
+
+    fn cuda_err(e: impl std::fmt::Display) -> candle_core::Error {
+        candle_core::Error::Cuda(e.to_string().into())
+    }
+
+    /// Device address of a contiguous CUDA tensor's first element, and its device.
+    fn address(tensor: &Tensor) -> candle_core::Result<(u64, CudaDevice)> {
+        let (storage, layout) = tensor.storage_and_layout();
+        let Storage::Cuda(cuda) = &*storage else {
+            candle_core::bail!("expected a CUDA tensor")
+        };
+        let (start, _) = layout
+            .contiguous_offsets()
+            .ok_or_else(|| cuda_err("tensor must be contiguous"))?;
+        let dev = cuda.device().clone();
+        let stream = dev.cuda_stream();
+        let base = match cuda.dtype() {
+            DType::U8 => cuda.as_cuda_slice::<u8>()?.device_ptr(&stream).0,
+            DType::I32 => cuda.as_cuda_slice::<i32>()?.device_ptr(&stream).0,
+            DType::F32 => cuda.as_cuda_slice::<f32>()?.device_ptr(&stream).0,
+            DType::BF16 => cuda.as_cuda_slice::<half::bf16>()?.device_ptr(&stream).0,
+            other => candle_core::bail!("unexpected dtype {other:?}"),
+        };
+        Ok((base + (start * tensor.dtype().size_in_bytes()) as u64, dev))
+    }
+
+    /// Runs the score and top-k kernels; the index tensor is the op's output, the inputs ride along in it.
+    struct Indexer<'a> {
+        q: Tensor,
+        weights: Tensor,
+        keys: Tensor,
+        scales: Option<Tensor>,
+        block_table: Tensor,
+        token_seq: Tensor,
+        visible: Tensor,
+        positions: usize,
+        top_k: usize,
+        fp8: bool,
+        _cache: std::marker::PhantomData<&'a ()>,
+    }
+
+    impl Indexer<'_> {
+        fn launch(&self, dev: &CudaDevice) -> candle_core::Result<CudaStorage> {
+            let stream = dev.cuda_stream();
+            let (t_len, heads, dim) = self.q.dims3()?;
+            let (_, block_size, _) = self.keys.dims3()?;
+            let (_, max_blocks) = self.block_table.dims2()?;
+            let indices = unsafe { dev.alloc::<i32>(t_len * self.top_k) }?;
+            let indices_ptr = indices.device_ptr(&stream).0;
+            let positions = self.positions.max(1);
+            let chunk = (MAX_CHUNK_ELEMS / positions).clamp(1, t_len.max(1));
+            let scores = unsafe { dev.alloc::<f32>(chunk * positions) }?;
+            let scores_ptr = scores.device_ptr(&stream).0;
+            let q_elem = self.q.dtype().size_in_bytes();
+            let name = match (self.fp8, self.q.dtype()) {
+                (false, DType::F32) => "dsa_scores_f32".to_string(),
+                (fp8, _) => format!(
+                    "dsa_scores_{}_d{dim}_mt{}",
+                    if fp8 { "fp8" } else { "bf16" },
+                    heads.div_ceil(16)
+                ),
+            };
+            let scores_fn = kernel(dev, "dsa_indexer", MODULE, &name)?;
+            let topk_fn = kernel(dev, "dsa_indexer", MODULE, "dsa_topk")?;
+            let (q, weights, keys, block_table, token_seq, visible) = (
+                address(&self.q)?.0,
+                address(&self.weights)?.0,
+                address(&self.keys)?.0,
+                address(&self.block_table)?.0,
+                address(&self.token_seq)?.0,
+                address(&self.visible)?.0,
+            );
+            let key_scales = match &self.scales {
+                Some(s) => address(s)?.0,
+                None => 0,
+            };
+            if keys % 16 != 0 {
+                candle_core::bail!("dsa_indexer: the key cache must start 16-byte aligned");
+            }
+            for start in (0..t_len).step_by(chunk) {
+                let len = chunk.min(t_len - start);
+                let params = Params {
+                    q: q + (start * heads * dim * q_elem) as u64,
+                    weights: weights + (start * heads * 4) as u64,
+                    keys,
+                    key_scales,
+                    block_table,
+                    token_seq: token_seq + (start * 4) as u64,
+                    visible: visible + (start * 4) as u64,
+                    scores: scores_ptr,
+                    indices: indices_ptr + (start * self.top_k * 4) as u64,
+                    t: len as i32,
+                    h: heads as i32,
+                    d: dim as i32,
+                    k: self.top_k as i32,
+                    block_size: block_size as i32,
+                    max_blocks: max_blocks as i32,
+                    score_stride: positions as i32,
+                    positions: positions as i32,
+                };
+                let f32_smem = if self.q.dtype() == DType::F32 && !self.fp8 {
+                    (heads * dim + heads) * 4
+                } else {
+                    0
+                };
+                let cfg = LaunchConfig {
+                    grid_dim: (positions.div_ceil(KEYS_PER_BLOCK) as u32, len as u32, 1),
+                    block_dim: (SCORE_THREADS, 1, 1),
+                    shared_mem_bytes: f32_smem as u32,
+                };
+                let mut builder = stream.launch_builder(&scores_fn);
+                builder.arg(&params);
+                unsafe { builder.launch(cfg) }.map_err(cuda_err)?;
+                let cfg = LaunchConfig {
+                    grid_dim: (len as u32, 1, 1),
+                    block_dim: (TOPK_THREADS, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let mut builder = stream.launch_builder(&topk_fn);
+                builder.arg(&params);
+                unsafe { builder.launch(cfg) }.map_err(cuda_err)?;
+            }
+            Ok(CudaStorage::wrap_cuda_slice(indices, dev.clone()))
+        }
+    }
+
+    impl CustomOp1 for Indexer<'_> {
+        fn name(&self) -> &'static str {
+            "dsa_indexer"
+        }
+
+        fn cpu_fwd(
+            &self,
+            _: &candle_core::CpuStorage,
+            _: &Layout,
+        ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
+            candle_core::bail!("dsa_indexer: the CUDA op got CPU tensors")
+        }
+
+        fn cuda_fwd(
+            &self,
+            storage: &CudaStorage,
+            _: &Layout,
+        ) -> candle_core::Result<(CudaStorage, Shape)> {
+            let t_len = self.q.dim(0)?;
+            Ok((self.launch(storage.device())?, Shape::from((t_len, self.top_k))))
+        }
+    }
+
+    pub(super) fn dsa_indexer_paged(
+        q_index: &Tensor,
+        head_weights: &Tensor,
+        cache: &PagedIndexKeys,
+        visible_keys: &[usize],
+        top_k: usize,
+    ) -> Result<Tensor> {
+        let device = q_index.device();
+        let (fp8, keys, scales) = match cache.keys {
+            IndexKeys::Float(keys) => (false, keys.contiguous()?, None),
+            IndexKeys::Fp8 { bytes, scales } => (true, bytes.contiguous()?, Some(scales.contiguous()?)),
+        };
+        // FP8 keys are scored by the bf16 mma kernel.
+        let q = if fp8 { q_index.to_dtype(DType::BF16)? } else { q_index.clone() };
+        let visible: Vec<i32> = visible_keys.iter().map(|&v| v as i32).collect();
+        let op = Indexer {
+            q: q.contiguous()?,
+            weights: head_weights.to_dtype(DType::F32)?.contiguous()?,
+            keys,
+            scales,
+            block_table: cache.block_table.contiguous()?,
+            token_seq: cache.token_seq.contiguous()?,
+            visible: Tensor::from_vec(visible, visible_keys.len(), device)?,
+            positions: visible_keys.iter().copied().max().unwrap_or(0),
+            top_k,
+            fp8,
+            _cache: std::marker::PhantomData,
+        };
+        let _ = OpError::ZeroTopK; // errors are checked by the caller
+        Ok(op.q.apply_op1_no_bwd(&op)?)
+    }
+
+    /// FP8 quantisation of `[n, dim]` float keys on the GPU (contract in `index_keys`).
+    pub(super) fn quantize_fp8(keys: &Tensor, n: usize, dim: usize) -> Result<(Tensor, Tensor)> {
+        let device = keys.device();
+        let keys = match keys.dtype() {
+            DType::BF16 | DType::F32 => keys.contiguous()?,
+            _ => keys.to_dtype(DType::F32)?.contiguous()?,
+        };
+        let bytes = Tensor::zeros((n, dim), DType::U8, device)?;
+        let scales = Tensor::zeros(n, DType::F32, device)?;
+        let (rows, dev) = address(&keys)?;
+        let (bytes_ptr, _) = address(&bytes)?;
+        let (scales_ptr, _) = address(&scales)?;
+        let name = if keys.dtype() == DType::BF16 { "dsa_quantize_fp8_bf16" } else { "dsa_quantize_fp8_f32" };
+        let func = kernel(&dev, "dsa_indexer", MODULE, name)?;
+        let stream = dev.cuda_stream();
+        let rows_per_block = 8usize;
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(rows_per_block).max(1) as u32, 1, 1),
+            block_dim: ((rows_per_block * 32) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (n_arg, dim_arg) = (n as i32, dim as i32);
+        let mut builder = stream.launch_builder(&func);
+        builder.arg(&rows).arg(&bytes_ptr).arg(&scales_ptr).arg(&n_arg).arg(&dim_arg);
+        unsafe { builder.launch(cfg) }.map_err(cuda_err)?;
+        Ok((bytes, scales))
+    }
 }

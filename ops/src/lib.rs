@@ -9,9 +9,11 @@
 mod cuda;
 pub mod dsa_indexer;
 pub mod error;
+pub mod index_keys;
 pub mod sparse_mla;
 
-pub use dsa_indexer::{dsa_indexer, dsa_indexer_backend};
+pub use dsa_indexer::{dsa_indexer, dsa_indexer_backend, dsa_indexer_paged, PagedIndexKeys};
+pub use index_keys::{quantize_fp8, IndexKeys};
 pub use error::{OpError, Result};
 #[cfg(feature = "cuda")]
 pub use sparse_mla::set_poison_outputs;
