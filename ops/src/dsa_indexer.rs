@@ -40,9 +40,18 @@ use crate::error::{check_float, check_same_dtype, check_shape, OpError, Result};
 /// Upper bound on the elements of the f32 `[T_chunk, H_I, N]` score tensor of one chunk.
 const MAX_CHUNK_ELEMS: usize = 64 << 20;
 
-/// Which implementation [`dsa_indexer`] runs (one for now, on every device).
-pub fn dsa_indexer_backend(_device: &candle_core::Device, _dtype: DType) -> &'static str {
-    "reference (candle ops, host top-k)"
+/// dsa_indexer's backends in the registry (`registry.rs`): for now the candle-ops reference, on every device.
+pub fn registry_entries() -> Vec<crate::registry::Entry> {
+    use crate::device::DeviceFamily::{Cpu, OtherCuda, Sm120, Sm90};
+    use crate::registry::{Entry, Kernel, Serves};
+    vec![Entry {
+        name: "reference",
+        description: "candle tensor ops for the scores, host top-k (any device, slow)",
+        kernel: Kernel::DsaIndexer(dsa_indexer),
+        serves: Serves::anything(),
+        extra_check: None,
+        priority: vec![(Sm120, 100), (Sm90, 100), (OtherCuda, 100), (Cpu, 100)],
+    }]
 }
 
 /// Top-`top_k` key indices per query, `-1` padded (the contract is in the module docs).
