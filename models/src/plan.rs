@@ -152,7 +152,8 @@ pub enum PlanError {
     Context { got: usize, max: usize },
     #[error(
         "the model does not fit: {item} ({}) has no room on {device} ({} left of {}); the plan needs {} \
-         (weights {}, KV cache for {context} tokens {}) and the devices hold {}: {} missing",
+         (weights {} = {weights} B, KV cache for {context} tokens {}) and the devices hold {} = {available} B: \
+         {} = {missing} B missing",
         fmt_bytes(*item_bytes), fmt_bytes(*device_free), fmt_bytes(*device_capacity), fmt_bytes(*needed),
         fmt_bytes(*weights), fmt_bytes(*cache), fmt_bytes(*available), fmt_bytes(*missing)
     )]
@@ -178,10 +179,11 @@ pub enum PlanError {
     },
 }
 
-/// `1.49 TB`, `96.0 GB`, `1.41 MB`: decimal units, as GPU memory is sold.
+/// `1.35 TiB`, `96.00 GiB`, `1.34 MiB`: binary units, as memory sizes are given.
 pub fn fmt_bytes(bytes: u64) -> String {
     let b = bytes as f64;
-    for (unit, scale) in [("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)] {
+    let k = 1024f64;
+    for (unit, scale) in [("TiB", k.powi(4)), ("GiB", k.powi(3)), ("MiB", k.powi(2)), ("KiB", k)] {
         if b >= scale {
             return format!("{:.2} {unit}", b / scale);
         }

@@ -133,8 +133,7 @@ impl DeviceDesc {
         }
     }
 
-    /// Parses `sm_120:96GB` (a CUDA device, numbered `ordinal`) or `cpu:512GB`. Sizes take `B`, `KB`, `MB`,
-    /// `GB`, `TB` (powers of 1000) or `KiB`, `MiB`, `GiB`, `TiB`; decimals are allowed (`1.5TB`).
+    /// Parses `sm_120:96GB` (a CUDA device, numbered `ordinal`) or `cpu:512GB`; sizes as [`parse_bytes`].
     pub fn assume(spec: &str, ordinal: usize) -> Result<Self, DeviceError> {
         let invalid = |reason: &str| DeviceError::Invalid {
             spec: spec.to_string(),
@@ -144,7 +143,7 @@ impl DeviceDesc {
             .split_once(':')
             .ok_or_else(|| invalid("expected ARCH:SIZE, e.g. sm_120:96GB or cpu:512GB"))?;
         let memory_bytes = parse_bytes(size).ok_or_else(|| {
-            invalid("the size must be a number with a unit: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB")
+            invalid("the size must be a number with a unit: B, KB, MB, GB, TB (or KiB ... TiB)")
         })?;
         let kind = kind.trim().to_ascii_lowercase();
         if kind == "cpu" {
@@ -208,7 +207,8 @@ pub fn known_shared_memory(capability: ComputeCapability) -> usize {
     }
 }
 
-/// `96GB`, `1.5TB`, `80GiB`, `1024B` → bytes.
+/// A memory size → bytes: `96GB`, `1.5TB`, `80GiB`, `1024B`. Units are binary, `KB` = `KiB` = 1024 B and so
+/// on, as memory is sold: a "96 GB" RTX PRO 6000 reports 97,887 MiB, a "141 GB" H200 143,771 MiB.
 pub fn parse_bytes(text: &str) -> Option<u64> {
     let text = text.trim();
     let split = text
@@ -218,14 +218,10 @@ pub fn parse_bytes(text: &str) -> Option<u64> {
     let number: f64 = number.parse().ok()?;
     let scale: f64 = match unit.trim().to_ascii_lowercase().as_str() {
         "b" => 1.0,
-        "kb" | "k" => 1e3,
-        "mb" | "m" => 1e6,
-        "gb" | "g" => 1e9,
-        "tb" | "t" => 1e12,
-        "kib" => 1024.0,
-        "mib" => 1024f64.powi(2),
-        "gib" => 1024f64.powi(3),
-        "tib" => 1024f64.powi(4),
+        "kb" | "k" | "kib" => 1024.0,
+        "mb" | "m" | "mib" => 1024f64.powi(2),
+        "gb" | "g" | "gib" => 1024f64.powi(3),
+        "tb" | "t" | "tib" => 1024f64.powi(4),
         _ => return None,
     };
     let bytes = number * scale;
