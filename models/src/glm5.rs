@@ -954,9 +954,9 @@ impl Glm5ForCausalLM {
                 let dense_here = dense.as_ref().map(|d| d.to_device(device)).transpose()?;
                 per_device[here] = Some((rope.to_device(device)?, dense_here));
             }
-            let Some((rope, dense)) = &per_device[here] else {
-                unreachable!("filled just above")
-            };
+            let (rope, dense) = per_device[here].as_ref().ok_or_else(|| {
+                ModelError::PlanDevices(format!("no RoPE tables on plan device {here}"))
+            })?;
             let (next, selected) = layer.forward(&x, start_pos, rope, layer_cache, dense.as_ref())?;
             if let Some(selections) = selections.as_deref_mut() {
                 selections.push(selected);
