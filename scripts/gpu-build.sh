@@ -7,10 +7,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90}
 rm -rf .gpu && mkdir -p .gpu
+cargo test --release --features cuda --workspace --no-run  # shows any compile error
 cargo test --release --features cuda --workspace --no-run --message-format=json 2>/dev/null |
   python3 -c '
 import json, sys
-wanted = {"sparse_mla_cuda", "model_cuda"}
+wanted = {"sparse_mla_cuda", "dsa_indexer_cuda", "model_cuda"}
 for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in wanted:

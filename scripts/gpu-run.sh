@@ -14,28 +14,31 @@ status=0
 for step in $steps; do
   case $step in
     tests|kernel-tests|model-tests)
-      case $step in kernel-tests) names=sparse_mla_cuda ;; model-tests) names=model_cuda ;; *) names="sparse_mla_cuda model_cuda" ;; esac
+      case $step in kernel-tests) names="sparse_mla_cuda dsa_indexer_cuda" ;; model-tests) names=model_cuda ;; *) names="sparse_mla_cuda dsa_indexer_cuda model_cuda" ;; esac
       for t in $names; do
         /tmp/glm5-bin/$t --test-threads=1 --nocapture > "$OUT/test-$t.log" 2>&1; rc=$?
         echo "test $t: rc=$rc ($(grep -E 'test result' "$OUT/test-$t.log" | tail -1))"; [ $rc = 0 ] || status=1
       done ;;
     sanitize)
       for tool in memcheck racecheck; do
-        GLM5_QUICK=1 timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 /tmp/glm5-bin/sparse_mla_cuda \
-          --test-threads=1 bf16_kernel prefill_tokens > "$OUT/sanitize-$tool.log" 2>&1; rc=$?
-        echo "compute-sanitizer $tool: rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize-$tool.log" | tail -1)"; [ $rc = 0 ] || status=1
+        for t in "sparse_mla_cuda bf16_kernel prefill_tokens" "dsa_indexer_cuda selected_sets equal_scores f32_kernel fp8_quantisation"; do
+          set -- $t; bin=$1; shift
+          GLM5_QUICK=1 timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 /tmp/glm5-bin/$bin \
+            --test-threads=1 "$@" > "$OUT/sanitize-$tool-$bin.log" 2>&1; rc=$?
+          echo "compute-sanitizer $tool $bin: rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize-$tool-$bin.log" | tail -1)"; [ $rc = 0 ] || status=1
+        done
       done ;;
     profile)
       # Kernel-only durations (no launch overhead) of a few shapes, from the hardware's own timer.
-      for shape in "32768 1 8" "32768 8 8" "32768 128 8" "32768 128 64"; do
+      for shape in "32768 8 8" "32768 128 64" "indexer 131072 1" "indexer 32768 8"; do
         echo "== $shape"
-        timeout 120 ncu --clock-control none --launch-skip 4 --launch-count 4 --metrics gpu__time_duration.sum -k regex:sparse_mla \
-          /tmp/glm5-bin/glm5-bench $shape 2>&1 | grep -E "sparse_mla_|gpu__time_duration" | tail -4
+        timeout 120 ncu --clock-control none --launch-skip 4 --launch-count 4 --metrics gpu__time_duration.sum -k regex:"sparse_mla|dsa_" \
+          /tmp/glm5-bin/glm5-bench $shape 2>&1 | grep -E "sparse_mla_|dsa_|gpu__time_duration" | tail -4
       done 2>&1 | tee "$OUT/profile.txt" ;;
     bench)
       timeout 400 /tmp/glm5-bin/glm5-bench 2>&1 | tee "$OUT/bench.txt"; [ ${PIPESTATUS[0]} = 0 ] || status=1
       for arch in sm_90 sm_120; do
-        echo "$arch: HMMA instructions in sparse_mla.fatbin: $(cuobjdump --dump-sass --gpu-architecture $arch .gpu/sparse_mla.fatbin 2>&1 | grep -c HMMA)"
+        echo "$arch: HMMA instructions in sparse_mla.fatbin: $(cuobjdump --dump-sass --gpu-architecture $arch .gpu/sparse_mla.fatbin 2>&1 | grep -c HMMA), in dsa_indexer.fatbin: $(cuobjdump --dump-sass --gpu-architecture $arch .gpu/dsa_indexer.fatbin 2>&1 | grep -c HMMA)"
       done | tee "$OUT/sass.txt"
       cuobjdump --list-elf --list-ptx .gpu/sparse_mla.fatbin | tee -a "$OUT/sass.txt" ;;
   esac

@@ -12,6 +12,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 /// Display name of the embedded model.
 pub const NAME: &str = "glm5-tiny (embedded, random weights: output is noise)";
 
+/// The embedded model's `config.json`.
+pub const CONFIG_JSON: &str = include_str!("../assets/tiny-glm5/config.json");
+
 /// The embedded files: `(file name, contents)`.
 pub const FILES: [(&str, &[u8]); 6] = [
     (

@@ -37,6 +37,18 @@ pub enum Error {
         /// What is wrong with it.
         reason: String,
     },
+    /// A device, layer map or backend option could not be understood.
+    #[error("invalid option: {0}")]
+    InvalidOption(String),
+    /// A forced backend (`--backend`, `GLM5_BACKEND`) names no op or backend.
+    #[error(transparent)]
+    Backend(#[from] glm5_ops::DispatchError),
+    /// A device could not be described (compute capability, memory).
+    #[error(transparent)]
+    Device(#[from] glm5_ops::DeviceError),
+    /// The graph-build pass failed: the model does not fit, or an op has no valid backend.
+    #[error(transparent)]
+    Plan(#[from] glm5_models::PlanError),
     /// A tensor operation failed.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),

@@ -287,6 +287,34 @@ pub fn resolve_model(id_or_dir: &str, options: &HubOptions) -> Result<PathBuf, H
     Fetcher::new(owner, name, options)?.fetch()
 }
 
+/// The `config.json` of a local directory or a Hub repo id, fetching nothing else (what `glm5 plan` needs);
+/// a path to a file is taken as the config itself.
+///
+/// # Errors
+///
+/// As [`resolve_model`], for `config.json` alone.
+pub fn resolve_config(id_or_dir: &str, options: &HubOptions) -> Result<PathBuf, HubError> {
+    let dir = Path::new(id_or_dir);
+    if dir.is_file() {
+        return Ok(dir.to_path_buf());
+    }
+    if dir.is_dir() {
+        let config = dir.join("config.json");
+        if !config.is_file() {
+            return Err(HubError::NotAModelDir {
+                path: dir.to_path_buf(),
+            });
+        }
+        return Ok(config);
+    }
+    let (owner, name) = parse_repo_id(id_or_dir)?;
+    let fetcher = Fetcher::new(owner, name, options)?;
+    let (file, _) = MODEL_FILES[0];
+    fetcher
+        .download(file, true)?
+        .ok_or_else(|| fetcher.missing_config())
+}
+
 /// Splits and checks a Hub repo id (`owner/name`, letters, digits, `-`, `_`, `.`).
 fn parse_repo_id(id: &str) -> Result<(&str, &str), HubError> {
     let invalid = |reason: &str| HubError::InvalidRepoId {

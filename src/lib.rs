@@ -10,6 +10,7 @@ pub mod error;
 pub mod generate;
 pub mod hub;
 pub mod model;
+pub mod plan;
 pub mod tokenizer;
 pub mod viz;
 
@@ -23,6 +24,9 @@ pub use error::{Error, Result};
 pub use generate::{
     FinishReason, GeneratedToken, Generation, GenerationParams, GenerationStats, SequenceCache,
 };
-pub use glm5_models::{AttentionMode, Checkpoint, Config, Glm5ForCausalLM, KvCache, ModelError};
+pub use glm5_models::{
+    AttentionMode, Checkpoint, Config, Glm5ForCausalLM, KvCache, ModelError, Plan, PlanOptions,
+};
+pub use glm5_ops::{DeviceDesc, Op, Registry};
 pub use model::{Glm5, LoadOptions, TokenProbability};
 pub use viz::SelectionMap;

@@ -1,15 +1,22 @@
 //! The `glm5` command line: `glm5 generate` downloads (or opens) a model, applies its chat template and
-//! streams tokens.
+//! streams tokens; `glm5 plan` prints where every layer would run and with which backends, from config.json
+//! alone, for real or assumed devices.
 
+use std::collections::BTreeMap;
 use std::io::{BufRead, Write};
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use glm5::candle_core::{DType, Device};
-use glm5::hub::HubOptions;
+use glm5::hub::{resolve_config, HubOptions};
+use glm5::ops::registry::parse_forced;
+use glm5::plan::{
+    forced_backends, parse_assumed, parse_device, parse_devices, parse_layer_map, render,
+    BACKEND_ENV,
+};
 use glm5::{
-    AttentionMode, ChatOptions, Generation, GenerationParams, Glm5, LoadOptions, Message,
-    SequenceCache,
+    AttentionMode, ChatOptions, Config, DeviceDesc, Generation, GenerationParams, Glm5,
+    LoadOptions, Message, Op, Plan, PlanOptions, Registry, SequenceCache,
 };
 
 #[derive(Parser)]
@@ -26,6 +33,41 @@ struct Cli {
 enum Command {
     /// Generate text from a prompt, or chat interactively.
     Generate(GenerateArgs),
+    /// Show where every layer would run and with which backends (reads config.json only).
+    Plan(PlanArgs),
+}
+
+#[derive(Args)]
+struct PlanArgs {
+    /// Local model directory or Hugging Face repo id (only config.json is fetched). Default: the embedded
+    /// tiny model.
+    #[arg(long)]
+    model: Option<String>,
+    #[arg(long)]
+    revision: Option<String>,
+    #[arg(long)]
+    offline: bool,
+    /// Real devices, comma-separated: cpu, cuda:0, ... (default: cpu).
+    #[arg(long, conflicts_with = "assume")]
+    devices: Option<String>,
+    /// Describe devices instead of using real ones: ARCH:SIZE[ xCOUNT], comma-separated
+    /// (e.g. "sm_120:96GB x8", "sm_90:141GB x2,cpu:512GB").
+    #[arg(long)]
+    assume: Option<String>,
+    /// Per-layer device map: FIRST-LAST=DEVICE, comma-separated (DEVICE: a device name or #INDEX).
+    #[arg(long)]
+    layer_map: Option<String>,
+    /// Force a backend: OP=NAME (repeatable), e.g. sparse_mla=reference. Also GLM5_BACKEND.
+    #[arg(long = "backend")]
+    backends: Vec<String>,
+    #[arg(long, value_enum, default_value = "sparse")]
+    attention: AttentionArg,
+    /// Weights, activations and KV-cache dtype (default: bf16 when any device is CUDA, else f32).
+    #[arg(long, value_enum)]
+    dtype: Option<DTypeArg>,
+    /// Tokens of KV cache to reserve per layer (default: min(8192, the model's context)).
+    #[arg(long)]
+    context: Option<usize>,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -70,8 +112,17 @@ struct GenerateArgs {
     #[arg(long)]
     no_think: bool,
     /// cpu or cuda:N.
-    #[arg(long, default_value = "cpu")]
+    #[arg(long, default_value = "cpu", conflicts_with = "devices")]
     device: String,
+    /// Several devices, comma-separated (cuda:0,cuda:1,...): the layers are split over them.
+    #[arg(long)]
+    devices: Option<String>,
+    /// Per-layer device map: FIRST-LAST=DEVICE, comma-separated (DEVICE: a name from --devices or #INDEX).
+    #[arg(long, requires = "devices")]
+    layer_map: Option<String>,
+    /// Force a backend: OP=NAME (repeatable), e.g. sparse_mla=reference. Also GLM5_BACKEND.
+    #[arg(long = "backend")]
+    backends: Vec<String>,
     /// Weights and activations dtype (default: f32 on CPU, bf16 on GPU).
     #[arg(long, value_enum)]
     dtype: Option<DTypeArg>,
@@ -100,20 +151,110 @@ struct GenerateArgs {
     max_context: Option<usize>,
 }
 
-fn parse_device(spec: &str) -> Result<Device, String> {
-    match spec {
-        "cpu" => Ok(Device::Cpu),
-        _ => {
-            let ordinal = spec
-                .strip_prefix("cuda:")
-                .or_else(|| (spec == "cuda").then_some("0"))
-                .and_then(|n| n.parse::<usize>().ok())
-                .ok_or_else(|| format!("--device {spec:?}: expected cpu or cuda:N"))?;
-            if !glm5::candle_core::utils::cuda_is_available() {
-                return Err(format!("--device {spec}: this glm5 was built without CUDA (rebuild with --features cuda)"));
-            }
-            Device::new_cuda(ordinal).map_err(|e| format!("--device {spec}: {e}"))
+fn dtype(arg: DTypeArg) -> DType {
+    match arg {
+        DTypeArg::F32 => DType::F32,
+        DTypeArg::Bf16 => DType::BF16,
+        DTypeArg::F16 => DType::F16,
+    }
+}
+
+fn attention(arg: AttentionArg) -> AttentionMode {
+    match arg {
+        AttentionArg::Sparse => AttentionMode::Sparse,
+        AttentionArg::Dense => AttentionMode::Dense,
+    }
+}
+
+/// `--backend OP=NAME` flags.
+fn backend_flags(flags: &[String]) -> Result<BTreeMap<Op, String>, Box<dyn std::error::Error>> {
+    let mut forced = BTreeMap::new();
+    for flag in flags {
+        let (op, name) = parse_forced(flag)?;
+        forced.insert(op, name);
+    }
+    Ok(forced)
+}
+
+/// Names of real devices as plans write them.
+fn device_names(devices: &[Device]) -> Result<Vec<String>, Box<dyn std::error::Error>> {
+    Ok(devices
+        .iter()
+        .map(DeviceDesc::of)
+        .collect::<Result<Vec<_>, _>>()?
+        .into_iter()
+        .map(|d| d.name)
+        .collect())
+}
+
+fn plan(args: PlanArgs) -> Result<(), Box<dyn std::error::Error>> {
+    let mut hub = HubOptions::from_env();
+    hub.revision = args.revision.clone().or(hub.revision);
+    hub.offline |= args.offline;
+    let (config, label) = match &args.model {
+        Some(id) => (Config::from_file(resolve_config(id, &hub)?)?, id.clone()),
+        None => (
+            Config::from_json(glm5::embedded::CONFIG_JSON)?,
+            format!("{} (embedded)", glm5::embedded::NAME),
+        ),
+    };
+    let devices = match (&args.assume, &args.devices) {
+        (Some(assumed), _) => parse_assumed(assumed)?,
+        (None, Some(list)) => parse_devices(list)?
+            .iter()
+            .map(DeviceDesc::of)
+            .collect::<Result<Vec<_>, _>>()?,
+        (None, None) => vec![DeviceDesc::of(&Device::Cpu)?],
+    };
+    let any_cuda = devices.iter().any(|d| !d.is_cpu());
+    let names: Vec<String> = devices.iter().map(|d| d.name.clone()).collect();
+    let options = PlanOptions {
+        dtype: args.dtype.map(dtype).unwrap_or(if any_cuda {
+            DType::BF16
+        } else {
+            DType::F32
+        }),
+        attention: attention(args.attention),
+        context: args.context,
+        forced: forced_backends(
+            &backend_flags(&args.backends)?,
+            std::env::var(BACKEND_ENV).ok().as_deref(),
+        )?,
+        layer_devices: args
+            .layer_map
+            .as_deref()
+            .map(|m| parse_layer_map(m, &names, config.num_hidden_layers))
+            .transpose()?,
+    };
+    let registry = Registry::builtin();
+    match Plan::build(&config, devices, &options, &registry) {
+        Ok(plan) => {
+            print!("{}", render(&plan, &config, &label, &registry));
+            Ok(())
         }
+        Err(e @ glm5::models::PlanError::DoesNotFit { .. }) => {
+            let params: u64 = glm5::models::sizes::params(&glm5::models::sizes::embedding_tensors(
+                &config,
+                options.dtype,
+            )) + glm5::models::sizes::params(&glm5::models::sizes::head_tensors(
+                &config,
+                options.dtype,
+            )) + (0..config.num_hidden_layers)
+                .map(|l| {
+                    glm5::models::sizes::params(&glm5::models::sizes::layer_tensors(
+                        &config,
+                        l,
+                        options.dtype,
+                    ))
+                })
+                .sum::<u64>();
+            Err(format!(
+                "{e}\nhint: the model has {params} parameters, {} at 1 byte each ({params} B: an FP8 checkpoint, which glm5 cannot load yet); more or larger devices, or a smaller --context, are the other ways out",
+                glm5::models::fmt_bytes(params)
+            )
+            .into())
+        }
+        Err(e) => Err(e.into()),
     }
 }
 
@@ -158,18 +299,34 @@ fn generate(args: GenerateArgs) -> Result<(), Box<dyn std::error::Error>> {
     let mut hub = HubOptions::from_env();
     hub.revision = args.revision.clone().or(hub.revision);
     hub.offline |= args.offline;
+    let devices = match &args.devices {
+        Some(list) => parse_devices(list)?,
+        None => vec![parse_device(&args.device)?],
+    };
+    // A layer map needs the layer count: config.json alone is read (or fetched) first.
+    let layer_map = match &args.layer_map {
+        Some(map) => {
+            let config = match &args.model {
+                Some(id) => Config::from_file(resolve_config(id, &hub)?)?,
+                None => Config::from_json(glm5::embedded::CONFIG_JSON)?,
+            };
+            Some(parse_layer_map(
+                map,
+                &device_names(&devices)?,
+                config.num_hidden_layers,
+            )?)
+        }
+        None => None,
+    };
     let options = LoadOptions {
-        device: parse_device(&args.device)?,
-        dtype: args.dtype.map(|d| match d {
-            DTypeArg::F32 => DType::F32,
-            DTypeArg::Bf16 => DType::BF16,
-            DTypeArg::F16 => DType::F16,
-        }),
-        attention: match args.attention {
-            AttentionArg::Sparse => AttentionMode::Sparse,
-            AttentionArg::Dense => AttentionMode::Dense,
-        },
+        device: devices[0].clone(),
+        devices: devices.clone(),
+        backends: backend_flags(&args.backends)?,
+        dtype: args.dtype.map(dtype),
+        attention: attention(args.attention),
+        layer_map,
         hub,
+        ..Default::default()
     };
     let model = match &args.model {
         Some(id) => Glm5::from_pretrained(id, &options)?,
@@ -254,6 +411,7 @@ fn main() -> ExitCode {
     }
     let result = match cli.command {
         Command::Generate(args) => generate(args),
+        Command::Plan(args) => plan(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

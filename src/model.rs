@@ -1,6 +1,7 @@
 //! The runtime's model handle: GLM-5 weights plus the tokenizer, the chat template and the generation
 //! defaults of one model directory, local or from the Hugging Face Hub.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
@@ -10,15 +11,29 @@ use crate::chat::{ChatOptions, ChatTemplate, Message};
 use crate::error::{Error, Result};
 use crate::generate::{Generation, GenerationParams, SequenceCache};
 use crate::hub::{resolve_model, HubOptions};
+use crate::plan::{forced_backends, BACKEND_ENV};
 use crate::tokenizer::{TokenStream, Tokenizer};
 use crate::viz::SelectionMap;
-use crate::{embedded, AttentionMode, Glm5ForCausalLM, KvCache};
+use crate::{
+    embedded, AttentionMode, Checkpoint, Config, DeviceDesc, Glm5ForCausalLM, KvCache, Op, Plan,
+    PlanOptions, Registry,
+};
 
 /// Where and how to load a model.
 #[derive(Debug, Clone)]
 pub struct LoadOptions {
-    /// Where weights and the KV cache live.
+    /// Where weights and the KV cache live (when `devices` is empty).
     pub device: Device,
+    /// Several devices: the layers are split over them (automatically, or by `layer_map`).
+    pub devices: Vec<Device>,
+    /// Index into `devices` of every layer; `None`: placement by weight and KV-cache bytes.
+    pub layer_map: Option<Vec<usize>>,
+    /// Backend forced per op; ops not named here take `GLM5_BACKEND`, then the registry's priority order.
+    pub backends: BTreeMap<Op, String>,
+    /// The backends to choose from.
+    pub registry: Registry,
+    /// Tokens of KV cache the plan reserves per layer (`None`: glm5_models' default).
+    pub context: Option<usize>,
     /// Activation and weight dtype; `None` picks f32 on CPU and bf16 on GPUs.
     pub dtype: Option<DType>,
     /// Sparse (DSA, the default) or the explicit dense debugging mode.
@@ -31,10 +46,52 @@ impl Default for LoadOptions {
     fn default() -> Self {
         Self {
             device: Device::Cpu,
+            devices: Vec::new(),
+            layer_map: None,
+            backends: BTreeMap::new(),
+            registry: Registry::builtin(),
+            context: None,
             dtype: None,
             attention: AttentionMode::Sparse,
             hub: HubOptions::from_env(),
         }
+    }
+}
+
+impl LoadOptions {
+    /// The devices the layers go on.
+    pub fn devices(&self) -> Vec<Device> {
+        if self.devices.is_empty() {
+            vec![self.device.clone()]
+        } else {
+            self.devices.clone()
+        }
+    }
+
+    /// The graph-build pass for `config` on the real devices, before any weight is read: the [`Plan`] the
+    /// model will be loaded with (forced backends from `backends`, then `GLM5_BACKEND`).
+    pub fn plan(&self, config: &Config) -> Result<Plan> {
+        let devices = self.devices();
+        let descriptions = devices
+            .iter()
+            .map(DeviceDesc::of)
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let dtype = self.dtype.unwrap_or(if devices[0].is_cpu() {
+            DType::F32
+        } else {
+            DType::BF16
+        });
+        let options = PlanOptions {
+            dtype,
+            attention: self.attention,
+            context: self.context,
+            forced: forced_backends(
+                &self.backends,
+                std::env::var(BACKEND_ENV).ok().as_deref(),
+            )?,
+            layer_devices: self.layer_map.clone(),
+        };
+        Ok(Plan::build(config, descriptions, &options, &self.registry)?)
     }
 }
 
@@ -87,17 +144,20 @@ impl Glm5 {
     }
 
     fn from_dir(dir: &Path, label: &str, options: &LoadOptions) -> Result<Self> {
-        let dtype = options.dtype.unwrap_or(if options.device.is_cpu() {
-            DType::F32
-        } else {
-            DType::BF16
-        });
         let started = std::time::Instant::now();
-        let model = Glm5ForCausalLM::from_dir(dir, dtype, &options.device, options.attention)?;
+        let config = Config::from_file(dir.join("config.json"))?;
+        let plan = options.plan(&config)?;
+        let dtype = plan.dtype;
+        let model = Glm5ForCausalLM::load_planned(
+            &config,
+            &Checkpoint::open(dir)?,
+            plan,
+            &options.devices(),
+        )?;
         tracing::debug!(
             dir = %dir.display(),
             ?dtype,
-            device = ?options.device,
+            devices = ?options.devices(),
             attention = ?options.attention,
             layers = model.config().num_hidden_layers,
             seconds = started.elapsed().as_secs_f64(),

@@ -111,3 +111,60 @@ fn bf16_on_gpu_stays_close_to_f32() {
         }
     }
 }
+
+/// Placement across `cuda:0` and the CPU: the first half of the layers (and the embeddings) on the GPU, the
+/// rest and lm_head on the CPU, in f32, gives the all-CPU logits within 1e-3: hidden states cross the
+/// boundary every forward, and each layer's KV cache lives on its device.
+#[test]
+fn layers_split_over_cuda_and_cpu_match_all_cpu() {
+    use glm5::models::Checkpoint;
+    use glm5::{Config, DeviceDesc, Plan, PlanOptions, Registry};
+    let gpu = Device::new_cuda(0).unwrap();
+    for name in FIXTURES {
+        let (ids, _) = reference(name);
+        let dir = fixture_dir(name);
+        let config = Config::from_file(dir.join("config.json")).unwrap();
+        let n = config.num_hidden_layers;
+        let cpu_rows = logits(name, DType::F32, &Device::Cpu, &ids, 6);
+
+        let mut options = PlanOptions::new(DType::F32, AttentionMode::Sparse);
+        options.layer_devices = Some((0..n).map(|l| usize::from(l >= n / 2)).collect());
+        let devices = [gpu.clone(), Device::Cpu];
+        let plan = Plan::build(
+            &config,
+            devices.iter().map(|d| DeviceDesc::of(d).unwrap()).collect(),
+            &options,
+            &Registry::builtin(),
+        )
+        .unwrap();
+        assert_eq!(plan.boundaries(), vec![(n / 2, 0, 1)]);
+        println!("{name}: sparse_mla on cuda:0 = {}", plan.layers[0].ops[0].backend());
+        let model = Glm5ForCausalLM::load_planned(
+            &config,
+            &Checkpoint::open(&dir).unwrap(),
+            plan,
+            &devices,
+        )
+        .unwrap();
+        let mut cache = model.new_cache(ids.len()).unwrap();
+        let mut rows = vec![model.forward(&ids[..6], 0, &mut cache).unwrap()];
+        for (pos, &id) in ids.iter().enumerate().skip(6) {
+            rows.push(model.forward(&[id], pos, &mut cache).unwrap());
+        }
+        assert_eq!(model.transfers(), 1 + ids.len() - 6);
+        let split_rows: Vec<Vec<f32>> = Tensor::cat(&rows, 0)
+            .unwrap()
+            .to_device(&Device::Cpu)
+            .unwrap()
+            .to_vec2()
+            .unwrap();
+        let err = split_rows
+            .iter()
+            .flatten()
+            .zip(cpu_rows.iter().flatten())
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f32::max);
+        println!("{name}: cuda:0 + cpu vs all-CPU, max |Δ| = {err:.2e}");
+        assert!(err < 1e-3, "{name}: split logits differ from all-CPU by {err}");
+    }
+}

@@ -121,10 +121,13 @@ __device__ __forceinline__ void sparse_mla_bf16_body(const SparseMlaParams& p) {
     // immediate and no step needs a bounds test. FIXED_D == 0: any width the launcher admits.
     const int D = FIXED_D > 0 ? FIXED_D : p.D, ld = row_stride(D), chunks = D / 8, k_steps = (D + 15) / 16;
 
+    // Q is staged in shared memory only until its fragments are in registers; when it fits (16 heads), in
+    // key buffer 1, which keeps the block within sm_120's 99 KB.
+    constexpr bool Q_ALIASED = HB <= BN;
     extern __shared__ __align__(16) unsigned char smem[];
     bf16* ks = reinterpret_cast<bf16*>(smem);                    // [2][BN][ld] key tiles
-    bf16* qs = ks + 2 * BN * ld;                                  // [HB][ld]
-    bf16* ps = qs + HB * ld;                                      // [HB][LDP] probabilities of a tile
+    bf16* qs = Q_ALIASED ? ks + BN * ld : ks + 2 * BN * ld;       // [HB][ld]
+    bf16* ps = ks + 2 * BN * ld + (Q_ALIASED ? 0 : HB * ld);      // [HB][LDP] probabilities of a tile
     float* sp = reinterpret_cast<float*>(ps + HB * LDP);          // [HT][KW][16][LDS] partial scores
     float* max_s = sp + HT * KW * 16 * LDS;                       // [HT][KW][16] per-warp row maxima
     float* l_s = max_s + HT * KW * 16;                            // [HT][KW][16] per-warp row sums
@@ -146,11 +149,16 @@ __device__ __forceinline__ void sparse_mla_bf16_body(const SparseMlaParams& p) {
         cp_async_16(qs + r * ld + c, valid ? q + (size_t)(h0 + r) * D + c : q, valid);
     }
     cp_async_commit();
-    // Padding columns of the key tiles are never written by the tile loads.
-    for (int i = threadIdx.x; i < 2 * BN * (ld - D); i += THREADS) {
-        const int r = i / (ld - D), c = D + i % (ld - D);
-        ks[r * ld + c] = __float2bfloat16(0.f);
-    }
+    // Padding columns of the key tiles are never written by the tile loads (buffer 1's, when it holds Q,
+    // once Q has moved to registers).
+    auto zero_padding = [&](bf16* buffer) {
+        for (int i = threadIdx.x; i < BN * (ld - D); i += THREADS) {
+            const int r = i / (ld - D), c = D + i % (ld - D);
+            buffer[r * ld + c] = __float2bfloat16(0.f);
+        }
+    };
+    zero_padding(ks);
+    if constexpr (!Q_ALIASED) zero_padding(ks + BN * ld);
     // Resolve every slot of the split up front: the index and block-table loads are independent, so they
     // are all in flight at once instead of one dependent chain per tile.
     for (int r = threadIdx.x; r < tile_count * BN; r += THREADS) {
@@ -174,10 +182,11 @@ __device__ __forceinline__ void sparse_mla_bf16_body(const SparseMlaParams& p) {
         cp_async_commit();
     };
     load_tile(0);
-    load_tile(1);
+    if constexpr (!Q_ALIASED) load_tile(1);
 
     // This warp's Q fragments: k16 steps kw, kw + KW, ... of its 16 heads.
-    cp_async_wait<2>();
+    if constexpr (Q_ALIASED) cp_async_wait<1>();
+    else cp_async_wait<2>();
     __syncthreads();
     uint32_t qa[QS][4];
 #pragma unroll
@@ -185,6 +194,11 @@ __device__ __forceinline__ void sparse_mla_bf16_body(const SparseMlaParams& p) {
         const int step = kw + s * KW;
         if (step < k_steps) ldmatrix_x4(qa[s], qs + (ht * 16 + lane % 16) * ld + step * 16 + (lane / 16) * 8);
         else qa[s][0] = qa[s][1] = qa[s][2] = qa[s][3] = 0u;
+    }
+    if constexpr (Q_ALIASED) {
+        __syncthreads();  // every warp holds its fragments: buffer 1 is free for tile 1
+        zero_padding(ks + BN * ld);
+        load_tile(1);
     }
 
     float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // rows lane/4 and lane/4 + 8

@@ -39,11 +39,12 @@ pub struct KvCache {
 }
 
 impl KvCache {
+    /// Layer `l`'s rows live on `layer_devices[l]` (the plan's placement).
     pub(crate) fn new(
         config: &Config,
         capacity: usize,
         dtype: DType,
-        device: &Device,
+        layer_devices: &[&Device],
     ) -> Result<Self> {
         if capacity == 0 || capacity > config.max_position_embeddings {
             return Err(ModelError::CacheShape(format!(
@@ -51,8 +52,16 @@ impl KvCache {
                 config.max_position_embeddings
             )));
         }
-        let layers = (0..config.num_hidden_layers)
-            .map(|_| {
+        if layer_devices.len() != config.num_hidden_layers {
+            return Err(ModelError::CacheShape(format!(
+                "{} layer devices for {} layers",
+                layer_devices.len(),
+                config.num_hidden_layers
+            )));
+        }
+        let layers = layer_devices
+            .iter()
+            .map(|&device| {
                 Ok(LayerCache {
                     latent: Tensor::zeros((capacity, config.latent_dim()), dtype, device)?,
                     index_keys: Tensor::zeros((capacity, config.index_head_dim), dtype, device)?,

@@ -61,6 +61,13 @@ pub enum ModelError {
     CacheShape(String),
 
     #[error(transparent)]
+    Plan(#[from] crate::plan::PlanError),
+    #[error(transparent)]
+    Device(#[from] glm5_ops::DeviceError),
+    #[error("the plan does not match the model or devices: {0}")]
+    PlanDevices(String),
+
+    #[error(transparent)]
     Op(#[from] glm5_ops::OpError),
     #[error(transparent)]
     Candle(#[from] candle_core::Error),

@@ -7,13 +7,17 @@
 //! over the latent cache: `W_UK` is folded into the query, `W_UV` applied after, so prefill and decode share
 //! one path through the `sparse_mla` op.
 
-use candle_core::{DType, Device, Module, Tensor, D};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use candle_core::{DType, Device, DeviceLocation, Module, Tensor, D};
 use candle_nn::{LayerNorm, Linear};
-use glm5_ops::{dsa_indexer, dsa_indexer_backend, sparse_mla, sparse_mla_backend};
+use glm5_ops::registry::{DsaIndexerFn, SparseMlaFn};
+use glm5_ops::{DeviceDesc, DeviceKind, Kernel, Op, Registry};
 
 use crate::cache::{KvCache, LayerCache};
 use crate::config::{Config, MlpKind, INDEX_KEY_NORM_EPS, LATENT_NORM_EPS};
 use crate::error::{ModelError, Result};
+use crate::plan::{LayerPlan, Plan, PlanOptions};
 use crate::weights::Checkpoint;
 
 /// Which positions each query attends to.
@@ -78,6 +82,7 @@ impl Module for RmsNorm {
 
 /// §3.2 interleaved RoPE at the positions of one forward call: pairs `(x[2i], x[2i+1])` rotate by
 /// `pos · θ^(-2i/R)`. Used on the MLA rope slice (last dims) and the indexer rope slice (first dims).
+#[derive(Clone)]
 struct Rope {
     cos: Tensor,
     sin: Tensor,
@@ -115,6 +120,14 @@ impl Rope {
         Ok(Self { cos, sin })
     }
 
+    /// The same tables on `device` (one copy per device the layers run on).
+    fn to_device(&self, device: &Device) -> Result<Self> {
+        Ok(Self {
+            cos: self.cos.to_device(device)?,
+            sin: self.sin.to_device(device)?,
+        })
+    }
+
     /// Rotates `x` of shape `[T, heads, R]`.
     fn apply(&self, x: &Tensor) -> Result<Tensor> {
         let per_head = x.transpose(0, 1)?.unsqueeze(0)?.contiguous()?;
@@ -134,10 +147,17 @@ struct Indexer {
     rope_dim: usize,
     top_k: usize,
     weight_scale: f64,
+    /// The backend the plan bound; `None` when the indexer does not run (dense mode).
+    kernel: Option<DsaIndexerFn>,
 }
 
 impl Indexer {
-    fn load(config: &Config, loader: &Loader, prefix: &str) -> Result<Self> {
+    fn load(
+        config: &Config,
+        loader: &Loader,
+        prefix: &str,
+        kernel: Option<DsaIndexerFn>,
+    ) -> Result<Self> {
         let (heads, dim) = (config.index_n_heads, config.index_head_dim);
         Ok(Self {
             wq_b: loader.linear(&format!("{prefix}.wq_b"), config.q_lora_rank, heads * dim)?,
@@ -157,6 +177,7 @@ impl Indexer {
             rope_dim: config.qk_rope_head_dim,
             top_k: config.index_topk,
             weight_scale: config.index_weight_scale(),
+            kernel,
         })
     }
 
@@ -195,7 +216,10 @@ impl Indexer {
         let head_weights =
             (self.weights_proj.forward(hidden)?.to_dtype(DType::F32)? * self.weight_scale)?;
         let visible: Vec<usize> = (1..=t).map(|i| start_pos + i).collect();
-        Ok(dsa_indexer(&q, &head_weights, &keys, &visible, self.top_k)?)
+        let kernel = self.kernel.ok_or_else(|| {
+            ModelError::PlanDevices("the plan bound no dsa_indexer backend (dense mode)".into())
+        })?;
+        Ok(kernel(&q, &head_weights, &keys, &visible, self.top_k)?)
     }
 }
 
@@ -218,10 +242,13 @@ struct Attention {
     kv_lora_rank: usize,
     v_head_dim: usize,
     softmax_scale: f64,
+    /// The sparse_mla backend the plan bound.
+    sparse_mla: SparseMlaFn,
 }
 
 impl Attention {
-    fn load(config: &Config, loader: &Loader, prefix: &str) -> Result<Self> {
+    fn load(config: &Config, loader: &Loader, prefix: &str, layer: &LayerPlan) -> Result<Self> {
+        let (sparse_mla, dsa_indexer) = bound_kernels(layer)?;
         let heads = config.num_attention_heads;
         let (nope, v, lora) = (
             config.qk_nope_head_dim,
@@ -263,13 +290,14 @@ impl Attention {
             w_uk: kv_b.narrow(1, 0, nope)?.contiguous()?,
             w_uv_t: kv_b.narrow(1, nope, v)?.transpose(1, 2)?.contiguous()?,
             o_proj: loader.linear(&format!("{prefix}.o_proj"), heads * v, config.hidden_size)?,
-            indexer: Indexer::load(config, loader, &format!("{prefix}.indexer"))?,
+            indexer: Indexer::load(config, loader, &format!("{prefix}.indexer"), dsa_indexer)?,
             heads,
             nope_dim: nope,
             rope_dim: config.qk_rope_head_dim,
             kv_lora_rank: lora,
             v_head_dim: v,
             softmax_scale: config.softmax_scale(),
+            sparse_mla,
         })
     }
 
@@ -321,7 +349,7 @@ impl Attention {
                 .forward(hidden, &q_lora, start_pos, rope, cache)?,
             Some(all_positions) => all_positions.clone(),
         };
-        let (attended, _lse) = sparse_mla(
+        let (attended, _lse) = (self.sparse_mla)(
             &q_absorbed,
             &latent,
             &selected,
@@ -339,6 +367,26 @@ impl Attention {
             .reshape((t, self.heads * self.v_head_dim))?;
         Ok((self.o_proj.forward(&merged)?, selected))
     }
+}
+
+/// The functions the plan chose for a layer: sparse_mla, and dsa_indexer unless it is skipped.
+fn bound_kernels(layer: &LayerPlan) -> Result<(SparseMlaFn, Option<DsaIndexerFn>)> {
+    let mismatch = |what: &str| ModelError::PlanDevices(format!("layer {}: {what}", layer.layer));
+    let sparse_mla = match layer.op(Op::SparseMla).and_then(|o| o.choice.as_ref()) {
+        Some(choice) => match choice.entry.kernel {
+            Kernel::SparseMla(f) => f,
+            _ => return Err(mismatch("the sparse_mla entry holds another op's kernel")),
+        },
+        None => return Err(mismatch("no sparse_mla backend in the plan")),
+    };
+    let dsa_indexer = match layer.op(Op::DsaIndexer).and_then(|o| o.choice.as_ref()) {
+        Some(choice) => match choice.entry.kernel {
+            Kernel::DsaIndexer(f) => Some(f),
+            _ => return Err(mismatch("the dsa_indexer entry holds another op's kernel")),
+        },
+        None => None,
+    };
+    Ok((sparse_mla, dsa_indexer))
 }
 
 /// Dense mode's "selection": every position `0..=start_pos+i` for query `i`, -1 padded to a common width.
@@ -534,6 +582,8 @@ enum FeedForward {
 
 /// §3.1 one decoder block: `x += Attn(norm(x)); x += FFN(norm(x))`.
 struct DecoderLayer {
+    /// Index of its device in the plan.
+    device: usize,
     input_layernorm: RmsNorm,
     self_attn: Attention,
     post_attention_layernorm: RmsNorm,
@@ -541,7 +591,8 @@ struct DecoderLayer {
 }
 
 impl DecoderLayer {
-    fn load(config: &Config, loader: &Loader, layer: usize) -> Result<Self> {
+    fn load(config: &Config, loader: &Loader, plan: &LayerPlan) -> Result<Self> {
+        let layer = plan.layer;
         let prefix = format!("model.layers.{layer}");
         let mlp = match config.mlp_layer_types[layer] {
             MlpKind::Dense => FeedForward::Dense(Mlp::load(
@@ -553,12 +604,13 @@ impl DecoderLayer {
             MlpKind::MoE => FeedForward::MoE(MoE::load(config, loader, &format!("{prefix}.mlp"))?),
         };
         Ok(Self {
+            device: plan.device,
             input_layernorm: loader.rms_norm(
                 &format!("{prefix}.input_layernorm"),
                 config.hidden_size,
                 config.rms_norm_eps,
             )?,
-            self_attn: Attention::load(config, loader, &format!("{prefix}.self_attn"))?,
+            self_attn: Attention::load(config, loader, &format!("{prefix}.self_attn"), plan)?,
             post_attention_layernorm: loader.rms_norm(
                 &format!("{prefix}.post_attention_layernorm"),
                 config.hidden_size,
@@ -621,20 +673,35 @@ impl std::fmt::Display for LayerBackends {
     }
 }
 
-/// GLM-5 (`GlmMoeDsaForCausalLM`) for one sequence at a time.
+/// GLM-5 (`GlmMoeDsaForCausalLM`) for one sequence at a time, its layers placed and its backends bound by
+/// a [`Plan`].
 pub struct Glm5ForCausalLM {
     config: Config,
+    plan: Plan,
+    /// The real device of every plan device.
+    devices: Vec<Device>,
     embed_tokens: Tensor,
     layers: Vec<DecoderLayer>,
     norm: RmsNorm,
     lm_head: Linear,
     mode: AttentionMode,
     dtype: DType,
-    device: Device,
+    /// Hidden-state copies between plan devices so far.
+    transfers: AtomicUsize,
+}
+
+/// Whether `device` is the one `desc` describes.
+fn same_device(device: &Device, desc: &DeviceDesc) -> bool {
+    match (device.location(), desc.kind) {
+        (DeviceLocation::Cpu, DeviceKind::Cpu) => true,
+        (DeviceLocation::Cuda { gpu_id }, DeviceKind::Cuda { ordinal, .. }) => gpu_id == ordinal,
+        _ => false,
+    }
 }
 
 impl Glm5ForCausalLM {
-    /// Builds the graph from `checkpoint`, converting weights to `dtype` (the router stays f32).
+    /// Builds the graph on one device from `checkpoint`, converting weights to `dtype` (the router stays
+    /// f32): the plan is made here with the built-in registry (see [`Self::load_planned`]).
     pub fn load(
         config: &Config,
         checkpoint: &Checkpoint,
@@ -642,34 +709,87 @@ impl Glm5ForCausalLM {
         device: &Device,
         mode: AttentionMode,
     ) -> Result<Self> {
-        let loader = Loader {
-            checkpoint,
-            dtype,
-            device,
-        };
+        let plan = Plan::build(
+            config,
+            vec![DeviceDesc::of(device)?],
+            &PlanOptions::new(dtype, mode),
+            &Registry::builtin(),
+        )?;
+        Self::load_planned(config, checkpoint, plan, std::slice::from_ref(device))
+    }
+
+    /// Builds the graph as `plan` says: every layer on its device with the backends the plan chose bound in.
+    /// `devices[i]` is the real device of `plan.devices[i]`; a plan made for assumed devices cannot be loaded.
+    pub fn load_planned(
+        config: &Config,
+        checkpoint: &Checkpoint,
+        plan: Plan,
+        devices: &[Device],
+    ) -> Result<Self> {
+        if devices.len() != plan.devices.len() {
+            return Err(ModelError::PlanDevices(format!(
+                "the plan has {} devices, {} were given",
+                plan.devices.len(),
+                devices.len()
+            )));
+        }
+        for (device, desc) in devices.iter().zip(&plan.devices) {
+            if desc.assumed {
+                return Err(ModelError::PlanDevices(format!(
+                    "{desc} was described on the command line; such a plan can be printed, not loaded"
+                )));
+            }
+            if !same_device(device, desc) {
+                return Err(ModelError::PlanDevices(format!(
+                    "the plan's {desc} was given as {device:?}"
+                )));
+            }
+        }
+        if plan.layers.len() != config.num_hidden_layers {
+            return Err(ModelError::PlanDevices(format!(
+                "the plan has {} layers, the config {}",
+                plan.layers.len(),
+                config.num_hidden_layers
+            )));
+        }
+        let dtype = plan.dtype;
+        let loaders: Vec<Loader> = devices
+            .iter()
+            .map(|device| Loader {
+                checkpoint,
+                dtype,
+                device,
+            })
+            .collect();
         let (vocab, hidden) = (config.vocab_size, config.hidden_size);
-        let embed_tokens = loader.tensor("model.embed_tokens.weight", &[vocab, hidden])?;
+        let embed_tokens =
+            loaders[plan.embed_device].tensor("model.embed_tokens.weight", &[vocab, hidden])?;
+        let head_loader = &loaders[plan.head_device];
         let lm_head = if config.tie_word_embeddings && !checkpoint.contains("lm_head.weight") {
-            Linear::new(embed_tokens.clone(), None)
+            Linear::new(embed_tokens.to_device(head_loader.device)?, None)
         } else {
-            loader.linear("lm_head", hidden, vocab)?
+            head_loader.linear("lm_head", hidden, vocab)?
         };
-        let layers = (0..config.num_hidden_layers)
-            .map(|layer| DecoderLayer::load(config, &loader, layer))
+        let layers = plan
+            .layers
+            .iter()
+            .map(|layer| DecoderLayer::load(config, &loaders[layer.device], layer))
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
             config: config.clone(),
             embed_tokens,
             layers,
-            norm: loader.rms_norm("model.norm", hidden, config.rms_norm_eps)?,
+            norm: head_loader.rms_norm("model.norm", hidden, config.rms_norm_eps)?,
             lm_head,
-            mode,
+            mode: plan.attention,
             dtype,
-            device: device.clone(),
+            devices: devices.to_vec(),
+            plan,
+            transfers: AtomicUsize::new(0),
         })
     }
 
-    /// Reads `config.json` and the safetensors checkpoint of a model directory.
+    /// Reads `config.json` and the safetensors checkpoint of a model directory (one device).
     pub fn from_dir(
         dir: impl AsRef<std::path::Path>,
         dtype: DType,
@@ -685,6 +805,11 @@ impl Glm5ForCausalLM {
         &self.config
     }
 
+    /// Placement and backends, per layer.
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
     pub fn mode(&self) -> AttentionMode {
         self.mode
     }
@@ -693,40 +818,52 @@ impl Glm5ForCausalLM {
         self.dtype
     }
 
+    /// The device of the embeddings (where `forward` starts).
     pub fn device(&self) -> &Device {
-        &self.device
+        &self.devices[self.plan.embed_device]
     }
 
-    /// What runs where, per layer (the full dispatch pass with its registry is still to come).
+    /// The device `lm_head` runs on, where `forward` returns the logits.
+    pub fn output_device(&self) -> &Device {
+        &self.devices[self.plan.head_device]
+    }
+
+    /// Hidden-state copies between devices done by the forward passes so far (one per plan boundary per
+    /// call).
+    pub fn transfers(&self) -> usize {
+        self.transfers.load(Ordering::Relaxed)
+    }
+
+    /// What runs where, per layer, as the plan bound it.
     pub fn layer_backends(&self) -> Vec<LayerBackends> {
-        (0..self.layers.len())
+        self.plan
+            .layers
+            .iter()
             .map(|layer| LayerBackends {
-                layer,
-                mlp: self.config.mlp_layer_types[layer],
+                layer: layer.layer,
+                mlp: layer.mlp,
                 attention: self.mode,
-                dsa_indexer: match self.mode {
-                    AttentionMode::Sparse => dsa_indexer_backend(
-                        &self.device,
-                        self.dtype,
-                        self.config.index_n_heads,
-                        self.config.index_head_dim,
-                    ),
-                    AttentionMode::Dense => "skipped (dense mode)",
-                },
-                sparse_mla: sparse_mla_backend(&self.device, self.dtype),
-                device: format!("{:?}", self.device),
-                dtype: self.dtype,
+                dsa_indexer: layer.op(Op::DsaIndexer).map_or("-", |o| o.backend()),
+                sparse_mla: layer.op(Op::SparseMla).map_or("-", |o| o.backend()),
+                device: self.plan.devices[layer.device].name.clone(),
+                dtype: layer.dtype,
             })
             .collect()
     }
 
-    /// An empty cache for up to `capacity` tokens of one sequence.
+    /// An empty cache for up to `capacity` tokens of one sequence, each layer's rows on its device.
     pub fn new_cache(&self, capacity: usize) -> Result<KvCache> {
-        KvCache::new(&self.config, capacity, self.dtype, &self.device)
+        let layer_devices: Vec<&Device> = self
+            .plan
+            .layers
+            .iter()
+            .map(|l| &self.devices[l.device])
+            .collect();
+        KvCache::new(&self.config, capacity, self.dtype, &layer_devices)
     }
 
     /// Runs `input_ids` at positions `start_pos..start_pos + len` (a prompt chunk or one decode token),
-    /// appending them to `cache`, and returns f32 logits `[len, vocab_size]`.
+    /// appending them to `cache`, and returns f32 logits `[len, vocab_size]` on [`Self::output_device`].
     pub fn forward(
         &self,
         input_ids: &[u32],
@@ -747,6 +884,12 @@ impl Glm5ForCausalLM {
         let mut selections = Vec::with_capacity(self.layers.len());
         let logits = self.run(input_ids, start_pos, cache, Some(&mut selections))?;
         Ok((logits, selections))
+    }
+
+    /// Moves the hidden state to plan device `to` at a layer boundary.
+    fn transfer(&self, x: &Tensor, to: usize) -> Result<Tensor> {
+        self.transfers.fetch_add(1, Ordering::Relaxed);
+        Ok(x.to_device(&self.devices[to])?)
     }
 
     fn run(
@@ -788,21 +931,40 @@ impl Glm5ForCausalLM {
         }
         cache.check_append(start_pos, t)?;
 
-        let rope = Rope::at_positions(&self.config, start_pos, t, self.dtype, &self.device)?;
-        let ids = Tensor::from_slice(input_ids, t, &self.device)?;
+        let first = self.plan.embed_device;
+        let rope = Rope::at_positions(&self.config, start_pos, t, self.dtype, &self.devices[first])?;
         // Dense mode attends to every causal position in every layer: one selection for all of them.
         let dense = match self.mode {
             AttentionMode::Sparse => None,
-            AttentionMode::Dense => Some(all_causal_positions(t, start_pos, &self.device)?),
+            AttentionMode::Dense => Some(all_causal_positions(t, start_pos, &self.devices[first])?),
         };
+        // RoPE tables and the dense selection, copied once to each device the layers use.
+        let mut per_device: Vec<Option<(Rope, Option<Tensor>)>> = vec![None; self.devices.len()];
+        per_device[first] = Some((rope.clone(), dense.clone()));
+        let ids = Tensor::from_slice(input_ids, t, &self.devices[first])?;
         let mut x = self.embed_tokens.index_select(&ids, 0)?;
+        let mut here = first;
         for (layer, layer_cache) in self.layers.iter().zip(&cache.layers) {
-            let (next, selected) =
-                layer.forward(&x, start_pos, &rope, layer_cache, dense.as_ref())?;
+            if layer.device != here {
+                x = self.transfer(&x, layer.device)?;
+                here = layer.device;
+            }
+            if per_device[here].is_none() {
+                let device = &self.devices[here];
+                let dense_here = dense.as_ref().map(|d| d.to_device(device)).transpose()?;
+                per_device[here] = Some((rope.to_device(device)?, dense_here));
+            }
+            let (rope, dense) = per_device[here].as_ref().ok_or_else(|| {
+                ModelError::PlanDevices(format!("no RoPE tables on plan device {here}"))
+            })?;
+            let (next, selected) = layer.forward(&x, start_pos, rope, layer_cache, dense.as_ref())?;
             if let Some(selections) = selections.as_deref_mut() {
                 selections.push(selected);
             }
             x = next;
+        }
+        if self.plan.head_device != here {
+            x = self.transfer(&x, self.plan.head_device)?;
         }
         cache.advance(t);
         Ok(self

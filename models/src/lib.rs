@@ -1,14 +1,18 @@
 //! GLM-5 (`GlmMoeDsaForCausalLM`, `model_type: glm_moe_dsa`) on candle: the validated config, the
-//! safetensors checkpoint reader, the module graph and its KV cache.
+//! safetensors checkpoint reader, the sizes and plan (placement + backend dispatch) the graph is built
+//! from, the module graph and its KV cache.
 
 pub mod cache;
 pub mod config;
 pub mod error;
 pub mod glm5;
+pub mod plan;
+pub mod sizes;
 pub mod weights;
 
 pub use cache::KvCache;
 pub use config::{Config, MlpKind};
 pub use error::{ModelError, Result};
 pub use glm5::{AttentionMode, Glm5ForCausalLM, LayerBackends};
+pub use plan::{fmt_bytes, DeviceUsage, LayerPlan, OpPlan, Plan, PlanError, PlanOptions};
 pub use weights::Checkpoint;

@@ -10,7 +10,7 @@ use candle_core::cuda_backend::{CudaDevice, DeviceId};
 
 /// Shared memory the launchers leave out of a kernel's dynamic budget (the main kernels declare no static
 /// shared memory; the margin keeps the launch valid should they declare a little).
-pub(crate) const STATIC_SHARED_RESERVE: usize = 1024;
+pub(crate) use crate::device::STATIC_SHARED_RESERVE;
 
 fn cuda_err(e: impl std::fmt::Display) -> candle_core::Error {
     candle_core::Error::Cuda(e.to_string().into())
@@ -94,4 +94,36 @@ pub(crate) fn kernel(
         .functions
         .insert((dev.id(), name.to_string()), function.clone());
     Ok(function)
+}
+
+/// The registry's description of a real CUDA device: compute capability, dynamic shared memory per block and
+/// free memory (what placement may fill).
+pub(crate) fn describe(
+    dev: &CudaDevice,
+) -> Result<crate::device::DeviceDesc, crate::device::DeviceError> {
+    use crate::device::{ComputeCapability, DeviceDesc, DeviceError, DeviceKind};
+    let context = dev.cuda_stream().context().clone();
+    let name = format!("cuda:{}", context.ordinal());
+    let query = |e: &dyn std::fmt::Display| DeviceError::Query {
+        device: name.clone(),
+        reason: e.to_string(),
+    };
+    let (major, minor) = context.compute_capability().map_err(|e| query(&e))?;
+    let info = device_info(dev).map_err(|e| query(&e))?;
+    let (free, _total) = context.mem_get_info().map_err(|e| query(&e))?;
+    Ok(DeviceDesc {
+        kind: DeviceKind::Cuda {
+            ordinal: context.ordinal(),
+            capability: ComputeCapability {
+                major: major as u32,
+                minor: minor as u32,
+            },
+            shared_memory_per_block: info
+                .max_shared_per_block
+                .saturating_sub(STATIC_SHARED_RESERVE),
+        },
+        name,
+        memory_bytes: free as u64,
+        assumed: false,
+    })
 }

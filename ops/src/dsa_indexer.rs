@@ -57,27 +57,83 @@ use crate::index_keys::{check_fp8, IndexKeys};
 /// `[T_chunk, H_I, N]`, the CUDA path's `[T_chunk, N]`).
 const MAX_CHUNK_ELEMS: usize = 64 << 20;
 
-/// Which implementation [`dsa_indexer`] runs on `device` for queries of `dtype`, `heads` heads of
-/// width `head_dim`.
-pub fn dsa_indexer_backend(
-    device: &candle_core::Device,
-    dtype: DType,
-    heads: usize,
-    head_dim: usize,
-) -> &'static str {
-    #[cfg(feature = "cuda")]
-    if device.is_cuda() {
-        match dtype {
-            DType::BF16 if cuda::mma_serves(heads, head_dim) => {
-                return "cuda mma.sync scores + radix top-k"
-            }
-            DType::F32 => return "cuda f32 scores + radix top-k",
-            _ => {}
-        }
-    }
-    let _ = (device, heads, head_dim);
-    let _ = dtype;
-    "reference (candle ops, host top-k)"
+/// dsa_indexer's backends in the registry (`registry.rs`): glm5's CUDA kernels (bf16 mma.sync scores for
+/// up to 32 heads of width 16/32/64/128, an f32 FMA variant, exact radix top-k; fatbin for cc 9.0 and 12.x)
+/// and the candle-ops reference (any device, slow).
+pub fn registry_entries() -> Vec<crate::registry::Entry> {
+    use crate::device::DeviceFamily::{Cpu, OtherCuda, Sm120, Sm90};
+    use crate::registry::{Arch, DeviceMatch, Entry, Kernel, Limit, Serves};
+    let kernel_archs = DeviceMatch::Cuda(vec![
+        Arch {
+            major: 9,
+            minor: Some(0),
+        },
+        Arch {
+            major: 12,
+            minor: None,
+        },
+    ]);
+    vec![
+        Entry {
+            name: "cuda-bf16-mma",
+            description: "glm5 CUDA kernel: mma.sync scores over bf16 (or FP8) keys, exact radix top-k",
+            kernel: Kernel::DsaIndexer(dsa_indexer_cuda),
+            serves: Serves {
+                devices: kernel_archs.clone(),
+                dtypes: vec![DType::BF16],
+                heads: Limit::Range {
+                    min: 1,
+                    max: limits::MMA_MAX_HEADS,
+                },
+                head_dims: Limit::OneOf(limits::MMA_HEAD_DIMS.to_vec()),
+                value_dims: Limit::Any,
+                top_k: Limit::Range {
+                    min: 1,
+                    max: i32::MAX as usize,
+                },
+                contiguous_cache: true,
+                paged_block_sizes: Some(Limit::Any),
+            },
+            extra_check: None,
+            priority: vec![(Sm120, 10), (Sm90, 10)],
+        },
+        Entry {
+            name: "cuda-f32-fma",
+            description: "glm5 CUDA kernel: f32 FMA scores, exact radix top-k",
+            kernel: Kernel::DsaIndexer(dsa_indexer_cuda),
+            serves: Serves {
+                devices: kernel_archs,
+                dtypes: vec![DType::F32],
+                heads: Limit::Any,
+                head_dims: Limit::Any,
+                value_dims: Limit::Any,
+                top_k: Limit::Range {
+                    min: 1,
+                    max: i32::MAX as usize,
+                },
+                contiguous_cache: true,
+                paged_block_sizes: Some(Limit::Any),
+            },
+            extra_check: None,
+            priority: vec![(Sm120, 20), (Sm90, 20)],
+        },
+        Entry {
+            name: "reference",
+            description: "candle tensor ops for the scores, host top-k (any device, slow)",
+            kernel: Kernel::DsaIndexer(dsa_indexer_reference),
+            serves: Serves::anything(),
+            extra_check: None,
+            priority: vec![(Sm120, 100), (Sm90, 100), (OtherCuda, 100), (Cpu, 100)],
+        },
+    ]
+}
+
+/// What the CUDA kernels serve (shared by the launcher and the registry, which must not need a GPU).
+pub(crate) mod limits {
+    /// Key widths the mma score kernels are instantiated for.
+    pub const MMA_HEAD_DIMS: [usize; 4] = [16, 32, 64, 128];
+    /// Most heads the mma score kernels hold (two tiles of 16).
+    pub const MMA_MAX_HEADS: usize = 32;
 }
 
 /// A paged indexer key cache (layout in the module docs).
@@ -90,7 +146,9 @@ pub struct PagedIndexKeys<'a> {
     pub token_seq: &'a Tensor,
 }
 
-/// Top-`top_k` key indices per query, `-1` padded (the contract is in the module docs).
+/// Top-`top_k` key indices per query, `-1` padded (the contract is in the module docs): glm5's CUDA
+/// kernel where one serves these inputs, the reference otherwise. The model binds a backend chosen by
+/// the registry instead.
 pub fn dsa_indexer(
     q_index: &Tensor,
     head_weights: &Tensor,
@@ -98,6 +156,68 @@ pub fn dsa_indexer(
     visible_keys: &[usize],
     top_k: usize,
 ) -> Result<Tensor> {
+    check_inputs(q_index, head_weights, keys, visible_keys, top_k)?;
+    #[cfg(feature = "cuda")]
+    if q_index.device().is_cuda() && cuda::serves(q_index.dtype(), q_index.dim(1)?, q_index.dim(2)?) {
+        return dsa_indexer_cuda(q_index, head_weights, keys, visible_keys, top_k);
+    }
+    reference(q_index, head_weights, keys, visible_keys, top_k)
+}
+
+/// [`dsa_indexer`] by the candle-ops reference on any device: the registry's `reference` entry.
+pub fn dsa_indexer_reference(
+    q_index: &Tensor,
+    head_weights: &Tensor,
+    keys: &Tensor,
+    visible_keys: &[usize],
+    top_k: usize,
+) -> Result<Tensor> {
+    check_inputs(q_index, head_weights, keys, visible_keys, top_k)?;
+    reference(q_index, head_weights, keys, visible_keys, top_k)
+}
+
+/// [`dsa_indexer`] by glm5's CUDA kernels over contiguous keys (the cache as one block): the
+/// registry's `cuda-bf16-mma` and `cuda-f32-fma` entries. Inputs no kernel serves, or a build
+/// without the `cuda` feature, give [`OpError::Unsupported`].
+pub fn dsa_indexer_cuda(
+    q_index: &Tensor,
+    head_weights: &Tensor,
+    keys: &Tensor,
+    visible_keys: &[usize],
+    top_k: usize,
+) -> Result<Tensor> {
+    let [t_len, heads, dim] = check_inputs(q_index, head_weights, keys, visible_keys, top_k)?;
+    #[cfg(feature = "cuda")]
+    if q_index.device().is_cuda() && cuda::serves(q_index.dtype(), heads, dim) {
+        let key_count = keys.dim(0)?;
+        let keys = keys.reshape((1, key_count, dim))?;
+        let device = q_index.device();
+        let cache = PagedIndexKeys {
+            keys: IndexKeys::Float(&keys),
+            block_table: &Tensor::zeros((1, 1), DType::I32, device)?,
+            token_seq: &Tensor::zeros(t_len, DType::I32, device)?,
+        };
+        return cuda::dsa_indexer_paged(q_index, head_weights, &cache, visible_keys, top_k);
+    }
+    let _ = t_len;
+    Err(OpError::Unsupported(format!(
+        "dsa_indexer CUDA kernels: need a CUDA device{} with bf16 queries of ≤ {} heads of width {:?}, or f32; got {:?} {:?}, {heads} heads of width {dim}",
+        if cfg!(feature = "cuda") { "" } else { " and a glm5 built with the cuda feature" },
+        limits::MMA_MAX_HEADS,
+        limits::MMA_HEAD_DIMS,
+        q_index.device().location(),
+        q_index.dtype(),
+    )))
+}
+
+/// Checks [`dsa_indexer`]'s arguments; returns `[T, H_I, D]`.
+fn check_inputs(
+    q_index: &Tensor,
+    head_weights: &Tensor,
+    keys: &Tensor,
+    visible_keys: &[usize],
+    top_k: usize,
+) -> Result<[usize; 3]> {
     let [t_len, heads, dim] = check_shape(
         "q_index",
         q_index,
@@ -133,19 +253,7 @@ pub fn dsa_indexer(
     if top_k == 0 {
         return Err(OpError::ZeroTopK);
     }
-    #[cfg(feature = "cuda")]
-    if q_index.device().is_cuda() && cuda::serves(q_index.dtype(), heads, dim) {
-        // The contiguous cache as one block of `key_count` rows.
-        let keys = keys.reshape((1, key_count, dim))?;
-        let device = q_index.device();
-        let cache = PagedIndexKeys {
-            keys: IndexKeys::Float(&keys),
-            block_table: &Tensor::zeros((1, 1), DType::I32, device)?,
-            token_seq: &Tensor::zeros(t_len, DType::I32, device)?,
-        };
-        return cuda::dsa_indexer_paged(q_index, head_weights, &cache, visible_keys, top_k);
-    }
-    reference(q_index, head_weights, keys, visible_keys, top_k)
+    Ok([t_len, heads, dim])
 }
 
 /// The candle-ops scores and host top-k behind [`dsa_indexer`] (arguments checked).
@@ -352,7 +460,7 @@ mod cuda {
 
     use super::{PagedIndexKeys, MAX_CHUNK_ELEMS};
     use crate::cuda::kernel;
-    use crate::error::{OpError, Result};
+    use crate::error::Result;
     use crate::index_keys::IndexKeys;
 
     const MODULE: &[u8] = glm5_kernels::DSA_INDEXER;
@@ -360,10 +468,7 @@ mod cuda {
     const KEYS_PER_BLOCK: usize = 256;
     const SCORE_THREADS: u32 = 128;
     const TOPK_THREADS: u32 = 1024;
-    /// Key widths the mma score kernels are instantiated for.
-    const MMA_HEAD_DIMS: [usize; 4] = [16, 32, 64, 128];
-    /// Most heads the mma score kernels hold (two tiles of 16).
-    const MMA_MAX_HEADS: usize = 32;
+    use super::limits::{MMA_HEAD_DIMS, MMA_MAX_HEADS};
 
     /// Whether the mma score kernels serve `heads` heads of width `head_dim`.
     pub(super) fn mma_serves(heads: usize, head_dim: usize) -> bool {
@@ -580,7 +685,6 @@ mod cuda {
             fp8,
             _cache: std::marker::PhantomData,
         };
-        let _ = OpError::ZeroTopK; // errors are checked by the caller
         Ok(op.q.apply_op1_no_bwd(&op)?)
     }
 

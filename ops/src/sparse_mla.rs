@@ -39,14 +39,6 @@ use crate::error::{check_float, check_same_dtype, check_shape, OpError, Result};
 /// Upper bound on the elements of the gathered `[T_chunk, K, D]` rows of one chunk.
 const MAX_CHUNK_ELEMS: usize = 64 << 20;
 
-/// Which implementation [`sparse_mla`] runs for tensors of `dtype` on `device`.
-pub fn sparse_mla_backend(device: &candle_core::Device, dtype: DType) -> &'static str {
-    match (device.is_cuda() && cfg!(feature = "cuda"), dtype) {
-        (true, DType::BF16) => "cuda mma.sync bf16 kernel",
-        (true, DType::F32) => "cuda f32 kernel",
-        _ => "reference (candle ops)",
-    }
-}
 
 /// A paged latent cache: rows live in fixed-size blocks, and each sequence's block table maps its logical
 /// positions to them (`row(seq, i) = blocks[block_table[seq, i / block_size], i % block_size]`).
@@ -75,6 +67,23 @@ pub fn sparse_mla(
 ) -> Result<(Tensor, Tensor)> {
     #[cfg(feature = "cuda")]
     if cuda::serves(q) {
+        return sparse_mla_cuda(q, latent_cache, indices, value_dim, softmax_scale);
+    }
+    sparse_mla_reference(q, latent_cache, indices, value_dim, softmax_scale)
+}
+
+/// glm5's CUDA kernels over contiguous rows (the cache as one block of `N` rows): the function of the
+/// registry's `cuda-bf16-mma` and `cuda-f32-fma` entries. Without the `cuda` feature it fails with
+/// [`OpError::Unsupported`].
+pub fn sparse_mla_cuda(
+    q: &Tensor,
+    latent_cache: &Tensor,
+    indices: &Tensor,
+    value_dim: usize,
+    softmax_scale: f64,
+) -> Result<(Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
+    {
         let [t_len, _, row_dim] = check_shape("q", q, [("T", None), ("H", None), ("D", None)])?;
         let [cache_len, _] = check_shape(
             "latent_cache",
@@ -92,9 +101,15 @@ pub fn sparse_mla(
             seq_lens: &seq_lens,
             token_seq: &token_seq,
         };
-        return cuda::sparse_mla_paged(q, &cache, indices, value_dim, softmax_scale);
+        cuda::sparse_mla_paged(q, &cache, indices, value_dim, softmax_scale)
     }
-    sparse_mla_reference(q, latent_cache, indices, value_dim, softmax_scale)
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (q, latent_cache, indices, value_dim, softmax_scale);
+        Err(OpError::Unsupported(
+            "sparse_mla CUDA kernels: this glm5 was built without the cuda feature".into(),
+        ))
+    }
 }
 
 /// [`sparse_mla`] over a paged cache: `indices[t]` are logical positions of sequence `token_seq[t]`.
@@ -262,6 +277,171 @@ pub fn sparse_mla_reference(
     ))
 }
 
+/// The limits of `kernels/src/sparse_mla.cu`, compiled with or without the `cuda` feature: the launcher
+/// obeys them and the registry validates against them (so a plan for an assumed GPU knows them too).
+pub(crate) mod limits {
+    /// Keys per tile of the bf16 kernel (`BN` in the .cu file).
+    pub const TILE: usize = 32;
+    pub const ROW_PAD: usize = 8;
+    /// Most splits the combine kernel merges (`MAX_SPLITS` in the .cu file).
+    pub const MAX_SPLITS: usize = 128;
+    /// Most tiles one block resolves up front (`MAX_TILES_PER_SPLIT` in the .cu file).
+    pub const MAX_TILES_PER_SPLIT: usize = 32;
+    /// Value widths the bf16 kernel is instantiated for.
+    pub const BF16_VALUE_DIMS: [usize; 6] = [16, 32, 64, 128, 256, 512];
+    /// Row width the bf16 kernel holds beyond the value columns (`MAX_ROPE` in the .cu file).
+    pub const MAX_ROPE: usize = 64;
+    /// f32 stride of a partial-score row (`LDS` in the .cu file).
+    pub const PARTIAL_SCORE_STRIDE: usize = TILE + 8;
+    /// Latent row widths must be a multiple of this (16-byte loads).
+    pub const ROW_MULTIPLE: usize = 8;
+    /// Most top-k slots per query of the bf16 kernel.
+    pub const BF16_MAX_TOP_K: usize = MAX_SPLITS * MAX_TILES_PER_SPLIT * TILE;
+
+    /// Warps per 16-head tile of the bf16 kernel for a value width (`KW` of its entry points).
+    pub fn warps_per_head_tile(value_dim: usize) -> usize {
+        if value_dim == 16 {
+            2
+        } else {
+            4
+        }
+    }
+
+    /// Shared memory of the bf16 kernel with `head_tiles` tiles of 16 heads and rows of `row_dim` (mirrors the
+    /// layout in the .cu file: two key tiles, Q unless it is staged in key tile 1, P, partial scores, row
+    /// maxima and sums, the split's rows). GLM-5's rows with 16 heads: 90880 B, within sm_120's 99 KB.
+    pub fn bf16_shared_bytes(head_tiles: usize, warps_per_tile: usize, row_dim: usize) -> usize {
+        let ld = row_dim.div_ceil(16) * 16 + ROW_PAD;
+        let heads = 16 * head_tiles;
+        // Q has its own region only when it does not fit in key buffer 1 (more than TILE heads).
+        let q_rows = if heads <= TILE { 0 } else { heads };
+        (2 * TILE * ld + q_rows * ld + heads * (TILE + ROW_PAD)) * 2
+            + head_tiles * warps_per_tile * 16 * (PARTIAL_SCORE_STRIDE + 2) * 4
+            + MAX_TILES_PER_SPLIT * TILE * 4
+    }
+
+    /// Shared memory of the f32 kernel: the query row, value accumulators and reduction scratch.
+    pub fn f32_shared_bytes(row_dim: usize, value_dim: usize) -> usize {
+        (row_dim + 4 * value_dim + 8) * 4
+    }
+}
+
+/// sparse_mla's backends in the registry (`registry.rs`): glm5's bf16 tensor-core kernel and f32 kernel
+/// (fatbin with SASS for sm_90 and sm_120 and compute_120 PTX: cc 9.0 and 12.x) and the candle-ops reference
+/// (any device, slow).
+pub fn registry_entries() -> Vec<crate::registry::Entry> {
+    use crate::device::DeviceFamily::{Cpu, OtherCuda, Sm120, Sm90};
+    use crate::registry::{Arch, DeviceMatch, Entry, Kernel, Limit, Serves};
+    let kernel_archs = DeviceMatch::Cuda(vec![
+        Arch {
+            major: 9,
+            minor: Some(0),
+        },
+        Arch {
+            major: 12,
+            minor: None,
+        },
+    ]);
+    vec![
+        Entry {
+            name: "cuda-bf16-mma",
+            description: "glm5 CUDA kernel, bf16 mma.sync, top-k split with an lse combine",
+            kernel: Kernel::SparseMla(sparse_mla_cuda),
+            serves: Serves {
+                devices: kernel_archs.clone(),
+                dtypes: vec![DType::BF16],
+                heads: Limit::Any,
+                head_dims: Limit::MultipleOf(limits::ROW_MULTIPLE),
+                value_dims: Limit::OneOf(limits::BF16_VALUE_DIMS.to_vec()),
+                top_k: Limit::Range {
+                    min: 1,
+                    max: limits::BF16_MAX_TOP_K,
+                },
+                contiguous_cache: true,
+                paged_block_sizes: Some(Limit::Any),
+            },
+            extra_check: Some(|spec, device| {
+                let available = match device.kind {
+                    crate::device::DeviceKind::Cuda {
+                        shared_memory_per_block,
+                        ..
+                    } => shared_memory_per_block,
+                    crate::device::DeviceKind::Cpu => return vec![],
+                };
+                let value_dim = spec.value_dim.unwrap_or(0);
+                let mut reasons = vec![];
+                if spec.head_dim > value_dim + limits::MAX_ROPE {
+                    reasons.push(crate::registry::Reason::new(
+                        "row width",
+                        format!("≤ value width + {}", limits::MAX_ROPE),
+                        format!("{} (value width {value_dim})", spec.head_dim),
+                    ));
+                }
+                let needed = limits::bf16_shared_bytes(
+                    1,
+                    limits::warps_per_head_tile(value_dim),
+                    spec.head_dim,
+                );
+                if needed > available {
+                    reasons.push(crate::registry::Reason::new(
+                        "shared memory per block",
+                        format!("{needed} B for rows of {}", spec.head_dim),
+                        format!("{available} B"),
+                    ));
+                }
+                reasons
+            }),
+            priority: vec![(Sm120, 10), (Sm90, 10)],
+        },
+        Entry {
+            name: "cuda-f32-fma",
+            description: "glm5 CUDA kernel, f32 FMA",
+            kernel: Kernel::SparseMla(sparse_mla_cuda),
+            serves: Serves {
+                devices: kernel_archs,
+                dtypes: vec![DType::F32],
+                heads: Limit::Any,
+                head_dims: Limit::MultipleOf(limits::ROW_MULTIPLE),
+                value_dims: Limit::Any,
+                top_k: Limit::Range {
+                    min: 1,
+                    max: i32::MAX as usize,
+                },
+                contiguous_cache: true,
+                paged_block_sizes: Some(Limit::Any),
+            },
+            extra_check: Some(|spec, device| {
+                let available = match device.kind {
+                    crate::device::DeviceKind::Cuda {
+                        shared_memory_per_block,
+                        ..
+                    } => shared_memory_per_block,
+                    crate::device::DeviceKind::Cpu => return vec![],
+                };
+                let needed =
+                    limits::f32_shared_bytes(spec.head_dim, spec.value_dim.unwrap_or(0));
+                if needed > available {
+                    return vec![crate::registry::Reason::new(
+                        "shared memory per block",
+                        format!("{needed} B"),
+                        format!("{available} B"),
+                    )];
+                }
+                vec![]
+            }),
+            priority: vec![(Sm120, 20), (Sm90, 20)],
+        },
+        Entry {
+            name: "reference",
+            description: "candle tensor ops in f32, host-validated indices (any device, slow)",
+            kernel: Kernel::SparseMla(sparse_mla_reference),
+            serves: Serves::anything(),
+            extra_check: None,
+            priority: vec![(Sm120, 100), (Sm90, 100), (OtherCuda, 100), (Cpu, 100)],
+        },
+    ]
+}
+
 #[cfg(feature = "cuda")]
 pub use cuda::set_poison_outputs;
 
@@ -287,24 +467,16 @@ mod cuda {
     use crate::error::{check_shape, OpError, Result};
 
     const MODULE: &[u8] = glm5_kernels::SPARSE_MLA;
-    /// Keys per tile of the bf16 kernel (`BN` in the .cu file).
-    const TILE: usize = 32;
-    const ROW_PAD: usize = 8;
-    /// Most splits the combine kernel merges (`MAX_SPLITS` in the .cu file).
-    const MAX_SPLITS: usize = 128;
+    use super::limits::{
+        bf16_shared_bytes, f32_shared_bytes, warps_per_head_tile, BF16_VALUE_DIMS, MAX_ROPE, MAX_SPLITS,
+        MAX_TILES_PER_SPLIT, TILE,
+    };
+
     /// A block's fixed cost in tiles' time, for the split choice (measured on the H200: one-tile blocks take
     /// about three tiles' time).
     const BLOCK_COST_IN_TILES: usize = 2;
-    /// Most tiles one block resolves up front (`MAX_TILES_PER_SPLIT` in the .cu file).
-    const MAX_TILES_PER_SPLIT: usize = 32;
-    /// Value widths the bf16 kernel is instantiated for.
-    const BF16_VALUE_DIMS: [usize; 6] = [16, 32, 64, 128, 256, 512];
     /// Value widths with a 64-head instantiation.
     const WIDE_VALUE_DIMS: [usize; 3] = [128, 256, 512];
-    /// Row width the bf16 kernel holds beyond the value columns (`MAX_ROPE` in the .cu file).
-    const MAX_ROPE: usize = 64;
-    /// f32 stride of a partial-score row (`LDS` in the .cu file).
-    const PARTIAL_SCORE_STRIDE: usize = TILE + 8;
     /// Warps of the combine kernel and value columns per block (`COMBINE_GROUPS`, `COMBINE_COLUMNS` in the
     /// .cu file).
     const COMBINE_GROUPS: usize = 8;
@@ -473,7 +645,7 @@ mod cuda {
                     poison(out_ptr, t_len * heads * value_dim * 4, &stream)?;
                     params.num_splits = 1;
                     let func = kernel(dev, "sparse_mla", MODULE, "sparse_mla_f32")?;
-                    let smem = (row_dim + 4 * value_dim + 8) * 4;
+                    let smem = f32_shared_bytes(row_dim, value_dim);
                     let cfg = LaunchConfig {
                         grid_dim: (t_len as u32, heads as u32, 1),
                         block_dim: (128, 1, 1),
@@ -490,25 +662,6 @@ mod cuda {
                 Some(CudaStorage::wrap_cuda_slice(lse, dev.clone()));
             Ok((out, Shape::from((t_len, heads, value_dim))))
         }
-    }
-
-    /// Warps per 16-head tile of the bf16 kernel for a value width (`KW` of its entry points).
-    fn warps_per_head_tile(value_dim: usize) -> usize {
-        if value_dim == 16 {
-            2
-        } else {
-            4
-        }
-    }
-
-    /// Shared memory of the bf16 kernel with `head_tiles` tiles of 16 heads and rows of `row_dim` (mirrors the
-    /// layout in the .cu file: two key tiles, Q, P, partial scores, row maxima and sums, the split's rows).
-    fn bf16_shared_bytes(head_tiles: usize, warps_per_tile: usize, row_dim: usize) -> usize {
-        let ld = row_dim.div_ceil(16) * 16 + ROW_PAD;
-        let heads = 16 * head_tiles;
-        (2 * TILE * ld + heads * ld + heads * (TILE + ROW_PAD)) * 2
-            + head_tiles * warps_per_tile * 16 * (PARTIAL_SCORE_STRIDE + 2) * 4
-            + MAX_TILES_PER_SPLIT * TILE * 4
     }
 
     thread_local! {

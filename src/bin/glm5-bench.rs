@@ -2,7 +2,9 @@
 //! and against the device's own ceilings (device-to-device copy bandwidth and the mma.sync bf16 rate of a
 //! register-only microkernel), all measured in the same run. Needs `--features cuda` and a GPU.
 //!
-//! `glm5-bench CONTEXT BATCH HEADS` runs one shape only (e.g. under a profiler).
+//! `glm5-bench CONTEXT BATCH HEADS` runs one sparse_mla shape only, `glm5-bench indexer CONTEXT BATCH` one
+//! indexer decode shape (e.g. under a profiler: ncu splits the indexer's time into its score and top-k
+//! kernels).
 //!
 //! "wall" is the median of several rounds, each round `n` back-to-back calls then a device sync: it includes
 //! the host's launch overhead, as an eager decode step pays it. "GPU" replays the same `n` calls captured in
@@ -14,8 +16,14 @@ use std::time::Instant;
 use glm5::candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use glm5::candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use glm5::candle_core::{DType, Device, Result, Tensor};
-use glm5::ops::{sparse_mla_paged, sparse_mla_reference, PagedLatentCache};
+use glm5::ops::{
+    dsa_indexer_paged, dsa_indexer_reference, quantize_fp8, sparse_mla_paged, sparse_mla_reference, IndexKeys,
+    PagedIndexKeys, PagedLatentCache,
+};
 
+/// GLM-5's indexer: 32 heads of 128, FP8 keys of 128 bytes + an f32 scale.
+const INDEX_HEADS: usize = 32;
+const INDEX_DIM: usize = 128;
 /// GLM-5's latent row and value widths, and its top-k.
 const ROW_DIM: usize = 576;
 const VALUE_DIM: usize = 512;
@@ -197,6 +205,116 @@ impl Decode {
     }
 }
 
+/// An indexer batch over a paged FP8 key cache: `batch` sequences of `context` keys, and `queries` query
+/// tokens per sequence (1: decode; a prefill chunk: the last `queries` positions, causal).
+struct Indexer {
+    q: Tensor,
+    weights: Tensor,
+    bytes: Tensor,
+    scales: Tensor,
+    block_table: Tensor,
+    token_seq: Tensor,
+    visible: Vec<usize>,
+    /// Contiguous bf16 keys of sequence 0 (all sequences' keys for the reference path are alike in cost).
+    reference_keys: Tensor,
+}
+
+impl Indexer {
+    fn new(device: &Device, batch: usize, queries: usize, context: usize, seed: u64) -> Result<Self> {
+        let blocks_per_seq = context.div_ceil(BLOCK_SIZE);
+        let num_blocks = batch * blocks_per_seq;
+        let keys = Tensor::randn(0f32, 1f32, (num_blocks * BLOCK_SIZE, INDEX_DIM), device)?;
+        let (bytes, scales) = quantize_fp8(&keys).map_err(cuda)?;
+        let mut state = seed;
+        let mut order: Vec<i32> = (0..num_blocks as i32).collect();
+        for i in (1..order.len()).rev() {
+            order.swap(i, (next(&mut state) % (i as u64 + 1)) as usize);
+        }
+        let t = batch * queries;
+        let visible = (0..t).map(|i| context - queries + i % queries + 1).collect();
+        Ok(Self {
+            q: Tensor::randn(0f32, 1f32, (t, INDEX_HEADS, INDEX_DIM), device)?.to_dtype(DType::BF16)?,
+            weights: Tensor::randn(0f32, 1f32, (t, INDEX_HEADS), device)?,
+            bytes: bytes.reshape((num_blocks, BLOCK_SIZE, INDEX_DIM))?,
+            scales: scales.reshape((num_blocks, BLOCK_SIZE))?,
+            block_table: Tensor::from_vec(order, (batch, blocks_per_seq), device)?,
+            token_seq: Tensor::from_vec((0..t as i32).map(|i| i / queries as i32).collect(), t, device)?,
+            visible,
+            reference_keys: keys.narrow(0, 0, context)?.to_dtype(DType::BF16)?,
+        })
+    }
+
+    fn kernel(&self) -> Result<()> {
+        let cache = PagedIndexKeys {
+            keys: IndexKeys::Fp8 { bytes: &self.bytes, scales: &self.scales },
+            block_table: &self.block_table,
+            token_seq: &self.token_seq,
+        };
+        dsa_indexer_paged(&self.q, &self.weights, &cache, &self.visible, TOP_K)
+            .map(|_| ())
+            .map_err(cuda)
+    }
+
+    fn reference(&self) -> Result<()> {
+        dsa_indexer_reference(&self.q, &self.weights, &self.reference_keys, &self.visible, TOP_K)
+            .map(|_| ())
+            .map_err(cuda)
+    }
+}
+
+/// Indexer rows: decode at batch 1/8/64 and a 4096-token prefill chunk, per context.
+fn indexer_rows(device: &Device, copy: f64, peak: f64, only: Option<(usize, usize)>) -> Result<()> {
+    println!();
+    println!(
+        "dsa_indexer, FP8 keys ({INDEX_DIM} B + f32 scale), {INDEX_HEADS} heads, top-k {TOP_K}, paged (block {BLOCK_SIZE})"
+    );
+    println!(
+        "{:>7} {:>5} {:>7} | {:>8} {:>8} {:>8} {:>6} {:>8} {:>6} {:>8} | {:>10} {:>8}",
+        "context", "batch", "queries", "wall µs", "GPU µs", "GB/s", "%copy", "TFLOP/s", "%mma", "floor µs", "ref µs", "speedup"
+    );
+    let shapes: Vec<(usize, usize, usize)> = match only {
+        Some((context, batch)) => vec![(context, batch, 1)],
+        None => [8192usize, 32_768, 131_072, 200_000]
+            .iter()
+            .flat_map(|&c| [(c, 1, 1), (c, 8, 1), (c, 64, 1), (c, 1, 4096)])
+            .collect(),
+    };
+    for (context, batch, queries) in shapes {
+        let problem = Indexer::new(device, batch, queries, context, (context * 10 + batch) as u64)?;
+        let rounds = if queries > 1 { 3 } else { 7 };
+        let wall = median_seconds(device, rounds, 5, || problem.kernel())?;
+        let gpu = graph_seconds(device, 5, || problem.kernel())?;
+        // Decode reads every key of every sequence once; a prefill chunk re-reads the sequence per query
+        // from L2 but moves it from memory once.
+        let bytes = (batch * context * (INDEX_DIM + 4)
+            + batch * queries * INDEX_HEADS * (INDEX_DIM * 2 + 4)
+            + batch * queries * TOP_K * 4) as f64;
+        let scored: usize = problem.visible.iter().sum();
+        let flops = (scored * INDEX_HEADS * INDEX_DIM * 2) as f64;
+        let reference = if queries == 1 && batch <= 8 {
+            Some(median_seconds(device, 3, 1, || problem.reference())?)
+        } else {
+            None
+        };
+        println!(
+            "{:>7} {:>5} {:>7} | {:>8.1} {:>8.1} {:>8.0} {:>5.1}% {:>8.1} {:>5.1}% {:>8.2} | {:>10} {:>8}",
+            context,
+            batch,
+            queries,
+            wall * 1e6,
+            gpu * 1e6,
+            bytes / gpu / 1e9,
+            100.0 * bytes / gpu / copy,
+            flops / gpu / 1e12,
+            100.0 * flops / gpu / peak,
+            bytes / copy * 1e6,
+            reference.map_or("-".into(), |r| format!("{:.1}", r * 1e6)),
+            reference.map_or("-".into(), |r| format!("{:.1}x", r / wall)),
+        );
+    }
+    Ok(())
+}
+
 fn main() -> Result<()> {
     let device = Device::new_cuda(0)?;
     // One stream: cross-stream event tracking would add driver calls to every launch.
@@ -228,10 +346,14 @@ fn main() -> Result<()> {
         "ref µs",
         "speedup"
     );
-    let only: Vec<usize> = std::env::args()
-        .skip(1)
-        .filter_map(|a| a.parse().ok())
-        .collect();
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let only: Vec<usize> = args.iter().filter_map(|a| a.parse().ok()).collect();
+    if args.first().map(String::as_str) == Some("indexer") {
+        let [context, batch] = only[..] else {
+            glm5::candle_core::bail!("usage: glm5-bench indexer CONTEXT BATCH")
+        };
+        return indexer_rows(&device, copy, peak, Some((context, batch)));
+    }
     let shapes: Vec<(usize, usize, usize)> = match only[..] {
         [context, batch, heads] => vec![(context, batch, heads)],
         _ => [32_768usize, 131_072]
@@ -279,6 +401,9 @@ fn main() -> Result<()> {
                 );
             }
         }
+    }
+    if only.is_empty() {
+        indexer_rows(&device, copy, peak, None)?;
     }
     Ok(())
 }

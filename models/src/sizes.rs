@@ -1,0 +1,173 @@
+//! What the model holds in memory, from the config alone: the checkpoint tensors glm5 loads (names, shapes
+//! and the dtype they are kept in, spec §2) and the KV-cache bytes per token. Placement sizes devices with
+//! these numbers before any weight is read.
+//!
+//! Contract: [`layer_tensors`], [`embedding_tensors`] and [`head_tensors`] list exactly the tensors
+//! `glm5.rs` asks the checkpoint for (the MTP layer `model.layers.{num_hidden_layers}.*` is never loaded),
+//! with the router's `gate.weight` and `e_score_correction_bias` in f32 (the model routes in f32) and every
+//! other tensor in the model dtype. `lm_head.weight` is listed unless the embeddings are tied.
+
+use candle_core::DType;
+
+use crate::config::{Config, MlpKind};
+
+/// One tensor as the model keeps it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorInfo {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub dtype: DType,
+}
+
+impl TensorInfo {
+    fn new(name: String, shape: &[usize], dtype: DType) -> Self {
+        Self {
+            name,
+            shape: shape.to_vec(),
+            dtype,
+        }
+    }
+
+    pub fn elements(&self) -> u64 {
+        self.shape.iter().map(|&d| d as u64).product()
+    }
+
+    pub fn bytes(&self) -> u64 {
+        self.elements() * self.dtype.size_in_bytes() as u64
+    }
+}
+
+/// Sums of a tensor list.
+pub fn params(tensors: &[TensorInfo]) -> u64 {
+    tensors.iter().map(TensorInfo::elements).sum()
+}
+
+pub fn bytes(tensors: &[TensorInfo]) -> u64 {
+    tensors.iter().map(TensorInfo::bytes).sum()
+}
+
+/// `model.embed_tokens.weight`.
+pub fn embedding_tensors(config: &Config, dtype: DType) -> Vec<TensorInfo> {
+    vec![TensorInfo::new(
+        "model.embed_tokens.weight".into(),
+        &[config.vocab_size, config.hidden_size],
+        dtype,
+    )]
+}
+
+/// `model.norm.weight` and, unless tied to the embeddings, `lm_head.weight`.
+pub fn head_tensors(config: &Config, dtype: DType) -> Vec<TensorInfo> {
+    let mut tensors = vec![TensorInfo::new(
+        "model.norm.weight".into(),
+        &[config.hidden_size],
+        dtype,
+    )];
+    if !config.tie_word_embeddings {
+        tensors.push(TensorInfo::new(
+            "lm_head.weight".into(),
+            &[config.vocab_size, config.hidden_size],
+            dtype,
+        ));
+    }
+    tensors
+}
+
+/// Every tensor of decoder layer `layer` (spec §2: attention, indexer, dense MLP or MoE, norms).
+pub fn layer_tensors(config: &Config, layer: usize, dtype: DType) -> Vec<TensorInfo> {
+    let p = format!("model.layers.{layer}");
+    let h = config.hidden_size;
+    let heads = config.num_attention_heads;
+    let mut t = Vec::new();
+    let mut add = |name: String, shape: &[usize], dtype: DType| {
+        t.push(TensorInfo::new(name, shape, dtype))
+    };
+    add(format!("{p}.input_layernorm.weight"), &[h], dtype);
+    add(format!("{p}.post_attention_layernorm.weight"), &[h], dtype);
+    let a = format!("{p}.self_attn");
+    add(
+        format!("{a}.q_a_proj.weight"),
+        &[config.q_lora_rank, h],
+        dtype,
+    );
+    add(
+        format!("{a}.q_a_layernorm.weight"),
+        &[config.q_lora_rank],
+        dtype,
+    );
+    add(
+        format!("{a}.q_b_proj.weight"),
+        &[heads * config.qk_head_dim(), config.q_lora_rank],
+        dtype,
+    );
+    add(
+        format!("{a}.kv_a_proj_with_mqa.weight"),
+        &[config.latent_dim(), h],
+        dtype,
+    );
+    add(
+        format!("{a}.kv_a_layernorm.weight"),
+        &[config.kv_lora_rank],
+        dtype,
+    );
+    add(
+        format!("{a}.kv_b_proj.weight"),
+        &[
+            heads * (config.qk_nope_head_dim + config.v_head_dim),
+            config.kv_lora_rank,
+        ],
+        dtype,
+    );
+    add(
+        format!("{a}.o_proj.weight"),
+        &[h, heads * config.v_head_dim],
+        dtype,
+    );
+    let i = format!("{a}.indexer");
+    let (ih, id) = (config.index_n_heads, config.index_head_dim);
+    add(
+        format!("{i}.wq_b.weight"),
+        &[ih * id, config.q_lora_rank],
+        dtype,
+    );
+    add(format!("{i}.wk.weight"), &[id, h], dtype);
+    add(format!("{i}.k_norm.weight"), &[id], dtype);
+    add(format!("{i}.k_norm.bias"), &[id], dtype);
+    add(format!("{i}.weights_proj.weight"), &[ih, h], dtype);
+    let m = format!("{p}.mlp");
+    let mut mlp = |prefix: &str, width: usize| {
+        add(format!("{prefix}.gate_proj.weight"), &[width, h], dtype);
+        add(format!("{prefix}.up_proj.weight"), &[width, h], dtype);
+        add(format!("{prefix}.down_proj.weight"), &[h, width], dtype);
+    };
+    match config.mlp_layer_types[layer] {
+        MlpKind::Dense => mlp(&m, config.intermediate_size),
+        MlpKind::MoE => {
+            for e in 0..config.n_routed_experts {
+                mlp(&format!("{m}.experts.{e}"), config.moe_intermediate_size);
+            }
+            if config.n_shared_experts > 0 {
+                mlp(
+                    &format!("{m}.shared_experts"),
+                    config.moe_intermediate_size * config.n_shared_experts,
+                );
+            }
+            add(
+                format!("{m}.gate.weight"),
+                &[config.n_routed_experts, h],
+                DType::F32,
+            );
+            add(
+                format!("{m}.gate.e_score_correction_bias"),
+                &[config.n_routed_experts],
+                DType::F32,
+            );
+        }
+    }
+    t
+}
+
+/// KV-cache bytes one token takes in one layer: the latent row `[c | k_pe]` (`kv_lora_rank +
+/// qk_rope_head_dim`) plus the indexer key (`index_head_dim`), at `cache_dtype`.
+pub fn cache_bytes_per_token(config: &Config, cache_dtype: DType) -> u64 {
+    ((config.latent_dim() + config.index_head_dim) * cache_dtype.size_in_bytes()) as u64
+}

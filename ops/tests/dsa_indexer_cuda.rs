@@ -1,0 +1,257 @@
+//! The CUDA dsa_indexer kernels against an independent f32 computation on fresh random inputs, paged keys
+//! in bf16 and FP8: the selected set must equal the reference's on every row whose K-th and (K+1)-th scores
+//! are further apart than the kernel's rounding; rows that differ are printed with their gap.
+//! Needs a GPU: built with `--features cuda` and run by `scripts/gpu-run.sh`. `GLM5_QUICK=1` shrinks the grid.
+#![cfg(feature = "cuda")]
+
+use candle_core::{DType, Device, Tensor};
+use glm5_ops::{dsa_indexer, dsa_indexer_paged, quantize_fp8, IndexKeys, PagedIndexKeys};
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+
+const BLOCK: usize = 64;
+const DIM: usize = 128;
+
+fn gpu() -> Device {
+    Device::new_cuda(0).expect("a CUDA device")
+}
+
+fn quick() -> bool {
+    std::env::var_os("GLM5_QUICK").is_some()
+}
+
+/// Rounds to bf16 and back (the kernel's input precision).
+fn bf16_round(v: &[f32]) -> Vec<f32> {
+    v.iter().map(|&x| half::bf16::from_f32(x).to_f32()).collect()
+}
+
+/// Two sequences of `n` keys in shuffled blocks and three queries: one per sequence seeing all `n`, and one
+/// of sequence 0 seeing `n - 1` (or 1).
+struct Problem {
+    heads: usize,
+    n: usize,
+    q: Vec<f32>,            // [3, H, D], bf16-exact
+    w: Vec<f32>,            // [3, H]
+    keys: Vec<f32>,         // [num_blocks * BLOCK, D] f32
+    block_table: Vec<i32>,  // [2, max_blocks]
+    max_blocks: usize,
+    token_seq: Vec<i32>,
+    visible: Vec<usize>,
+}
+
+impl Problem {
+    fn new(rng: &mut StdRng, heads: usize, n: usize) -> Self {
+        let max_blocks = n.div_ceil(BLOCK);
+        let num_blocks = 2 * max_blocks;
+        let mut order: Vec<i32> = (0..num_blocks as i32).collect();
+        order.shuffle(rng);
+        let keys: Vec<f32> = (0..num_blocks * BLOCK * DIM).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+        let q = bf16_round(&(0..3 * heads * DIM).map(|_| rng.random_range(-1.0f32..1.0)).collect::<Vec<_>>());
+        let w = (0..3 * heads).map(|_| rng.random_range(-0.5f32..1.0)).collect();
+        Self {
+            heads,
+            n,
+            q,
+            w,
+            keys,
+            block_table: order,
+            max_blocks,
+            token_seq: vec![0, 1, 0],
+            visible: vec![n, n, (n - 1).max(1)],
+        }
+    }
+
+    fn row(&self, t: usize, s: usize) -> usize {
+        let seq = self.token_seq[t] as usize;
+        self.block_table[seq * self.max_blocks + s / BLOCK] as usize * BLOCK + s % BLOCK
+    }
+
+    /// f32 scores of query `t` over its visible keys, keys given as f32 rows.
+    fn scores(&self, t: usize, keys: &[f32]) -> Vec<f32> {
+        (0..self.visible[t])
+            .map(|s| {
+                let k = &keys[self.row(t, s) * DIM..][..DIM];
+                (0..self.heads)
+                    .map(|h| {
+                        let q = &self.q[(t * self.heads + h) * DIM..][..DIM];
+                        let dot: f32 = q.iter().zip(k).map(|(a, b)| a * b).sum();
+                        self.w[t * self.heads + h] * dot.max(0.0)
+                    })
+                    .sum()
+            })
+            .collect()
+    }
+}
+
+/// Compares a kernel row with the reference scores: returns the number of positions that differ when the
+/// boundary is a near-tie (printed), and panics when it is not.
+fn check_row(label: &str, got: &[i32], scores: &[f32], k: usize) -> usize {
+    let n = scores.len();
+    let take = k.min(n);
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by(|&a, &b| (scores[b] + 0.0).total_cmp(&(scores[a] + 0.0)).then(a.cmp(&b)));
+    let mut want: Vec<i32> = order[..take].iter().map(|&s| s as i32).collect();
+    want.sort();
+    let mut selected: Vec<i32> = got.iter().copied().filter(|&s| s >= 0).collect();
+    assert!(got[selected.len()..].iter().all(|&s| s == -1), "{label}: -1 only at the end: {got:?}");
+    let sorted = selected.windows(2).all(|w| w[0] < w[1]);
+    assert!(sorted, "{label}: ascending positions without repeats");
+    selected.sort();
+    assert_eq!(selected.len(), take, "{label}: {take} selections");
+    if selected == want {
+        return 0;
+    }
+    // Near-tie: every key in one set but not the other must score within the rounding of the K-th score.
+    let kth = scores[order[take - 1]];
+    let scale = scores.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let tolerance = 2e-5 * scale;
+    let missing: Vec<i32> = want.iter().copied().filter(|s| !selected.contains(s)).collect();
+    for &s in missing.iter().chain(selected.iter().filter(|s| !want.contains(s))) {
+        let gap = (scores[s as usize] - kth).abs();
+        assert!(
+            gap <= tolerance,
+            "{label}: position {s} (score {}) differs from the reference's set, {gap} from the K-th score {kth} (tolerance {tolerance})",
+            scores[s as usize]
+        );
+    }
+    println!("{label}: {} positions differ, all within {tolerance} of the K-th score (near-tie)", missing.len());
+    missing.len()
+}
+
+fn run(p: &Problem, fp8: bool, k: usize, device: &Device) -> Vec<Vec<i32>> {
+    let rows = p.keys.len() / DIM;
+    let keys = Tensor::from_vec(p.keys.clone(), (rows, DIM), device).unwrap();
+    let q = Tensor::from_vec(p.q.clone(), (3, p.heads, DIM), device).unwrap().to_dtype(DType::BF16).unwrap();
+    let w = Tensor::from_vec(p.w.clone(), (3, p.heads), device).unwrap();
+    let table = Tensor::from_vec(p.block_table.clone(), (2, p.max_blocks), device).unwrap();
+    let token_seq = Tensor::from_vec(p.token_seq.clone(), 3, device).unwrap();
+    let out = if fp8 {
+        let (bytes, scales) = quantize_fp8(&keys).unwrap();
+        let bytes = bytes.reshape((rows / BLOCK, BLOCK, DIM)).unwrap();
+        let scales = scales.reshape((rows / BLOCK, BLOCK)).unwrap();
+        let cache = PagedIndexKeys {
+            keys: IndexKeys::Fp8 { bytes: &bytes, scales: &scales },
+            block_table: &table,
+            token_seq: &token_seq,
+        };
+        dsa_indexer_paged(&q, &w, &cache, &p.visible, k).unwrap()
+    } else {
+        let blocks = keys.to_dtype(DType::BF16).unwrap().reshape((rows / BLOCK, BLOCK, DIM)).unwrap();
+        let cache = PagedIndexKeys {
+            keys: IndexKeys::Float(&blocks),
+            block_table: &table,
+            token_seq: &token_seq,
+        };
+        dsa_indexer_paged(&q, &w, &cache, &p.visible, k).unwrap()
+    };
+    out.to_vec2::<i32>().unwrap()
+}
+
+#[test]
+fn fp8_quantisation_on_the_gpu_matches_the_cpu_bit_for_bit() {
+    let mut rng = StdRng::seed_from_u64(5);
+    let values: Vec<f32> = (0..1000 * DIM).map(|_| rng.random_range(-4.0f32..4.0) * rng.random_range(0.0f32..1.0)).collect();
+    let cpu = Tensor::from_vec(values, (1000, DIM), &Device::Cpu).unwrap();
+    for dtype in [DType::F32, DType::BF16] {
+        let cpu = cpu.to_dtype(dtype).unwrap();
+        let (cpu_bytes, cpu_scales) = quantize_fp8(&cpu).unwrap();
+        let (gpu_bytes, gpu_scales) = quantize_fp8(&cpu.to_device(&gpu()).unwrap()).unwrap();
+        assert_eq!(gpu_bytes.to_vec2::<u8>().unwrap(), cpu_bytes.to_vec2::<u8>().unwrap(), "{dtype:?}");
+        assert_eq!(gpu_scales.to_vec1::<f32>().unwrap(), cpu_scales.to_vec1::<f32>().unwrap(), "{dtype:?}");
+    }
+}
+
+#[test]
+fn selected_sets_match_the_reference_over_the_grid() {
+    let device = gpu();
+    let mut rng = StdRng::seed_from_u64(2026);
+    let lengths: &[usize] = if quick() { &[1, 100, 2049] } else { &[1, 100, 2048, 2049, 40_000, 131_072] };
+    let (mut rows, mut differing_rows) = (0, 0);
+    for &heads in &[8usize, 32] {
+        for &n in lengths {
+            let p = Problem::new(&mut rng, heads, n);
+            let bf16_keys = bf16_round(&p.keys);
+            for fp8 in [false, true] {
+                // The reference reads what the kernel reads: bf16 keys, or the dequantised FP8 keys.
+                let keys = if fp8 {
+                    let cpu = Tensor::from_vec(p.keys.clone(), (p.keys.len() / DIM, DIM), &Device::Cpu).unwrap();
+                    let (bytes, scales) = quantize_fp8(&cpu).unwrap();
+                    IndexKeys::Fp8 { bytes: &bytes, scales: &scales }
+                        .dequantize()
+                        .unwrap()
+                        .flatten_all()
+                        .unwrap()
+                        .to_vec1::<f32>()
+                        .unwrap()
+                } else {
+                    bf16_keys.clone()
+                };
+                let scores: Vec<Vec<f32>> = (0..3).map(|t| p.scores(t, &keys)).collect();
+                for &k in &[1usize, 64, 2048] {
+                    let got = run(&p, fp8, k, &device);
+                    for t in 0..3 {
+                        let label = format!("H{heads} n{n} K{k} {} query {t}", if fp8 { "fp8" } else { "bf16" });
+                        rows += 1;
+                        differing_rows += usize::from(check_row(&label, &got[t], &scores[t], k) > 0);
+                    }
+                }
+            }
+            let _ = p.n;
+        }
+    }
+    println!("{rows} rows, {differing_rows} differ only at near-ties");
+}
+
+#[test]
+fn equal_scores_go_to_the_lower_position() {
+    // Every key the same: all scores tie, so the first K positions are the set.
+    let device = gpu();
+    let (heads, n, k) = (8, 300, 64);
+    let key: Vec<f32> = (0..DIM).map(|d| (d % 7) as f32 / 8.0).collect();
+    let keys = Tensor::from_vec(key.repeat(n), (1, n, DIM), &device).unwrap().to_dtype(DType::BF16).unwrap();
+    let q = Tensor::ones((2, heads, DIM), DType::BF16, &device).unwrap();
+    let w = Tensor::ones((2, heads), DType::F32, &device).unwrap();
+    let table = Tensor::zeros((1, 1), DType::I32, &device).unwrap();
+    let seq = Tensor::zeros(2, DType::I32, &device).unwrap();
+    let cache = PagedIndexKeys { keys: IndexKeys::Float(&keys), block_table: &table, token_seq: &seq };
+    let got = dsa_indexer_paged(&q, &w, &cache, &[n, 40], k).unwrap().to_vec2::<i32>().unwrap();
+    assert_eq!(got[0], (0..k as i32).collect::<Vec<_>>());
+    let mut short: Vec<i32> = (0..40).collect();
+    short.resize(k, -1);
+    assert_eq!(got[1], short);
+}
+
+#[test]
+fn f32_kernel_and_contiguous_entry_point_match_the_cpu_reference() {
+    let device = gpu();
+    let mut rng = StdRng::seed_from_u64(17);
+    // The tiny test models' indexer: 16 heads of 16; a prefill of 37 queries over 37 keys (causal).
+    let (t, heads, dim, k) = (37usize, 16usize, 16usize, 8usize);
+    let q: Vec<f32> = (0..t * heads * dim).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+    let w: Vec<f32> = (0..t * heads).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+    let keys: Vec<f32> = (0..t * dim).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+    let visible: Vec<usize> = (1..=t).collect();
+    let cpu = |v: &Vec<f32>, shape: &[usize]| Tensor::from_vec(v.clone(), shape, &Device::Cpu).unwrap();
+    for dtype in [DType::F32, DType::BF16] {
+        let (qc, kc) = (cpu(&q, &[t, heads, dim]).to_dtype(dtype).unwrap(), cpu(&keys, &[t, dim]).to_dtype(dtype).unwrap());
+        let wc = cpu(&w, &[t, heads]);
+        let want = dsa_indexer(&qc, &wc, &kc, &visible, k).unwrap().to_vec2::<i32>().unwrap();
+        let got = dsa_indexer(
+            &qc.to_device(&device).unwrap(),
+            &wc.to_device(&device).unwrap(),
+            &kc.to_device(&device).unwrap(),
+            &visible,
+            k,
+        )
+        .unwrap()
+        .to_vec2::<i32>()
+        .unwrap();
+        for (row, (g, w)) in got.iter().zip(&want).enumerate() {
+            let (mut g, mut w) = (g.clone(), w.clone());
+            g.sort();
+            w.sort();
+            assert_eq!(g, w, "{dtype:?} query {row}");
+        }
+    }
+}
