@@ -21,7 +21,7 @@ for step in $steps; do
       done ;;
     sanitize)
       for tool in memcheck racecheck; do
-        for t in "sparse_mla_cuda bf16_kernel prefill_tokens" "dsa_indexer_cuda selected_sets equal_scores f32_kernel fp8_quantisation"; do
+        for t in "sparse_mla_cuda bf16_kernel prefill_tokens" "dsa_indexer_cuda selected_sets equal_scores f32_kernel fp8_quantisation crowded"; do
           set -- $t; bin=$1; shift
           GLM5_QUICK=1 timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 /tmp/glm5-bin/$bin \
             --test-threads=1 "$@" > "$OUT/sanitize-$tool-$bin.log" 2>&1; rc=$?

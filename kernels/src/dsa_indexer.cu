@@ -5,6 +5,8 @@
 //   dsa_topk       per token, the set of the min(K, visible) highest scores; equal scores go to the lower
 //                  position; written in ascending position order, -1 padded.
 //
+// A token whose sequence index is outside the block table has no visible keys (all -1).
+//
 // key(s) = keys[block_table[seq][s / bs] * bs + s % bs] with seq = token_seq[t]. Key layouts: bf16 rows, f32
 // rows, or FP8 e4m3 rows with one f32 scale per key (key = scale * e4m3). An e4m3 value is exact in bf16, and
 // relu(scale * x) = scale * relu(x) for scale > 0, so the FP8 kernel runs the bf16 mma on the raw e4m3 values
@@ -14,9 +16,13 @@
 // positions; each warp holds the token's Q fragments (MT tiles of 16 heads x D) in registers and scores 16
 // keys of each 64-key tile; the head sum is a shuffle reduction over the accumulator rows.
 //
-// Top-k: one block per token, radix select on the order-preserving integer of each score, 8 bits per pass
-// over the row (4 passes) to find the K-th largest value exactly, then one ordered pass that keeps every
-// score above it and the lowest positions among those equal to it.
+// Top-k: one block per token, an exact radix select on the order-preserving integer of each score. The
+// score kernel already counts each row's scores by their top 11 bits (a 2048-bin histogram in global
+// memory), so the top-k block knows the bin of the K-th largest score without reading the row; one pass
+// gathers that bin's values into shared memory, three 8-bit digit passes over them find the K-th value
+// exactly (over the row itself if the bin overflows shared memory), and one ordered pass keeps every score
+// above it and the lowest positions among those equal to it. The histogram rows are zeroed again by the
+// top-k block that read them, ready for the next call.
 
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -33,12 +39,15 @@ struct DsaParams {
     const int* token_seq;     // [T]
     const int* visible;       // [T]
     float* scores;            // [T, score_stride]
+    int* hist;                // [T, HIST_BINS] counts of each row's scores by top bits (zero between calls)
     int* indices;             // [T, K]
-    int T, H, D, K, block_size, max_blocks, score_stride, positions;  // positions: columns scored per row
+    int T, H, D, K, block_size, max_blocks, batch, score_stride, positions;  // positions: columns per row
 };
 
+constexpr int HIST_BITS = 11;
+constexpr int HIST_BINS = 1 << HIST_BITS;
 constexpr int TILE_KEYS = 64;                 // keys per shared-memory tile
-constexpr int TILES_PER_BLOCK = 4;
+constexpr int TILES_PER_BLOCK = 1;
 constexpr int KEYS_PER_BLOCK = TILE_KEYS * TILES_PER_BLOCK;
 constexpr int SCORE_WARPS = 4;
 constexpr int KEY_PAD = 8;                    // bf16 of padding per key row: conflict-free ldmatrix
@@ -58,6 +67,18 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// Order-preserving integer of a score: a > b  <=>  ordered(a) > ordered(b); -0.0 and 0.0 map together.
+__device__ __forceinline__ uint32_t ordered(float v) {
+    const uint32_t bits = __float_as_uint(v + 0.0f);
+    return bits & 0x80000000u ? ~bits : bits | 0x80000000u;
+}
+
+// Keys token t may see: none when its sequence index is not a row of the block table.
+__device__ __forceinline__ int visible_keys(const DsaParams& p, int t) {
+    const int seq = p.token_seq[t];
+    return seq >= 0 && seq < p.batch ? p.visible[t] : 0;
+}
+
 // Physical row of position s of the token's sequence.
 __device__ __forceinline__ long long key_row(const DsaParams& p, int seq, int s) {
     return (long long)p.block_table[(size_t)seq * p.max_blocks + s / p.block_size] * p.block_size + s % p.block_size;
@@ -70,17 +91,21 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
     constexpr int KSTEPS = D / 16;
     const int t = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int first = blockIdx.x * KEYS_PER_BLOCK;
-    const int visible = p.visible[t];
+    const int visible = visible_keys(p, t);
     const int seq = p.token_seq[t];
     __shared__ __align__(16) bf16 qs[MT * 16 * LD];
     __shared__ __align__(16) bf16 ks[TILE_KEYS * LD];
     __shared__ float ws[MT * 16];
     __shared__ float scale_s[TILE_KEYS];
+    __shared__ int bins[HIST_BINS];  // this block's share of the row's histogram
+    for (int i = threadIdx.x; i < HIST_BINS; i += blockDim.x) bins[i] = 0;
 
     const bf16* q = static_cast<const bf16*>(p.q) + (size_t)t * p.H * D;
-    for (int i = threadIdx.x; i < MT * 16 * D; i += blockDim.x) {
-        const int h = i / D;
-        qs[h * LD + i % D] = h < p.H ? q[(size_t)h * D + i % D] : __float2bfloat16(0.f);
+    for (int i = threadIdx.x; i < MT * 16 * (D / 8); i += blockDim.x) {
+        const int h = i / (D / 8), c = (i % (D / 8)) * 8;
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (h < p.H) v = *reinterpret_cast<const uint4*>(q + (size_t)h * D + c);
+        *reinterpret_cast<uint4*>(qs + h * LD + c) = v;
     }
     for (int h = threadIdx.x; h < MT * 16; h += blockDim.x) ws[h] = h < p.H ? p.weights[(size_t)t * p.H + h] : 0.f;
     __syncthreads();
@@ -168,17 +193,22 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
                         float v = col[c];
                         if constexpr (FP8) v *= scale_s[r];
                         p.scores[(size_t)t * p.score_stride + s] = s < visible ? v : -INFINITY;
+                        if (s < visible) atomicAdd(&bins[ordered(v) >> (32 - HIST_BITS)], 1);
                     }
                 }
             }
         }
     }
+    // Merge into the row's histogram: one global atomic per non-empty bin, not per key.
+    __syncthreads();
+    for (int i = threadIdx.x; i < HIST_BINS; i += blockDim.x)
+        if (bins[i] != 0) atomicAdd(&p.hist[(size_t)t * HIST_BINS + i], bins[i]);
 }
 
 // f32 scores: plain FMA, one warp per key (full precision for f32 models).
 __device__ void scores_f32(const DsaParams& p) {
     const int t = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int visible = p.visible[t], seq = p.token_seq[t], D = p.D;
+    const int visible = visible_keys(p, t), seq = p.token_seq[t], D = p.D;
     extern __shared__ float qf[];  // [H][D], then [H] weights
     const float* q = static_cast<const float*>(p.q) + (size_t)t * p.H * D;
     for (int i = threadIdx.x; i < p.H * D; i += blockDim.x) qf[i] = q[i];
@@ -197,14 +227,11 @@ __device__ void scores_f32(const DsaParams& p) {
                 score += qf[p.H * D + h] * fmaxf(dot, 0.f);
             }
         }
-        if (lane == 0) p.scores[(size_t)t * p.score_stride + s] = score;
+        if (lane == 0) {
+            p.scores[(size_t)t * p.score_stride + s] = score;
+            if (s < visible) atomicAdd(&p.hist[(size_t)t * HIST_BINS + (ordered(score) >> (32 - HIST_BITS))], 1);
+        }
     }
-}
-
-// Order-preserving integer of a score: a > b  <=>  ordered(a) > ordered(b); -0.0 and 0.0 map together.
-__device__ __forceinline__ uint32_t ordered(float v) {
-    const uint32_t bits = __float_as_uint(v + 0.0f);
-    return bits & 0x80000000u ? ~bits : bits | 0x80000000u;
 }
 
 constexpr int TOPK_THREADS = 1024;
@@ -236,28 +263,34 @@ __device__ __forceinline__ int block_exclusive_scan(int flag, int* warp_sums, in
     return before + inclusive - flag;
 }
 
-__device__ void topk_impl(const DsaParams& p) {
-    const int t = blockIdx.x;
-    const int n = p.visible[t], K = p.K;
-    const float* row = p.scores + (size_t)t * p.score_stride;
-    int* out = p.indices + (size_t)t * K;
-    __shared__ int hist[256];
-    __shared__ int warp_sums[32];
-    __shared__ uint32_t prefix_s;
-    __shared__ int remaining_s;
+constexpr int CANDIDATES = 8192;  // values of the threshold bin held in shared memory
+constexpr int ELEMS = 16;          // consecutive scores per thread per step of a pass over the row
 
-    if (n <= K) {  // every visible position
-        for (int i = threadIdx.x; i < K; i += blockDim.x) out[i] = i < n ? i : -1;
-        return;
+// Scores first .. first + ELEMS of a row (rows start 16-byte aligned: the stride is a multiple of 4).
+__device__ __forceinline__ void load_scores(const float* row, int first, int n, float (&v)[ELEMS]) {
+    if (first + ELEMS <= n) {
+#pragma unroll
+        for (int j = 0; j < ELEMS; j += 4) {
+            const float4 f = *reinterpret_cast<const float4*>(row + first + j);
+            v[j] = f.x; v[j + 1] = f.y; v[j + 2] = f.z; v[j + 3] = f.w;
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < ELEMS; ++j) v[j] = first + j < n ? row[first + j] : 0.f;
     }
-    // Radix select: the K-th largest ordered value, 8 bits at a time from the top.
-    uint32_t prefix = 0, mask = 0;
-    int remaining = K;  // how many of those matching `prefix` are still to be taken
-    for (int shift = 24; shift >= 0; shift -= 8) {
+}
+
+// Refines (prefix, mask, remaining) over 8-bit digits at `shifts` until the K-th largest value is exact:
+// `remaining` of the values matching `prefix` under `mask` are still to be taken. Values come from
+// `value(i)` for i < count.
+template <typename Value>
+__device__ void select_digits(Value value, int count, int first_shift, uint32_t& prefix, uint32_t& mask,
+                              int& remaining, int* hist, uint32_t* prefix_s, int* remaining_s) {
+    for (int shift = first_shift; shift >= 0; shift -= 8) {
         for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
         __syncthreads();
-        for (int i = threadIdx.x; i < n; i += blockDim.x) {
-            const uint32_t u = ordered(row[i]);
+        for (int i = threadIdx.x; i < count; i += blockDim.x) {
+            const uint32_t u = value(i);
             if ((u & mask) == prefix) atomicAdd(&hist[(u >> shift) & 255], 1);
         }
         __syncthreads();
@@ -267,27 +300,106 @@ __device__ void topk_impl(const DsaParams& p) {
                 if (above + hist[digit] >= remaining) break;
                 above += hist[digit];
             }
-            prefix_s = prefix | ((uint32_t)digit << shift);
-            remaining_s = remaining - above;
+            *prefix_s = prefix | ((uint32_t)digit << shift);
+            *remaining_s = remaining - above;
         }
         __syncthreads();
-        prefix = prefix_s;
-        remaining = remaining_s;
+        prefix = *prefix_s;
+        remaining = *remaining_s;
         mask |= 255u << shift;
+    }
+}
+
+__device__ void topk_impl(const DsaParams& p) {
+    const int t = blockIdx.x;
+    const int n = visible_keys(p, t), K = p.K;
+    const float* row = p.scores + (size_t)t * p.score_stride;
+    int* hist_row = p.hist + (size_t)t * HIST_BINS;
+    int* out = p.indices + (size_t)t * K;
+    __shared__ int bins[HIST_BINS];
+    __shared__ uint32_t candidates[CANDIDATES];
+    __shared__ int warp_sums[32];
+    __shared__ uint32_t prefix_s;
+    __shared__ int remaining_s, candidate_count;
+
+    for (int i = threadIdx.x; i < HIST_BINS; i += blockDim.x) {
+        bins[i] = hist_row[i];
+        hist_row[i] = 0;  // ready for the next call
+    }
+    if (n <= K) {  // every visible position
+        for (int i = threadIdx.x; i < K; i += blockDim.x) out[i] = i < n ? i : -1;
+        return;
+    }
+    if (threadIdx.x == 0) candidate_count = 0;
+    __syncthreads();
+    // The bin of the K-th largest score: thread i owns bins 2i and 2i + 1 counted from the top.
+    static_assert(HIST_BINS == 2 * TOPK_THREADS, "two bins per thread");
+    const int high = HIST_BINS - 1 - 2 * threadIdx.x, low = high - 1;
+    int pair_total;
+    const int above_pair = block_exclusive_scan(bins[high] + bins[low], warp_sums, pair_total);
+    if (above_pair < K && above_pair + bins[high] + bins[low] >= K) {
+        const bool in_high = above_pair + bins[high] >= K;
+        prefix_s = (uint32_t)(in_high ? high : low) << (32 - HIST_BITS);
+        remaining_s = K - (in_high ? above_pair : above_pair + bins[high]);
+    }
+    __syncthreads();
+    uint32_t prefix = prefix_s, mask = ~0u << (32 - HIST_BITS);
+    int remaining = remaining_s;
+    // Gather the threshold bin's values (every thread ELEMS consecutive scores per step, loads in flight
+    // together).
+    for (int base = 0; base < n; base += TOPK_THREADS * ELEMS) {
+        float v[ELEMS];
+        load_scores(row, base + threadIdx.x * ELEMS, n, v);
+#pragma unroll
+        for (int j = 0; j < ELEMS; ++j) {
+            const uint32_t u = ordered(v[j]);
+            if (base + threadIdx.x * ELEMS + j < n && (u & mask) == prefix) {
+                const int slot = atomicAdd(&candidate_count, 1);
+                if (slot < CANDIDATES) candidates[slot] = u;
+            }
+        }
+    }
+    __syncthreads();
+    const int count = candidate_count;
+    // The remaining 21 bits, 8 at a time (the first digit overlaps 3 known bits, which all match).
+    if (count <= CANDIDATES) {
+        select_digits([&](int i) { return candidates[i]; }, count, 16, prefix, mask, remaining, bins, &prefix_s,
+                      &remaining_s);
+    } else {
+        select_digits([&](int i) { return ordered(row[i]); }, n, 16, prefix, mask, remaining, bins, &prefix_s,
+                      &remaining_s);
     }
     // prefix = the K-th largest value; take everything above it and the first `remaining` equal to it, in
     // position order.
     int written = 0, equal_taken = 0;
-    for (int base = 0; base < n; base += TOPK_THREADS) {
-        const int i = base + threadIdx.x;
-        const uint32_t u = i < n ? ordered(row[i]) : 0u;
-        const bool above = i < n && u > prefix, equal = i < n && u == prefix;
+    for (int base = 0; base < n; base += TOPK_THREADS * ELEMS) {
+        const int first = base + threadIdx.x * ELEMS;  // this thread's positions: first .. first + ELEMS
+        float v[ELEMS];
+        load_scores(row, first, n, v);
+        uint32_t u[ELEMS];
+        int equal_here = 0;
+#pragma unroll
+        for (int j = 0; j < ELEMS; ++j) {
+            u[j] = first + j < n ? ordered(v[j]) : 0u;
+            equal_here += first + j < n && u[j] == prefix;
+        }
         int equal_total;
-        const int equal_rank = equal_taken + block_exclusive_scan(equal ? 1 : 0, warp_sums, equal_total);
-        const bool take = above || (equal && equal_rank < remaining);
+        int equal_rank = equal_taken + block_exclusive_scan(equal_here, warp_sums, equal_total);
+        bool take[ELEMS];
+        int take_here = 0;
+#pragma unroll
+        for (int j = 0; j < ELEMS; ++j) {
+            const bool valid = first + j < n;
+            const bool equal = valid && u[j] == prefix;
+            take[j] = (valid && u[j] > prefix) || (equal && equal_rank < remaining);
+            equal_rank += equal;
+            take_here += take[j];
+        }
         int take_total;
-        const int slot = written + block_exclusive_scan(take ? 1 : 0, warp_sums, take_total);
-        if (take) out[slot] = i;
+        int slot = written + block_exclusive_scan(take_here, warp_sums, take_total);
+#pragma unroll
+        for (int j = 0; j < ELEMS; ++j)
+            if (take[j]) out[slot++] = first + j;
         written += take_total;
         equal_taken += equal_total;
     }

@@ -27,14 +27,17 @@
 //! [`dsa_indexer_paged`] takes the keys from a paged cache instead: `[num_blocks, block_size, D]`
 //! rows (float, or FP8 with one scale per key, see [`crate::index_keys`]), a block table per
 //! sequence and the sequence of each query, position `s` of sequence `b` being row
-//! `block_table[b][s / block_size]·block_size + s % block_size` (the latent cache's paging).
+//! `block_table[b][s / block_size]·block_size + s % block_size` (the latent cache's paging). A
+//! sequence index outside the block table is an `IndexOutOfRange` error on the reference path; the
+//! CUDA kernels do not read it back to the host and give that query no keys (a row of -1).
 //!
 //! # CUDA kernels (`kernels/src/dsa_indexer.cu`)
 //!
 //! bf16 or FP8 keys with bf16 queries: scores by `mma.sync` (FP8 keys are exact in bf16; the key's
 //! scale multiplies its column of scores), `H_I <= 32` heads, `D` in {16, 32, 64, 128}; f32: an FMA
-//! kernel. Top-k: one block per query, an exact radix select over the score row (4 passes of 8 bits)
-//! and one ordered collection pass. Scores are written to an f32 workspace `[T_chunk, N]`; queries go
+//! kernel. The score kernel also counts each row's scores by their top 11 bits; top-k: one block per
+//! query finds the bin of the K-th score from those counts, selects exactly within that bin (in
+//! shared memory, or over the row when the bin is crowded) and keeps the set in one ordered pass. Scores are written to an f32 workspace `[T_chunk, N]`; queries go
 //! in chunks that keep it under [`MAX_CHUNK_ELEMS`] elements (a long prefill never holds `[T, N]`).
 //! Other dtypes and shapes run the reference.
 //!
@@ -363,6 +366,16 @@ pub fn dsa_indexer_paged(
     if top_k == 0 {
         return Err(OpError::ZeroTopK);
     }
+    #[cfg(feature = "cuda")]
+    if q_index.device().is_cuda() {
+        let fp8 = matches!(cache.keys, IndexKeys::Fp8 { .. });
+        let dtype = if fp8 { DType::BF16 } else { q_index.dtype() };
+        if cuda::serves(dtype, heads, dim) {
+            // A sequence index outside the block table is not reported here (that would cost a
+            // device-to-host copy per call): the kernels give such a query no keys (all -1).
+            return cuda::dsa_indexer_paged(q_index, head_weights, cache, visible_keys, top_k);
+        }
+    }
     let token_seq = cache.token_seq.to_vec1::<i32>()?;
     if let Some((row, &seq)) = token_seq
         .iter()
@@ -376,14 +389,6 @@ pub fn dsa_indexer_paged(
             value: seq as i64,
             cache_len: batch,
         });
-    }
-    #[cfg(feature = "cuda")]
-    if q_index.device().is_cuda() {
-        let fp8 = matches!(cache.keys, IndexKeys::Fp8 { .. });
-        let dtype = if fp8 { DType::BF16 } else { q_index.dtype() };
-        if cuda::serves(dtype, heads, dim) {
-            return cuda::dsa_indexer_paged(q_index, head_weights, cache, visible_keys, top_k);
-        }
     }
     paged_reference(q_index, head_weights, cache, &token_seq, visible_keys, top_k)
 }
@@ -453,9 +458,14 @@ pub(crate) fn quantize_fp8_cuda(keys: &Tensor, n: usize, dim: usize) -> Result<(
 mod cuda {
     //! Launch of `kernels/src/dsa_indexer.cu`.
 
+    use std::cell::RefCell;
+    use std::collections::HashMap;
+
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda_backend::cudarc::driver::{DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
-    use candle_core::cuda_backend::{CudaDevice, CudaStorage};
+    use candle_core::cuda_backend::cudarc::driver::{
+        CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+    };
+    use candle_core::cuda_backend::{CudaDevice, CudaStorage, DeviceId};
     use candle_core::{CustomOp1, DType, Layout, Shape, Storage, Tensor};
 
     use super::{PagedIndexKeys, MAX_CHUNK_ELEMS};
@@ -465,7 +475,9 @@ mod cuda {
 
     const MODULE: &[u8] = glm5_kernels::DSA_INDEXER;
     /// Positions one score block covers (`KEYS_PER_BLOCK` in the .cu file).
-    const KEYS_PER_BLOCK: usize = 256;
+    const KEYS_PER_BLOCK: usize = 64;
+    /// Bins of the per-row score histogram (`HIST_BINS` in the .cu file).
+    const HIST_BINS: usize = 2048;
     const SCORE_THREADS: u32 = 128;
     const TOPK_THREADS: u32 = 1024;
     use super::limits::{MMA_HEAD_DIMS, MMA_MAX_HEADS};
@@ -496,6 +508,7 @@ mod cuda {
         token_seq: u64,
         visible: u64,
         scores: u64,
+        hist: u64,
         indices: u64,
         t: i32,
         h: i32,
@@ -503,6 +516,7 @@ mod cuda {
         k: i32,
         block_size: i32,
         max_blocks: i32,
+        batch: i32,
         score_stride: i32,
         positions: i32,
     }
@@ -534,6 +548,34 @@ mod cuda {
         Ok((base + (start * tensor.dtype().size_in_bytes()) as u64, dev))
     }
 
+    /// This thread's workspace on `dev`: scores `[chunk, positions]` f32 and the score histograms
+    /// `[chunk, HIST_BINS]` i32, which must be zero when a call starts (allocated zeroed; the top-k kernel
+    /// zeroes every row it reads). Per thread because candle issues work on the per-thread default stream.
+    fn workspace(dev: &CudaDevice, scores: usize, hist: usize) -> candle_core::Result<(u64, u64)> {
+        thread_local! {
+            static WORKSPACE: RefCell<HashMap<DeviceId, (CudaSlice<f32>, CudaSlice<i32>)>> =
+                RefCell::new(HashMap::new());
+        }
+        WORKSPACE.with(|cell| {
+            let mut map = cell.borrow_mut();
+            let stream = dev.cuda_stream();
+            let fits = map
+                .get(&dev.id())
+                .is_some_and(|(s, h)| s.len() >= scores && h.len() >= hist);
+            if !fits {
+                // SAFETY: every score the kernels read is written by the same call first.
+                let fresh_scores = unsafe { dev.alloc::<f32>(scores.next_power_of_two()) }?;
+                let fresh_hist = stream.alloc_zeros::<i32>(hist.next_power_of_two()).map_err(cuda_err)?;
+                map.insert(dev.id(), (fresh_scores, fresh_hist));
+            }
+            let (s, h) = map
+                .get(&dev.id())
+                .ok_or_else(|| cuda_err("dsa_indexer workspace missing"))?;
+            let pointers = (s.device_ptr(&stream).0, h.device_ptr(&stream).0);
+            Ok(pointers)
+        })
+    }
+
     /// Runs the score and top-k kernels; the index tensor is the op's output, the inputs ride along in it.
     struct Indexer<'a> {
         q: Tensor,
@@ -554,13 +596,14 @@ mod cuda {
             let stream = dev.cuda_stream();
             let (t_len, heads, dim) = self.q.dims3()?;
             let (_, block_size, _) = self.keys.dims3()?;
-            let (_, max_blocks) = self.block_table.dims2()?;
+            let (batch, max_blocks) = self.block_table.dims2()?;
             let indices = unsafe { dev.alloc::<i32>(t_len * self.top_k) }?;
             let indices_ptr = indices.device_ptr(&stream).0;
             let positions = self.positions.max(1);
-            let chunk = (MAX_CHUNK_ELEMS / positions).clamp(1, t_len.max(1));
-            let scores = unsafe { dev.alloc::<f32>(chunk * positions) }?;
-            let scores_ptr = scores.device_ptr(&stream).0;
+            // Score rows start 16-byte aligned (the top-k kernel reads them as float4).
+            let stride = positions.next_multiple_of(4);
+            let chunk = (MAX_CHUNK_ELEMS / stride).clamp(1, t_len.max(1));
+            let (scores_ptr, hist_ptr) = workspace(dev, chunk * stride, chunk * HIST_BINS)?;
             let q_elem = self.q.dtype().size_in_bytes();
             let name = match (self.fp8, self.q.dtype()) {
                 (false, DType::F32) => "dsa_scores_f32".to_string(),
@@ -598,6 +641,7 @@ mod cuda {
                     token_seq: token_seq + (start * 4) as u64,
                     visible: visible + (start * 4) as u64,
                     scores: scores_ptr,
+                    hist: hist_ptr,
                     indices: indices_ptr + (start * self.top_k * 4) as u64,
                     t: len as i32,
                     h: heads as i32,
@@ -605,7 +649,8 @@ mod cuda {
                     k: self.top_k as i32,
                     block_size: block_size as i32,
                     max_blocks: max_blocks as i32,
-                    score_stride: positions as i32,
+                    batch: batch as i32,
+                    score_stride: stride as i32,
                     positions: positions as i32,
                 };
                 let f32_smem = if self.q.dtype() == DType::F32 && !self.fp8 {

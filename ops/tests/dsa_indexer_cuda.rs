@@ -255,3 +255,22 @@ fn f32_kernel_and_contiguous_entry_point_match_the_cpu_reference() {
         }
     }
 }
+
+#[test]
+fn a_crowded_threshold_bin_and_a_foreign_sequence() {
+    // 20000 equal scores: the K-th score's bin holds more values than shared memory does, so the exact
+    // selection runs over the row; the set is still the lowest K positions. A query whose sequence index
+    // is outside the block table sees no keys.
+    let device = gpu();
+    let (heads, n, k) = (8, 20_000, 2048);
+    let key: Vec<f32> = (0..DIM).map(|d| ((d % 5) as f32 - 2.0) / 4.0).collect();
+    let keys = Tensor::from_vec(key.repeat(n), (1, n, DIM), &device).unwrap().to_dtype(DType::BF16).unwrap();
+    let q = Tensor::ones((2, heads, DIM), DType::BF16, &device).unwrap();
+    let w = Tensor::ones((2, heads), DType::F32, &device).unwrap();
+    let table = Tensor::zeros((1, 1), DType::I32, &device).unwrap();
+    let seq = Tensor::new(&[0i32, 3], &device).unwrap();
+    let cache = PagedIndexKeys { keys: IndexKeys::Float(&keys), block_table: &table, token_seq: &seq };
+    let got = dsa_indexer_paged(&q, &w, &cache, &[n, n], k).unwrap().to_vec2::<i32>().unwrap();
+    assert_eq!(got[0], (0..k as i32).collect::<Vec<_>>());
+    assert_eq!(got[1], vec![-1; k]);
+}
