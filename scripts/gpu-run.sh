@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine (device tool): `bash scripts/gpu-run.sh [tests|kernel-tests|model-tests|sanitize|bench|profile]...`
+# Runs on the GPU machine (device tool): `bash scripts/gpu-run.sh [tests|kernel-tests|model-tests|multi-gpu|sanitize|bench|profile]...`
 # (default: tests sanitize bench),
 # with .gpu/ carried. Logs go to $OUT (or ./gpu-out).
 set -uo pipefail
@@ -19,6 +19,10 @@ for step in $steps; do
         /tmp/glm5-bin/$t --test-threads=1 --nocapture > "$OUT/test-$t.log" 2>&1; rc=$?
         echo "test $t: rc=$rc ($(grep -E 'test result' "$OUT/test-$t.log" | tail -1))"; [ $rc = 0 ] || status=1
       done ;;
+    multi-gpu)  # on a machine with 2+ GPUs (nvidia-h200-x2)
+      NCCL_NVLS_ENABLE=0 /tmp/glm5-bin/multi_gpu --test-threads=1 --nocapture > "$OUT/test-multi_gpu.log" 2>&1; rc=$?
+      echo "test multi_gpu: rc=$rc ($(grep -E 'test result' "$OUT/test-multi_gpu.log" | tail -1))"; grep -E "GPUs vs 1" "$OUT/test-multi_gpu.log"
+      [ $rc = 0 ] || status=1 ;;
     sanitize)
       for tool in memcheck racecheck; do
         for t in "sparse_mla_cuda bf16_kernel prefill_tokens" "dsa_indexer_cuda selected_sets equal_scores f32_kernel fp8_quantisation crowded"; do
