@@ -42,7 +42,6 @@ struct SparseMlaParams {
 
 constexpr int BN = 32;       // keys per tile
 constexpr int MAX_SPLITS = 128;  // most splits of the top-k the combine merges (the launcher caps it)
-constexpr int MAX_TILES_PER_SPLIT = 32;  // slots resolved up front per block (the launcher caps it)
 constexpr int ROW_PAD = 8;   // bf16 of padding per shared-memory row: 16 bytes keep ldmatrix conflict-free
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
@@ -132,6 +131,7 @@ __device__ __forceinline__ void sparse_mla_bf16_body(const SparseMlaParams& p) {
     float* max_s = sp + HT * KW * 16 * LDS;                       // [HT][KW][16] per-warp row maxima
     float* l_s = max_s + HT * KW * 16;                            // [HT][KW][16] per-warp row sums
     int* rows_s = reinterpret_cast<int*>(l_s + HT * KW * 16);     // physical row of every slot of the split
+                                                                  // (the launcher sizes it: tiles per split <= 32)
 
     const int seq = p.token_seq[t];
     const int seq_len = p.seq_lens[seq];

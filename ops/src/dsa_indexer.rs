@@ -37,8 +37,9 @@
 //! scale multiplies its column of scores), `H_I <= 32` heads, `D` in {16, 32, 64, 128}; f32: an FMA
 //! kernel. The score kernel also counts each row's scores by their top 11 bits; top-k: one block per
 //! query finds the bin of the K-th score from those counts, selects exactly within that bin (in
-//! shared memory, or over the row when the bin is crowded) and keeps the set in one ordered pass. Scores are written to an f32 workspace `[T_chunk, N]`; queries go
-//! in chunks that keep it under [`MAX_CHUNK_ELEMS`] elements (a long prefill never holds `[T, N]`).
+//! shared memory, or over the row when the bin is crowded) and keeps the set in one ordered pass.
+//! Scores are written to an f32 workspace `[T_chunk, N]`; queries go in chunks that keep it under
+//! [`MAX_CHUNK_ELEMS`] elements (a long prefill never holds `[T, N]`).
 //! Other dtypes and shapes run the reference.
 //!
 //! # Reference implementation
@@ -192,6 +193,7 @@ pub fn dsa_indexer_cuda(
     let [t_len, heads, dim] = check_inputs(q_index, head_weights, keys, visible_keys, top_k)?;
     #[cfg(feature = "cuda")]
     if q_index.device().is_cuda() && cuda::serves(q_index.dtype(), heads, dim) {
+        // The contiguous cache as one block of `key_count` rows.
         let key_count = keys.dim(0)?;
         let keys = keys.reshape((1, key_count, dim))?;
         let device = q_index.device();
@@ -202,9 +204,8 @@ pub fn dsa_indexer_cuda(
         };
         return cuda::dsa_indexer_paged(q_index, head_weights, &cache, visible_keys, top_k);
     }
-    let _ = t_len;
     Err(OpError::Unsupported(format!(
-        "dsa_indexer CUDA kernels: need a CUDA device{} with bf16 queries of ≤ {} heads of width {:?}, or f32; got {:?} {:?}, {heads} heads of width {dim}",
+        "dsa_indexer CUDA kernels: need a CUDA device{} with bf16 queries of ≤ {} heads of width {:?}, or f32; got {:?} {:?}, {t_len} queries of {heads} heads of width {dim}",
         if cfg!(feature = "cuda") { "" } else { " and a glm5 built with the cuda feature" },
         limits::MMA_MAX_HEADS,
         limits::MMA_HEAD_DIMS,
@@ -577,7 +578,7 @@ mod cuda {
     }
 
     /// Runs the score and top-k kernels; the index tensor is the op's output, the inputs ride along in it.
-    struct Indexer<'a> {
+    struct Indexer {
         q: Tensor,
         weights: Tensor,
         keys: Tensor,
@@ -588,10 +589,9 @@ mod cuda {
         positions: usize,
         top_k: usize,
         fp8: bool,
-        _cache: std::marker::PhantomData<&'a ()>,
     }
 
-    impl Indexer<'_> {
+    impl Indexer {
         fn launch(&self, dev: &CudaDevice) -> candle_core::Result<CudaStorage> {
             let stream = dev.cuda_stream();
             let (t_len, heads, dim) = self.q.dims3()?;
@@ -679,7 +679,7 @@ mod cuda {
         }
     }
 
-    impl CustomOp1 for Indexer<'_> {
+    impl CustomOp1 for Indexer {
         fn name(&self) -> &'static str {
             "dsa_indexer"
         }
@@ -728,7 +728,6 @@ mod cuda {
             positions: visible_keys.iter().copied().max().unwrap_or(0),
             top_k,
             fp8,
-            _cache: std::marker::PhantomData,
         };
         Ok(op.q.apply_op1_no_bwd(&op)?)
     }

@@ -285,7 +285,7 @@ pub(crate) mod limits {
     pub const ROW_PAD: usize = 8;
     /// Most splits the combine kernel merges (`MAX_SPLITS` in the .cu file).
     pub const MAX_SPLITS: usize = 128;
-    /// Most tiles one block resolves up front (`MAX_TILES_PER_SPLIT` in the .cu file).
+    /// Most tiles one block resolves up front (the kernel's row table is sized for it here).
     pub const MAX_TILES_PER_SPLIT: usize = 32;
     /// Value widths the bf16 kernel is instantiated for.
     pub const BF16_VALUE_DIMS: [usize; 6] = [16, 32, 64, 128, 256, 512];
