@@ -27,6 +27,6 @@ pub use generate::{
 pub use glm5_models::{
     AttentionMode, Checkpoint, Config, Glm5ForCausalLM, KvCache, ModelError, Plan, PlanOptions,
 };
-pub use glm5_ops::{DeviceDesc, Op, Registry};
+pub use glm5_ops::{DeviceDesc, KeyFormat, Op, Registry};
 pub use model::{Glm5, LoadOptions, TokenProbability};
 pub use viz::SelectionMap;

@@ -16,7 +16,7 @@ use glm5::plan::{
 };
 use glm5::{
     AttentionMode, ChatOptions, Config, DeviceDesc, Generation, GenerationParams, Glm5,
-    LoadOptions, Message, Op, Plan, PlanOptions, Registry, SequenceCache,
+    KeyFormat, LoadOptions, Message, Op, Plan, PlanOptions, Registry, SequenceCache,
 };
 
 #[derive(Parser)]
@@ -62,6 +62,9 @@ struct PlanArgs {
     backends: Vec<String>,
     #[arg(long, value_enum, default_value = "sparse")]
     attention: AttentionArg,
+    /// How the DSA indexer's key cache stores keys.
+    #[arg(long, value_enum, default_value = "float")]
+    index_cache: IndexCacheArg,
     /// Weights, activations and KV-cache dtype (default: bf16 when any device is CUDA, else f32).
     #[arg(long, value_enum)]
     dtype: Option<DTypeArg>,
@@ -75,6 +78,21 @@ enum DTypeArg {
     F32,
     Bf16,
     F16,
+}
+
+#[derive(Clone, Copy, PartialEq, ValueEnum)]
+enum IndexCacheArg {
+    /// The model's dtype.
+    Float,
+    /// FP8 e4m3 with one f32 scale per key (132 bytes per token for GLM-5's 128-wide keys).
+    Fp8,
+}
+
+fn index_cache(arg: IndexCacheArg) -> KeyFormat {
+    match arg {
+        IndexCacheArg::Float => KeyFormat::Float,
+        IndexCacheArg::Fp8 => KeyFormat::Fp8E4m3,
+    }
 }
 
 #[derive(Clone, Copy, PartialEq, ValueEnum)]
@@ -128,6 +146,9 @@ struct GenerateArgs {
     dtype: Option<DTypeArg>,
     #[arg(long, value_enum, default_value = "sparse")]
     attention: AttentionArg,
+    /// How the DSA indexer's key cache stores keys.
+    #[arg(long, value_enum, default_value = "float")]
+    index_cache: IndexCacheArg,
     #[arg(long, default_value_t = 256)]
     max_new_tokens: usize,
     /// 0 = greedy. Default: the model's generation_config.json, else greedy.
@@ -225,6 +246,7 @@ fn plan(args: PlanArgs) -> Result<(), Box<dyn std::error::Error>> {
             .as_deref()
             .map(|m| parse_layer_map(m, &names, config.num_hidden_layers))
             .transpose()?,
+        index_keys: index_cache(args.index_cache),
     };
     let registry = Registry::builtin();
     match Plan::build(&config, devices, &options, &registry) {
@@ -324,6 +346,7 @@ fn generate(args: GenerateArgs) -> Result<(), Box<dyn std::error::Error>> {
         backends: backend_flags(&args.backends)?,
         dtype: args.dtype.map(dtype),
         attention: attention(args.attention),
+        index_keys: index_cache(args.index_cache),
         layer_map,
         hub,
         ..Default::default()

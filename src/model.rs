@@ -16,7 +16,7 @@ use crate::tokenizer::{TokenStream, Tokenizer};
 use crate::viz::SelectionMap;
 use crate::{
     embedded, AttentionMode, Checkpoint, Config, DeviceDesc, Glm5ForCausalLM, KvCache, Op, Plan,
-    PlanOptions, Registry,
+    KeyFormat, PlanOptions, Registry,
 };
 
 /// Where and how to load a model.
@@ -38,6 +38,8 @@ pub struct LoadOptions {
     pub dtype: Option<DType>,
     /// Sparse (DSA, the default) or the explicit dense debugging mode.
     pub attention: AttentionMode,
+    /// How the indexer key cache stores keys: the model's dtype (default) or FP8 with a scale per key.
+    pub index_keys: KeyFormat,
     /// Revision, offline mode, endpoint and cache of Hub downloads.
     pub hub: HubOptions,
 }
@@ -53,6 +55,7 @@ impl Default for LoadOptions {
             context: None,
             dtype: None,
             attention: AttentionMode::Sparse,
+            index_keys: KeyFormat::Float,
             hub: HubOptions::from_env(),
         }
     }
@@ -90,6 +93,7 @@ impl LoadOptions {
                 std::env::var(BACKEND_ENV).ok().as_deref(),
             )?,
             layer_devices: self.layer_map.clone(),
+            index_keys: self.index_keys,
         };
         Ok(Plan::build(config, descriptions, &options, &self.registry)?)
     }

@@ -12,6 +12,7 @@
 //! * forced backends: `OP=NAME`, repeatable on the CLI, comma-separated in `GLM5_BACKEND`. The CLI (or the
 //!   API's `LoadOptions::backends`) wins over the variable for the same op.
 
+use glm5_ops::KeyFormat;
 use std::collections::BTreeMap;
 use std::fmt::Write;
 
@@ -205,8 +206,12 @@ pub fn render(plan: &Plan, config: &Config, label: &str, registry: &Registry) ->
     };
     let _ = writeln!(
         s,
-        "plan for {label}: {n} layers, {} weights and KV cache, {attention}, KV cache reserved for {} tokens",
+        "plan for {label}: {n} layers, {} weights and KV cache ({} indexer keys), {attention}, KV cache reserved for {} tokens",
         dtype_name(plan.dtype),
+        match plan.index_keys {
+            KeyFormat::Float => dtype_name(plan.dtype),
+            KeyFormat::Fp8E4m3 => "FP8".to_string(),
+        },
         plan.context
     );
     let _ = writeln!(s, "devices:");

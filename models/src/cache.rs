@@ -3,18 +3,41 @@
 //! Row `s` of every layer's tensors belongs to token position `s`:
 //! - latent `[capacity, kv_lora_rank + qk_rope_head_dim]`: `[c (RMS-normed latent) | k_pe (rotated)]`, the
 //!   only thing absorbed MLA attention reads;
-//! - index keys `[capacity, index_head_dim]`: the indexer's LayerNormed, rotated key.
+//! - index keys `[capacity, index_head_dim]`: the indexer's LayerNormed, rotated key, in the model's dtype,
+//!   or as FP8 e4m3 bytes with one f32 scale per key (quantised as they are written; `glm5_ops::index_keys`).
 //!
 //! Storage is allocated once for `capacity` tokens; a forward that would go past it is a `CacheFull` error.
 
 use candle_core::{DType, Device, Tensor};
+use glm5_ops::{quantize_fp8, IndexKeys, KeyFormat};
 
 use crate::config::Config;
 use crate::error::{ModelError, Result};
 
 pub(crate) struct LayerCache {
     latent: Tensor,
-    index_keys: Tensor,
+    index_keys: IndexKeyStore,
+}
+
+/// A layer's indexer keys, in the cache's key format.
+enum IndexKeyStore {
+    Float(Tensor),
+    Fp8 { bytes: Tensor, scales: Tensor },
+}
+
+/// The keys of positions `0..len` of a layer, as the indexer reads them.
+pub(crate) enum CachedIndexKeys {
+    Float(Tensor),
+    Fp8 { bytes: Tensor, scales: Tensor },
+}
+
+impl CachedIndexKeys {
+    pub(crate) fn view(&self) -> IndexKeys<'_> {
+        match self {
+            CachedIndexKeys::Float(keys) => IndexKeys::Float(keys),
+            CachedIndexKeys::Fp8 { bytes, scales } => IndexKeys::Fp8 { bytes, scales },
+        }
+    }
 }
 
 impl LayerCache {
@@ -24,10 +47,25 @@ impl LayerCache {
         Ok(self.latent.narrow(0, 0, offset + rows.dim(0)?)?)
     }
 
-    /// Writes indexer keys at position `offset` and returns all keys up to and including them.
-    pub(crate) fn append_index_keys(&self, keys: &Tensor, offset: usize) -> Result<Tensor> {
-        self.index_keys.slice_set(&keys.contiguous()?, 0, offset)?;
-        Ok(self.index_keys.narrow(0, 0, offset + keys.dim(0)?)?)
+    /// Writes indexer keys at position `offset` (quantising them for an FP8 cache) and returns all keys up
+    /// to and including them.
+    pub(crate) fn append_index_keys(&self, keys: &Tensor, offset: usize) -> Result<CachedIndexKeys> {
+        let len = offset + keys.dim(0)?;
+        match &self.index_keys {
+            IndexKeyStore::Float(store) => {
+                store.slice_set(&keys.contiguous()?, 0, offset)?;
+                Ok(CachedIndexKeys::Float(store.narrow(0, 0, len)?))
+            }
+            IndexKeyStore::Fp8 { bytes, scales } => {
+                let (new_bytes, new_scales) = quantize_fp8(keys)?;
+                bytes.slice_set(&new_bytes, 0, offset)?;
+                scales.slice_set(&new_scales, 0, offset)?;
+                Ok(CachedIndexKeys::Fp8 {
+                    bytes: bytes.narrow(0, 0, len)?,
+                    scales: scales.narrow(0, 0, len)?,
+                })
+            }
+        }
     }
 }
 
@@ -44,6 +82,7 @@ impl KvCache {
         config: &Config,
         capacity: usize,
         dtype: DType,
+        index_keys: KeyFormat,
         layer_devices: &[&Device],
     ) -> Result<Self> {
         if capacity == 0 || capacity > config.max_position_embeddings {
@@ -64,7 +103,17 @@ impl KvCache {
             .map(|&device| {
                 Ok(LayerCache {
                     latent: Tensor::zeros((capacity, config.latent_dim()), dtype, device)?,
-                    index_keys: Tensor::zeros((capacity, config.index_head_dim), dtype, device)?,
+                    index_keys: match index_keys {
+                        KeyFormat::Float => IndexKeyStore::Float(Tensor::zeros(
+                            (capacity, config.index_head_dim),
+                            dtype,
+                            device,
+                        )?),
+                        KeyFormat::Fp8E4m3 => IndexKeyStore::Fp8 {
+                            bytes: Tensor::zeros((capacity, config.index_head_dim), DType::U8, device)?,
+                            scales: Tensor::zeros(capacity, DType::F32, device)?,
+                        },
+                    },
                 })
             })
             .collect::<Result<Vec<_>>>()?;

@@ -219,7 +219,7 @@ impl Indexer {
         let kernel = self.kernel.ok_or_else(|| {
             ModelError::PlanDevices("the plan bound no dsa_indexer backend (dense mode)".into())
         })?;
-        Ok(kernel(&q, &head_weights, &keys, &visible, self.top_k)?)
+        Ok(kernel(&q, &head_weights, keys.view(), &visible, self.top_k)?)
     }
 }
 
@@ -859,7 +859,13 @@ impl Glm5ForCausalLM {
             .iter()
             .map(|l| &self.devices[l.device])
             .collect();
-        KvCache::new(&self.config, capacity, self.dtype, &layer_devices)
+        KvCache::new(
+            &self.config,
+            capacity,
+            self.dtype,
+            self.plan.index_keys,
+            &layer_devices,
+        )
     }
 
     /// Runs `input_ids` at positions `start_pos..start_pos + len` (a prompt chunk or one decode token),

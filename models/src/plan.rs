@@ -22,6 +22,7 @@
 //! into the graph by `glm5.rs`; the forward pass selects nothing) with the reasons every other backend was
 //! not chosen.
 
+use glm5_ops::KeyFormat;
 use std::collections::BTreeMap;
 
 use candle_core::DType;
@@ -46,6 +47,8 @@ pub struct PlanOptions {
     pub forced: BTreeMap<Op, String>,
     /// Device index (into the plan's devices) of every layer; `None`: automatic placement.
     pub layer_devices: Option<Vec<usize>>,
+    /// How the indexer key cache stores keys (`--index-cache`).
+    pub index_keys: KeyFormat,
 }
 
 impl PlanOptions {
@@ -56,6 +59,7 @@ impl PlanOptions {
             context: None,
             forced: BTreeMap::new(),
             layer_devices: None,
+            index_keys: KeyFormat::Float,
         }
     }
 }
@@ -123,6 +127,8 @@ pub struct Plan {
     pub devices: Vec<DeviceDesc>,
     pub dtype: DType,
     pub attention: AttentionMode,
+    /// How the indexer key cache stores keys.
+    pub index_keys: KeyFormat,
     /// Tokens of KV cache reserved.
     pub context: usize,
     pub embed_device: usize,
@@ -192,7 +198,13 @@ pub fn fmt_bytes(bytes: u64) -> String {
 }
 
 /// The spec one op of every layer asks for.
-pub fn op_spec(config: &Config, op: Op, dtype: DType, attention: AttentionMode) -> OpSpec {
+pub fn op_spec(
+    config: &Config,
+    op: Op,
+    dtype: DType,
+    attention: AttentionMode,
+    index_keys: KeyFormat,
+) -> OpSpec {
     match op {
         Op::SparseMla => OpSpec {
             op,
@@ -205,6 +217,7 @@ pub fn op_spec(config: &Config, op: Op, dtype: DType, attention: AttentionMode) 
                 AttentionMode::Dense => config.max_position_embeddings,
             },
             layout: CacheLayout::Contiguous,
+            key_format: KeyFormat::Float,
         },
         Op::DsaIndexer => OpSpec {
             op,
@@ -214,6 +227,7 @@ pub fn op_spec(config: &Config, op: Op, dtype: DType, attention: AttentionMode) 
             value_dim: None,
             top_k: config.index_topk,
             layout: CacheLayout::Contiguous,
+            key_format: index_keys,
         },
     }
 }
@@ -242,7 +256,7 @@ impl Plan {
                 (sizes::params(&t), sizes::bytes(&t))
             })
             .collect();
-        let per_token = sizes::cache_bytes_per_token(config, dtype);
+        let per_token = sizes::cache_bytes_per_token(config, dtype, options.index_keys);
         let embed = sizes::embedding_tensors(config, dtype);
         let head = sizes::head_tensors(config, dtype);
         let (embed_params, embed_bytes) = (sizes::params(&embed), sizes::bytes(&embed));
@@ -344,7 +358,7 @@ impl Plan {
             let device = assignment[layer + 1];
             let mut ops = Vec::new();
             for op in Op::ALL {
-                let spec = op_spec(config, op, dtype, options.attention);
+                let spec = op_spec(config, op, dtype, options.attention, options.index_keys);
                 let choice = if op == Op::DsaIndexer && options.attention == AttentionMode::Dense {
                     None
                 } else {
@@ -375,6 +389,7 @@ impl Plan {
             devices,
             dtype,
             attention: options.attention,
+            index_keys: options.index_keys,
             context,
             embed_device,
             embed_params,

@@ -7,6 +7,7 @@
 //! with the router's `gate.weight` and `e_score_correction_bias` in f32 (the model routes in f32) and every
 //! other tensor in the model dtype. `lm_head.weight` is listed unless the embeddings are tied.
 
+use glm5_ops::KeyFormat;
 use candle_core::DType;
 
 use crate::config::{Config, MlpKind};
@@ -167,7 +168,9 @@ pub fn layer_tensors(config: &Config, layer: usize, dtype: DType) -> Vec<TensorI
 }
 
 /// KV-cache bytes one token takes in one layer: the latent row `[c | k_pe]` (`kv_lora_rank +
-/// qk_rope_head_dim`) plus the indexer key (`index_head_dim`), at `cache_dtype`.
-pub fn cache_bytes_per_token(config: &Config, cache_dtype: DType) -> u64 {
-    ((config.latent_dim() + config.index_head_dim) * cache_dtype.size_in_bytes()) as u64
+/// qk_rope_head_dim`) at `cache_dtype` plus the indexer key (`index_head_dim`) in `key_format` (float:
+/// `cache_dtype`; FP8: a byte per value and an f32 scale).
+pub fn cache_bytes_per_token(config: &Config, cache_dtype: DType, key_format: KeyFormat) -> u64 {
+    let float = cache_dtype.size_in_bytes();
+    (config.latent_dim() * float + key_format.key_bytes(config.index_head_dim, float)) as u64
 }

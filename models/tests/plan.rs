@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use candle_core::DType;
 use glm5_models::plan::op_spec;
 use glm5_models::{sizes, AttentionMode, Config, MlpKind, Plan, PlanError, PlanOptions};
-use glm5_ops::{DeviceDesc, DispatchError, Op, Reason, Registry, Verdict};
+use glm5_ops::{DeviceDesc, DispatchError, KeyFormat, Op, Reason, Registry, Verdict};
 
 const GIB: u64 = 1 << 30;
 
@@ -96,7 +96,9 @@ fn glm5_has_744b_parameters_and_the_spec_per_block_counts() {
     assert_eq!(bytes, formula_bytes);
     assert_eq!(bytes, 2 * total + 75 * (256 * 6144 + 256) * 2);
     // KV cache per token per layer: 512 + 64 latent + 128 indexer key values at 2 bytes.
-    assert_eq!(sizes::cache_bytes_per_token(&c, DType::BF16), 1408);
+    assert_eq!(sizes::cache_bytes_per_token(&c, DType::BF16, KeyFormat::Float), 1408);
+    // FP8 indexer keys: 576 bf16 latent values + 128 bytes and an f32 scale.
+    assert_eq!(sizes::cache_bytes_per_token(&c, DType::BF16, KeyFormat::Fp8E4m3), 576 * 2 + 128 + 4);
 }
 
 #[test]
@@ -278,7 +280,7 @@ fn dense_mode_is_explicit_skips_the_indexer_and_asks_for_every_position() {
             c.max_position_embeddings
         )])));
     assert_eq!(
-        op_spec(&c, Op::SparseMla, DType::BF16, AttentionMode::Sparse).top_k,
+        op_spec(&c, Op::SparseMla, DType::BF16, AttentionMode::Sparse, KeyFormat::Float).top_k,
         2048
     );
 }
@@ -349,7 +351,7 @@ fn user_layer_maps_are_checked_against_each_devices_memory() {
     // Device 1 is too small for layers 1 and 2: the error names it and the bytes missing there.
     let layer_bytes = |l| {
         sizes::bytes(&sizes::layer_tensors(&c, l, DType::F32))
-            + sizes::cache_bytes_per_token(&c, DType::F32) * c.max_position_embeddings as u64
+            + sizes::cache_bytes_per_token(&c, DType::F32, KeyFormat::Float) * c.max_position_embeddings as u64
     };
     let small = layer_bytes(1) + 100;
     let devices = vec![DeviceDesc::cpu(GIB), DeviceDesc::cpu(small)];
@@ -374,7 +376,7 @@ fn automatic_placement_spreads_a_tiny_model_by_memory() {
     let c = tiny();
     // Room for about two layers per device: three devices get every layer in order, head on the last.
     let per_layer = sizes::bytes(&sizes::layer_tensors(&c, 1, DType::F32))
-        + sizes::cache_bytes_per_token(&c, DType::F32) * 1024;
+        + sizes::cache_bytes_per_token(&c, DType::F32, KeyFormat::Float) * 1024;
     let devices = vec![DeviceDesc::cpu(2 * per_layer); 3];
     let plan = Plan::build(
         &c,

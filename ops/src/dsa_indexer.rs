@@ -55,7 +55,7 @@ use std::cmp::Ordering;
 use candle_core::{DType, Tensor, D};
 
 use crate::error::{check_float, check_same_dtype, check_shape, OpError, Result};
-use crate::index_keys::{check_fp8, IndexKeys};
+use crate::index_keys::{check_fp8, IndexKeys, KeyFormat};
 
 /// Upper bound on the elements of the f32 score tensor of one chunk of queries (the reference's
 /// `[T_chunk, H_I, N]`, the CUDA path's `[T_chunk, N]`).
@@ -97,6 +97,7 @@ pub fn registry_entries() -> Vec<crate::registry::Entry> {
                 },
                 contiguous_cache: true,
                 paged_block_sizes: Some(Limit::Any),
+                key_formats: vec![KeyFormat::Float, KeyFormat::Fp8E4m3],
             },
             extra_check: None,
             priority: vec![(Sm120, 10), (Sm90, 10)],
@@ -117,6 +118,8 @@ pub fn registry_entries() -> Vec<crate::registry::Entry> {
                 },
                 contiguous_cache: true,
                 paged_block_sizes: Some(Limit::Any),
+                // FP8 keys are scored by the bf16 mma kernel.
+                key_formats: vec![KeyFormat::Float],
             },
             extra_check: None,
             priority: vec![(Sm120, 20), (Sm90, 20)],
@@ -160,50 +163,71 @@ pub fn dsa_indexer(
     visible_keys: &[usize],
     top_k: usize,
 ) -> Result<Tensor> {
-    check_inputs(q_index, head_weights, keys, visible_keys, top_k)?;
+    check_inputs(q_index, head_weights, IndexKeys::Float(keys), visible_keys, top_k)?;
     #[cfg(feature = "cuda")]
     if q_index.device().is_cuda() && cuda::serves(q_index.dtype(), q_index.dim(1)?, q_index.dim(2)?) {
-        return dsa_indexer_cuda(q_index, head_weights, keys, visible_keys, top_k);
+        return dsa_indexer_cuda(q_index, head_weights, IndexKeys::Float(keys), visible_keys, top_k);
     }
     reference(q_index, head_weights, keys, visible_keys, top_k)
 }
 
-/// [`dsa_indexer`] by the candle-ops reference on any device: the registry's `reference` entry.
+/// [`dsa_indexer`] by the candle-ops reference on any device, over float or FP8 keys `[N, D]`
+/// (FP8 keys dequantised, scores in f32): the registry's `reference` entry.
 pub fn dsa_indexer_reference(
     q_index: &Tensor,
     head_weights: &Tensor,
-    keys: &Tensor,
+    keys: IndexKeys,
     visible_keys: &[usize],
     top_k: usize,
 ) -> Result<Tensor> {
     check_inputs(q_index, head_weights, keys, visible_keys, top_k)?;
-    reference(q_index, head_weights, keys, visible_keys, top_k)
+    match keys {
+        IndexKeys::Float(keys) => reference(q_index, head_weights, keys, visible_keys, top_k),
+        IndexKeys::Fp8 { .. } => {
+            let q_index = q_index.to_dtype(DType::F32)?;
+            reference(&q_index, head_weights, &keys.dequantize()?, visible_keys, top_k)
+        }
+    }
 }
 
-/// [`dsa_indexer`] by glm5's CUDA kernels over contiguous keys (the cache as one block): the
-/// registry's `cuda-bf16-mma` and `cuda-f32-fma` entries. Inputs no kernel serves, or a build
-/// without the `cuda` feature, give [`OpError::Unsupported`].
+/// [`dsa_indexer`] by glm5's CUDA kernels over contiguous float or FP8 keys `[N, D]` (the cache as
+/// one block): the registry's `cuda-bf16-mma` and `cuda-f32-fma` entries. Inputs no kernel serves,
+/// or a build without the `cuda` feature, give [`OpError::Unsupported`].
 pub fn dsa_indexer_cuda(
     q_index: &Tensor,
     head_weights: &Tensor,
-    keys: &Tensor,
+    keys: IndexKeys,
     visible_keys: &[usize],
     top_k: usize,
 ) -> Result<Tensor> {
     let [t_len, heads, dim] = check_inputs(q_index, head_weights, keys, visible_keys, top_k)?;
+    // FP8 keys are scored by the bf16 mma kernel.
+    let kernel_dtype = match keys {
+        IndexKeys::Float(_) => q_index.dtype(),
+        IndexKeys::Fp8 { .. } => DType::BF16,
+    };
     #[cfg(feature = "cuda")]
-    if q_index.device().is_cuda() && cuda::serves(q_index.dtype(), heads, dim) {
+    if q_index.device().is_cuda() && cuda::serves(kernel_dtype, heads, dim) {
         // The contiguous cache as one block of `key_count` rows.
-        let key_count = keys.dim(0)?;
-        let keys = keys.reshape((1, key_count, dim))?;
+        let key_count = keys.values().dim(0)?;
         let device = q_index.device();
+        let values = keys.values().reshape((1, key_count, dim))?;
+        let scales;
+        let block = match keys {
+            IndexKeys::Float(_) => IndexKeys::Float(&values),
+            IndexKeys::Fp8 { scales: s, .. } => {
+                scales = s.reshape((1, key_count))?;
+                IndexKeys::Fp8 { bytes: &values, scales: &scales }
+            }
+        };
         let cache = PagedIndexKeys {
-            keys: IndexKeys::Float(&keys),
+            keys: block,
             block_table: &Tensor::zeros((1, 1), DType::I32, device)?,
             token_seq: &Tensor::zeros(t_len, DType::I32, device)?,
         };
         return cuda::dsa_indexer_paged(q_index, head_weights, &cache, visible_keys, top_k);
     }
+    let _ = kernel_dtype;
     Err(OpError::Unsupported(format!(
         "dsa_indexer CUDA kernels: need a CUDA device{} with bf16 queries of ≤ {} heads of width {:?}, or f32; got {:?} {:?}, {t_len} queries of {heads} heads of width {dim}",
         if cfg!(feature = "cuda") { "" } else { " and a glm5 built with the cuda feature" },
@@ -214,11 +238,11 @@ pub fn dsa_indexer_cuda(
     )))
 }
 
-/// Checks [`dsa_indexer`]'s arguments; returns `[T, H_I, D]`.
+/// Checks [`dsa_indexer`]'s arguments (float or FP8 keys `[N, D]`); returns `[T, H_I, D]`.
 fn check_inputs(
     q_index: &Tensor,
     head_weights: &Tensor,
-    keys: &Tensor,
+    keys: IndexKeys,
     visible_keys: &[usize],
     top_k: usize,
 ) -> Result<[usize; 3]> {
@@ -232,10 +256,13 @@ fn check_inputs(
         head_weights,
         [("T", Some(t_len)), ("H_I", Some(heads))],
     )?;
-    let [key_count, _] = check_shape("keys", keys, [("N", None), ("D", Some(dim))])?;
+    let [key_count, _] = check_shape("keys", keys.values(), [("N", None), ("D", Some(dim))])?;
     check_float("q_index", q_index)?;
     check_float("head_weights", head_weights)?;
-    check_same_dtype("keys", keys, "q_index", q_index)?;
+    match keys {
+        IndexKeys::Float(keys) => check_same_dtype("keys", keys, "q_index", q_index)?,
+        IndexKeys::Fp8 { bytes, scales } => check_fp8(bytes, scales)?,
+    }
     if visible_keys.len() != t_len {
         return Err(OpError::Shape {
             arg: "visible_keys",

@@ -20,6 +20,45 @@ use crate::error::{check_float, check_shape, OpError, Result};
 /// Largest finite e4m3 value.
 pub const E4M3_MAX: f32 = 448.0;
 
+/// How an indexer key cache stores its keys.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum KeyFormat {
+    /// The model's float dtype.
+    #[default]
+    Float,
+    /// FP8 e4m3 bytes and one f32 scale per key.
+    Fp8E4m3,
+}
+
+impl KeyFormat {
+    /// Bytes of one key of `dim` values, floats being `float_bytes` wide.
+    pub fn key_bytes(self, dim: usize, float_bytes: usize) -> usize {
+        match self {
+            KeyFormat::Float => dim * float_bytes,
+            KeyFormat::Fp8E4m3 => dim + 4,
+        }
+    }
+
+    /// `float` or `fp8` (what the CLI takes).
+    pub fn name(self) -> &'static str {
+        match self {
+            KeyFormat::Float => "float",
+            KeyFormat::Fp8E4m3 => "fp8",
+        }
+    }
+
+    /// The format named `name` (see [`KeyFormat::name`]).
+    pub fn from_name(name: &str) -> Option<Self> {
+        [KeyFormat::Float, KeyFormat::Fp8E4m3].into_iter().find(|f| f.name() == name)
+    }
+}
+
+impl std::fmt::Display for KeyFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// Keys of an indexer cache, in one of the two layouts (module docs).
 #[derive(Clone, Copy)]
 pub enum IndexKeys<'a> {
@@ -33,6 +72,14 @@ pub enum IndexKeys<'a> {
 }
 
 impl IndexKeys<'_> {
+    /// The format of these keys.
+    pub fn format(&self) -> KeyFormat {
+        match self {
+            IndexKeys::Float(_) => KeyFormat::Float,
+            IndexKeys::Fp8 { .. } => KeyFormat::Fp8E4m3,
+        }
+    }
+
     /// The key tensor (float values or e4m3 bytes).
     pub fn values(&self) -> &Tensor {
         match self {

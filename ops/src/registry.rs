@@ -90,6 +90,8 @@ pub struct OpSpec {
     /// Rows read per query: `index_topk`, or every cached position in dense mode.
     pub top_k: usize,
     pub layout: CacheLayout,
+    /// dsa_indexer: how the key cache stores keys (float for ops without an indexer key cache).
+    pub key_format: crate::KeyFormat,
 }
 
 /// A limit on one size.
@@ -170,6 +172,8 @@ pub struct Serves {
     pub contiguous_cache: bool,
     /// Block sizes of a paged cache it reads; `None`: no paged cache.
     pub paged_block_sizes: Option<Limit>,
+    /// Key cache formats it reads (dsa_indexer).
+    pub key_formats: Vec<crate::KeyFormat>,
 }
 
 impl Serves {
@@ -184,6 +188,7 @@ impl Serves {
             top_k: Limit::Any,
             contiguous_cache: true,
             paged_block_sizes: Some(Limit::Any),
+            key_formats: vec![crate::KeyFormat::Float, crate::KeyFormat::Fp8E4m3],
         }
     }
 }
@@ -215,7 +220,8 @@ impl fmt::Display for Reason {
 /// `sparse_mla(q, latent_cache, indices, value_dim, softmax_scale) -> (out, lse)` (contract: `sparse_mla.rs`).
 pub type SparseMlaFn = fn(&Tensor, &Tensor, &Tensor, usize, f64) -> crate::Result<(Tensor, Tensor)>;
 /// `dsa_indexer(q_index, head_weights, keys, visible_keys, top_k) -> indices` (contract: `dsa_indexer.rs`).
-pub type DsaIndexerFn = fn(&Tensor, &Tensor, &Tensor, &[usize], usize) -> crate::Result<Tensor>;
+pub type DsaIndexerFn =
+    fn(&Tensor, &Tensor, crate::IndexKeys, &[usize], usize) -> crate::Result<Tensor>;
 /// Limits that depend on the device as well as the spec (e.g. shared memory); returns every violated one.
 pub type ExtraCheck = fn(&OpSpec, &DeviceDesc) -> Vec<Reason>;
 
@@ -323,6 +329,14 @@ impl Entry {
             (CacheLayout::Paged { .. }, None) => {
                 reasons.push(Reason::new("cache layout", "contiguous", spec.layout))
             }
+        }
+        if !s.key_formats.contains(&spec.key_format) {
+            let formats: Vec<&str> = s.key_formats.iter().map(|f| f.name()).collect();
+            reasons.push(Reason::new(
+                "key cache format",
+                format!("∈ {{{}}}", formats.join(",")),
+                spec.key_format,
+            ));
         }
         if let Some(check) = self.extra_check {
             reasons.extend(check(spec, device));

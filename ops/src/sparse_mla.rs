@@ -359,6 +359,7 @@ pub fn registry_entries() -> Vec<crate::registry::Entry> {
                 },
                 contiguous_cache: true,
                 paged_block_sizes: Some(Limit::Any),
+                key_formats: vec![crate::KeyFormat::Float],
             },
             extra_check: Some(|spec, device| {
                 let available = match device.kind {
@@ -409,6 +410,7 @@ pub fn registry_entries() -> Vec<crate::registry::Entry> {
                 },
                 contiguous_cache: true,
                 paged_block_sizes: Some(Limit::Any),
+                key_formats: vec![crate::KeyFormat::Float],
             },
             extra_check: Some(|spec, device| {
                 let available = match device.kind {

@@ -6,7 +6,7 @@ use candle_core::DType;
 use glm5_ops::device::{known_shared_memory, parse_bytes, STATIC_SHARED_RESERVE};
 use glm5_ops::registry::{Arch, DeviceMatch, Kernel, Limit, Serves};
 use glm5_ops::{
-    CacheLayout, ComputeCapability, DeviceDesc, DeviceFamily, DeviceKind, DispatchError, Entry, Op,
+    CacheLayout, ComputeCapability, KeyFormat, DeviceDesc, DeviceFamily, DeviceKind, DispatchError, Entry, Op,
     OpSpec, Reason, Registry, Verdict,
 };
 
@@ -22,6 +22,7 @@ fn glm5_mla(dtype: DType) -> OpSpec {
         value_dim: Some(512),
         top_k: 2048,
         layout: CacheLayout::Contiguous,
+        key_format: KeyFormat::Float,
     }
 }
 
@@ -156,6 +157,7 @@ fn tiny_shapes_give_every_reason_at_once() {
         value_dim: Some(48),
         top_k: 200_000,
         layout: CacheLayout::Paged { block_size: 16 },
+        key_format: KeyFormat::Float,
     };
     let choice = registry.dispatch(&spec, &gpu("sm_120"), None).unwrap();
     assert_eq!(choice.entry.name, "reference");
@@ -239,7 +241,19 @@ fn glm5_indexer_gets_the_mma_kernel_on_sm90_and_sm120_within_its_limits() {
         value_dim: None,
         top_k: 2048,
         layout: CacheLayout::Contiguous,
+        key_format: KeyFormat::Float,
     };
+    // FP8 keys: the mma kernel scores them; the f32 kernel does not read them, so an f32 model with an FP8
+    // key cache gets the reference, told why.
+    let fp8 = OpSpec { key_format: KeyFormat::Fp8E4m3, ..spec.clone() };
+    assert_eq!(registry.dispatch(&fp8, &gpu("sm_120"), None).unwrap().entry.name, "cuda-bf16-mma");
+    let fp8_f32 = OpSpec { dtype: DType::F32, ..fp8.clone() };
+    let choice = registry.dispatch(&fp8_f32, &gpu("sm_90"), None).unwrap();
+    assert_eq!(choice.entry.name, "reference");
+    assert_eq!(
+        reasons_of(&choice, "cuda-f32-fma"),
+        &Verdict::Invalid(vec![Reason::new("key cache format", "∈ {float}", "fp8")])
+    );
     for arch in ["sm_90", "sm_120"] {
         let choice = registry.dispatch(&spec, &gpu(arch), None).unwrap();
         assert_eq!(choice.entry.name, "cuda-bf16-mma", "{arch}");
@@ -362,6 +376,7 @@ fn flashmla_like() -> Entry {
             top_k: Limit::MultipleOf(64),
             contiguous_cache: true,
             paged_block_sizes: Some(Limit::OneOf(vec![64])),
+            key_formats: vec![KeyFormat::Float],
         },
         extra_check: None,
         priority: vec![(DeviceFamily::Sm120, 1), (DeviceFamily::Sm90, 1)],

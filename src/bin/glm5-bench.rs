@@ -256,7 +256,13 @@ impl Indexer {
     }
 
     fn reference(&self) -> Result<()> {
-        dsa_indexer_reference(&self.q, &self.weights, &self.reference_keys, &self.visible, TOP_K)
+        dsa_indexer_reference(
+            &self.q,
+            &self.weights,
+            IndexKeys::Float(&self.reference_keys),
+            &self.visible,
+            TOP_K,
+        )
             .map(|_| ())
             .map_err(cuda)
     }
