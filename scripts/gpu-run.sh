@@ -22,7 +22,9 @@ for step in $steps; do
     multi-gpu)  # on a machine with 2+ GPUs (nvidia-h200-x2)
       NCCL_NVLS_ENABLE=0 /tmp/glm5-bin/multi_gpu --test-threads=1 --nocapture > "$OUT/test-multi_gpu.log" 2>&1; rc=$?
       echo "test multi_gpu: rc=$rc ($(grep -E 'test result' "$OUT/test-multi_gpu.log" | tail -1))"; grep -E "GPUs vs 1" "$OUT/test-multi_gpu.log"
-      [ $rc = 0 ] || status=1 ;;
+      [ $rc = 0 ] || status=1
+      # GLM-5's first 4 layers (3 dense, 1 MoE) at real sizes, random weights: 1 GPU vs 2.
+      timeout 400 /tmp/glm5-bin/glm5-bench slice 4 2>&1 | tail -4 | tee "$OUT/slice.txt"; [ ${PIPESTATUS[0]} = 0 ] || status=1 ;;
     sanitize)
       for tool in memcheck racecheck; do
         for t in "sparse_mla_cuda bf16_kernel prefill_tokens" "dsa_indexer_cuda selected_sets equal_scores f32_kernel fp8_quantisation crowded"; do

@@ -4,6 +4,9 @@
 //! Every tensor is fetched by its checkpoint name with the shape the config implies; a missing or misshapen
 //! tensor is an error naming it. Tensors the model does not ask for (e.g. the MTP layer
 //! `model.layers.{num_hidden_layers}.*`) are never read.
+//!
+//! [`Checkpoint::random`] stands in for a checkpoint when only the shapes matter (benchmarks of real-size
+//! slices of GLM-5 without downloading 1.5 TB): every tensor the model asks for is made up on the spot.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -14,10 +17,14 @@ use serde::Deserialize;
 
 use crate::error::{ModelError, Result};
 
-/// The weight files of one model directory, memory-mapped.
+/// The weights of one model: a directory's safetensors files, memory-mapped, or made-up random weights.
 pub struct Checkpoint {
-    files: MmapedSafetensors,
-    dir: PathBuf,
+    source: Source,
+}
+
+enum Source {
+    Files { files: MmapedSafetensors, dir: PathBuf },
+    Random { seed: u64, std: f64 },
 }
 
 #[derive(Deserialize)]
@@ -59,17 +66,35 @@ impl Checkpoint {
                 path: dir.clone(),
                 reason: e.to_string(),
             })?;
-        Ok(Self { files, dir })
+        Ok(Self {
+            source: Source::Files { files, dir },
+        })
     }
 
-    /// The directory the checkpoint was opened from.
-    pub fn dir(&self) -> &Path {
-        &self.dir
+    /// Made-up weights of any shape asked for: norm weights 1, biases 0, everything else normal with
+    /// standard deviation `std`, a function of `seed` and the tensor's name only (so two devices, or two
+    /// loads, get the same values). On CUDA the values come from the device's generator, reseeded per
+    /// tensor (this resets the device's seed); elsewhere from a splitmix64 stream.
+    pub fn random(seed: u64, std: f64) -> Self {
+        Self {
+            source: Source::Random { seed, std },
+        }
     }
 
-    /// Whether the checkpoint holds a tensor of this name.
+    /// The directory the checkpoint was opened from (`None` for random weights).
+    pub fn dir(&self) -> Option<&Path> {
+        match &self.source {
+            Source::Files { dir, .. } => Some(dir),
+            Source::Random { .. } => None,
+        }
+    }
+
+    /// Whether the checkpoint holds a tensor of this name (random weights hold every name).
     pub fn contains(&self, name: &str) -> bool {
-        self.files.get(name).is_ok()
+        match &self.source {
+            Source::Files { files, .. } => files.get(name).is_ok(),
+            Source::Random { .. } => true,
+        }
     }
 
     /// Loads `name`, checks it has `shape`, and converts it to `dtype` on `device`.
@@ -80,8 +105,11 @@ impl Checkpoint {
         dtype: DType,
         device: &Device,
     ) -> Result<Tensor> {
-        let view = self
-            .files
+        let files = match &self.source {
+            Source::Files { files, .. } => files,
+            &Source::Random { seed, std } => return random_tensor(name, shape, seed, std, dtype, device),
+        };
+        let view = files
             .get(name)
             .map_err(|_| ModelError::MissingTensor {
                 name: name.to_string(),
@@ -103,4 +131,46 @@ impl Checkpoint {
         let tensor = candle_core::safetensors::Load::load(&view, device)?;
         Ok(tensor.to_dtype(dtype)?)
     }
+}
+
+/// A made-up tensor for [`Checkpoint::random`].
+fn random_tensor(
+    name: &str,
+    shape: &[usize],
+    seed: u64,
+    std: f64,
+    dtype: DType,
+    device: &Device,
+) -> Result<Tensor> {
+    if name.ends_with("norm.weight") {
+        return Ok(Tensor::ones(shape, dtype, device)?);
+    }
+    if name.ends_with("bias") {
+        return Ok(Tensor::zeros(shape, dtype, device)?);
+    }
+    // FNV-1a of the name, mixed with the seed.
+    let name_hash = name
+        .bytes()
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3));
+    let mut state = seed ^ name_hash;
+    if device.is_cuda() {
+        device.set_seed(state)?;
+        return Ok(Tensor::randn(0f32, std as f32, shape, device)?.to_dtype(dtype)?);
+    }
+    let count: usize = shape.iter().product();
+    let mut next = || {
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
+    };
+    let values: Vec<f32> = (0..count)
+        .map(|_| {
+            // Box-Muller on two uniforms in (0, 1].
+            let (u, v) = (1.0 - next(), next());
+            ((-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos() * std) as f32
+        })
+        .collect();
+    Ok(Tensor::from_vec(values, shape, device)?.to_dtype(dtype)?)
 }
