@@ -1,6 +1,8 @@
 // Microkernels glm5-bench measures the device's ceilings with.
 #include <stdint.h>
 
+#include "mma.cuh"
+
 // Register-only mma.sync.m16n8k16 bf16 loop with 8 independent accumulators per warp: the tensor-core rate
 // the sparse_mla kernel can at best reach. Each warp does `iters` x 8 MMAs of 2*16*8*16 flops.
 extern "C" __global__ void mma_bf16_peak(float* out, int iters) {
@@ -11,11 +13,7 @@ extern "C" __global__ void mma_bf16_peak(float* out, int iters) {
     for (int i = 0; i < iters; ++i) {
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-            asm volatile(
-                "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                "{%0,%1,%2,%3};\n"
-                : "+f"(c[j][0]), "+f"(c[j][1]), "+f"(c[j][2]), "+f"(c[j][3])
-                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+            mma_bf16(c[j], a, b0, b1);
         }
     }
     float sum = 0.f;

@@ -28,6 +28,8 @@
 #include <cuda_fp8.h>
 #include <stdint.h>
 
+#include "mma.cuh"
+
 typedef __nv_bfloat16 bf16;
 
 struct DsaParams {
@@ -51,21 +53,6 @@ constexpr int TILES_PER_BLOCK = 1;
 constexpr int KEYS_PER_BLOCK = TILE_KEYS * TILES_PER_BLOCK;
 constexpr int SCORE_WARPS = 4;
 constexpr int KEY_PAD = 8;                    // bf16 of padding per key row: conflict-free ldmatrix
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
-}
-__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 
 // Order-preserving integer of a score: a > b  <=>  ordered(a) > ordered(b); -0.0 and 0.0 map together.
 __device__ __forceinline__ uint32_t ordered(float v) {
@@ -113,7 +100,7 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
 #pragma unroll
     for (int m = 0; m < MT; ++m)
 #pragma unroll
-        for (int k = 0; k < KSTEPS; ++k) ldsm_x4(qa[m][k], qs + (m * 16 + lane % 16) * LD + k * 16 + (lane / 16) * 8);
+        for (int k = 0; k < KSTEPS; ++k) ldmatrix_x4(qa[m][k], qs + (m * 16 + lane % 16) * LD + k * 16 + (lane / 16) * 8);
     float w_row[MT][2];
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
@@ -164,11 +151,11 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
 #pragma unroll
         for (int k = 0; k < KSTEPS; ++k) {
             uint32_t b[4];
-            ldsm_x4(b, ks + (key0 + lane % 8 + (lane / 16) * 8) * LD + k * 16 + ((lane / 8) % 2) * 8);
+            ldmatrix_x4(b, ks + (key0 + lane % 8 + (lane / 16) * 8) * LD + k * 16 + ((lane / 8) % 2) * 8);
 #pragma unroll
             for (int m = 0; m < MT; ++m) {
-                mma16816(acc[m][0], qa[m][k], b[0], b[1]);
-                mma16816(acc[m][1], qa[m][k], b[2], b[3]);
+                mma_bf16(acc[m][0], qa[m][k], b[0], b[1]);
+                mma_bf16(acc[m][1], qa[m][k], b[2], b[3]);
             }
         }
         // sum_h w[h] relu(S[h, key]): this thread's rows, then across the 8 row groups of the warp.
