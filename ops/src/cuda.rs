@@ -4,16 +4,39 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use candle_core::cuda_backend::cudarc::driver::{sys, CudaFunction, CudaModule};
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{sys, CudaFunction, CudaModule, DevicePtr};
 use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use candle_core::cuda_backend::{CudaDevice, DeviceId};
+use candle_core::{DType, Storage, Tensor};
 
 /// Shared memory the launchers leave out of a kernel's dynamic budget (the main kernels declare no static
 /// shared memory; the margin keeps the launch valid should they declare a little).
 pub(crate) use crate::device::STATIC_SHARED_RESERVE;
 
-fn cuda_err(e: impl std::fmt::Display) -> candle_core::Error {
+pub(crate) fn cuda_err(e: impl std::fmt::Display) -> candle_core::Error {
     candle_core::Error::Cuda(e.to_string().into())
+}
+
+/// Device address of a contiguous CUDA tensor's first element (its layout offset applied), and its device.
+pub(crate) fn device_address(tensor: &Tensor) -> candle_core::Result<(u64, CudaDevice)> {
+    let (storage, layout) = tensor.storage_and_layout();
+    let Storage::Cuda(cuda) = &*storage else {
+        candle_core::bail!("expected a CUDA tensor")
+    };
+    let (start, _) = layout
+        .contiguous_offsets()
+        .ok_or_else(|| cuda_err("tensor must be contiguous"))?;
+    let dev = cuda.device().clone();
+    let stream = dev.cuda_stream();
+    let base = match cuda.dtype() {
+        DType::U8 => cuda.as_cuda_slice::<u8>()?.device_ptr(&stream).0,
+        DType::I32 => cuda.as_cuda_slice::<i32>()?.device_ptr(&stream).0,
+        DType::F32 => cuda.as_cuda_slice::<f32>()?.device_ptr(&stream).0,
+        DType::BF16 => cuda.as_cuda_slice::<half::bf16>()?.device_ptr(&stream).0,
+        other => candle_core::bail!("unexpected dtype {other:?}"),
+    };
+    Ok((base + (start * tensor.dtype().size_in_bytes()) as u64, dev))
 }
 
 /// What the launchers need to know about a device.

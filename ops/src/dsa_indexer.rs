@@ -246,6 +246,15 @@ fn check_inputs(
     visible_keys: &[usize],
     top_k: usize,
 ) -> Result<[usize; 3]> {
+    let [t_len, heads, dim] = check_queries(q_index, head_weights)?;
+    let [key_count, _] = check_shape("keys", keys.values(), [("N", None), ("D", Some(dim))])?;
+    check_key_format(keys, q_index)?;
+    check_request(t_len, visible_keys, key_count, top_k)?;
+    Ok([t_len, heads, dim])
+}
+
+/// Checks the queries `[T, H_I, D]` and their head weights `[T, H_I]`; returns `[T, H_I, D]`.
+fn check_queries(q_index: &Tensor, head_weights: &Tensor) -> Result<[usize; 3]> {
     let [t_len, heads, dim] = check_shape(
         "q_index",
         q_index,
@@ -256,13 +265,21 @@ fn check_inputs(
         head_weights,
         [("T", Some(t_len)), ("H_I", Some(heads))],
     )?;
-    let [key_count, _] = check_shape("keys", keys.values(), [("N", None), ("D", Some(dim))])?;
     check_float("q_index", q_index)?;
     check_float("head_weights", head_weights)?;
+    Ok([t_len, heads, dim])
+}
+
+/// Float keys share the queries' dtype; FP8 keys are U8 bytes with an F32 scale per key.
+fn check_key_format(keys: IndexKeys, q_index: &Tensor) -> Result<()> {
     match keys {
-        IndexKeys::Float(keys) => check_same_dtype("keys", keys, "q_index", q_index)?,
-        IndexKeys::Fp8 { bytes, scales } => check_fp8(bytes, scales)?,
+        IndexKeys::Float(keys) => check_same_dtype("keys", keys, "q_index", q_index),
+        IndexKeys::Fp8 { bytes, scales } => check_fp8(bytes, scales),
     }
+}
+
+/// One visible-key count per query, none beyond the `key_count` keys there are, and a top-k of at least 1.
+fn check_request(t_len: usize, visible_keys: &[usize], key_count: usize, top_k: usize) -> Result<()> {
     if visible_keys.len() != t_len {
         return Err(OpError::Shape {
             arg: "visible_keys",
@@ -284,7 +301,7 @@ fn check_inputs(
     if top_k == 0 {
         return Err(OpError::ZeroTopK);
     }
-    Ok([t_len, heads, dim])
+    Ok(())
 }
 
 /// The candle-ops scores and host top-k behind [`dsa_indexer`] (arguments checked).
@@ -336,27 +353,13 @@ pub fn dsa_indexer_paged(
     visible_keys: &[usize],
     top_k: usize,
 ) -> Result<Tensor> {
-    let [t_len, heads, dim] = check_shape(
-        "q_index",
-        q_index,
-        [("T", None), ("H_I", None), ("D", None)],
-    )?;
-    check_shape(
-        "head_weights",
-        head_weights,
-        [("T", Some(t_len)), ("H_I", Some(heads))],
-    )?;
-    check_float("q_index", q_index)?;
-    check_float("head_weights", head_weights)?;
+    let [t_len, _, dim] = check_queries(q_index, head_weights)?;
     let [_, block_size, _] = check_shape(
         "keys",
         cache.keys.values(),
         [("num_blocks", None), ("block_size", None), ("D", Some(dim))],
     )?;
-    match cache.keys {
-        IndexKeys::Float(keys) => check_same_dtype("keys", keys, "q_index", q_index)?,
-        IndexKeys::Fp8 { bytes, scales } => check_fp8(bytes, scales)?,
-    }
+    check_key_format(cache.keys, q_index)?;
     let [batch, max_blocks] = check_shape(
         "block_table",
         cache.block_table,
@@ -372,33 +375,12 @@ pub fn dsa_indexer_paged(
             });
         }
     }
-    if visible_keys.len() != t_len {
-        return Err(OpError::Shape {
-            arg: "visible_keys",
-            expected: format!("[T={t_len}]"),
-            found: vec![visible_keys.len()],
-        });
-    }
-    let capacity = max_blocks * block_size;
-    if let Some((row, &visible)) = visible_keys
-        .iter()
-        .enumerate()
-        .find(|&(_, &v)| v > capacity)
-    {
-        return Err(OpError::VisibleKeysTooLong {
-            row,
-            visible,
-            key_count: capacity,
-        });
-    }
-    if top_k == 0 {
-        return Err(OpError::ZeroTopK);
-    }
+    check_request(t_len, visible_keys, max_blocks * block_size, top_k)?;
     #[cfg(feature = "cuda")]
     if q_index.device().is_cuda() {
         let fp8 = matches!(cache.keys, IndexKeys::Fp8 { .. });
         let dtype = if fp8 { DType::BF16 } else { q_index.dtype() };
-        if cuda::serves(dtype, heads, dim) {
+        if cuda::serves(dtype, q_index.dim(1)?, dim) {
             // A sequence index outside the block table is not reported here (that would cost a
             // device-to-host copy per call): the kernels give such a query no keys (all -1).
             return cuda::dsa_indexer_paged(q_index, head_weights, cache, visible_keys, top_k);
@@ -494,10 +476,10 @@ mod cuda {
         CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
     };
     use candle_core::cuda_backend::{CudaDevice, CudaStorage, DeviceId};
-    use candle_core::{CustomOp1, DType, Layout, Shape, Storage, Tensor};
+    use candle_core::{CustomOp1, DType, Layout, Shape, Tensor};
 
     use super::{PagedIndexKeys, MAX_CHUNK_ELEMS};
-    use crate::cuda::kernel;
+    use crate::cuda::{cuda_err, device_address, kernel};
     use crate::error::Result;
     use crate::index_keys::IndexKeys;
 
@@ -550,31 +532,6 @@ mod cuda {
     }
     // SAFETY: plain-old-data with the C layout of the kernel's parameter struct.
     unsafe impl DeviceRepr for Params {}
-
-    fn cuda_err(e: impl std::fmt::Display) -> candle_core::Error {
-        candle_core::Error::Cuda(e.to_string().into())
-    }
-
-    /// Device address of a contiguous CUDA tensor's first element, and its device.
-    fn address(tensor: &Tensor) -> candle_core::Result<(u64, CudaDevice)> {
-        let (storage, layout) = tensor.storage_and_layout();
-        let Storage::Cuda(cuda) = &*storage else {
-            candle_core::bail!("expected a CUDA tensor")
-        };
-        let (start, _) = layout
-            .contiguous_offsets()
-            .ok_or_else(|| cuda_err("tensor must be contiguous"))?;
-        let dev = cuda.device().clone();
-        let stream = dev.cuda_stream();
-        let base = match cuda.dtype() {
-            DType::U8 => cuda.as_cuda_slice::<u8>()?.device_ptr(&stream).0,
-            DType::I32 => cuda.as_cuda_slice::<i32>()?.device_ptr(&stream).0,
-            DType::F32 => cuda.as_cuda_slice::<f32>()?.device_ptr(&stream).0,
-            DType::BF16 => cuda.as_cuda_slice::<half::bf16>()?.device_ptr(&stream).0,
-            other => candle_core::bail!("unexpected dtype {other:?}"),
-        };
-        Ok((base + (start * tensor.dtype().size_in_bytes()) as u64, dev))
-    }
 
     /// This thread's workspace on `dev`: scores `[chunk, positions]` f32 and the score histograms
     /// `[chunk, HIST_BINS]` i32, which must be zero when a call starts (allocated zeroed; the top-k kernel
@@ -643,15 +600,15 @@ mod cuda {
             let scores_fn = kernel(dev, "dsa_indexer", MODULE, &name)?;
             let topk_fn = kernel(dev, "dsa_indexer", MODULE, "dsa_topk")?;
             let (q, weights, keys, block_table, token_seq, visible) = (
-                address(&self.q)?.0,
-                address(&self.weights)?.0,
-                address(&self.keys)?.0,
-                address(&self.block_table)?.0,
-                address(&self.token_seq)?.0,
-                address(&self.visible)?.0,
+                device_address(&self.q)?.0,
+                device_address(&self.weights)?.0,
+                device_address(&self.keys)?.0,
+                device_address(&self.block_table)?.0,
+                device_address(&self.token_seq)?.0,
+                device_address(&self.visible)?.0,
             );
             let key_scales = match &self.scales {
-                Some(s) => address(s)?.0,
+                Some(s) => device_address(s)?.0,
                 None => 0,
             };
             if keys % 16 != 0 {
@@ -768,9 +725,9 @@ mod cuda {
         };
         let bytes = Tensor::zeros((n, dim), DType::U8, device)?;
         let scales = Tensor::zeros(n, DType::F32, device)?;
-        let (rows, dev) = address(&keys)?;
-        let (bytes_ptr, _) = address(&bytes)?;
-        let (scales_ptr, _) = address(&scales)?;
+        let (rows, dev) = device_address(&keys)?;
+        let (bytes_ptr, _) = device_address(&bytes)?;
+        let (scales_ptr, _) = device_address(&scales)?;
         let name = if keys.dtype() == DType::BF16 { "dsa_quantize_fp8_bf16" } else { "dsa_quantize_fp8_f32" };
         let func = kernel(&dev, "dsa_indexer", MODULE, name)?;
         let stream = dev.cuda_stream();

@@ -462,10 +462,10 @@ mod cuda {
         CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
     };
     use candle_core::cuda_backend::{CudaDevice, CudaStorage, DeviceId};
-    use candle_core::{CustomOp1, CustomOp2, DType, Layout, Shape, Storage, Tensor};
+    use candle_core::{CustomOp1, CustomOp2, DType, Layout, Shape, Tensor};
 
     use super::PagedLatentCache;
-    use crate::cuda::{device_info, kernel, STATIC_SHARED_RESERVE};
+    use crate::cuda::{cuda_err, device_address, device_info, kernel, STATIC_SHARED_RESERVE};
     use crate::error::{check_shape, OpError, Result};
 
     const MODULE: &[u8] = glm5_kernels::SPARSE_MLA;
@@ -546,27 +546,6 @@ mod cuda {
     // SAFETY: plain-old-data with the C layout of the kernel's parameter struct.
     unsafe impl DeviceRepr for Params {}
 
-    fn cuda_err(e: impl std::fmt::Display) -> candle_core::Error {
-        candle_core::Error::Cuda(e.to_string().into())
-    }
-
-    /// Device pointer of a contiguous tensor's storage (its layout offset applied).
-    fn int_tensor_ptr(
-        tensor: &Tensor,
-        stream: &Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>,
-    ) -> candle_core::Result<u64> {
-        let (storage, layout) = tensor.storage_and_layout();
-        let Storage::Cuda(cuda) = &*storage else {
-            candle_core::bail!("expected a CUDA tensor")
-        };
-        let (start, end) = layout
-            .contiguous_offsets()
-            .ok_or_else(|| cuda_err("tensor must be contiguous"))?;
-        let slice = cuda.as_cuda_slice::<i32>()?.slice(start..end);
-        let ptr = slice.device_ptr(stream).0;
-        Ok(ptr)
-    }
-
     struct SparseMla {
         indices: Tensor,
         block_table: Tensor,
@@ -608,10 +587,10 @@ mod cuda {
                 block_size: block_size as i32,
                 max_blocks: max_blocks as i32,
                 scale: self.scale,
-                block_table: int_tensor_ptr(&self.block_table, &stream)?,
-                seq_lens: int_tensor_ptr(&self.seq_lens, &stream)?,
-                token_seq: int_tensor_ptr(&self.token_seq, &stream)?,
-                indices: int_tensor_ptr(&self.indices, &stream)?,
+                block_table: device_address(&self.block_table)?.0,
+                seq_lens: device_address(&self.seq_lens)?.0,
+                token_seq: device_address(&self.token_seq)?.0,
+                indices: device_address(&self.indices)?.0,
                 ..Default::default()
             };
             let lse = unsafe { dev.alloc::<f32>(t_len * heads) }?;
