@@ -3,15 +3,17 @@
 //! whatever the keys, so logits equal the float cache's; past it the selections are the top-k of the scores
 //! over the dequantised keys, checked here against a computation from the cache's own keys.
 
-use std::path::PathBuf;
-
 use glm5::candle_core::{DType, Device, Tensor};
 use glm5::models::Checkpoint;
 use glm5::ops::{dsa_indexer_reference, quantize_fp8, IndexKeys};
 use glm5::{AttentionMode, Config, DeviceDesc, Glm5ForCausalLM, KeyFormat, Plan, PlanOptions, Registry};
 
+#[path = "common/fixtures.rs"]
+mod fixtures;
+use fixtures::{fixture_dir, reference};
+
 fn load(name: &str, keys: KeyFormat) -> (Config, Glm5ForCausalLM, Vec<u32>) {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name);
+    let dir = fixture_dir(name);
     let config = Config::from_file(dir.join("config.json")).unwrap();
     let mut options = PlanOptions::new(DType::F32, AttentionMode::Sparse);
     options.index_keys = keys;
@@ -24,9 +26,7 @@ fn load(name: &str, keys: KeyFormat) -> (Config, Glm5ForCausalLM, Vec<u32>) {
     .unwrap();
     let model =
         Glm5ForCausalLM::load_planned(&config, &Checkpoint::open(&dir).unwrap(), plan, &[Device::Cpu]).unwrap();
-    let tensors = glm5::candle_core::safetensors::load(dir.join("reference.safetensors"), &Device::Cpu).unwrap();
-    let ids: Vec<i64> = tensors["input_ids"].to_vec1().unwrap();
-    (config, model, ids.into_iter().map(|i| i as u32).collect())
+    (config, model, reference(name).0)
 }
 
 #[test]

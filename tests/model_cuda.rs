@@ -2,29 +2,12 @@
 //! bf16. Built with `--features cuda`, run by `scripts/gpu-run.sh` on the GPU machine.
 #![cfg(feature = "cuda")]
 
-use std::path::PathBuf;
-
 use glm5::candle_core::{DType, Device, Tensor};
 use glm5::{AttentionMode, Glm5ForCausalLM};
 
-fn fixture_dir(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
-}
-
-fn reference(name: &str) -> (Vec<u32>, Vec<Vec<f32>>) {
-    let tensors = glm5::candle_core::safetensors::load(
-        fixture_dir(name).join("reference.safetensors"),
-        &Device::Cpu,
-    )
-    .unwrap();
-    let ids: Vec<i64> = tensors["input_ids"].to_vec1().unwrap();
-    (
-        ids.into_iter().map(|id| id as u32).collect(),
-        tensors["logits"].to_vec2().unwrap(),
-    )
-}
+#[path = "common/fixtures.rs"]
+mod fixtures;
+use fixtures::{fixture_dir, reference};
 
 fn logits(
     name: &str,
@@ -55,6 +38,7 @@ fn f32_on_gpu_matches_hf_within_1e_3() {
     let gpu = Device::new_cuda(0).unwrap();
     for name in FIXTURES {
         let (ids, expected) = reference(name);
+        let expected: Vec<Vec<f32>> = expected.to_vec2().unwrap();
         for decode_from in [ids.len(), 6] {
             let got = logits(name, DType::F32, &gpu, &ids, decode_from);
             let err = got

@@ -1,30 +1,12 @@
 //! The GLM-5 graph against HF transformers (>= 5.13, eager, f32) on the tiny fixtures built by
 //! `tests/fixtures/make_fixtures.py`.
 
-use std::path::PathBuf;
-
 use glm5::candle_core::{DType, Device, Tensor};
 use glm5::{AttentionMode, Glm5ForCausalLM};
 
-fn fixture_dir(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
-}
-
-/// (input ids, reference logits [T, vocab]).
-fn reference(name: &str) -> (Vec<u32>, Tensor) {
-    let tensors = glm5::candle_core::safetensors::load(
-        fixture_dir(name).join("reference.safetensors"),
-        &Device::Cpu,
-    )
-    .expect("reference.safetensors");
-    let ids: Vec<i64> = tensors["input_ids"].to_vec1().expect("input_ids");
-    (
-        ids.into_iter().map(|id| id as u32).collect(),
-        tensors["logits"].clone(),
-    )
-}
+#[path = "common/fixtures.rs"]
+mod fixtures;
+use fixtures::{fixture_dir, reference};
 
 fn load(name: &str, mode: AttentionMode) -> Glm5ForCausalLM {
     Glm5ForCausalLM::from_dir(fixture_dir(name), DType::F32, &Device::Cpu, mode)

@@ -4,24 +4,15 @@
 //! `nvidia-h200-x2` machine (it fails, saying so, on fewer).
 #![cfg(feature = "cuda")]
 
-use std::path::PathBuf;
 use std::time::Instant;
 
 use glm5::candle_core::{DType, Device, Tensor};
 use glm5::models::Checkpoint;
 use glm5::{AttentionMode, Config, DeviceDesc, Glm5ForCausalLM, Plan, PlanOptions, Registry};
 
-fn fixture_dir(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
-}
-
-fn fixture_ids(name: &str) -> Vec<u32> {
-    let tensors =
-        glm5::candle_core::safetensors::load(fixture_dir(name).join("reference.safetensors"), &Device::Cpu)
-            .unwrap();
-    let ids: Vec<i64> = tensors["input_ids"].to_vec1().unwrap();
-    ids.into_iter().map(|id| id as u32).collect()
-}
+#[path = "common/fixtures.rs"]
+mod fixtures;
+use fixtures::{fixture_dir, reference};
 
 /// The model with layer `l` on `devices[layer_device(l)]`.
 fn planned(name: &str, dtype: DType, devices: &[Device], layer_device: impl Fn(usize) -> usize) -> Glm5ForCausalLM {
@@ -64,7 +55,7 @@ fn layers_split_over_two_gpus_match_one_gpu() {
     assert!(count >= 2, "this test needs two GPUs, found {count}");
     let gpus = [Device::new_cuda(0).unwrap(), Device::new_cuda(1).unwrap()];
     for name in ["sparse_long", "dense_equiv", "bf16_storage"] {
-        let ids = fixture_ids(name);
+        let (ids, _) = reference(name);
         let config = Config::from_file(fixture_dir(name).join("config.json")).unwrap();
         let n = config.num_hidden_layers;
         for dtype in [DType::F32, DType::BF16] {
