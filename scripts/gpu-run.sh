@@ -16,11 +16,11 @@ for step in $steps; do
     tests|kernel-tests|model-tests)
       case $step in kernel-tests) names="sparse_mla_cuda dsa_indexer_cuda" ;; model-tests) names=model_cuda ;; *) names="sparse_mla_cuda dsa_indexer_cuda model_cuda" ;; esac
       for t in $names; do
-        /tmp/glm5-bin/$t --test-threads=1 --nocapture > "$OUT/test-$t.log" 2>&1; rc=$?
+        timeout 400 /tmp/glm5-bin/$t --test-threads=1 --nocapture > "$OUT/test-$t.log" 2>&1; rc=$?  # a hung kernel: rc 124
         echo "test $t: rc=$rc ($(grep -E 'test result' "$OUT/test-$t.log" | tail -1))"; [ $rc = 0 ] || status=1
       done ;;
     multi-gpu)  # on a machine with 2+ GPUs (nvidia-h200-x2)
-      NCCL_NVLS_ENABLE=0 /tmp/glm5-bin/multi_gpu --test-threads=1 --nocapture > "$OUT/test-multi_gpu.log" 2>&1; rc=$?
+      NCCL_NVLS_ENABLE=0 timeout 300 /tmp/glm5-bin/multi_gpu --test-threads=1 --nocapture > "$OUT/test-multi_gpu.log" 2>&1; rc=$?
       echo "test multi_gpu: rc=$rc ($(grep -E 'test result' "$OUT/test-multi_gpu.log" | tail -1))"; grep -E "GPUs vs 1" "$OUT/test-multi_gpu.log"
       [ $rc = 0 ] || status=1
       # GLM-5's first 4 layers (3 dense, 1 MoE) at real sizes, random weights: 1 GPU vs 2.
@@ -36,10 +36,12 @@ for step in $steps; do
       done ;;
     profile)
       # Kernel-only durations (no launch overhead) of a few shapes, from the hardware's own timer.
-      for shape in "32768 8 8" "32768 128 64" "indexer 131072 1" "indexer 32768 8"; do
+      # The indexer: its four kernels (scores, candidates, threshold, emit) of two calls.
+      for shape in "32768 8 8" "32768 128 64" "indexer 131072 1" "indexer 32768 8" "indexer 131072 8" "indexer 8192 1"; do
         echo "== $shape"
-        timeout 120 ncu --clock-control none --launch-skip 4 --launch-count 4 --metrics gpu__time_duration.sum -k regex:"sparse_mla|dsa_" \
-          /tmp/glm5-bin/glm5-bench $shape 2>&1 | grep -E "sparse_mla_|dsa_|gpu__time_duration" | tail -4
+        case $shape in indexer*) kernels=8 ;; *) kernels=4 ;; esac
+        timeout 120 ncu --clock-control none --launch-skip 12 --launch-count $kernels --metrics gpu__time_duration.sum -k regex:"sparse_mla|dsa_[st]" \
+          /tmp/glm5-bin/glm5-bench $shape 2>&1 | grep -E "sparse_mla_|dsa_|gpu__time_duration" | tail -$((2 * kernels))
       done 2>&1 | tee "$OUT/profile.txt" ;;
     bench)
       timeout 400 /tmp/glm5-bin/glm5-bench 2>&1 | tee "$OUT/bench.txt"; [ ${PIPESTATUS[0]} = 0 ] || status=1

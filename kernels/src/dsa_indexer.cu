@@ -1,30 +1,38 @@
-// DSA lightning indexer over a paged key cache (contract: ops/src/dsa_indexer.rs), in two kernels:
+// DSA lightning indexer over a paged key cache (contract: ops/src/dsa_indexer.rs), in four kernels:
 //
-//   dsa_scores_*   score(t, s) = sum_h w[t,h] * relu(q[t,h,:] . key(s)) for every position s of the token's
-//                  sequence, -inf at s >= visible[t]; one f32 row of `score_stride` per token.
-//   dsa_topk       per token, the set of the min(K, visible) highest scores; equal scores go to the lower
-//                  position; written in ascending position order, -1 padded.
-//
-// A token whose sequence index is outside the block table has no visible keys (all -1).
+//   dsa_scores_*           score(t, s) = sum_h w[t,h] * relu(q[t,h,:] . key(s)) for every visible position s
+//                          of the token's sequence (s < visible[t]), one f32 row of `score_stride` per token,
+//                          and each row's 2048-bin histogram of its scores by their top 11 bits; nothing
+//                          for a token with visible[t] <= K, which takes every position.
+//   dsa_topk_candidates    per (segment of 2048 positions, token): the histogram's threshold bin (the bin of
+//                          the K-th largest score), the segment's count of scores above that bin, and the
+//                          positions of the scores in it, appended to the row's candidate list.
+//   dsa_topk_threshold     per token: the exact K-th largest score and, when several scores equal it, the
+//                          last position taken among them (equal scores go to the lower position), by radix
+//                          select over the candidates; then each segment's output offset.
+//   dsa_topk_emit          per (segment, token): the segment's selected positions, in ascending order, at its
+//                          offset; rows with visible <= K get 0..visible-1 and -1 padding.
+// The top-k kernels are programmatic dependent launches: each may start while its predecessor finishes
+// and waits (griddepcontrol.wait) before reading what the predecessor wrote.
+// The result is the set of the min(K, visible) highest scores, in ascending position order, -1 padded;
+// it does not depend on the order in which blocks run. A token whose sequence index is outside the block
+// table has no visible keys (all -1).
 //
 // key(s) = keys[block_table[seq][s / bs] * bs + s % bs] with seq = token_seq[t]. Key layouts: bf16 rows, f32
-// rows, or FP8 e4m3 rows with one f32 scale per key (key = scale * e4m3). An e4m3 value is exact in bf16, and
-// relu(scale * x) = scale * relu(x) for scale > 0, so the FP8 kernel runs the bf16 mma on the raw e4m3 values
-// and multiplies each key's column of scores by its scale.
+// rows, or FP8 e4m3 rows with one f32 scale per key (key = scale * e4m3).
 //
-// bf16/FP8 scores (mma.sync.m16n8k16, f32 accumulate): a block of 4 warps takes one token and KEYS_PER_BLOCK
-// positions; each warp holds the token's Q fragments (MT tiles of 16 heads x D) in registers and scores 16
-// keys of each 64-key tile; the head sum is a shuffle reduction over the accumulator rows.
-//
-// Top-k: one block per token, an exact radix select on the order-preserving integer of each score. The
-// score kernel already counts each row's scores by their top 11 bits (a 2048-bin histogram in global
-// memory), so the top-k block knows the bin of the K-th largest score without reading the row; one pass
-// gathers that bin's values into shared memory, three 8-bit digit passes over them find the K-th value
-// exactly (over the row itself if the bin overflows shared memory), and one ordered pass keeps every score
-// above it and the lowest positions among those equal to it. The histogram rows are zeroed again by the
-// top-k block that read them, ready for the next call.
+// mma scores: a block of 4 warps takes one token and a strided share of its 64-key tiles, streamed through
+// shared memory by a cp.async pipeline; each warp scores 16 keys of a tile with the token's Q fragments held
+// in registers (MT tiles of 16 heads), and the head sum is a shuffle reduction over the accumulator rows.
+// bf16 keys: bf16 mma.sync with ldmatrix fragments. FP8 keys: e4m3 is exact in f16, so the raw bytes become
+// f16 fragments with one cvt per pair and run the f16 mma against Q in f16, Q being scaled by a power of two
+// that keeps it inside f16's range (exact, undone on the score); relu(scale * x) = scale * relu(x) for
+// scale > 0, so each key's scale multiplies its score. The fragments' k order is permuted (thread c holds
+// dims 4c..4c+3 of each 16-dim step in both operands) so that one 32-bit shared load feeds both halves of
+// a B fragment; the dot product does not care about the order of its terms.
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <stdint.h>
 
@@ -41,18 +49,25 @@ struct DsaParams {
     const int* token_seq;     // [T]
     const int* visible;       // [T]
     float* scores;            // [T, score_stride]
-    int* hist;                // [T, HIST_BINS] counts of each row's scores by top bits (zero between calls)
+    int* hist;                // [T, HIST_STRIDE]: bin counts, then the SLOT_* values (zero between calls)
+    uint32_t* work;           // [T, score_stride + 2 * segments]: candidates, segment counts, segment offsets
     int* indices;             // [T, K]
-    int T, H, D, K, block_size, max_blocks, batch, score_stride, positions;  // positions: columns per row
+    int T, H, D, K, block_size, max_blocks, batch, score_stride, positions, segments;
 };
 
 constexpr int HIST_BITS = 11;
 constexpr int HIST_BINS = 1 << HIST_BITS;
-constexpr int TILE_KEYS = 64;                 // keys per shared-memory tile
-constexpr int TILES_PER_BLOCK = 1;
-constexpr int KEYS_PER_BLOCK = TILE_KEYS * TILES_PER_BLOCK;
+// After a row's bins: the candidate count (zero between calls), then the selection state passed from one
+// top-k kernel to the next: the threshold bin's prefix and the count still to take from it (candidates →
+// threshold), then the K-th largest value and the last tied position taken (threshold → emit).
+constexpr int SLOT_CANDIDATES = HIST_BINS, SLOT_VALUE = HIST_BINS + 1, SLOT_COUNT = HIST_BINS + 2;
+constexpr int HIST_STRIDE = HIST_BINS + 4;
+constexpr int TILE_KEYS = 64;  // keys per shared-memory tile
 constexpr int SCORE_WARPS = 4;
-constexpr int KEY_PAD = 8;                    // bf16 of padding per key row: conflict-free ldmatrix
+constexpr int SEG_THREADS = 256, SEG_ELEMS = 8, SEG = SEG_THREADS * SEG_ELEMS;  // positions per segment
+constexpr int MAX_SEGMENTS = 2048;                                               // per row
+constexpr int TOPK_THREADS = 1024;
+constexpr int CANDIDATES = 8192;  // threshold-bin values the threshold kernel holds in shared memory
 
 // Order-preserving integer of a score: a > b  <=>  ordered(a) > ordered(b); -0.0 and 0.0 map together.
 __device__ __forceinline__ uint32_t ordered(float v) {
@@ -71,91 +86,207 @@ __device__ __forceinline__ long long key_row(const DsaParams& p, int seq, int s)
     return (long long)p.block_table[(size_t)seq * p.max_blocks + s / p.block_size] * p.block_size + s % p.block_size;
 }
 
+__device__ __forceinline__ uint32_t* candidates_of(const DsaParams& p, int t) {
+    return p.work + (size_t)t * (p.score_stride + 2 * p.segments);
+}
+
+// Exclusive prefix sum of `flag` over a block of THREADS threads; returns it and sets `total`.
+template <int THREADS>
+__device__ __forceinline__ int block_exclusive_scan(int flag, int* warp_sums, int& total) {
+    constexpr int WARPS = THREADS / 32;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    int inclusive = flag;
+#pragma unroll
+    for (int o = 1; o < 32; o *= 2) {
+        const int v = __shfl_up_sync(0xffffffff, inclusive, o);
+        if (lane >= o) inclusive += v;
+    }
+    if (lane == 31) warp_sums[warp] = inclusive;
+    __syncthreads();
+    if (warp == 0) {
+        int w = lane < WARPS ? warp_sums[lane] : 0;
+#pragma unroll
+        for (int o = 1; o < 32; o *= 2) {
+            const int v = __shfl_up_sync(0xffffffff, w, o);
+            if (lane >= o) w += v;
+        }
+        if (lane < WARPS) warp_sums[lane] = w;  // inclusive over warps
+    }
+    __syncthreads();
+    total = warp_sums[WARPS - 1];
+    const int before = warp == 0 ? 0 : warp_sums[warp - 1];
+    __syncthreads();  // warp_sums is reused by the next scan
+    return before + inclusive - flag;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Scores
+
+template <int D, bool FP8>
+struct KeyTile {
+    static constexpr int ROW_BYTES = FP8 ? D + 16 : (D + 8) * 2;  // padded: conflict-free fragment loads
+    static constexpr int CHUNKS = (FP8 ? D : 2 * D) / 16;         // 16-byte copies per key
+    static constexpr int STAGES = FP8 ? 4 : 2;                     // tiles in flight (46 / 44 KB with the bins)
+};
+
+// Physical rows of the 64 keys from position `base` (-1 past `visible`), one key per thread: resolved a
+// pipeline step before their copy starts, so the block-table reads stay off the copy's critical path.
+__device__ __forceinline__ void tile_rows(const DsaParams& p, int seq, int visible, int base, int* rows) {
+    if (threadIdx.x < TILE_KEYS) {
+        const int s = base + threadIdx.x;
+        rows[threadIdx.x] = s < visible ? (int)key_row(p, seq, s) : -1;
+    }
+}
+
+// Starts the copy of a tile's keys (zeros for row -1) into a stage.
+template <int D, bool FP8>
+__device__ __forceinline__ void load_tile(const DsaParams& p, const int* rows, uint8_t* stage, float* scales) {
+    using Tile = KeyTile<D, FP8>;
+    const uint8_t* keys = static_cast<const uint8_t*>(p.keys);
+    for (int i = threadIdx.x; i < TILE_KEYS * Tile::CHUNKS; i += blockDim.x) {
+        const int r = i / Tile::CHUNKS, c = i % Tile::CHUNKS, row = rows[r];
+        const uint8_t* src = row >= 0 ? keys + (size_t)row * (Tile::CHUNKS * 16) + c * 16 : keys;
+        cp_async_16(stage + r * Tile::ROW_BYTES + c * 16, src, row >= 0);
+        if (FP8 && c == 0) cp_async_4(scales + r, row >= 0 ? p.key_scales + row : p.key_scales, row >= 0);
+    }
+}
+
+__device__ __forceinline__ uint32_t pack_f16(float lo, float hi) {
+    const __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&h);
+}
+
 // bf16 / FP8 scores. MT tiles of 16 heads (H <= 16 * MT), rows of D (a multiple of 16).
 template <int D, int MT, bool FP8>
 __device__ __forceinline__ void scores_mma(const DsaParams& p) {
-    constexpr int LD = D + KEY_PAD;
+    using Tile = KeyTile<D, FP8>;
     constexpr int KSTEPS = D / 16;
-    const int t = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int first = blockIdx.x * KEYS_PER_BLOCK;
-    const int visible = visible_keys(p, t);
-    const int seq = p.token_seq[t];
-    __shared__ __align__(16) bf16 qs[MT * 16 * LD];
-    __shared__ __align__(16) bf16 ks[TILE_KEYS * LD];
-    __shared__ float ws[MT * 16];
-    __shared__ float scale_s[TILE_KEYS];
+    constexpr int STAGES = Tile::STAGES;
+    const int t = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+    const int visible = visible_keys(p, t), seq = p.token_seq[t];
+    const int tiles = visible > p.K ? (visible + TILE_KEYS - 1) / TILE_KEYS : 0;  // visible <= K: all taken
+    if ((int)blockIdx.x >= tiles) return;
+    const int my_tiles = (tiles - blockIdx.x + gridDim.x - 1) / gridDim.x;  // tiles blockIdx.x + i * gridDim.x
+    __shared__ __align__(16) uint8_t stages[STAGES][TILE_KEYS * Tile::ROW_BYTES];
+    __shared__ float scales[STAGES][TILE_KEYS];
     __shared__ int bins[HIST_BINS];  // this block's share of the row's histogram
+    __shared__ int rows[STAGES][TILE_KEYS];  // tile i's rows in slot i % STAGES
+    const auto tile_base = [&](int i) { return (int)(blockIdx.x + i * gridDim.x) * TILE_KEYS; };
+
+    // The first tiles' copies go out before anything else: their latency hides the set-up below.
+    for (int i = 0; i < STAGES; ++i)
+        if (i < my_tiles) tile_rows(p, seq, visible, tile_base(i), rows[i]);
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) {
+        if (i < my_tiles) load_tile<D, FP8>(p, rows[i], stages[i], scales[i]);
+        cp_async_commit();
+    }
     for (int i = threadIdx.x; i < HIST_BINS; i += blockDim.x) bins[i] = 0;
 
     const bf16* q = static_cast<const bf16*>(p.q) + (size_t)t * p.H * D;
-    for (int i = threadIdx.x; i < MT * 16 * (D / 8); i += blockDim.x) {
-        const int h = i / (D / 8), c = (i % (D / 8)) * 8;
-        uint4 v = make_uint4(0u, 0u, 0u, 0u);
-        if (h < p.H) v = *reinterpret_cast<const uint4*>(q + (size_t)h * D + c);
-        *reinterpret_cast<uint4*>(qs + h * LD + c) = v;
+    float q_scale = 1.f, score_unscale = 1.f;
+    if constexpr (FP8) {
+        // Every warp loads all of Q, so its largest |value| needs no block-wide step.
+        float amax = 0.f;
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+            for (int k = 0; k < KSTEPS; ++k)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int h = m * 16 + g + 8 * r;
+                    if (h < p.H) {
+                        const uint2 raw = *reinterpret_cast<const uint2*>(q + (size_t)h * D + k * 16 + 4 * c);
+                        const bf16* b = reinterpret_cast<const bf16*>(&raw);
+#pragma unroll
+                        for (int j = 0; j < 4; ++j) amax = fmaxf(amax, fabsf(__bfloat162float(b[j])));
+                    }
+                }
+        for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, o));
+        int e;
+        frexpf(amax, &e);  // amax < 2^e: scaled, |q| < 2^15 < 65504
+        q_scale = ldexpf(1.f, 15 - e);
+        score_unscale = ldexpf(1.f, e - 15);
     }
-    for (int h = threadIdx.x; h < MT * 16; h += blockDim.x) ws[h] = h < p.H ? p.weights[(size_t)t * p.H + h] : 0.f;
-    __syncthreads();
+    // A fragments of 16 heads x 16 dims. bf16: the mma's own layout (thread: dims 2c, 2c+1 and 2c+8, 2c+9).
+    // f16: dims 4c..4c+3, matching the B fragments below.
     uint32_t qa[MT][KSTEPS][4];
 #pragma unroll
-    for (int m = 0; m < MT; ++m)
+    for (int m = 0; m < MT; ++m) {
+        const int h0 = m * 16 + g, h1 = h0 + 8;
 #pragma unroll
-        for (int k = 0; k < KSTEPS; ++k) ldmatrix_x4(qa[m][k], qs + (m * 16 + lane % 16) * LD + k * 16 + (lane / 16) * 8);
+        for (int k = 0; k < KSTEPS; ++k) {
+            if constexpr (FP8) {
+                float v[2][4] = {};
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int h = r ? h1 : h0;
+                    if (h < p.H) {
+                        const uint2 raw = *reinterpret_cast<const uint2*>(q + (size_t)h * D + k * 16 + 4 * c);
+                        const bf16* b = reinterpret_cast<const bf16*>(&raw);
+#pragma unroll
+                        for (int j = 0; j < 4; ++j) v[r][j] = __bfloat162float(b[j]) * q_scale;
+                    }
+                }
+                qa[m][k][0] = pack_f16(v[0][0], v[0][1]);
+                qa[m][k][1] = pack_f16(v[1][0], v[1][1]);
+                qa[m][k][2] = pack_f16(v[0][2], v[0][3]);
+                qa[m][k][3] = pack_f16(v[1][2], v[1][3]);
+            } else {
+                const uint32_t* row0 = reinterpret_cast<const uint32_t*>(q + (size_t)h0 * D + k * 16 + 2 * c);
+                const uint32_t* row1 = reinterpret_cast<const uint32_t*>(q + (size_t)h1 * D + k * 16 + 2 * c);
+                qa[m][k][0] = h0 < p.H ? row0[0] : 0u;
+                qa[m][k][1] = h1 < p.H ? row1[0] : 0u;
+                qa[m][k][2] = h0 < p.H ? row0[4] : 0u;
+                qa[m][k][3] = h1 < p.H ? row1[4] : 0u;
+            }
+        }
+    }
     float w_row[MT][2];
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
-        w_row[m][0] = ws[m * 16 + lane / 4];
-        w_row[m][1] = ws[m * 16 + lane / 4 + 8];
+        const int h0 = m * 16 + g, h1 = h0 + 8;
+        w_row[m][0] = h0 < p.H ? p.weights[(size_t)t * p.H + h0] : 0.f;
+        w_row[m][1] = h1 < p.H ? p.weights[(size_t)t * p.H + h1] : 0.f;
     }
 
-    for (int tile = 0; tile < TILES_PER_BLOCK; ++tile) {
-        const int base = first + tile * TILE_KEYS;
-        if (base >= p.positions) break;
-        __syncthreads();  // the previous tile is consumed
-        // Load 64 keys (zero past the visible range), as bf16.
-        constexpr int CHUNK = FP8 ? 16 : 8;  // elements per 16-byte load
-        for (int i = threadIdx.x; i < TILE_KEYS * (D / CHUNK); i += blockDim.x) {
-            const int r = i / (D / CHUNK), c = (i % (D / CHUNK)) * CHUNK;
-            const int s = base + r;
-            bf16* dst = ks + r * LD + c;
-            if (s < visible) {
-                const long long row = key_row(p, seq, s);
-                if constexpr (FP8) {
-                    const uint4 raw = *reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(p.keys) + row * D + c);
-                    const uint8_t* b = reinterpret_cast<const uint8_t*>(&raw);
-#pragma unroll
-                    for (int j = 0; j < 16; ++j) {
-                        __nv_fp8_e4m3 v;
-                        v.__x = b[j];
-                        dst[j] = __float2bfloat16(float(v));
-                    }
-                } else {
-                    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(static_cast<const bf16*>(p.keys) + row * D + c);
-                }
-            } else {
-#pragma unroll
-                for (int j = 0; j < CHUNK; ++j) dst[j] = __float2bfloat16(0.f);
-            }
-        }
-        if constexpr (FP8) {
-            for (int r = threadIdx.x; r < TILE_KEYS; r += blockDim.x) {
-                const int s = base + r;
-                scale_s[r] = s < visible ? p.key_scales[key_row(p, seq, s)] : 0.f;
-            }
-        }
+    float* score_row = p.scores + (size_t)t * p.score_stride;
+    const int key0 = warp * 16;  // this warp's keys of each tile
+    for (int i = 0; i < my_tiles; ++i) {
+        const int ahead = i + STAGES - 1;  // refills the stage consumed in iteration i - 1
+        if (ahead < my_tiles) load_tile<D, FP8>(p, rows[ahead % STAGES], stages[ahead % STAGES], scales[ahead % STAGES]);
+        cp_async_commit();
+        cp_async_wait<STAGES - 1>();
         __syncthreads();
+        // The rows of the tile copied next iteration, into the slot of tile i (its copy went out long ago).
+        if (ahead + 1 < my_tiles) tile_rows(p, seq, visible, tile_base(ahead + 1), rows[(ahead + 1) % STAGES]);
+        const uint8_t* tile = stages[i % STAGES];
+        const int base = tile_base(i);
 
         // S = Q K^T for this warp's 16 keys: MT x 2 accumulators of 16 heads x 8 keys.
         float acc[MT][2][4] = {};
-        const int key0 = warp * 16;
 #pragma unroll
         for (int k = 0; k < KSTEPS; ++k) {
-            uint32_t b[4];
-            ldmatrix_x4(b, ks + (key0 + lane % 8 + (lane / 16) * 8) * LD + k * 16 + ((lane / 8) % 2) * 8);
+            if constexpr (FP8) {
 #pragma unroll
-            for (int m = 0; m < MT; ++m) {
-                mma_bf16(acc[m][0], qa[m][k], b[0], b[1]);
-                mma_bf16(acc[m][1], qa[m][k], b[2], b[3]);
+                for (int n = 0; n < 2; ++n) {
+                    const uint32_t four = *reinterpret_cast<const uint32_t*>(
+                        tile + (key0 + n * 8 + g) * Tile::ROW_BYTES + k * 16 + 4 * c);
+                    const uint32_t b0 = e4m3x2_to_f16x2(four & 0xffffu), b1 = e4m3x2_to_f16x2(four >> 16);
+#pragma unroll
+                    for (int m = 0; m < MT; ++m) mma_f16(acc[m][n], qa[m][k], b0, b1);
+                }
+            } else {
+                constexpr int LD = Tile::ROW_BYTES / 2;
+                uint32_t b[4];
+                ldmatrix_x4(b, reinterpret_cast<const bf16*>(tile) + (key0 + lane % 8 + (lane / 16) * 8) * LD + k * 16 +
+                                   ((lane / 8) % 2) * 8);
+#pragma unroll
+                for (int m = 0; m < MT; ++m) {
+                    mma_bf16(acc[m][0], qa[m][k], b[0], b[1]);
+                    mma_bf16(acc[m][1], qa[m][k], b[2], b[3]);
+                }
             }
         }
         // sum_h w[h] relu(S[h, key]): this thread's rows, then across the 8 row groups of the warp.
@@ -167,108 +298,140 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
 #pragma unroll
                 for (int j = 0; j < 4; ++j) col[j & 1] += w_row[m][j / 2] * fmaxf(acc[m][n][j], 0.f);
 #pragma unroll
-            for (int c = 0; c < 2; ++c) {
-                col[c] += __shfl_xor_sync(0xffffffff, col[c], 4);
-                col[c] += __shfl_xor_sync(0xffffffff, col[c], 8);
-                col[c] += __shfl_xor_sync(0xffffffff, col[c], 16);
+            for (int o = 0; o < 2; ++o) {
+                col[o] += __shfl_xor_sync(0xffffffff, col[o], 4);
+                col[o] += __shfl_xor_sync(0xffffffff, col[o], 8);
+                col[o] += __shfl_xor_sync(0xffffffff, col[o], 16);
             }
             if (lane < 4) {
 #pragma unroll
-                for (int c = 0; c < 2; ++c) {
-                    const int r = key0 + n * 8 + lane * 2 + c, s = base + r;
-                    if (s < p.positions) {
-                        float v = col[c];
-                        if constexpr (FP8) v *= scale_s[r];
-                        p.scores[(size_t)t * p.score_stride + s] = s < visible ? v : -INFINITY;
-                        if (s < visible) atomicAdd(&bins[ordered(v) >> (32 - HIST_BITS)], 1);
+                for (int o = 0; o < 2; ++o) {
+                    const int r = key0 + n * 8 + lane * 2 + o, s = base + r;
+                    if (s < visible) {
+                        float v = col[o];
+                        if constexpr (FP8) v *= scales[i % STAGES][r] * score_unscale;
+                        score_row[s] = v;
+                        atomicAdd(&bins[ordered(v) >> (32 - HIST_BITS)], 1);
                     }
                 }
             }
         }
+        __syncthreads();  // the stage is refilled next iteration
     }
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
     // Merge into the row's histogram: one global atomic per non-empty bin, not per key.
-    __syncthreads();
     for (int i = threadIdx.x; i < HIST_BINS; i += blockDim.x)
-        if (bins[i] != 0) atomicAdd(&p.hist[(size_t)t * HIST_BINS + i], bins[i]);
+        if (bins[i] != 0) atomicAdd(&p.hist[(size_t)t * HIST_STRIDE + i], bins[i]);
 }
 
-// f32 scores: plain FMA, one warp per key (full precision for f32 models).
+// f32 scores: plain FMA, one warp per key (full precision for f32 models); one 64-key tile per block.
 __device__ void scores_f32(const DsaParams& p) {
     const int t = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int visible = visible_keys(p, t), seq = p.token_seq[t], D = p.D;
+    if (visible <= p.K) return;  // every visible position is taken
     extern __shared__ float qf[];  // [H][D], then [H] weights
     const float* q = static_cast<const float*>(p.q) + (size_t)t * p.H * D;
     for (int i = threadIdx.x; i < p.H * D; i += blockDim.x) qf[i] = q[i];
     for (int h = threadIdx.x; h < p.H; h += blockDim.x) qf[p.H * D + h] = p.weights[(size_t)t * p.H + h];
     __syncthreads();
-    const int last = min(blockIdx.x * KEYS_PER_BLOCK + KEYS_PER_BLOCK, p.positions);
-    for (int s = blockIdx.x * KEYS_PER_BLOCK + warp; s < last; s += SCORE_WARPS) {
-        float score = -INFINITY;
-        if (s < visible) {
-            const float* k = static_cast<const float*>(p.keys) + key_row(p, seq, s) * D;
-            score = 0.f;
-            for (int h = 0; h < p.H; ++h) {
-                float dot = 0.f;
-                for (int d = lane; d < D; d += 32) dot += qf[h * D + d] * k[d];
-                for (int o = 16; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffff, dot, o);
-                score += qf[p.H * D + h] * fmaxf(dot, 0.f);
-            }
+    const int last = min(blockIdx.x * TILE_KEYS + TILE_KEYS, visible);
+    for (int s = blockIdx.x * TILE_KEYS + warp; s < last; s += SCORE_WARPS) {
+        const float* k = static_cast<const float*>(p.keys) + key_row(p, seq, s) * D;
+        float score = 0.f;
+        for (int h = 0; h < p.H; ++h) {
+            float dot = 0.f;
+            for (int d = lane; d < D; d += 32) dot += qf[h * D + d] * k[d];
+            for (int o = 16; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffff, dot, o);
+            score += qf[p.H * D + h] * fmaxf(dot, 0.f);
         }
         if (lane == 0) {
             p.scores[(size_t)t * p.score_stride + s] = score;
-            if (s < visible) atomicAdd(&p.hist[(size_t)t * HIST_BINS + (ordered(score) >> (32 - HIST_BITS))], 1);
+            atomicAdd(&p.hist[(size_t)t * HIST_STRIDE + (ordered(score) >> (32 - HIST_BITS))], 1);
         }
     }
 }
 
-constexpr int TOPK_THREADS = 1024;
+// ---------------------------------------------------------------------------------------------------------
+// Top-k
 
-// Exclusive prefix sum of `flag` over the block (TOPK_THREADS threads); returns it and sets `total`.
-__device__ __forceinline__ int block_exclusive_scan(int flag, int* warp_sums, int& total) {
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    int inclusive = flag;
+// Scores first .. first + SEG_ELEMS of a row (rows start 16-byte aligned: the stride is a multiple of 4).
+__device__ __forceinline__ void load_scores(const float* row, int first, int n, float (&v)[SEG_ELEMS]) {
+    if (first + SEG_ELEMS <= n) {
 #pragma unroll
-    for (int o = 1; o < 32; o *= 2) {
-        const int v = __shfl_up_sync(0xffffffff, inclusive, o);
-        if (lane >= o) inclusive += v;
-    }
-    if (lane == 31) warp_sums[warp] = inclusive;
-    __syncthreads();
-    if (warp == 0) {
-        int w = warp_sums[lane];
-#pragma unroll
-        for (int o = 1; o < 32; o *= 2) {
-            const int v = __shfl_up_sync(0xffffffff, w, o);
-            if (lane >= o) w += v;
-        }
-        warp_sums[lane] = w;  // inclusive over warps
-    }
-    __syncthreads();
-    total = warp_sums[31];
-    const int before = warp == 0 ? 0 : warp_sums[warp - 1];
-    __syncthreads();  // warp_sums is reused by the next scan
-    return before + inclusive - flag;
-}
-
-constexpr int CANDIDATES = 8192;  // values of the threshold bin held in shared memory
-constexpr int ELEMS = 16;          // consecutive scores per thread per step of a pass over the row
-
-// Scores first .. first + ELEMS of a row (rows start 16-byte aligned: the stride is a multiple of 4).
-__device__ __forceinline__ void load_scores(const float* row, int first, int n, float (&v)[ELEMS]) {
-    if (first + ELEMS <= n) {
-#pragma unroll
-        for (int j = 0; j < ELEMS; j += 4) {
+        for (int j = 0; j < SEG_ELEMS; j += 4) {
             const float4 f = *reinterpret_cast<const float4*>(row + first + j);
             v[j] = f.x; v[j + 1] = f.y; v[j + 2] = f.z; v[j + 3] = f.w;
         }
     } else {
 #pragma unroll
-        for (int j = 0; j < ELEMS; ++j) v[j] = first + j < n ? row[first + j] : 0.f;
+        for (int j = 0; j < SEG_ELEMS; ++j) v[j] = first + j < n ? row[first + j] : 0.f;
     }
 }
 
-// Refines (prefix, mask, remaining) over 8-bit digits at `shifts` until the K-th largest value is exact:
-// `remaining` of the values matching `prefix` under `mask` are still to be taken. Values come from
+// Per (segment, token): the threshold bin from the row's histogram, the segment's count of scores above it,
+// and the positions of its scores in that bin appended to the row's candidates.
+__device__ void topk_candidates_impl(const DsaParams& p) {
+    const int t = blockIdx.y, segment = blockIdx.x;
+    const int n = visible_keys(p, t), K = p.K;
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+    if (n <= K || segment * SEG >= n) return;
+    int* hist = p.hist + (size_t)t * HIST_STRIDE;
+    uint32_t* candidates = candidates_of(p, t);
+    __shared__ int warp_sums[32];
+    __shared__ int bin_s, remaining_s;
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the score kernel's writes
+
+    // The bin of the K-th largest score: thread i sums the 8 bins from the top's 8i-th down.
+    int counts[8], sum = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) sum += counts[j] = hist[HIST_BINS - 1 - 8 * threadIdx.x - j];
+    int total;
+    int above = block_exclusive_scan<SEG_THREADS>(sum, warp_sums, total);
+    if (above < K && above + sum >= K) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            if (above + counts[j] >= K) {
+                bin_s = HIST_BINS - 1 - 8 * threadIdx.x - j;
+                remaining_s = K - above;
+                break;
+            }
+            above += counts[j];
+        }
+    }
+    __syncthreads();
+    const uint32_t bin = bin_s;
+    if (segment == 0 && threadIdx.x == 0) {
+        hist[SLOT_VALUE] = (int)(bin << (32 - HIST_BITS));
+        hist[SLOT_COUNT] = remaining_s;
+    }
+
+    const int first = segment * SEG + threadIdx.x * SEG_ELEMS, lane = threadIdx.x % 32;
+    float v[SEG_ELEMS];
+    load_scores(p.scores + (size_t)t * p.score_stride, first, n, v);
+    int above_here = 0;
+#pragma unroll
+    for (int j = 0; j < SEG_ELEMS; ++j) {
+        const bool valid = first + j < n;
+        const uint32_t b = ordered(v[j]) >> (32 - HIST_BITS);
+        above_here += valid && b > bin;
+        const bool candidate = valid && b == bin;
+        // One atomic per warp for its candidates.
+        const uint32_t ballot = __ballot_sync(0xffffffff, candidate);
+        if (ballot != 0) {
+            const int leader = __ffs(ballot) - 1;
+            int slot = 0;
+            if (lane == leader) slot = atomicAdd(&hist[SLOT_CANDIDATES], __popc(ballot));
+            slot = __shfl_sync(0xffffffff, slot, leader);
+            if (candidate) candidates[slot + __popc(ballot & ((1u << lane) - 1))] = first + j;
+        }
+    }
+    int above_total;
+    block_exclusive_scan<SEG_THREADS>(above_here, warp_sums, above_total);
+    if (threadIdx.x == 0) candidates[p.score_stride + segment] = above_total;
+}
+
+// Refines (prefix, mask, remaining) over 8-bit digits at `shifts` until the remaining-th largest value is
+// exact: `remaining` of the values matching `prefix` under `mask` are still to be taken. Values come from
 // `value(i)` for i < count.
 template <typename Value>
 __device__ void select_digits(Value value, int count, int first_shift, uint32_t& prefix, uint32_t& mask,
@@ -281,14 +444,26 @@ __device__ void select_digits(Value value, int count, int first_shift, uint32_t&
             if ((u & mask) == prefix) atomicAdd(&hist[(u >> shift) & 255], 1);
         }
         __syncthreads();
-        if (threadIdx.x == 0) {
-            int above = 0, digit = 255;
-            for (; digit > 0; --digit) {
-                if (above + hist[digit] >= remaining) break;
-                above += hist[digit];
+        if (threadIdx.x < 32) {  // the digit holding the remaining-th largest: lane l scans digits 255-8l down
+            const int lane = threadIdx.x;
+            int counts[8], sum = 0;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) sum += counts[j] = hist[255 - 8 * lane - j];
+            int above = sum;
+#pragma unroll
+            for (int o = 1; o < 32; o *= 2) {
+                const int v = __shfl_up_sync(0xffffffff, above, o);
+                if (lane >= o) above += v;
             }
-            *prefix_s = prefix | ((uint32_t)digit << shift);
-            *remaining_s = remaining - above;
+            above -= sum;  // values in higher lanes' digits
+            const bool here = above < remaining && above + sum >= remaining;
+            const bool nowhere = __ballot_sync(0xffffffff, here) == 0;  // (cannot happen) then digit 0
+            if (here || (nowhere && lane == 31)) {
+                int j = 0;
+                for (; j < 7 && above + counts[j] < remaining; ++j) above += counts[j];
+                *prefix_s = prefix | ((uint32_t)(255 - 8 * lane - j) << shift);
+                *remaining_s = remaining - above;
+            }
         }
         __syncthreads();
         prefix = *prefix_s;
@@ -297,100 +472,128 @@ __device__ void select_digits(Value value, int count, int first_shift, uint32_t&
     }
 }
 
-__device__ void topk_impl(const DsaParams& p) {
-    const int t = blockIdx.x;
-    const int n = visible_keys(p, t), K = p.K;
-    const float* row = p.scores + (size_t)t * p.score_stride;
-    int* hist_row = p.hist + (size_t)t * HIST_BINS;
-    int* out = p.indices + (size_t)t * K;
-    __shared__ int bins[HIST_BINS];
-    __shared__ uint32_t candidates[CANDIDATES];
-    __shared__ int warp_sums[32];
-    __shared__ uint32_t prefix_s;
-    __shared__ int remaining_s, candidate_count;
+struct ThresholdShared {
+    int digits[256];
+    uint32_t prefix;
+    int remaining, equal;
+    int selected[MAX_SEGMENTS];
+    int warp_sums[32];
+};
 
-    for (int i = threadIdx.x; i < HIST_BINS; i += blockDim.x) {
-        bins[i] = hist_row[i];
-        hist_row[i] = 0;  // ready for the next call
+// The K-th largest value (ordered), the last position taken among the scores equal to it, and each
+// segment's output offset, from the row's candidates (`value(i)`: candidate i's ordered score).
+template <typename Value>
+__device__ void threshold_over(const DsaParams& p, int t, int n, Value value, int count, uint32_t prefix,
+                               int remaining, ThresholdShared& sh) {
+    int* hist = p.hist + (size_t)t * HIST_STRIDE;
+    const uint32_t* candidates = candidates_of(p, t);
+    int* digits = sh.digits;
+    uint32_t& prefix_s = sh.prefix;
+    int &remaining_s = sh.remaining, &equal_s = sh.equal;
+    int* selected = sh.selected;
+    int* warp_sums = sh.warp_sums;
+    // The remaining 21 bits, 8 at a time (the first digit overlaps 3 known bits, which all match).
+    uint32_t mask = ~0u << (32 - HIST_BITS);
+    select_digits(value, count, 16, prefix, mask, remaining, digits, &prefix_s, &remaining_s);
+    const uint32_t kth = prefix;
+    if (threadIdx.x == 0) equal_s = 0;
+    __syncthreads();
+    int equal = 0;
+    for (int i = threadIdx.x; i < count; i += blockDim.x) equal += value(i) == kth;
+    atomicAdd(&equal_s, equal);
+    __syncthreads();
+    // Among equal scores the lowest positions win: the remaining-th largest of ~position over them.
+    uint32_t last_tied = 0xffffffffu;
+    if (equal_s > remaining) {
+        uint32_t position_prefix = 0, position_mask = 0;
+        int take = remaining;
+        select_digits([&](int i) { return value(i) == kth ? ~candidates[i] : 0u; }, count, 24, position_prefix,
+                      position_mask, take, digits, &prefix_s, &remaining_s);
+        last_tied = ~position_prefix;
     }
-    if (n <= K) {  // every visible position
-        for (int i = threadIdx.x; i < K; i += blockDim.x) out[i] = i < n ? i : -1;
+    // Each segment's output count: its scores above the threshold bin plus its candidates taken.
+    const int segments = (n + SEG - 1) / SEG;
+    for (int s = threadIdx.x; s < segments; s += blockDim.x) selected[s] = candidates[p.score_stride + s];
+    __syncthreads();
+    for (int i = threadIdx.x; i < count; i += blockDim.x) {
+        const uint32_t u = value(i), position = candidates[i];
+        if (u > kth || (u == kth && position <= last_tied)) atomicAdd(&selected[position / SEG], 1);
+    }
+    __syncthreads();
+    static_assert(MAX_SEGMENTS == 2 * TOPK_THREADS, "two segments per thread");
+    const int s0 = 2 * threadIdx.x;
+    const int pair = (s0 < segments ? selected[s0] : 0) + (s0 + 1 < segments ? selected[s0 + 1] : 0);
+    int total;
+    const int offset = block_exclusive_scan<TOPK_THREADS>(pair, warp_sums, total);
+    uint32_t* offsets = const_cast<uint32_t*>(candidates) + p.score_stride + p.segments;
+    if (s0 < segments) offsets[s0] = offset;
+    if (s0 + 1 < segments) offsets[s0 + 1] = offset + selected[s0];
+    if (threadIdx.x == 0) {
+        hist[SLOT_VALUE] = (int)kth;
+        hist[SLOT_COUNT] = (int)last_tied;
+    }
+}
+
+__device__ void topk_threshold_impl(const DsaParams& p) {
+    const int t = blockIdx.x;
+    const int n = visible_keys(p, t);
+    int* hist = p.hist + (size_t)t * HIST_STRIDE;
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the candidates kernel's writes
+    const int count = hist[SLOT_CANDIDATES];
+    const uint32_t prefix = (uint32_t)hist[SLOT_VALUE];
+    const int remaining = hist[SLOT_COUNT];
+    __syncthreads();  // every thread has read the slots before they are reset
+    // The bins and the candidate count are zero again for the next call.
+    for (int i = threadIdx.x; i <= SLOT_CANDIDATES; i += blockDim.x) hist[i] = 0;
+    if (n <= p.K) return;
+    const float* row = p.scores + (size_t)t * p.score_stride;
+    const uint32_t* candidates = candidates_of(p, t);
+    __shared__ uint32_t values[CANDIDATES];
+    __shared__ ThresholdShared sh;
+    if (count <= CANDIDATES) {
+        for (int i = threadIdx.x; i < count; i += blockDim.x) values[i] = ordered(row[candidates[i]]);
+        __syncthreads();
+        threshold_over(p, t, n, [&](int i) { return values[i]; }, count, prefix, remaining, sh);
+    } else {  // a crowded bin: its values stay in global memory (L2)
+        threshold_over(p, t, n, [&](int i) { return ordered(row[candidates[i]]); }, count, prefix, remaining, sh);
+    }
+}
+
+// Per (segment, token): the segment's selected positions, in order, at the segment's offset.
+__device__ void topk_emit_impl(const DsaParams& p) {
+    const int t = blockIdx.y, segment = blockIdx.x;
+    const int n = visible_keys(p, t), K = p.K;
+    const int first = segment * SEG + threadIdx.x * SEG_ELEMS;
+    int* out = p.indices + (size_t)t * K;
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the threshold kernel's writes
+    if (n <= K) {  // every visible position, then -1
+#pragma unroll
+        for (int j = 0; j < SEG_ELEMS; ++j)
+            if (first + j < K) out[first + j] = first + j < n ? first + j : -1;
         return;
     }
-    if (threadIdx.x == 0) candidate_count = 0;
-    __syncthreads();
-    // The bin of the K-th largest score: thread i owns bins 2i and 2i + 1 counted from the top.
-    static_assert(HIST_BINS == 2 * TOPK_THREADS, "two bins per thread");
-    const int high = HIST_BINS - 1 - 2 * threadIdx.x, low = high - 1;
-    int pair_total;
-    const int above_pair = block_exclusive_scan(bins[high] + bins[low], warp_sums, pair_total);
-    if (above_pair < K && above_pair + bins[high] + bins[low] >= K) {
-        const bool in_high = above_pair + bins[high] >= K;
-        prefix_s = (uint32_t)(in_high ? high : low) << (32 - HIST_BITS);
-        remaining_s = K - (in_high ? above_pair : above_pair + bins[high]);
-    }
-    __syncthreads();
-    uint32_t prefix = prefix_s, mask = ~0u << (32 - HIST_BITS);
-    int remaining = remaining_s;
-    // Gather the threshold bin's values (every thread ELEMS consecutive scores per step, loads in flight
-    // together).
-    for (int base = 0; base < n; base += TOPK_THREADS * ELEMS) {
-        float v[ELEMS];
-        load_scores(row, base + threadIdx.x * ELEMS, n, v);
+    if (segment * SEG >= n) return;
+    const int* hist = p.hist + (size_t)t * HIST_STRIDE;
+    const uint32_t kth = (uint32_t)hist[SLOT_VALUE], last_tied = (uint32_t)hist[SLOT_COUNT];
+    const uint32_t* candidates = candidates_of(p, t);
+    const int offset = candidates[p.score_stride + p.segments + segment];
+    __shared__ int warp_sums[32];
+    float v[SEG_ELEMS];
+    load_scores(p.scores + (size_t)t * p.score_stride, first, n, v);
+    bool take[SEG_ELEMS];
+    int here = 0;
 #pragma unroll
-        for (int j = 0; j < ELEMS; ++j) {
-            const uint32_t u = ordered(v[j]);
-            if (base + threadIdx.x * ELEMS + j < n && (u & mask) == prefix) {
-                const int slot = atomicAdd(&candidate_count, 1);
-                if (slot < CANDIDATES) candidates[slot] = u;
-            }
-        }
+    for (int j = 0; j < SEG_ELEMS; ++j) {
+        const uint32_t u = ordered(v[j]), position = first + j;
+        take[j] = first + j < n && (u > kth || (u == kth && position <= last_tied));
+        here += take[j];
     }
-    __syncthreads();
-    const int count = candidate_count;
-    // The remaining 21 bits, 8 at a time (the first digit overlaps 3 known bits, which all match).
-    if (count <= CANDIDATES) {
-        select_digits([&](int i) { return candidates[i]; }, count, 16, prefix, mask, remaining, bins, &prefix_s,
-                      &remaining_s);
-    } else {
-        select_digits([&](int i) { return ordered(row[i]); }, n, 16, prefix, mask, remaining, bins, &prefix_s,
-                      &remaining_s);
-    }
-    // prefix = the K-th largest value; take everything above it and the first `remaining` equal to it, in
-    // position order.
-    int written = 0, equal_taken = 0;
-    for (int base = 0; base < n; base += TOPK_THREADS * ELEMS) {
-        const int first = base + threadIdx.x * ELEMS;  // this thread's positions: first .. first + ELEMS
-        float v[ELEMS];
-        load_scores(row, first, n, v);
-        uint32_t u[ELEMS];
-        int equal_here = 0;
+    int total;
+    int slot = offset + block_exclusive_scan<SEG_THREADS>(here, warp_sums, total);
 #pragma unroll
-        for (int j = 0; j < ELEMS; ++j) {
-            u[j] = first + j < n ? ordered(v[j]) : 0u;
-            equal_here += first + j < n && u[j] == prefix;
-        }
-        int equal_total;
-        int equal_rank = equal_taken + block_exclusive_scan(equal_here, warp_sums, equal_total);
-        bool take[ELEMS];
-        int take_here = 0;
-#pragma unroll
-        for (int j = 0; j < ELEMS; ++j) {
-            const bool valid = first + j < n;
-            const bool equal = valid && u[j] == prefix;
-            take[j] = (valid && u[j] > prefix) || (equal && equal_rank < remaining);
-            equal_rank += equal;
-            take_here += take[j];
-        }
-        int take_total;
-        int slot = written + block_exclusive_scan(take_here, warp_sums, take_total);
-#pragma unroll
-        for (int j = 0; j < ELEMS; ++j)
-            if (take[j]) out[slot++] = first + j;
-        written += take_total;
-        equal_taken += equal_total;
-    }
-    for (int i = written + threadIdx.x; i < K; i += blockDim.x) out[i] = -1;
+    for (int j = 0; j < SEG_ELEMS; ++j)
+        if (take[j]) out[slot++] = first + j;
 }
 
 // Quantises float rows to e4m3 with one scale per row: scale = amax / 448 (1 for an all-zero row), byte =
@@ -426,7 +629,9 @@ DSA_SCORES_ENTRY(128, 1)
 DSA_SCORES_ENTRY(128, 2)
 
 extern "C" __global__ void __launch_bounds__(SCORE_WARPS * 32) dsa_scores_f32(const DsaParams p) { scores_f32(p); }
-extern "C" __global__ void __launch_bounds__(TOPK_THREADS) dsa_topk(const DsaParams p) { topk_impl(p); }
+extern "C" __global__ void __launch_bounds__(SEG_THREADS) dsa_topk_candidates(const DsaParams p) { topk_candidates_impl(p); }
+extern "C" __global__ void __launch_bounds__(TOPK_THREADS) dsa_topk_threshold(const DsaParams p) { topk_threshold_impl(p); }
+extern "C" __global__ void __launch_bounds__(SEG_THREADS) dsa_topk_emit(const DsaParams p) { topk_emit_impl(p); }
 extern "C" __global__ void dsa_quantize_fp8_bf16(const bf16* rows, uint8_t* bytes, float* scales, int n, int D) {
     quantize_fp8_impl(rows, bytes, scales, n, D);
 }

@@ -5,7 +5,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{sys, CudaFunction, CudaModule, DevicePtr};
+use candle_core::cuda_backend::cudarc::driver::{
+    sys, CudaFunction, CudaModule, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
+};
 use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use candle_core::cuda_backend::{CudaDevice, DeviceId};
 use candle_core::{DType, Storage, Tensor};
@@ -149,4 +151,48 @@ pub(crate) fn describe(
         memory_bytes: free as u64,
         assumed: false,
     })
+}
+
+/// Launches `func` as a programmatic dependent of the previous launch on `stream`: its blocks may be
+/// scheduled while that kernel's last blocks finish, hiding the launch gap; the kernel waits for the
+/// previous grid's writes itself (`griddepcontrol.wait`).
+///
+/// # Safety
+/// `func` takes exactly one parameter, a struct that `P` mirrors, and every pointer in `params` stays
+/// valid until the stream has run the launch.
+pub(crate) unsafe fn launch_dependent<P: DeviceRepr>(
+    func: &CudaFunction,
+    stream: &CudaStream,
+    cfg: LaunchConfig,
+    params: &P,
+) -> candle_core::Result<()> {
+    // SAFETY: an all-zero launch attribute is valid; the id and its value are set right after.
+    let mut attribute: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attribute.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attribute.value.programmaticStreamSerializationAllowed = 1;
+    let config = sys::CUlaunchConfig {
+        gridDimX: cfg.grid_dim.0,
+        gridDimY: cfg.grid_dim.1,
+        gridDimZ: cfg.grid_dim.2,
+        blockDimX: cfg.block_dim.0,
+        blockDimY: cfg.block_dim.1,
+        blockDimZ: cfg.block_dim.2,
+        sharedMemBytes: cfg.shared_mem_bytes,
+        hStream: stream.cu_stream(),
+        attrs: &mut attribute,
+        numAttrs: 1,
+    };
+    let mut args = [params as *const P as *mut std::ffi::c_void];
+    stream.context().bind_to_thread().map_err(cuda_err)?;
+    // SAFETY: the caller's contract above.
+    unsafe {
+        sys::cuLaunchKernelEx(
+            &config,
+            func.cu_function(),
+            args.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    }
+    .result()
+    .map_err(cuda_err)
 }

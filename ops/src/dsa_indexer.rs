@@ -33,13 +33,17 @@
 //!
 //! # CUDA kernels (`kernels/src/dsa_indexer.cu`)
 //!
-//! bf16 or FP8 keys with bf16 queries: scores by `mma.sync` (FP8 keys are exact in bf16; the key's
-//! scale multiplies its column of scores), `H_I <= 32` heads, `D` in {16, 32, 64, 128}; f32: an FMA
-//! kernel. The score kernel also counts each row's scores by their top 11 bits; top-k: one block per
-//! query finds the bin of the K-th score from those counts, selects exactly within that bin (in
-//! shared memory, or over the row when the bin is crowded) and keeps the set in one ordered pass.
-//! Scores are written to an f32 workspace `[T_chunk, N]`; queries go in chunks that keep it under
-//! [`MAX_CHUNK_ELEMS`] elements (a long prefill never holds `[T, N]`).
+//! bf16 or FP8 keys with bf16 queries: scores by `mma.sync` over cp.async-pipelined key tiles (FP8
+//! keys are exact in f16: the f16 mma runs on the raw e4m3 values against Q scaled by a power of two,
+//! and the key's scale multiplies its score), `H_I <= 32` heads, `D` in {16, 32, 64, 128}; f32: an FMA
+//! kernel. The score kernel also counts each row's scores by their top 11 bits. Top-k, spread over
+//! segments of 2048 positions so that one query uses the whole GPU: each segment finds the bin of the
+//! K-th score from those counts and lists its scores in that bin; one block per query selects the
+//! K-th value exactly among them (radix select; ties to the lower position) and gives each segment
+//! its output offset; each segment then writes its selected positions in order. Scores go to an f32
+//! workspace `[T_chunk, N]` and the candidates to a u32 one of the same size; queries go in chunks
+//! that keep them under [`MAX_CHUNK_ELEMS`] elements (a long prefill never holds `[T, N]`). At most
+//! 4,194,304 visible keys per query.
 //! Other dtypes and shapes run the reference.
 //!
 //! # Reference implementation
@@ -479,16 +483,22 @@ mod cuda {
     use candle_core::{CustomOp1, DType, Layout, Shape, Tensor};
 
     use super::{PagedIndexKeys, MAX_CHUNK_ELEMS};
-    use crate::cuda::{cuda_err, device_address, kernel};
+    use crate::cuda::{cuda_err, device_address, device_info, kernel, launch_dependent};
     use crate::error::Result;
     use crate::index_keys::IndexKeys;
 
     const MODULE: &[u8] = glm5_kernels::DSA_INDEXER;
-    /// Positions one score block covers (`KEYS_PER_BLOCK` in the .cu file).
-    const KEYS_PER_BLOCK: usize = 64;
-    /// Bins of the per-row score histogram (`HIST_BINS` in the .cu file).
-    const HIST_BINS: usize = 2048;
+    /// Keys per score tile (`TILE_KEYS` in the .cu file): the f32 kernel's block covers one.
+    const TILE_KEYS: usize = 64;
+    /// Per-row histogram words: 2048 bins and the top-k kernels' slots (`HIST_STRIDE` in the .cu file).
+    const HIST_STRIDE: usize = 2048 + 4;
+    /// Positions per top-k segment and the most segments of a row (`SEG`, `MAX_SEGMENTS`).
+    const SEGMENT: usize = 2048;
+    const MAX_SEGMENTS: usize = 2048;
+    /// Shared memory of an mma score block (46 KB at most): sets how many blocks an SM holds.
+    const SCORE_BLOCK_SHARED: usize = 48 << 10;
     const SCORE_THREADS: u32 = 128;
+    const SEGMENT_THREADS: u32 = 256;
     const TOPK_THREADS: u32 = 1024;
     use super::limits::{MMA_HEAD_DIMS, MMA_MAX_HEADS};
 
@@ -519,6 +529,7 @@ mod cuda {
         visible: u64,
         scores: u64,
         hist: u64,
+        work: u64,
         indices: u64,
         t: i32,
         h: i32,
@@ -529,34 +540,38 @@ mod cuda {
         batch: i32,
         score_stride: i32,
         positions: i32,
+        segments: i32,
     }
     // SAFETY: plain-old-data with the C layout of the kernel's parameter struct.
     unsafe impl DeviceRepr for Params {}
 
-    /// This thread's workspace on `dev`: scores `[chunk, positions]` f32 and the score histograms
-    /// `[chunk, HIST_BINS]` i32, which must be zero when a call starts (allocated zeroed; the top-k kernel
-    /// zeroes every row it reads). Per thread because candle issues work on the per-thread default stream.
-    fn workspace(dev: &CudaDevice, scores: usize, hist: usize) -> candle_core::Result<(u64, u64)> {
+    /// This thread's workspace on `dev`: scores `[chunk, stride]` f32, the per-row histograms and
+    /// slots `[chunk, HIST_STRIDE]` i32, which must be zero when a call starts (allocated zeroed; the
+    /// threshold kernel zeroes every row it reads), and the top-k kernels' candidates and segment
+    /// counts `[chunk, stride + 2 * segments]` u32. Per thread because candle issues work on the
+    /// per-thread default stream.
+    fn workspace(dev: &CudaDevice, scores: usize, hist: usize, work: usize) -> candle_core::Result<[u64; 3]> {
+        type Buffers = (CudaSlice<f32>, CudaSlice<i32>, CudaSlice<u32>);
         thread_local! {
-            static WORKSPACE: RefCell<HashMap<DeviceId, (CudaSlice<f32>, CudaSlice<i32>)>> =
-                RefCell::new(HashMap::new());
+            static WORKSPACE: RefCell<HashMap<DeviceId, Buffers>> = RefCell::new(HashMap::new());
         }
         WORKSPACE.with(|cell| {
             let mut map = cell.borrow_mut();
             let stream = dev.cuda_stream();
             let fits = map
                 .get(&dev.id())
-                .is_some_and(|(s, h)| s.len() >= scores && h.len() >= hist);
+                .is_some_and(|(s, h, w)| s.len() >= scores && h.len() >= hist && w.len() >= work);
             if !fits {
-                // SAFETY: every score the kernels read is written by the same call first.
+                // SAFETY: every score and work word the kernels read is written by the same call first.
                 let fresh_scores = unsafe { dev.alloc::<f32>(scores.next_power_of_two()) }?;
                 let fresh_hist = stream.alloc_zeros::<i32>(hist.next_power_of_two()).map_err(cuda_err)?;
-                map.insert(dev.id(), (fresh_scores, fresh_hist));
+                let fresh_work = unsafe { dev.alloc::<u32>(work.next_power_of_two()) }?;
+                map.insert(dev.id(), (fresh_scores, fresh_hist, fresh_work));
             }
-            let (s, h) = map
+            let (s, h, w) = map
                 .get(&dev.id())
                 .ok_or_else(|| cuda_err("dsa_indexer workspace missing"))?;
-            let pointers = (s.device_ptr(&stream).0, h.device_ptr(&stream).0);
+            let pointers = [s.device_ptr(&stream).0, h.device_ptr(&stream).0, w.device_ptr(&stream).0];
             Ok(pointers)
         })
     }
@@ -584,10 +599,19 @@ mod cuda {
             let indices = unsafe { dev.alloc::<i32>(t_len * self.top_k) }?;
             let indices_ptr = indices.device_ptr(&stream).0;
             let positions = self.positions.max(1);
-            // Score rows start 16-byte aligned (the top-k kernel reads them as float4).
+            let segments = positions.div_ceil(SEGMENT);
+            if segments > MAX_SEGMENTS {
+                candle_core::bail!(
+                    "dsa_indexer: the CUDA kernels serve at most {} visible keys per query, got {positions}",
+                    MAX_SEGMENTS * SEGMENT
+                );
+            }
+            // Score rows start 16-byte aligned (the top-k kernels read them as float4).
             let stride = positions.next_multiple_of(4);
             let chunk = (MAX_CHUNK_ELEMS / stride).clamp(1, t_len.max(1));
-            let (scores_ptr, hist_ptr) = workspace(dev, chunk * stride, chunk * HIST_BINS)?;
+            let work_stride = stride + 2 * segments;
+            let [scores_ptr, hist_ptr, work_ptr] =
+                workspace(dev, chunk * stride, chunk * HIST_STRIDE, chunk * work_stride)?;
             let q_elem = self.q.dtype().size_in_bytes();
             let name = match (self.fp8, self.q.dtype()) {
                 (false, DType::F32) => "dsa_scores_f32".to_string(),
@@ -598,7 +622,14 @@ mod cuda {
                 ),
             };
             let scores_fn = kernel(dev, "dsa_indexer", MODULE, &name)?;
-            let topk_fn = kernel(dev, "dsa_indexer", MODULE, "dsa_topk")?;
+            let [candidates_fn, threshold_fn, emit_fn] =
+                ["dsa_topk_candidates", "dsa_topk_threshold", "dsa_topk_emit"]
+                    .map(|name| kernel(dev, "dsa_indexer", MODULE, name));
+            let (candidates_fn, threshold_fn, emit_fn) = (candidates_fn?, threshold_fn?, emit_fn?);
+            let f32_scores = self.q.dtype() == DType::F32 && !self.fp8;
+            // mma score blocks stream a strided share of a row's tiles: as many blocks as the SMs hold.
+            let info = device_info(dev)?;
+            let resident = info.sms * (info.max_shared_per_block / SCORE_BLOCK_SHARED).max(1);
             let (q, weights, keys, block_table, token_seq, visible) = (
                 device_address(&self.q)?.0,
                 device_address(&self.weights)?.0,
@@ -626,6 +657,7 @@ mod cuda {
                     visible: visible + (start * 4) as u64,
                     scores: scores_ptr,
                     hist: hist_ptr,
+                    work: work_ptr,
                     indices: indices_ptr + (start * self.top_k * 4) as u64,
                     t: len as i32,
                     h: heads as i32,
@@ -636,28 +668,34 @@ mod cuda {
                     batch: batch as i32,
                     score_stride: stride as i32,
                     positions: positions as i32,
+                    segments: segments as i32,
                 };
-                let f32_smem = if self.q.dtype() == DType::F32 && !self.fp8 {
-                    (heads * dim + heads) * 4
+                let tiles = positions.div_ceil(TILE_KEYS);
+                let (score_blocks, score_smem) = if f32_scores {
+                    (tiles, (heads * dim + heads) * 4)
                 } else {
-                    0
+                    (tiles.min(resident.div_ceil(len)).max(1), 0)
                 };
-                let cfg = LaunchConfig {
-                    grid_dim: (positions.div_ceil(KEYS_PER_BLOCK) as u32, len as u32, 1),
-                    block_dim: (SCORE_THREADS, 1, 1),
-                    shared_mem_bytes: f32_smem as u32,
+                let config = |(x, y): (usize, usize), threads: u32, shared: usize| LaunchConfig {
+                    grid_dim: (x as u32, y as u32, 1),
+                    block_dim: (threads, 1, 1),
+                    shared_mem_bytes: shared as u32,
                 };
                 let mut builder = stream.launch_builder(&scores_fn);
                 builder.arg(&params);
-                unsafe { builder.launch(cfg) }.map_err(cuda_err)?;
-                let cfg = LaunchConfig {
-                    grid_dim: (len as u32, 1, 1),
-                    block_dim: (TOPK_THREADS, 1, 1),
-                    shared_mem_bytes: 0,
-                };
-                let mut builder = stream.launch_builder(&topk_fn);
-                builder.arg(&params);
-                unsafe { builder.launch(cfg) }.map_err(cuda_err)?;
+                // SAFETY: `params` mirrors DsaParams; every pointer in it is live for this call.
+                unsafe { builder.launch(config((score_blocks, len), SCORE_THREADS, score_smem)) }
+                    .map_err(cuda_err)?;
+                // The top-k kernels start as their predecessor finishes and wait for its writes.
+                let top_k = [
+                    (&candidates_fn, config((segments, len), SEGMENT_THREADS, 0)),
+                    (&threshold_fn, config((len, 1), TOPK_THREADS, 0)),
+                    (&emit_fn, config((positions.max(self.top_k).div_ceil(SEGMENT), len), SEGMENT_THREADS, 0)),
+                ];
+                for (function, cfg) in top_k {
+                    // SAFETY: as above; each top-k kernel takes one DsaParams.
+                    unsafe { launch_dependent(function, &stream, cfg, &params) }?;
+                }
             }
             Ok(CudaStorage::wrap_cuda_slice(indices, dev.clone()))
         }

@@ -459,13 +459,13 @@ mod cuda {
 
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{
-        CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+        CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
     };
     use candle_core::cuda_backend::{CudaDevice, CudaStorage, DeviceId};
     use candle_core::{CustomOp1, CustomOp2, DType, Layout, Shape, Tensor};
 
     use super::PagedLatentCache;
-    use crate::cuda::{cuda_err, device_address, device_info, kernel, STATIC_SHARED_RESERVE};
+    use crate::cuda::{cuda_err, device_address, device_info, kernel, launch_dependent, STATIC_SHARED_RESERVE};
     use crate::error::{check_shape, OpError, Result};
 
     const MODULE: &[u8] = glm5_kernels::SPARSE_MLA;
@@ -757,49 +757,8 @@ mod cuda {
             block_dim: ((COMBINE_GROUPS * 32) as u32, 1, 1),
             shared_mem_bytes: 0,
         };
-        launch_dependent(&combine, &stream, cfg, params)
-    }
-
-    /// Launches `func` as a programmatic dependent of the previous launch on `stream`: its blocks may be
-    /// scheduled while that kernel's last blocks finish, hiding the launch gap; the kernel waits for the
-    /// previous grid's writes itself (`griddepcontrol.wait`).
-    fn launch_dependent(
-        func: &CudaFunction,
-        stream: &CudaStream,
-        cfg: LaunchConfig,
-        params: &Params,
-    ) -> candle_core::Result<()> {
-        use candle_core::cuda_backend::cudarc::driver::sys;
-        // SAFETY: an all-zero launch attribute is valid; the id and its value are set right after.
-        let mut attribute: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        attribute.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-        attribute.value.programmaticStreamSerializationAllowed = 1;
-        let config = sys::CUlaunchConfig {
-            gridDimX: cfg.grid_dim.0,
-            gridDimY: cfg.grid_dim.1,
-            gridDimZ: cfg.grid_dim.2,
-            blockDimX: cfg.block_dim.0,
-            blockDimY: cfg.block_dim.1,
-            blockDimZ: cfg.block_dim.2,
-            sharedMemBytes: cfg.shared_mem_bytes,
-            hStream: stream.cu_stream(),
-            attrs: &mut attribute,
-            numAttrs: 1,
-        };
-        let mut args = [params as *const Params as *mut std::ffi::c_void];
-        stream.context().bind_to_thread().map_err(cuda_err)?;
-        // SAFETY: `func` takes one `SparseMlaParams` by value, which `Params` mirrors; the pointers in it
-        // stay valid until the stream reaches this launch (they belong to tensors the op holds or returns).
-        unsafe {
-            sys::cuLaunchKernelEx(
-                &config,
-                func.cu_function(),
-                args.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        }
-        .result()
-        .map_err(cuda_err)
+        // SAFETY: the combine kernel takes one `SparseMlaParams`, which `Params` mirrors.
+        unsafe { launch_dependent(&combine, &stream, cfg, params) }
     }
 
     impl CustomOp2 for SparseMla {
