@@ -257,10 +257,13 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
         const int ahead = i + STAGES - 1;  // refills the stage consumed in iteration i - 1
         if (ahead < my_tiles) load_tile<D, FP8>(p, rows[ahead % STAGES], stages[ahead % STAGES], scales[ahead % STAGES]);
         cp_async_commit();
+        // The block-table entry of this thread's key in the tile copied next iteration: read now, stored
+        // as a row after this tile's math, so its latency hides behind it.
+        const int next = tile_base(ahead + 1) + threadIdx.x;
+        const bool resolve = ahead + 1 < my_tiles && threadIdx.x < TILE_KEYS;
+        const int page = resolve && next < visible ? p.block_table[(size_t)seq * p.max_blocks + next / p.block_size] : -1;
         cp_async_wait<STAGES - 1>();
         __syncthreads();
-        // The rows of the tile copied next iteration, into the slot of tile i (its copy went out long ago).
-        if (ahead + 1 < my_tiles) tile_rows(p, seq, visible, tile_base(ahead + 1), rows[(ahead + 1) % STAGES]);
         const uint8_t* tile = stages[i % STAGES];
         const int base = tile_base(i);
 
@@ -316,6 +319,8 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
                 }
             }
         }
+        // Into the slot of tile i, whose copy went out long ago; read after the barrier below.
+        if (resolve) rows[(ahead + 1) % STAGES][threadIdx.x] = page >= 0 ? page * p.block_size + next % p.block_size : -1;
         __syncthreads();  // the stage is refilled next iteration
     }
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
@@ -613,10 +618,10 @@ __device__ void quantize_fp8_impl(const T* rows, uint8_t* bytes, float* scales, 
 }
 
 #define DSA_SCORES_ENTRY(D, MT)                                                                          \
-    extern "C" __global__ void __launch_bounds__(SCORE_WARPS * 32) dsa_scores_bf16_d##D##_mt##MT(const DsaParams p) { \
+    extern "C" __global__ void __launch_bounds__(SCORE_WARPS * 32, 4) dsa_scores_bf16_d##D##_mt##MT(const DsaParams p) { \
         scores_mma<D, MT, false>(p);                                                                     \
     }                                                                                                    \
-    extern "C" __global__ void __launch_bounds__(SCORE_WARPS * 32) dsa_scores_fp8_d##D##_mt##MT(const DsaParams p) {  \
+    extern "C" __global__ void __launch_bounds__(SCORE_WARPS * 32, 4) dsa_scores_fp8_d##D##_mt##MT(const DsaParams p) {  \
         scores_mma<D, MT, true>(p);                                                                      \
     }
 DSA_SCORES_ENTRY(16, 1)

@@ -477,7 +477,7 @@ mod cuda {
 
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{
-        CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+        CudaFunction, CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
     };
     use candle_core::cuda_backend::{CudaDevice, CudaStorage, DeviceId};
     use candle_core::{CustomOp1, DType, Layout, Shape, Tensor};
@@ -495,8 +495,6 @@ mod cuda {
     /// Positions per top-k segment and the most segments of a row (`SEG`, `MAX_SEGMENTS`).
     const SEGMENT: usize = 2048;
     const MAX_SEGMENTS: usize = 2048;
-    /// Shared memory of an mma score block (46 KB at most): sets how many blocks an SM holds.
-    const SCORE_BLOCK_SHARED: usize = 48 << 10;
     const SCORE_THREADS: u32 = 128;
     const SEGMENT_THREADS: u32 = 256;
     const TOPK_THREADS: u32 = 1024;
@@ -576,6 +574,24 @@ mod cuda {
         })
     }
 
+    /// Blocks of `function` (SCORE_THREADS threads, static shared memory only) the whole device holds at
+    /// once, asked of the driver once per device and kernel.
+    fn resident_blocks(dev: &CudaDevice, name: &str, function: &CudaFunction) -> candle_core::Result<usize> {
+        thread_local! {
+            static RESIDENT: RefCell<HashMap<(DeviceId, String), usize>> = RefCell::new(HashMap::new());
+        }
+        let key = (dev.id(), name.to_string());
+        if let Some(blocks) = RESIDENT.with(|cell| cell.borrow().get(&key).copied()) {
+            return Ok(blocks);
+        }
+        let per_sm = function
+            .occupancy_max_active_blocks_per_multiprocessor(SCORE_THREADS, 0, None)
+            .map_err(cuda_err)? as usize;
+        let blocks = device_info(dev)?.sms * per_sm.max(1);
+        RESIDENT.with(|cell| cell.borrow_mut().insert(key, blocks));
+        Ok(blocks)
+    }
+
     /// Runs the score and top-k kernels; the index tensor is the op's output, the inputs ride along in it.
     struct Indexer {
         q: Tensor,
@@ -628,8 +644,7 @@ mod cuda {
             let (candidates_fn, threshold_fn, emit_fn) = (candidates_fn?, threshold_fn?, emit_fn?);
             let f32_scores = self.q.dtype() == DType::F32 && !self.fp8;
             // mma score blocks stream a strided share of a row's tiles: as many blocks as the SMs hold.
-            let info = device_info(dev)?;
-            let resident = info.sms * (info.max_shared_per_block / SCORE_BLOCK_SHARED).max(1);
+            let resident = if f32_scores { 0 } else { resident_blocks(dev, &name, &scores_fn)? };
             let (q, weights, keys, block_table, token_seq, visible) = (
                 device_address(&self.q)?.0,
                 device_address(&self.weights)?.0,
