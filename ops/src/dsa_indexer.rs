@@ -145,6 +145,8 @@ pub(crate) mod limits {
     pub const MMA_HEAD_DIMS: [usize; 4] = [16, 32, 64, 128];
     /// Most heads the mma score kernels hold (two tiles of 16).
     pub const MMA_MAX_HEADS: usize = 32;
+    /// Most keys one query may see on the CUDA kernels: 2048 top-k segments (`MAX_SEGMENTS`) of 2048.
+    pub const CUDA_MAX_VISIBLE_KEYS: usize = 2048 * 2048;
 }
 
 /// A paged indexer key cache (layout in the module docs).
@@ -484,7 +486,7 @@ mod cuda {
 
     use super::{PagedIndexKeys, MAX_CHUNK_ELEMS};
     use crate::cuda::{cuda_err, device_address, device_info, kernel, launch_dependent};
-    use crate::error::Result;
+    use crate::error::{OpError, Result};
     use crate::index_keys::IndexKeys;
 
     const MODULE: &[u8] = glm5_kernels::DSA_INDEXER;
@@ -492,9 +494,8 @@ mod cuda {
     const TILE_KEYS: usize = 64;
     /// Per-row histogram words: 2048 bins and the top-k kernels' slots (`HIST_STRIDE` in the .cu file).
     const HIST_STRIDE: usize = 2048 + 4;
-    /// Positions per top-k segment and the most segments of a row (`SEG`, `MAX_SEGMENTS`).
+    /// Positions per top-k segment (`SEG` in the .cu file).
     const SEGMENT: usize = 2048;
-    const MAX_SEGMENTS: usize = 2048;
     const SCORE_THREADS: u32 = 128;
     const SEGMENT_THREADS: u32 = 256;
     const TOPK_THREADS: u32 = 1024;
@@ -616,12 +617,6 @@ mod cuda {
             let indices_ptr = indices.device_ptr(&stream).0;
             let positions = self.positions.max(1);
             let segments = positions.div_ceil(SEGMENT);
-            if segments > MAX_SEGMENTS {
-                candle_core::bail!(
-                    "dsa_indexer: the CUDA kernels serve at most {} visible keys per query, got {positions}",
-                    MAX_SEGMENTS * SEGMENT
-                );
-            }
             // Score rows start 16-byte aligned (the top-k kernels read them as float4).
             let stride = positions.next_multiple_of(4);
             let chunk = (MAX_CHUNK_ELEMS / stride).clamp(1, t_len.max(1));
@@ -747,6 +742,13 @@ mod cuda {
         top_k: usize,
     ) -> Result<Tensor> {
         let device = q_index.device();
+        let positions = visible_keys.iter().copied().max().unwrap_or(0);
+        if positions > super::limits::CUDA_MAX_VISIBLE_KEYS {
+            return Err(OpError::Unsupported(format!(
+                "dsa_indexer: the CUDA kernels serve at most {} visible keys per query, got {positions}",
+                super::limits::CUDA_MAX_VISIBLE_KEYS
+            )));
+        }
         let (fp8, keys, scales) = match cache.keys {
             IndexKeys::Float(keys) => (false, keys.contiguous()?, None),
             IndexKeys::Fp8 { bytes, scales } => (true, bytes.contiguous()?, Some(scales.contiguous()?)),
@@ -762,7 +764,7 @@ mod cuda {
             block_table: cache.block_table.contiguous()?,
             token_seq: cache.token_seq.contiguous()?,
             visible: Tensor::from_vec(visible, visible_keys.len(), device)?,
-            positions: visible_keys.iter().copied().max().unwrap_or(0),
+            positions,
             top_k,
             fp8,
         };
