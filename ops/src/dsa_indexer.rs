@@ -146,6 +146,7 @@ pub(crate) mod limits {
     /// Most heads the mma score kernels hold (two tiles of 16).
     pub const MMA_MAX_HEADS: usize = 32;
     /// Most keys one query may see on the CUDA kernels: 2048 top-k segments (`MAX_SEGMENTS`) of 2048.
+    #[cfg(feature = "cuda")]
     pub const CUDA_MAX_VISIBLE_KEYS: usize = 2048 * 2048;
 }
 

@@ -113,7 +113,7 @@ impl Limit {
             Limit::Any => true,
             Limit::OneOf(values) => values.contains(&value),
             Limit::Range { min, max } => (*min..=*max).contains(&value),
-            Limit::MultipleOf(n) => *n > 0 && value % n == 0,
+            Limit::MultipleOf(n) => *n > 0 && value.is_multiple_of(*n),
         }
     }
 }
