@@ -122,7 +122,10 @@ fn layers_split_over_cuda_and_cpu_match_all_cpu() {
         )
         .unwrap();
         assert_eq!(plan.boundaries(), vec![(n / 2, 0, 1)]);
-        println!("{name}: sparse_mla on cuda:0 = {}", plan.layers[0].ops[0].backend());
+        println!(
+            "{name}: sparse_mla on cuda:0 = {}",
+            plan.layers[0].ops[0].backend()
+        );
         let model = Glm5ForCausalLM::load_planned(
             &config,
             &Checkpoint::open(&dir).unwrap(),
@@ -149,6 +152,124 @@ fn layers_split_over_cuda_and_cpu_match_all_cpu() {
             .map(|(a, b)| (a - b).abs())
             .fold(0.0, f32::max);
         println!("{name}: cuda:0 + cpu vs all-CPU, max |Δ| = {err:.2e}");
-        assert!(err < 1e-3, "{name}: split logits differ from all-CPU by {err}");
+        assert!(
+            err < 1e-3,
+            "{name}: split logits differ from all-CPU by {err}"
+        );
     }
+}
+
+/// The FP8 indexer key cache on the GPU, in a bf16 model (keys quantised on insert by the CUDA quantiser and
+/// scored by the FP8 mma kernel, in prefill and in decode). While a query sees no more positions than
+/// index_topk every position is selected, so logits equal those with float keys; past it, every row of every
+/// layer's selections holds index_topk distinct causal positions.
+#[test]
+fn fp8_index_keys_on_gpu() {
+    use glm5::models::Checkpoint;
+    use glm5::{Config, DeviceDesc, KeyFormat, Plan, PlanOptions, Registry};
+    let gpu = Device::new_cuda(0).unwrap();
+    let name = "sparse_long";
+    let (ids, _) = reference(name);
+    let dir = fixture_dir(name);
+    let config = Config::from_file(dir.join("config.json")).unwrap();
+    assert!(
+        ids.len() > config.index_topk,
+        "the fixture must outgrow index_topk"
+    );
+    let prefill = 6;
+    let run = |keys: KeyFormat| {
+        let mut options = PlanOptions::new(DType::BF16, AttentionMode::Sparse);
+        options.index_keys = keys;
+        let plan = Plan::build(
+            &config,
+            vec![DeviceDesc::of(&gpu).unwrap()],
+            &options,
+            &Registry::builtin(),
+        )
+        .unwrap();
+        let indexer = plan.layers[0]
+            .op(glm5::Op::DsaIndexer)
+            .map(|op| op.backend());
+        assert_eq!(indexer, Some("cuda-bf16-mma"), "{keys:?} keys");
+        let model = Glm5ForCausalLM::load_planned(
+            &config,
+            &Checkpoint::open(&dir).unwrap(),
+            plan,
+            &[gpu.clone()],
+        )
+        .unwrap();
+        let mut cache = model.new_cache(ids.len()).unwrap();
+        let (first, selections) = model
+            .forward_with_selections(&ids[..prefill], 0, &mut cache)
+            .unwrap();
+        let mut rows = vec![first];
+        let mut decode_selections = Vec::new();
+        for (pos, &id) in ids.iter().enumerate().skip(prefill) {
+            let (logits, sel) = model
+                .forward_with_selections(&[id], pos, &mut cache)
+                .unwrap();
+            rows.push(logits);
+            decode_selections.push((pos, sel));
+        }
+        let logits: Vec<Vec<f32>> = Tensor::cat(&rows, 0)
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap()
+            .to_device(&Device::Cpu)
+            .unwrap()
+            .to_vec2()
+            .unwrap();
+        let mut by_position: Vec<(usize, Vec<Vec<i32>>)> = (0..prefill)
+            .map(|t| {
+                (
+                    t,
+                    selections
+                        .iter()
+                        .map(|s| s.to_vec2::<i32>().unwrap()[t].clone())
+                        .collect(),
+                )
+            })
+            .collect();
+        for (pos, sel) in decode_selections {
+            by_position.push((
+                pos,
+                sel.iter()
+                    .map(|s| s.to_vec2::<i32>().unwrap()[0].clone())
+                    .collect(),
+            ));
+        }
+        (logits, by_position)
+    };
+    let (float_logits, _) = run(KeyFormat::Float);
+    let (fp8_logits, fp8_selections) = run(KeyFormat::Fp8E4m3);
+    for t in 0..config.index_topk {
+        let diff: f32 = fp8_logits[t]
+            .iter()
+            .zip(&float_logits[t])
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f32::max);
+        assert!(
+            diff < 1e-5,
+            "position {t}: FP8 keys changed the logits by {diff} before index_topk"
+        );
+    }
+    for (pos, layers) in &fp8_selections {
+        for (layer, row) in layers.iter().enumerate() {
+            let mut chosen: Vec<i32> = row.iter().copied().filter(|&s| s >= 0).collect();
+            let want = config.index_topk.min(pos + 1);
+            assert_eq!(chosen.len(), want, "layer {layer} position {pos}: {row:?}");
+            chosen.sort();
+            chosen.dedup();
+            assert_eq!(
+                chosen.len(),
+                want,
+                "layer {layer} position {pos}: repeats in {row:?}"
+            );
+            assert!(
+                chosen.iter().all(|&s| s as usize <= *pos),
+                "layer {layer} position {pos}: not causal {row:?}"
+            );
+        }
+    }
+    println!("{name}: FP8 index keys on the GPU: logits equal before index_topk, {} selection rows valid", fp8_selections.len());
 }
