@@ -27,7 +27,7 @@
 // bf16 keys: bf16 mma.sync with ldmatrix fragments. FP8 keys: e4m3 is exact in f16, so the raw bytes become
 // f16 fragments with one cvt per pair and run the f16 mma against Q in f16, Q being scaled by a power of two
 // that keeps it inside f16's range (exact, undone on the score); relu(scale * x) = scale * relu(x) for
-// scale > 0, so each key's scale multiplies its score. The fragments' k order is permuted (thread c holds
+// scale > 0, so each key's scale multiplies its score. The FP8 fragments' k order is permuted (thread c holds
 // dims 4c..4c+3 of each 16-dim step in both operands) so that one 32-bit shared load feeds both halves of
 // a B fragment; the dot product does not care about the order of its terms.
 
