@@ -387,6 +387,7 @@ __device__ void topk_candidates_impl(const DsaParams& p) {
     asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the score kernel's writes
 
     // The bin of the K-th largest score: thread i sums the 8 bins from the top's 8i-th down.
+    static_assert(HIST_BINS == 8 * SEG_THREADS, "eight bins per thread");
     int counts[8], sum = 0;
 #pragma unroll
     for (int j = 0; j < 8; ++j) sum += counts[j] = hist[HIST_BINS - 1 - 8 * threadIdx.x - j];
