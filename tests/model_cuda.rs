@@ -7,8 +7,9 @@ use glm5::{AttentionMode, Glm5ForCausalLM};
 
 #[path = "common/fixtures.rs"]
 mod fixtures;
-use fixtures::{fixture_dir, reference};
+use fixtures::{decode_rows, fixture_dir, reference};
 
+/// The fixture `name` on `device` in `dtype`: prefill of `decode_from` ids, then decode (every logit row).
 fn logits(
     name: &str,
     dtype: DType,
@@ -18,17 +19,7 @@ fn logits(
 ) -> Vec<Vec<f32>> {
     let model =
         Glm5ForCausalLM::from_dir(fixture_dir(name), dtype, device, AttentionMode::Sparse).unwrap();
-    let mut cache = model.new_cache(ids.len()).unwrap();
-    let mut rows = vec![model.forward(&ids[..decode_from], 0, &mut cache).unwrap()];
-    for (pos, &id) in ids.iter().enumerate().skip(decode_from) {
-        rows.push(model.forward(&[id], pos, &mut cache).unwrap());
-    }
-    Tensor::cat(&rows, 0)
-        .unwrap()
-        .to_device(&Device::Cpu)
-        .unwrap()
-        .to_vec2()
-        .unwrap()
+    decode_rows(&model, ids, decode_from)
 }
 
 const FIXTURES: [&str; 3] = ["sparse_long", "dense_equiv", "bf16_storage"];
@@ -133,18 +124,8 @@ fn layers_split_over_cuda_and_cpu_match_all_cpu() {
             &devices,
         )
         .unwrap();
-        let mut cache = model.new_cache(ids.len()).unwrap();
-        let mut rows = vec![model.forward(&ids[..6], 0, &mut cache).unwrap()];
-        for (pos, &id) in ids.iter().enumerate().skip(6) {
-            rows.push(model.forward(&[id], pos, &mut cache).unwrap());
-        }
+        let split_rows = decode_rows(&model, &ids, 6);
         assert_eq!(model.transfers(), 1 + ids.len() - 6);
-        let split_rows: Vec<Vec<f32>> = Tensor::cat(&rows, 0)
-            .unwrap()
-            .to_device(&Device::Cpu)
-            .unwrap()
-            .to_vec2()
-            .unwrap();
         let err = split_rows
             .iter()
             .flatten()

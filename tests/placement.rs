@@ -4,7 +4,6 @@
 //! forced backends with GLM5_BACKEND under the CLI's).
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use glm5::candle_core::{DType, Device, Tensor};
@@ -17,26 +16,9 @@ use glm5::{
     Registry,
 };
 
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
-}
-
-/// Prefill of the first `split` ids, then one decode step per remaining id: every logit row.
-fn run(model: &Glm5ForCausalLM, ids: &[u32], split: usize) -> Vec<Vec<f32>> {
-    let mut cache = model.new_cache(ids.len()).unwrap();
-    let mut rows = vec![model.forward(&ids[..split], 0, &mut cache).unwrap()];
-    for (pos, &id) in ids.iter().enumerate().skip(split) {
-        rows.push(model.forward(&[id], pos, &mut cache).unwrap());
-    }
-    Tensor::cat(&rows, 0)
-        .unwrap()
-        .to_device(&Device::Cpu)
-        .unwrap()
-        .to_vec2()
-        .unwrap()
-}
+#[path = "common/fixtures.rs"]
+mod fixtures;
+use fixtures::{decode_rows, fixture_dir};
 
 fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
     a.iter()
@@ -49,14 +31,16 @@ fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
 #[test]
 fn a_model_split_over_two_devices_moves_hidden_states_and_matches_one_device() {
     for name in ["sparse_long", "dense_equiv"] {
-        let dir = fixture(name);
+        let dir = fixture_dir(name);
         let config = Config::from_file(dir.join("config.json")).unwrap();
         let n = config.num_hidden_layers;
-        let ids: Vec<u32> = (0..20).map(|i| (i * 7 + 3) % config.vocab_size as u32).collect();
+        let ids: Vec<u32> = (0..20)
+            .map(|i| (i * 7 + 3) % config.vocab_size as u32)
+            .collect();
         let single =
             Glm5ForCausalLM::from_dir(&dir, DType::F32, &Device::Cpu, AttentionMode::Sparse)
                 .unwrap();
-        let expected = run(&single, &ids, 12);
+        let expected = decode_rows(&single, &ids, 12);
         assert_eq!(single.transfers(), 0);
 
         // Layers 0..n/2 on plan device 0, the rest (and lm_head) on plan device 1: both the CPU.
@@ -77,9 +61,13 @@ fn a_model_split_over_two_devices_moves_hidden_states_and_matches_one_device() {
             &[Device::Cpu, Device::Cpu],
         )
         .unwrap();
-        let got = run(&split, &ids, 12);
+        let got = decode_rows(&split, &ids, 12);
         let calls = 1 + ids.len() - 12;
-        assert_eq!(split.transfers(), calls, "one boundary crossing per forward");
+        assert_eq!(
+            split.transfers(),
+            calls,
+            "one boundary crossing per forward"
+        );
         assert_eq!(max_diff(&got, &expected), 0.0, "{name}");
         let backends = split.layer_backends();
         assert_eq!(backends.len(), n);
@@ -89,7 +77,7 @@ fn a_model_split_over_two_devices_moves_hidden_states_and_matches_one_device() {
 
 #[test]
 fn a_plan_must_match_the_devices_it_is_loaded_on() {
-    let dir = fixture("sparse_long");
+    let dir = fixture_dir("sparse_long");
     let config = Config::from_file(dir.join("config.json")).unwrap();
     let checkpoint = Checkpoint::open(&dir).unwrap();
     let options = PlanOptions::new(DType::F32, AttentionMode::Sparse);
@@ -104,7 +92,10 @@ fn a_plan_must_match_the_devices_it_is_loaded_on() {
     let err = Glm5ForCausalLM::load_planned(&config, &checkpoint, assumed, &[Device::Cpu])
         .err()
         .unwrap();
-    assert!(err.to_string().contains("can be printed, not loaded"), "{err}");
+    assert!(
+        err.to_string().contains("can be printed, not loaded"),
+        "{err}"
+    );
     let real = Plan::build(
         &config,
         vec![DeviceDesc::of(&Device::Cpu).unwrap()],
@@ -224,12 +215,7 @@ fn dense_mode_is_labelled_in_the_plan() {
     .unwrap();
     let plan = model.model().plan();
     assert_eq!(plan.attention, AttentionMode::Dense);
-    let text = glm5::plan::render(
-        plan,
-        model.model().config(),
-        "tiny",
-        &Registry::builtin(),
-    );
+    let text = glm5::plan::render(plan, model.model().config(), "tiny", &Registry::builtin());
     assert!(text.contains("DENSE attention"), "{text}");
     assert!(text.contains("skipped (dense mode)"), "{text}");
 }

@@ -1,9 +1,10 @@
 //! The HF transformers fixtures under tests/fixtures (made by make_fixtures.py): where they live and their
-//! reference inputs and logits.
+//! reference inputs and logits; and the prefill-then-decode run the model tests compare.
 
 use std::path::PathBuf;
 
-use glm5::candle_core::{Device, Tensor};
+use glm5::candle_core::{DType, Device, Tensor};
+use glm5::Glm5ForCausalLM;
 
 pub fn fixture_dir(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -12,6 +13,7 @@ pub fn fixture_dir(name: &str) -> PathBuf {
 }
 
 /// (input ids, HF reference logits `[T, vocab]` in f32).
+#[allow(dead_code)] // tests/placement.rs runs the fixtures without their reference logits
 pub fn reference(name: &str) -> (Vec<u32>, Tensor) {
     let tensors = glm5::candle_core::safetensors::load(
         fixture_dir(name).join("reference.safetensors"),
@@ -23,4 +25,22 @@ pub fn reference(name: &str) -> (Vec<u32>, Tensor) {
         ids.into_iter().map(|id| id as u32).collect(),
         tensors["logits"].clone(),
     )
+}
+
+/// Prefill of the first `split` ids, then one decode step per remaining id: every logit row, in f32 on the CPU.
+#[allow(dead_code)] // not every test crate that includes this module runs a model
+pub fn decode_rows(model: &Glm5ForCausalLM, ids: &[u32], split: usize) -> Vec<Vec<f32>> {
+    let mut cache = model.new_cache(ids.len()).unwrap();
+    let mut rows = vec![model.forward(&ids[..split], 0, &mut cache).unwrap()];
+    for (pos, &id) in ids.iter().enumerate().skip(split) {
+        rows.push(model.forward(&[id], pos, &mut cache).unwrap());
+    }
+    Tensor::cat(&rows, 0)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap()
+        .to_device(&Device::Cpu)
+        .unwrap()
+        .to_vec2()
+        .unwrap()
 }
