@@ -138,16 +138,29 @@ __device__ __forceinline__ void tile_rows(const DsaParams& p, int seq, int visib
     }
 }
 
-// Starts the copy of a tile's keys (zeros for row -1) into a stage.
+// Starts the copy of a tile's keys (zeros for row -1) into a stage. Thread t copies 16-byte piece t % CHUNKS
+// of keys t / CHUNKS + j * (threads / CHUNKS): the piece and the keys are fixed per thread, so a copy costs
+// a shared read of the row, one wide multiply-add and the cp.async.
 template <int D, bool FP8>
 __device__ __forceinline__ void load_tile(const DsaParams& p, const int* rows, uint8_t* stage, float* scales) {
     using Tile = KeyTile<D, FP8>;
-    const uint8_t* keys = static_cast<const uint8_t*>(p.keys);
-    for (int i = threadIdx.x; i < TILE_KEYS * Tile::CHUNKS; i += blockDim.x) {
-        const int r = i / Tile::CHUNKS, c = i % Tile::CHUNKS, row = rows[r];
-        const uint8_t* src = row >= 0 ? keys + (size_t)row * (Tile::CHUNKS * 16) + c * 16 : keys;
-        cp_async_16(stage + r * Tile::ROW_BYTES + c * 16, src, row >= 0);
-        if (FP8 && c == 0) cp_async_4(scales + r, row >= 0 ? p.key_scales + row : p.key_scales, row >= 0);
+    constexpr int THREADS = SCORE_WARPS * 32;
+    constexpr int KEYS_PER_PASS = THREADS / Tile::CHUNKS > TILE_KEYS ? TILE_KEYS : THREADS / Tile::CHUNKS;
+    constexpr int PASSES = TILE_KEYS / KEYS_PER_PASS;
+    static_assert(THREADS % Tile::CHUNKS == 0 || Tile::CHUNKS % THREADS == 0, "pieces tile the block");
+    const int c = threadIdx.x % Tile::CHUNKS, r0 = threadIdx.x / Tile::CHUNKS;
+    if (r0 < KEYS_PER_PASS) {
+        const uint8_t* keys = static_cast<const uint8_t*>(p.keys) + c * 16;
+#pragma unroll
+        for (int j = 0; j < PASSES; ++j) {
+            const int r = r0 + j * KEYS_PER_PASS, row = rows[r];
+            const uint8_t* src = keys + (size_t)(uint32_t)max(row, 0) * (Tile::CHUNKS * 16);
+            cp_async_16(stage + r * Tile::ROW_BYTES + c * 16, src, row >= 0);
+        }
+    }
+    if (FP8 && threadIdx.x < TILE_KEYS) {
+        const int row = rows[threadIdx.x];
+        cp_async_4(scales + threadIdx.x, p.key_scales + max(row, 0), row >= 0);
     }
 }
 
@@ -276,7 +289,8 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
                 for (int n = 0; n < 2; ++n) {
                     const uint32_t four = *reinterpret_cast<const uint32_t*>(
                         tile + (key0 + n * 8 + g) * Tile::ROW_BYTES + k * 16 + 4 * c);
-                    const uint32_t b0 = e4m3x2_to_f16x2(four & 0xffffu), b1 = e4m3x2_to_f16x2(four >> 16);
+                    uint32_t b0, b1;
+                    e4m3x4_to_f16x2x2(four, b0, b1);
 #pragma unroll
                     for (int m = 0; m < MT; ++m) mma_f16(acc[m][n], qa[m][k], b0, b1);
                 }
