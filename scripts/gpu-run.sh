@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine (device tool): `bash scripts/gpu-run.sh [tests|kernel-tests|model-tests|multi-gpu|sanitize|bench|profile]...`
+# Runs on the GPU machine (device tool): `bash scripts/gpu-run.sh [tests|kernel-tests|model-tests|multi-gpu|sanitize|bench|profile|profile-detail]...`
 # (default: tests sanitize bench),
 # with .gpu/ carried. Logs go to $OUT (or ./gpu-out).
 set -uo pipefail
@@ -43,6 +43,15 @@ for step in $steps; do
         timeout 120 ncu --clock-control none --launch-skip 12 --launch-count $kernels --metrics gpu__time_duration.sum -k regex:"sparse_mla|dsa_[st]" \
           /tmp/glm5-bin/glm5-bench $shape 2>&1 | grep -E "sparse_mla_|dsa_|gpu__time_duration" | tail -$((2 * kernels))
       done 2>&1 | tee "$OUT/profile.txt" ;;
+    profile-detail)
+      # Full ncu sections (occupancy, warp stalls, memory, source hot spots) of the kernels that limit the
+      # open targets, one report each under $OUT/ncu-*.txt.
+      for shape in "indexer 131072 1" "indexer 131072 8" "32768 8 8" "32768 128 64"; do
+        case $shape in indexer*) filter='regex:dsa_[st]'; count=4 ;; *) filter=regex:sparse_mla; count=2 ;; esac
+        timeout 300 ncu --set full --import-source no --clock-control none --launch-skip 12 --launch-count $count \
+          -k "$filter" /tmp/glm5-bin/glm5-bench $shape > "$OUT/ncu-${shape// /-}.txt" 2>&1
+        echo "ncu $shape: rc=$? $(grep -c 'Section:' "$OUT/ncu-${shape// /-}.txt") sections"
+      done ;;
     bench)
       timeout 400 /tmp/glm5-bin/glm5-bench 2>&1 | tee "$OUT/bench.txt"; [ ${PIPESTATUS[0]} = 0 ] || status=1
       for arch in sm_90 sm_120; do

@@ -75,10 +75,11 @@ __device__ __forceinline__ uint32_t ordered(float v) {
     return bits & 0x80000000u ? ~bits : bits | 0x80000000u;
 }
 
-// Keys token t may see: none when its sequence index is not a row of the block table.
+// Keys token t may see: none when its sequence index is not a row of the block table. Both loads are issued
+// together (neither waits for the other).
 __device__ __forceinline__ int visible_keys(const DsaParams& p, int t) {
-    const int seq = p.token_seq[t];
-    return seq >= 0 && seq < p.batch ? p.visible[t] : 0;
+    const int seq = p.token_seq[t], visible = p.visible[t];
+    return seq >= 0 && seq < p.batch ? visible : 0;
 }
 
 // Physical row of position s of the token's sequence.

@@ -53,10 +53,13 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     return *reinterpret_cast<uint32_t*>(&v);
 }
 
-// Physical row of logical position `idx` of sequence `seq`, or -1 when there is no such row.
+// Physical row of logical position `idx` of sequence `seq`, or -1 when there is no such row. The block-table
+// read is bounded by the table's own width, not by seq_len, so it need not wait for the length's load: one
+// dependent global read fewer before the row copies can start.
 __device__ __forceinline__ long long physical_row(const SparseMlaParams& p, int seq, int seq_len, int idx) {
-    if (idx < 0 || idx >= seq_len) return -1;
-    const int block = p.block_table[(size_t)seq * p.max_blocks + idx / p.block_size];
+    const bool in_table = idx >= 0 && idx < p.max_blocks * p.block_size;
+    const int block = in_table ? p.block_table[(size_t)seq * p.max_blocks + idx / p.block_size] : 0;
+    if (!in_table || idx >= seq_len) return -1;
     return (long long)block * p.block_size + idx % p.block_size;
 }
 
@@ -99,7 +102,7 @@ __device__ __forceinline__ void sparse_mla_bf16_body(const SparseMlaParams& p) {
     float* max_s = sp + HT * KW * 16 * LDS;                       // [HT][KW][16] per-warp row maxima
     float* l_s = max_s + HT * KW * 16;                            // [HT][KW][16] per-warp row sums
     int* rows_s = reinterpret_cast<int*>(l_s + HT * KW * 16);     // physical row of every slot of the split
-                                                                  // (the launcher sizes it: tiles per split <= 32)
+                                                                  // (the launcher sizes it)
 
     const int seq = p.token_seq[t];
     const int seq_len = p.seq_lens[seq];

@@ -285,7 +285,8 @@ pub(crate) mod limits {
     pub const ROW_PAD: usize = 8;
     /// Most splits the combine kernel merges (`MAX_SPLITS` in the .cu file).
     pub const MAX_SPLITS: usize = 128;
-    /// Most tiles one block resolves up front (the kernel's row table is sized for it here).
+    /// Tiles per split the registry's shared-memory check assumes; the launcher sizes the kernel's row table
+    /// for each launch and goes beyond this (one split per query) where the device's shared memory allows.
     pub const MAX_TILES_PER_SPLIT: usize = 32;
     /// Value widths the bf16 kernel is instantiated for.
     pub const BF16_VALUE_DIMS: [usize; 6] = [16, 32, 64, 128, 256, 512];
@@ -309,15 +310,16 @@ pub(crate) mod limits {
 
     /// Shared memory of the bf16 kernel with `head_tiles` tiles of 16 heads and rows of `row_dim` (mirrors the
     /// layout in the .cu file: two key tiles, Q unless it is staged in key tile 1, P, partial scores, row
-    /// maxima and sums, the split's rows). GLM-5's rows with 16 heads: 90880 B, within sm_120's 99 KB.
-    pub fn bf16_shared_bytes(head_tiles: usize, warps_per_tile: usize, row_dim: usize) -> usize {
+    /// maxima and sums, the split's rows). GLM-5's rows with 16 heads and 32 tiles per split: 90880 B, within
+    /// sm_120's 99 KB.
+    pub fn bf16_shared_bytes(head_tiles: usize, warps_per_tile: usize, row_dim: usize, tiles_per_split: usize) -> usize {
         let ld = row_dim.div_ceil(16) * 16 + ROW_PAD;
         let heads = 16 * head_tiles;
         // Q has its own region only when it does not fit in key buffer 1 (more than TILE heads).
         let q_rows = if heads <= TILE { 0 } else { heads };
         (2 * TILE * ld + q_rows * ld + heads * (TILE + ROW_PAD)) * 2
             + head_tiles * warps_per_tile * 16 * (PARTIAL_SCORE_STRIDE + 2) * 4
-            + MAX_TILES_PER_SPLIT * TILE * 4
+            + tiles_per_split * TILE * 4
     }
 
     /// Shared memory of the f32 kernel: the query row, value accumulators and reduction scratch.
@@ -382,6 +384,7 @@ pub fn registry_entries() -> Vec<crate::registry::Entry> {
                     1,
                     limits::warps_per_head_tile(value_dim),
                     spec.head_dim,
+                    limits::MAX_TILES_PER_SPLIT,
                 );
                 if needed > available {
                     reasons.push(crate::registry::Reason::new(
@@ -686,27 +689,31 @@ mod cuda {
         // Many heads: four 16-head tiles per block share each key tile (a quarter of the key traffic).
         let head_tiles = if heads >= 64
             && WIDE_VALUE_DIMS.contains(&value_dim)
-            && bf16_shared_bytes(4, warps_per_tile, row_dim) <= max_smem
+            && bf16_shared_bytes(4, warps_per_tile, row_dim, MAX_TILES_PER_SPLIT) <= max_smem
         {
             4
         } else {
             1
         };
-        let smem = bf16_shared_bytes(head_tiles, warps_per_tile, row_dim);
-        if smem > max_smem {
-            candle_core::bail!("sparse_mla: rows of {row_dim} need {smem} B of shared memory, the device has {max_smem}");
+        let smem_for = |tiles_per_split: usize| bf16_shared_bytes(head_tiles, warps_per_tile, row_dim, tiles_per_split);
+        if smem_for(MAX_TILES_PER_SPLIT) > max_smem {
+            candle_core::bail!(
+                "sparse_mla: rows of {row_dim} need {} B of shared memory, the device has {max_smem}",
+                smem_for(MAX_TILES_PER_SPLIT)
+            );
         }
         let groups = heads.div_ceil(16 * head_tiles);
         let tiles = k_len.div_ceil(TILE).max(1);
         // Flash-decoding: split the top-k when tokens x head groups alone would leave SMs idle. The split
         // count minimises waves x (tiles per block + a block's fixed cost, about two tiles' time: Q, index
         // and block-table loads, the epilogue) -- a last, partly filled wave costs a whole one -- preferring
-        // fewer splits (less to combine).
+        // fewer splits (less to combine; one split needs no combine at all). A block resolves its split's
+        // rows up front, so longer splits need the shared memory for their row table.
         let resident = if head_tiles == 1 { 2 * sms } else { sms };
         let blocks = t_len * groups;
         let tiles_per_split = (1..=tiles.min(MAX_SPLITS))
             .map(|splits| tiles.div_ceil(splits))
-            .filter(|&per| per <= MAX_TILES_PER_SPLIT)
+            .filter(|&per| smem_for(per.max(MAX_TILES_PER_SPLIT)) <= max_smem)
             .min_by_key(|&per| (blocks * tiles.div_ceil(per)).div_ceil(resident) * (per + BLOCK_COST_IN_TILES))
             .unwrap_or(MAX_TILES_PER_SPLIT);
         let splits = tiles.div_ceil(tiles_per_split);
@@ -716,6 +723,7 @@ mod cuda {
                 MAX_SPLITS * MAX_TILES_PER_SPLIT * TILE
             );
         }
+        let smem = smem_for(tiles_per_split.max(MAX_TILES_PER_SPLIT));
         params.num_splits = splits as i32;
         params.tiles_per_split = tiles_per_split as i32;
 
