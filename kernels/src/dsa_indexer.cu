@@ -187,7 +187,20 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
     __shared__ int rows[STAGES][TILE_KEYS];  // tile i's rows in slot i % STAGES
     const auto tile_base = [&](int i) { return (int)(blockIdx.x + i * gridDim.x) * TILE_KEYS; };
 
-    // The first tiles' copies go out before anything else: their latency hides the set-up below.
+    // Q goes to the last stage, which the main loop first fills in its first iteration; its copy and the
+    // first tiles' copies go out before anything else, so their latency hides the set-up below.
+    constexpr int QLD = D + 8;  // bf16 per Q row in shared memory: padded, conflict-free ldmatrix
+    static_assert(MT * 16 * QLD * 2 <= TILE_KEYS * Tile::ROW_BYTES, "Q fits in a stage");
+    bf16* q_s = reinterpret_cast<bf16*>(stages[STAGES - 1]);
+    {
+        const bf16* q = static_cast<const bf16*>(p.q) + (size_t)t * p.H * D;
+        constexpr int PIECES = D / 8;  // 16-byte pieces per row
+        for (int i = threadIdx.x; i < MT * 16 * PIECES; i += blockDim.x) {
+            const int h = i / PIECES, piece = i % PIECES;
+            cp_async_16(q_s + h * QLD + piece * 8, q + (size_t)min(h, p.H - 1) * D + piece * 8, h < p.H);
+        }
+        cp_async_commit();
+    }
     for (int i = 0; i < STAGES; ++i)
         if (i < my_tiles) tile_rows(p, seq, visible, tile_base(i), rows[i]);
     __syncthreads();
@@ -197,27 +210,25 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
         cp_async_commit();
     }
     for (int i = threadIdx.x; i < HIST_BINS; i += blockDim.x) bins[i] = 0;
+    __shared__ float warp_amax[SCORE_WARPS];
+    cp_async_wait<STAGES - 1>();  // this thread's pieces of Q
+    __syncthreads();              // everyone's
 
-    const bf16* q = static_cast<const bf16*>(p.q) + (size_t)t * p.H * D;
     float q_scale = 1.f, score_unscale = 1.f;
     if constexpr (FP8) {
-        // Every warp loads all of Q, so its largest |value| needs no block-wide step.
+        // The largest |q|, over the block: each thread its share of the staged rows (the padding rows are 0).
         float amax = 0.f;
+        for (int i = threadIdx.x; i < MT * 16 * (D / 8); i += blockDim.x) {
+            const uint4 raw = *reinterpret_cast<const uint4*>(q_s + (i / (D / 8)) * QLD + (i % (D / 8)) * 8);
+            const bf16* b = reinterpret_cast<const bf16*>(&raw);
 #pragma unroll
-        for (int m = 0; m < MT; ++m)
-#pragma unroll
-            for (int k = 0; k < KSTEPS; ++k)
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const int h = m * 16 + g + 8 * r;
-                    if (h < p.H) {
-                        const uint2 raw = *reinterpret_cast<const uint2*>(q + (size_t)h * D + k * 16 + 4 * c);
-                        const bf16* b = reinterpret_cast<const bf16*>(&raw);
-#pragma unroll
-                        for (int j = 0; j < 4; ++j) amax = fmaxf(amax, fabsf(__bfloat162float(b[j])));
-                    }
-                }
+            for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(__bfloat162float(b[j])));
+        }
         for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, o));
+        if (lane == 0) warp_amax[warp] = amax;
+        __syncthreads();
+#pragma unroll
+        for (int w = 0; w < SCORE_WARPS; ++w) amax = fmaxf(amax, warp_amax[w]);
         int e;
         frexpf(amax, &e);  // amax < 2^e: scaled, |q| < 2^15 < 65504
         q_scale = ldexpf(1.f, 15 - e);
@@ -228,32 +239,23 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
     uint32_t qa[MT][KSTEPS][4];
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
-        const int h0 = m * 16 + g, h1 = h0 + 8;
 #pragma unroll
         for (int k = 0; k < KSTEPS; ++k) {
             if constexpr (FP8) {
-                float v[2][4] = {};
+                float v[2][4];
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
-                    const int h = r ? h1 : h0;
-                    if (h < p.H) {
-                        const uint2 raw = *reinterpret_cast<const uint2*>(q + (size_t)h * D + k * 16 + 4 * c);
-                        const bf16* b = reinterpret_cast<const bf16*>(&raw);
+                    const uint2 raw = *reinterpret_cast<const uint2*>(q_s + (m * 16 + g + 8 * r) * QLD + k * 16 + 4 * c);
+                    const bf16* b = reinterpret_cast<const bf16*>(&raw);
 #pragma unroll
-                        for (int j = 0; j < 4; ++j) v[r][j] = __bfloat162float(b[j]) * q_scale;
-                    }
+                    for (int j = 0; j < 4; ++j) v[r][j] = __bfloat162float(b[j]) * q_scale;
                 }
                 qa[m][k][0] = pack_f16(v[0][0], v[0][1]);
                 qa[m][k][1] = pack_f16(v[1][0], v[1][1]);
                 qa[m][k][2] = pack_f16(v[0][2], v[0][3]);
                 qa[m][k][3] = pack_f16(v[1][2], v[1][3]);
             } else {
-                const uint32_t* row0 = reinterpret_cast<const uint32_t*>(q + (size_t)h0 * D + k * 16 + 2 * c);
-                const uint32_t* row1 = reinterpret_cast<const uint32_t*>(q + (size_t)h1 * D + k * 16 + 2 * c);
-                qa[m][k][0] = h0 < p.H ? row0[0] : 0u;
-                qa[m][k][1] = h1 < p.H ? row1[0] : 0u;
-                qa[m][k][2] = h0 < p.H ? row0[4] : 0u;
-                qa[m][k][3] = h1 < p.H ? row1[4] : 0u;
+                ldmatrix_x4(qa[m][k], q_s + (m * 16 + lane % 16) * QLD + k * 16 + (lane / 16) * 8);
             }
         }
     }
@@ -265,6 +267,7 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
         w_row[m][1] = h1 < p.H ? p.weights[(size_t)t * p.H + h1] : 0.f;
     }
 
+    __syncthreads();  // every warp holds its Q fragments: the first iteration refills Q's stage
     float* score_row = p.scores + (size_t)t * p.score_stride;
     const int key0 = warp * 16;  // this warp's keys of each tile
     for (int i = 0; i < my_tiles; ++i) {
