@@ -166,7 +166,7 @@ fn fp8_quantisation_on_the_gpu_matches_the_cpu_bit_for_bit() {
 fn selected_sets_match_the_reference_over_the_grid() {
     let device = gpu();
     let mut rng = StdRng::seed_from_u64(2026);
-    let lengths: &[usize] = if quick() { &[1, 100, 2049] } else { &[1, 100, 2048, 2049, 40_000, 131_072] };
+    let lengths: &[usize] = if quick() { &[1, 100, 2049, 40_000] } else { &[1, 100, 2048, 2049, 32_768, 40_000, 131_072] };
     let (mut rows, mut differing_rows) = (0, 0);
     for &heads in &[8usize, 32] {
         for &n in lengths {
@@ -258,17 +258,23 @@ fn f32_kernel_and_contiguous_entry_point_match_the_cpu_reference() {
 
 #[test]
 fn a_crowded_threshold_bin_and_a_foreign_sequence() {
-    // 20000 equal scores: the K-th score's bin holds more values than shared memory does, so the exact
-    // selection runs over the row; the set is still the lowest K positions. A query whose sequence index
-    // is outside the block table sees no keys.
+    // 20000 or 40000 equal scores: the K-th score's bin holds more values than shared memory does, so the
+    // exact selection runs over the row; the set is still the lowest K positions. A query whose sequence
+    // index is outside the block table sees no keys.
     let device = gpu();
-    let (heads, n, k) = (8, 20_000, 2048);
+    for n in [20_000, 40_000] {
+        crowded_bin_case(&device, n);
+    }
+}
+
+fn crowded_bin_case(device: &Device, n: usize) {
+    let (heads, k) = (8, 2048);
     let key: Vec<f32> = (0..DIM).map(|d| ((d % 5) as f32 - 2.0) / 4.0).collect();
-    let keys = Tensor::from_vec(key.repeat(n), (1, n, DIM), &device).unwrap().to_dtype(DType::BF16).unwrap();
-    let q = Tensor::ones((2, heads, DIM), DType::BF16, &device).unwrap();
-    let w = Tensor::ones((2, heads), DType::F32, &device).unwrap();
-    let table = Tensor::zeros((1, 1), DType::I32, &device).unwrap();
-    let seq = Tensor::new(&[0i32, 3], &device).unwrap();
+    let keys = Tensor::from_vec(key.repeat(n), (1, n, DIM), device).unwrap().to_dtype(DType::BF16).unwrap();
+    let q = Tensor::ones((2, heads, DIM), DType::BF16, device).unwrap();
+    let w = Tensor::ones((2, heads), DType::F32, device).unwrap();
+    let table = Tensor::zeros((1, 1), DType::I32, device).unwrap();
+    let seq = Tensor::new(&[0i32, 3], device).unwrap();
     let cache = PagedIndexKeys { keys: IndexKeys::Float(&keys), block_table: &table, token_seq: &seq };
     let got = dsa_indexer_paged(&q, &w, &cache, &[n, n], k).unwrap().to_vec2::<i32>().unwrap();
     assert_eq!(got[0], (0..k as i32).collect::<Vec<_>>());
