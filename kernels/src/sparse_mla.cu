@@ -155,16 +155,21 @@ __device__ __forceinline__ void sparse_mla_bf16_body(const SparseMlaParams& p) {
     load_tile(0);
     if constexpr (!Q_ALIASED) load_tile(1);
 
-    // This warp's Q fragments: k16 steps kw, kw + KW, ... of its 16 heads.
+    // This warp's Q fragments: k16 steps kw, kw + KW, ... of its 16 heads. Held in registers for the whole
+    // split with one head tile per block; with four (16 warps, 128 registers each) they would spill, and Q
+    // has its own shared region anyway, so each step reads its fragment there.
+    constexpr bool Q_IN_REGISTERS = HT == 1;
     if constexpr (Q_ALIASED) cp_async_wait<1>();
     else cp_async_wait<2>();
     __syncthreads();
-    uint32_t qa[QS][4];
+    const auto q_fragment = [&](uint32_t (&fragment)[4], int step) {
+        if (step < k_steps) ldmatrix_x4(fragment, qs + (ht * 16 + lane % 16) * ld + step * 16 + (lane / 16) * 8);
+        else fragment[0] = fragment[1] = fragment[2] = fragment[3] = 0u;
+    };
+    uint32_t qa[Q_IN_REGISTERS ? QS : 1][4];
+    if constexpr (Q_IN_REGISTERS) {
 #pragma unroll
-    for (int s = 0; s < QS; ++s) {
-        const int step = kw + s * KW;
-        if (step < k_steps) ldmatrix_x4(qa[s], qs + (ht * 16 + lane % 16) * ld + step * 16 + (lane / 16) * 8);
-        else qa[s][0] = qa[s][1] = qa[s][2] = qa[s][3] = 0u;
+        for (int s = 0; s < QS; ++s) q_fragment(qa[s], kw + s * KW);
     }
     if constexpr (Q_ALIASED) {
         __syncthreads();  // every warp holds its fragments: buffer 1 is free for tile 1
@@ -196,12 +201,15 @@ __device__ __forceinline__ void sparse_mla_bf16_body(const SparseMlaParams& p) {
         for (int st = 0; st < QS; ++st) {
             const int step = kw + st * KW;
             if (step < k_steps) {
+                uint32_t q_step[4];
+                if constexpr (!Q_IN_REGISTERS) q_fragment(q_step, step);
+                const uint32_t(&a)[4] = Q_IN_REGISTERS ? qa[st] : q_step;
 #pragma unroll
                 for (int np = 0; np < BN / 16; ++np) {
                     uint32_t b[4];
                     ldmatrix_x4(b, kt + (np * 16 + lane % 8 + (lane / 16) * 8) * ld + step * 16 + ((lane / 8) % 2) * 8);
-                    mma_bf16(s[2 * np], qa[st], b[0], b[1]);
-                    mma_bf16(s[2 * np + 1], qa[st], b[2], b[3]);
+                    mma_bf16(s[2 * np], a, b[0], b[1]);
+                    mma_bf16(s[2 * np + 1], a, b[2], b[3]);
                 }
             }
         }

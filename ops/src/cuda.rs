@@ -48,10 +48,13 @@ pub(crate) struct DeviceInfo {
     pub max_shared_per_block: usize,
 }
 
+/// Functions and their resident-block counts are keyed by device and module, then by name, so a lookup on
+/// the launch path borrows the name instead of allocating a key.
 #[derive(Default)]
 struct Loaded {
     modules: HashMap<(DeviceId, &'static str), Arc<CudaModule>>,
-    functions: HashMap<(DeviceId, String), CudaFunction>,
+    functions: HashMap<(DeviceId, &'static str), HashMap<String, CudaFunction>>,
+    resident: HashMap<(DeviceId, &'static str), HashMap<String, usize>>,
     devices: HashMap<DeviceId, DeviceInfo>,
 }
 
@@ -86,11 +89,17 @@ pub(crate) fn kernel(
     image: &'static [u8],
     name: &str,
 ) -> candle_core::Result<CudaFunction> {
-    let info = device_info(dev)?;
-    let mut loaded = loaded().lock().map_err(cuda_err)?;
-    if let Some(function) = loaded.functions.get(&(dev.id(), name.to_string())) {
+    if let Some(function) = loaded()
+        .lock()
+        .map_err(cuda_err)?
+        .functions
+        .get(&(dev.id(), module))
+        .and_then(|functions| functions.get(name))
+    {
         return Ok(function.clone());
     }
+    let info = device_info(dev)?;
+    let mut loaded = loaded().lock().map_err(cuda_err)?;
     let cuda_module = match loaded.modules.get(&(dev.id(), module)) {
         Some(m) => m.clone(),
         None => {
@@ -117,8 +126,42 @@ pub(crate) fn kernel(
         .map_err(cuda_err)?;
     loaded
         .functions
-        .insert((dev.id(), name.to_string()), function.clone());
+        .entry((dev.id(), module))
+        .or_default()
+        .insert(name.to_string(), function.clone());
     Ok(function)
+}
+
+/// How many blocks of `threads` threads (no dynamic shared memory) of function `name` the whole device holds
+/// at once, from the driver's occupancy calculator; cached like the functions.
+pub(crate) fn resident_blocks(
+    dev: &CudaDevice,
+    module: &'static str,
+    image: &'static [u8],
+    name: &str,
+    threads: u32,
+) -> candle_core::Result<usize> {
+    if let Some(blocks) = loaded()
+        .lock()
+        .map_err(cuda_err)?
+        .resident
+        .get(&(dev.id(), module))
+        .and_then(|resident| resident.get(name))
+    {
+        return Ok(*blocks);
+    }
+    let per_sm = kernel(dev, module, image, name)?
+        .occupancy_max_active_blocks_per_multiprocessor(threads, 0, None)
+        .map_err(cuda_err)? as usize;
+    let blocks = device_info(dev)?.sms * per_sm.max(1);
+    loaded()
+        .lock()
+        .map_err(cuda_err)?
+        .resident
+        .entry((dev.id(), module))
+        .or_default()
+        .insert(name.to_string(), blocks);
+    Ok(blocks)
 }
 
 /// The registry's description of a real CUDA device: compute capability, dynamic shared memory per block and

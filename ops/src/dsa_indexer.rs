@@ -480,13 +480,13 @@ mod cuda {
 
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{
-        CudaFunction, CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+        CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
     };
     use candle_core::cuda_backend::{CudaDevice, CudaStorage, DeviceId};
     use candle_core::{CustomOp1, DType, Layout, Shape, Tensor};
 
     use super::{PagedIndexKeys, MAX_CHUNK_ELEMS};
-    use crate::cuda::{cuda_err, device_address, device_info, kernel, launch_dependent};
+    use crate::cuda::{cuda_err, device_address, kernel, launch_dependent, resident_blocks};
     use crate::error::{OpError, Result};
     use crate::index_keys::IndexKeys;
 
@@ -576,24 +576,6 @@ mod cuda {
         })
     }
 
-    /// Blocks of `function` (SCORE_THREADS threads, static shared memory only) the whole device holds at
-    /// once, asked of the driver once per device and kernel.
-    fn resident_blocks(dev: &CudaDevice, name: &str, function: &CudaFunction) -> candle_core::Result<usize> {
-        thread_local! {
-            static RESIDENT: RefCell<HashMap<(DeviceId, String), usize>> = RefCell::new(HashMap::new());
-        }
-        let key = (dev.id(), name.to_string());
-        if let Some(blocks) = RESIDENT.with(|cell| cell.borrow().get(&key).copied()) {
-            return Ok(blocks);
-        }
-        let per_sm = function
-            .occupancy_max_active_blocks_per_multiprocessor(SCORE_THREADS, 0, None)
-            .map_err(cuda_err)? as usize;
-        let blocks = device_info(dev)?.sms * per_sm.max(1);
-        RESIDENT.with(|cell| cell.borrow_mut().insert(key, blocks));
-        Ok(blocks)
-    }
-
     /// Runs the score and top-k kernels; the index tensor is the op's output, the inputs ride along in it.
     struct Indexer {
         q: Tensor,
@@ -640,7 +622,11 @@ mod cuda {
             let (candidates_fn, threshold_fn, emit_fn) = (candidates_fn?, threshold_fn?, emit_fn?);
             let f32_scores = self.q.dtype() == DType::F32 && !self.fp8;
             // mma score blocks stream a strided share of a row's tiles: as many blocks as the SMs hold.
-            let resident = if f32_scores { 0 } else { resident_blocks(dev, &name, &scores_fn)? };
+            let resident = if f32_scores {
+                0
+            } else {
+                resident_blocks(dev, "dsa_indexer", MODULE, &name, SCORE_THREADS)?
+            };
             let (q, weights, keys, block_table, token_seq, visible) = (
                 device_address(&self.q)?.0,
                 device_address(&self.weights)?.0,
