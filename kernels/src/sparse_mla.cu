@@ -8,15 +8,17 @@
 // bf16 kernel (mma.sync.m16n8k16, f32 accumulate; runs on sm_90 and sm_120): one block handles one token,
 // HT tiles of 16 heads and a contiguous range of BN-key tiles (a "split"). It first resolves every slot of its
 // split to a physical row (all index and block-table loads in flight together), then streams the tiles
-// through a cp.async double buffer. Each 16-head tile has KW warps, and they divide every step three ways:
-//   S = Q K^T    by row width: warp kw owns every KW-th 16-column step of the row, its Q fragments held in
-//                registers for the whole split; the KW partial scores meet in shared memory;
+// through a cp.async double buffer. Each group of MW 16-head tiles has KW warps, and they divide every step
+// three ways (a warp does its share for all MW tiles, so every key or value fragment it reads from shared
+// memory feeds MW mma):
+//   S = Q K^T    by row width: warp kw owns every KW-th 16-column step of the row (Q fragments held in
+//                registers for the whole split with one head tile per block, read from shared memory per
+//                step with four, where registers are short); the KW partial scores meet in shared memory;
 //   softmax      by keys: warp kw sums the partials of keys [kw*BN/KW, (kw+1)*BN/KW), the warps agree on
 //                the row maxima through shared memory, and each writes its part of P (bf16);
 //   O += P V     by value columns: warp kw accumulates columns [kw*DV/KW, (kw+1)*DV/KW).
-// So a warp's registers hold a quarter of Q and a quarter of O, and no warp re-reads Q per tile. With several
-// splits each block writes a normalised partial (f32) and its lse; sparse_mla_combine merges them
-// (flash-decoding).
+// So a warp's registers hold a quarter of O (of each of its tiles). With several splits each block writes a
+// normalised partial (f32) and its lse; sparse_mla_combine merges them (flash-decoding).
 //
 // f32 kernel: plain FMA, one block per (token, head), for full-precision runs.
 
@@ -72,10 +74,10 @@ constexpr int LDS = BN + 8;   // f32 stride of a partial-score row: float2 store
 // k16 steps of the row each of KW warps owns, for rows up to DV + MAX_ROPE wide.
 __host__ __device__ constexpr int q_steps(int dv, int kw) { return ((dv + MAX_ROPE + 15) / 16 + kw - 1) / kw; }
 
-template <int DV, int HT, int KW, int FIXED_D>
+template <int DV, int HT, int KW, int MW, int FIXED_D>
 __device__ __forceinline__ void sparse_mla_bf16_body(const SparseMlaParams& p) {
     constexpr int HB = 16 * HT;                 // heads per block
-    constexpr int THREADS = HT * KW * 32;
+    constexpr int THREADS = HT / MW * KW * 32;  // MW head tiles per warp: each B fragment feeds MW mma
     constexpr int DV_W = DV / KW;               // value columns per warp
     constexpr int NT_O = DV_W / 8;              // n8 tiles of O per warp
     constexpr int KEYS_W = BN / KW;             // keys per warp in the softmax
@@ -83,9 +85,10 @@ __device__ __forceinline__ void sparse_mla_bf16_body(const SparseMlaParams& p) {
     constexpr int QS = q_steps(DV, KW);         // Q fragments per warp
     constexpr int LDP = BN + ROW_PAD;
     static_assert(DV % (8 * KW) == 0 && BN % (8 * KW) == 0, "warps must split keys and values into n8 tiles");
+    static_assert(HT % MW == 0, "whole head tiles per warp");
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int ht = warp / KW, kw = warp % KW;
+    const int ht0 = warp / KW * MW, kw = warp % KW;  // this warp's head tiles: ht0 .. ht0 + MW - 1
     const int split = blockIdx.x, h0 = blockIdx.y * HB, t = blockIdx.z;
     // FIXED_D > 0: the row width is known at compile time (GLM-5's 576), so every shared-memory offset is an
     // immediate and no step needs a bounds test. FIXED_D == 0: any width the launcher admits.
@@ -144,7 +147,7 @@ __device__ __forceinline__ void sparse_mla_bf16_body(const SparseMlaParams& p) {
         if (local_tile < tile_count) {
             bf16* dst = ks + (local_tile & 1) * BN * ld;
             const int* rows = rows_s + local_tile * BN;
-            for (int r = warp; r < BN; r += HT * KW) {
+            for (int r = warp; r < BN; r += THREADS / 32) {
                 const long long row = rows[r];
                 const bf16* src = row >= 0 ? kv + row * D : kv;
                 for (int c = lane; c < chunks; c += 32) cp_async_16(dst + r * ld + c * 8, src + c * 8, row >= 0);
@@ -155,21 +158,21 @@ __device__ __forceinline__ void sparse_mla_bf16_body(const SparseMlaParams& p) {
     load_tile(0);
     if constexpr (!Q_ALIASED) load_tile(1);
 
-    // This warp's Q fragments: k16 steps kw, kw + KW, ... of its 16 heads. Held in registers for the whole
-    // split with one head tile per block; with four (16 warps, 128 registers each) they would spill, and Q
-    // has its own shared region anyway, so each step reads its fragment there.
+    // This warp's Q fragments: k16 steps kw, kw + KW, ... of its heads. Held in registers for the whole
+    // split with one head tile per block; with four (128 registers or fewer per thread) they would spill,
+    // and Q has its own shared region anyway, so each step reads its fragment there.
     constexpr bool Q_IN_REGISTERS = HT == 1;
     if constexpr (Q_ALIASED) cp_async_wait<1>();
     else cp_async_wait<2>();
     __syncthreads();
-    const auto q_fragment = [&](uint32_t (&fragment)[4], int step) {
+    const auto q_fragment = [&](uint32_t (&fragment)[4], int ht, int step) {
         if (step < k_steps) ldmatrix_x4(fragment, qs + (ht * 16 + lane % 16) * ld + step * 16 + (lane / 16) * 8);
         else fragment[0] = fragment[1] = fragment[2] = fragment[3] = 0u;
     };
     uint32_t qa[Q_IN_REGISTERS ? QS : 1][4];
     if constexpr (Q_IN_REGISTERS) {
 #pragma unroll
-        for (int s = 0; s < QS; ++s) q_fragment(qa[s], kw + s * KW);
+        for (int s = 0; s < QS; ++s) q_fragment(qa[s], ht0, kw + s * KW);
     }
     if constexpr (Q_ALIASED) {
         __syncthreads();  // every warp holds its fragments: buffer 1 is free for tile 1
@@ -177,13 +180,17 @@ __device__ __forceinline__ void sparse_mla_bf16_body(const SparseMlaParams& p) {
         load_tile(1);
     }
 
-    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // rows lane/4 and lane/4 + 8
-    float o_acc[NT_O][4];
+    // Per head tile of this warp: rows lane/4 and lane/4 + 8.
+    float m_run[MW][2], l_run[MW][2], o_acc[MW][NT_O][4];
 #pragma unroll
-    for (int n = 0; n < NT_O; ++n) o_acc[n][0] = o_acc[n][1] = o_acc[n][2] = o_acc[n][3] = 0.f;
+    for (int mw = 0; mw < MW; ++mw) {
+        m_run[mw][0] = m_run[mw][1] = -INFINITY;
+        l_run[mw][0] = l_run[mw][1] = 0.f;
+#pragma unroll
+        for (int n = 0; n < NT_O; ++n) o_acc[mw][n][0] = o_acc[mw][n][1] = o_acc[mw][n][2] = o_acc[mw][n][3] = 0.f;
+    }
     const float scale_log2 = p.scale * LOG2E;
-    const int r0 = lane / 4;  // this thread's two rows of the 16-head tile: r0 and r0 + 8
-    float* sp_mine = sp + (ht * KW + kw) * 16 * LDS;
+    const int r0 = lane / 4;  // this thread's two rows of a 16-head tile: r0 and r0 + 8
 
     for (int local = 0; local < tile_count; ++local) {
         // This tile has landed (the first time, tile 1 of the prologue may still be in flight) ...
@@ -195,118 +202,142 @@ __device__ __forceinline__ void sparse_mla_bf16_body(const SparseMlaParams& p) {
         const bf16* kt = ks + (local & 1) * BN * ld;
         const int* rows = rows_s + local * BN;
 
-        // Partial S over this warp's column steps, all BN keys: four independent accumulators.
-        float s[BN / 8][4] = {};
+        // Partial S over this warp's column steps, all BN keys: BN/8 independent accumulators per head tile,
+        // each B fragment shared by the MW tiles.
+        float s[MW][BN / 8][4] = {};
 #pragma unroll
         for (int st = 0; st < QS; ++st) {
             const int step = kw + st * KW;
             if (step < k_steps) {
-                uint32_t q_step[4];
-                if constexpr (!Q_IN_REGISTERS) q_fragment(q_step, step);
-                const uint32_t(&a)[4] = Q_IN_REGISTERS ? qa[st] : q_step;
+                uint32_t q_step[MW][4];
+                if constexpr (!Q_IN_REGISTERS) {
+#pragma unroll
+                    for (int mw = 0; mw < MW; ++mw) q_fragment(q_step[mw], ht0 + mw, step);
+                }
 #pragma unroll
                 for (int np = 0; np < BN / 16; ++np) {
                     uint32_t b[4];
                     ldmatrix_x4(b, kt + (np * 16 + lane % 8 + (lane / 16) * 8) * ld + step * 16 + ((lane / 8) % 2) * 8);
-                    mma_bf16(s[2 * np], a, b[0], b[1]);
-                    mma_bf16(s[2 * np + 1], a, b[2], b[3]);
+#pragma unroll
+                    for (int mw = 0; mw < MW; ++mw) {
+                        const uint32_t(&a)[4] = Q_IN_REGISTERS ? qa[st] : q_step[mw];
+                        mma_bf16(s[mw][2 * np], a, b[0], b[1]);
+                        mma_bf16(s[mw][2 * np + 1], a, b[2], b[3]);
+                    }
                 }
             }
         }
 #pragma unroll
-        for (int n = 0; n < BN / 8; ++n) {
-            const int col = n * 8 + (lane % 4) * 2;
-            *reinterpret_cast<float2*>(sp_mine + r0 * LDS + col) = make_float2(s[n][0], s[n][1]);
-            *reinterpret_cast<float2*>(sp_mine + (r0 + 8) * LDS + col) = make_float2(s[n][2], s[n][3]);
+        for (int mw = 0; mw < MW; ++mw) {
+            float* sp_mine = sp + ((ht0 + mw) * KW + kw) * 16 * LDS;
+#pragma unroll
+            for (int n = 0; n < BN / 8; ++n) {
+                const int col = n * 8 + (lane % 4) * 2;
+                *reinterpret_cast<float2*>(sp_mine + r0 * LDS + col) = make_float2(s[mw][n][0], s[mw][n][1]);
+                *reinterpret_cast<float2*>(sp_mine + (r0 + 8) * LDS + col) = make_float2(s[mw][n][2], s[mw][n][3]);
+            }
         }
         __syncthreads();
 
         // Scores of this warp's keys: the sum of the KW partials, masked, in the log2 domain.
-        float sc[NT_K][4];
-        float mx[2] = {-INFINITY, -INFINITY};
+        float sc[MW][NT_K][4];
 #pragma unroll
-        for (int n = 0; n < NT_K; ++n) {
-            const int col = kw * KEYS_W + n * 8 + (lane % 4) * 2;
-            float2 lo = make_float2(0.f, 0.f), hi = make_float2(0.f, 0.f);
+        for (int mw = 0; mw < MW; ++mw) {
+            float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-            for (int j = 0; j < KW; ++j) {
-                const float* part = sp + (ht * KW + j) * 16 * LDS;
-                const float2 a = *reinterpret_cast<const float2*>(part + r0 * LDS + col);
-                const float2 b = *reinterpret_cast<const float2*>(part + (r0 + 8) * LDS + col);
-                lo.x += a.x; lo.y += a.y; hi.x += b.x; hi.y += b.y;
+            for (int n = 0; n < NT_K; ++n) {
+                const int col = kw * KEYS_W + n * 8 + (lane % 4) * 2;
+                float2 lo = make_float2(0.f, 0.f), hi = make_float2(0.f, 0.f);
+#pragma unroll
+                for (int j = 0; j < KW; ++j) {
+                    const float* part = sp + ((ht0 + mw) * KW + j) * 16 * LDS;
+                    const float2 a = *reinterpret_cast<const float2*>(part + r0 * LDS + col);
+                    const float2 b = *reinterpret_cast<const float2*>(part + (r0 + 8) * LDS + col);
+                    lo.x += a.x; lo.y += a.y; hi.x += b.x; hi.y += b.y;
+                }
+                const float v[4] = {lo.x, lo.y, hi.x, hi.y};
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    sc[mw][n][j] = rows[col + (j & 1)] >= 0 ? v[j] * scale_log2 : -INFINITY;
+                    mx[j / 2] = fmaxf(mx[j / 2], sc[mw][n][j]);
+                }
             }
-            const float v[4] = {lo.x, lo.y, hi.x, hi.y};
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                sc[n][j] = rows[col + (j & 1)] >= 0 ? v[j] * scale_log2 : -INFINITY;
-                mx[j / 2] = fmaxf(mx[j / 2], sc[n][j]);
+            for (int r = 0; r < 2; ++r) {
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 1));
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 2));
             }
-        }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 1));
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 2));
-        }
-        float* max_tile = max_s + ht * KW * 16;
-        if (lane % 4 == 0) {
-            max_tile[kw * 16 + r0] = mx[0];
-            max_tile[kw * 16 + r0 + 8] = mx[1];
+            float* max_tile = max_s + (ht0 + mw) * KW * 16;
+            if (lane % 4 == 0) {
+                max_tile[kw * 16 + r0] = mx[0];
+                max_tile[kw * 16 + r0 + 8] = mx[1];
+            }
         }
         __syncthreads();
-        float alpha[2], sum[2] = {0.f, 0.f};
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float m_tile = -INFINITY;
+        for (int mw = 0; mw < MW; ++mw) {
+            const float* max_tile = max_s + (ht0 + mw) * KW * 16;
+            float alpha[2], sum[2] = {0.f, 0.f};
 #pragma unroll
-            for (int j = 0; j < KW; ++j) m_tile = fmaxf(m_tile, max_tile[j * 16 + r0 + r * 8]);
-            const float m_new = fmaxf(m_run[r], m_tile);
-            alpha[r] = m_new == -INFINITY ? 1.f : exp2f(m_run[r] - m_new);
-            m_run[r] = m_new;
-        }
+            for (int r = 0; r < 2; ++r) {
+                float m_tile = -INFINITY;
 #pragma unroll
-        for (int n = 0; n < NT_K; ++n) {
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                sc[n][j] = sc[n][j] == -INFINITY ? 0.f : exp2f(sc[n][j] - m_run[j / 2]);
-                sum[j / 2] += sc[n][j];
+                for (int j = 0; j < KW; ++j) m_tile = fmaxf(m_tile, max_tile[j * 16 + r0 + r * 8]);
+                const float m_new = fmaxf(m_run[mw][r], m_tile);
+                alpha[r] = m_new == -INFINITY ? 1.f : exp2f(m_run[mw][r] - m_new);
+                m_run[mw][r] = m_new;
             }
-            const int col = kw * KEYS_W + n * 8 + (lane % 4) * 2;
-            *reinterpret_cast<uint32_t*>(ps + (ht * 16 + r0) * LDP + col) = pack_bf16(sc[n][0], sc[n][1]);
-            *reinterpret_cast<uint32_t*>(ps + (ht * 16 + r0 + 8) * LDP + col) = pack_bf16(sc[n][2], sc[n][3]);
-        }
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            sum[r] += __shfl_xor_sync(0xffffffff, sum[r], 1);
-            sum[r] += __shfl_xor_sync(0xffffffff, sum[r], 2);
-            l_run[r] = l_run[r] * alpha[r] + sum[r];  // this warp's keys only; the KW shares add up at the end
-        }
+            for (int n = 0; n < NT_K; ++n) {
 #pragma unroll
-        for (int n = 0; n < NT_O; ++n) {
-            o_acc[n][0] *= alpha[0];
-            o_acc[n][1] *= alpha[0];
-            o_acc[n][2] *= alpha[1];
-            o_acc[n][3] *= alpha[1];
+                for (int j = 0; j < 4; ++j) {
+                    sc[mw][n][j] = sc[mw][n][j] == -INFINITY ? 0.f : exp2f(sc[mw][n][j] - m_run[mw][j / 2]);
+                    sum[j / 2] += sc[mw][n][j];
+                }
+                const int col = kw * KEYS_W + n * 8 + (lane % 4) * 2;
+                *reinterpret_cast<uint32_t*>(ps + ((ht0 + mw) * 16 + r0) * LDP + col) = pack_bf16(sc[mw][n][0], sc[mw][n][1]);
+                *reinterpret_cast<uint32_t*>(ps + ((ht0 + mw) * 16 + r0 + 8) * LDP + col) = pack_bf16(sc[mw][n][2], sc[mw][n][3]);
+            }
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                sum[r] += __shfl_xor_sync(0xffffffff, sum[r], 1);
+                sum[r] += __shfl_xor_sync(0xffffffff, sum[r], 2);
+                l_run[mw][r] = l_run[mw][r] * alpha[r] + sum[r];  // this warp's keys only; the KW shares add up at the end
+            }
+#pragma unroll
+            for (int n = 0; n < NT_O; ++n) {
+                o_acc[mw][n][0] *= alpha[0];
+                o_acc[mw][n][1] *= alpha[0];
+                o_acc[mw][n][2] *= alpha[1];
+                o_acc[mw][n][3] *= alpha[1];
+            }
         }
         __syncthreads();  // P of all warps is complete
 
-        // O[:, kw*DV_W : (kw+1)*DV_W] += P V over the tile's keys.
+        // O[:, kw*DV_W : (kw+1)*DV_W] += P V over the tile's keys, each V fragment shared by the MW tiles.
         const int dv_base = kw * DV_W;
 #pragma unroll
         for (int kk = 0; kk < BN; kk += 16) {
-            uint32_t a[4];
-            ldmatrix_x4(a, ps + (ht * 16 + lane % 16) * LDP + kk + (lane / 16) * 8);
+            uint32_t a[MW][4];
+#pragma unroll
+            for (int mw = 0; mw < MW; ++mw)
+                ldmatrix_x4(a[mw], ps + ((ht0 + mw) * 16 + lane % 16) * LDP + kk + (lane / 16) * 8);
             const int key = kk + lane % 8 + ((lane / 8) % 2) * 8;
 #pragma unroll
             for (int n = 0; n + 1 < NT_O; n += 2) {
                 uint32_t b[4];
                 ldmatrix_x4_trans(b, kt + key * ld + dv_base + n * 8 + (lane / 16) * 8);
-                mma_bf16(o_acc[n], a, b[0], b[1]);
-                mma_bf16(o_acc[n + 1], a, b[2], b[3]);
+#pragma unroll
+                for (int mw = 0; mw < MW; ++mw) {
+                    mma_bf16(o_acc[mw][n], a[mw], b[0], b[1]);
+                    mma_bf16(o_acc[mw][n + 1], a[mw], b[2], b[3]);
+                }
             }
             if constexpr (NT_O % 2 == 1) {
                 uint32_t b[2];
                 ldmatrix_x2_trans(b, kt + key * ld + dv_base + (NT_O - 1) * 8);
-                mma_bf16(o_acc[NT_O - 1], a, b[0], b[1]);
+#pragma unroll
+                for (int mw = 0; mw < MW; ++mw) mma_bf16(o_acc[mw][NT_O - 1], a[mw], b[0], b[1]);
             }
         }
     }
@@ -316,36 +347,43 @@ __device__ __forceinline__ void sparse_mla_bf16_body(const SparseMlaParams& p) {
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 
     // Epilogue: the KW warps' row sums, normalise, write out / partials.
-    float* l_tile = l_s + ht * KW * 16;
-    if (lane % 4 == 0) {
-        l_tile[kw * 16 + r0] = l_run[0];
-        l_tile[kw * 16 + r0 + 8] = l_run[1];
+#pragma unroll
+    for (int mw = 0; mw < MW; ++mw) {
+        float* l_tile = l_s + (ht0 + mw) * KW * 16;
+        if (lane % 4 == 0) {
+            l_tile[kw * 16 + r0] = l_run[mw][0];
+            l_tile[kw * 16 + r0 + 8] = l_run[mw][1];
+        }
     }
     __syncthreads();
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int head = h0 + ht * 16 + r0 + r * 8;
-        if (head >= p.H) continue;
-        float l = 0.f;
+    for (int mw = 0; mw < MW; ++mw) {
+        const float* l_tile = l_s + (ht0 + mw) * KW * 16;
 #pragma unroll
-        for (int j = 0; j < KW; ++j) l += l_tile[j * 16 + r0 + r * 8];
-        const float inv_l = l > 0.f ? 1.f / l : 0.f;
-        const size_t th = (size_t)t * p.H + head;
+        for (int r = 0; r < 2; ++r) {
+            const int head = h0 + (ht0 + mw) * 16 + r0 + r * 8;
+            if (head >= p.H) continue;
+            float l = 0.f;
 #pragma unroll
-        for (int n = 0; n < NT_O; ++n) {
-            const int col = kw * DV_W + n * 8 + (lane % 4) * 2;
-            const float v0 = o_acc[n][r * 2] * inv_l, v1 = o_acc[n][r * 2 + 1] * inv_l;
-            if (p.num_splits == 1) {
-                *reinterpret_cast<uint32_t*>(static_cast<bf16*>(p.out) + th * DV + col) = pack_bf16(v0, v1);
-            } else {
-                float* dst = p.part_out + ((size_t)split * p.T * p.H + th) * DV + col;
-                *reinterpret_cast<float2*>(dst) = make_float2(v0, v1);
+            for (int j = 0; j < KW; ++j) l += l_tile[j * 16 + r0 + r * 8];
+            const float inv_l = l > 0.f ? 1.f / l : 0.f;
+            const size_t th = (size_t)t * p.H + head;
+#pragma unroll
+            for (int n = 0; n < NT_O; ++n) {
+                const int col = kw * DV_W + n * 8 + (lane % 4) * 2;
+                const float v0 = o_acc[mw][n][r * 2] * inv_l, v1 = o_acc[mw][n][r * 2 + 1] * inv_l;
+                if (p.num_splits == 1) {
+                    *reinterpret_cast<uint32_t*>(static_cast<bf16*>(p.out) + th * DV + col) = pack_bf16(v0, v1);
+                } else {
+                    float* dst = p.part_out + ((size_t)split * p.T * p.H + th) * DV + col;
+                    *reinterpret_cast<float2*>(dst) = make_float2(v0, v1);
+                }
             }
-        }
-        if (kw == 0 && lane % 4 == 0) {
-            const float lse = l > 0.f ? m_run[r] * LN2 + logf(l) : -INFINITY;
-            if (p.num_splits == 1) p.lse[th] = lse;
-            else p.part_lse[(size_t)split * p.T * p.H + th] = lse;
+            if (kw == 0 && lane % 4 == 0) {
+                const float lse = l > 0.f ? m_run[mw][r] * LN2 + logf(l) : -INFINITY;
+                if (p.num_splits == 1) p.lse[th] = lse;
+                else p.part_lse[(size_t)split * p.T * p.H + th] = lse;
+            }
         }
     }
 }
@@ -464,24 +502,24 @@ __device__ void f32_impl(const SparseMlaParams& p) {
 
 // Entry points, found by name from Rust: the bf16 kernel per value width and heads per block (16 * HT), for
 // any row width and, for GLM-5's rows (512 + 64), with the width fixed at compile time. The value width fixes
-// the warps per 16-head tile (KW = 4, or 2 for 16 columns).
-#define SPARSE_MLA_BF16_ENTRY(DV, HT, KW)                                                      \
-    extern "C" __global__ void __launch_bounds__(HT * KW * 32)                                 \
-        sparse_mla_bf16_dv##DV##_hb##HT(const SparseMlaParams p) { sparse_mla_bf16_body<DV, HT, KW, 0>(p); }
-#define SPARSE_MLA_BF16_FIXED_ENTRY(DV, D, HT, KW)                                             \
-    extern "C" __global__ void __launch_bounds__(HT * KW * 32)                                 \
-        sparse_mla_bf16_dv##DV##_d##D##_hb##HT(const SparseMlaParams p) { sparse_mla_bf16_body<DV, HT, KW, D>(p); }
-SPARSE_MLA_BF16_ENTRY(16, 1, 2)
-SPARSE_MLA_BF16_ENTRY(32, 1, 4)
-SPARSE_MLA_BF16_ENTRY(64, 1, 4)
-SPARSE_MLA_BF16_ENTRY(128, 1, 4)
-SPARSE_MLA_BF16_ENTRY(256, 1, 4)
-SPARSE_MLA_BF16_ENTRY(512, 1, 4)
-SPARSE_MLA_BF16_ENTRY(128, 4, 4)
-SPARSE_MLA_BF16_ENTRY(256, 4, 4)
-SPARSE_MLA_BF16_ENTRY(512, 4, 4)
-SPARSE_MLA_BF16_FIXED_ENTRY(512, 576, 1, 4)
-SPARSE_MLA_BF16_FIXED_ENTRY(512, 576, 4, 4)
+// the warps per 16-head tile (KW = 4, or 2 for 16 columns); 64-head blocks give each warp two tiles (MW = 2).
+#define SPARSE_MLA_BF16_ENTRY(DV, HT, KW, MW)                                                  \
+    extern "C" __global__ void __launch_bounds__(HT / MW * KW * 32)                            \
+        sparse_mla_bf16_dv##DV##_hb##HT(const SparseMlaParams p) { sparse_mla_bf16_body<DV, HT, KW, MW, 0>(p); }
+#define SPARSE_MLA_BF16_FIXED_ENTRY(DV, D, HT, KW, MW)                                         \
+    extern "C" __global__ void __launch_bounds__(HT / MW * KW * 32)                            \
+        sparse_mla_bf16_dv##DV##_d##D##_hb##HT(const SparseMlaParams p) { sparse_mla_bf16_body<DV, HT, KW, MW, D>(p); }
+SPARSE_MLA_BF16_ENTRY(16, 1, 2, 1)
+SPARSE_MLA_BF16_ENTRY(32, 1, 4, 1)
+SPARSE_MLA_BF16_ENTRY(64, 1, 4, 1)
+SPARSE_MLA_BF16_ENTRY(128, 1, 4, 1)
+SPARSE_MLA_BF16_ENTRY(256, 1, 4, 1)
+SPARSE_MLA_BF16_ENTRY(512, 1, 4, 1)
+SPARSE_MLA_BF16_ENTRY(128, 4, 4, 2)
+SPARSE_MLA_BF16_ENTRY(256, 4, 4, 2)
+SPARSE_MLA_BF16_ENTRY(512, 4, 4, 2)
+SPARSE_MLA_BF16_FIXED_ENTRY(512, 576, 1, 4, 1)
+SPARSE_MLA_BF16_FIXED_ENTRY(512, 576, 4, 4, 2)
 
 extern "C" __global__ void __launch_bounds__(COMBINE_GROUPS * 32) sparse_mla_combine_bf16(const SparseMlaParams p) {
     combine_impl(p);

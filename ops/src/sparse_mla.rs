@@ -308,6 +308,16 @@ pub(crate) mod limits {
         }
     }
 
+    /// Head tiles each warp of the bf16 kernel owns (`MW` of its entry points): two when a block has four,
+    /// so that every key fragment read from shared memory feeds two mma.
+    pub fn head_tiles_per_warp(head_tiles: usize) -> usize {
+        if head_tiles == 4 {
+            2
+        } else {
+            1
+        }
+    }
+
     /// Shared memory of the bf16 kernel with `head_tiles` tiles of 16 heads and rows of `row_dim` (mirrors the
     /// layout in the .cu file: two key tiles, Q unless it is staged in key tile 1, P, partial scores, row
     /// maxima and sums, the split's rows). GLM-5's rows with 16 heads and 32 tiles per split: 90880 B, within
@@ -473,7 +483,8 @@ mod cuda {
 
     const MODULE: &[u8] = glm5_kernels::SPARSE_MLA;
     use super::limits::{
-        bf16_shared_bytes, f32_shared_bytes, warps_per_head_tile, BF16_VALUE_DIMS, MAX_ROPE, MAX_SPLITS,
+        bf16_shared_bytes, f32_shared_bytes, head_tiles_per_warp, warps_per_head_tile, BF16_VALUE_DIMS, MAX_ROPE,
+        MAX_SPLITS,
         MAX_TILES_PER_SPLIT, TILE,
     };
 
@@ -734,7 +745,7 @@ mod cuda {
             format!("sparse_mla_bf16_dv{value_dim}_hb{head_tiles}")
         };
         let func = kernel(dev, "sparse_mla", MODULE, &name)?;
-        let threads = (head_tiles * warps_per_tile * 32) as u32;
+        let threads = (head_tiles / head_tiles_per_warp(head_tiles) * warps_per_tile * 32) as u32;
         let grid = (splits as u32, groups as u32, t_len as u32);
         let cfg = LaunchConfig {
             grid_dim: grid,
