@@ -37,6 +37,7 @@
 #include <stdint.h>
 
 #include "mma.cuh"
+#include "paged.cuh"
 
 typedef __nv_bfloat16 bf16;
 
@@ -84,7 +85,8 @@ __device__ __forceinline__ int visible_keys(const DsaParams& p, int t) {
 
 // Physical row of position s of the token's sequence.
 __device__ __forceinline__ long long key_row(const DsaParams& p, int seq, int s) {
-    return (long long)p.block_table[(size_t)seq * p.max_blocks + s / p.block_size] * p.block_size + s % p.block_size;
+    const int2 page = page_of(s, p.block_size);
+    return (long long)p.block_table[(size_t)seq * p.max_blocks + page.x] * p.block_size + page.y;
 }
 
 __device__ __forceinline__ uint32_t* candidates_of(const DsaParams& p, int t) {
@@ -278,7 +280,8 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
         // as a row after this tile's math, so its latency hides behind it.
         const int next = tile_base(ahead + 1) + threadIdx.x;
         const bool resolve = ahead + 1 < my_tiles && threadIdx.x < TILE_KEYS;
-        const int page = resolve && next < visible ? p.block_table[(size_t)seq * p.max_blocks + next / p.block_size] : -1;
+        const int2 next_page = page_of(next, p.block_size);
+        const int page = resolve && next < visible ? p.block_table[(size_t)seq * p.max_blocks + next_page.x] : -1;
         cp_async_wait<STAGES - 1>();
         __syncthreads();
         const uint8_t* tile = stages[i % STAGES];
@@ -338,7 +341,7 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
             }
         }
         // Into the slot of tile i, whose copy went out long ago; read after the barrier below.
-        if (resolve) rows[(ahead + 1) % STAGES][threadIdx.x] = page >= 0 ? page * p.block_size + next % p.block_size : -1;
+        if (resolve) rows[(ahead + 1) % STAGES][threadIdx.x] = page >= 0 ? page * p.block_size + next_page.y : -1;
         __syncthreads();  // the stage is refilled next iteration
     }
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");

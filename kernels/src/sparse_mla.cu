@@ -26,6 +26,7 @@
 #include <stdint.h>
 
 #include "mma.cuh"
+#include "paged.cuh"
 
 typedef __nv_bfloat16 bf16;
 
@@ -60,9 +61,10 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 // dependent global read fewer before the row copies can start.
 __device__ __forceinline__ long long physical_row(const SparseMlaParams& p, int seq, int seq_len, int idx) {
     const bool in_table = idx >= 0 && idx < p.max_blocks * p.block_size;
-    const int block = in_table ? p.block_table[(size_t)seq * p.max_blocks + idx / p.block_size] : 0;
+    const int2 page = page_of(max(idx, 0), p.block_size);
+    const int block = in_table ? p.block_table[(size_t)seq * p.max_blocks + page.x] : 0;
     if (!in_table || idx >= seq_len) return -1;
-    return (long long)block * p.block_size + idx % p.block_size;
+    return (long long)block * p.block_size + page.y;
 }
 
 // Dynamic shared memory of the bf16 kernel (mirrored by the launcher).
