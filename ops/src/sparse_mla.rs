@@ -484,8 +484,7 @@ mod cuda {
     const MODULE: &[u8] = glm5_kernels::SPARSE_MLA;
     use super::limits::{
         bf16_shared_bytes, f32_shared_bytes, head_tiles_per_warp, warps_per_head_tile, BF16_VALUE_DIMS, MAX_ROPE,
-        MAX_SPLITS,
-        MAX_TILES_PER_SPLIT, TILE,
+        MAX_SPLITS, MAX_TILES_PER_SPLIT, TILE,
     };
 
     /// A block's fixed cost in tiles' time, for the split choice (measured on the H200: one-tile blocks take
