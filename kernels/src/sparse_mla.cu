@@ -164,6 +164,7 @@ __device__ __forceinline__ void sparse_mla_bf16_body(const SparseMlaParams& p) {
     // split with one head tile per block; with four (128 registers or fewer per thread) they would spill,
     // and Q has its own shared region anyway, so each step reads its fragment there.
     constexpr bool Q_IN_REGISTERS = HT == 1;
+    static_assert(Q_IN_REGISTERS || !Q_ALIASED, "Q read per step needs its own shared region");
     if constexpr (Q_ALIASED) cp_async_wait<1>();
     else cp_async_wait<2>();
     __syncthreads();
