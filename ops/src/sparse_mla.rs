@@ -308,16 +308,6 @@ pub(crate) mod limits {
         }
     }
 
-    /// Head tiles each warp of the bf16 kernel owns (`MW` of its entry points): two when a block has four,
-    /// so that every key fragment read from shared memory feeds two mma.
-    pub fn head_tiles_per_warp(head_tiles: usize) -> usize {
-        if head_tiles == 4 {
-            2
-        } else {
-            1
-        }
-    }
-
     /// Shared memory of the bf16 kernel with `head_tiles` tiles of 16 heads and rows of `row_dim` (mirrors the
     /// layout in the .cu file: two key tiles, Q unless it is staged in key tile 1, P, partial scores, row
     /// maxima and sums, the split's rows). GLM-5's rows with 16 heads and 32 tiles per split: 90880 B, within
@@ -483,8 +473,8 @@ mod cuda {
 
     const MODULE: &[u8] = glm5_kernels::SPARSE_MLA;
     use super::limits::{
-        bf16_shared_bytes, f32_shared_bytes, head_tiles_per_warp, warps_per_head_tile, BF16_VALUE_DIMS, MAX_ROPE,
-        MAX_SPLITS, MAX_TILES_PER_SPLIT, TILE,
+        bf16_shared_bytes, f32_shared_bytes, warps_per_head_tile, BF16_VALUE_DIMS, MAX_ROPE, MAX_SPLITS,
+        MAX_TILES_PER_SPLIT, TILE,
     };
 
     /// A block's fixed cost in tiles' time, for the split choice (measured on the H200: one-tile blocks take
@@ -492,6 +482,16 @@ mod cuda {
     const BLOCK_COST_IN_TILES: usize = 2;
     /// Value widths with a 64-head instantiation.
     const WIDE_VALUE_DIMS: [usize; 3] = [128, 256, 512];
+
+    /// Head tiles each warp of the bf16 kernel owns (`MW` of its entry points): two when a block has four,
+    /// so that every key fragment read from shared memory feeds two mma.
+    fn head_tiles_per_warp(head_tiles: usize) -> usize {
+        if head_tiles == 4 {
+            2
+        } else {
+            1
+        }
+    }
     /// Warps of the combine kernel and value columns per block (`COMBINE_GROUPS`, `COMBINE_COLUMNS` in the
     /// .cu file).
     const COMBINE_GROUPS: usize = 8;
