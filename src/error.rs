@@ -8,7 +8,7 @@ pub enum Error {
     Model(#[from] glm5_models::ModelError),
     /// Download or cache error of the Hugging Face Hub layer.
     #[error(transparent)]
-    Hub(#[from] crate::hub::HubError),
+    Hub(Box<crate::hub::HubError>),
     /// tokenizer.json could not be loaded, or text could not be encoded/decoded.
     #[error(transparent)]
     Tokenizer(#[from] crate::tokenizer::TokenizerError),
@@ -48,10 +48,23 @@ pub enum Error {
     Device(#[from] glm5_ops::DeviceError),
     /// The graph-build pass failed: the model does not fit, or an op has no valid backend.
     #[error(transparent)]
-    Plan(#[from] glm5_models::PlanError),
+    Plan(Box<glm5_models::PlanError>),
     /// A tensor operation failed.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+}
+
+// Boxed: Hub and plan errors are large and rare, and `Result<_, Error>` should stay small on every call.
+impl From<crate::hub::HubError> for Error {
+    fn from(error: crate::hub::HubError) -> Self {
+        Self::Hub(Box::new(error))
+    }
+}
+
+impl From<glm5_models::PlanError> for Error {
+    fn from(error: glm5_models::PlanError) -> Self {
+        Self::Plan(Box::new(error))
+    }
 }
 
 /// The runtime's result type.

@@ -221,8 +221,8 @@ pub fn render(plan: &Plan, config: &Config, label: &str, registry: &Registry) ->
     let _ = writeln!(s);
     let _ = writeln!(
         s,
-        "{:>5}  {:<8} {:<6} {:<5} {:>10} {:>10} {:>11}  {:<16} {}",
-        "layer", "device", "mlp", "dtype", "params", "weights", "KV/1K tok", "sparse_mla", "dsa_indexer"
+        "{:>5}  {:<8} {:<6} {:<5} {:>10} {:>10} {:>11}  {:<16} dsa_indexer",
+        "layer", "device", "mlp", "dtype", "params", "weights", "KV/1K tok", "sparse_mla"
     );
     for l in &plan.layers {
         let backend = |op| l.op(op).map_or("-", |o| o.backend());

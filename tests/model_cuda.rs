@@ -176,7 +176,7 @@ fn fp8_index_keys_on_gpu() {
             &config,
             &Checkpoint::open(&dir).unwrap(),
             plan,
-            &[gpu.clone()],
+            std::slice::from_ref(&gpu),
         )
         .unwrap();
         let mut cache = model.new_cache(ids.len()).unwrap();

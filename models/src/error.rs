@@ -61,7 +61,7 @@ pub enum ModelError {
     CacheShape(String),
 
     #[error(transparent)]
-    Plan(#[from] crate::plan::PlanError),
+    Plan(Box<crate::plan::PlanError>),
     #[error(transparent)]
     Device(#[from] glm5_ops::DeviceError),
     #[error("the plan does not match the model or devices: {0}")]
@@ -74,3 +74,10 @@ pub enum ModelError {
 }
 
 pub type Result<T> = std::result::Result<T, ModelError>;
+
+// Boxed: a plan error is large and rare, and `Result<_, ModelError>` should stay small on every call.
+impl From<crate::plan::PlanError> for ModelError {
+    fn from(error: crate::plan::PlanError) -> Self {
+        Self::Plan(Box::new(error))
+    }
+}
