@@ -2,12 +2,12 @@
 //! bf16. Built with `--features cuda`, run by `scripts/gpu-run.sh` on the GPU machine.
 #![cfg(feature = "cuda")]
 
-use glm5::candle_core::{DType, Device, Tensor};
+use glm5::candle_core::{DType, Device};
 use glm5::{AttentionMode, Glm5ForCausalLM};
 
 #[path = "common/fixtures.rs"]
 mod fixtures;
-use fixtures::{decode_rows, fixture_dir, reference};
+use fixtures::{decode_rows, fixture_dir, logit_rows, max_abs_diff, reference};
 
 /// The fixture `name` on `device` in `dtype`: prefill of `decode_from` ids, then decode (every logit row).
 fn logits(
@@ -32,12 +32,7 @@ fn f32_on_gpu_matches_hf_within_1e_3() {
         let expected: Vec<Vec<f32>> = expected.to_vec2().unwrap();
         for decode_from in [ids.len(), 6] {
             let got = logits(name, DType::F32, &gpu, &ids, decode_from);
-            let err = got
-                .iter()
-                .flatten()
-                .zip(expected.iter().flatten())
-                .map(|(a, b)| (a - b).abs())
-                .fold(0.0, f32::max);
+            let err = max_abs_diff(&got, &expected);
             println!("{name} f32 (prefill {decode_from}): max |Δ| = {err:.2e}");
             assert!(err < 1e-3, "{name}: f32 GPU logits differ from HF by {err}");
         }
@@ -126,12 +121,7 @@ fn layers_split_over_cuda_and_cpu_match_all_cpu() {
         .unwrap();
         let split_rows = decode_rows(&model, &ids, 6);
         assert_eq!(model.transfers(), 1 + ids.len() - 6);
-        let err = split_rows
-            .iter()
-            .flatten()
-            .zip(cpu_rows.iter().flatten())
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0, f32::max);
+        let err = max_abs_diff(&split_rows, &cpu_rows);
         println!("{name}: cuda:0 + cpu vs all-CPU, max |Δ| = {err:.2e}");
         assert!(
             err < 1e-3,
@@ -192,14 +182,7 @@ fn fp8_index_keys_on_gpu() {
             rows.push(logits);
             decode_selections.push((pos, sel));
         }
-        let logits: Vec<Vec<f32>> = Tensor::cat(&rows, 0)
-            .unwrap()
-            .to_dtype(DType::F32)
-            .unwrap()
-            .to_device(&Device::Cpu)
-            .unwrap()
-            .to_vec2()
-            .unwrap();
+        let logits = logit_rows(&rows);
         let mut by_position: Vec<(usize, Vec<Vec<i32>>)> = (0..prefill)
             .map(|t| {
                 (

@@ -6,13 +6,13 @@
 
 use std::time::Instant;
 
-use glm5::candle_core::{DType, Device, Tensor};
+use glm5::candle_core::{DType, Device};
 use glm5::models::Checkpoint;
 use glm5::{AttentionMode, Config, DeviceDesc, Glm5ForCausalLM, Plan, PlanOptions, Registry};
 
 #[path = "common/fixtures.rs"]
 mod fixtures;
-use fixtures::{fixture_dir, reference};
+use fixtures::{fixture_dir, logit_rows, reference};
 
 /// The model with layer `l` on `devices[layer_device(l)]`.
 fn planned(name: &str, dtype: DType, devices: &[Device], layer_device: impl Fn(usize) -> usize) -> Glm5ForCausalLM {
@@ -38,15 +38,8 @@ fn run(model: &Glm5ForCausalLM, ids: &[u32]) -> (Vec<Vec<f32>>, f64) {
     for (pos, &id) in ids.iter().enumerate().skip(6) {
         rows.push(model.forward(&[id], pos, &mut cache).unwrap());
     }
-    let rows: Vec<Vec<f32>> = Tensor::cat(&rows, 0)
-        .unwrap()
-        .to_dtype(DType::F32)
-        .unwrap()
-        .to_device(&Device::Cpu)
-        .unwrap()
-        .to_vec2()
-        .unwrap();
-    (rows, (ids.len() - 6) as f64 / start.elapsed().as_secs_f64())
+    let rate = (ids.len() - 6) as f64 / start.elapsed().as_secs_f64();
+    (logit_rows(&rows), rate)
 }
 
 #[test]

@@ -18,15 +18,7 @@ use glm5::{
 
 #[path = "common/fixtures.rs"]
 mod fixtures;
-use fixtures::{decode_rows, fixture_dir};
-
-fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
-    a.iter()
-        .flatten()
-        .zip(b.iter().flatten())
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
-}
+use fixtures::{decode_rows, fixture_dir, max_abs_diff};
 
 #[test]
 fn a_model_split_over_two_devices_moves_hidden_states_and_matches_one_device() {
@@ -68,7 +60,7 @@ fn a_model_split_over_two_devices_moves_hidden_states_and_matches_one_device() {
             calls,
             "one boundary crossing per forward"
         );
-        assert_eq!(max_diff(&got, &expected), 0.0, "{name}");
+        assert_eq!(max_abs_diff(&got, &expected), 0.0, "{name}");
         let backends = split.layer_backends();
         assert_eq!(backends.len(), n);
         assert!(backends.iter().all(|b| b.device == "cpu"));
@@ -162,7 +154,7 @@ fn a_backend_registered_by_the_user_is_bound_into_the_graph() {
         .unwrap()
         .to_vec2()
         .unwrap();
-    assert_eq!(max_diff(&got, &want), 0.0);
+    assert_eq!(max_abs_diff(&got, &want), 0.0);
 
     // Forcing the built-in reference through the options wins over the fake's priority.
     let mut registry = Registry::builtin();

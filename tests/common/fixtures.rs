@@ -35,7 +35,13 @@ pub fn decode_rows(model: &Glm5ForCausalLM, ids: &[u32], split: usize) -> Vec<Ve
     for (pos, &id) in ids.iter().enumerate().skip(split) {
         rows.push(model.forward(&[id], pos, &mut cache).unwrap());
     }
-    Tensor::cat(&rows, 0)
+    logit_rows(&rows)
+}
+
+/// Logit tensors of consecutive positions (any dtype and device), as f32 rows on the CPU.
+#[allow(dead_code)] // not every test crate that includes this module runs a model
+pub fn logit_rows(rows: &[Tensor]) -> Vec<Vec<f32>> {
+    Tensor::cat(rows, 0)
         .unwrap()
         .to_dtype(DType::F32)
         .unwrap()
@@ -43,4 +49,14 @@ pub fn decode_rows(model: &Glm5ForCausalLM, ids: &[u32], split: usize) -> Vec<Ve
         .unwrap()
         .to_vec2()
         .unwrap()
+}
+
+/// Largest |a - b| over two equally shaped sets of rows.
+#[allow(dead_code)] // not every test crate that includes this module compares rows
+pub fn max_abs_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    a.iter()
+        .flatten()
+        .zip(b.iter().flatten())
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }
