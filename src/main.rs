@@ -15,8 +15,8 @@ use glm5::plan::{
     BACKEND_ENV,
 };
 use glm5::{
-    AttentionMode, ChatOptions, Config, DeviceDesc, Generation, GenerationParams, Glm5,
-    KeyFormat, LoadOptions, Message, Op, Plan, PlanOptions, Registry, SequenceCache,
+    AttentionMode, ChatOptions, Config, DeviceDesc, Generation, GenerationParams, Glm5, KeyFormat,
+    LoadOptions, Message, Op, Plan, PlanOptions, Registry, SequenceCache,
 };
 
 #[derive(Parser)]
@@ -230,11 +230,10 @@ fn plan(args: PlanArgs) -> Result<(), Box<dyn std::error::Error>> {
     let any_cuda = devices.iter().any(|d| !d.is_cpu());
     let names: Vec<String> = devices.iter().map(|d| d.name.clone()).collect();
     let options = PlanOptions {
-        dtype: args.dtype.map(dtype).unwrap_or(if any_cuda {
-            DType::BF16
-        } else {
-            DType::F32
-        }),
+        dtype: args
+            .dtype
+            .map(dtype)
+            .unwrap_or(if any_cuda { DType::BF16 } else { DType::F32 }),
         attention: attention(args.attention),
         context: args.context,
         forced: forced_backends(

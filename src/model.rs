@@ -15,8 +15,8 @@ use crate::plan::{forced_backends, BACKEND_ENV};
 use crate::tokenizer::{TokenStream, Tokenizer};
 use crate::viz::SelectionMap;
 use crate::{
-    embedded, AttentionMode, Checkpoint, Config, DeviceDesc, Glm5ForCausalLM, KvCache, Op, Plan,
-    KeyFormat, PlanOptions, Registry,
+    embedded, AttentionMode, Checkpoint, Config, DeviceDesc, Glm5ForCausalLM, KeyFormat, KvCache,
+    Op, Plan, PlanOptions, Registry,
 };
 
 /// Where and how to load a model.
@@ -88,10 +88,7 @@ impl LoadOptions {
             dtype,
             attention: self.attention,
             context: self.context,
-            forced: forced_backends(
-                &self.backends,
-                std::env::var(BACKEND_ENV).ok().as_deref(),
-            )?,
+            forced: forced_backends(&self.backends, std::env::var(BACKEND_ENV).ok().as_deref())?,
             layer_devices: self.layer_map.clone(),
             index_keys: self.index_keys,
         };

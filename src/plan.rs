@@ -201,7 +201,8 @@ pub fn render(plan: &Plan, config: &Config, label: &str, registry: &Registry) ->
     let attention = match plan.attention {
         AttentionMode::Sparse => "sparse attention (DSA)".to_string(),
         AttentionMode::Dense => {
-            "DENSE attention (debug / quality-comparison mode, not the model as trained)".to_string()
+            "DENSE attention (debug / quality-comparison mode, not the model as trained)"
+                .to_string()
         }
     };
     let _ = writeln!(
@@ -266,7 +267,10 @@ pub fn render(plan: &Plan, config: &Config, label: &str, registry: &Registry) ->
             let text = match l.op(op).and_then(|o| o.choice.as_ref()) {
                 None => "    (not run: dense mode skips the indexer)\n".to_string(),
                 Some(choice) if choice.rejected.is_empty() => {
-                    format!("    (none: {} is the only {op} backend)\n", choice.entry.name)
+                    format!(
+                        "    (none: {} is the only {op} backend)\n",
+                        choice.entry.name
+                    )
                 }
                 Some(choice) => {
                     let mut t = String::new();

@@ -109,16 +109,35 @@ fn plan_says_glm5_bf16_does_not_fit_8_rtx_pro_6000_and_by_how_many_bytes() {
     let cache = 8192 * 78 * (512 + 64 + 128) * 2;
     let available = 8 * 96 * (1u64 << 30);
     assert!(stderr.contains("does not fit"), "{stderr}");
-    assert!(stderr.contains(&format!("weights 1.35 TiB = {weights} B")), "{stderr}");
-    assert!(stderr.contains(&format!("{} B missing", weights + cache - available)), "{stderr}");
-    assert!(stderr.contains(&format!("the model has {params} parameters")), "{stderr}");
+    assert!(
+        stderr.contains(&format!("weights 1.35 TiB = {weights} B")),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains(&format!("{} B missing", weights + cache - available)),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains(&format!("the model has {params} parameters")),
+        "{stderr}"
+    );
 }
 
 #[test]
 fn plan_places_glm5_bf16_on_16_rtx_pro_6000_with_the_sparse_kernels() {
-    let out = glm5(&["plan", "--model", GLM5_CONFIG, "--assume", "sm_120:96GB x16"]);
+    let out = glm5(&[
+        "plan",
+        "--model",
+        GLM5_CONFIG,
+        "--assume",
+        "sm_120:96GB x16",
+    ]);
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let rows: Vec<&str> = stdout
         .lines()
         .filter(|l| l.trim_start().starts_with(|c: char| c.is_ascii_digit()))
@@ -127,10 +146,22 @@ fn plan_places_glm5_bf16_on_16_rtx_pro_6000_with_the_sparse_kernels() {
         .collect();
     assert_eq!(rows.len(), 78, "{stdout}");
     let (params, weights) = glm5_bf16_weight_bytes();
-    assert!(stdout.contains(&format!("weights: {weights} B")), "{stdout}");
-    assert!(stdout.contains(&format!("for {params} parameters")), "{stdout}");
-    assert!(stdout.contains("cuda-f32-fma: needs dtype ∈ {f32}, got bf16"), "{stdout}");
-    assert!(stdout.contains("max context") && stdout.contains("cuda:15"), "{stdout}");
+    assert!(
+        stdout.contains(&format!("weights: {weights} B")),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains(&format!("for {params} parameters")),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("cuda-f32-fma: needs dtype ∈ {f32}, got bf16"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("max context") && stdout.contains("cuda:15"),
+        "{stdout}"
+    );
 }
 
 #[test]
@@ -138,15 +169,24 @@ fn plan_labels_dense_mode_and_rejects_an_invalid_forced_backend() {
     let out = glm5(&["plan", "--attention", "dense"]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success());
-    assert!(stdout.contains("DENSE attention") && stdout.contains("skipped (dense mode)"), "{stdout}");
+    assert!(
+        stdout.contains("DENSE attention") && stdout.contains("skipped (dense mode)"),
+        "{stdout}"
+    );
 
     let out = glm5(&["plan", "--backend", "sparse_mla=cuda-bf16-mma"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
-    assert!(stderr.contains("forced backend cuda-bf16-mma cannot serve it on cpu"), "{stderr}");
+    assert!(
+        stderr.contains("forced backend cuda-bf16-mma cannot serve it on cpu"),
+        "{stderr}"
+    );
 
     let out = glm5(&["plan", "--assume", "sm_75:24GB", "--dtype", "bf16"]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success());
-    assert!(stdout.contains("needs compute capability ∈ {9.0,12.x}, got 7.5"), "{stdout}");
+    assert!(
+        stdout.contains("needs compute capability ∈ {9.0,12.x}, got 7.5"),
+        "{stdout}"
+    );
 }

@@ -15,7 +15,12 @@ mod fixtures;
 use fixtures::{fixture_dir, logit_rows, reference};
 
 /// The model with layer `l` on `devices[layer_device(l)]`.
-fn planned(name: &str, dtype: DType, devices: &[Device], layer_device: impl Fn(usize) -> usize) -> Glm5ForCausalLM {
+fn planned(
+    name: &str,
+    dtype: DType,
+    devices: &[Device],
+    layer_device: impl Fn(usize) -> usize,
+) -> Glm5ForCausalLM {
     let dir = fixture_dir(name);
     let config = Config::from_file(dir.join("config.json")).unwrap();
     let mut options = PlanOptions::new(dtype, AttentionMode::Sparse);
@@ -44,7 +49,8 @@ fn run(model: &Glm5ForCausalLM, ids: &[u32]) -> (Vec<Vec<f32>>, f64) {
 
 #[test]
 fn layers_split_over_two_gpus_match_one_gpu() {
-    let count = glm5::candle_core::cuda_backend::cudarc::driver::CudaContext::device_count().unwrap();
+    let count =
+        glm5::candle_core::cuda_backend::cudarc::driver::CudaContext::device_count().unwrap();
     assert!(count >= 2, "this test needs two GPUs, found {count}");
     let gpus = [Device::new_cuda(0).unwrap(), Device::new_cuda(1).unwrap()];
     for name in ["sparse_long", "dense_equiv", "bf16_storage"] {
@@ -62,10 +68,18 @@ fn layers_split_over_two_gpus_match_one_gpu() {
                 .iter()
                 .zip(&want)
                 .map(|(g, w)| {
-                    let diff: f32 = g.iter().zip(w).map(|(a, b)| (a - b) * (a - b)).sum::<f32>().sqrt();
+                    let diff: f32 = g
+                        .iter()
+                        .zip(w)
+                        .map(|(a, b)| (a - b) * (a - b))
+                        .sum::<f32>()
+                        .sqrt();
                     let norm: f32 = w.iter().map(|b| b * b).sum::<f32>().sqrt();
                     if dtype == DType::F32 {
-                        g.iter().zip(w).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max)
+                        g.iter()
+                            .zip(w)
+                            .map(|(a, b)| (a - b).abs())
+                            .fold(0.0, f32::max)
                     } else {
                         diff / norm
                     }

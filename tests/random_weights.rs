@@ -14,11 +14,22 @@ fn logits(seed: u64) -> Vec<Vec<f32>> {
         &Registry::builtin(),
     )
     .unwrap();
-    let model =
-        Glm5ForCausalLM::load_planned(&config, &Checkpoint::random(seed, 0.02), plan, &[Device::Cpu]).unwrap();
-    let ids: Vec<u32> = (0..12).map(|i| (i * 37 % config.vocab_size) as u32).collect();
+    let model = Glm5ForCausalLM::load_planned(
+        &config,
+        &Checkpoint::random(seed, 0.02),
+        plan,
+        &[Device::Cpu],
+    )
+    .unwrap();
+    let ids: Vec<u32> = (0..12)
+        .map(|i| (i * 37 % config.vocab_size) as u32)
+        .collect();
     let mut cache = model.new_cache(ids.len()).unwrap();
-    model.forward(&ids, 0, &mut cache).unwrap().to_vec2().unwrap()
+    model
+        .forward(&ids, 0, &mut cache)
+        .unwrap()
+        .to_vec2()
+        .unwrap()
 }
 
 #[test]

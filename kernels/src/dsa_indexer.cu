@@ -24,6 +24,10 @@
 // mma scores: a block of 4 warps takes one token and a strided share of its 64-key tiles, streamed through
 // shared memory by a cp.async pipeline; each warp scores 16 keys of a tile with the token's Q fragments held
 // in registers (MT tiles of 16 heads), and the head sum is a shuffle reduction over the accumulator rows.
+// FP8 keys of width 128 in pages of a multiple of 64 keys (GLM-5's cache): a tile is 64 consecutive rows of
+// one page, copied by one thread with one tensor-map copy (TMA, 128-byte swizzle: conflict-free fragment
+// loads without padding) plus one bulk copy of its scales, completed on the stage's mbarrier; the other
+// layouts copy 16-byte pieces per thread with cp.async.
 // bf16 keys: bf16 mma.sync with ldmatrix fragments. FP8 keys: e4m3 is exact in f16, so the raw bytes become
 // f16 fragments with one cvt per pair and run the f16 mma against Q in f16, Q being scaled by a power of two
 // that keeps it inside f16's range (exact, undone on the score); relu(scale * x) = scale * relu(x) for
@@ -41,6 +45,11 @@
 
 typedef __nv_bfloat16 bf16;
 
+// A CUtensorMap (the driver's opaque 128-byte tensor-map descriptor).
+struct alignas(64) TensorMap {
+    unsigned long long opaque[16];
+};
+
 struct DsaParams {
     const void* q;            // [T, H, D] bf16 or f32
     const float* weights;     // [T, H]
@@ -54,6 +63,7 @@ struct DsaParams {
     uint32_t* work;           // [T, score_stride + 2 * segments]: candidates, segment counts, segment offsets
     int* indices;             // [T, K]
     int T, H, D, K, block_size, max_blocks, batch, score_stride, positions, segments;
+    TensorMap key_map;        // FP8 keys as a [rows, D] byte tensor, box [64 rows, D], 128-byte swizzle (TMA kernels)
 };
 
 constexpr int HIST_BITS = 11;
@@ -125,11 +135,12 @@ __device__ __forceinline__ int block_exclusive_scan(int flag, int* warp_sums, in
 // ---------------------------------------------------------------------------------------------------------
 // Scores
 
-template <int D, bool FP8>
+template <int D, bool FP8, bool TMA = false>
 struct KeyTile {
-    static constexpr int ROW_BYTES = FP8 ? D + 16 : (D + 8) * 2;  // padded: conflict-free fragment loads
-    static constexpr int CHUNKS = (FP8 ? D : 2 * D) / 16;         // 16-byte copies per key
-    static constexpr int STAGES = FP8 ? 4 : 2;                     // tiles in flight (46 / 44 KB with the bins)
+    // Padded rows (conflict-free fragment loads), or with TMA the swizzled 128-byte rows.
+    static constexpr int ROW_BYTES = TMA ? D : FP8 ? D + 16 : (D + 8) * 2;
+    static constexpr int CHUNKS = (FP8 ? D : 2 * D) / 16;  // 16-byte copies per key
+    static constexpr int STAGES = FP8 ? 4 : 2;              // tiles in flight (46 / 44 KB with the bins)
 };
 
 // Physical rows of the 64 keys from position `base` (-1 past `visible`), one key per thread: resolved a
@@ -172,10 +183,12 @@ __device__ __forceinline__ uint32_t pack_f16(float lo, float hi) {
     return *reinterpret_cast<const uint32_t*>(&h);
 }
 
-// bf16 / FP8 scores. MT tiles of 16 heads (H <= 16 * MT), rows of D (a multiple of 16).
-template <int D, int MT, bool FP8>
+// bf16 / FP8 scores. MT tiles of 16 heads (H <= 16 * MT), rows of D (a multiple of 16). TMA: FP8 rows of
+// 128 in pages of a multiple of TILE_KEYS (the launcher checks), `p` a __grid_constant__ parameter.
+template <int D, int MT, bool FP8, bool TMA>
 __device__ __forceinline__ void scores_mma(const DsaParams& p) {
-    using Tile = KeyTile<D, FP8>;
+    static_assert(!TMA || (FP8 && D == 128), "TMA tiles: FP8 rows of 128 bytes (one swizzle span)");
+    using Tile = KeyTile<D, FP8, TMA>;
     constexpr int KSTEPS = D / 16;
     constexpr int STAGES = Tile::STAGES;
     const int t = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
@@ -183,15 +196,30 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
     const int tiles = visible > p.K ? (visible + TILE_KEYS - 1) / TILE_KEYS : 0;  // visible <= K: all taken
     if ((int)blockIdx.x >= tiles) return;
     const int my_tiles = (tiles - blockIdx.x + gridDim.x - 1) / gridDim.x;  // tiles blockIdx.x + i * gridDim.x
-    __shared__ __align__(16) uint8_t stages[STAGES][TILE_KEYS * Tile::ROW_BYTES];
-    __shared__ float scales[STAGES][TILE_KEYS];
+    // 1024-byte aligned stages: the 128-byte swizzle pattern repeats every 8 rows from the stage start.
+    __shared__ __align__(1024) uint8_t stages[STAGES][TILE_KEYS * Tile::ROW_BYTES];
+    __shared__ __align__(16) float scales[STAGES][TILE_KEYS];
     __shared__ int bins[HIST_BINS];  // this block's share of the row's histogram
-    __shared__ int rows[STAGES][TILE_KEYS];  // tile i's rows in slot i % STAGES
+    __shared__ int rows[STAGES][TILE_KEYS];  // tile i's rows in slot i % STAGES (TMA: its first row only)
+    __shared__ uint64_t full[STAGES];        // TMA: stage s holds its tile
     const auto tile_base = [&](int i) { return (int)(blockIdx.x + i * gridDim.x) * TILE_KEYS; };
+    if (TMA && threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) mbarrier_init(&full[s], 1);
+        mbarrier_init_fence();
+    }
+    // TMA: thread 0 starts tile i's copy into its stage (64 rows from the tile's first, and their scales).
+    const auto issue_tma = [&](int i) {
+        const int stage = i % STAGES, first_row = rows[stage][0];
+        fence_proxy_async_shared();  // the stage's earlier readers (and Q's cp.async) come first
+        mbarrier_arrive_expect_tx(&full[stage], TILE_KEYS * (D + 4));
+        tma_load_2d(stages[stage], &p.key_map, 0, first_row, &full[stage]);
+        bulk_copy_to_shared(scales[stage], p.key_scales + first_row, TILE_KEYS * 4, &full[stage]);
+    };
 
     // Q goes to the last stage, which the main loop first fills in its first iteration; its copy and the
     // first tiles' copies go out before anything else, so their latency hides the set-up below.
-    constexpr int QLD = D + 8;  // bf16 per Q row in shared memory: padded, conflict-free ldmatrix
+    // bf16 per Q row in shared memory: padded (conflict-free ldmatrix) where the stage has the room.
+    constexpr int QLD = TMA ? D : D + 8;
     static_assert(MT * 16 * QLD * 2 <= TILE_KEYS * Tile::ROW_BYTES, "Q fits in a stage");
     bf16* q_s = reinterpret_cast<bf16*>(stages[STAGES - 1]);
     {
@@ -203,18 +231,26 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
         }
         cp_async_commit();
     }
-    for (int i = 0; i < STAGES; ++i)
-        if (i < my_tiles) tile_rows(p, seq, visible, tile_base(i), rows[i]);
+    for (int i = 0; i < STAGES; ++i) {
+        if (i >= my_tiles) continue;
+        if (!TMA) tile_rows(p, seq, visible, tile_base(i), rows[i]);
+        else if (threadIdx.x == i) rows[i][0] = (int)key_row(p, seq, tile_base(i));
+    }
     __syncthreads();
 #pragma unroll
     for (int i = 0; i < STAGES - 1; ++i) {
-        if (i < my_tiles) load_tile<D, FP8>(p, rows[i], stages[i], scales[i]);
-        cp_async_commit();
+        if constexpr (TMA) {
+            if (i < my_tiles && threadIdx.x == 0) issue_tma(i);
+        } else {
+            if (i < my_tiles) load_tile<D, FP8>(p, rows[i], stages[i], scales[i]);
+            cp_async_commit();  // one group per stage, empty ones included, so the waits below count right
+        }
     }
     for (int i = threadIdx.x; i < HIST_BINS; i += blockDim.x) bins[i] = 0;
     __shared__ float warp_amax[SCORE_WARPS];
-    cp_async_wait<STAGES - 1>();  // this thread's pieces of Q
-    __syncthreads();              // everyone's
+    if constexpr (TMA) cp_async_wait<0>();  // this thread's pieces of Q (the only cp.async group)
+    else cp_async_wait<STAGES - 1>();
+    __syncthreads();  // everyone's
 
     float q_scale = 1.f, score_unscale = 1.f;
     if constexpr (FP8) {
@@ -274,16 +310,24 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
     const int key0 = warp * 16;  // this warp's keys of each tile
     for (int i = 0; i < my_tiles; ++i) {
         const int ahead = i + STAGES - 1;  // refills the stage consumed in iteration i - 1
-        if (ahead < my_tiles) load_tile<D, FP8>(p, rows[ahead % STAGES], stages[ahead % STAGES], scales[ahead % STAGES]);
-        cp_async_commit();
-        // The block-table entry of this thread's key in the tile copied next iteration: read now, stored
-        // as a row after this tile's math, so its latency hides behind it.
+        if constexpr (TMA) {
+            if (ahead < my_tiles && threadIdx.x == 0) issue_tma(ahead);
+        } else {
+            if (ahead < my_tiles) load_tile<D, FP8>(p, rows[ahead % STAGES], stages[ahead % STAGES], scales[ahead % STAGES]);
+            cp_async_commit();
+        }
+        // The block-table entry of this thread's key in the tile copied next iteration (TMA: of the tile's
+        // first key): read now, stored as a row after this tile's math, so its latency hides behind it.
         const int next = tile_base(ahead + 1) + threadIdx.x;
-        const bool resolve = ahead + 1 < my_tiles && threadIdx.x < TILE_KEYS;
+        const bool resolve = ahead + 1 < my_tiles && threadIdx.x < (TMA ? 1 : TILE_KEYS);
         const int2 next_page = page_of(next, p.block_size);
         const int page = resolve && next < visible ? p.block_table[(size_t)seq * p.max_blocks + next_page.x] : -1;
-        cp_async_wait<STAGES - 1>();
-        __syncthreads();
+        if constexpr (TMA) {
+            mbarrier_wait(&full[i % STAGES], (i / STAGES) & 1);  // this tile's bytes are in (for every waiter)
+        } else {
+            cp_async_wait<STAGES - 1>();
+            __syncthreads();
+        }
         const uint8_t* tile = stages[i % STAGES];
         const int base = tile_base(i);
 
@@ -294,8 +338,10 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
             if constexpr (FP8) {
 #pragma unroll
                 for (int n = 0; n < 2; ++n) {
+                    // Key key0 + n*8 + g, dims 16k + 4c ..: with the swizzle its 16-byte piece k sits at k ^ g.
+                    const int piece = TMA ? (k ^ g) : k;
                     const uint32_t four = *reinterpret_cast<const uint32_t*>(
-                        tile + (key0 + n * 8 + g) * Tile::ROW_BYTES + k * 16 + 4 * c);
+                        tile + (key0 + n * 8 + g) * Tile::ROW_BYTES + piece * 16 + 4 * c);
                     uint32_t b0, b1;
                     e4m3x4_to_f16x2x2(four, b0, b1);
 #pragma unroll
@@ -641,10 +687,16 @@ __device__ void quantize_fp8_impl(const T* rows, uint8_t* bytes, float* scales, 
 
 #define DSA_SCORES_ENTRY(D, MT)                                                                          \
     extern "C" __global__ void __launch_bounds__(SCORE_WARPS * 32, 4) dsa_scores_bf16_d##D##_mt##MT(const DsaParams p) { \
-        scores_mma<D, MT, false>(p);                                                                     \
+        scores_mma<D, MT, false, false>(p);                                                              \
     }                                                                                                    \
     extern "C" __global__ void __launch_bounds__(SCORE_WARPS * 32, 4) dsa_scores_fp8_d##D##_mt##MT(const DsaParams p) {  \
-        scores_mma<D, MT, true>(p);                                                                      \
+        scores_mma<D, MT, true, false>(p);                                                               \
+    }
+// FP8 rows of 128 in pages of a multiple of 64 keys, tiles by TMA (the tensor map lives in the parameter).
+#define DSA_SCORES_TMA_ENTRY(MT)                                                                         \
+    extern "C" __global__ void __launch_bounds__(SCORE_WARPS * 32, 4)                                    \
+        dsa_scores_fp8_tma_d128_mt##MT(const __grid_constant__ DsaParams p) {                            \
+        scores_mma<128, MT, true, true>(p);                                                              \
     }
 DSA_SCORES_ENTRY(16, 1)
 DSA_SCORES_ENTRY(16, 2)
@@ -654,6 +706,8 @@ DSA_SCORES_ENTRY(64, 1)
 DSA_SCORES_ENTRY(64, 2)
 DSA_SCORES_ENTRY(128, 1)
 DSA_SCORES_ENTRY(128, 2)
+DSA_SCORES_TMA_ENTRY(1)
+DSA_SCORES_TMA_ENTRY(2)
 
 extern "C" __global__ void __launch_bounds__(SCORE_WARPS * 32) dsa_scores_f32(const DsaParams p) { scores_f32(p); }
 extern "C" __global__ void __launch_bounds__(SEG_THREADS) dsa_topk_candidates(const DsaParams p) { topk_candidates_impl(p); }

@@ -1,5 +1,6 @@
 // Tensor-core and shared-memory primitives shared by glm5's kernels (sm_90 and sm_120 both have them):
-// cp.async copies, ldmatrix fragment loads, mma.sync m16n8k16 bf16 and f16 with f32 accumulate, e4m3 -> f16.
+// cp.async copies, bulk copies completed on an mbarrier, ldmatrix fragment loads, mma.sync m16n8k16 bf16 and
+// f16 with f32 accumulate, e4m3 -> f16.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -16,6 +17,50 @@ __device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool val
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// Bulk copies (the TMA engine without a tensor map): one instruction moves `bytes` (a multiple of 16, both
+// addresses 16-byte aligned) from global to shared memory and reports completion to an mbarrier as
+// transaction bytes. The issuing thread announces the bytes with `mbarrier_arrive_expect_tx` first; waiters
+// poll the barrier's phase parity.
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar, int arrivals) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(arrivals));
+}
+// Makes initialised barriers visible to the async proxy (the copy engine) and to the other threads after
+// the next block barrier.
+__device__ __forceinline__ void mbarrier_init_fence() {
+    asm volatile("fence.mbarrier_init.release.cluster;\nfence.proxy.async.shared::cta;\n" ::: "memory");
+}
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, int bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, int parity) {
+    asm volatile(
+        "{\n .reg .pred done;\n"
+        "WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n @!done bra WAIT;\n}\n"
+        ::"r"(smem_addr(bar)), "r"(parity)
+        : "memory");
+}
+// Orders this thread's earlier shared-memory accesses (and those a block barrier made visible to it)
+// before its later bulk copies: needed where a bulk copy overwrites what plain stores or loads touched.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+__device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, int bytes, uint64_t* bar) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+        ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar))
+        : "memory");
+}
+
+// Tensor-map copy (TMA) of the box at (column c0, row c1) of a 2-D tensor described by `map` (a
+// __grid_constant__ parameter: its generic address), completed on `bar`.
+__device__ __forceinline__ void tma_load_2d(void* dst, const void* map, int c0, int c1, uint64_t* bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+        ::"r"(smem_addr(dst)), "l"(map), "r"(c0), "r"(c1), "r"(smem_addr(bar))
+        : "memory");
+}
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"

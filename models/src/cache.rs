@@ -49,7 +49,11 @@ impl LayerCache {
 
     /// Writes indexer keys at position `offset` (quantising them for an FP8 cache) and returns all keys up
     /// to and including them.
-    pub(crate) fn append_index_keys(&self, keys: &Tensor, offset: usize) -> Result<CachedIndexKeys> {
+    pub(crate) fn append_index_keys(
+        &self,
+        keys: &Tensor,
+        offset: usize,
+    ) -> Result<CachedIndexKeys> {
         let len = offset + keys.dim(0)?;
         match &self.index_keys {
             IndexKeyStore::Float(store) => {
@@ -110,7 +114,11 @@ impl KvCache {
                             device,
                         )?),
                         KeyFormat::Fp8E4m3 => IndexKeyStore::Fp8 {
-                            bytes: Tensor::zeros((capacity, config.index_head_dim), DType::U8, device)?,
+                            bytes: Tensor::zeros(
+                                (capacity, config.index_head_dim),
+                                DType::U8,
+                                device,
+                            )?,
                             scales: Tensor::zeros(capacity, DType::F32, device)?,
                         },
                     },

@@ -219,7 +219,13 @@ impl Indexer {
         let kernel = self.kernel.ok_or_else(|| {
             ModelError::PlanDevices("the plan bound no dsa_indexer backend (dense mode)".into())
         })?;
-        Ok(kernel(&q, &head_weights, keys.view(), &visible, self.top_k)?)
+        Ok(kernel(
+            &q,
+            &head_weights,
+            keys.view(),
+            &visible,
+            self.top_k,
+        )?)
     }
 }
 
@@ -946,7 +952,8 @@ impl Glm5ForCausalLM {
         cache.check_append(start_pos, t)?;
 
         let first = self.plan.embed_device;
-        let rope = Rope::at_positions(&self.config, start_pos, t, self.dtype, &self.devices[first])?;
+        let rope =
+            Rope::at_positions(&self.config, start_pos, t, self.dtype, &self.devices[first])?;
         // Dense mode attends to every causal position in every layer: one selection for all of them.
         let dense = match self.mode {
             AttentionMode::Sparse => None,
@@ -971,7 +978,8 @@ impl Glm5ForCausalLM {
             let (rope, dense) = per_device[here].as_ref().ok_or_else(|| {
                 ModelError::PlanDevices(format!("no RoPE tables on plan device {here}"))
             })?;
-            let (next, selected) = layer.forward(&x, start_pos, rope, layer_cache, dense.as_ref())?;
+            let (next, selected) =
+                layer.forward(&x, start_pos, rope, layer_cache, dense.as_ref())?;
             if let Some(selections) = selections.as_deref_mut() {
                 selections.push(selected);
             }

@@ -148,7 +148,9 @@ pub enum PlanError {
     NoDevices,
     #[error("the layer map has {found} entries for {layers} layers")]
     LayerMapLength { found: usize, layers: usize },
-    #[error("the layer map puts layer {layer} on device #{device}, but there are {devices} devices")]
+    #[error(
+        "the layer map puts layer {layer} on device #{device}, but there are {devices} devices"
+    )]
     LayerMapDevice {
         layer: usize,
         device: usize,
@@ -189,7 +191,12 @@ pub enum PlanError {
 pub fn fmt_bytes(bytes: u64) -> String {
     let b = bytes as f64;
     let k = 1024f64;
-    for (unit, scale) in [("TiB", k.powi(4)), ("GiB", k.powi(3)), ("MiB", k.powi(2)), ("KiB", k)] {
+    for (unit, scale) in [
+        ("TiB", k.powi(4)),
+        ("GiB", k.powi(3)),
+        ("MiB", k.powi(2)),
+        ("KiB", k),
+    ] {
         if b >= scale {
             return format!("{:.2} {unit}", b / scale);
         }
@@ -305,9 +312,8 @@ impl Plan {
                 .map(|(l, &c)| (format!("layer {l}"), c)),
         );
         items.push(("the final norm and lm_head".into(), head_bytes));
-        let weights_total: u64 = embed_bytes
-            + head_bytes
-            + layer_sizes.iter().map(|&(_, b)| b).sum::<u64>();
+        let weights_total: u64 =
+            embed_bytes + head_bytes + layer_sizes.iter().map(|&(_, b)| b).sum::<u64>();
         let cache_total = per_token * context as u64 * n as u64;
         let capacity: Vec<u64> = devices.iter().map(|d| d.memory_bytes).collect();
         let available: u64 = capacity.iter().fold(0u64, |a, &c| a.saturating_add(c));
@@ -524,8 +530,7 @@ fn place(
             };
             let fits = used[device] + cost <= capacity[device];
             let last = device + 1 == capacity.len();
-            let within_share =
-                used[device] == 0 || placed + cost as f64 / 2.0 <= share_end[device];
+            let within_share = used[device] == 0 || placed + cost as f64 / 2.0 <= share_end[device];
             if fits && (within_share || last) {
                 used[device] += cost;
                 placed += cost as f64;

@@ -7,8 +7,8 @@
 //! with the router's `gate.weight` and `e_score_correction_bias` in f32 (the model routes in f32) and every
 //! other tensor in the model dtype. `lm_head.weight` is listed unless the embeddings are tied.
 
-use glm5_ops::KeyFormat;
 use candle_core::DType;
+use glm5_ops::KeyFormat;
 
 use crate::config::{Config, MlpKind};
 
@@ -79,9 +79,8 @@ pub fn layer_tensors(config: &Config, layer: usize, dtype: DType) -> Vec<TensorI
     let h = config.hidden_size;
     let heads = config.num_attention_heads;
     let mut t = Vec::new();
-    let mut add = |name: String, shape: &[usize], dtype: DType| {
-        t.push(TensorInfo::new(name, shape, dtype))
-    };
+    let mut add =
+        |name: String, shape: &[usize], dtype: DType| t.push(TensorInfo::new(name, shape, dtype));
     add(format!("{p}.input_layernorm.weight"), &[h], dtype);
     add(format!("{p}.post_attention_layernorm.weight"), &[h], dtype);
     let a = format!("{p}.self_attn");

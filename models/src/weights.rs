@@ -23,8 +23,14 @@ pub struct Checkpoint {
 }
 
 enum Source {
-    Files { files: MmapedSafetensors, dir: PathBuf },
-    Random { seed: u64, std: f64 },
+    Files {
+        files: MmapedSafetensors,
+        dir: PathBuf,
+    },
+    Random {
+        seed: u64,
+        std: f64,
+    },
 }
 
 #[derive(Deserialize)]
@@ -107,13 +113,13 @@ impl Checkpoint {
     ) -> Result<Tensor> {
         let files = match &self.source {
             Source::Files { files, .. } => files,
-            &Source::Random { seed, std } => return random_tensor(name, shape, seed, std, dtype, device),
+            &Source::Random { seed, std } => {
+                return random_tensor(name, shape, seed, std, dtype, device)
+            }
         };
-        let view = files
-            .get(name)
-            .map_err(|_| ModelError::MissingTensor {
-                name: name.to_string(),
-            })?;
+        let view = files.get(name).map_err(|_| ModelError::MissingTensor {
+            name: name.to_string(),
+        })?;
         if view.shape() != shape {
             return Err(ModelError::TensorShape {
                 name: name.to_string(),
@@ -149,9 +155,9 @@ fn random_tensor(
         return Ok(Tensor::zeros(shape, dtype, device)?);
     }
     // FNV-1a of the name, mixed with the seed.
-    let name_hash = name
-        .bytes()
-        .fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3));
+    let name_hash = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    });
     let mut state = seed ^ name_hash;
     if device.is_cuda() {
         device.set_seed(state)?;

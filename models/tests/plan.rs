@@ -96,9 +96,15 @@ fn glm5_has_744b_parameters_and_the_spec_per_block_counts() {
     assert_eq!(bytes, formula_bytes);
     assert_eq!(bytes, 2 * total + 75 * (256 * 6144 + 256) * 2);
     // KV cache per token per layer: 512 + 64 latent + 128 indexer key values at 2 bytes.
-    assert_eq!(sizes::cache_bytes_per_token(&c, DType::BF16, KeyFormat::Float), 1408);
+    assert_eq!(
+        sizes::cache_bytes_per_token(&c, DType::BF16, KeyFormat::Float),
+        1408
+    );
     // FP8 indexer keys: 576 bf16 latent values + 128 bytes and an f32 scale.
-    assert_eq!(sizes::cache_bytes_per_token(&c, DType::BF16, KeyFormat::Fp8E4m3), 576 * 2 + 128 + 4);
+    assert_eq!(
+        sizes::cache_bytes_per_token(&c, DType::BF16, KeyFormat::Fp8E4m3),
+        576 * 2 + 128 + 4
+    );
 }
 
 #[test]
@@ -227,7 +233,10 @@ fn glm5_on_hopper_cpu_and_turing() {
         &registry,
     )
     .unwrap();
-    assert_eq!(cpu.layers[5].op(Op::SparseMla).unwrap().backend(), "reference");
+    assert_eq!(
+        cpu.layers[5].op(Op::SparseMla).unwrap().backend(),
+        "reference"
+    );
 
     let turing = Plan::build(
         &c,
@@ -280,7 +289,14 @@ fn dense_mode_is_explicit_skips_the_indexer_and_asks_for_every_position() {
             c.max_position_embeddings
         )])));
     assert_eq!(
-        op_spec(&c, Op::SparseMla, DType::BF16, AttentionMode::Sparse, KeyFormat::Float).top_k,
+        op_spec(
+            &c,
+            Op::SparseMla,
+            DType::BF16,
+            AttentionMode::Sparse,
+            KeyFormat::Float
+        )
+        .top_k,
         2048
     );
 }
@@ -351,7 +367,8 @@ fn user_layer_maps_are_checked_against_each_devices_memory() {
     // Device 1 is too small for layers 1 and 2: the error names it and the bytes missing there.
     let layer_bytes = |l| {
         sizes::bytes(&sizes::layer_tensors(&c, l, DType::F32))
-            + sizes::cache_bytes_per_token(&c, DType::F32, KeyFormat::Float) * c.max_position_embeddings as u64
+            + sizes::cache_bytes_per_token(&c, DType::F32, KeyFormat::Float)
+                * c.max_position_embeddings as u64
     };
     let small = layer_bytes(1) + 100;
     let devices = vec![DeviceDesc::cpu(GIB), DeviceDesc::cpu(small)];

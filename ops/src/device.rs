@@ -156,7 +156,9 @@ impl DeviceDesc {
             .strip_prefix("sm_")
             .or_else(|| kind.strip_prefix("sm"))
             .filter(|d| (2..=3).contains(&d.len()) && d.chars().all(|c| c.is_ascii_digit()))
-            .ok_or_else(|| invalid("the architecture must be cpu or sm_XY (sm_75, sm_90, sm_120)"))?;
+            .ok_or_else(|| {
+                invalid("the architecture must be cpu or sm_XY (sm_75, sm_90, sm_120)")
+            })?;
         let (major, minor) = digits.split_at(digits.len() - 1);
         let capability = ComputeCapability {
             major: major.parse().map_err(|_| invalid("bad architecture"))?,
@@ -169,7 +171,9 @@ impl DeviceDesc {
     /// available system memory (CPU, `MemAvailable` of /proc/meminfo; unknown elsewhere, taken as unlimited).
     pub fn of(device: &candle_core::Device) -> Result<Self, DeviceError> {
         match device {
-            candle_core::Device::Cpu => Ok(Self::cpu(available_system_memory().unwrap_or(u64::MAX))),
+            candle_core::Device::Cpu => {
+                Ok(Self::cpu(available_system_memory().unwrap_or(u64::MAX)))
+            }
             #[cfg(feature = "cuda")]
             candle_core::Device::Cuda(cuda) => crate::cuda::describe(cuda),
             other => Err(DeviceError::Query {

@@ -84,7 +84,8 @@ pub fn registry_entries() -> Vec<crate::registry::Entry> {
     vec![
         Entry {
             name: "cuda-bf16-mma",
-            description: "glm5 CUDA kernel: mma.sync scores over bf16 (or FP8) keys, exact radix top-k",
+            description:
+                "glm5 CUDA kernel: mma.sync scores over bf16 (or FP8) keys, exact radix top-k",
             kernel: Kernel::DsaIndexer(dsa_indexer_cuda),
             serves: Serves {
                 devices: kernel_archs.clone(),
@@ -170,10 +171,23 @@ pub fn dsa_indexer(
     visible_keys: &[usize],
     top_k: usize,
 ) -> Result<Tensor> {
-    check_inputs(q_index, head_weights, IndexKeys::Float(keys), visible_keys, top_k)?;
+    check_inputs(
+        q_index,
+        head_weights,
+        IndexKeys::Float(keys),
+        visible_keys,
+        top_k,
+    )?;
     #[cfg(feature = "cuda")]
-    if q_index.device().is_cuda() && cuda::serves(q_index.dtype(), q_index.dim(1)?, q_index.dim(2)?) {
-        return dsa_indexer_cuda(q_index, head_weights, IndexKeys::Float(keys), visible_keys, top_k);
+    if q_index.device().is_cuda() && cuda::serves(q_index.dtype(), q_index.dim(1)?, q_index.dim(2)?)
+    {
+        return dsa_indexer_cuda(
+            q_index,
+            head_weights,
+            IndexKeys::Float(keys),
+            visible_keys,
+            top_k,
+        );
     }
     reference(q_index, head_weights, keys, visible_keys, top_k)
 }
@@ -192,7 +206,13 @@ pub fn dsa_indexer_reference(
         IndexKeys::Float(keys) => reference(q_index, head_weights, keys, visible_keys, top_k),
         IndexKeys::Fp8 { .. } => {
             let q_index = q_index.to_dtype(DType::F32)?;
-            reference(&q_index, head_weights, &keys.dequantize()?, visible_keys, top_k)
+            reference(
+                &q_index,
+                head_weights,
+                &keys.dequantize()?,
+                visible_keys,
+                top_k,
+            )
         }
     }
 }
@@ -224,7 +244,10 @@ pub fn dsa_indexer_cuda(
             IndexKeys::Float(_) => IndexKeys::Float(&values),
             IndexKeys::Fp8 { scales: s, .. } => {
                 scales = s.reshape((1, key_count))?;
-                IndexKeys::Fp8 { bytes: &values, scales: &scales }
+                IndexKeys::Fp8 {
+                    bytes: &values,
+                    scales: &scales,
+                }
             }
         };
         let cache = PagedIndexKeys {
@@ -286,7 +309,12 @@ fn check_key_format(keys: IndexKeys, q_index: &Tensor) -> Result<()> {
 }
 
 /// One visible-key count per query, none beyond the `key_count` keys there are, and a top-k of at least 1.
-fn check_request(t_len: usize, visible_keys: &[usize], key_count: usize, top_k: usize) -> Result<()> {
+fn check_request(
+    t_len: usize,
+    visible_keys: &[usize],
+    key_count: usize,
+    top_k: usize,
+) -> Result<()> {
     if visible_keys.len() != t_len {
         return Err(OpError::Shape {
             arg: "visible_keys",
@@ -373,7 +401,10 @@ pub fn dsa_indexer_paged(
         [("B", None), ("max_blocks", None)],
     )?;
     check_shape("token_seq", cache.token_seq, [("T", Some(t_len))])?;
-    for (arg, tensor) in [("block_table", cache.block_table), ("token_seq", cache.token_seq)] {
+    for (arg, tensor) in [
+        ("block_table", cache.block_table),
+        ("token_seq", cache.token_seq),
+    ] {
         if tensor.dtype() != DType::I32 {
             return Err(OpError::IndexDType {
                 arg,
@@ -407,7 +438,14 @@ pub fn dsa_indexer_paged(
             cache_len: batch,
         });
     }
-    paged_reference(q_index, head_weights, cache, &token_seq, visible_keys, top_k)
+    paged_reference(
+        q_index,
+        head_weights,
+        cache,
+        &token_seq,
+        visible_keys,
+        top_k,
+    )
 }
 
 /// The reference over a paged cache: each query's visible keys gathered through the block table
@@ -428,7 +466,10 @@ fn paged_reference(
     let mut selected = Vec::with_capacity(token_seq.len());
     for (t, (&seq, &visible)) in token_seq.iter().zip(visible_keys).enumerate() {
         let physical: Vec<u32> = (0..visible)
-            .map(|s| (block_table[seq as usize][s / block_size] as usize * block_size + s % block_size) as u32)
+            .map(|s| {
+                (block_table[seq as usize][s / block_size] as usize * block_size + s % block_size)
+                    as u32
+            })
             .collect();
         let keys = if physical.is_empty() {
             Tensor::zeros((0, dim), DType::F32, device)?
@@ -541,16 +582,61 @@ mod cuda {
         score_stride: i32,
         positions: i32,
         segments: i32,
+        key_map: TensorMap,
     }
     // SAFETY: plain-old-data with the C layout of the kernel's parameter struct.
     unsafe impl DeviceRepr for Params {}
+
+    /// A `CUtensorMap` (`TensorMap` in the .cu file): the driver's 128-byte, 64-byte aligned descriptor.
+    #[repr(C, align(64))]
+    #[derive(Clone, Copy, Default)]
+    struct TensorMap([u64; 16]);
+
+    /// The FP8 key cache `[rows, dim]` as a TMA tensor: boxes of `TILE_KEYS` rows, 128-byte swizzle (the
+    /// layout `dsa_scores_fp8_tma_*` reads its fragments in).
+    fn fp8_key_map(keys: u64, rows: usize, dim: usize) -> candle_core::Result<TensorMap> {
+        use candle_core::cuda_backend::cudarc::driver::sys;
+        let mut map = sys::CUtensorMap { opaque: [0; 16] };
+        let dims = [dim as u64, rows as u64];
+        let strides = [dim as u64]; // bytes between rows (dimension 0 is implicitly contiguous)
+        let boxes = [dim as u32, TILE_KEYS as u32];
+        let element_strides = [1u32, 1];
+        // SAFETY: every pointer argument points at a live local array of the rank the call is given.
+        let result = unsafe {
+            sys::cuTensorMapEncodeTiled(
+                &mut map,
+                sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
+                2,
+                keys as *mut std::ffi::c_void,
+                dims.as_ptr(),
+                strides.as_ptr(),
+                boxes.as_ptr(),
+                element_strides.as_ptr(),
+                sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+                sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+                sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+            )
+        };
+        if result != sys::CUresult::CUDA_SUCCESS {
+            candle_core::bail!(
+                "dsa_indexer: cuTensorMapEncodeTiled failed for the FP8 key cache: {result:?}"
+            );
+        }
+        Ok(TensorMap(map.opaque))
+    }
 
     /// This thread's workspace on `dev`: scores `[chunk, stride]` f32, the per-row histograms and
     /// slots `[chunk, HIST_STRIDE]` i32, which must be zero when a call starts (allocated zeroed; the
     /// threshold kernel zeroes every row it reads), and the top-k kernels' candidates and segment
     /// counts `[chunk, stride + 2 * segments]` u32. Per thread because candle issues work on the
     /// per-thread default stream.
-    fn workspace(dev: &CudaDevice, scores: usize, hist: usize, work: usize) -> candle_core::Result<[u64; 3]> {
+    fn workspace(
+        dev: &CudaDevice,
+        scores: usize,
+        hist: usize,
+        work: usize,
+    ) -> candle_core::Result<[u64; 3]> {
         type Buffers = (CudaSlice<f32>, CudaSlice<i32>, CudaSlice<u32>);
         thread_local! {
             static WORKSPACE: RefCell<HashMap<DeviceId, Buffers>> = RefCell::new(HashMap::new());
@@ -564,14 +650,20 @@ mod cuda {
             if !fits {
                 // SAFETY: every score and work word the kernels read is written by the same call first.
                 let fresh_scores = unsafe { dev.alloc::<f32>(scores.next_power_of_two()) }?;
-                let fresh_hist = stream.alloc_zeros::<i32>(hist.next_power_of_two()).map_err(cuda_err)?;
+                let fresh_hist = stream
+                    .alloc_zeros::<i32>(hist.next_power_of_two())
+                    .map_err(cuda_err)?;
                 let fresh_work = unsafe { dev.alloc::<u32>(work.next_power_of_two()) }?;
                 map.insert(dev.id(), (fresh_scores, fresh_hist, fresh_work));
             }
             let (s, h, w) = map
                 .get(&dev.id())
                 .ok_or_else(|| cuda_err("dsa_indexer workspace missing"))?;
-            let pointers = [s.device_ptr(&stream).0, h.device_ptr(&stream).0, w.device_ptr(&stream).0];
+            let pointers = [
+                s.device_ptr(&stream).0,
+                h.device_ptr(&stream).0,
+                w.device_ptr(&stream).0,
+            ];
             Ok(pointers)
         })
     }
@@ -594,7 +686,7 @@ mod cuda {
         fn launch(&self, dev: &CudaDevice) -> candle_core::Result<CudaStorage> {
             let stream = dev.cuda_stream();
             let (t_len, heads, dim) = self.q.dims3()?;
-            let (_, block_size, _) = self.keys.dims3()?;
+            let (num_blocks, block_size, _) = self.keys.dims3()?;
             let (batch, max_blocks) = self.block_table.dims2()?;
             let indices = unsafe { dev.alloc::<i32>(t_len * self.top_k) }?;
             let indices_ptr = indices.device_ptr(&stream).0;
@@ -604,11 +696,26 @@ mod cuda {
             let stride = positions.next_multiple_of(4);
             let chunk = (MAX_CHUNK_ELEMS / stride).clamp(1, t_len.max(1));
             let work_stride = stride + 2 * segments;
-            let [scores_ptr, hist_ptr, work_ptr] =
-                workspace(dev, chunk * stride, chunk * HIST_STRIDE, chunk * work_stride)?;
+            let [scores_ptr, hist_ptr, work_ptr] = workspace(
+                dev,
+                chunk * stride,
+                chunk * HIST_STRIDE,
+                chunk * work_stride,
+            )?;
             let q_elem = self.q.dtype().size_in_bytes();
+            let key_scales = match &self.scales {
+                Some(s) => device_address(s)?.0,
+                None => 0,
+            };
+            let keys = device_address(&self.keys)?.0;
+            if keys % 16 != 0 || key_scales % 16 != 0 {
+                candle_core::bail!("dsa_indexer: the key cache must start 16-byte aligned");
+            }
+            // GLM-5's cache (FP8 rows of 128 in pages of 64): whole-tile copies by TMA.
+            let tma = self.fp8 && dim == 128 && block_size % TILE_KEYS == 0;
             let name = match (self.fp8, self.q.dtype()) {
                 (false, DType::F32) => "dsa_scores_f32".to_string(),
+                (true, _) if tma => format!("dsa_scores_fp8_tma_d128_mt{}", heads.div_ceil(16)),
                 (fp8, _) => format!(
                     "dsa_scores_{}_d{dim}_mt{}",
                     if fp8 { "fp8" } else { "bf16" },
@@ -627,21 +734,18 @@ mod cuda {
             } else {
                 resident_blocks(dev, "dsa_indexer", MODULE, &name, SCORE_THREADS)?
             };
-            let (q, weights, keys, block_table, token_seq, visible) = (
+            let (q, weights, block_table, token_seq, visible) = (
                 device_address(&self.q)?.0,
                 device_address(&self.weights)?.0,
-                device_address(&self.keys)?.0,
                 device_address(&self.block_table)?.0,
                 device_address(&self.token_seq)?.0,
                 device_address(&self.visible)?.0,
             );
-            let key_scales = match &self.scales {
-                Some(s) => device_address(s)?.0,
-                None => 0,
+            let key_map = if tma {
+                fp8_key_map(keys, num_blocks * block_size, dim)?
+            } else {
+                TensorMap::default()
             };
-            if keys % 16 != 0 {
-                candle_core::bail!("dsa_indexer: the key cache must start 16-byte aligned");
-            }
             for start in (0..t_len).step_by(chunk) {
                 let len = chunk.min(t_len - start);
                 let params = Params {
@@ -666,6 +770,7 @@ mod cuda {
                     score_stride: stride as i32,
                     positions: positions as i32,
                     segments: segments as i32,
+                    key_map,
                 };
                 let tiles = positions.div_ceil(TILE_KEYS);
                 let (score_blocks, score_smem) = if f32_scores {
@@ -687,7 +792,14 @@ mod cuda {
                 let top_k = [
                     (&candidates_fn, config((segments, len), SEGMENT_THREADS, 0)),
                     (&threshold_fn, config((len, 1), TOPK_THREADS, 0)),
-                    (&emit_fn, config((positions.max(self.top_k).div_ceil(SEGMENT), len), SEGMENT_THREADS, 0)),
+                    (
+                        &emit_fn,
+                        config(
+                            (positions.max(self.top_k).div_ceil(SEGMENT), len),
+                            SEGMENT_THREADS,
+                            0,
+                        ),
+                    ),
                 ];
                 for (function, cfg) in top_k {
                     // SAFETY: as above; each top-k kernel takes one DsaParams.
@@ -717,7 +829,10 @@ mod cuda {
             _: &Layout,
         ) -> candle_core::Result<(CudaStorage, Shape)> {
             let t_len = self.q.dim(0)?;
-            Ok((self.launch(storage.device())?, Shape::from((t_len, self.top_k))))
+            Ok((
+                self.launch(storage.device())?,
+                Shape::from((t_len, self.top_k)),
+            ))
         }
     }
 
@@ -738,10 +853,16 @@ mod cuda {
         }
         let (fp8, keys, scales) = match cache.keys {
             IndexKeys::Float(keys) => (false, keys.contiguous()?, None),
-            IndexKeys::Fp8 { bytes, scales } => (true, bytes.contiguous()?, Some(scales.contiguous()?)),
+            IndexKeys::Fp8 { bytes, scales } => {
+                (true, bytes.contiguous()?, Some(scales.contiguous()?))
+            }
         };
         // FP8 keys are scored by the bf16 mma kernel.
-        let q = if fp8 { q_index.to_dtype(DType::BF16)? } else { q_index.clone() };
+        let q = if fp8 {
+            q_index.to_dtype(DType::BF16)?
+        } else {
+            q_index.clone()
+        };
         let visible: Vec<i32> = visible_keys.iter().map(|&v| v as i32).collect();
         let op = Indexer {
             q: q.contiguous()?,
@@ -770,7 +891,11 @@ mod cuda {
         let (rows, dev) = device_address(&keys)?;
         let (bytes_ptr, _) = device_address(&bytes)?;
         let (scales_ptr, _) = device_address(&scales)?;
-        let name = if keys.dtype() == DType::BF16 { "dsa_quantize_fp8_bf16" } else { "dsa_quantize_fp8_f32" };
+        let name = if keys.dtype() == DType::BF16 {
+            "dsa_quantize_fp8_bf16"
+        } else {
+            "dsa_quantize_fp8_f32"
+        };
         let func = kernel(&dev, "dsa_indexer", MODULE, name)?;
         let stream = dev.cuda_stream();
         let rows_per_block = 8usize;
@@ -781,7 +906,12 @@ mod cuda {
         };
         let (n_arg, dim_arg) = (n as i32, dim as i32);
         let mut builder = stream.launch_builder(&func);
-        builder.arg(&rows).arg(&bytes_ptr).arg(&scales_ptr).arg(&n_arg).arg(&dim_arg);
+        builder
+            .arg(&rows)
+            .arg(&bytes_ptr)
+            .arg(&scales_ptr)
+            .arg(&n_arg)
+            .arg(&dim_arg);
         unsafe { builder.launch(cfg) }.map_err(cuda_err)?;
         Ok((bytes, scales))
     }

@@ -49,7 +49,9 @@ impl KeyFormat {
 
     /// The format named `name` (see [`KeyFormat::name`]).
     pub fn from_name(name: &str) -> Option<Self> {
-        [KeyFormat::Float, KeyFormat::Fp8E4m3].into_iter().find(|f| f.name() == name)
+        [KeyFormat::Float, KeyFormat::Fp8E4m3]
+            .into_iter()
+            .find(|f| f.name() == name)
     }
 }
 
@@ -101,7 +103,11 @@ impl IndexKeys<'_> {
                     .map(|b| float8::F8E4M3::from_bits(b).to_f32())
                     .collect();
                 let values = Tensor::from_vec(values, dims, bytes.device())?;
-                Ok(values.broadcast_mul(&scales.to_dtype(DType::F32)?.unsqueeze(candle_core::D::Minus1)?)?)
+                Ok(values.broadcast_mul(
+                    &scales
+                        .to_dtype(DType::F32)?
+                        .unsqueeze(candle_core::D::Minus1)?,
+                )?)
             }
         }
     }
@@ -122,7 +128,10 @@ pub fn quantize_fp8(keys: &Tensor) -> Result<(Tensor, Tensor)> {
         let amax = row.iter().fold(0f32, |m, v| m.max(v.abs()));
         let scale = if amax > 0.0 { amax / E4M3_MAX } else { 1.0 };
         scales.push(scale);
-        bytes.extend(row.iter().map(|v| float8::F8E4M3::from_f32(v / scale).to_bits()));
+        bytes.extend(
+            row.iter()
+                .map(|v| float8::F8E4M3::from_f32(v / scale).to_bits()),
+        );
     }
     let device = keys.device();
     Ok((

@@ -18,8 +18,8 @@ pub use device::{ComputeCapability, DeviceDesc, DeviceError, DeviceFamily, Devic
 pub use dsa_indexer::{
     dsa_indexer, dsa_indexer_cuda, dsa_indexer_paged, dsa_indexer_reference, PagedIndexKeys,
 };
-pub use index_keys::{quantize_fp8, IndexKeys, KeyFormat};
 pub use error::{OpError, Result};
+pub use index_keys::{quantize_fp8, IndexKeys, KeyFormat};
 pub use registry::{
     CacheLayout, Choice, DispatchError, Entry, Kernel, Limit, Op, OpSpec, Reason, Registry,
     Rejection, Serves, Verdict,

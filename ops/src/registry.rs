@@ -389,7 +389,10 @@ impl fmt::Display for Rejection {
             Verdict::Invalid(reasons) => f.write_str(&reasons_text(reasons)),
             Verdict::Outranked { by } => write!(f, "valid, ranked below {by}"),
             Verdict::NotListed { family } => {
-                write!(f, "valid, not in the {family} priority order (used only when forced)")
+                write!(
+                    f,
+                    "valid, not in the {family} priority order (used only when forced)"
+                )
             }
             Verdict::NotForced { forced } => write!(f, "valid, not used: {forced} was forced"),
         }
@@ -417,7 +420,10 @@ pub enum DispatchError {
         name: String,
         known: Vec<&'static str>,
     },
-    #[error("{op}: the forced backend {name} cannot serve it on {device}: {}", reasons_text(reasons))]
+    #[error(
+        "{op}: the forced backend {name} cannot serve it on {device}: {}",
+        reasons_text(reasons)
+    )]
     ForcedInvalid {
         op: Op,
         name: &'static str,

@@ -39,7 +39,6 @@ use crate::error::{check_float, check_same_dtype, check_shape, OpError, Result};
 /// Upper bound on the elements of the gathered `[T_chunk, K, D]` rows of one chunk.
 const MAX_CHUNK_ELEMS: usize = 64 << 20;
 
-
 /// A paged latent cache: rows live in fixed-size blocks, and each sequence's block table maps its logical
 /// positions to them (`row(seq, i) = blocks[block_table[seq, i / block_size], i % block_size]`).
 pub struct PagedLatentCache<'a> {
@@ -312,7 +311,12 @@ pub(crate) mod limits {
     /// layout in the .cu file: two key tiles, Q unless it is staged in key tile 1, P, partial scores, row
     /// maxima and sums, the split's rows). GLM-5's rows with 16 heads and 32 tiles per split: 90880 B, within
     /// sm_120's 99 KB.
-    pub fn bf16_shared_bytes(head_tiles: usize, warps_per_tile: usize, row_dim: usize, tiles_per_split: usize) -> usize {
+    pub fn bf16_shared_bytes(
+        head_tiles: usize,
+        warps_per_tile: usize,
+        row_dim: usize,
+        tiles_per_split: usize,
+    ) -> usize {
         let ld = row_dim.div_ceil(16) * 16 + ROW_PAD;
         let heads = 16 * head_tiles;
         // Q has its own region only when it does not fit in key buffer 1 (more than TILE heads).
@@ -423,8 +427,7 @@ pub fn registry_entries() -> Vec<crate::registry::Entry> {
                     } => shared_memory_per_block,
                     crate::device::DeviceKind::Cpu => return vec![],
                 };
-                let needed =
-                    limits::f32_shared_bytes(spec.head_dim, spec.value_dim.unwrap_or(0));
+                let needed = limits::f32_shared_bytes(spec.head_dim, spec.value_dim.unwrap_or(0));
                 if needed > available {
                     return vec![crate::registry::Reason::new(
                         "shared memory per block",
@@ -468,13 +471,15 @@ mod cuda {
     use candle_core::{CustomOp1, CustomOp2, DType, Layout, Shape, Tensor};
 
     use super::PagedLatentCache;
-    use crate::cuda::{cuda_err, device_address, device_info, kernel, launch_dependent, STATIC_SHARED_RESERVE};
+    use crate::cuda::{
+        cuda_err, device_address, device_info, kernel, launch_dependent, STATIC_SHARED_RESERVE,
+    };
     use crate::error::{check_shape, OpError, Result};
 
     const MODULE: &[u8] = glm5_kernels::SPARSE_MLA;
     use super::limits::{
-        bf16_shared_bytes, f32_shared_bytes, warps_per_head_tile, BF16_VALUE_DIMS, MAX_ROPE, MAX_SPLITS,
-        MAX_TILES_PER_SPLIT, TILE,
+        bf16_shared_bytes, f32_shared_bytes, warps_per_head_tile, BF16_VALUE_DIMS, MAX_ROPE,
+        MAX_SPLITS, MAX_TILES_PER_SPLIT, TILE,
     };
 
     /// A block's fixed cost in tiles' time, for the split choice (measured on the H200: one-tile blocks take
@@ -705,7 +710,9 @@ mod cuda {
         } else {
             1
         };
-        let smem_for = |tiles_per_split: usize| bf16_shared_bytes(head_tiles, warps_per_tile, row_dim, tiles_per_split);
+        let smem_for = |tiles_per_split: usize| {
+            bf16_shared_bytes(head_tiles, warps_per_tile, row_dim, tiles_per_split)
+        };
         if smem_for(MAX_TILES_PER_SPLIT) > max_smem {
             candle_core::bail!(
                 "sparse_mla: rows of {row_dim} need {} B of shared memory, the device has {max_smem}",
@@ -724,7 +731,9 @@ mod cuda {
         let tiles_per_split = (1..=tiles.min(MAX_SPLITS))
             .map(|splits| tiles.div_ceil(splits))
             .filter(|&per| smem_for(per.max(MAX_TILES_PER_SPLIT)) <= max_smem)
-            .min_by_key(|&per| (blocks * tiles.div_ceil(per)).div_ceil(resident) * (per + BLOCK_COST_IN_TILES))
+            .min_by_key(|&per| {
+                (blocks * tiles.div_ceil(per)).div_ceil(resident) * (per + BLOCK_COST_IN_TILES)
+            })
             .unwrap_or(MAX_TILES_PER_SPLIT);
         let splits = tiles.div_ceil(tiles_per_split);
         if splits > MAX_SPLITS {

@@ -23,7 +23,9 @@ fn quick() -> bool {
 
 /// Rounds to bf16 and back (the kernel's input precision).
 fn bf16_round(v: &[f32]) -> Vec<f32> {
-    v.iter().map(|&x| half::bf16::from_f32(x).to_f32()).collect()
+    v.iter()
+        .map(|&x| half::bf16::from_f32(x).to_f32())
+        .collect()
 }
 
 /// Two sequences of `n` keys in shuffled blocks and three queries: one per sequence seeing all `n`, and one
@@ -31,10 +33,10 @@ fn bf16_round(v: &[f32]) -> Vec<f32> {
 struct Problem {
     heads: usize,
     n: usize,
-    q: Vec<f32>,            // [3, H, D], bf16-exact
-    w: Vec<f32>,            // [3, H]
-    keys: Vec<f32>,         // [num_blocks * BLOCK, D] f32
-    block_table: Vec<i32>,  // [2, max_blocks]
+    q: Vec<f32>,           // [3, H, D], bf16-exact
+    w: Vec<f32>,           // [3, H]
+    keys: Vec<f32>,        // [num_blocks * BLOCK, D] f32
+    block_table: Vec<i32>, // [2, max_blocks]
     max_blocks: usize,
     token_seq: Vec<i32>,
     visible: Vec<usize>,
@@ -46,9 +48,17 @@ impl Problem {
         let num_blocks = 2 * max_blocks;
         let mut order: Vec<i32> = (0..num_blocks as i32).collect();
         order.shuffle(rng);
-        let keys: Vec<f32> = (0..num_blocks * BLOCK * DIM).map(|_| rng.random_range(-1.0f32..1.0)).collect();
-        let q = bf16_round(&(0..3 * heads * DIM).map(|_| rng.random_range(-1.0f32..1.0)).collect::<Vec<_>>());
-        let w = (0..3 * heads).map(|_| rng.random_range(-0.5f32..1.0)).collect();
+        let keys: Vec<f32> = (0..num_blocks * BLOCK * DIM)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect();
+        let q = bf16_round(
+            &(0..3 * heads * DIM)
+                .map(|_| rng.random_range(-1.0f32..1.0))
+                .collect::<Vec<_>>(),
+        );
+        let w = (0..3 * heads)
+            .map(|_| rng.random_range(-0.5f32..1.0))
+            .collect();
         Self {
             heads,
             n,
@@ -90,11 +100,18 @@ fn check_row(label: &str, got: &[i32], scores: &[f32], k: usize) -> usize {
     let n = scores.len();
     let take = k.min(n);
     let mut order: Vec<usize> = (0..n).collect();
-    order.sort_by(|&a, &b| (scores[b] + 0.0).total_cmp(&(scores[a] + 0.0)).then(a.cmp(&b)));
+    order.sort_by(|&a, &b| {
+        (scores[b] + 0.0)
+            .total_cmp(&(scores[a] + 0.0))
+            .then(a.cmp(&b))
+    });
     let mut want: Vec<i32> = order[..take].iter().map(|&s| s as i32).collect();
     want.sort();
     let mut selected: Vec<i32> = got.iter().copied().filter(|&s| s >= 0).collect();
-    assert!(got[selected.len()..].iter().all(|&s| s == -1), "{label}: -1 only at the end: {got:?}");
+    assert!(
+        got[selected.len()..].iter().all(|&s| s == -1),
+        "{label}: -1 only at the end: {got:?}"
+    );
     let sorted = selected.windows(2).all(|w| w[0] < w[1]);
     assert!(sorted, "{label}: ascending positions without repeats");
     selected.sort();
@@ -106,8 +123,15 @@ fn check_row(label: &str, got: &[i32], scores: &[f32], k: usize) -> usize {
     let kth = scores[order[take - 1]];
     let scale = scores.iter().fold(0f32, |m, v| m.max(v.abs()));
     let tolerance = 2e-5 * scale;
-    let missing: Vec<i32> = want.iter().copied().filter(|s| !selected.contains(s)).collect();
-    for &s in missing.iter().chain(selected.iter().filter(|s| !want.contains(s))) {
+    let missing: Vec<i32> = want
+        .iter()
+        .copied()
+        .filter(|s| !selected.contains(s))
+        .collect();
+    for &s in missing
+        .iter()
+        .chain(selected.iter().filter(|s| !want.contains(s)))
+    {
         let gap = (scores[s as usize] - kth).abs();
         assert!(
             gap <= tolerance,
@@ -115,14 +139,20 @@ fn check_row(label: &str, got: &[i32], scores: &[f32], k: usize) -> usize {
             scores[s as usize]
         );
     }
-    println!("{label}: {} positions differ, all within {tolerance} of the K-th score (near-tie)", missing.len());
+    println!(
+        "{label}: {} positions differ, all within {tolerance} of the K-th score (near-tie)",
+        missing.len()
+    );
     missing.len()
 }
 
 fn run(p: &Problem, fp8: bool, k: usize, device: &Device) -> Vec<Vec<i32>> {
     let rows = p.keys.len() / DIM;
     let keys = Tensor::from_vec(p.keys.clone(), (rows, DIM), device).unwrap();
-    let q = Tensor::from_vec(p.q.clone(), (3, p.heads, DIM), device).unwrap().to_dtype(DType::BF16).unwrap();
+    let q = Tensor::from_vec(p.q.clone(), (3, p.heads, DIM), device)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap();
     let w = Tensor::from_vec(p.w.clone(), (3, p.heads), device).unwrap();
     let table = Tensor::from_vec(p.block_table.clone(), (2, p.max_blocks), device).unwrap();
     let token_seq = Tensor::from_vec(p.token_seq.clone(), 3, device).unwrap();
@@ -131,13 +161,20 @@ fn run(p: &Problem, fp8: bool, k: usize, device: &Device) -> Vec<Vec<i32>> {
         let bytes = bytes.reshape((rows / BLOCK, BLOCK, DIM)).unwrap();
         let scales = scales.reshape((rows / BLOCK, BLOCK)).unwrap();
         let cache = PagedIndexKeys {
-            keys: IndexKeys::Fp8 { bytes: &bytes, scales: &scales },
+            keys: IndexKeys::Fp8 {
+                bytes: &bytes,
+                scales: &scales,
+            },
             block_table: &table,
             token_seq: &token_seq,
         };
         dsa_indexer_paged(&q, &w, &cache, &p.visible, k).unwrap()
     } else {
-        let blocks = keys.to_dtype(DType::BF16).unwrap().reshape((rows / BLOCK, BLOCK, DIM)).unwrap();
+        let blocks = keys
+            .to_dtype(DType::BF16)
+            .unwrap()
+            .reshape((rows / BLOCK, BLOCK, DIM))
+            .unwrap();
         let cache = PagedIndexKeys {
             keys: IndexKeys::Float(&blocks),
             block_table: &table,
@@ -151,14 +188,24 @@ fn run(p: &Problem, fp8: bool, k: usize, device: &Device) -> Vec<Vec<i32>> {
 #[test]
 fn fp8_quantisation_on_the_gpu_matches_the_cpu_bit_for_bit() {
     let mut rng = StdRng::seed_from_u64(5);
-    let values: Vec<f32> = (0..1000 * DIM).map(|_| rng.random_range(-4.0f32..4.0) * rng.random_range(0.0f32..1.0)).collect();
+    let values: Vec<f32> = (0..1000 * DIM)
+        .map(|_| rng.random_range(-4.0f32..4.0) * rng.random_range(0.0f32..1.0))
+        .collect();
     let cpu = Tensor::from_vec(values, (1000, DIM), &Device::Cpu).unwrap();
     for dtype in [DType::F32, DType::BF16] {
         let cpu = cpu.to_dtype(dtype).unwrap();
         let (cpu_bytes, cpu_scales) = quantize_fp8(&cpu).unwrap();
         let (gpu_bytes, gpu_scales) = quantize_fp8(&cpu.to_device(&gpu()).unwrap()).unwrap();
-        assert_eq!(gpu_bytes.to_vec2::<u8>().unwrap(), cpu_bytes.to_vec2::<u8>().unwrap(), "{dtype:?}");
-        assert_eq!(gpu_scales.to_vec1::<f32>().unwrap(), cpu_scales.to_vec1::<f32>().unwrap(), "{dtype:?}");
+        assert_eq!(
+            gpu_bytes.to_vec2::<u8>().unwrap(),
+            cpu_bytes.to_vec2::<u8>().unwrap(),
+            "{dtype:?}"
+        );
+        assert_eq!(
+            gpu_scales.to_vec1::<f32>().unwrap(),
+            cpu_scales.to_vec1::<f32>().unwrap(),
+            "{dtype:?}"
+        );
     }
 }
 
@@ -166,7 +213,11 @@ fn fp8_quantisation_on_the_gpu_matches_the_cpu_bit_for_bit() {
 fn selected_sets_match_the_reference_over_the_grid() {
     let device = gpu();
     let mut rng = StdRng::seed_from_u64(2026);
-    let lengths: &[usize] = if quick() { &[1, 100, 2049, 40_000] } else { &[1, 100, 2048, 2049, 32_768, 40_000, 131_072] };
+    let lengths: &[usize] = if quick() {
+        &[1, 100, 2049, 40_000]
+    } else {
+        &[1, 100, 2048, 2049, 32_768, 40_000, 131_072]
+    };
     let (mut rows, mut differing_rows) = (0, 0);
     for &heads in &[8usize, 32] {
         for &n in lengths {
@@ -175,15 +226,20 @@ fn selected_sets_match_the_reference_over_the_grid() {
             for fp8 in [false, true] {
                 // The reference reads what the kernel reads: bf16 keys, or the dequantised FP8 keys.
                 let keys = if fp8 {
-                    let cpu = Tensor::from_vec(p.keys.clone(), (p.keys.len() / DIM, DIM), &Device::Cpu).unwrap();
+                    let cpu =
+                        Tensor::from_vec(p.keys.clone(), (p.keys.len() / DIM, DIM), &Device::Cpu)
+                            .unwrap();
                     let (bytes, scales) = quantize_fp8(&cpu).unwrap();
-                    IndexKeys::Fp8 { bytes: &bytes, scales: &scales }
-                        .dequantize()
-                        .unwrap()
-                        .flatten_all()
-                        .unwrap()
-                        .to_vec1::<f32>()
-                        .unwrap()
+                    IndexKeys::Fp8 {
+                        bytes: &bytes,
+                        scales: &scales,
+                    }
+                    .dequantize()
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()
                 } else {
                     bf16_keys.clone()
                 };
@@ -191,9 +247,13 @@ fn selected_sets_match_the_reference_over_the_grid() {
                 for &k in &[1usize, 64, 2048] {
                     let got = run(&p, fp8, k, &device);
                     for t in 0..3 {
-                        let label = format!("H{heads} n{n} K{k} {} query {t}", if fp8 { "fp8" } else { "bf16" });
+                        let label = format!(
+                            "H{heads} n{n} K{k} {} query {t}",
+                            if fp8 { "fp8" } else { "bf16" }
+                        );
                         rows += 1;
-                        differing_rows += usize::from(check_row(&label, &got[t], &scores[t], k) > 0);
+                        differing_rows +=
+                            usize::from(check_row(&label, &got[t], &scores[t], k) > 0);
                     }
                 }
             }
@@ -209,13 +269,23 @@ fn equal_scores_go_to_the_lower_position() {
     let device = gpu();
     let (heads, n, k) = (8, 300, 64);
     let key: Vec<f32> = (0..DIM).map(|d| (d % 7) as f32 / 8.0).collect();
-    let keys = Tensor::from_vec(key.repeat(n), (1, n, DIM), &device).unwrap().to_dtype(DType::BF16).unwrap();
+    let keys = Tensor::from_vec(key.repeat(n), (1, n, DIM), &device)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap();
     let q = Tensor::ones((2, heads, DIM), DType::BF16, &device).unwrap();
     let w = Tensor::ones((2, heads), DType::F32, &device).unwrap();
     let table = Tensor::zeros((1, 1), DType::I32, &device).unwrap();
     let seq = Tensor::zeros(2, DType::I32, &device).unwrap();
-    let cache = PagedIndexKeys { keys: IndexKeys::Float(&keys), block_table: &table, token_seq: &seq };
-    let got = dsa_indexer_paged(&q, &w, &cache, &[n, 40], k).unwrap().to_vec2::<i32>().unwrap();
+    let cache = PagedIndexKeys {
+        keys: IndexKeys::Float(&keys),
+        block_table: &table,
+        token_seq: &seq,
+    };
+    let got = dsa_indexer_paged(&q, &w, &cache, &[n, 40], k)
+        .unwrap()
+        .to_vec2::<i32>()
+        .unwrap();
     assert_eq!(got[0], (0..k as i32).collect::<Vec<_>>());
     let mut short: Vec<i32> = (0..40).collect();
     short.resize(k, -1);
@@ -228,15 +298,28 @@ fn f32_kernel_and_contiguous_entry_point_match_the_cpu_reference() {
     let mut rng = StdRng::seed_from_u64(17);
     // The tiny test models' indexer: 16 heads of 16; a prefill of 37 queries over 37 keys (causal).
     let (t, heads, dim, k) = (37usize, 16usize, 16usize, 8usize);
-    let q: Vec<f32> = (0..t * heads * dim).map(|_| rng.random_range(-1.0f32..1.0)).collect();
-    let w: Vec<f32> = (0..t * heads).map(|_| rng.random_range(-1.0f32..1.0)).collect();
-    let keys: Vec<f32> = (0..t * dim).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+    let q: Vec<f32> = (0..t * heads * dim)
+        .map(|_| rng.random_range(-1.0f32..1.0))
+        .collect();
+    let w: Vec<f32> = (0..t * heads)
+        .map(|_| rng.random_range(-1.0f32..1.0))
+        .collect();
+    let keys: Vec<f32> = (0..t * dim)
+        .map(|_| rng.random_range(-1.0f32..1.0))
+        .collect();
     let visible: Vec<usize> = (1..=t).collect();
-    let cpu = |v: &Vec<f32>, shape: &[usize]| Tensor::from_vec(v.clone(), shape, &Device::Cpu).unwrap();
+    let cpu =
+        |v: &Vec<f32>, shape: &[usize]| Tensor::from_vec(v.clone(), shape, &Device::Cpu).unwrap();
     for dtype in [DType::F32, DType::BF16] {
-        let (qc, kc) = (cpu(&q, &[t, heads, dim]).to_dtype(dtype).unwrap(), cpu(&keys, &[t, dim]).to_dtype(dtype).unwrap());
+        let (qc, kc) = (
+            cpu(&q, &[t, heads, dim]).to_dtype(dtype).unwrap(),
+            cpu(&keys, &[t, dim]).to_dtype(dtype).unwrap(),
+        );
         let wc = cpu(&w, &[t, heads]);
-        let want = dsa_indexer(&qc, &wc, &kc, &visible, k).unwrap().to_vec2::<i32>().unwrap();
+        let want = dsa_indexer(&qc, &wc, &kc, &visible, k)
+            .unwrap()
+            .to_vec2::<i32>()
+            .unwrap();
         let got = dsa_indexer(
             &qc.to_device(&device).unwrap(),
             &wc.to_device(&device).unwrap(),
@@ -270,13 +353,23 @@ fn a_crowded_threshold_bin_and_a_foreign_sequence() {
 fn crowded_bin_case(device: &Device, n: usize) {
     let (heads, k) = (8, 2048);
     let key: Vec<f32> = (0..DIM).map(|d| ((d % 5) as f32 - 2.0) / 4.0).collect();
-    let keys = Tensor::from_vec(key.repeat(n), (1, n, DIM), device).unwrap().to_dtype(DType::BF16).unwrap();
+    let keys = Tensor::from_vec(key.repeat(n), (1, n, DIM), device)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap();
     let q = Tensor::ones((2, heads, DIM), DType::BF16, device).unwrap();
     let w = Tensor::ones((2, heads), DType::F32, device).unwrap();
     let table = Tensor::zeros((1, 1), DType::I32, device).unwrap();
     let seq = Tensor::new(&[0i32, 3], device).unwrap();
-    let cache = PagedIndexKeys { keys: IndexKeys::Float(&keys), block_table: &table, token_seq: &seq };
-    let got = dsa_indexer_paged(&q, &w, &cache, &[n, n], k).unwrap().to_vec2::<i32>().unwrap();
+    let cache = PagedIndexKeys {
+        keys: IndexKeys::Float(&keys),
+        block_table: &table,
+        token_seq: &seq,
+    };
+    let got = dsa_indexer_paged(&q, &w, &cache, &[n, n], k)
+        .unwrap()
+        .to_vec2::<i32>()
+        .unwrap();
     assert_eq!(got[0], (0..k as i32).collect::<Vec<_>>());
     assert_eq!(got[1], vec![-1; k]);
 }

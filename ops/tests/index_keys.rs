@@ -38,27 +38,38 @@ fn fp8_bytes_and_scales_match_hand_computed_e4m3() {
     }
     .dequantize()
     .unwrap();
-    assert_eq!(back.to_vec2::<f32>().unwrap(), keys.to_vec2::<f32>().unwrap());
+    assert_eq!(
+        back.to_vec2::<f32>().unwrap(),
+        keys.to_vec2::<f32>().unwrap()
+    );
 }
 
 #[test]
 fn fp8_round_trip_error_is_within_e4m3_precision() {
     let mut rng = StdRng::seed_from_u64(3);
-    let values: Vec<f32> = (0..64 * 128).map(|_| rng.random_range(-3.0f32..3.0)).collect();
+    let values: Vec<f32> = (0..64 * 128)
+        .map(|_| rng.random_range(-3.0f32..3.0))
+        .collect();
     let keys = Tensor::from_vec(values.clone(), (64, 128), &Device::Cpu).unwrap();
     let (bytes, scales) = quantize_fp8(&keys).unwrap();
-    let back = IndexKeys::Fp8 { bytes: &bytes, scales: &scales }
-        .dequantize()
-        .unwrap()
-        .to_vec2::<f32>()
-        .unwrap();
+    let back = IndexKeys::Fp8 {
+        bytes: &bytes,
+        scales: &scales,
+    }
+    .dequantize()
+    .unwrap()
+    .to_vec2::<f32>()
+    .unwrap();
     for (row, got) in values.chunks(128).zip(&back) {
         let amax = row.iter().fold(0f32, |m, v| m.max(v.abs()));
         for (x, y) in row.iter().zip(got) {
             // 3 mantissa bits: half an ulp is 2^-4 relative; subnormals (below 2^-6 of the scale) are
             // absolute steps of 2^-9 · scale.
             let tolerance = (x.abs() / 16.0).max(amax / 448.0 * 2f32.powi(-10));
-            assert!((x - y).abs() <= tolerance * 1.0001, "{x} -> {y} (amax {amax})");
+            assert!(
+                (x - y).abs() <= tolerance * 1.0001,
+                "{x} -> {y} (amax {amax})"
+            );
         }
     }
 }
@@ -78,7 +89,9 @@ fn paged(
     let mut blocks = vec![0f32; num_blocks * block_size * dim];
     let mut contiguous = Vec::new();
     for (b, &len) in lens.iter().enumerate() {
-        let keys: Vec<f32> = (0..len * dim).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+        let keys: Vec<f32> = (0..len * dim)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect();
         for s in 0..len {
             let row = order[b * max_blocks + s / block_size] as usize * block_size + s % block_size;
             blocks[row * dim..][..dim].copy_from_slice(&keys[s * dim..][..dim]);
@@ -136,19 +149,28 @@ fn paged_keys_select_what_the_contiguous_keys_select() {
             top_k,
         )
         .unwrap();
-        assert_eq!(got.narrow(0, t, 1).unwrap().to_vec2::<i32>().unwrap(), want.to_vec2::<i32>().unwrap(), "query {t}");
+        assert_eq!(
+            got.narrow(0, t, 1).unwrap().to_vec2::<i32>().unwrap(),
+            want.to_vec2::<i32>().unwrap(),
+            "query {t}"
+        );
     }
 
     // FP8 keys select what their dequantised values select.
     let flat = blocks.reshape(((), dim)).unwrap();
     let (bytes, scales) = quantize_fp8(&flat).unwrap();
     let bytes = bytes.reshape(blocks.dims()).unwrap();
-    let scales = scales.reshape((blocks.dim(0).unwrap(), block_size)).unwrap();
+    let scales = scales
+        .reshape((blocks.dim(0).unwrap(), block_size))
+        .unwrap();
     let fp8 = dsa_indexer_paged(
         &q,
         &w,
         &PagedIndexKeys {
-            keys: IndexKeys::Fp8 { bytes: &bytes, scales: &scales },
+            keys: IndexKeys::Fp8 {
+                bytes: &bytes,
+                scales: &scales,
+            },
             block_table: &block_table,
             token_seq: &token_seq_t,
         },
@@ -156,7 +178,12 @@ fn paged_keys_select_what_the_contiguous_keys_select() {
         top_k,
     )
     .unwrap();
-    let dequantized = IndexKeys::Fp8 { bytes: &bytes, scales: &scales }.dequantize().unwrap();
+    let dequantized = IndexKeys::Fp8 {
+        bytes: &bytes,
+        scales: &scales,
+    }
+    .dequantize()
+    .unwrap();
     let floats = dsa_indexer_paged(
         &q,
         &w,
@@ -186,17 +213,29 @@ fn paged_input_errors_name_the_argument() {
         block_table: &table,
         token_seq: &bad_seq,
     };
-    let err = dsa_indexer_paged(&q, &w, &cache, &[4], 2).unwrap_err().to_string();
+    let err = dsa_indexer_paged(&q, &w, &cache, &[4], 2)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("token_seq"), "{err}");
     let seq = Tensor::new(&[0i32], &dev).unwrap();
-    let cache = PagedIndexKeys { token_seq: &seq, ..cache };
-    let err = dsa_indexer_paged(&q, &w, &cache, &[9], 2).unwrap_err().to_string();
+    let cache = PagedIndexKeys {
+        token_seq: &seq,
+        ..cache
+    };
+    let err = dsa_indexer_paged(&q, &w, &cache, &[9], 2)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("visible_keys[0] = 9"), "{err}");
     let floats = Tensor::zeros((2, 4), DType::F32, &dev).unwrap();
     let cache = PagedIndexKeys {
-        keys: IndexKeys::Fp8 { bytes: &blocks, scales: &floats },
+        keys: IndexKeys::Fp8 {
+            bytes: &blocks,
+            scales: &floats,
+        },
         ..cache
     };
-    let err = dsa_indexer_paged(&q, &w, &cache, &[4], 2).unwrap_err().to_string();
+    let err = dsa_indexer_paged(&q, &w, &cache, &[4], 2)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("U8"), "{err}");
 }

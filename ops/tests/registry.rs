@@ -6,8 +6,8 @@ use candle_core::DType;
 use glm5_ops::device::{known_shared_memory, parse_bytes, STATIC_SHARED_RESERVE};
 use glm5_ops::registry::{Arch, DeviceMatch, Kernel, Limit, Serves};
 use glm5_ops::{
-    CacheLayout, ComputeCapability, KeyFormat, DeviceDesc, DeviceFamily, DeviceKind, DispatchError, Entry, Op,
-    OpSpec, Reason, Registry, Verdict,
+    CacheLayout, ComputeCapability, DeviceDesc, DeviceFamily, DeviceKind, DispatchError, Entry,
+    KeyFormat, Op, OpSpec, Reason, Registry, Verdict,
 };
 
 const GIB: u64 = 1 << 30;
@@ -245,9 +245,22 @@ fn glm5_indexer_gets_the_mma_kernel_on_sm90_and_sm120_within_its_limits() {
     };
     // FP8 keys: the mma kernel scores them; the f32 kernel does not read them, so an f32 model with an FP8
     // key cache gets the reference, told why.
-    let fp8 = OpSpec { key_format: KeyFormat::Fp8E4m3, ..spec.clone() };
-    assert_eq!(registry.dispatch(&fp8, &gpu("sm_120"), None).unwrap().entry.name, "cuda-bf16-mma");
-    let fp8_f32 = OpSpec { dtype: DType::F32, ..fp8.clone() };
+    let fp8 = OpSpec {
+        key_format: KeyFormat::Fp8E4m3,
+        ..spec.clone()
+    };
+    assert_eq!(
+        registry
+            .dispatch(&fp8, &gpu("sm_120"), None)
+            .unwrap()
+            .entry
+            .name,
+        "cuda-bf16-mma"
+    );
+    let fp8_f32 = OpSpec {
+        dtype: DType::F32,
+        ..fp8.clone()
+    };
     let choice = registry.dispatch(&fp8_f32, &gpu("sm_90"), None).unwrap();
     assert_eq!(choice.entry.name, "reference");
     assert_eq!(
@@ -257,11 +270,24 @@ fn glm5_indexer_gets_the_mma_kernel_on_sm90_and_sm120_within_its_limits() {
     for arch in ["sm_90", "sm_120"] {
         let choice = registry.dispatch(&spec, &gpu(arch), None).unwrap();
         assert_eq!(choice.entry.name, "cuda-bf16-mma", "{arch}");
-        let f32 = OpSpec { dtype: DType::F32, ..spec.clone() };
-        assert_eq!(registry.dispatch(&f32, &gpu(arch), None).unwrap().entry.name, "cuda-f32-fma");
+        let f32 = OpSpec {
+            dtype: DType::F32,
+            ..spec.clone()
+        };
+        assert_eq!(
+            registry
+                .dispatch(&f32, &gpu(arch), None)
+                .unwrap()
+                .entry
+                .name,
+            "cuda-f32-fma"
+        );
     }
     // 64 heads (DeepSeek-V3.2's indexer) exceed the mma kernel's two head tiles.
-    let wide = OpSpec { heads: 64, ..spec.clone() };
+    let wide = OpSpec {
+        heads: 64,
+        ..spec.clone()
+    };
     let choice = registry.dispatch(&wide, &gpu("sm_90"), None).unwrap();
     assert_eq!(choice.entry.name, "reference");
     assert_eq!(
@@ -283,7 +309,9 @@ fn a_forced_backend_is_used_if_valid_and_otherwise_fails_with_its_reasons() {
     assert_eq!(forced.entry.name, "reference");
     assert_eq!(
         reasons_of(&forced, "cuda-bf16-mma"),
-        &Verdict::NotForced { forced: "reference" }
+        &Verdict::NotForced {
+            forced: "reference"
+        }
     );
 
     let err = registry
@@ -471,7 +499,13 @@ fn assumed_devices_parse_with_binary_sizes_and_known_shared_memory() {
     assert_eq!(parse_bytes("1.5TB"), Some(3 * (1u64 << 39)));
     assert_eq!(parse_bytes("80GiB"), Some(80 * GIB));
     assert_eq!(parse_bytes("1024"), None);
-    for bad in ["sm_120", "gpu:96GB", "sm_120:lots", "sm_1:1GB", "sm_abc:1GB"] {
+    for bad in [
+        "sm_120",
+        "gpu:96GB",
+        "sm_120:lots",
+        "sm_1:1GB",
+        "sm_abc:1GB",
+    ] {
         assert!(DeviceDesc::assume(bad, 0).is_err(), "{bad}");
     }
 }

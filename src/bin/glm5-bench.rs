@@ -19,8 +19,8 @@ use glm5::candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelAr
 use glm5::candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use glm5::candle_core::{DType, Device, Result, Tensor};
 use glm5::ops::{
-    dsa_indexer_paged, dsa_indexer_reference, quantize_fp8, sparse_mla_paged, sparse_mla_reference, IndexKeys,
-    PagedIndexKeys, PagedLatentCache,
+    dsa_indexer_paged, dsa_indexer_reference, quantize_fp8, sparse_mla_paged, sparse_mla_reference,
+    IndexKeys, PagedIndexKeys, PagedLatentCache,
 };
 
 /// GLM-5's indexer: 32 heads of 128, FP8 keys of 128 bytes + an f32 scale.
@@ -56,7 +56,9 @@ fn median_seconds(
 /// Per-call device time of `calls` calls of `f` captured into one CUDA graph (median of 7 replays).
 fn graph_seconds(device: &Device, calls: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     use glm5::candle_core::cuda_backend::cudarc::driver::sys;
-    let Device::Cuda(dev) = device else { glm5::candle_core::bail!("needs a CUDA device") };
+    let Device::Cuda(dev) = device else {
+        glm5::candle_core::bail!("needs a CUDA device")
+    };
     let stream = dev.cuda_stream();
     f()?; // warm-up outside the capture: module load, workspaces
     device.synchronize()?;
@@ -76,14 +78,18 @@ fn graph_seconds(device: &Device, calls: usize, mut f: impl FnMut() -> Result<()
 /// Device-to-device copy bandwidth in bytes/s (read + write counted), from plain cuMemcpyDtoD of 512 MiB of
 /// random words (candle's `copy`/`slice_set` run their own kernels and under-state it).
 fn copy_bandwidth(device: &Device) -> Result<f64> {
-    let Device::Cuda(dev) = device else { glm5::candle_core::bail!("needs a CUDA device") };
+    let Device::Cuda(dev) = device else {
+        glm5::candle_core::bail!("needs a CUDA device")
+    };
     let stream = dev.cuda_stream();
     let n = 128 << 20;
     let mut state = 1u64;
     let host: Vec<u32> = (0..n).map(|_| next(&mut state) as u32).collect();
     let src = stream.clone_htod(&host).map_err(cuda)?;
     let mut dst = stream.alloc_zeros::<u32>(n).map_err(cuda)?;
-    let seconds = median_seconds(device, 5, 10, || stream.memcpy_dtod(&src, &mut dst).map_err(cuda))?;
+    let seconds = median_seconds(device, 5, 10, || {
+        stream.memcpy_dtod(&src, &mut dst).map_err(cuda)
+    })?;
     Ok(2.0 * (n * 4) as f64 / seconds)
 }
 
@@ -222,7 +228,13 @@ struct Indexer {
 }
 
 impl Indexer {
-    fn new(device: &Device, batch: usize, queries: usize, context: usize, seed: u64) -> Result<Self> {
+    fn new(
+        device: &Device,
+        batch: usize,
+        queries: usize,
+        context: usize,
+        seed: u64,
+    ) -> Result<Self> {
         let blocks_per_seq = context.div_ceil(BLOCK_SIZE);
         let num_blocks = batch * blocks_per_seq;
         let keys = Tensor::randn(0f32, 1f32, (num_blocks * BLOCK_SIZE, INDEX_DIM), device)?;
@@ -233,14 +245,21 @@ impl Indexer {
             order.swap(i, (next(&mut state) % (i as u64 + 1)) as usize);
         }
         let t = batch * queries;
-        let visible = (0..t).map(|i| context - queries + i % queries + 1).collect();
+        let visible = (0..t)
+            .map(|i| context - queries + i % queries + 1)
+            .collect();
         Ok(Self {
-            q: Tensor::randn(0f32, 1f32, (t, INDEX_HEADS, INDEX_DIM), device)?.to_dtype(DType::BF16)?,
+            q: Tensor::randn(0f32, 1f32, (t, INDEX_HEADS, INDEX_DIM), device)?
+                .to_dtype(DType::BF16)?,
             weights: Tensor::randn(0f32, 1f32, (t, INDEX_HEADS), device)?,
             bytes: bytes.reshape((num_blocks, BLOCK_SIZE, INDEX_DIM))?,
             scales: scales.reshape((num_blocks, BLOCK_SIZE))?,
             block_table: Tensor::from_vec(order, (batch, blocks_per_seq), device)?,
-            token_seq: Tensor::from_vec((0..t as i32).map(|i| i / queries as i32).collect(), t, device)?,
+            token_seq: Tensor::from_vec(
+                (0..t as i32).map(|i| i / queries as i32).collect(),
+                t,
+                device,
+            )?,
             visible,
             reference_keys: keys.narrow(0, 0, context)?.to_dtype(DType::BF16)?,
         })
@@ -248,7 +267,10 @@ impl Indexer {
 
     fn kernel(&self) -> Result<()> {
         let cache = PagedIndexKeys {
-            keys: IndexKeys::Fp8 { bytes: &self.bytes, scales: &self.scales },
+            keys: IndexKeys::Fp8 {
+                bytes: &self.bytes,
+                scales: &self.scales,
+            },
             block_table: &self.block_table,
             token_seq: &self.token_seq,
         };
@@ -265,8 +287,8 @@ impl Indexer {
             &self.visible,
             TOP_K,
         )
-            .map(|_| ())
-            .map_err(cuda)
+        .map(|_| ())
+        .map_err(cuda)
     }
 }
 
@@ -278,7 +300,17 @@ fn indexer_rows(device: &Device, copy: f64, peak: f64, only: Option<(usize, usiz
     );
     println!(
         "{:>7} {:>5} {:>7} | {:>8} {:>8} {:>6} {:>8} {:>6} {:>8} | {:>10} {:>8}",
-        "context", "batch", "queries", "wall µs", "GB/s", "%copy", "TFLOP/s", "%mma", "floor µs", "ref µs", "speedup"
+        "context",
+        "batch",
+        "queries",
+        "wall µs",
+        "GB/s",
+        "%copy",
+        "TFLOP/s",
+        "%mma",
+        "floor µs",
+        "ref µs",
+        "speedup"
     );
     let shapes: Vec<(usize, usize, usize)> = match only {
         Some((context, batch)) => vec![(context, batch, 1)],
@@ -288,7 +320,13 @@ fn indexer_rows(device: &Device, copy: f64, peak: f64, only: Option<(usize, usiz
             .collect(),
     };
     for (context, batch, queries) in shapes {
-        let problem = Indexer::new(device, batch, queries, context, (context * 10 + batch) as u64)?;
+        let problem = Indexer::new(
+            device,
+            batch,
+            queries,
+            context,
+            (context * 10 + batch) as u64,
+        )?;
         // Wall time only: the op uploads the host's visible-key counts each call, which a CUDA graph
         // cannot replay; its kernels are long enough that the host overhead hides behind them.
         let rounds = if queries > 1 { 3 } else { 7 };
@@ -344,28 +382,46 @@ fn glm5_slice(layers: usize) -> Result<glm5::Config> {
 
 /// Decode on a GLM-5 slice with random weights: one GPU against the layers split over two.
 fn slice_rows(layers: usize) -> Result<()> {
-    use glm5::{AttentionMode, Checkpoint, DeviceDesc, Glm5ForCausalLM, Plan, PlanOptions, Registry};
+    use glm5::{
+        AttentionMode, Checkpoint, DeviceDesc, Glm5ForCausalLM, Plan, PlanOptions, Registry,
+    };
     let config = glm5_slice(layers)?;
     let gpus = [Device::new_cuda(0)?, Device::new_cuda(1)?];
     let (prompt, steps) = (32usize, 32usize);
-    let ids: Vec<u32> = (0..prompt + steps).map(|i| (i * 7919 % config.vocab_size) as u32).collect();
+    let ids: Vec<u32> = (0..prompt + steps)
+        .map(|i| (i * 7919 % config.vocab_size) as u32)
+        .collect();
     let mut results = Vec::new();
     // Two rounds, 1 GPU then 2 each time, keeping the second: the first pays one-off costs (module loads,
     // allocator growth, clocks ramping) that would otherwise land on whichever layout ran first.
     for (round, count) in [(0, 1usize), (0, 2), (1, 1), (1, 2)] {
         let mut options = PlanOptions::new(DType::BF16, AttentionMode::Sparse);
-        options.layer_devices = Some((0..layers).map(|l| if count == 1 { 0 } else { usize::from(l >= layers / 2) }).collect());
+        options.layer_devices = Some(
+            (0..layers)
+                .map(|l| {
+                    if count == 1 {
+                        0
+                    } else {
+                        usize::from(l >= layers / 2)
+                    }
+                })
+                .collect(),
+        );
         options.context = Some(prompt + steps);
         let devices = &gpus[..count];
         let plan = Plan::build(
             &config,
-            devices.iter().map(|d| DeviceDesc::of(d).map_err(cuda)).collect::<Result<Vec<_>>>()?,
+            devices
+                .iter()
+                .map(|d| DeviceDesc::of(d).map_err(cuda))
+                .collect::<Result<Vec<_>>>()?,
             &options,
             &Registry::builtin(),
         )
         .map_err(cuda)?;
-        let model = Glm5ForCausalLM::load_planned(&config, &Checkpoint::random(2026, 0.02), plan, devices)
-            .map_err(cuda)?;
+        let model =
+            Glm5ForCausalLM::load_planned(&config, &Checkpoint::random(2026, 0.02), plan, devices)
+                .map_err(cuda)?;
         let mut cache = model.new_cache(prompt + steps).map_err(cuda)?;
         let mut rows = vec![model.forward(&ids[..prompt], 0, &mut cache).map_err(cuda)?];
         for d in &gpus[..count] {
@@ -378,7 +434,10 @@ fn slice_rows(layers: usize) -> Result<()> {
             rows.push(logits);
         }
         let rate = steps as f64 / start.elapsed().as_secs_f64();
-        let logits: Vec<Vec<f32>> = Tensor::cat(&rows, 0)?.to_dtype(DType::F32)?.to_device(&Device::Cpu)?.to_vec2()?;
+        let logits: Vec<Vec<f32>> = Tensor::cat(&rows, 0)?
+            .to_dtype(DType::F32)?
+            .to_device(&Device::Cpu)?
+            .to_vec2()?;
         let moved = model.transfers() * config.hidden_size * 2 / (1 + steps);
         if round == 1 {
             results.push((count, rate, logits, moved));
@@ -392,8 +451,18 @@ fn slice_rows(layers: usize) -> Result<()> {
             .iter()
             .zip(&reference)
             .map(|(g, w)| {
-                let diff: f32 = g.iter().zip(w).map(|(a, b)| (a - b) * (a - b)).sum::<f32>().sqrt();
-                diff / w.iter().map(|b| b * b).sum::<f32>().sqrt().max(f32::MIN_POSITIVE)
+                let diff: f32 = g
+                    .iter()
+                    .zip(w)
+                    .map(|(a, b)| (a - b) * (a - b))
+                    .sum::<f32>()
+                    .sqrt();
+                diff / w
+                    .iter()
+                    .map(|b| b * b)
+                    .sum::<f32>()
+                    .sqrt()
+                    .max(f32::MIN_POSITIVE)
             })
             .fold(0.0, f32::max);
         println!(
