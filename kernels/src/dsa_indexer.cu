@@ -359,31 +359,31 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
                 }
             }
         }
-        // sum_h w[h] relu(S[h, key]): this thread's rows, then across the 8 row groups of the warp.
+        // sum_h w[h] relu(S[h, key]): this thread's rows, then across the 8 row groups of the warp, after
+        // which every lane of column group c holds the sums of keys 2c, 2c + 1 of both n8 tiles; the lanes of
+        // row groups 0..3 each take one of those four keys, so a tile's 16 scores go out in one pass.
+        float col[2][2] = {};
 #pragma unroll
-        for (int n = 0; n < 2; ++n) {
-            float col[2] = {0.f, 0.f};
+        for (int n = 0; n < 2; ++n)
 #pragma unroll
             for (int m = 0; m < MT; ++m)
 #pragma unroll
-                for (int j = 0; j < 4; ++j) col[j & 1] += w_row[m][j / 2] * fmaxf(acc[m][n][j], 0.f);
+                for (int j = 0; j < 4; ++j) col[n][j & 1] += w_row[m][j / 2] * fmaxf(acc[m][n][j], 0.f);
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
 #pragma unroll
             for (int o = 0; o < 2; ++o) {
-                col[o] += __shfl_xor_sync(0xffffffff, col[o], 4);
-                col[o] += __shfl_xor_sync(0xffffffff, col[o], 8);
-                col[o] += __shfl_xor_sync(0xffffffff, col[o], 16);
+                col[n][o] += __shfl_xor_sync(0xffffffff, col[n][o], 4);
+                col[n][o] += __shfl_xor_sync(0xffffffff, col[n][o], 8);
+                col[n][o] += __shfl_xor_sync(0xffffffff, col[n][o], 16);
             }
-            if (lane < 4) {
-#pragma unroll
-                for (int o = 0; o < 2; ++o) {
-                    const int r = key0 + n * 8 + lane * 2 + o, s = base + r;
-                    if (s < visible) {
-                        float v = col[o];
-                        if constexpr (FP8) v *= scales[i % STAGES][r] * score_unscale;
-                        score_row[s] = v;
-                        atomicAdd(&bins[ordered(v) >> (32 - HIST_BITS)], 1);
-                    }
-                }
+        if (g < 4) {
+            const int n = g / 2, o = g % 2, r = key0 + n * 8 + c * 2 + o, s = base + r;
+            if (s < visible) {
+                float v = n == 0 ? (o == 0 ? col[0][0] : col[0][1]) : (o == 0 ? col[1][0] : col[1][1]);
+                if constexpr (FP8) v *= scales[i % STAGES][r] * score_unscale;
+                score_row[s] = v;
+                atomicAdd(&bins[ordered(v) >> (32 - HIST_BITS)], 1);
             }
         }
         // Into the slot of tile i, whose copy went out long ago; read after the barrier below.
