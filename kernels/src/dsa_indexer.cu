@@ -478,29 +478,33 @@ __device__ void topk_candidates_impl(const DsaParams& p) {
         hist[SLOT_COUNT] = remaining_s;
     }
 
-    const int first = segment * SEG + threadIdx.x * SEG_ELEMS, lane = threadIdx.x % 32;
+    const int first = segment * SEG + threadIdx.x * SEG_ELEMS;
     float v[SEG_ELEMS];
     load_scores(p.scores + (size_t)t * p.score_stride, first, n, v);
-    int above_here = 0;
+    int above_here = 0, mine = 0;
+    bool candidate[SEG_ELEMS];
 #pragma unroll
     for (int j = 0; j < SEG_ELEMS; ++j) {
         const bool valid = first + j < n;
         const uint32_t b = ordered(v[j]) >> (32 - HIST_BITS);
         above_here += valid && b > bin;
-        const bool candidate = valid && b == bin;
-        // One atomic per warp for its candidates.
-        const uint32_t ballot = __ballot_sync(0xffffffff, candidate);
-        if (ballot != 0) {
-            const int leader = __ffs(ballot) - 1;
-            int slot = 0;
-            if (lane == leader) slot = atomicAdd(&hist[SLOT_CANDIDATES], __popc(ballot));
-            slot = __shfl_sync(0xffffffff, slot, leader);
-            if (candidate) candidates[slot + __popc(ballot & ((1u << lane) - 1))] = first + j;
-        }
+        candidate[j] = valid && b == bin;
+        mine += candidate[j];
     }
-    int above_total;
-    block_exclusive_scan<SEG_THREADS>(above_here, warp_sums, above_total);
-    if (threadIdx.x == 0) candidates[p.score_stride + segment] = above_total;
+    // One scan for both counts (each under 2^16 per segment) and one atomic per block for its candidates,
+    // which go out in position order.
+    int packed_total;
+    const int packed = block_exclusive_scan<SEG_THREADS>((above_here << 16) | mine, warp_sums, packed_total);
+    __shared__ int base_s;
+    if (threadIdx.x == 0) {
+        base_s = atomicAdd(&hist[SLOT_CANDIDATES], packed_total & 0xffff);
+        candidates[p.score_stride + segment] = packed_total >> 16;
+    }
+    __syncthreads();
+    int slot = base_s + (packed & 0xffff);
+#pragma unroll
+    for (int j = 0; j < SEG_ELEMS; ++j)
+        if (candidate[j]) candidates[slot++] = first + j;
 }
 
 // Refines (prefix, mask, remaining) over 8-bit digits at `shifts` until the remaining-th largest value is
