@@ -200,20 +200,35 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
     __shared__ __align__(1024) uint8_t stages[STAGES][TILE_KEYS * Tile::ROW_BYTES];
     __shared__ __align__(16) float scales[STAGES][TILE_KEYS];
     __shared__ int bins[HIST_BINS];  // this block's share of the row's histogram
-    __shared__ int rows[STAGES][TILE_KEYS];  // tile i's rows in slot i % STAGES (TMA: its first row only)
+    __shared__ int rows[STAGES][TILE_KEYS];  // tile i's rows in slot i % STAGES (not with TMA)
     __shared__ uint64_t full[STAGES];        // TMA: stage s holds its tile
     const auto tile_base = [&](int i) { return (int)(blockIdx.x + i * gridDim.x) * TILE_KEYS; };
     if (TMA && threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) mbarrier_init(&full[s], 1);
         mbarrier_init_fence();
     }
-    // TMA: thread 0 starts tile i's copy into its stage (64 rows from the tile's first, and their scales).
+    // TMA: warp 0 issues the tiles, in order. It holds their first rows in registers, 32 tiles per register
+    // (lane j: tile 32c + j of chunk c), the next chunk's read 32 tiles before it is needed: no iteration
+    // waits for a block-table read.
+    const auto first_row_of = [&](int i) { return i < my_tiles ? (int)key_row(p, seq, tile_base(i)) : -1; };
+    int rows_now = -1, rows_next = -1;
+    if (TMA && warp == 0) {
+        rows_now = first_row_of(lane);
+        rows_next = first_row_of(32 + lane);
+    }
+    // Tile i's copy into its stage (64 rows from the tile's first, and their scales), by warp 0's lane 0.
     const auto issue_tma = [&](int i) {
-        const int stage = i % STAGES, first_row = rows[stage][0];
-        fence_proxy_async_shared();  // the stage's earlier readers (and Q's cp.async) come first
-        mbarrier_arrive_expect_tx(&full[stage], TILE_KEYS * (D + 4));
-        tma_load_2d(stages[stage], &p.key_map, 0, first_row, &full[stage]);
-        bulk_copy_to_shared(scales[stage], p.key_scales + first_row, TILE_KEYS * 4, &full[stage]);
+        if (i % 32 == 0 && i > 0) {
+            rows_now = rows_next;
+            rows_next = first_row_of(i + 32 + lane);
+        }
+        const int stage = i % STAGES, first_row = __shfl_sync(0xffffffff, rows_now, i % 32);
+        if (lane == 0) {
+            fence_proxy_async_shared();  // the stage's earlier readers (and Q's cp.async) come first
+            mbarrier_arrive_expect_tx(&full[stage], TILE_KEYS * (D + 4));
+            tma_load_2d(stages[stage], &p.key_map, 0, first_row, &full[stage]);
+            bulk_copy_to_shared(scales[stage], p.key_scales + first_row, TILE_KEYS * 4, &full[stage]);
+        }
     };
 
     // Q goes to the last stage, which the main loop first fills in its first iteration; its copy and the
@@ -231,16 +246,15 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
         }
         cp_async_commit();
     }
-    for (int i = 0; i < STAGES; ++i) {
-        if (i >= my_tiles) continue;
-        if (!TMA) tile_rows(p, seq, visible, tile_base(i), rows[i]);
-        else if (threadIdx.x == i) rows[i][0] = (int)key_row(p, seq, tile_base(i));
+    if constexpr (!TMA) {
+        for (int i = 0; i < STAGES; ++i)
+            if (i < my_tiles) tile_rows(p, seq, visible, tile_base(i), rows[i]);
     }
     __syncthreads();
 #pragma unroll
     for (int i = 0; i < STAGES - 1; ++i) {
         if constexpr (TMA) {
-            if (i < my_tiles && threadIdx.x == 0) issue_tma(i);
+            if (i < my_tiles && warp == 0) issue_tma(i);
         } else {
             if (i < my_tiles) load_tile<D, FP8>(p, rows[i], stages[i], scales[i]);
             cp_async_commit();  // one group per stage, empty ones included, so the waits below count right
@@ -311,15 +325,15 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
     for (int i = 0; i < my_tiles; ++i) {
         const int ahead = i + STAGES - 1;  // refills the stage consumed in iteration i - 1
         if constexpr (TMA) {
-            if (ahead < my_tiles && threadIdx.x == 0) issue_tma(ahead);
+            if (ahead < my_tiles && warp == 0) issue_tma(ahead);
         } else {
             if (ahead < my_tiles) load_tile<D, FP8>(p, rows[ahead % STAGES], stages[ahead % STAGES], scales[ahead % STAGES]);
             cp_async_commit();
         }
-        // The block-table entry of this thread's key in the tile copied next iteration (TMA: of the tile's
-        // first key): read now, stored as a row after this tile's math, so its latency hides behind it.
+        // The block-table entry of this thread's key in the tile copied next iteration: read now, stored as a
+        // row after this tile's math, so its latency hides behind it (as far as the math lasts).
         const int next = tile_base(ahead + 1) + threadIdx.x;
-        const bool resolve = ahead + 1 < my_tiles && threadIdx.x < (TMA ? 1 : TILE_KEYS);
+        const bool resolve = !TMA && ahead + 1 < my_tiles && threadIdx.x < TILE_KEYS;
         const int2 next_page = page_of(next, p.block_size);
         const int page = resolve && next < visible ? p.block_table[(size_t)seq * p.max_blocks + next_page.x] : -1;
         if constexpr (TMA) {
