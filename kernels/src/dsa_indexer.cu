@@ -6,7 +6,7 @@
 //                          for a token with visible[t] <= K, which takes every position.
 //   dsa_topk_candidates    per (segment of 2048 positions, token): the histogram's threshold bin (the bin of
 //                          the K-th largest score), the segment's count of scores above that bin, and the
-//                          positions of the scores in it, appended to the row's candidate list.
+//                          (position, score) pairs of the scores in it, appended to the row's candidate list.
 //   dsa_topk_threshold     per token: the exact K-th largest score and, when several scores equal it, the
 //                          last position taken among them (equal scores go to the lower position), by radix
 //                          select over the candidates; then each segment's output offset.
@@ -60,7 +60,7 @@ struct DsaParams {
     const int* visible;       // [T]
     float* scores;            // [T, score_stride]
     int* hist;                // [T, HIST_STRIDE]: bin counts, then the SLOT_* values (zero between calls)
-    uint32_t* work;           // [T, score_stride + 2 * segments]: candidates, segment counts, segment offsets
+    uint32_t* work;           // [T, 2 * score_stride + 2 * segments]: candidate pairs, segment counts, offsets
     int* indices;             // [T, K]
     int T, H, D, K, block_size, max_blocks, batch, score_stride, positions, segments;
     TensorMap key_map;        // FP8 keys as a [rows, D] byte tensor, box [64 rows, D], 128-byte swizzle (TMA kernels)
@@ -78,7 +78,7 @@ constexpr int SCORE_WARPS = 4;
 constexpr int SEG_THREADS = 256, SEG_ELEMS = 8, SEG = SEG_THREADS * SEG_ELEMS;  // positions per segment
 constexpr int MAX_SEGMENTS = 2048;                                               // per row
 constexpr int TOPK_THREADS = 1024;
-constexpr int CANDIDATES = 8192;  // threshold-bin values the threshold kernel holds in shared memory
+constexpr int CANDIDATES = 4096;  // threshold-bin candidates the threshold kernel holds in shared memory
 
 // Order-preserving integer of a score: a > b  <=>  ordered(a) > ordered(b); -0.0 and 0.0 map together.
 __device__ __forceinline__ uint32_t ordered(float v) {
@@ -99,8 +99,13 @@ __device__ __forceinline__ long long key_row(const DsaParams& p, int seq, int s)
     return (long long)p.block_table[(size_t)seq * p.max_blocks + page.x] * p.block_size + page.y;
 }
 
-__device__ __forceinline__ uint32_t* candidates_of(const DsaParams& p, int t) {
-    return p.work + (size_t)t * (p.score_stride + 2 * p.segments);
+// A row's work area: (position, ordered score) of each candidate, then per segment its count of scores above
+// the threshold bin, then its output offset.
+__device__ __forceinline__ uint2* candidates_of(const DsaParams& p, int t) {
+    return reinterpret_cast<uint2*>(p.work + (size_t)t * (2 * p.score_stride + 2 * p.segments));
+}
+__device__ __forceinline__ uint32_t* segment_counts_of(const DsaParams& p, int t) {
+    return p.work + (size_t)t * (2 * p.score_stride + 2 * p.segments) + 2 * p.score_stride;
 }
 
 // Exclusive prefix sum of `flag` over a block of THREADS threads; returns it and sets `total`.
@@ -455,14 +460,14 @@ __device__ __forceinline__ void load_scores(const float* row, int first, int n, 
 }
 
 // Per (segment, token): the threshold bin from the row's histogram, the segment's count of scores above it,
-// and the positions of its scores in that bin appended to the row's candidates.
+// and its scores in that bin appended to the row's candidates with their positions.
 __device__ void topk_candidates_impl(const DsaParams& p) {
     const int t = blockIdx.y, segment = blockIdx.x;
     const int n = visible_keys(p, t), K = p.K;
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
     if (n <= K || segment * SEG >= n) return;
     int* hist = p.hist + (size_t)t * HIST_STRIDE;
-    uint32_t* candidates = candidates_of(p, t);
+    uint2* candidates = candidates_of(p, t);
     __shared__ int warp_sums[32];
     __shared__ int bin_s, remaining_s;
     asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the score kernel's writes
@@ -512,13 +517,13 @@ __device__ void topk_candidates_impl(const DsaParams& p) {
     __shared__ int base_s;
     if (threadIdx.x == 0) {
         base_s = atomicAdd(&hist[SLOT_CANDIDATES], packed_total & 0xffff);
-        candidates[p.score_stride + segment] = packed_total >> 16;
+        segment_counts_of(p, t)[segment] = packed_total >> 16;
     }
     __syncthreads();
     int slot = base_s + (packed & 0xffff);
 #pragma unroll
     for (int j = 0; j < SEG_ELEMS; ++j)
-        if (candidate[j]) candidates[slot++] = first + j;
+        if (candidate[j]) candidates[slot++] = make_uint2(first + j, ordered(v[j]));
 }
 
 // Refines (prefix, mask, remaining) over 8-bit digits at `shifts` until the remaining-th largest value is
@@ -572,12 +577,12 @@ struct ThresholdShared {
 };
 
 // The K-th largest value (ordered), the last position taken among the scores equal to it, and each
-// segment's output offset, from the row's candidates (`value(i)`: candidate i's ordered score).
-template <typename Value>
-__device__ void threshold_over(const DsaParams& p, int t, int n, Value value, int count, uint32_t prefix,
-                               int remaining, ThresholdShared& sh) {
+// segment's output offset, from the row's candidates (`value(i)`: candidate i's ordered score, `position(i)`
+// its position).
+template <typename Value, typename Position>
+__device__ void threshold_over(const DsaParams& p, int t, int n, Value value, Position position_of, int count,
+                               uint32_t prefix, int remaining, ThresholdShared& sh) {
     int* hist = p.hist + (size_t)t * HIST_STRIDE;
-    const uint32_t* candidates = candidates_of(p, t);
     int* digits = sh.digits;
     uint32_t& prefix_s = sh.prefix;
     int &remaining_s = sh.remaining, &equal_s = sh.equal;
@@ -598,16 +603,17 @@ __device__ void threshold_over(const DsaParams& p, int t, int n, Value value, in
     if (equal_s > remaining) {
         uint32_t position_prefix = 0, position_mask = 0;
         int take = remaining;
-        select_digits([&](int i) { return value(i) == kth ? ~candidates[i] : 0u; }, count, 24, position_prefix,
+        select_digits([&](int i) { return value(i) == kth ? ~position_of(i) : 0u; }, count, 24, position_prefix,
                       position_mask, take, digits, &prefix_s, &remaining_s);
         last_tied = ~position_prefix;
     }
     // Each segment's output count: its scores above the threshold bin plus its candidates taken.
     const int segments = (n + SEG - 1) / SEG;
-    for (int s = threadIdx.x; s < segments; s += blockDim.x) selected[s] = candidates[p.score_stride + s];
+    uint32_t* counts = segment_counts_of(p, t);
+    for (int s = threadIdx.x; s < segments; s += blockDim.x) selected[s] = counts[s];
     __syncthreads();
     for (int i = threadIdx.x; i < count; i += blockDim.x) {
-        const uint32_t u = value(i), position = candidates[i];
+        const uint32_t u = value(i), position = position_of(i);
         if (u > kth || (u == kth && position <= last_tied)) atomicAdd(&selected[position / SEG], 1);
     }
     __syncthreads();
@@ -616,7 +622,7 @@ __device__ void threshold_over(const DsaParams& p, int t, int n, Value value, in
     const int pair = (s0 < segments ? selected[s0] : 0) + (s0 + 1 < segments ? selected[s0 + 1] : 0);
     int total;
     const int offset = block_exclusive_scan<TOPK_THREADS>(pair, warp_sums, total);
-    uint32_t* offsets = const_cast<uint32_t*>(candidates) + p.score_stride + p.segments;
+    uint32_t* offsets = counts + p.segments;
     if (s0 < segments) offsets[s0] = offset;
     if (s0 + 1 < segments) offsets[s0 + 1] = offset + selected[s0];
     if (threadIdx.x == 0) {
@@ -638,16 +644,21 @@ __device__ void topk_threshold_impl(const DsaParams& p) {
     // The bins and the candidate count are zero again for the next call.
     for (int i = threadIdx.x; i <= SLOT_CANDIDATES; i += blockDim.x) hist[i] = 0;
     if (n <= p.K) return;
-    const float* row = p.scores + (size_t)t * p.score_stride;
-    const uint32_t* candidates = candidates_of(p, t);
-    __shared__ uint32_t values[CANDIDATES];
+    const uint2* candidates = candidates_of(p, t);
+    __shared__ uint32_t values[CANDIDATES], positions[CANDIDATES];
     __shared__ ThresholdShared sh;
     if (count <= CANDIDATES) {
-        for (int i = threadIdx.x; i < count; i += blockDim.x) values[i] = ordered(row[candidates[i]]);
+        for (int i = threadIdx.x; i < count; i += blockDim.x) {
+            const uint2 pair = candidates[i];
+            positions[i] = pair.x;
+            values[i] = pair.y;
+        }
         __syncthreads();
-        threshold_over(p, t, n, [&](int i) { return values[i]; }, count, prefix, remaining, sh);
-    } else {  // a crowded bin: its values stay in global memory (L2)
-        threshold_over(p, t, n, [&](int i) { return ordered(row[candidates[i]]); }, count, prefix, remaining, sh);
+        threshold_over(p, t, n, [&](int i) { return values[i]; }, [&](int i) { return positions[i]; }, count, prefix,
+                       remaining, sh);
+    } else {  // a crowded bin: its candidates stay in global memory (L2)
+        threshold_over(p, t, n, [&](int i) { return candidates[i].y; }, [&](int i) { return candidates[i].x; }, count,
+                       prefix, remaining, sh);
     }
 }
 
@@ -667,8 +678,7 @@ __device__ void topk_emit_impl(const DsaParams& p) {
     if (segment * SEG >= n) return;
     const int* hist = p.hist + (size_t)t * HIST_STRIDE;
     const uint32_t kth = (uint32_t)hist[SLOT_VALUE], last_tied = (uint32_t)hist[SLOT_COUNT];
-    const uint32_t* candidates = candidates_of(p, t);
-    const int offset = candidates[p.score_stride + p.segments + segment];
+    const int offset = segment_counts_of(p, t)[p.segments + segment];
     __shared__ int warp_sums[32];
     float v[SEG_ELEMS];
     load_scores(p.scores + (size_t)t * p.score_stride, first, n, v);

@@ -628,8 +628,8 @@ mod cuda {
 
     /// This thread's workspace on `dev`: scores `[chunk, stride]` f32, the per-row histograms and
     /// slots `[chunk, HIST_STRIDE]` i32, which must be zero when a call starts (allocated zeroed; the
-    /// threshold kernel zeroes every row it reads), and the top-k kernels' candidates and segment
-    /// counts `[chunk, stride + 2 * segments]` u32. Per thread because candle issues work on the
+    /// threshold kernel zeroes every row it reads), and the top-k kernels' candidate (position, score)
+    /// pairs and segment counts and offsets `[chunk, 2 * stride + 2 * segments]` u32. Per thread because candle issues work on the
     /// per-thread default stream.
     fn workspace(
         dev: &CudaDevice,
@@ -695,7 +695,7 @@ mod cuda {
             // Score rows start 16-byte aligned (the top-k kernels read them as float4).
             let stride = positions.next_multiple_of(4);
             let chunk = (MAX_CHUNK_ELEMS / stride).clamp(1, t_len.max(1));
-            let work_stride = stride + 2 * segments;
+            let work_stride = 2 * stride + 2 * segments;
             let [scores_ptr, hist_ptr, work_ptr] = workspace(
                 dev,
                 chunk * stride,
