@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine (device tool): `bash scripts/gpu-run.sh [tests|kernel-tests|model-tests|multi-gpu|sanitize|bench|profile|profile-detail]...`
+# Runs on the GPU machine (device tool): `bash scripts/gpu-run.sh [tests|kernel-tests|model-tests|multi-gpu|sanitize|bench|profile|profile-warm|profile-detail|none]...`
 # (default: tests sanitize bench),
 # with .gpu/ carried. Logs go to $OUT (or ./gpu-out).
 set -uo pipefail
@@ -43,6 +43,15 @@ for step in $steps; do
         timeout 120 ncu --clock-control none --launch-skip 12 --launch-count $kernels --metrics gpu__time_duration.sum -k regex:"sparse_mla|dsa_[st]" \
           /tmp/glm5-bin/glm5-bench $shape 2>&1 | grep -E "sparse_mla_|dsa_|gpu__time_duration" | tail -$((2 * kernels))
       done 2>&1 | tee "$OUT/profile.txt" ;;
+    profile-warm)
+      # The same kernels without the L2 flush between them (--cache-control none): what back-to-back calls
+      # see. Compare with `profile` (flushed) for how much of a shape's data stays in L2.
+      for shape in "32768 8 8" "32768 128 64" "indexer 131072 1" "indexer 32768 8" "indexer 32768 64" "indexer 131072 8"; do
+        echo "== $shape"
+        case $shape in indexer*) kernels=8 ;; *) kernels=4 ;; esac
+        timeout 120 ncu --cache-control none --clock-control none --launch-skip 12 --launch-count $kernels --metrics gpu__time_duration.sum -k regex:"sparse_mla|dsa_[st]" \
+          /tmp/glm5-bin/glm5-bench $shape 2>&1 | grep -E "sparse_mla_|dsa_|gpu__time_duration" | tail -$((2 * kernels))
+      done 2>&1 | tee "$OUT/profile-warm.txt" ;;
     profile-detail)
       # Full ncu sections (occupancy, warp stalls, memory, source hot spots) of the kernels that limit the
       # open targets, one report each under $OUT/ncu-*.txt.
