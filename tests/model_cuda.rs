@@ -7,7 +7,7 @@ use glm5::{AttentionMode, Glm5ForCausalLM};
 
 #[path = "common/fixtures.rs"]
 mod fixtures;
-use fixtures::{decode_rows, fixture_dir, logit_rows, max_abs_diff, reference};
+use fixtures::{decode_rows, fixture_dir, logit_rows, max_abs_diff, reference, relative_l2};
 
 /// The fixture `name` on `device` in `dtype`: prefill of `decode_from` ids, then decode (every logit row).
 fn logits(
@@ -62,15 +62,7 @@ fn bf16_on_gpu_stays_close_to_f32() {
         let relative: Vec<f32> = bf16_rows
             .iter()
             .zip(&f32_rows)
-            .map(|(a, b)| {
-                let num: f32 = a
-                    .iter()
-                    .zip(b)
-                    .map(|(x, y)| (x - y) * (x - y))
-                    .sum::<f32>()
-                    .sqrt();
-                num / b.iter().map(|y| y * y).sum::<f32>().sqrt()
-            })
+            .map(|(a, b)| relative_l2(a, b))
             .collect();
         println!("{name} bf16 vs f32 per position: {relative:.3?}");
         for (pos, r) in relative.iter().enumerate().take(topk) {

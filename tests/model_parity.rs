@@ -6,7 +6,7 @@ use glm5::{AttentionMode, Glm5ForCausalLM};
 
 #[path = "common/fixtures.rs"]
 mod fixtures;
-use fixtures::{fixture_dir, reference};
+use fixtures::{fixture_dir, reference, relative_l2};
 
 fn load(name: &str, mode: AttentionMode) -> Glm5ForCausalLM {
     Glm5ForCausalLM::from_dir(fixture_dir(name), DType::F32, &Device::Cpu, mode)
@@ -143,15 +143,7 @@ fn bf16_compute_stays_close_to_f32() {
         .unwrap()
         .iter()
         .zip(expected.to_vec2::<f32>().unwrap())
-        .map(|(got, want)| {
-            let num: f32 = got
-                .iter()
-                .zip(&want)
-                .map(|(a, b)| (a - b) * (a - b))
-                .sum::<f32>()
-                .sqrt();
-            num / want.iter().map(|b| b * b).sum::<f32>().sqrt()
-        })
+        .map(|(got, want)| relative_l2(got, &want))
         .collect();
     for (pos, r) in relative.iter().enumerate().take(topk) {
         assert!(*r < 3e-2, "position {pos}: bf16 relative error {r}");

@@ -12,7 +12,7 @@ use glm5::{AttentionMode, Config, DeviceDesc, Glm5ForCausalLM, Plan, PlanOptions
 
 #[path = "common/fixtures.rs"]
 mod fixtures;
-use fixtures::{fixture_dir, logit_rows, reference};
+use fixtures::{fixture_dir, logit_rows, max_abs_diff, reference, relative_l2};
 
 /// The model with layer `l` on `devices[layer_device(l)]`.
 fn planned(
@@ -64,27 +64,14 @@ fn layers_split_over_two_gpus_match_one_gpu() {
             let (got, two_rate) = run(&two, &ids);
             // One boundary per forward call: the prefill and each decode step.
             assert_eq!(two.transfers(), 1 + ids.len() - 6, "{name}");
-            let worst = got
-                .iter()
-                .zip(&want)
-                .map(|(g, w)| {
-                    let diff: f32 = g
-                        .iter()
-                        .zip(w)
-                        .map(|(a, b)| (a - b) * (a - b))
-                        .sum::<f32>()
-                        .sqrt();
-                    let norm: f32 = w.iter().map(|b| b * b).sum::<f32>().sqrt();
-                    if dtype == DType::F32 {
-                        g.iter()
-                            .zip(w)
-                            .map(|(a, b)| (a - b).abs())
-                            .fold(0.0, f32::max)
-                    } else {
-                        diff / norm
-                    }
-                })
-                .fold(0.0, f32::max);
+            let worst = if dtype == DType::F32 {
+                max_abs_diff(&got, &want)
+            } else {
+                got.iter()
+                    .zip(&want)
+                    .map(|(g, w)| relative_l2(g, w))
+                    .fold(0.0, f32::max)
+            };
             let bytes_per_token = config.hidden_size * dtype.size_in_bytes();
             println!(
                 "{name} {dtype:?}: 2 GPUs vs 1: {} {worst:.2e}; decode {one_rate:.0} tok/s on 1 GPU, {two_rate:.0} tok/s on 2; {bytes_per_token} B moved between GPUs per token",

@@ -60,3 +60,15 @@ pub fn max_abs_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
         .map(|(x, y)| (x - y).abs())
         .fold(0.0, f32::max)
 }
+
+/// ‖got − want‖ / ‖want‖ of one row (L2 norms): the per-position error measure of the bf16 checks.
+#[allow(dead_code)] // not every test crate that includes this module compares bf16 rows
+pub fn relative_l2(got: &[f32], want: &[f32]) -> f32 {
+    let diff: f32 = got
+        .iter()
+        .zip(want)
+        .map(|(a, b)| (a - b) * (a - b))
+        .sum::<f32>()
+        .sqrt();
+    diff / want.iter().map(|b| b * b).sum::<f32>().sqrt()
+}
