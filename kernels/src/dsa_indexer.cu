@@ -86,11 +86,12 @@ __device__ __forceinline__ uint32_t ordered(float v) {
     return bits & 0x80000000u ? ~bits : bits | 0x80000000u;
 }
 
-// Keys token t may see: none when its sequence index is not a row of the block table. Both loads are issued
-// together (neither waits for the other).
+// Keys token t may see: none when its sequence index is not a row of the block table; counts are clamped to
+// 0 .. positions (the bound the workspace and the grid were sized for; counts on the device are not checked
+// by the host). Both loads are issued together (neither waits for the other).
 __device__ __forceinline__ int visible_keys(const DsaParams& p, int t) {
     const int seq = p.token_seq[t], visible = p.visible[t];
-    return seq >= 0 && seq < p.batch ? visible : 0;
+    return seq >= 0 && seq < p.batch ? min(max(visible, 0), p.positions) : 0;
 }
 
 // Physical row of position s of the token's sequence.

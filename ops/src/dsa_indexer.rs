@@ -31,6 +31,10 @@
 //! sequence index outside the block table is an `IndexOutOfRange` error on the reference path; the
 //! CUDA kernels do not read it back to the host and give that query no keys (a row of -1).
 //!
+//! [`dsa_indexer_paged_device_visible`] is the same over counts already on the device (`I32 [T]`) with a
+//! host-side bound `max_visible`: nothing is uploaded per call, so a decode step can be captured in a
+//! CUDA graph. A count above the bound is read as the bound, a negative one as 0 (on every backend).
+//!
 //! # CUDA kernels (`kernels/src/dsa_indexer.cu`)
 //!
 //! bf16 or FP8 keys with bf16 queries: scores by `mma.sync` over cp.async-pipelined key tiles (FP8
@@ -380,14 +384,12 @@ fn reference(
     )?)
 }
 
-/// [`dsa_indexer`] over a paged key cache (layout in the module docs).
-pub fn dsa_indexer_paged(
+/// Checks the queries and the paged cache; returns `[T, D, B, key capacity per sequence]`.
+fn check_paged(
     q_index: &Tensor,
     head_weights: &Tensor,
     cache: &PagedIndexKeys,
-    visible_keys: &[usize],
-    top_k: usize,
-) -> Result<Tensor> {
+) -> Result<[usize; 4]> {
     let [t_len, _, dim] = check_queries(q_index, head_weights)?;
     let [_, block_size, _] = check_shape(
         "keys",
@@ -413,7 +415,19 @@ pub fn dsa_indexer_paged(
             });
         }
     }
-    check_request(t_len, visible_keys, max_blocks * block_size, top_k)?;
+    Ok([t_len, dim, batch, max_blocks * block_size])
+}
+
+/// [`dsa_indexer`] over a paged key cache (layout in the module docs).
+pub fn dsa_indexer_paged(
+    q_index: &Tensor,
+    head_weights: &Tensor,
+    cache: &PagedIndexKeys,
+    visible_keys: &[usize],
+    top_k: usize,
+) -> Result<Tensor> {
+    let [t_len, dim, batch, capacity] = check_paged(q_index, head_weights, cache)?;
+    check_request(t_len, visible_keys, capacity, top_k)?;
     #[cfg(feature = "cuda")]
     if q_index.device().is_cuda() {
         let fp8 = matches!(cache.keys, IndexKeys::Fp8 { .. });
@@ -424,6 +438,7 @@ pub fn dsa_indexer_paged(
             return cuda::dsa_indexer_paged(q_index, head_weights, cache, visible_keys, top_k);
         }
     }
+    let _ = dim; // read by the CUDA path only
     let token_seq = cache.token_seq.to_vec1::<i32>()?;
     if let Some((row, &seq)) = token_seq
         .iter()
@@ -446,6 +461,58 @@ pub fn dsa_indexer_paged(
         visible_keys,
         top_k,
     )
+}
+
+/// [`dsa_indexer_paged`] with the visible-key counts `visible` (`I32 [T]`) on the inputs' device and
+/// `max_visible` bounding them (see the module docs): the CUDA kernels read the counts where they are.
+pub fn dsa_indexer_paged_device_visible(
+    q_index: &Tensor,
+    head_weights: &Tensor,
+    cache: &PagedIndexKeys,
+    visible: &Tensor,
+    max_visible: usize,
+    top_k: usize,
+) -> Result<Tensor> {
+    let [t_len, dim, _, capacity] = check_paged(q_index, head_weights, cache)?;
+    check_shape("visible", visible, [("T", Some(t_len))])?;
+    if visible.dtype() != DType::I32 {
+        return Err(OpError::IndexDType {
+            arg: "visible",
+            expected: DType::I32,
+            found: visible.dtype(),
+        });
+    }
+    if !visible.device().same_device(q_index.device()) {
+        return Err(OpError::Unsupported(format!(
+            "dsa_indexer: visible is on {:?}, the queries on {:?}",
+            visible.device().location(),
+            q_index.device().location()
+        )));
+    }
+    // The bound is checked as a count is: it must fit the cache.
+    check_request(1, &[max_visible], capacity, top_k)?;
+    #[cfg(feature = "cuda")]
+    if q_index.device().is_cuda() {
+        let fp8 = matches!(cache.keys, IndexKeys::Fp8 { .. });
+        let dtype = if fp8 { DType::BF16 } else { q_index.dtype() };
+        if cuda::serves(dtype, q_index.dim(1)?, dim) {
+            return cuda::dsa_indexer_paged_visible(
+                q_index,
+                head_weights,
+                cache,
+                visible,
+                max_visible,
+                top_k,
+            );
+        }
+    }
+    let _ = dim; // read by the CUDA path only
+    let counts: Vec<usize> = visible
+        .to_vec1::<i32>()?
+        .into_iter()
+        .map(|v| (v.max(0) as usize).min(max_visible))
+        .collect();
+    dsa_indexer_paged(q_index, head_weights, cache, &counts, top_k)
 }
 
 /// The reference over a paged cache: each query's visible keys gathered through the block table
@@ -845,8 +912,21 @@ mod cuda {
         visible_keys: &[usize],
         top_k: usize,
     ) -> Result<Tensor> {
-        let device = q_index.device();
         let positions = visible_keys.iter().copied().max().unwrap_or(0);
+        let visible: Vec<i32> = visible_keys.iter().map(|&v| v as i32).collect();
+        let visible = Tensor::from_vec(visible, visible_keys.len(), q_index.device())?;
+        dsa_indexer_paged_visible(q_index, head_weights, cache, &visible, positions, top_k)
+    }
+
+    /// The kernels over counts on the device, `positions` bounding them (the kernels clamp to it).
+    pub(super) fn dsa_indexer_paged_visible(
+        q_index: &Tensor,
+        head_weights: &Tensor,
+        cache: &PagedIndexKeys,
+        visible: &Tensor,
+        positions: usize,
+        top_k: usize,
+    ) -> Result<Tensor> {
         if positions > super::limits::CUDA_MAX_VISIBLE_KEYS {
             return Err(OpError::Unsupported(format!(
                 "dsa_indexer: the CUDA kernels serve at most {} visible keys per query, got {positions}",
@@ -865,7 +945,6 @@ mod cuda {
         } else {
             q_index.clone()
         };
-        let visible: Vec<i32> = visible_keys.iter().map(|&v| v as i32).collect();
         let op = Indexer {
             q: q.contiguous()?,
             weights: head_weights.to_dtype(DType::F32)?.contiguous()?,
@@ -873,7 +952,7 @@ mod cuda {
             scales,
             block_table: cache.block_table.contiguous()?,
             token_seq: cache.token_seq.contiguous()?,
-            visible: Tensor::from_vec(visible, visible_keys.len(), device)?,
+            visible: visible.contiguous()?,
             positions,
             top_k,
             fp8,

@@ -16,7 +16,8 @@ pub mod sparse_mla;
 
 pub use device::{ComputeCapability, DeviceDesc, DeviceError, DeviceFamily, DeviceKind};
 pub use dsa_indexer::{
-    dsa_indexer, dsa_indexer_cuda, dsa_indexer_paged, dsa_indexer_reference, PagedIndexKeys,
+    dsa_indexer, dsa_indexer_cuda, dsa_indexer_paged, dsa_indexer_paged_device_visible,
+    dsa_indexer_reference, PagedIndexKeys,
 };
 pub use error::{OpError, Result};
 pub use index_keys::{quantize_fp8, IndexKeys, KeyFormat};

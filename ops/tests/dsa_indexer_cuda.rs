@@ -5,7 +5,10 @@
 #![cfg(feature = "cuda")]
 
 use candle_core::{DType, Device, Tensor};
-use glm5_ops::{dsa_indexer, dsa_indexer_paged, quantize_fp8, IndexKeys, PagedIndexKeys};
+use glm5_ops::{
+    dsa_indexer, dsa_indexer_paged, dsa_indexer_paged_device_visible, quantize_fp8, IndexKeys,
+    PagedIndexKeys,
+};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -372,4 +375,44 @@ fn crowded_bin_case(device: &Device, n: usize) {
         .unwrap();
     assert_eq!(got[0], (0..k as i32).collect::<Vec<_>>());
     assert_eq!(got[1], vec![-1; k]);
+}
+
+#[test]
+fn device_visible_counts_select_what_host_counts_select() {
+    // Counts already on the GPU (no upload per call) give the host-count call's rows exactly, a count above
+    // the bound being read as the bound; FP8 cache in pages of 64 (the TMA score kernel).
+    let device = gpu();
+    let mut rng = StdRng::seed_from_u64(21);
+    let n = 40_000;
+    let p = Problem::new(&mut rng, 32, n);
+    let rows = p.keys.len() / DIM;
+    let keys = Tensor::from_vec(p.keys.clone(), (rows, DIM), &device).unwrap();
+    let q = Tensor::from_vec(p.q.clone(), (3, p.heads, DIM), &device)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap();
+    let w = Tensor::from_vec(p.w.clone(), (3, p.heads), &device).unwrap();
+    let table = Tensor::from_vec(p.block_table.clone(), (2, p.max_blocks), &device).unwrap();
+    let token_seq = Tensor::from_vec(p.token_seq.clone(), 3, &device).unwrap();
+    let (bytes, scales) = quantize_fp8(&keys).unwrap();
+    let bytes = bytes.reshape((rows / BLOCK, BLOCK, DIM)).unwrap();
+    let scales = scales.reshape((rows / BLOCK, BLOCK)).unwrap();
+    let cache = PagedIndexKeys {
+        keys: IndexKeys::Fp8 {
+            bytes: &bytes,
+            scales: &scales,
+        },
+        block_table: &table,
+        token_seq: &token_seq,
+    };
+    let bound = n - 10;
+    let counts = [p.visible[0] as i32, i32::MAX, 1500];
+    let on_device = Tensor::new(&counts, &device).unwrap();
+    let got = dsa_indexer_paged_device_visible(&q, &w, &cache, &on_device, bound, 2048).unwrap();
+    let host: Vec<usize> = counts.iter().map(|&c| (c as usize).min(bound)).collect();
+    let want = dsa_indexer_paged(&q, &w, &cache, &host, 2048).unwrap();
+    assert_eq!(
+        got.to_vec2::<i32>().unwrap(),
+        want.to_vec2::<i32>().unwrap()
+    );
 }

@@ -2,7 +2,10 @@
 //! paged reference against the contiguous one (float and FP8 keys).
 
 use candle_core::{DType, Device, Tensor};
-use glm5_ops::{dsa_indexer, dsa_indexer_paged, quantize_fp8, IndexKeys, PagedIndexKeys};
+use glm5_ops::{
+    dsa_indexer, dsa_indexer_paged, dsa_indexer_paged_device_visible, quantize_fp8, IndexKeys,
+    PagedIndexKeys,
+};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -238,4 +241,56 @@ fn paged_input_errors_name_the_argument() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("U8"), "{err}");
+}
+
+#[test]
+fn device_visible_counts_select_what_host_counts_select() {
+    let mut rng = StdRng::seed_from_u64(12);
+    let (heads, dim, top_k, block_size) = (4, 16, 8, 4);
+    let lens = [23usize, 9];
+    let (blocks, block_table, _) = paged(&mut rng, &lens, dim, block_size);
+    let token_seq = Tensor::new(&[0i32, 0, 1, 1], &Device::Cpu).unwrap();
+    let q = Tensor::rand(-1f32, 1.0, (4, heads, dim), &Device::Cpu).unwrap();
+    let w = Tensor::rand(-1f32, 1.0, (4, heads), &Device::Cpu).unwrap();
+    let cache = PagedIndexKeys {
+        keys: IndexKeys::Float(&blocks),
+        block_table: &block_table,
+        token_seq: &token_seq,
+    };
+    // Counts above the bound (30 > 20) are read as the bound, negative ones as 0.
+    let counts = Tensor::new(&[30i32, 17, 9, -2], &Device::Cpu).unwrap();
+    let got = dsa_indexer_paged_device_visible(&q, &w, &cache, &counts, 20, top_k).unwrap();
+    let want = dsa_indexer_paged(&q, &w, &cache, &[20, 17, 9, 0], top_k).unwrap();
+    assert_eq!(
+        got.to_vec2::<i32>().unwrap(),
+        want.to_vec2::<i32>().unwrap()
+    );
+    assert_eq!(got.to_vec2::<i32>().unwrap()[3], vec![-1; top_k]);
+
+    // The counts' dtype and length, and the bound against the cache's capacity (2 blocks of 4 per
+    // sequence here is 4 * max_blocks), are checked.
+    let err = dsa_indexer_paged_device_visible(
+        &q,
+        &w,
+        &cache,
+        &counts.to_dtype(DType::F32).unwrap(),
+        20,
+        top_k,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("visible"), "{err}");
+    let short = Tensor::new(&[3i32, 3], &Device::Cpu).unwrap();
+    let err = dsa_indexer_paged_device_visible(&q, &w, &cache, &short, 20, top_k)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("visible"), "{err}");
+    let capacity = block_table.dim(1).unwrap() * block_size;
+    let err = dsa_indexer_paged_device_visible(&q, &w, &cache, &counts, capacity + 1, top_k)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(&format!("exceeds the key count {capacity}")),
+        "{err}"
+    );
 }
