@@ -11,7 +11,10 @@
 //! "wall" is the median of several rounds, each round `n` back-to-back calls then a device sync: it includes
 //! the host's launch overhead, as an eager decode step pays it. "GPU" replays the same `n` calls captured in
 //! a CUDA graph (as a graph-captured decode step runs them): the device's time, launch gaps included, host
-//! excluded. Throughput columns use the GPU time. Inputs are random (never zeros).
+//! excluded. Throughput columns use the GPU time. Inputs are random (never zeros). Back-to-back calls on
+//! the same inputs keep small problems' data in L2 (50 MB on an H200), which a decode step does not: it
+//! visits a layer's cache once per token, after every other layer. "cold" times one call with the L2
+//! emptied first (device time, CUDA events), and "%cold" is the copy-bandwidth share at that time.
 
 use std::time::Instant;
 
@@ -73,6 +76,34 @@ fn graph_seconds(device: &Device, calls: usize, mut f: impl FnMut() -> Result<()
     let graph = graph.ok_or_else(|| cuda("the capture recorded nothing"))?;
     graph.upload().map_err(cuda)?;
     median_seconds(device, 7, 1, || graph.launch().map_err(cuda)).map(|s| s / calls as f64)
+}
+
+/// Bytes written before each "cold" call: several times any GPU's L2.
+const FLUSH_BYTES: usize = 256 << 20;
+
+/// Device time of one call of `f` with the L2 emptied first (median of `rounds`): CUDA events around the
+/// call, after a memset of `FLUSH_BYTES` that evicts the previous call's data. The memset runs long enough
+/// (~80 µs) for the host to queue the call's launches before the start event fires.
+fn cold_seconds(device: &Device, rounds: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    use glm5::candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
+    let Device::Cuda(dev) = device else {
+        glm5::candle_core::bail!("needs a CUDA device")
+    };
+    let stream = dev.cuda_stream();
+    let mut flush = stream.alloc_zeros::<u8>(FLUSH_BYTES).map_err(cuda)?;
+    f()?; // warm-up: module load, workspaces
+    device.synchronize()?;
+    let mut times = Vec::with_capacity(rounds);
+    for _ in 0..rounds {
+        stream.memset_zeros(&mut flush).map_err(cuda)?;
+        let timing = Some(CUevent_flags::CU_EVENT_DEFAULT);
+        let start = stream.record_event(timing).map_err(cuda)?;
+        f()?;
+        let end = stream.record_event(timing).map_err(cuda)?;
+        times.push(f64::from(start.elapsed_ms(&end).map_err(cuda)?) / 1e3);
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[rounds / 2])
 }
 
 /// Device-to-device copy bandwidth in bytes/s (read + write counted), from plain cuMemcpyDtoD of 512 MiB of
@@ -326,12 +357,14 @@ fn indexer_rows(device: &Device, copy: f64, peak: f64, only: Option<(usize, usiz
         "dsa_indexer, FP8 keys ({INDEX_DIM} B + f32 scale), {INDEX_HEADS} heads, top-k {TOP_K}, paged (block {BLOCK_SIZE})"
     );
     println!(
-        "{:>7} {:>5} {:>7} | {:>8} {:>8} {:>8} {:>6} {:>8} {:>6} {:>8} | {:>10} {:>8}",
+        "{:>7} {:>5} {:>7} | {:>8} {:>8} {:>8} {:>6} {:>8} {:>6} {:>8} {:>6} {:>8} | {:>10} {:>8}",
         "context",
         "batch",
         "queries",
         "wall µs",
         "GPU µs",
+        "cold µs",
+        "%cold",
         "GB/s",
         "%copy",
         "TFLOP/s",
@@ -360,6 +393,7 @@ fn indexer_rows(device: &Device, copy: f64, peak: f64, only: Option<(usize, usiz
         let rounds = if queries > 1 { 3 } else { 7 };
         let wall = median_seconds(device, rounds, 5, || problem.kernel())?;
         let gpu = graph_seconds(device, 5, || problem.kernel_on_device())?;
+        let cold = cold_seconds(device, rounds, || problem.kernel())?;
         // Decode reads every key of every sequence once; a prefill chunk re-reads the sequence per query
         // from L2 but moves it from memory once.
         let bytes = (batch * context * (INDEX_DIM + 4)
@@ -373,12 +407,14 @@ fn indexer_rows(device: &Device, copy: f64, peak: f64, only: Option<(usize, usiz
             None
         };
         println!(
-            "{:>7} {:>5} {:>7} | {:>8.1} {:>8.1} {:>8.0} {:>5.1}% {:>8.1} {:>5.1}% {:>8.2} | {:>10} {:>8}",
+            "{:>7} {:>5} {:>7} | {:>8.1} {:>8.1} {:>8.1} {:>5.1}% {:>8.0} {:>5.1}% {:>8.1} {:>5.1}% {:>8.2} | {:>10} {:>8}",
             context,
             batch,
             queries,
             wall * 1e6,
             gpu * 1e6,
+            cold * 1e6,
+            100.0 * bytes / cold / copy,
             bytes / gpu / 1e9,
             100.0 * bytes / gpu / copy,
             flops / gpu / 1e12,
@@ -518,12 +554,14 @@ fn main() -> Result<()> {
     println!();
     println!("sparse_mla decode, bf16, D {ROW_DIM}/{VALUE_DIM}, top-k {TOP_K}, paged (block {BLOCK_SIZE})");
     println!(
-        "{:>7} {:>5} {:>4} | {:>8} {:>7} {:>8} {:>7} {:>8} {:>6} {:>8} | {:>10} {:>8}",
+        "{:>7} {:>5} {:>4} | {:>8} {:>7} {:>7} {:>6} {:>8} {:>7} {:>8} {:>6} {:>8} | {:>10} {:>8}",
         "context",
         "batch",
         "H",
         "wall µs",
         "GPU µs",
+        "cold µs",
+        "%cold",
         "GB/s",
         "%copy",
         "TFLOP/s",
@@ -569,6 +607,7 @@ fn main() -> Result<()> {
                 )?;
                 let wall = median_seconds(&device, 7, 20, || problem.kernel())?;
                 let gpu = graph_seconds(&device, 20, || problem.kernel())?;
+                let cold = cold_seconds(&device, 7, || problem.kernel())?;
                 let reference = median_seconds(&device, 3, 2, || problem.reference())?;
                 // Bytes the op must move: the selected rows, q, out, lse and the indices.
                 let bytes = (batch * TOP_K * ROW_DIM * 2
@@ -577,12 +616,14 @@ fn main() -> Result<()> {
                     + batch * TOP_K * 4) as f64;
                 let flops = (batch * heads * TOP_K * 2 * (ROW_DIM + VALUE_DIM)) as f64;
                 println!(
-                    "{:>7} {:>5} {:>4} | {:>8.1} {:>7.1} {:>8.0} {:>6.1}% {:>8.1} {:>5.1}% {:>8.2} | {:>10.1} {:>7.1}x",
+                    "{:>7} {:>5} {:>4} | {:>8.1} {:>7.1} {:>7.1} {:>5.1}% {:>8.0} {:>6.1}% {:>8.1} {:>5.1}% {:>8.2} | {:>10.1} {:>7.1}x",
                     context,
                     batch,
                     heads,
                     wall * 1e6,
                     gpu * 1e6,
+                    cold * 1e6,
+                    100.0 * bytes / cold / copy,
                     bytes / gpu / 1e9,
                     100.0 * bytes / gpu / copy,
                     flops / gpu / 1e12,
