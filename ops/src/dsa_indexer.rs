@@ -515,6 +515,25 @@ pub fn dsa_indexer_paged_device_visible(
     dsa_indexer_paged(q_index, head_weights, cache, &counts, top_k)
 }
 
+/// Device time of the CUDA indexer's two stages, summed over calls (see [`time_stages`]).
+#[cfg(feature = "cuda")]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StageTimes {
+    /// The score kernel (scores and their histogram).
+    pub scores: std::time::Duration,
+    /// The top-k kernels (candidates, exact threshold, ordered emit).
+    pub top_k: std::time::Duration,
+}
+
+/// Runs `f` and times, with CUDA events, the stages of every CUDA indexer call it makes on this thread;
+/// returns `f`'s result and the summed stage times (zero when it made none). The events sit between the
+/// stages, so the top-k no longer starts under the score kernel's tail (programmatic dependent launch):
+/// the two sum to a little more than an un-timed call takes.
+#[cfg(feature = "cuda")]
+pub fn time_stages<R>(f: impl FnOnce() -> R) -> Result<(R, StageTimes)> {
+    cuda::time_stages(f)
+}
+
 /// The reference over a paged cache: each query's visible keys gathered through the block table
 /// (dequantised), then [`reference`].
 fn paged_reference(
@@ -588,7 +607,7 @@ mod cuda {
 
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{
-        CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+        sys, CudaEvent, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
     };
     use candle_core::cuda_backend::{CudaDevice, CudaStorage, DeviceId};
     use candle_core::{CustomOp1, DType, Layout, Shape, Tensor};
@@ -662,7 +681,6 @@ mod cuda {
     /// The FP8 key cache `[rows, dim]` as a TMA tensor: boxes of `TILE_KEYS` rows, 128-byte swizzle (the
     /// layout `dsa_scores_fp8_tma_*` reads its fragments in).
     fn fp8_key_map(keys: u64, rows: usize, dim: usize) -> candle_core::Result<TensorMap> {
-        use candle_core::cuda_backend::cudarc::driver::sys;
         let mut map = sys::CUtensorMap { opaque: [0; 16] };
         let dims = [dim as u64, rows as u64];
         let strides = [dim as u64]; // bytes between rows (dimension 0 is implicitly contiguous)
@@ -733,6 +751,38 @@ mod cuda {
             ];
             Ok(pointers)
         })
+    }
+
+    thread_local! {
+        /// Set inside `time_stages`: per launched chunk, events before the scores, between the stages and
+        /// after the top-k.
+        static STAGE_EVENTS: RefCell<Option<Vec<[CudaEvent; 3]>>> = const { RefCell::new(None) };
+    }
+
+    /// An event on `stream` when `time_stages` is recording on this thread.
+    fn stage_event(stream: &CudaStream) -> candle_core::Result<Option<CudaEvent>> {
+        let recording = STAGE_EVENTS.with(|cell| cell.borrow().is_some());
+        if !recording {
+            return Ok(None);
+        }
+        let timing = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        Ok(Some(stream.record_event(timing).map_err(cuda_err)?))
+    }
+
+    pub(super) fn time_stages<R>(f: impl FnOnce() -> R) -> Result<(R, super::StageTimes)> {
+        STAGE_EVENTS.with(|cell| *cell.borrow_mut() = Some(Vec::new()));
+        let result = f();
+        let events = STAGE_EVENTS.with(|cell| cell.borrow_mut().take()).unwrap_or_default();
+        let mut times = super::StageTimes::default();
+        let seconds = |from: &CudaEvent, to: &CudaEvent| -> Result<std::time::Duration> {
+            let ms = from.elapsed_ms(to).map_err(cuda_err)?;
+            Ok(std::time::Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3))
+        };
+        for [start, between, end] in &events {
+            times.scores += seconds(start, between)?;
+            times.top_k += seconds(between, end)?;
+        }
+        Ok((result, times))
     }
 
     /// Runs the score and top-k kernels; the index tensor is the op's output, the inputs ride along in it.
@@ -852,11 +902,13 @@ mod cuda {
                     block_dim: (threads, 1, 1),
                     shared_mem_bytes: shared as u32,
                 };
+                let before_scores = stage_event(&stream)?;
                 let mut builder = stream.launch_builder(&scores_fn);
                 builder.arg(&params);
                 // SAFETY: `params` mirrors DsaParams; every pointer in it is live for this call.
                 unsafe { builder.launch(config((score_blocks, len), SCORE_THREADS, score_smem)) }
                     .map_err(cuda_err)?;
+                let after_scores = stage_event(&stream)?;
                 // The top-k kernels start as their predecessor finishes and wait for its writes.
                 let top_k = [
                     (&candidates_fn, config((segments, len), SEGMENT_THREADS, 0)),
@@ -873,6 +925,15 @@ mod cuda {
                 for (function, cfg) in top_k {
                     // SAFETY: as above; each top-k kernel takes one DsaParams.
                     unsafe { launch_dependent(function, &stream, cfg, &params) }?;
+                }
+                if let (Some(start), Some(between), Some(end)) =
+                    (before_scores, after_scores, stage_event(&stream)?)
+                {
+                    STAGE_EVENTS.with(|cell| {
+                        if let Some(events) = cell.borrow_mut().as_mut() {
+                            events.push([start, between, end]);
+                        }
+                    });
                 }
             }
             Ok(CudaStorage::wrap_cuda_slice(indices, dev.clone()))

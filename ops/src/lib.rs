@@ -19,6 +19,8 @@ pub use dsa_indexer::{
     dsa_indexer, dsa_indexer_cuda, dsa_indexer_paged, dsa_indexer_paged_device_visible,
     dsa_indexer_reference, PagedIndexKeys,
 };
+#[cfg(feature = "cuda")]
+pub use dsa_indexer::{time_stages, StageTimes};
 pub use error::{OpError, Result};
 pub use index_keys::{quantize_fp8, IndexKeys, KeyFormat};
 pub use registry::{

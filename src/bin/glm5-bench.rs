@@ -3,8 +3,7 @@
 //! register-only microkernel), all measured in the same run. Needs `--features cuda` and a GPU.
 //!
 //! `glm5-bench CONTEXT BATCH HEADS` runs one sparse_mla shape only, `glm5-bench indexer CONTEXT BATCH` one
-//! indexer decode shape (e.g. under a profiler: ncu splits the indexer's time into its score and top-k
-//! kernels). `glm5-bench slice LAYERS` builds the first LAYERS layers of GLM-5 at their real sizes with
+//! indexer decode shape (e.g. under a profiler). `glm5-bench slice LAYERS` builds the first LAYERS layers of GLM-5 at their real sizes with
 //! random weights, on one GPU and split over two, and prints decode tokens/s, the bytes moved between the
 //! GPUs per token and how far the two-GPU logits are from the one-GPU ones.
 //!
@@ -14,7 +13,9 @@
 //! excluded. Throughput columns use the GPU time. Inputs are random (never zeros). Back-to-back calls on
 //! the same inputs keep small problems' data in L2 (50 MB on an H200), which a decode step does not: it
 //! visits a layer's cache once per token, after every other layer. "cold" times one call with the L2
-//! emptied first (device time, CUDA events), and "%cold" is the copy-bandwidth share at that time.
+//! emptied first (device time, CUDA events), and "%cold" is the copy-bandwidth share at that time. The
+//! indexer's "scores" and "top-k" split a call's device time by CUDA events between the two stages
+//! (`glm5::ops::time_stages`; the events keep the stages from overlapping, so they sum to a little more).
 
 use std::time::Instant;
 
@@ -357,12 +358,14 @@ fn indexer_rows(device: &Device, copy: f64, peak: f64, only: Option<(usize, usiz
         "dsa_indexer, FP8 keys ({INDEX_DIM} B + f32 scale), {INDEX_HEADS} heads, top-k {TOP_K}, paged (block {BLOCK_SIZE})"
     );
     println!(
-        "{:>7} {:>5} {:>7} | {:>8} {:>8} {:>8} {:>6} {:>8} {:>6} {:>8} {:>6} {:>8} | {:>10} {:>8}",
+        "{:>7} {:>5} {:>7} | {:>8} {:>8} {:>8} {:>8} {:>8} {:>6} {:>8} {:>6} {:>8} {:>6} {:>8} | {:>10} {:>8}",
         "context",
         "batch",
         "queries",
         "wall µs",
         "GPU µs",
+        "scores",
+        "top-k",
         "cold µs",
         "%cold",
         "GB/s",
@@ -394,6 +397,12 @@ fn indexer_rows(device: &Device, copy: f64, peak: f64, only: Option<(usize, usiz
         let wall = median_seconds(device, rounds, 5, || problem.kernel())?;
         let gpu = graph_seconds(device, 5, || problem.kernel_on_device())?;
         let cold = cold_seconds(device, rounds, || problem.kernel())?;
+        // The split: CUDA events between the stages (which keeps them from overlapping).
+        let split_calls = 5;
+        let (timed, split) =
+            glm5::ops::time_stages(|| (0..split_calls).try_for_each(|_| problem.kernel_on_device()))
+                .map_err(cuda)?;
+        timed?;
         // Decode reads every key of every sequence once; a prefill chunk re-reads the sequence per query
         // from L2 but moves it from memory once.
         let bytes = (batch * context * (INDEX_DIM + 4)
@@ -407,12 +416,14 @@ fn indexer_rows(device: &Device, copy: f64, peak: f64, only: Option<(usize, usiz
             None
         };
         println!(
-            "{:>7} {:>5} {:>7} | {:>8.1} {:>8.1} {:>8.1} {:>5.1}% {:>8.0} {:>5.1}% {:>8.1} {:>5.1}% {:>8.2} | {:>10} {:>8}",
+            "{:>7} {:>5} {:>7} | {:>8.1} {:>8.1} {:>8.1} {:>8.1} {:>8.1} {:>5.1}% {:>8.0} {:>5.1}% {:>8.1} {:>5.1}% {:>8.2} | {:>10} {:>8}",
             context,
             batch,
             queries,
             wall * 1e6,
             gpu * 1e6,
+            split.scores.as_secs_f64() * 1e6 / split_calls as f64,
+            split.top_k.as_secs_f64() * 1e6 / split_calls as f64,
             cold * 1e6,
             100.0 * bytes / cold / copy,
             bytes / gpu / 1e9,
