@@ -772,11 +772,15 @@ mod cuda {
     pub(super) fn time_stages<R>(f: impl FnOnce() -> R) -> Result<(R, super::StageTimes)> {
         STAGE_EVENTS.with(|cell| *cell.borrow_mut() = Some(Vec::new()));
         let result = f();
-        let events = STAGE_EVENTS.with(|cell| cell.borrow_mut().take()).unwrap_or_default();
+        let events = STAGE_EVENTS
+            .with(|cell| cell.borrow_mut().take())
+            .unwrap_or_default();
         let mut times = super::StageTimes::default();
         let seconds = |from: &CudaEvent, to: &CudaEvent| -> Result<std::time::Duration> {
             let ms = from.elapsed_ms(to).map_err(cuda_err)?;
-            Ok(std::time::Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3))
+            Ok(std::time::Duration::from_secs_f64(
+                f64::from(ms.max(0.0)) / 1e3,
+            ))
         };
         for [start, between, end] in &events {
             times.scores += seconds(start, between)?;

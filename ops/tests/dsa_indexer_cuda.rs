@@ -416,3 +416,24 @@ fn device_visible_counts_select_what_host_counts_select() {
         want.to_vec2::<i32>().unwrap()
     );
 }
+
+#[test]
+fn stage_times_cover_each_call_and_nothing_else() {
+    // time_stages sees the indexer calls of its closure (both stages timed, their sum no longer than the
+    // closure's host time, which waits for the results), and nothing outside one.
+    let device = gpu();
+    let mut rng = StdRng::seed_from_u64(22);
+    let p = Problem::new(&mut rng, 32, 40_000);
+    let started = std::time::Instant::now();
+    let (rows, times) = glm5_ops::time_stages(|| run(&p, true, 2048, &device)).unwrap();
+    let elapsed = started.elapsed();
+    assert_eq!(rows.len(), 3);
+    assert!(times.scores > std::time::Duration::ZERO, "{times:?}");
+    assert!(times.top_k > std::time::Duration::ZERO, "{times:?}");
+    assert!(
+        times.scores + times.top_k <= elapsed,
+        "{times:?} vs {elapsed:?}"
+    );
+    let (_, none) = glm5_ops::time_stages(|| ()).unwrap();
+    assert_eq!(none, glm5_ops::StageTimes::default());
+}

@@ -399,9 +399,10 @@ fn indexer_rows(device: &Device, copy: f64, peak: f64, only: Option<(usize, usiz
         let cold = cold_seconds(device, rounds, || problem.kernel())?;
         // The split: CUDA events between the stages (which keeps them from overlapping).
         let split_calls = 5;
-        let (timed, split) =
-            glm5::ops::time_stages(|| (0..split_calls).try_for_each(|_| problem.kernel_on_device()))
-                .map_err(cuda)?;
+        let (timed, split) = glm5::ops::time_stages(|| {
+            (0..split_calls).try_for_each(|_| problem.kernel_on_device())
+        })
+        .map_err(cuda)?;
         timed?;
         // Decode reads every key of every sequence once; a prefill chunk re-reads the sequence per query
         // from L2 but moves it from memory once.
