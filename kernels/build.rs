@@ -1,5 +1,6 @@
 //! With the `cuda` feature: compiles every `src/*.cu` with nvcc into one fatbin per file holding SASS for
-//! sm_90 and sm_120 and compute_120 PTX (for JIT on newer GPUs). Without it: nothing.
+//! sm_90 and sm_120 and compute_120 PTX (for JIT on newer GPUs); `src/*_sm90.cu` (Hopper-only
+//! instructions) get sm_90a SASS only. Without it: nothing.
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
@@ -47,11 +48,19 @@ mod cuda {
                 .and_then(|s| s.to_str())
                 .expect("utf-8 kernel file name");
             let output = out_dir.join(format!("{stem}.fatbin"));
+            // `*_sm90.cu` use Hopper-only instructions (wgmma): sm_90a SASS and nothing else.
+            let targets: &[&str] = if stem.ends_with("_sm90") {
+                &["arch=compute_90a,code=sm_90a"]
+            } else {
+                &[
+                    "arch=compute_90,code=sm_90",
+                    "arch=compute_120,code=sm_120",
+                    "arch=compute_120,code=compute_120",
+                ]
+            };
             let status = Command::new(&nvcc)
                 .args(["--fatbin", "-O3", "-std=c++17", "-lineinfo", "-Xptxas=-v"])
-                .args(["-gencode", "arch=compute_90,code=sm_90"])
-                .args(["-gencode", "arch=compute_120,code=sm_120"])
-                .args(["-gencode", "arch=compute_120,code=compute_120"])
+                .args(targets.iter().flat_map(|target| ["-gencode", target]))
                 .arg(source)
                 .arg("-o")
                 .arg(&output)

@@ -1,12 +1,18 @@
 //! CUDA kernel blobs for glm5's custom ops.
 //!
 //! With the `cuda` feature, `build.rs` compiles every `src/*.cu` with nvcc into one fatbin (SASS for sm_90
-//! and sm_120, compute_120 PTX for newer GPUs) and this crate exposes each as a `pub const` byte blob.
+//! and sm_120, compute_120 PTX for newer GPUs; `*_sm90.cu`: sm_90a only) and this crate exposes each as a
+//! `pub const` byte blob.
 //! Without the feature it is empty, so CPU builds need no CUDA toolchain.
 
 /// `sparse_mla.cu`: sparse absorbed-MLA attention over a paged latent cache (bf16 mma.sync and f32 kernels).
 #[cfg(feature = "cuda")]
 pub const SPARSE_MLA: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/sparse_mla.fatbin"));
+
+/// `sparse_mla_sm90.cu`: the same attention by warpgroup MMA (wgmma), SASS for sm_90a only (Hopper).
+#[cfg(feature = "cuda")]
+pub const SPARSE_MLA_SM90: &[u8] =
+    include_bytes!(concat!(env!("OUT_DIR"), "/sparse_mla_sm90.fatbin"));
 
 /// `dsa_indexer.cu`: DSA indexer scores (bf16/FP8 mma.sync, f32) and exact top-k over a paged key cache,
 /// and the FP8 key quantiser.

@@ -26,24 +26,9 @@
 #include <stdint.h>
 
 #include "mma.cuh"
-#include "paged.cuh"
+#include "sparse_mla.cuh"
 
 typedef __nv_bfloat16 bf16;
-
-struct SparseMlaParams {
-    const void* q;           // [T, H, D]
-    const void* kv;          // [num_blocks * block_size, D]
-    const int* block_table;  // [B, max_blocks]
-    const int* seq_lens;     // [B]
-    const int* token_seq;    // [T]
-    const int* indices;      // [T, K]
-    void* out;               // [T, H, DV]          (num_splits == 1)
-    float* lse;              // [T, H]              (num_splits == 1)
-    float* part_out;         // [splits, T, H, DV]  (num_splits > 1)
-    float* part_lse;         // [splits, T, H]      (num_splits > 1)
-    int T, H, D, DV, K, block_size, max_blocks, num_splits, tiles_per_split;
-    float scale;             // softmax scale
-};
 
 constexpr int BN = 32;       // keys per tile
 constexpr int MAX_SPLITS = 128;  // most splits of the top-k the combine merges (the launcher caps it)
@@ -54,17 +39,6 @@ constexpr float LN2 = 0.6931471805599453f;
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&v);
-}
-
-// Physical row of logical position `idx` of sequence `seq`, or -1 when there is no such row. The block-table
-// read is bounded by the table's own width, not by seq_len, so it need not wait for the length's load: one
-// dependent global read fewer before the row copies can start.
-__device__ __forceinline__ long long physical_row(const SparseMlaParams& p, int seq, int seq_len, int idx) {
-    const bool in_table = idx >= 0 && idx < p.max_blocks * p.block_size;
-    const int2 page = page_of(max(idx, 0), p.block_size);
-    const int block = in_table ? p.block_table[(size_t)seq * p.max_blocks + page.x] : 0;
-    if (!in_table || idx >= seq_len) return -1;
-    return (long long)block * p.block_size + page.y;
 }
 
 // Dynamic shared memory of the bf16 kernel (mirrored by the launcher).

@@ -46,6 +46,8 @@ pub(crate) fn device_address(tensor: &Tensor) -> candle_core::Result<(u64, CudaD
 pub(crate) struct DeviceInfo {
     pub sms: usize,
     pub max_shared_per_block: usize,
+    /// Compute capability (major, minor).
+    pub capability: (usize, usize),
 }
 
 /// Functions and their resident-block counts are keyed by device and module, then by name, so a lookup on
@@ -63,7 +65,7 @@ fn loaded() -> &'static Mutex<Loaded> {
     LOADED.get_or_init(Default::default)
 }
 
-/// SM count and the opt-in shared memory limit of `dev`.
+/// SM count, the opt-in shared memory limit and the compute capability of `dev`.
 pub(crate) fn device_info(dev: &CudaDevice) -> candle_core::Result<DeviceInfo> {
     let mut loaded = loaded().lock().map_err(cuda_err)?;
     if let Some(info) = loaded.devices.get(&dev.id()) {
@@ -76,6 +78,10 @@ pub(crate) fn device_info(dev: &CudaDevice) -> candle_core::Result<DeviceInfo> {
         max_shared_per_block: attribute(
             sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
         )?,
+        capability: (
+            attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+            attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+        ),
     };
     loaded.devices.insert(dev.id(), info);
     Ok(info)

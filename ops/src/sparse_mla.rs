@@ -52,11 +52,23 @@ pub struct PagedLatentCache<'a> {
     pub token_seq: &'a Tensor,
 }
 
+/// The bf16 CUDA kernel a call runs (f32 inputs always run the FMA kernel).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Bf16Kernel {
+    /// Warpgroup MMA where it serves the call, mma.sync otherwise.
+    Fastest,
+    /// `mma.sync` (sm_90 and sm_120): every shape the bf16 path takes.
+    MmaSync,
+    /// Warpgroup MMA (`wgmma`, sm_90 only): heads a multiple of 64, rows of 576 with 512 value columns
+    /// (GLM-5's). Anything else is an [`OpError::Unsupported`] naming the cause.
+    Wgmma,
+}
+
 /// Attention of every head over the selected latent rows: `(out, lse)` (contract in the module docs).
 ///
-/// On a CUDA device with bf16 or f32 inputs this runs glm5's kernel (the cache as one block of `N` rows);
-/// there, indices outside `-1..N` are not reported but read as "no row" (validating them would cost a
-/// device-to-host copy per call).
+/// On a CUDA device with bf16 or f32 inputs this runs glm5's fastest kernel for the call (the cache as one
+/// block of `N` rows); there, indices outside `-1..N` are not reported but read as "no row" (validating
+/// them would cost a device-to-host copy per call).
 pub fn sparse_mla(
     q: &Tensor,
     latent_cache: &Tensor,
@@ -66,20 +78,65 @@ pub fn sparse_mla(
 ) -> Result<(Tensor, Tensor)> {
     #[cfg(feature = "cuda")]
     if cuda::serves(q) {
-        return sparse_mla_cuda(q, latent_cache, indices, value_dim, softmax_scale);
+        return contiguous_on_cuda(
+            q,
+            latent_cache,
+            indices,
+            value_dim,
+            softmax_scale,
+            Bf16Kernel::Fastest,
+        );
     }
     sparse_mla_reference(q, latent_cache, indices, value_dim, softmax_scale)
 }
 
-/// glm5's CUDA kernels over contiguous rows (the cache as one block of `N` rows): the function of the
-/// registry's `cuda-bf16-mma` and `cuda-f32-fma` entries. Without the `cuda` feature it fails with
-/// [`OpError::Unsupported`].
+/// glm5's mma.sync (bf16) and FMA (f32) CUDA kernels over contiguous rows (the cache as one block of `N`
+/// rows): the function of the registry's `cuda-bf16-mma` and `cuda-f32-fma` entries. Without the `cuda`
+/// feature it fails with [`OpError::Unsupported`].
 pub fn sparse_mla_cuda(
     q: &Tensor,
     latent_cache: &Tensor,
     indices: &Tensor,
     value_dim: usize,
     softmax_scale: f64,
+) -> Result<(Tensor, Tensor)> {
+    contiguous_on_cuda(
+        q,
+        latent_cache,
+        indices,
+        value_dim,
+        softmax_scale,
+        Bf16Kernel::MmaSync,
+    )
+}
+
+/// glm5's warpgroup-MMA kernel (sm_90) over contiguous rows: the function of the registry's
+/// `cuda-bf16-wgmma` entry (see [`Bf16Kernel::Wgmma`] for what it serves).
+pub fn sparse_mla_cuda_wgmma(
+    q: &Tensor,
+    latent_cache: &Tensor,
+    indices: &Tensor,
+    value_dim: usize,
+    softmax_scale: f64,
+) -> Result<(Tensor, Tensor)> {
+    contiguous_on_cuda(
+        q,
+        latent_cache,
+        indices,
+        value_dim,
+        softmax_scale,
+        Bf16Kernel::Wgmma,
+    )
+}
+
+/// The CUDA kernels over contiguous rows: the cache as one block of `N` rows.
+fn contiguous_on_cuda(
+    q: &Tensor,
+    latent_cache: &Tensor,
+    indices: &Tensor,
+    value_dim: usize,
+    softmax_scale: f64,
+    kernel: Bf16Kernel,
 ) -> Result<(Tensor, Tensor)> {
     #[cfg(feature = "cuda")]
     {
@@ -100,11 +157,11 @@ pub fn sparse_mla_cuda(
             seq_lens: &seq_lens,
             token_seq: &token_seq,
         };
-        cuda::sparse_mla_paged(q, &cache, indices, value_dim, softmax_scale)
+        cuda::sparse_mla_paged(q, &cache, indices, value_dim, softmax_scale, kernel)
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (q, latent_cache, indices, value_dim, softmax_scale);
+        let _ = (q, latent_cache, indices, value_dim, softmax_scale, kernel);
         Err(OpError::Unsupported(
             "sparse_mla CUDA kernels: this glm5 was built without the cuda feature".into(),
         ))
@@ -119,11 +176,32 @@ pub fn sparse_mla_paged(
     value_dim: usize,
     softmax_scale: f64,
 ) -> Result<(Tensor, Tensor)> {
+    sparse_mla_paged_with(
+        q,
+        cache,
+        indices,
+        value_dim,
+        softmax_scale,
+        Bf16Kernel::Fastest,
+    )
+}
+
+/// [`sparse_mla_paged`] with the bf16 CUDA kernel chosen by the caller (benchmarks, tests, a forced
+/// backend); on other devices and dtypes `kernel` is ignored.
+pub fn sparse_mla_paged_with(
+    q: &Tensor,
+    cache: &PagedLatentCache,
+    indices: &Tensor,
+    value_dim: usize,
+    softmax_scale: f64,
+    kernel: Bf16Kernel,
+) -> Result<(Tensor, Tensor)> {
     #[cfg(feature = "cuda")]
     if cuda::serves(q) {
-        return cuda::sparse_mla_paged(q, cache, indices, value_dim, softmax_scale);
+        return cuda::sparse_mla_paged(q, cache, indices, value_dim, softmax_scale, kernel);
     }
-    // Reference: translate logical positions to physical rows on the host, then attend over all rows.
+    let _ = kernel; // CUDA only
+                    // Reference: translate logical positions to physical rows on the host, then attend over all rows.
     let [num_blocks, block_size, row_dim] = check_shape(
         "blocks",
         cache.blocks,
@@ -326,6 +404,20 @@ pub(crate) mod limits {
             + tiles_per_split * TILE * 4
     }
 
+    /// The wgmma kernel (`sparse_mla_sm90.cu`): heads per block, its row and value widths.
+    pub const WGMMA_HEADS: usize = 64;
+    pub const WGMMA_ROW_DIM: usize = 576;
+    pub const WGMMA_VALUE_DIM: usize = 512;
+
+    /// Shared memory of the wgmma kernel (mirrors the .cu file): Q and three key tiles in 128-byte rows, the
+    /// S exchange of two warpgroups (16 f32 per thread), the split's row table, and 1 KB to align the start
+    /// to the swizzle period. With 32 tiles per split: 205824 B (sm_90's opt-in limit: 232448).
+    pub fn wgmma_shared_bytes(tiles_per_split: usize) -> usize {
+        1024 + WGMMA_ROW_DIM * 2 * (WGMMA_HEADS + 3 * TILE)
+            + 2 * 128 * 16 * 4
+            + tiles_per_split * TILE * 4
+    }
+
     /// Shared memory of the f32 kernel: the query row, value accumulators and reduction scratch.
     pub fn f32_shared_bytes(row_dim: usize, value_dim: usize) -> usize {
         (row_dim + 4 * value_dim + 8) * 4
@@ -402,6 +494,47 @@ pub fn registry_entries() -> Vec<crate::registry::Entry> {
             priority: vec![(Sm120, 10), (Sm90, 10)],
         },
         Entry {
+            name: "cuda-bf16-wgmma",
+            description: "glm5 CUDA kernel, bf16 warpgroup MMA (Hopper only), 64-head groups over rows of 512 + 64",
+            kernel: Kernel::SparseMla(sparse_mla_cuda_wgmma),
+            serves: Serves {
+                devices: DeviceMatch::Cuda(vec![Arch {
+                    major: 9,
+                    minor: Some(0),
+                }]),
+                dtypes: vec![DType::BF16],
+                heads: Limit::MultipleOf(limits::WGMMA_HEADS),
+                head_dims: Limit::OneOf(vec![limits::WGMMA_ROW_DIM]),
+                value_dims: Limit::OneOf(vec![limits::WGMMA_VALUE_DIM]),
+                top_k: Limit::Range {
+                    min: 1,
+                    max: limits::BF16_MAX_TOP_K,
+                },
+                contiguous_cache: true,
+                paged_block_sizes: Some(Limit::Any),
+                key_formats: vec![crate::KeyFormat::Float],
+            },
+            extra_check: Some(|_, device| {
+                let available = match device.kind {
+                    crate::device::DeviceKind::Cuda {
+                        shared_memory_per_block,
+                        ..
+                    } => shared_memory_per_block,
+                    crate::device::DeviceKind::Cpu => return vec![],
+                };
+                let needed = limits::wgmma_shared_bytes(limits::MAX_TILES_PER_SPLIT);
+                if needed > available {
+                    return vec![crate::registry::Reason::new(
+                        "shared memory per block",
+                        format!("{needed} B"),
+                        format!("{available} B"),
+                    )];
+                }
+                vec![]
+            }),
+            priority: vec![(Sm90, 5)],
+        },
+        Entry {
             name: "cuda-f32-fma",
             description: "glm5 CUDA kernel, f32 FMA",
             kernel: Kernel::SparseMla(sparse_mla_cuda),
@@ -465,26 +598,31 @@ mod cuda {
 
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{
-        CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+        CudaFunction, CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
     };
     use candle_core::cuda_backend::{CudaDevice, CudaStorage, DeviceId};
     use candle_core::{CustomOp1, CustomOp2, DType, Layout, Shape, Tensor};
 
-    use super::PagedLatentCache;
+    use super::{Bf16Kernel, PagedLatentCache};
     use crate::cuda::{
-        cuda_err, device_address, device_info, kernel, launch_dependent, STATIC_SHARED_RESERVE,
+        cuda_err, device_address, device_info, kernel, launch_dependent, DeviceInfo,
+        STATIC_SHARED_RESERVE,
     };
     use crate::error::{check_shape, OpError, Result};
 
-    const MODULE: &[u8] = glm5_kernels::SPARSE_MLA;
+    const MODULE: (&str, &[u8]) = ("sparse_mla", glm5_kernels::SPARSE_MLA);
+    const WGMMA_MODULE: (&str, &[u8]) = ("sparse_mla_sm90", glm5_kernels::SPARSE_MLA_SM90);
     use super::limits::{
-        bf16_shared_bytes, f32_shared_bytes, warps_per_head_tile, BF16_VALUE_DIMS, MAX_ROPE,
-        MAX_SPLITS, MAX_TILES_PER_SPLIT, TILE,
+        bf16_shared_bytes, f32_shared_bytes, warps_per_head_tile, wgmma_shared_bytes,
+        BF16_VALUE_DIMS, MAX_ROPE, MAX_SPLITS, MAX_TILES_PER_SPLIT, TILE, WGMMA_HEADS,
+        WGMMA_ROW_DIM, WGMMA_VALUE_DIM,
     };
 
     /// A block's fixed cost in tiles' time, for the split choice (measured on the H200: one-tile blocks take
     /// about three tiles' time).
     const BLOCK_COST_IN_TILES: usize = 2;
+    /// The same for the wgmma kernel, whose blocks also load 64 heads of Q (two tiles' bytes).
+    const WGMMA_BLOCK_COST_IN_TILES: usize = 3;
     /// Value widths with a 64-head instantiation.
     const WIDE_VALUE_DIMS: [usize; 3] = [128, 256, 512];
 
@@ -571,6 +709,7 @@ mod cuda {
         token_seq: Tensor,
         value_dim: usize,
         scale: f32,
+        kernel: Bf16Kernel,
         lse: Arc<Mutex<Option<CudaStorage>>>,
     }
 
@@ -628,7 +767,7 @@ mod cuda {
                     let out_ptr = out.device_ptr(&stream).0;
                     params.out = out_ptr;
                     poison(out_ptr, t_len * heads * value_dim * 2, &stream)?;
-                    launch_bf16(dev, &mut params)?;
+                    launch_bf16(dev, &mut params, self.kernel)?;
                     CudaStorage::wrap_cuda_slice(out, dev.clone())
                 }
                 DType::F32 => {
@@ -643,7 +782,7 @@ mod cuda {
                     params.out = out_ptr;
                     poison(out_ptr, t_len * heads * value_dim * 4, &stream)?;
                     params.num_splits = 1;
-                    let func = kernel(dev, "sparse_mla", MODULE, "sparse_mla_f32")?;
+                    let func = kernel_fn(dev, MODULE, "sparse_mla_f32")?;
                     let smem = f32_shared_bytes(row_dim, value_dim);
                     let cfg = LaunchConfig {
                         grid_dim: (t_len as u32, heads as u32, 1),
@@ -688,9 +827,66 @@ mod cuda {
         })
     }
 
-    /// Picks the head tiles and the split of the top-k, then launches the bf16 kernel (and the combine).
-    fn launch_bf16(dev: &CudaDevice, params: &mut Params) -> candle_core::Result<()> {
-        let stream = dev.cuda_stream();
+    /// Whether the wgmma kernel serves `heads` heads of rows `row_dim` / `value_dim` on a device of `info`
+    /// (the reason when not).
+    fn wgmma_unsupported(
+        info: &DeviceInfo,
+        heads: usize,
+        row_dim: usize,
+        value_dim: usize,
+    ) -> Option<String> {
+        if info.capability != (9, 0) {
+            let (major, minor) = info.capability;
+            return Some(format!(
+                "it needs an sm_90 GPU, this one is sm_{major}{minor}"
+            ));
+        }
+        if !heads.is_multiple_of(WGMMA_HEADS)
+            || row_dim != WGMMA_ROW_DIM
+            || value_dim != WGMMA_VALUE_DIM
+        {
+            return Some(format!(
+                "it serves heads in multiples of {WGMMA_HEADS} over rows of {WGMMA_ROW_DIM} with {WGMMA_VALUE_DIM} value columns, got {heads} heads, rows of {row_dim}, {value_dim} value columns"
+            ));
+        }
+        let needed = wgmma_shared_bytes(MAX_TILES_PER_SPLIT);
+        if needed > info.max_shared_per_block {
+            return Some(format!(
+                "it needs {needed} B of shared memory per block, the device has {}",
+                info.max_shared_per_block
+            ));
+        }
+        None
+    }
+
+    /// Flash-decoding: split the top-k of `tiles` tiles when `blocks` blocks alone would leave SMs idle.
+    /// The split minimises waves x (tiles per block + a block's fixed cost in tiles: Q, index and
+    /// block-table loads, the epilogue) -- a last, partly filled wave costs a whole one -- preferring fewer
+    /// splits (less to combine; one split needs no combine at all). A block resolves its split's rows up
+    /// front, so `fits(tiles per split)` says whether its row table fits in shared memory.
+    fn tiles_per_split(
+        tiles: usize,
+        blocks: usize,
+        resident: usize,
+        block_cost: usize,
+        fits: impl Fn(usize) -> bool,
+    ) -> usize {
+        (1..=tiles.min(MAX_SPLITS))
+            .map(|splits| tiles.div_ceil(splits))
+            .filter(|&per| fits(per))
+            .min_by_key(|&per| {
+                (blocks * tiles.div_ceil(per)).div_ceil(resident) * (per + block_cost)
+            })
+            .unwrap_or(MAX_TILES_PER_SPLIT)
+    }
+
+    /// Launches the bf16 kernel `kernel` picks (the split of the top-k, and the combine when there are
+    /// several).
+    fn launch_bf16(
+        dev: &CudaDevice,
+        params: &mut Params,
+        kernel: Bf16Kernel,
+    ) -> candle_core::Result<()> {
         let (t_len, heads, row_dim, k_len, value_dim) = (
             params.t as usize,
             params.h as usize,
@@ -699,7 +895,28 @@ mod cuda {
             params.dv as usize,
         );
         let info = device_info(dev)?;
+        let wgmma = match kernel {
+            Bf16Kernel::Fastest => wgmma_unsupported(&info, heads, row_dim, value_dim).is_none(),
+            Bf16Kernel::MmaSync => false,
+            Bf16Kernel::Wgmma => true, // checked before the op was applied
+        };
         let (max_smem, sms) = (info.max_shared_per_block - STATIC_SHARED_RESERVE, info.sms);
+        let tiles = k_len.div_ceil(TILE).max(1);
+        if wgmma {
+            // One block of two warpgroups per SM (205 KB of shared memory each).
+            let groups = heads / WGMMA_HEADS;
+            let per = tiles_per_split(
+                tiles,
+                t_len * groups,
+                sms,
+                WGMMA_BLOCK_COST_IN_TILES,
+                |per| wgmma_shared_bytes(per.max(MAX_TILES_PER_SPLIT)) <= max_smem,
+            );
+            let func = kernel_fn(dev, WGMMA_MODULE, "sparse_mla_wgmma_dv512_d576")?;
+            let smem = wgmma_shared_bytes(per.max(MAX_TILES_PER_SPLIT));
+            return launch_split(dev, params, &func, (groups, 256, smem), tiles, per);
+        }
+
         let warps_per_tile = warps_per_head_tile(value_dim);
         // Many heads: four 16-head tiles per block share each key tile (a quarter of the key traffic).
         let head_tiles = if heads >= 64
@@ -720,49 +937,67 @@ mod cuda {
             );
         }
         let groups = heads.div_ceil(16 * head_tiles);
-        let tiles = k_len.div_ceil(TILE).max(1);
-        // Flash-decoding: split the top-k when tokens x head groups alone would leave SMs idle. The split
-        // count minimises waves x (tiles per block + a block's fixed cost, about two tiles' time: Q, index
-        // and block-table loads, the epilogue) -- a last, partly filled wave costs a whole one -- preferring
-        // fewer splits (less to combine; one split needs no combine at all). A block resolves its split's
-        // rows up front, so longer splits need the shared memory for their row table.
         let resident = if head_tiles == 1 { 2 * sms } else { sms };
-        let blocks = t_len * groups;
-        let tiles_per_split = (1..=tiles.min(MAX_SPLITS))
-            .map(|splits| tiles.div_ceil(splits))
-            .filter(|&per| smem_for(per.max(MAX_TILES_PER_SPLIT)) <= max_smem)
-            .min_by_key(|&per| {
-                (blocks * tiles.div_ceil(per)).div_ceil(resident) * (per + BLOCK_COST_IN_TILES)
-            })
-            .unwrap_or(MAX_TILES_PER_SPLIT);
-        let splits = tiles.div_ceil(tiles_per_split);
-        if splits > MAX_SPLITS {
-            candle_core::bail!(
-                "sparse_mla: top-k {k_len} exceeds the kernel's {} slots per query",
-                MAX_SPLITS * MAX_TILES_PER_SPLIT * TILE
-            );
-        }
-        let smem = smem_for(tiles_per_split.max(MAX_TILES_PER_SPLIT));
-        params.num_splits = splits as i32;
-        params.tiles_per_split = tiles_per_split as i32;
-
+        let per = tiles_per_split(
+            tiles,
+            t_len * groups,
+            resident,
+            BLOCK_COST_IN_TILES,
+            |per| smem_for(per.max(MAX_TILES_PER_SPLIT)) <= max_smem,
+        );
         // GLM-5's rows (512 + 64) have an instantiation with the width fixed at compile time.
         let name = if value_dim == 512 && row_dim == value_dim + MAX_ROPE {
             format!("sparse_mla_bf16_dv{value_dim}_d{row_dim}_hb{head_tiles}")
         } else {
             format!("sparse_mla_bf16_dv{value_dim}_hb{head_tiles}")
         };
-        let func = kernel(dev, "sparse_mla", MODULE, &name)?;
-        let threads = (head_tiles / head_tiles_per_warp(head_tiles) * warps_per_tile * 32) as u32;
-        let grid = (splits as u32, groups as u32, t_len as u32);
+        let func = kernel_fn(dev, MODULE, &name)?;
+        let threads = head_tiles / head_tiles_per_warp(head_tiles) * warps_per_tile * 32;
+        let smem = smem_for(per.max(MAX_TILES_PER_SPLIT));
+        launch_split(dev, params, &func, (groups, threads, smem), tiles, per)
+    }
+
+    /// Function `name` of one of this op's modules (`sparse_mla.cu` or `sparse_mla_sm90.cu`).
+    fn kernel_fn(
+        dev: &CudaDevice,
+        (module, image): (&'static str, &'static [u8]),
+        name: &str,
+    ) -> candle_core::Result<CudaFunction> {
+        kernel(dev, module, image, name)
+    }
+
+    /// Launches `func` over (splits, head groups, tokens) blocks of `threads` threads and `smem` bytes of
+    /// shared memory, `per` of the `tiles` top-k tiles per split; several splits write f32 partials that
+    /// the combine kernel (a programmatic dependent launch) merges.
+    fn launch_split(
+        dev: &CudaDevice,
+        params: &mut Params,
+        func: &CudaFunction,
+        (groups, threads, smem): (usize, usize, usize),
+        tiles: usize,
+        per: usize,
+    ) -> candle_core::Result<()> {
+        let stream = dev.cuda_stream();
+        let (t_len, heads, value_dim) = (params.t as usize, params.h as usize, params.dv as usize);
+        let splits = tiles.div_ceil(per);
+        if splits > MAX_SPLITS {
+            candle_core::bail!(
+                "sparse_mla: top-k {} exceeds the kernel's {} slots per query",
+                params.k,
+                MAX_SPLITS * per * TILE
+            );
+        }
+        params.num_splits = splits as i32;
+        params.tiles_per_split = per as i32;
         let cfg = LaunchConfig {
-            grid_dim: grid,
-            block_dim: (threads, 1, 1),
+            grid_dim: (splits as u32, groups as u32, t_len as u32),
+            block_dim: (threads as u32, 1, 1),
             shared_mem_bytes: smem as u32,
         };
         if splits == 1 {
-            let mut builder = stream.launch_builder(&func);
+            let mut builder = stream.launch_builder(func);
             builder.arg(&*params);
+            // SAFETY: `params` mirrors SparseMlaParams; every pointer in it is live for this call.
             return unsafe { builder.launch(cfg) }.map(|_| ()).map_err(cuda_err);
         }
         let partial_out = splits * t_len * heads * value_dim;
@@ -771,10 +1006,11 @@ mod cuda {
         params.part_out = workspace;
         params.part_lse = workspace + (partial_out * 4) as u64;
         poison(workspace, (partial_out + partial_lse) * 4, &stream)?;
-        let mut builder = stream.launch_builder(&func);
+        let mut builder = stream.launch_builder(func);
         builder.arg(&*params);
+        // SAFETY: as above.
         unsafe { builder.launch(cfg) }.map_err(cuda_err)?;
-        let combine = kernel(dev, "sparse_mla", MODULE, "sparse_mla_combine_bf16")?;
+        let combine = kernel_fn(dev, MODULE, "sparse_mla_combine_bf16")?;
         let cfg = LaunchConfig {
             grid_dim: (
                 (t_len * heads) as u32,
@@ -854,6 +1090,7 @@ mod cuda {
         indices: &Tensor,
         value_dim: usize,
         softmax_scale: f64,
+        kernel: Bf16Kernel,
     ) -> Result<(Tensor, Tensor)> {
         let [t_len, heads, row_dim] = check_shape("q", q, [("T", None), ("H", None), ("D", None)])?;
         check_shape(
@@ -899,6 +1136,18 @@ mod cuda {
                 "sparse_mla CUDA kernel: row width {row_dim} must be a multiple of 8, and for bf16 the value width one of {BF16_VALUE_DIMS:?} with at most {MAX_ROPE} more columns in a row (got value width {value_dim})"
             )));
         }
+        if kernel == Bf16Kernel::Wgmma && q.dtype() == DType::BF16 {
+            let candle_core::Device::Cuda(dev) = q.device() else {
+                return Err(OpError::Unsupported(
+                    "sparse_mla wgmma kernel: not a CUDA device".into(),
+                ));
+            };
+            if let Some(reason) = wgmma_unsupported(&device_info(dev)?, heads, row_dim, value_dim) {
+                return Err(OpError::Unsupported(format!(
+                    "sparse_mla wgmma kernel: {reason}"
+                )));
+            }
+        }
         let lse = Arc::new(Mutex::new(None));
         let op = SparseMla {
             indices: indices.contiguous()?,
@@ -907,6 +1156,7 @@ mod cuda {
             token_seq: cache.token_seq.contiguous()?,
             value_dim,
             scale: softmax_scale as f32,
+            kernel,
             lse: lse.clone(),
         };
         let out = q

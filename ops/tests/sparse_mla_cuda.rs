@@ -4,7 +4,10 @@
 #![cfg(feature = "cuda")]
 
 use candle_core::{DType, Device, Tensor};
-use glm5_ops::{set_poison_outputs, sparse_mla, sparse_mla_paged, PagedLatentCache};
+use glm5_ops::{
+    set_poison_outputs, sparse_mla, sparse_mla_paged_with, Bf16Kernel, DeviceDesc, DeviceFamily,
+    OpError, PagedLatentCache,
+};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -102,8 +105,30 @@ fn problem(
     }
 }
 
-/// Runs `sparse_mla_paged` on `device` with inputs rounded to `dtype`; returns f32 host (out, lse).
-fn run(p: &Problem, dtype: DType, dv: usize, scale: f64, device: &Device) -> (Vec<f32>, Vec<f32>) {
+/// Whether the GPU runs the wgmma kernel (an sm_90 part).
+fn has_wgmma() -> bool {
+    DeviceDesc::of(&gpu()).unwrap().family() == DeviceFamily::Sm90
+}
+
+/// The bf16 kernels that serve `heads` heads of GLM-5's rows on this GPU.
+fn kernels_for(heads: usize) -> Vec<Bf16Kernel> {
+    if heads.is_multiple_of(64) && has_wgmma() {
+        vec![Bf16Kernel::MmaSync, Bf16Kernel::Wgmma]
+    } else {
+        vec![Bf16Kernel::MmaSync]
+    }
+}
+
+/// Runs `sparse_mla_paged_with(kernel)` on `device` with inputs rounded to `dtype`; returns f32 host
+/// (out, lse).
+fn run(
+    p: &Problem,
+    dtype: DType,
+    dv: usize,
+    scale: f64,
+    device: &Device,
+    kernel: Bf16Kernel,
+) -> (Vec<f32>, Vec<f32>) {
     let f = |data: &[f32], shape: &[usize]| {
         Tensor::from_slice(data, shape, device)
             .unwrap()
@@ -123,7 +148,7 @@ fn run(p: &Problem, dtype: DType, dv: usize, scale: f64, device: &Device) -> (Ve
         seq_lens: &seq_lens,
         token_seq: &token_seq,
     };
-    let (out, lse) = sparse_mla_paged(&q, &cache, &indices, dv, scale).unwrap();
+    let (out, lse) = sparse_mla_paged_with(&q, &cache, &indices, dv, scale, kernel).unwrap();
     (
         out.to_dtype(DType::F32)
             .unwrap()
@@ -189,9 +214,21 @@ fn lse_error(got: &[f32], want: &[f32]) -> f32 {
 }
 
 fn check(p: &Problem, dtype: DType, dv: usize, label: &str) {
+    check_kernel(p, dtype, dv, label, Bf16Kernel::MmaSync);
+}
+
+fn check_kernel(p: &Problem, dtype: DType, dv: usize, label: &str, kernel: Bf16Kernel) {
     let scale = (p.d as f64).powf(-0.5);
-    let (out, lse) = run(p, dtype, dv, scale, &gpu());
-    let (out_ref, lse_ref) = run(&rounded(p, dtype), DType::F32, dv, scale, &Device::Cpu);
+    let (out, lse) = run(p, dtype, dv, scale, &gpu(), kernel);
+    let reference = Bf16Kernel::Fastest; // ignored on the CPU
+    let (out_ref, lse_ref) = run(
+        &rounded(p, dtype),
+        DType::F32,
+        dv,
+        scale,
+        &Device::Cpu,
+        reference,
+    );
     let (tol_out, tol_lse) = if dtype == DType::BF16 {
         (1e-2, 1e-3)
     } else {
@@ -222,12 +259,15 @@ fn bf16_kernel_matches_the_cpu_reference_over_the_grid() {
             for &batch in batches {
                 for &bs in block_sizes {
                     let p = problem(&mut rng, batch, 1, h, 576, k, bs);
-                    check(
-                        &p,
-                        DType::BF16,
-                        512,
-                        &format!("bf16 H{h} K{k} B{batch} bs{bs}"),
-                    );
+                    for kernel in kernels_for(h) {
+                        check_kernel(
+                            &p,
+                            DType::BF16,
+                            512,
+                            &format!("bf16 {kernel:?} H{h} K{k} B{batch} bs{bs}"),
+                            kernel,
+                        );
+                    }
                 }
             }
         }
@@ -300,4 +340,54 @@ fn contiguous_cache_entry_point_uses_the_kernel() {
     };
     let err = relative_error(&run_on(&gpu()), &run_on(&Device::Cpu));
     assert!(err <= 1e-2, "relative error {err}");
+}
+
+#[test]
+fn wgmma_kernel_prefill_and_what_it_does_not_serve() {
+    set_poison_outputs(true);
+    if !has_wgmma() {
+        return; // sm_120 and others: no wgmma (the CPU suite checks the registry's verdict)
+    }
+    let mut rng = StdRng::seed_from_u64(9);
+    // Many query tokens of two sequences (prefill), 128 heads = two 64-head groups.
+    let p = problem(&mut rng, 2, 21, 128, 576, 200, 64);
+    check_kernel(
+        &p,
+        DType::BF16,
+        512,
+        "wgmma prefill T42 H128",
+        Bf16Kernel::Wgmma,
+    );
+    // Heads not a multiple of 64, or other row widths: a typed error naming the cause, never a wrong answer.
+    for (h, d, dv) in [(16, 576, 512), (64, 288, 256)] {
+        let p = problem(&mut rng, 1, 1, h, d, 16, 16);
+        let device = gpu();
+        let q = Tensor::from_slice(&p.q, (p.t, h, d), &device)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap();
+        let blocks = Tensor::from_slice(&p.blocks, (p.num_blocks, p.block_size, d), &device)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap();
+        let i = |data: &[i32], shape: &[usize]| Tensor::from_slice(data, shape, &device).unwrap();
+        let (table, lens, seqs) = (
+            i(&p.block_table, &[1, p.max_blocks]),
+            i(&p.seq_lens, &[1]),
+            i(&p.token_seq, &[1]),
+        );
+        let cache = PagedLatentCache {
+            blocks: &blocks,
+            block_table: &table,
+            seq_lens: &lens,
+            token_seq: &seqs,
+        };
+        let indices = i(&p.indices, &[1, p.k]);
+        let err =
+            sparse_mla_paged_with(&q, &cache, &indices, dv, 0.1, Bf16Kernel::Wgmma).unwrap_err();
+        assert!(
+            matches!(&err, OpError::Unsupported(m) if m.contains("multiples of 64")),
+            "{err}"
+        );
+    }
 }

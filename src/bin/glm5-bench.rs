@@ -10,7 +10,9 @@
 //! "wall" is the median of several rounds, each round `n` back-to-back calls then a device sync: it includes
 //! the host's launch overhead, as an eager decode step pays it. "GPU" replays the same `n` calls captured in
 //! a CUDA graph (as a graph-captured decode step runs them): the device's time, launch gaps included, host
-//! excluded. Throughput columns use the GPU time. Inputs are random (never zeros). Back-to-back calls on
+//! excluded. Throughput columns use the GPU time. sparse_mla rows name their kernel: mma.sync everywhere, and
+//! on an sm_90 GPU also wgmma where it serves (heads a multiple of 64); "vs mma" is the mma.sync row's GPU
+//! time over this row's. Inputs are random (never zeros). Back-to-back calls on
 //! the same inputs keep small problems' data in L2 (50 MB on an H200), which a decode step does not: it
 //! visits a layer's cache once per token, after every other layer. "cold" times one call with the L2
 //! emptied first (device time, CUDA events), and "%cold" is the copy-bandwidth share at that time. The
@@ -24,7 +26,8 @@ use glm5::candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use glm5::candle_core::{DType, Device, Result, Tensor};
 use glm5::ops::{
     dsa_indexer_paged, dsa_indexer_paged_device_visible, dsa_indexer_reference, quantize_fp8,
-    sparse_mla_paged, sparse_mla_reference, IndexKeys, PagedIndexKeys, PagedLatentCache,
+    sparse_mla_paged_with, sparse_mla_reference, Bf16Kernel, IndexKeys, PagedIndexKeys,
+    PagedLatentCache,
 };
 
 /// GLM-5's indexer: 32 heads of 128, FP8 keys of 128 bytes + an f32 scale.
@@ -225,16 +228,23 @@ impl Decode {
         })
     }
 
-    fn kernel(&self) -> Result<()> {
+    fn kernel(&self, kernel: Bf16Kernel) -> Result<()> {
         let cache = PagedLatentCache {
             blocks: &self.blocks,
             block_table: &self.block_table,
             seq_lens: &self.seq_lens,
             token_seq: &self.token_seq,
         };
-        sparse_mla_paged(&self.q, &cache, &self.indices, VALUE_DIM, 1.0 / 16.0)
-            .map(|_| ())
-            .map_err(cuda)
+        sparse_mla_paged_with(
+            &self.q,
+            &cache,
+            &self.indices,
+            VALUE_DIM,
+            1.0 / 16.0,
+            kernel,
+        )
+        .map(|_| ())
+        .map_err(cuda)
     }
 
     fn reference(&self) -> Result<()> {
@@ -566,10 +576,11 @@ fn main() -> Result<()> {
     println!();
     println!("sparse_mla decode, bf16, D {ROW_DIM}/{VALUE_DIM}, top-k {TOP_K}, paged (block {BLOCK_SIZE})");
     println!(
-        "{:>7} {:>5} {:>4} | {:>8} {:>7} {:>7} {:>6} {:>8} {:>7} {:>8} {:>6} {:>8} | {:>10} {:>8}",
+        "{:>7} {:>5} {:>4} {:>6} | {:>8} {:>7} {:>7} {:>6} {:>8} {:>7} {:>8} {:>6} {:>8} | {:>10} {:>8} {:>7}",
         "context",
         "batch",
         "H",
+        "kernel",
         "wall µs",
         "GPU µs",
         "cold µs",
@@ -580,7 +591,8 @@ fn main() -> Result<()> {
         "%mma",
         "floor µs",
         "ref µs",
-        "speedup"
+        "speedup",
+        "vs mma"
     );
     let args: Vec<String> = std::env::args().skip(1).collect();
     let only: Vec<usize> = args.iter().filter_map(|a| a.parse().ok()).collect();
@@ -607,44 +619,55 @@ fn main() -> Result<()> {
             })
             .collect(),
     };
-    {
-        for &(context, batch, heads) in &shapes {
-            {
-                let problem = Decode::new(
-                    &device,
-                    batch,
-                    heads,
-                    context,
-                    (context * 1000 + heads * 10 + batch) as u64,
-                )?;
-                let wall = median_seconds(&device, 7, 20, || problem.kernel())?;
-                let gpu = graph_seconds(&device, 20, || problem.kernel())?;
-                let cold = cold_seconds(&device, 7, || problem.kernel())?;
-                let reference = median_seconds(&device, 3, 2, || problem.reference())?;
-                // Bytes the op must move: the selected rows, q, out, lse and the indices.
-                let bytes = (batch * TOP_K * ROW_DIM * 2
-                    + batch * heads * (ROW_DIM + VALUE_DIM) * 2
-                    + batch * heads * 4
-                    + batch * TOP_K * 4) as f64;
-                let flops = (batch * heads * TOP_K * 2 * (ROW_DIM + VALUE_DIM)) as f64;
-                println!(
-                    "{:>7} {:>5} {:>4} | {:>8.1} {:>7.1} {:>7.1} {:>5.1}% {:>8.0} {:>6.1}% {:>8.1} {:>5.1}% {:>8.2} | {:>10.1} {:>7.1}x",
-                    context,
-                    batch,
-                    heads,
-                    wall * 1e6,
-                    gpu * 1e6,
-                    cold * 1e6,
-                    100.0 * bytes / cold / copy,
-                    bytes / gpu / 1e9,
-                    100.0 * bytes / gpu / copy,
-                    flops / gpu / 1e12,
-                    100.0 * flops / gpu / peak,
-                    bytes / copy * 1e6,
-                    reference * 1e6,
-                    reference / wall,
-                );
-            }
+    let wgmma =
+        glm5::ops::DeviceDesc::of(&device).map_err(cuda)?.family() == glm5::ops::DeviceFamily::Sm90;
+    for &(context, batch, heads) in &shapes {
+        let problem = Decode::new(
+            &device,
+            batch,
+            heads,
+            context,
+            (context * 1000 + heads * 10 + batch) as u64,
+        )?;
+        let reference = median_seconds(&device, 3, 2, || problem.reference())?;
+        // Bytes the op must move: the selected rows, q, out, lse and the indices.
+        let bytes = (batch * TOP_K * ROW_DIM * 2
+            + batch * heads * (ROW_DIM + VALUE_DIM) * 2
+            + batch * heads * 4
+            + batch * TOP_K * 4) as f64;
+        let flops = (batch * heads * TOP_K * 2 * (ROW_DIM + VALUE_DIM)) as f64;
+        let mut kernels = vec![Bf16Kernel::MmaSync];
+        if wgmma && heads.is_multiple_of(64) {
+            kernels.push(Bf16Kernel::Wgmma);
+        }
+        let mut mma_gpu = None;
+        for kernel in kernels {
+            let wall = median_seconds(&device, 7, 20, || problem.kernel(kernel))?;
+            let gpu = graph_seconds(&device, 20, || problem.kernel(kernel))?;
+            let cold = cold_seconds(&device, 7, || problem.kernel(kernel))?;
+            let mma = *mma_gpu.get_or_insert(gpu);
+            println!(
+                "{:>7} {:>5} {:>4} {:>6} | {:>8.1} {:>7.1} {:>7.1} {:>5.1}% {:>8.0} {:>6.1}% {:>8.1} {:>5.1}% {:>8.2} | {:>10.1} {:>7.1}x {:>6.2}x",
+                context,
+                batch,
+                heads,
+                match kernel {
+                    Bf16Kernel::Wgmma => "wgmma",
+                    _ => "mma",
+                },
+                wall * 1e6,
+                gpu * 1e6,
+                cold * 1e6,
+                100.0 * bytes / cold / copy,
+                bytes / gpu / 1e9,
+                100.0 * bytes / gpu / copy,
+                flops / gpu / 1e12,
+                100.0 * flops / gpu / peak,
+                bytes / copy * 1e6,
+                reference * 1e6,
+                reference / wall,
+                mma / gpu,
+            );
         }
     }
     if only.is_empty() {

@@ -1,0 +1,237 @@
+// Sparse absorbed-MLA attention by warpgroup MMA (wgmma): sm_90a only (Hopper), compiled for nothing else.
+// Same contract and parameters as the mma.sync kernel in sparse_mla.cu (ops/src/sparse_mla.rs), for
+// GLM-5's rows (576 = 512 value columns + 64 rope) and heads in groups of 64.
+//
+// One block of two warpgroups handles one token, 64 heads and a contiguous range of 32-key tiles (a split).
+// Q (64 x 576) stays in shared memory for the whole split; key tiles stream through a three-stage cp.async
+// ring. Rows are stored as nine 64-column slabs of 128-byte rows in the 128-byte swizzle wgmma reads (16-byte
+// piece c of row r at piece c ^ (r % 8)), so both operands come straight from shared memory:
+//   S = Q K^T   each warpgroup takes half of the row's 36 k16 steps (wgmma m64n32k16, both operands in
+//               shared memory); the halves meet in shared memory and both warpgroups hold the whole S;
+//   softmax     the same online softmax in both (identical inputs, identical results): P in registers;
+//   O += P V    warpgroup g accumulates value columns 256g..256g+255 (wgmma m64n256k16, P from registers,
+//               V = the tile's own rows read N-major): 128 f32 accumulators per thread.
+// Why: with mma.sync every warp stages its operands through registers (ldmatrix), and at 64 heads that
+// shared-memory traffic, not the tensor cores, bounded the kernel; wgmma reads each operand once per
+// warpgroup. With several splits the block writes a normalised f32 partial and its lse, merged by
+// sparse_mla.cu's combine kernel.
+
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#include "mma.cuh"
+#include "sparse_mla.cuh"
+#include "wgmma.cuh"
+
+namespace {
+
+constexpr int D = 576, DV = 512;            // row and value widths (GLM-5's kv_lora_rank + rope)
+constexpr int HEADS = 64;                   // heads per block: wgmma's M
+constexpr int BN = 32;                      // keys per tile
+constexpr int STAGES = 3;                   // key tiles in flight
+constexpr int SLABS = D / 64;               // 64-column (128-byte) slabs per row
+constexpr int PIECES = D / 8;               // 16-byte pieces per row
+constexpr int STEPS = D / 16;               // k16 steps of S
+constexpr int STEPS_PER_GROUP = STEPS / 2;  // per warpgroup
+constexpr int THREADS = 256;
+constexpr int Q_BYTES = SLABS * HEADS * 128;
+constexpr int TILE_BYTES = SLABS * BN * 128;
+constexpr int EXCHANGE_BYTES = 2 * 128 * 16 * 4;  // each warpgroup's partial S, 16 floats per thread
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr float LN2 = 0.6931471805599453f;
+static_assert(D % 64 == 0 && STEPS % 2 == 0 && DV == 2 * 256, "two warpgroups of 256 value columns");
+
+typedef __nv_bfloat16 bf16;
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Byte offset of 16-byte piece `piece` of row `row` in a tile of `rows` rows (slab-major, 128-byte swizzle).
+__device__ __forceinline__ uint32_t swizzled(int rows, int row, int piece) {
+    return (piece / 8) * rows * 128 + row * 128 + (((piece % 8) ^ (row % 8)) * 16);
+}
+
+}  // namespace
+
+// Shared memory: Q, the key ring, the S exchange, then the split's row table (sized by the launcher), from a
+// 1024-byte boundary (the swizzle pattern's period).
+extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_wgmma_dv512_d576(const SparseMlaParams p) {
+    extern __shared__ __align__(16) uint8_t smem_raw[];
+    uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+    uint8_t* q_s = smem;
+    uint8_t* k_s = q_s + Q_BYTES;
+    float4* exchange = reinterpret_cast<float4*>(k_s + STAGES * TILE_BYTES);  // [group][4][128]
+    int* rows_s = reinterpret_cast<int*>(k_s + STAGES * TILE_BYTES + EXCHANGE_BYTES);
+
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int group = tid / 128, gtid = tid % 128, wg_warp = gtid / 32;  // warpgroup, its thread and warp
+    const int split = blockIdx.x, h0 = blockIdx.y * HEADS, t = blockIdx.z;
+    const int seq = p.token_seq[t];
+    const int seq_len = p.seq_lens[seq];
+    const int* idx_row = p.indices + (size_t)t * p.K;
+    const int n_tiles = (p.K + BN - 1) / BN;
+    const int tile_begin = split * p.tiles_per_split;
+    const int tile_count = max(min(tile_begin + p.tiles_per_split, n_tiles) - tile_begin, 0);
+    const bf16* kv = static_cast<const bf16*>(p.kv);
+
+    // Q of this block's heads: warp w copies rows w, w + 8, ...; lane l pieces l, l + 32, l + 64.
+    const bf16* q = static_cast<const bf16*>(p.q) + ((size_t)t * p.H + h0) * D;
+    for (int r = warp; r < HEADS; r += THREADS / 32)
+        for (int c = lane; c < PIECES; c += 32) cp_async_16(q_s + swizzled(HEADS, r, c), q + (size_t)r * D + c * 8, true);
+    cp_async_commit();
+    // Every slot of the split resolved up front (all index and block-table loads in flight together).
+    for (int r = tid; r < tile_count * BN; r += THREADS) {
+        const int slot = tile_begin * BN + r;
+        rows_s[r] = slot < p.K ? (int)physical_row(p, seq, seq_len, idx_row[slot]) : -1;
+    }
+    __syncthreads();
+
+    // One cp.async group per tile (empty past the split's end); row -1 is zero-filled.
+    auto load_tile = [&](int local) {
+        if (local < tile_count) {
+            uint8_t* dst = k_s + (local % STAGES) * TILE_BYTES;
+            const int* rows = rows_s + local * BN;
+            for (int r = warp; r < BN; r += THREADS / 32) {
+                const long long row = rows[r];
+                const bf16* src = row >= 0 ? kv + row * D : kv;
+                for (int c = lane; c < PIECES; c += 32) cp_async_16(dst + swizzled(BN, r, c), src + c * 8, row >= 0);
+            }
+        }
+        cp_async_commit();
+    };
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) load_tile(s);
+
+    const uint32_t q_base = smem_addr(q_s), k_base = smem_addr(k_s);
+    const int g = lane / 4, c4 = lane % 4;  // accumulator rows 16 * wg_warp + g (+ 8), columns 2 * c4 (+ 1)
+    float o[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) o[i] = 0.f;
+    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+    const float scale_log2 = p.scale * LOG2E;
+
+    for (int local = 0; local < tile_count; ++local) {
+        cp_async_wait<STAGES - 2>();  // this thread's pieces of tile `local` (and of Q) have landed
+        fence_proxy_async_shared();   // ... and are visible to wgmma's reads
+        __syncthreads();              // everyone's; and every wgmma of the previous tile has completed
+        load_tile(local + STAGES - 1);  // refills the stage the previous tile used
+        const uint32_t tile = k_base + (local % STAGES) * TILE_BYTES;
+        const int* rows = rows_s + local * BN;
+
+        // This warpgroup's half of S (64 heads x 32 keys).
+        float s[16] = {};
+        wgmma_fence();
+#pragma unroll
+        for (int i = 0; i < STEPS_PER_GROUP; ++i) {
+            const int step = group * STEPS_PER_GROUP + i, slab = step / 4, within = (step % 4) * 32;
+            const uint64_t a = wgmma_desc(q_base + slab * HEADS * 128 + within, 16, 1024);
+            const uint64_t b = wgmma_desc(tile + slab * BN * 128 + within, 16, 1024);
+            wgmma_m64n32k16_ss(s, a, b, i > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_pin(s);
+        // The halves meet: each thread adds the other warpgroup's partial of the same 16 elements.
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            exchange[(group * 4 + j) * 128 + gtid] = make_float4(s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3]);
+        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float4 other = exchange[((1 - group) * 4 + j) * 128 + gtid];
+            s[4 * j] += other.x;
+            s[4 * j + 1] += other.y;
+            s[4 * j + 2] += other.z;
+            s[4 * j + 3] += other.w;
+        }
+
+        // Online softmax over the tile's keys (log2 domain); key 8j + 2c4 + e is element 4j + e (+ 2 for row + 8).
+        float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = 8 * j + 2 * c4 + (e & 1);
+                s[4 * j + e] = rows[key] >= 0 ? s[4 * j + e] * scale_log2 : -INFINITY;
+                mx[e / 2] = fmaxf(mx[e / 2], s[4 * j + e]);
+            }
+        float alpha[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 1));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 2));
+            const float m_new = fmaxf(m_run[r], mx[r]);
+            alpha[r] = m_new == -INFINITY ? 1.f : exp2f(m_run[r] - m_new);
+            m_run[r] = m_new;
+        }
+        float sum[2] = {0.f, 0.f};
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            const int r = (i / 2) % 2;
+            s[i] = s[i] == -INFINITY ? 0.f : exp2f(s[i] - m_run[r]);
+            sum[r] += s[i];
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + sum[r];  // this thread's columns only
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+            o[4 * j] *= alpha[0];
+            o[4 * j + 1] *= alpha[0];
+            o[4 * j + 2] *= alpha[1];
+            o[4 * j + 3] *= alpha[1];
+        }
+        // P as two k16 A fragments (keys 0-15, 16-31).
+        uint32_t pa[2][4];
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            pa[k][0] = pack_bf16(s[8 * k], s[8 * k + 1]);
+            pa[k][1] = pack_bf16(s[8 * k + 2], s[8 * k + 3]);
+            pa[k][2] = pack_bf16(s[8 * k + 4], s[8 * k + 5]);
+            pa[k][3] = pack_bf16(s[8 * k + 6], s[8 * k + 7]);
+        }
+        // O[:, 256 group ..] += P V: V N-major, 64-column slabs 4 group .. 4 group + 3 of the tile.
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            const uint64_t b = wgmma_desc(tile + 4 * group * BN * 128 + k * 16 * 128, BN * 128, 1024);
+            wgmma_m64n256k16_rs_tn(o, pa[k], b);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_pin(o);
+    }
+    cp_async_wait<0>();  // nothing in flight at exit
+    // The combine (a programmatic dependent) may start its blocks; it waits for this grid's writes itself.
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+
+    // Epilogue: the quad's row sums, normalise, write out (or the split's partial) and lse.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l_run[r] += __shfl_xor_sync(0xffffffff, l_run[r], 1);
+        l_run[r] += __shfl_xor_sync(0xffffffff, l_run[r], 2);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int head = h0 + 16 * wg_warp + g + 8 * r;
+        const float inv_l = l_run[r] > 0.f ? 1.f / l_run[r] : 0.f;
+        const size_t th = (size_t)t * p.H + head;
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+            const int col = 256 * group + 8 * j + 2 * c4;
+            const float v0 = o[4 * j + 2 * r] * inv_l, v1 = o[4 * j + 2 * r + 1] * inv_l;
+            if (p.num_splits == 1) {
+                *reinterpret_cast<uint32_t*>(static_cast<bf16*>(p.out) + th * DV + col) = pack_bf16(v0, v1);
+            } else {
+                float* dst = p.part_out + ((size_t)split * p.T * p.H + th) * DV + col;
+                *reinterpret_cast<float2*>(dst) = make_float2(v0, v1);
+            }
+        }
+        if (group == 0 && c4 == 0) {
+            const float lse = l_run[r] > 0.f ? m_run[r] * LN2 + logf(l_run[r]) : -INFINITY;
+            if (p.num_splits == 1) p.lse[th] = lse;
+            else p.part_lse[(size_t)split * p.T * p.H + th] = lse;
+        }
+    }
+}
