@@ -6,8 +6,8 @@
 // Q (64 x 576) stays in shared memory for the whole split; key tiles stream through a three-stage cp.async
 // ring. Rows are stored as nine 64-column slabs of 128-byte rows in the 128-byte swizzle wgmma reads (16-byte
 // piece c of row r at piece c ^ (r % 8)), so both operands come straight from shared memory:
-//   S = Q K^T   each warpgroup takes half of the row's 36 k16 steps (wgmma m64n32k16, both operands in
-//               shared memory); the halves meet in shared memory and both warpgroups hold the whole S;
+//   S = Q K^T   each warpgroup takes every other one of the row's 36 k16 steps (wgmma m64n32k16, both
+//               operands in shared memory); the halves meet in shared memory and both warpgroups hold S;
 //   softmax     the same online softmax in both (identical inputs, identical results): P in registers;
 //   O += P V    warpgroup g accumulates value columns 256g..256g+255 (wgmma m64n256k16, P from registers,
 //               V = the tile's own rows read N-major): 128 f32 accumulators per thread.
@@ -37,9 +37,14 @@ constexpr int THREADS = 256;
 constexpr int Q_BYTES = SLABS * HEADS * 128;
 constexpr int TILE_BYTES = SLABS * BN * 128;
 constexpr int EXCHANGE_BYTES = 2 * 128 * 16 * 4;  // each warpgroup's partial S, 16 floats per thread
+// A row's running maximum (log2 domain) is only raised when a tile's maximum exceeds it by more than this:
+// probabilities stay below 2^8 (no overflow in bf16 or f32) and the rescale of O (128 multiplies per thread)
+// is skipped for almost every tile. Exact: O, l and lse all use the same maximum.
+constexpr float RESCALE_SLACK = 8.f;
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
-static_assert(D % 64 == 0 && STEPS % 2 == 0 && DV == 2 * 256, "two warpgroups of 256 value columns");
+static_assert(D % 64 == 0 && STEPS % 4 == 0 && DV == 2 * 256, "two warpgroups of 256 value columns");
+static_assert(THREADS == BN * 8 && PIECES == 8 * SLABS, "a tile copy: 8 threads per row, one piece per slab each");
 
 typedef __nv_bfloat16 bf16;
 
@@ -48,15 +53,10 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     return *reinterpret_cast<uint32_t*>(&v);
 }
 
-// Byte offset of 16-byte piece `piece` of row `row` in a tile of `rows` rows (slab-major, 128-byte swizzle).
-__device__ __forceinline__ uint32_t swizzled(int rows, int row, int piece) {
-    return (piece / 8) * rows * 128 + row * 128 + (((piece % 8) ^ (row % 8)) * 16);
-}
-
 }  // namespace
 
-// Shared memory: Q, the key ring, the S exchange, then the split's row table (sized by the launcher), from a
-// 1024-byte boundary (the swizzle pattern's period).
+// Shared memory: Q, the key ring, the S exchange, then the split's row table and each tile's mask of valid
+// keys (sized by the launcher), from a 1024-byte boundary (the swizzle pattern's period).
 extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_wgmma_dv512_d576(const SparseMlaParams p) {
     extern __shared__ __align__(16) uint8_t smem_raw[];
     uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
@@ -64,6 +64,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_wgmma_dv512_
     uint8_t* k_s = q_s + Q_BYTES;
     float4* exchange = reinterpret_cast<float4*>(k_s + STAGES * TILE_BYTES);  // [group][4][128]
     int* rows_s = reinterpret_cast<int*>(k_s + STAGES * TILE_BYTES + EXCHANGE_BYTES);
+    uint32_t* masks_s = reinterpret_cast<uint32_t*>(rows_s + p.tiles_per_split * BN);
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int group = tid / 128, gtid = tid % 128, wg_warp = gtid / 32;  // warpgroup, its thread and warp
@@ -76,10 +77,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_wgmma_dv512_
     const int tile_count = max(min(tile_begin + p.tiles_per_split, n_tiles) - tile_begin, 0);
     const bf16* kv = static_cast<const bf16*>(p.kv);
 
-    // Q of this block's heads: warp w copies rows w, w + 8, ...; lane l pieces l, l + 32, l + 64.
+    // Copies: thread t moves piece t % 8 of every 64-column slab of row t / 8 (of a key tile; of Q, rows t / 8
+    // and t / 8 + 32): eight threads cover 128 contiguous bytes of a row, and both addresses advance by
+    // immediates from slab to slab.
+    const int copy_row = tid / 8, copy_piece = tid % 8;
+    const int copy_offset = copy_row * 128 + ((copy_piece ^ (copy_row % 8)) * 16);
     const bf16* q = static_cast<const bf16*>(p.q) + ((size_t)t * p.H + h0) * D;
-    for (int r = warp; r < HEADS; r += THREADS / 32)
-        for (int c = lane; c < PIECES; c += 32) cp_async_16(q_s + swizzled(HEADS, r, c), q + (size_t)r * D + c * 8, true);
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+#pragma unroll
+        for (int slab = 0; slab < SLABS; ++slab)
+            cp_async_16(q_s + slab * HEADS * 128 + half * 32 * 128 + copy_offset,
+                        q + (size_t)(copy_row + 32 * half) * D + slab * 64 + copy_piece * 8, true);
     cp_async_commit();
     // Every slot of the split resolved up front (all index and block-table loads in flight together).
     for (int r = tid; r < tile_count * BN; r += THREADS) {
@@ -91,20 +100,26 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_wgmma_dv512_
     // One cp.async group per tile (empty past the split's end); row -1 is zero-filled.
     auto load_tile = [&](int local) {
         if (local < tile_count) {
-            uint8_t* dst = k_s + (local % STAGES) * TILE_BYTES;
-            const int* rows = rows_s + local * BN;
-            for (int r = warp; r < BN; r += THREADS / 32) {
-                const long long row = rows[r];
-                const bf16* src = row >= 0 ? kv + row * D : kv;
-                for (int c = lane; c < PIECES; c += 32) cp_async_16(dst + swizzled(BN, r, c), src + c * 8, row >= 0);
-            }
+            const long long row = rows_s[local * BN + copy_row];
+            const bf16* src = (row >= 0 ? kv + row * D : kv) + copy_piece * 8;
+            uint8_t* dst = k_s + (local % STAGES) * TILE_BYTES + copy_offset;
+#pragma unroll
+            for (int slab = 0; slab < SLABS; ++slab) cp_async_16(dst + slab * BN * 128, src + slab * 64, row >= 0);
         }
         cp_async_commit();
     };
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) load_tile(s);
+    // Each tile's valid keys as a bit mask (read after the loop's first barrier).
+    for (int tile = warp; tile < tile_count; tile += THREADS / 32) {
+        const uint32_t valid = __ballot_sync(0xffffffff, rows_s[tile * BN + lane] >= 0);
+        if (lane == 0) masks_s[tile] = valid;
+    }
 
-    const uint32_t q_base = smem_addr(q_s), k_base = smem_addr(k_s);
+    // Descriptors: warpgroup g takes the k16 steps 2i + g of S, so its i-th step is at slab i / 2, byte
+    // (i % 2) * 64 + g * 32 of the 128-byte row: a constant offset from a per-group base.
+    const uint64_t q_desc = wgmma_desc(smem_addr(q_s) + group * 32, 16, 1024);
+    const uint32_t k_base = smem_addr(k_s);
     const int g = lane / 4, c4 = lane % 4;  // accumulator rows 16 * wg_warp + g (+ 8), columns 2 * c4 (+ 1)
     float o[128];
 #pragma unroll
@@ -118,17 +133,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_wgmma_dv512_
         __syncthreads();              // everyone's; and every wgmma of the previous tile has completed
         load_tile(local + STAGES - 1);  // refills the stage the previous tile used
         const uint32_t tile = k_base + (local % STAGES) * TILE_BYTES;
-        const int* rows = rows_s + local * BN;
+        const uint64_t k_desc = wgmma_desc(tile + group * 32, 16, 1024);
 
         // This warpgroup's half of S (64 heads x 32 keys).
         float s[16] = {};
         wgmma_fence();
 #pragma unroll
         for (int i = 0; i < STEPS_PER_GROUP; ++i) {
-            const int step = group * STEPS_PER_GROUP + i, slab = step / 4, within = (step % 4) * 32;
-            const uint64_t a = wgmma_desc(q_base + slab * HEADS * 128 + within, 16, 1024);
-            const uint64_t b = wgmma_desc(tile + slab * BN * 128 + within, 16, 1024);
-            wgmma_m64n32k16_ss(s, a, b, i > 0);
+            const uint32_t within = (i % 2) * 64;
+            wgmma_m64n32k16_ss(s, q_desc + (((i / 2) * HEADS * 128 + within) >> 4),
+                               k_desc + (((i / 2) * BN * 128 + within) >> 4), i > 0);
         }
         wgmma_commit();
         wgmma_wait<0>();
@@ -147,40 +161,48 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_wgmma_dv512_
             s[4 * j + 3] += other.w;
         }
 
-        // Online softmax over the tile's keys (log2 domain); key 8j + 2c4 + e is element 4j + e (+ 2 for row + 8).
-        float mx[2] = {-INFINITY, -INFINITY};
+        // Online softmax over the tile's keys; key 8j + 2c4 + (e & 1) is element 4j + e (row + 8 for e >= 2).
+        const uint32_t valid = masks_s[local];
+        const bool all_valid = valid == 0xffffffffu;
+        if (!all_valid) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
+            for (int i = 0; i < 16; ++i)
+                if (!((valid >> (8 * (i / 4) + 2 * c4 + (i & 1))) & 1)) s[i] = -INFINITY;
+        }
+        float m_tile[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = 8 * j + 2 * c4 + (e & 1);
-                s[4 * j + e] = rows[key] >= 0 ? s[4 * j + e] * scale_log2 : -INFINITY;
-                mx[e / 2] = fmaxf(mx[e / 2], s[4 * j + e]);
-            }
-        float alpha[2];
+        for (int i = 0; i < 16; ++i) m_tile[(i / 2) % 2] = fmaxf(m_tile[(i / 2) % 2], s[i]);
+        bool raise[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 1));
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 2));
-            const float m_new = fmaxf(m_run[r], mx[r]);
-            alpha[r] = m_new == -INFINITY ? 1.f : exp2f(m_run[r] - m_new);
-            m_run[r] = m_new;
+            m_tile[r] = fmaxf(m_tile[r], __shfl_xor_sync(0xffffffff, m_tile[r], 1));
+            m_tile[r] = fmaxf(m_tile[r], __shfl_xor_sync(0xffffffff, m_tile[r], 2));
+            m_tile[r] *= scale_log2;
+            raise[r] = m_tile[r] > m_run[r] + RESCALE_SLACK;
         }
-        float sum[2] = {0.f, 0.f};
+        if (__any_sync(0xffffffff, raise[0] || raise[1])) {
+            float alpha[2];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                alpha[r] = raise[r] ? exp2f(m_run[r] - m_tile[r]) : 1.f;
+                if (raise[r]) m_run[r] = m_tile[r];
+                l_run[r] *= alpha[r];
+            }
+#pragma unroll
+            for (int j = 0; j < 32; ++j) {
+                o[4 * j] *= alpha[0];
+                o[4 * j + 1] *= alpha[0];
+                o[4 * j + 2] *= alpha[1];
+                o[4 * j + 3] *= alpha[1];
+            }
+        }
+        // p = 2^(score - m); a masked key (or a row with nothing valid yet) has p = 0.
 #pragma unroll
         for (int i = 0; i < 16; ++i) {
             const int r = (i / 2) % 2;
-            s[i] = s[i] == -INFINITY ? 0.f : exp2f(s[i] - m_run[r]);
-            sum[r] += s[i];
-        }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + sum[r];  // this thread's columns only
-#pragma unroll
-        for (int j = 0; j < 32; ++j) {
-            o[4 * j] *= alpha[0];
-            o[4 * j + 1] *= alpha[0];
-            o[4 * j + 2] *= alpha[1];
-            o[4 * j + 3] *= alpha[1];
+            const float v = exp2f(fmaf(s[i], scale_log2, -m_run[r]));
+            s[i] = all_valid || s[i] != -INFINITY ? v : 0.f;
+            l_run[r] += s[i];  // this thread's columns only
         }
         // P as two k16 A fragments (keys 0-15, 16-31).
         uint32_t pa[2][4];

@@ -221,10 +221,40 @@ fn glm5_on_hopper_cpu_and_turing() {
         &registry,
     )
     .unwrap();
-    assert!(sm90
-        .layers
+    // GLM-5's 64 heads over rows of 512 + 64: the wgmma kernel on Hopper, mma.sync ranked below it.
+    for layer in &sm90.layers {
+        let choice = layer.op(Op::SparseMla).unwrap().choice.as_ref().unwrap();
+        assert_eq!(choice.entry.name, "cuda-bf16-wgmma");
+        assert!(choice.rejected.iter().any(|r| r.backend == "cuda-bf16-mma"
+            && r.verdict
+                == Verdict::Outranked {
+                    by: "cuda-bf16-wgmma"
+                }));
+    }
+    // Workstation Blackwell has no wgmma: mma.sync, and the reason the wgmma entry was not taken.
+    let sm120 = Plan::build(
+        &c,
+        assumed("sm_120:96GB", 16),
+        &bf16(AttentionMode::Sparse),
+        &registry,
+    )
+    .unwrap();
+    let choice = sm120.layers[3]
+        .op(Op::SparseMla)
+        .unwrap()
+        .choice
+        .as_ref()
+        .unwrap();
+    assert_eq!(choice.entry.name, "cuda-bf16-mma");
+    assert!(choice
+        .rejected
         .iter()
-        .all(|l| l.op(Op::SparseMla).unwrap().backend() == "cuda-bf16-mma"));
+        .any(|r| r.backend == "cuda-bf16-wgmma"
+            && r.verdict
+                == Verdict::Invalid(vec![
+                    Reason::new("compute capability", "∈ {9.0}", "12.0"),
+                    Reason::new("shared memory per block", "205952 B", "100352 B"),
+                ])));
 
     let cpu = Plan::build(
         &c,
@@ -256,7 +286,12 @@ fn glm5_on_hopper_cpu_and_turing() {
         let Verdict::Invalid(reasons) = &r.verdict else {
             panic!("{r}")
         };
-        assert!(reasons.contains(&Reason::new("compute capability", "∈ {9.0,12.x}", "7.5")));
+        let supported = if r.backend == "cuda-bf16-wgmma" {
+            "∈ {9.0}"
+        } else {
+            "∈ {9.0,12.x}"
+        };
+        assert!(reasons.contains(&Reason::new("compute capability", supported, "7.5")));
     }
 }
 

@@ -96,13 +96,30 @@ fn glm5_on_sm90_and_sm120_gets_the_kernel_of_its_dtype() {
         let bf16 = registry
             .dispatch(&glm5_mla(DType::BF16), &device, None)
             .unwrap();
-        assert_eq!(bf16.entry.name, "cuda-bf16-mma", "{arch}");
+        // Hopper runs GLM-5's 64 heads through wgmma; the workstation parts have no wgmma.
+        let (chosen, wgmma) = if arch == "sm_90" {
+            ("cuda-bf16-wgmma", None)
+        } else {
+            ("cuda-bf16-mma", Some(arch))
+        };
+        assert_eq!(bf16.entry.name, chosen, "{arch}");
         assert_eq!(
             reasons_of(&bf16, "reference"),
-            &Verdict::Outranked {
-                by: "cuda-bf16-mma"
-            }
+            &Verdict::Outranked { by: chosen }
         );
+        if let Some(arch) = wgmma {
+            let Verdict::Invalid(reasons) = reasons_of(&bf16, "cuda-bf16-wgmma") else {
+                panic!("{arch}")
+            };
+            assert_eq!(reasons[0].what, "compute capability", "{arch}");
+        } else {
+            assert_eq!(
+                reasons_of(&bf16, "cuda-bf16-mma"),
+                &Verdict::Outranked {
+                    by: "cuda-bf16-wgmma"
+                }
+            );
+        }
         let Verdict::Invalid(reasons) = reasons_of(&bf16, "cuda-f32-fma") else {
             panic!()
         };
@@ -336,7 +353,12 @@ fn a_forced_backend_is_used_if_valid_and_otherwise_fails_with_its_reasons() {
         DispatchError::UnknownBackend {
             op: Op::SparseMla,
             name: "flashmla".into(),
-            known: vec!["cuda-bf16-mma", "cuda-f32-fma", "reference"],
+            known: vec![
+                "cuda-bf16-mma",
+                "cuda-bf16-wgmma",
+                "cuda-f32-fma",
+                "reference"
+            ],
         }
     );
 }
@@ -357,13 +379,14 @@ fn no_valid_backend_fails_with_every_candidates_reasons() {
     let DispatchError::NoValidBackend { rejections, .. } = &err else {
         panic!("{err}")
     };
-    assert_eq!(rejections.len(), 2);
+    assert_eq!(rejections.len(), 3);
     let text = err.to_string();
     assert!(
         text.starts_with("no valid sparse_mla backend on cuda:0 (sm_75)"),
         "{text}"
     );
     assert!(text.contains("cuda-bf16-mma: needs compute capability ∈ {9.0,12.x}, got 7.5"));
+    assert!(text.contains("cuda-bf16-wgmma: needs compute capability ∈ {9.0}, got 7.5"));
     assert!(text.contains("cuda-f32-fma: needs compute capability ∈ {9.0,12.x}, got 7.5; needs dtype ∈ {f32}, got bf16"));
 }
 
