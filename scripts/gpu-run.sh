@@ -27,7 +27,7 @@ for step in $steps; do
       timeout 400 /tmp/glm5-bin/glm5-bench slice 4 2>&1 | tail -4 | tee "$OUT/slice.txt"; [ ${PIPESTATUS[0]} = 0 ] || status=1 ;;
     sanitize)
       for tool in memcheck racecheck; do
-        for t in "sparse_mla_cuda bf16_kernel prefill_tokens" "dsa_indexer_cuda selected_sets equal_scores f32_kernel fp8_quantisation crowded"; do
+        for t in "sparse_mla_cuda bf16_kernel prefill_tokens wgmma_kernel" "dsa_indexer_cuda selected_sets equal_scores f32_kernel fp8_quantisation crowded"; do
           set -- $t; bin=$1; shift
           GLM5_QUICK=1 timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 /tmp/glm5-bin/$bin \
             --test-threads=1 "$@" > "$OUT/sanitize-$tool-$bin.log" 2>&1; rc=$?
@@ -66,6 +66,7 @@ for step in $steps; do
       for arch in sm_90 sm_120; do
         echo "$arch: HMMA instructions in sparse_mla.fatbin: $(cuobjdump --dump-sass --gpu-architecture $arch .gpu/sparse_mla.fatbin 2>&1 | grep -c HMMA), in dsa_indexer.fatbin: $(cuobjdump --dump-sass --gpu-architecture $arch .gpu/dsa_indexer.fatbin 2>&1 | grep -c HMMA)"
       done | tee "$OUT/sass.txt"
+      echo "sm_90a: HGMMA (wgmma) instructions in sparse_mla_sm90.fatbin: $(cuobjdump --dump-sass .gpu/sparse_mla_sm90.fatbin 2>&1 | grep -c HGMMA)" | tee -a "$OUT/sass.txt"
       cuobjdump --list-elf --list-ptx .gpu/sparse_mla.fatbin | tee -a "$OUT/sass.txt" ;;
   esac
 done
