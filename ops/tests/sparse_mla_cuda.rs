@@ -5,8 +5,8 @@
 
 use candle_core::{DType, Device, Tensor};
 use glm5_ops::{
-    set_poison_outputs, sparse_mla, sparse_mla_paged_with, Bf16Kernel, DeviceDesc, DeviceFamily,
-    OpError, PagedLatentCache,
+    set_poison_outputs, sparse_mla, sparse_mla_cuda_wgmma, sparse_mla_paged_with, Bf16Kernel,
+    DeviceDesc, DeviceFamily, OpError, PagedLatentCache,
 };
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -306,9 +306,24 @@ fn f32_kernel_matches_the_cpu_reference() {
 
 #[test]
 fn contiguous_cache_entry_point_uses_the_kernel() {
+    contiguous_entry_point_matches_the_cpu(16, sparse_mla);
+}
+
+#[test]
+fn wgmma_registry_entry_over_a_contiguous_cache() {
+    // The function the `cuda-bf16-wgmma` entry binds into the model graph (GLM-5's 64 heads).
+    if has_wgmma() {
+        contiguous_entry_point_matches_the_cpu(64, sparse_mla_cuda_wgmma);
+    }
+}
+
+type SparseMlaFn = fn(&Tensor, &Tensor, &Tensor, usize, f64) -> glm5_ops::Result<(Tensor, Tensor)>;
+
+/// `entry` on the GPU against `sparse_mla` on the CPU over one contiguous cache of 300 rows.
+fn contiguous_entry_point_matches_the_cpu(h: usize, entry: SparseMlaFn) {
     set_poison_outputs(true);
     let mut rng = StdRng::seed_from_u64(3);
-    let (t, h, d, n, k) = (5, 16, 576, 300, 64);
+    let (t, d, n, k) = (5, 576, 300, 64);
     let q: Vec<f32> = (0..t * h * d).map(|_| normal(&mut rng)).collect();
     let cache: Vec<f32> = (0..n * d).map(|_| normal(&mut rng)).collect();
     let indices: Vec<i32> = (0..t * k)
@@ -330,7 +345,8 @@ fn contiguous_cache_entry_point_uses_the_kernel() {
             .to_dtype(DType::BF16)
             .unwrap();
         let indices = Tensor::from_slice(&indices, (t, k), device).unwrap();
-        let (out, _) = sparse_mla(&q, &cache, &indices, 512, 0.05).unwrap();
+        let run = if device.is_cuda() { entry } else { sparse_mla };
+        let (out, _) = run(&q, &cache, &indices, 512, 0.05).unwrap();
         out.to_dtype(DType::F32)
             .unwrap()
             .flatten_all()
