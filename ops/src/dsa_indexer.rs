@@ -678,9 +678,34 @@ mod cuda {
     #[derive(Clone, Copy, Default)]
     struct TensorMap([u64; 16]);
 
+    /// Tensor maps already encoded on this thread, by (address, rows, width): a map is a pure function of
+    /// the three (unified addressing makes addresses unique across devices), and a decode step asks for
+    /// the same cache of every layer again. Cleared when it grows past `MAX_CACHED_MAPS`.
+    const MAX_CACHED_MAPS: usize = 1024;
+    thread_local! {
+        static KEY_MAPS: RefCell<HashMap<(u64, usize, usize), TensorMap>> = RefCell::new(HashMap::new());
+    }
+
+    /// The FP8 key cache `[rows, dim]` as a TMA tensor (cached, see `KEY_MAPS`).
+    fn fp8_key_map(keys: u64, rows: usize, dim: usize) -> candle_core::Result<TensorMap> {
+        let key = (keys, rows, dim);
+        if let Some(map) = KEY_MAPS.with(|cell| cell.borrow().get(&key).copied()) {
+            return Ok(map);
+        }
+        let map = encode_fp8_key_map(keys, rows, dim)?;
+        KEY_MAPS.with(|cell| {
+            let mut maps = cell.borrow_mut();
+            if maps.len() >= MAX_CACHED_MAPS {
+                maps.clear();
+            }
+            maps.insert(key, map);
+        });
+        Ok(map)
+    }
+
     /// The FP8 key cache `[rows, dim]` as a TMA tensor: boxes of `TILE_KEYS` rows, 128-byte swizzle (the
     /// layout `dsa_scores_fp8_tma_*` reads its fragments in).
-    fn fp8_key_map(keys: u64, rows: usize, dim: usize) -> candle_core::Result<TensorMap> {
+    fn encode_fp8_key_map(keys: u64, rows: usize, dim: usize) -> candle_core::Result<TensorMap> {
         let mut map = sys::CUtensorMap { opaque: [0; 16] };
         let dims = [dim as u64, rows as u64];
         let strides = [dim as u64]; // bytes between rows (dimension 0 is implicitly contiguous)
