@@ -200,8 +200,10 @@ pub fn sparse_mla_paged_with(
     if cuda::serves(q) {
         return cuda::sparse_mla_paged(q, cache, indices, value_dim, softmax_scale, kernel);
     }
-    let _ = kernel; // CUDA only
-                    // Reference: translate logical positions to physical rows on the host, then attend over all rows.
+    // `kernel` only concerns the CUDA path.
+    let _ = kernel;
+
+    // Reference: translate logical positions to physical rows on the host, then attend over all rows.
     let [num_blocks, block_size, row_dim] = check_shape(
         "blocks",
         cache.blocks,
@@ -904,7 +906,7 @@ mod cuda {
         let (max_smem, sms) = (info.max_shared_per_block - STATIC_SHARED_RESERVE, info.sms);
         let tiles = k_len.div_ceil(TILE).max(1);
         if wgmma {
-            // One block of two warpgroups per SM (205 KB of shared memory each).
+            // One block of two warpgroups per SM (~206 KB of shared memory each).
             let groups = heads / WGMMA_HEADS;
             let per = tiles_per_split(
                 tiles,
