@@ -3,17 +3,18 @@
 // GLM-5's rows (576 = 512 value columns + 64 rope) and heads in groups of 64.
 //
 // One block of two warpgroups handles one token, 64 heads and a contiguous range of 32-key tiles (a split).
-// Q (64 x 576) stays in shared memory for the whole split; key tiles stream through a three-stage cp.async
-// ring. Rows are stored as nine 64-column slabs of 128-byte rows in the 128-byte swizzle wgmma reads (16-byte
-// piece c of row r at piece c ^ (r % 8)), so both operands come straight from shared memory:
-//   S = Q K^T   each warpgroup takes every other one of the row's 36 k16 steps (wgmma m64n32k16, both
-//               operands in shared memory); the halves meet in shared memory and both warpgroups hold S;
+// Key tiles stream through a four-stage cp.async ring, their rows stored as nine 64-column slabs of 128-byte
+// rows in the 128-byte swizzle wgmma reads (16-byte piece c of row r at piece c ^ (r % 8)). Q (64 x 576) is
+// staged in the ring's last two stages only until each warp holds its fragments in registers (72 per thread):
+//   S = Q K^T   each warpgroup takes every other one of the row's 36 k16 steps (wgmma m64n32k16, Q from
+//               registers, K from shared memory); the halves meet in shared memory and both warpgroups hold S;
 //   softmax     the same online softmax in both (identical inputs, identical results): P in registers;
 //   O += P V    warpgroup g accumulates value columns 256g..256g+255 (wgmma m64n256k16, P from registers,
 //               V = the tile's own rows read N-major): 128 f32 accumulators per thread.
 // Why: with mma.sync every warp stages its operands through registers (ldmatrix), and at 64 heads that
 // shared-memory traffic, not the tensor cores, bounded the kernel; wgmma reads each operand once per
-// warpgroup. With several splits the block writes a normalised f32 partial and its lse, merged by
+// warpgroup. Q in registers halves what S reads from shared memory and frees the room for a fourth stage
+// (three tiles in flight). With several splits the block writes a normalised f32 partial and its lse, merged by
 // sparse_mla.cu's combine kernel.
 
 #include <cuda_bf16.h>
@@ -28,7 +29,7 @@ namespace {
 constexpr int D = 576, DV = 512;            // row and value widths (GLM-5's kv_lora_rank + rope)
 constexpr int HEADS = 64;                   // heads per block: wgmma's M
 constexpr int BN = 32;                      // keys per tile
-constexpr int STAGES = 3;                   // key tiles in flight
+constexpr int STAGES = 4;                   // key tiles in the ring
 constexpr int SLABS = D / 64;               // 64-column (128-byte) slabs per row
 constexpr int PIECES = D / 8;               // 16-byte pieces per row
 constexpr int STEPS = D / 16;               // k16 steps of S
@@ -45,6 +46,7 @@ constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
 static_assert(D % 64 == 0 && STEPS % 4 == 0 && DV == 2 * 256, "two warpgroups of 256 value columns");
 static_assert(THREADS == BN * 8 && PIECES == 8 * SLABS, "a tile copy: 8 threads per row, one piece per slab each");
+static_assert(Q_BYTES == 2 * TILE_BYTES, "Q is staged in two key stages");
 
 typedef __nv_bfloat16 bf16;
 
@@ -55,13 +57,14 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 
 }  // namespace
 
-// Shared memory: Q, the key ring, the S exchange, then the split's row table and each tile's mask of valid
-// keys (sized by the launcher), from a 1024-byte boundary (the swizzle pattern's period).
+// Shared memory: the key ring (Q in its last two stages at first), the S exchange, then the split's row table
+// and each tile's mask of valid keys (sized by the launcher), from a 1024-byte boundary (the swizzle
+// pattern's period).
 extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_wgmma_dv512_d576(const SparseMlaParams p) {
     extern __shared__ __align__(16) uint8_t smem_raw[];
     uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
-    uint8_t* q_s = smem;
-    uint8_t* k_s = q_s + Q_BYTES;
+    uint8_t* k_s = smem;
+    uint8_t* q_s = k_s + (STAGES - 2) * TILE_BYTES;  // Q is staged in the last two stages until it is in registers
     float4* exchange = reinterpret_cast<float4*>(k_s + STAGES * TILE_BYTES);  // [group][4][128]
     int* rows_s = reinterpret_cast<int*>(k_s + STAGES * TILE_BYTES + EXCHANGE_BYTES);
     uint32_t* masks_s = reinterpret_cast<uint32_t*>(rows_s + p.tiles_per_split * BN);
@@ -108,17 +111,27 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_wgmma_dv512_
         }
         cp_async_commit();
     };
+    // Tiles 0 and 1 now; Q occupies stages 2 and 3 until every warp holds its fragments.
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) load_tile(s);
+    for (int s = 0; s < STAGES - 2; ++s) load_tile(s);
     // Each tile's valid keys as a bit mask (read after the loop's first barrier).
     for (int tile = warp; tile < tile_count; tile += THREADS / 32) {
         const uint32_t valid = __ballot_sync(0xffffffff, rows_s[tile * BN + lane] >= 0);
         if (lane == 0) masks_s[tile] = valid;
     }
 
-    // Descriptors: warpgroup g takes the k16 steps 2i + g of S, so its i-th step is at slab i / 2, byte
-    // (i % 2) * 64 + g * 32 of the 128-byte row: a constant offset from a per-group base.
-    const uint64_t q_desc = wgmma_desc(smem_addr(q_s) + group * 32, 16, 1024);
+    // Warpgroup g takes the k16 steps 2i + g of S: its Q fragments (A in registers, mma.sync's m16k16 layout
+    // per warp), and the key operand at slab i / 2, byte (i % 2) * 64 + g * 32 of the 128-byte rows.
+    cp_async_wait<STAGES - 2>();  // Q (tiles 0 and 1 may still be in flight)
+    __syncthreads();
+    uint32_t qa[STEPS_PER_GROUP][4];
+#pragma unroll
+    for (int i = 0; i < STEPS_PER_GROUP; ++i) {
+        const int row = 16 * wg_warp + lane % 16, chunk = 2 * (2 * i + group) + lane / 16;
+        ldmatrix_x4(qa[i], q_s + (chunk / 8) * HEADS * 128 + row * 128 + (((chunk % 8) ^ (row % 8)) * 16));
+    }
+    __syncthreads();  // every warp holds its fragments: stages 2 and 3 are free
+    load_tile(STAGES - 2);
     const uint32_t k_base = smem_addr(k_s);
     const int g = lane / 4, c4 = lane % 4;  // accumulator rows 16 * wg_warp + g (+ 8), columns 2 * c4 (+ 1)
     float o[128];
@@ -128,7 +141,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_wgmma_dv512_
     const float scale_log2 = p.scale * LOG2E;
 
     for (int local = 0; local < tile_count; ++local) {
-        cp_async_wait<STAGES - 2>();  // this thread's pieces of tile `local` (and of Q) have landed
+        cp_async_wait<STAGES - 2>();  // this thread's pieces of tile `local` have landed
         fence_proxy_async_shared();   // ... and are visible to wgmma's reads
         __syncthreads();              // everyone's; and every wgmma of the previous tile has completed
         load_tile(local + STAGES - 1);  // refills the stage the previous tile used
@@ -141,8 +154,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_wgmma_dv512_
 #pragma unroll
         for (int i = 0; i < STEPS_PER_GROUP; ++i) {
             const uint32_t within = (i % 2) * 64;
-            wgmma_m64n32k16_ss(s, q_desc + (((i / 2) * HEADS * 128 + within) >> 4),
-                               k_desc + (((i / 2) * BN * 128 + within) >> 4), i > 0);
+            wgmma_m64n32k16_rs(s, qa[i], k_desc + (((i / 2) * BN * 128 + within) >> 4), i > 0);
         }
         wgmma_commit();
         wgmma_wait<0>();
