@@ -1,5 +1,5 @@
 // Warpgroup MMA (wgmma, sm_90a only): shared-memory matrix descriptors for 128-byte-swizzled tiles and the
-// two shapes sparse_mla_sm90.cu uses. A warpgroup is 4 consecutive warps; every wgmma is issued by all 128
+// two shapes sparse_mla_sm90.cu uses (A in registers, B in shared memory). A warpgroup is 4 consecutive warps; every wgmma is issued by all 128
 // threads. Accumulator fragments: warp w of the group holds rows 16w + lane/4 and 16w + lane/4 + 8, and
 // for each 8-column block j the columns 8j + 2(lane%4) + {0, 1} (registers 4j..4j+3: row r cols 0, 1, then
 // row r + 8); register A fragments follow mma.sync's m16n8k16 layout per warp.
@@ -25,15 +25,6 @@ template <int N>
 __device__ __forceinline__ void wgmma_pin(float (&d)[N]) {
 #pragma unroll
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-// D(64x32, f32) (+)= A(64x16, bf16, shared, K-major) * B(16x32, bf16, shared, K-major).
-__device__ __forceinline__ void wgmma_m64n32k16_ss(float (&d)[16], uint64_t a, uint64_t b, int accumulate) {
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %18, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-        : "l"(a), "l"(b), "r"(accumulate));
 }
 
 // D(64x256, f32) += A(64x16, bf16, registers) * B(16x256, bf16, shared, N-major).
