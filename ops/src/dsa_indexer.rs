@@ -801,15 +801,15 @@ mod cuda {
             .with(|cell| cell.borrow_mut().take())
             .unwrap_or_default();
         let mut times = super::StageTimes::default();
-        let seconds = |from: &CudaEvent, to: &CudaEvent| -> Result<std::time::Duration> {
+        let elapsed = |from: &CudaEvent, to: &CudaEvent| -> Result<std::time::Duration> {
             let ms = from.elapsed_ms(to).map_err(cuda_err)?;
             Ok(std::time::Duration::from_secs_f64(
                 f64::from(ms.max(0.0)) / 1e3,
             ))
         };
         for [start, between, end] in &events {
-            times.scores += seconds(start, between)?;
-            times.top_k += seconds(between, end)?;
+            times.scores += elapsed(start, between)?;
+            times.top_k += elapsed(between, end)?;
         }
         Ok((result, times))
     }
