@@ -425,6 +425,26 @@ pub(crate) mod limits {
     }
 }
 
+/// Why a kernel that needs `needed` bytes of shared memory per block (described by `needs`) cannot run on
+/// `device`; nothing on a CPU (the device match already rules a kernel out there).
+fn shared_memory_reason(
+    device: &crate::DeviceDesc,
+    needed: usize,
+    needs: String,
+) -> Option<crate::registry::Reason> {
+    match device.kind {
+        crate::device::DeviceKind::Cuda {
+            shared_memory_per_block,
+            ..
+        } if needed > shared_memory_per_block => Some(crate::registry::Reason::new(
+            "shared memory per block",
+            needs,
+            format!("{shared_memory_per_block} B"),
+        )),
+        _ => None,
+    }
+}
+
 /// sparse_mla's backends in the registry (`registry.rs`): glm5's bf16 tensor-core kernel and f32 kernel
 /// (fatbin with SASS for sm_90 and sm_120 and compute_120 PTX: cc 9.0 and 12.x) and the candle-ops reference
 /// (any device, slow).
@@ -461,13 +481,9 @@ pub fn registry_entries() -> Vec<crate::registry::Entry> {
                 key_formats: vec![crate::KeyFormat::Float],
             },
             extra_check: Some(|spec, device| {
-                let available = match device.kind {
-                    crate::device::DeviceKind::Cuda {
-                        shared_memory_per_block,
-                        ..
-                    } => shared_memory_per_block,
-                    crate::device::DeviceKind::Cpu => return vec![],
-                };
+                if device.is_cpu() {
+                    return vec![]; // the device match already rejects it
+                }
                 let value_dim = spec.value_dim.unwrap_or(0);
                 let mut reasons = vec![];
                 if spec.head_dim > value_dim + limits::MAX_ROPE {
@@ -483,13 +499,11 @@ pub fn registry_entries() -> Vec<crate::registry::Entry> {
                     spec.head_dim,
                     limits::MAX_TILES_PER_SPLIT,
                 );
-                if needed > available {
-                    reasons.push(crate::registry::Reason::new(
-                        "shared memory per block",
-                        format!("{needed} B for rows of {}", spec.head_dim),
-                        format!("{available} B"),
-                    ));
-                }
+                reasons.extend(shared_memory_reason(
+                    device,
+                    needed,
+                    format!("{needed} B for rows of {}", spec.head_dim),
+                ));
                 reasons
             }),
             priority: vec![(Sm120, 10), (Sm90, 10)],
@@ -516,22 +530,8 @@ pub fn registry_entries() -> Vec<crate::registry::Entry> {
                 key_formats: vec![crate::KeyFormat::Float],
             },
             extra_check: Some(|_, device| {
-                let available = match device.kind {
-                    crate::device::DeviceKind::Cuda {
-                        shared_memory_per_block,
-                        ..
-                    } => shared_memory_per_block,
-                    crate::device::DeviceKind::Cpu => return vec![],
-                };
                 let needed = limits::wgmma_shared_bytes(limits::MAX_TILES_PER_SPLIT);
-                if needed > available {
-                    return vec![crate::registry::Reason::new(
-                        "shared memory per block",
-                        format!("{needed} B"),
-                        format!("{available} B"),
-                    )];
-                }
-                vec![]
+                shared_memory_reason(device, needed, format!("{needed} B")).into_iter().collect()
             }),
             priority: vec![(Sm90, 5)],
         },
@@ -554,22 +554,8 @@ pub fn registry_entries() -> Vec<crate::registry::Entry> {
                 key_formats: vec![crate::KeyFormat::Float],
             },
             extra_check: Some(|spec, device| {
-                let available = match device.kind {
-                    crate::device::DeviceKind::Cuda {
-                        shared_memory_per_block,
-                        ..
-                    } => shared_memory_per_block,
-                    crate::device::DeviceKind::Cpu => return vec![],
-                };
                 let needed = limits::f32_shared_bytes(spec.head_dim, spec.value_dim.unwrap_or(0));
-                if needed > available {
-                    return vec![crate::registry::Reason::new(
-                        "shared memory per block",
-                        format!("{needed} B"),
-                        format!("{available} B"),
-                    )];
-                }
-                vec![]
+                shared_memory_reason(device, needed, format!("{needed} B")).into_iter().collect()
             }),
             priority: vec![(Sm120, 20), (Sm90, 20)],
         },
