@@ -109,12 +109,8 @@ __device__ __forceinline__ void sparse_mla_bf16_body(const SparseMlaParams& p) {
     };
     zero_padding(ks);
     if constexpr (!Q_ALIASED) zero_padding(ks + BN * ld);
-    // Resolve every slot of the split up front: the index and block-table loads are independent, so they
-    // are all in flight at once instead of one dependent chain per tile.
-    for (int r = threadIdx.x; r < tile_count * BN; r += THREADS) {
-        const int slot = tile_begin * BN + r;
-        rows_s[r] = slot < p.K ? (int)physical_row(p, seq, seq_len, idx_row[slot]) : -1;
-    }
+    // Every slot of the split resolved up front.
+    resolve_split_rows<THREADS>(p, seq, seq_len, idx_row, tile_begin * BN, tile_count * BN, rows_s);
     __syncthreads();
 
     // One cp.async group per tile (empty past the split's end). A warp copies whole rows: lane c moves

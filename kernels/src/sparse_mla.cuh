@@ -29,3 +29,15 @@ __device__ __forceinline__ long long physical_row(const SparseMlaParams& p, int 
     if (!in_table || idx >= seq_len) return -1;
     return (long long)block * p.block_size + page.y;
 }
+
+// The physical row of every slot of a split (`count` slots from `first`; past K: -1) into `rows`, by
+// `threads` threads: the index and block-table loads are independent, so they are all in flight at once
+// instead of one dependent chain per tile. The caller synchronises before reading `rows`.
+template <int THREADS>
+__device__ __forceinline__ void resolve_split_rows(const SparseMlaParams& p, int seq, int seq_len, const int* idx_row,
+                                                   int first, int count, int* rows) {
+    for (int r = threadIdx.x; r < count; r += THREADS) {
+        const int slot = first + r;
+        rows[r] = slot < p.K ? (int)physical_row(p, seq, seq_len, idx_row[slot]) : -1;
+    }
+}

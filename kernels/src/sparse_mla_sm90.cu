@@ -93,11 +93,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_wgmma_dv512_
             cp_async_16(q_s + slab * HEADS * 128 + half * 32 * 128 + copy_offset,
                         q + (size_t)(copy_row + 32 * half) * D + slab * 64 + copy_piece * 8, true);
     cp_async_commit();
-    // Every slot of the split resolved up front (all index and block-table loads in flight together).
-    for (int r = tid; r < tile_count * BN; r += THREADS) {
-        const int slot = tile_begin * BN + r;
-        rows_s[r] = slot < p.K ? (int)physical_row(p, seq, seq_len, idx_row[slot]) : -1;
-    }
+    // Every slot of the split resolved up front.
+    resolve_split_rows<THREADS>(p, seq, seq_len, idx_row, tile_begin * BN, tile_count * BN, rows_s);
     __syncthreads();
 
     // One cp.async group per tile (empty past the split's end); row -1 is zero-filled.
