@@ -149,43 +149,69 @@ fn check_row(label: &str, got: &[i32], scores: &[f32], k: usize) -> usize {
     missing.len()
 }
 
-fn run(p: &Problem, fp8: bool, k: usize, device: &Device) -> Vec<Vec<i32>> {
-    let rows = p.keys.len() / DIM;
-    let keys = Tensor::from_vec(p.keys.clone(), (rows, DIM), device).unwrap();
-    let q = Tensor::from_vec(p.q.clone(), (3, p.heads, DIM), device)
-        .unwrap()
-        .to_dtype(DType::BF16)
-        .unwrap();
-    let w = Tensor::from_vec(p.w.clone(), (3, p.heads), device).unwrap();
-    let table = Tensor::from_vec(p.block_table.clone(), (2, p.max_blocks), device).unwrap();
-    let token_seq = Tensor::from_vec(p.token_seq.clone(), 3, device).unwrap();
-    let out = if fp8 {
-        let (bytes, scales) = quantize_fp8(&keys).unwrap();
-        let bytes = bytes.reshape((rows / BLOCK, BLOCK, DIM)).unwrap();
-        let scales = scales.reshape((rows / BLOCK, BLOCK)).unwrap();
-        let cache = PagedIndexKeys {
-            keys: IndexKeys::Fp8 {
-                bytes: &bytes,
-                scales: &scales,
+/// A problem's inputs on a device: bf16 queries, the weights, block table and token sequences, and the keys
+/// in pages of `BLOCK` (FP8 quantised on the device, or bf16).
+struct OnDevice {
+    q: Tensor,
+    w: Tensor,
+    table: Tensor,
+    token_seq: Tensor,
+    pages: Pages,
+}
+
+enum Pages {
+    Fp8 { bytes: Tensor, scales: Tensor },
+    Bf16(Tensor),
+}
+
+impl OnDevice {
+    fn new(p: &Problem, fp8: bool, device: &Device) -> Self {
+        let rows = p.keys.len() / DIM;
+        let keys = Tensor::from_vec(p.keys.clone(), (rows, DIM), device).unwrap();
+        let pages = if fp8 {
+            let (bytes, scales) = quantize_fp8(&keys).unwrap();
+            Pages::Fp8 {
+                bytes: bytes.reshape((rows / BLOCK, BLOCK, DIM)).unwrap(),
+                scales: scales.reshape((rows / BLOCK, BLOCK)).unwrap(),
+            }
+        } else {
+            Pages::Bf16(
+                keys.to_dtype(DType::BF16)
+                    .unwrap()
+                    .reshape((rows / BLOCK, BLOCK, DIM))
+                    .unwrap(),
+            )
+        };
+        Self {
+            q: Tensor::from_vec(p.q.clone(), (3, p.heads, DIM), device)
+                .unwrap()
+                .to_dtype(DType::BF16)
+                .unwrap(),
+            w: Tensor::from_vec(p.w.clone(), (3, p.heads), device).unwrap(),
+            table: Tensor::from_vec(p.block_table.clone(), (2, p.max_blocks), device).unwrap(),
+            token_seq: Tensor::from_vec(p.token_seq.clone(), 3, device).unwrap(),
+            pages,
+        }
+    }
+
+    fn cache(&self) -> PagedIndexKeys<'_> {
+        PagedIndexKeys {
+            keys: match &self.pages {
+                Pages::Fp8 { bytes, scales } => IndexKeys::Fp8 { bytes, scales },
+                Pages::Bf16(blocks) => IndexKeys::Float(blocks),
             },
-            block_table: &table,
-            token_seq: &token_seq,
-        };
-        dsa_indexer_paged(&q, &w, &cache, &p.visible, k).unwrap()
-    } else {
-        let blocks = keys
-            .to_dtype(DType::BF16)
-            .unwrap()
-            .reshape((rows / BLOCK, BLOCK, DIM))
-            .unwrap();
-        let cache = PagedIndexKeys {
-            keys: IndexKeys::Float(&blocks),
-            block_table: &table,
-            token_seq: &token_seq,
-        };
-        dsa_indexer_paged(&q, &w, &cache, &p.visible, k).unwrap()
-    };
-    out.to_vec2::<i32>().unwrap()
+            block_table: &self.table,
+            token_seq: &self.token_seq,
+        }
+    }
+}
+
+fn run(p: &Problem, fp8: bool, k: usize, device: &Device) -> Vec<Vec<i32>> {
+    let inputs = OnDevice::new(p, fp8, device);
+    dsa_indexer_paged(&inputs.q, &inputs.w, &inputs.cache(), &p.visible, k)
+        .unwrap()
+        .to_vec2::<i32>()
+        .unwrap()
 }
 
 #[test]
@@ -385,32 +411,14 @@ fn device_visible_counts_select_what_host_counts_select() {
     let mut rng = StdRng::seed_from_u64(21);
     let n = 40_000;
     let p = Problem::new(&mut rng, 32, n);
-    let rows = p.keys.len() / DIM;
-    let keys = Tensor::from_vec(p.keys.clone(), (rows, DIM), &device).unwrap();
-    let q = Tensor::from_vec(p.q.clone(), (3, p.heads, DIM), &device)
-        .unwrap()
-        .to_dtype(DType::BF16)
-        .unwrap();
-    let w = Tensor::from_vec(p.w.clone(), (3, p.heads), &device).unwrap();
-    let table = Tensor::from_vec(p.block_table.clone(), (2, p.max_blocks), &device).unwrap();
-    let token_seq = Tensor::from_vec(p.token_seq.clone(), 3, &device).unwrap();
-    let (bytes, scales) = quantize_fp8(&keys).unwrap();
-    let bytes = bytes.reshape((rows / BLOCK, BLOCK, DIM)).unwrap();
-    let scales = scales.reshape((rows / BLOCK, BLOCK)).unwrap();
-    let cache = PagedIndexKeys {
-        keys: IndexKeys::Fp8 {
-            bytes: &bytes,
-            scales: &scales,
-        },
-        block_table: &table,
-        token_seq: &token_seq,
-    };
+    let inputs = OnDevice::new(&p, true, &device);
+    let (q, w, cache) = (&inputs.q, &inputs.w, inputs.cache());
     let bound = n - 10;
     let counts = [p.visible[0] as i32, i32::MAX, 1500];
     let on_device = Tensor::new(&counts, &device).unwrap();
-    let got = dsa_indexer_paged_device_visible(&q, &w, &cache, &on_device, bound, 2048).unwrap();
+    let got = dsa_indexer_paged_device_visible(q, w, &cache, &on_device, bound, 2048).unwrap();
     let host: Vec<usize> = counts.iter().map(|&c| (c as usize).min(bound)).collect();
-    let want = dsa_indexer_paged(&q, &w, &cache, &host, 2048).unwrap();
+    let want = dsa_indexer_paged(q, w, &cache, &host, 2048).unwrap();
     assert_eq!(
         got.to_vec2::<i32>().unwrap(),
         want.to_vec2::<i32>().unwrap()
