@@ -10,8 +10,8 @@
 //               registers, K from shared memory); the halves meet in shared memory and both warpgroups hold S;
 //   softmax     the same online softmax in both (identical inputs, identical results): P in registers;
 //   O += P V    warpgroup g accumulates value columns 256g..256g+255 (wgmma m64n256k16, P from registers,
-//               V = the tile's own rows read N-major): 128 f32 accumulators per thread. It is issued after the
-//               next tile's S, so the tensor cores run it while the warps exchange and soften that tile.
+//               V = the tile's own rows read N-major): 128 f32 accumulators per thread. It is issued once the
+//               next tile's S halves have met, so the tensor cores run it under that tile's softmax.
 // The ring holds three tiles in flight, the tile in S and the tile in P V.
 // Why: with mma.sync every warp stages its operands through registers (ldmatrix), and at 64 heads that
 // shared-memory traffic, not the tensor cores, bounded the kernel; wgmma reads each operand once per
@@ -147,8 +147,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_wgmma_dv512_
     float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
     const float scale_log2 = p.scale * LOG2E;
 
-    // O += P V of a tile runs on the tensor cores under the next tile's exchange and softmax: it is issued
-    // right after that tile's S, from the P this thread keeps in registers until then.
+    // O += P V of a tile runs on the tensor cores under the next tile's softmax: it is issued after that
+    // tile's S exchange, from the P this thread keeps in registers until then.
     uint32_t pa[2][4];
     const auto issue_pv = [&](int local) {
         const uint32_t tile = k_base + (local % STAGES) * TILE_BYTES;
