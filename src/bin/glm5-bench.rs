@@ -158,6 +158,54 @@ fn mma_peak(device: &Device) -> Result<f64> {
     Ok(flops / seconds)
 }
 
+/// The ceiling of sparse_mla's memory side for `problem`: GPU seconds of `gather_rows_s{4,6}` (bench.cu),
+/// which copies every selected row into shared memory the way the wgmma kernel does and computes nothing.
+fn gather_seconds(device: &Device, problem: &Decode) -> Result<Vec<(usize, f64)>> {
+    let Device::Cuda(dev) = device else {
+        glm5::candle_core::bail!("needs a CUDA device")
+    };
+    let stream = dev.cuda_stream();
+    let module = stream
+        .context()
+        .load_module(Ptx::from_binary(glm5_kernels::BENCH.to_vec()))
+        .map_err(cuda)?;
+    let (batch, k) = problem.physical.dims2()?;
+    let rows: Vec<i32> = problem.physical.flatten_all()?.to_vec1()?;
+    let rows = stream.clone_htod(&rows).map_err(cuda)?;
+    let out = stream.alloc_zeros::<u32>(batch * 256).map_err(cuda)?;
+    let (storage, layout) = problem.blocks.storage_and_layout();
+    let glm5::candle_core::Storage::Cuda(storage) = &*storage else {
+        glm5::candle_core::bail!("the cache is not on the GPU")
+    };
+    let kv = storage.as_cuda_slice::<half::bf16>()?.slice(layout.start_offset()..);
+    let k = k as i32;
+    let mut result = Vec::new();
+    for stages in [4usize, 6] {
+        let func = module
+            .load_function(&format!("gather_rows_s{stages}"))
+            .map_err(cuda)?;
+        let smem = (stages * 32 * ROW_DIM * 2 + TOP_K * 4) as u32;
+        func.set_attribute(
+            glm5::candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .map_err(cuda)?;
+        let cfg = LaunchConfig {
+            grid_dim: (batch as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: smem,
+        };
+        let seconds = graph_seconds(device, 20, || {
+            let mut launch = stream.launch_builder(&func);
+            launch.arg(&kv).arg(&rows).arg(&k).arg(&out);
+            // SAFETY: `kv` holds every row `rows` names; `out` has 256 words per block.
+            unsafe { launch.launch(cfg) }.map(|_| ()).map_err(cuda)
+        })?;
+        result.push((stages, seconds));
+    }
+    Ok(result)
+}
+
 fn cuda(e: impl std::fmt::Display) -> glm5::candle_core::Error {
     glm5::candle_core::Error::Cuda(e.to_string().into())
 }
@@ -669,6 +717,21 @@ fn main() -> Result<()> {
                 mma / gpu,
             );
         }
+        let gather = gather_seconds(&device, &problem)?;
+        let rows_bytes = (batch * TOP_K * ROW_DIM * 2) as f64;
+        println!(
+            "{:>26} | the selected rows' gather alone (same copies, no math): {}",
+            "",
+            gather
+                .iter()
+                .map(|(stages, s)| format!(
+                    "{stages} stages {:.1} µs ({:.1}% of copy)",
+                    s * 1e6,
+                    100.0 * rows_bytes / s / copy
+                ))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
     }
     if only.is_empty() {
         indexer_rows(&device, copy, peak, None)?;
