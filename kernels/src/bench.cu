@@ -22,17 +22,19 @@ extern "C" __global__ void mma_bf16_peak(float* out, int iters) {
     out[blockIdx.x * blockDim.x + threadIdx.x] = sum;
 }
 
-// The row gather alone: what sparse_mla's memory side can at best reach. One block of 256 threads per token
-// streams the token's `k` rows of 1152 bytes (GLM-5's 576 bf16) through a ring of STAGES tiles of 32 rows,
-// eight threads per row, exactly as the wgmma kernel copies them, and does nothing with them but fold one
-// word per thread and tile into its output (so the copies are not dead).
+// The row gather alone: what sparse_mla's memory side can at best reach. Block (split, token) of 256 threads
+// streams `per_block` of the token's `k` rows of 1152 bytes (GLM-5's 576 bf16) through a ring of STAGES tiles
+// of 32 rows, eight threads per row, exactly as the wgmma kernel copies them, and does nothing with them but
+// fold one word per thread and tile into its output (so the copies are not dead).
 template <int STAGES>
-__device__ __forceinline__ void gather_rows_body(const uint8_t* kv, const int* rows, int k, unsigned* out) {
+__device__ __forceinline__ void gather_rows_body(const uint8_t* kv, const int* rows, int k, int per_block,
+                                                 unsigned* out) {
     constexpr int ROW_BYTES = 1152, TILE_ROWS = 32, TILE_BYTES = TILE_ROWS * ROW_BYTES;
     extern __shared__ __align__(16) uint8_t smem[];
     int* rows_s = reinterpret_cast<int*>(smem + STAGES * TILE_BYTES);
-    const int tid = threadIdx.x, row_in_tile = tid / 8, piece = tid % 8, tiles = k / TILE_ROWS;
-    for (int i = tid; i < k; i += blockDim.x) rows_s[i] = rows[(size_t)blockIdx.x * k + i];
+    const int first = blockIdx.x * per_block, count = min(per_block, k - first);
+    const int tid = threadIdx.x, row_in_tile = tid / 8, piece = tid % 8, tiles = count / TILE_ROWS;
+    for (int i = tid; i < count; i += blockDim.x) rows_s[i] = rows[(size_t)blockIdx.y * k + first + i];
     __syncthreads();
     auto load = [&](int tile) {
         if (tile < tiles) {
@@ -52,11 +54,13 @@ __device__ __forceinline__ void gather_rows_body(const uint8_t* kv, const int* r
         acc ^= *reinterpret_cast<const unsigned*>(smem + (tile % STAGES) * TILE_BYTES + tid * 16);
         load(tile + STAGES - 1);
     }
-    out[(size_t)blockIdx.x * blockDim.x + tid] = acc;
+    out[((size_t)blockIdx.y * gridDim.x + blockIdx.x) * blockDim.x + tid] = acc;
 }
-extern "C" __global__ void __launch_bounds__(256, 1) gather_rows_s4(const uint8_t* kv, const int* rows, int k, unsigned* out) {
-    gather_rows_body<4>(kv, rows, k, out);
+extern "C" __global__ void __launch_bounds__(256, 1)
+    gather_rows_s4(const uint8_t* kv, const int* rows, int k, int per_block, unsigned* out) {
+    gather_rows_body<4>(kv, rows, k, per_block, out);
 }
-extern "C" __global__ void __launch_bounds__(256, 1) gather_rows_s6(const uint8_t* kv, const int* rows, int k, unsigned* out) {
-    gather_rows_body<6>(kv, rows, k, out);
+extern "C" __global__ void __launch_bounds__(256, 1)
+    gather_rows_s6(const uint8_t* kv, const int* rows, int k, int per_block, unsigned* out) {
+    gather_rows_body<6>(kv, rows, k, per_block, out);
 }

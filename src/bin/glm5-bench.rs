@@ -160,6 +160,7 @@ fn mma_peak(device: &Device) -> Result<f64> {
 
 /// The ceiling of sparse_mla's memory side for `problem`: GPU seconds of `gather_rows_s{4,6}` (bench.cu),
 /// which copies every selected row into shared memory the way the wgmma kernel does and computes nothing.
+/// Small batches split each token's rows over blocks (whole 32-row tiles) until two blocks per SM are busy.
 fn gather_seconds(device: &Device, problem: &Decode) -> Result<Vec<(usize, f64)>> {
     let Device::Cuda(dev) = device else {
         glm5::candle_core::bail!("needs a CUDA device")
@@ -172,32 +173,41 @@ fn gather_seconds(device: &Device, problem: &Decode) -> Result<Vec<(usize, f64)>
     let (batch, k) = problem.physical.dims2()?;
     let rows: Vec<i32> = problem.physical.flatten_all()?.to_vec1()?;
     let rows = stream.clone_htod(&rows).map_err(cuda)?;
-    let out = stream.alloc_zeros::<u32>(batch * 256).map_err(cuda)?;
+    let sms = dev
+        .cuda_stream()
+        .context()
+        .attribute(glm5::candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .map_err(cuda)? as usize;
+    let tiles = k.div_ceil(32);
+    let splits = (2 * sms / batch).clamp(1, tiles);
+    let per_block = tiles.div_ceil(splits) * 32;
+    let splits = k.div_ceil(per_block);
+    let out = stream.alloc_zeros::<u32>(batch * splits * 256).map_err(cuda)?;
     let (storage, layout) = problem.blocks.storage_and_layout();
     let glm5::candle_core::Storage::Cuda(storage) = &*storage else {
         glm5::candle_core::bail!("the cache is not on the GPU")
     };
     let kv = storage.as_cuda_slice::<half::bf16>()?.slice(layout.start_offset()..);
-    let k = k as i32;
+    let (k, per_block_arg) = (k as i32, per_block as i32);
     let mut result = Vec::new();
     for stages in [4usize, 6] {
         let func = module
             .load_function(&format!("gather_rows_s{stages}"))
             .map_err(cuda)?;
-        let smem = (stages * 32 * ROW_DIM * 2 + TOP_K * 4) as u32;
+        let smem = (stages * 32 * ROW_DIM * 2 + per_block * 4) as u32;
         func.set_attribute(
             glm5::candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             smem as i32,
         )
         .map_err(cuda)?;
         let cfg = LaunchConfig {
-            grid_dim: (batch as u32, 1, 1),
+            grid_dim: (splits as u32, batch as u32, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: smem,
         };
         let seconds = graph_seconds(device, 20, || {
             let mut launch = stream.launch_builder(&func);
-            launch.arg(&kv).arg(&rows).arg(&k).arg(&out);
+            launch.arg(&kv).arg(&rows).arg(&k).arg(&per_block_arg).arg(&out);
             // SAFETY: `kv` holds every row `rows` names; `out` has 256 words per block.
             unsafe { launch.launch(cfg) }.map(|_| ()).map_err(cuda)
         })?;
