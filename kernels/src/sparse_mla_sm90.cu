@@ -150,6 +150,23 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_wgmma_dv512_
     // O += P V of a tile runs on the tensor cores under the next tile's softmax: it is issued after that
     // tile's S exchange, from the P this thread keeps in registers until then.
     uint32_t pa[2][4];
+    // A rescale of O the softmax owes it (rows g and g + 8): applied only while no wgmma writes O, i.e. after
+    // a wait that covers the last P V issued (a wgmma wait inside a branch some warps of the warpgroup skip
+    // would break wgmma's warpgroup-uniform rules).
+    float o_scale[2] = {1.f, 1.f};
+    const auto rescale_o = [&]() {
+        wgmma_pin(o);
+        if (__any_sync(0xffffffff, o_scale[0] != 1.f || o_scale[1] != 1.f)) {
+#pragma unroll
+            for (int j = 0; j < 32; ++j) {
+                o[4 * j] *= o_scale[0];
+                o[4 * j + 1] *= o_scale[0];
+                o[4 * j + 2] *= o_scale[1];
+                o[4 * j + 3] *= o_scale[1];
+            }
+        }
+        o_scale[0] = o_scale[1] = 1.f;
+    };
     const auto issue_pv = [&](int local) {
         const uint32_t tile = k_base + (local % STAGES) * TILE_BYTES;
 #pragma unroll
@@ -179,6 +196,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_wgmma_dv512_
         wgmma_commit();
         wgmma_wait<0>();  // S, and P V of tile local - 2
         wgmma_pin(s);
+        rescale_o();
         // The halves meet: each thread adds the other warpgroup's partial of the same 16 elements.
 #pragma unroll
         for (int j = 0; j < 4; ++j)
@@ -219,22 +237,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_wgmma_dv512_
             m_tile[r] *= scale_log2;
             raise[r] = m_tile[r] > m_run[r] + RESCALE_SLACK;
         }
-        if (__any_sync(0xffffffff, raise[0] || raise[1])) {
-            wgmma_wait<0>();  // the previous tile's P V is in O (and is rescaled with it)
-            wgmma_pin(o);
-            float alpha[2];
+        // A raised maximum rescales l now and O (with the P V in flight) once that P V has landed.
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                alpha[r] = raise[r] ? exp2_ftz(m_run[r] - m_tile[r]) : 1.f;
-                if (raise[r]) m_run[r] = m_tile[r];
-                l_run[r] *= alpha[r];
-            }
-#pragma unroll
-            for (int j = 0; j < 32; ++j) {
-                o[4 * j] *= alpha[0];
-                o[4 * j + 1] *= alpha[0];
-                o[4 * j + 2] *= alpha[1];
-                o[4 * j + 3] *= alpha[1];
+        for (int r = 0; r < 2; ++r) {
+            if (raise[r]) {
+                const float alpha = exp2_ftz(m_run[r] - m_tile[r]);
+                m_run[r] = m_tile[r];
+                l_run[r] *= alpha;
+                o_scale[r] *= alpha;
             }
         }
         // p = 2^(score - m); a masked key (or a row with nothing valid yet) has p = 0.
@@ -255,6 +265,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_wgmma_dv512_
         }
     }
     if (tile_count > 0) {
+        wgmma_wait<0>();
+        rescale_o();
         wgmma_fence();
         issue_pv(tile_count - 1);
     }
