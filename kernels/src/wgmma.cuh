@@ -16,12 +16,6 @@ __device__ __forceinline__ uint64_t wgmma_desc(uint32_t smem_address, uint32_t l
            (uint64_t)((stride & 0x3FFFF) >> 4) << 32 | (uint64_t)1 << 62;
 }
 
-// `desc` moved `bytes` further into shared memory: 32-bit arithmetic on the address field (a shared-memory
-// address never carries out of it), so no 64-bit add sits between consecutive wgmma.
-__device__ __forceinline__ uint64_t wgmma_desc_advance(uint64_t desc, uint32_t bytes) {
-    return (desc & 0xFFFFFFFF00000000ull) | (uint32_t)((uint32_t)desc + (bytes >> 4));
-}
-
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
