@@ -182,12 +182,16 @@ fn gather_seconds(device: &Device, problem: &Decode) -> Result<Vec<(usize, f64)>
     let splits = (2 * sms / batch).clamp(1, tiles);
     let per_block = tiles.div_ceil(splits) * 32;
     let splits = k.div_ceil(per_block);
-    let out = stream.alloc_zeros::<u32>(batch * splits * 256).map_err(cuda)?;
+    let out = stream
+        .alloc_zeros::<u32>(batch * splits * 256)
+        .map_err(cuda)?;
     let (storage, layout) = problem.blocks.storage_and_layout();
     let glm5::candle_core::Storage::Cuda(storage) = &*storage else {
         glm5::candle_core::bail!("the cache is not on the GPU")
     };
-    let kv = storage.as_cuda_slice::<half::bf16>()?.slice(layout.start_offset()..);
+    let kv = storage
+        .as_cuda_slice::<half::bf16>()?
+        .slice(layout.start_offset()..);
     let (k, per_block_arg) = (k as i32, per_block as i32);
     let mut result = Vec::new();
     for stages in [4usize, 6] {
@@ -207,7 +211,12 @@ fn gather_seconds(device: &Device, problem: &Decode) -> Result<Vec<(usize, f64)>
         };
         let seconds = graph_seconds(device, 20, || {
             let mut launch = stream.launch_builder(&func);
-            launch.arg(&kv).arg(&rows).arg(&k).arg(&per_block_arg).arg(&out);
+            launch
+                .arg(&kv)
+                .arg(&rows)
+                .arg(&k)
+                .arg(&per_block_arg)
+                .arg(&out);
             // SAFETY: `kv` holds every row `rows` names; `out` has 256 words per block.
             unsafe { launch.launch(cfg) }.map(|_| ()).map_err(cuda)
         })?;
