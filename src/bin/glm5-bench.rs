@@ -173,8 +173,7 @@ fn gather_seconds(device: &Device, problem: &Decode) -> Result<Vec<(usize, f64)>
     let (batch, k) = problem.physical.dims2()?;
     let rows: Vec<i32> = problem.physical.flatten_all()?.to_vec1()?;
     let rows = stream.clone_htod(&rows).map_err(cuda)?;
-    let sms = dev
-        .cuda_stream()
+    let sms = stream
         .context()
         .attribute(glm5::candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
         .map_err(cuda)? as usize;
