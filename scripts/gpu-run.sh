@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine (device tool): `bash scripts/gpu-run.sh [tests|kernel-tests|model-tests|multi-gpu|sanitize|bench|profile|profile-warm|profile-detail|variants|none]...`
+# Runs on the GPU machine (device tool): `bash scripts/gpu-run.sh [tests|kernel-tests|model-tests|multi-gpu|sanitize|bench|profile|profile-warm|profile-detail|variants|variant-tests|variant-bench|none]...`
 # (default: tests sanitize bench),
 # with .gpu/ carried. Logs go to $OUT (or ./gpu-out).
 set -uo pipefail
@@ -61,26 +61,31 @@ for step in $steps; do
           -k "$filter" /tmp/glm5-bin/glm5-bench $shape > "$OUT/ncu-${shape// /-}.txt" 2>&1
         echo "ncu $shape: rc=$? $(grep -c 'Section:' "$OUT/ncu-${shape// /-}.txt") sections"
       done ;;
-    variants)
-      # Each variant packed by scripts/gpu-variant.sh: its kernel tests, then glm5-bench rows of $SHAPES (default
-      # "32768 128 64"; shapes separated by ";") for main's build and every variant, alternating, twice.
+    variants|variant-tests|variant-bench)
+      # Variants packed by scripts/gpu-variant.sh. variant-tests: each one's kernel tests. variant-bench:
+      # glm5-bench rows of $SHAPES (default "32768 128 64"; shapes separated by ";") for main's build and every
+      # variant, alternating, $ROUNDS times (default 2). variants: both. A bench call takes ~10 s.
       names=$(ls /tmp/glm5-bin | sed -n 's/^glm5-bench-//p')
-      for v in $names; do
-        for t in sparse_mla_cuda dsa_indexer_cuda; do
-          [ -x /tmp/glm5-bin/$t-$v ] || continue  # packed without it
-          timeout 200 /tmp/glm5-bin/$t-$v --test-threads=1 --nocapture > "$OUT/test-$t-$v.log" 2>&1; rc=$?
-          echo "variant $v, test $t: rc=$rc ($(grep -E 'test result' "$OUT/test-$t-$v.log" | tail -1))"; [ $rc = 0 ] || status=1
-        done
-      done
-      IFS=';' read -ra shapes <<< "${SHAPES:-32768 128 64}"
-      for shape in "${shapes[@]}"; do
-        for round in 1 2; do
-          for v in main $names; do
-            bin=/tmp/glm5-bin/glm5-bench; [ $v = main ] || bin=$bin-$v
-            timeout 120 $bin $shape 2>&1 | grep -E '^ +[0-9]+ |gather alone' | sed "s/^/$v: /"
+      if [ $step != variant-bench ]; then
+        for v in $names; do
+          for t in sparse_mla_cuda dsa_indexer_cuda; do
+            [ -x /tmp/glm5-bin/$t-$v ] || continue  # packed without it
+            timeout 200 /tmp/glm5-bin/$t-$v --test-threads=1 --nocapture > "$OUT/test-$t-$v.log" 2>&1; rc=$?
+            echo "variant $v, test $t: rc=$rc ($(grep -E 'test result' "$OUT/test-$t-$v.log" | tail -1))"; [ $rc = 0 ] || status=1
           done
         done
-      done 2>&1 | tee "$OUT/variants.txt" ;;
+      fi
+      if [ $step != variant-tests ]; then
+        IFS=';' read -ra shapes <<< "${SHAPES:-32768 128 64}"
+        for shape in "${shapes[@]}"; do
+          for round in $(seq "${ROUNDS:-2}"); do
+            for v in main $names; do
+              bin=/tmp/glm5-bin/glm5-bench; [ $v = main ] || bin=$bin-$v
+              timeout 120 $bin $shape 2>&1 | grep -E '^ +[0-9]+ |gather alone' | sed "s/^/$v: /"
+            done
+          done
+        done 2>&1 | tee -a "$OUT/variants.txt"
+      fi ;;
     bench)
       timeout 400 /tmp/glm5-bin/glm5-bench 2>&1 | tee "$OUT/bench.txt"; [ ${PIPESTATUS[0]} = 0 ] || status=1
       for arch in sm_90 sm_120; do
