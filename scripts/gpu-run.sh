@@ -5,6 +5,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
+rm -rf /tmp/glm5-bin  # a warm machine keeps the last call's binaries: only this .gpu/ counts
 mkdir -p "$OUT" /tmp/glm5-bin
 for f in .gpu/*.xz; do xz -dc "$f" > "/tmp/glm5-bin/$(basename "$f" .xz)"; chmod +x "/tmp/glm5-bin/$(basename "$f" .xz)"; done
 export GLM5_REPO_ROOT=$PWD
