@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Packs a variant for a same-run comparison on the GPU machine: builds glm5-bench and kernel test binaries
-# (TESTS, default both) at git ref REF (a branch or commit; the working tree must be clean, and is put back
-# where it was) and adds them to .gpu/ as glm5-bench-NAME and TEST-NAME (xz'd). Run after
-# scripts/gpu-build.sh, which empties .gpu/. On the GPU machine: `bash scripts/gpu-run.sh variants`.
-# The device tool carries at most 64 MiB: each variant adds ~7 MB per binary; drop .gpu/model_cuda.xz and
-# .gpu/multi_gpu.xz when packing several.
-# Usage: bash scripts/gpu-variant.sh NAME REF [TESTS]   (e.g. TESTS="sparse_mla_cuda")
+# Packs a variant for a same-run comparison on the GPU machine: builds glm5-bench and the kernel test
+# binaries TESTS (default: sparse_mla_cuda dsa_indexer_cuda) at git ref REF (a branch or commit; the working
+# tree must be clean, and is put back where it was) and adds them to .gpu/ as glm5-bench-NAME and TEST-NAME
+# (xz'd). Run after scripts/gpu-build.sh, which empties .gpu/. On the GPU machine:
+# `bash scripts/gpu-run.sh variants`. The device tool carries at most 64 MiB: each binary adds ~6-7 MB; drop
+# .gpu/model_cuda.xz and .gpu/multi_gpu.xz when packing several.
+# Usage: bash scripts/gpu-variant.sh NAME REF [TESTS]   (e.g. ... v8s my-branch sparse_mla_cuda)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 name=${1:?usage: gpu-variant.sh NAME REF}
