@@ -86,9 +86,8 @@ __device__ __forceinline__ void sparse_mla_bf16_body(const SparseMlaParams& p) {
     const int seq = p.token_seq[t];
     const int seq_len = p.seq_lens[seq];
     const int* idx_row = p.indices + (size_t)t * p.K;
-    const int n_tiles = (p.K + BN - 1) / BN;
-    const int tile_begin = split * p.tiles_per_split;
-    const int tile_count = max(min(tile_begin + p.tiles_per_split, n_tiles) - tile_begin, 0);
+    const int2 tiles = split_tiles(p, split, BN);
+    const int tile_begin = tiles.x, tile_count = tiles.y;
     const bf16* kv = static_cast<const bf16*>(p.kv);
 
     // Q rows of this block's heads, zero beyond H and in the padding columns.

@@ -30,6 +30,13 @@ __device__ __forceinline__ long long physical_row(const SparseMlaParams& p, int 
     return (long long)block * p.block_size + page.y;
 }
 
+// The tiles of `tile_keys` keys that split `split` covers: the first and how many (none past the top-k).
+__device__ __forceinline__ int2 split_tiles(const SparseMlaParams& p, int split, int tile_keys) {
+    const int n_tiles = (p.K + tile_keys - 1) / tile_keys;
+    const int begin = split * p.tiles_per_split;
+    return make_int2(begin, max(min(begin + p.tiles_per_split, n_tiles) - begin, 0));
+}
+
 // The physical row of every slot of a split (`count` slots from `first`; past K: -1) into `rows`, by
 // `threads` threads: the index and block-table loads are independent, so they are all in flight at once
 // instead of one dependent chain per tile. The caller synchronises before reading `rows`.

@@ -76,9 +76,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_wgmma_dv512_
     const int seq = p.token_seq[t];
     const int seq_len = p.seq_lens[seq];
     const int* idx_row = p.indices + (size_t)t * p.K;
-    const int n_tiles = (p.K + BN - 1) / BN;
-    const int tile_begin = split * p.tiles_per_split;
-    const int tile_count = max(min(tile_begin + p.tiles_per_split, n_tiles) - tile_begin, 0);
+    const int2 tiles = split_tiles(p, split, BN);
+    const int tile_begin = tiles.x, tile_count = tiles.y;
     const bf16* kv = static_cast<const bf16*>(p.kv);
 
     // Copies: thread t moves piece t % 8 of every 64-column slab of row t / 8 (of a key tile; of Q, rows t / 8
