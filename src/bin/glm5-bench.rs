@@ -21,7 +21,9 @@
 
 use std::time::Instant;
 
-use glm5::candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use glm5::candle_core::cuda_backend::cudarc::driver::{
+    CudaFunction, CudaStream, LaunchConfig, PushKernelArg,
+};
 use glm5::candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use glm5::candle_core::{DType, Device, Result, Tensor};
 use glm5::ops::{
@@ -128,17 +130,23 @@ fn copy_bandwidth(device: &Device) -> Result<f64> {
     Ok(2.0 * (n * 4) as f64 / seconds)
 }
 
+/// Microkernel `name` of bench.cu on `stream`'s device.
+fn bench_kernel(stream: &CudaStream, name: &str) -> Result<CudaFunction> {
+    stream
+        .context()
+        .load_module(Ptx::from_binary(glm5_kernels::BENCH.to_vec()))
+        .map_err(cuda)?
+        .load_function(name)
+        .map_err(cuda)
+}
+
 /// mma.sync bf16 rate in flop/s from the `mma_bf16_peak` microkernel.
 fn mma_peak(device: &Device) -> Result<f64> {
     let Device::Cuda(dev) = device else {
         glm5::candle_core::bail!("needs a CUDA device")
     };
     let stream = dev.cuda_stream();
-    let module = stream
-        .context()
-        .load_module(Ptx::from_binary(glm5_kernels::BENCH.to_vec()))
-        .map_err(cuda)?;
-    let func = module.load_function("mma_bf16_peak").map_err(cuda)?;
+    let func = bench_kernel(&stream, "mma_bf16_peak")?;
     let (blocks, threads, iters) = (132 * 16, 256u32, 4096i32);
     let out = stream
         .alloc_zeros::<f32>(blocks * threads as usize)
@@ -166,10 +174,6 @@ fn gather_seconds(device: &Device, problem: &Decode) -> Result<Vec<(usize, f64)>
         glm5::candle_core::bail!("needs a CUDA device")
     };
     let stream = dev.cuda_stream();
-    let module = stream
-        .context()
-        .load_module(Ptx::from_binary(glm5_kernels::BENCH.to_vec()))
-        .map_err(cuda)?;
     let (batch, k) = problem.physical.dims2()?;
     let rows: Vec<i32> = problem.physical.flatten_all()?.to_vec1()?;
     let rows = stream.clone_htod(&rows).map_err(cuda)?;
@@ -194,9 +198,7 @@ fn gather_seconds(device: &Device, problem: &Decode) -> Result<Vec<(usize, f64)>
     let (k, per_block_arg) = (k as i32, per_block as i32);
     let mut result = Vec::new();
     for stages in [4usize, 6] {
-        let func = module
-            .load_function(&format!("gather_rows_s{stages}"))
-            .map_err(cuda)?;
+        let func = bench_kernel(&stream, &format!("gather_rows_s{stages}"))?;
         let smem = (stages * 32 * ROW_DIM * 2 + per_block * 4) as u32;
         func.set_attribute(
             glm5::candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
