@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine (device tool): `bash scripts/gpu-run.sh [tests|kernel-tests|model-tests|multi-gpu|sanitize|bench|profile|profile-warm|profile-detail|variants|variant-tests|variant-bench|none]...`
+# Runs on the GPU machine (device tool): `bash scripts/gpu-run.sh [tests|kernel-tests|model-tests|multi-gpu|sanitize|bench|profile|profile-warm|profile-detail|variants|variant-tests|variant-bench|variant-sanitize|none]...`
 # (default: tests sanitize bench),
 # with .gpu/ carried. Logs go to $OUT (or ./gpu-out).
 set -uo pipefail
@@ -26,13 +26,19 @@ for step in $steps; do
       [ $rc = 0 ] || status=1
       # GLM-5's first 4 layers (3 dense, 1 MoE) at real sizes, random weights: 1 GPU vs 2.
       timeout 400 /tmp/glm5-bin/glm5-bench slice 4 2>&1 | tail -4 | tee "$OUT/slice.txt"; [ ${PIPESTATUS[0]} = 0 ] || status=1 ;;
-    sanitize)
-      for tool in memcheck racecheck; do
-        for t in "sparse_mla_cuda bf16_kernel prefill_tokens wgmma_kernel" "dsa_indexer_cuda selected_sets equal_scores f32_kernel fp8_quantisation crowded"; do
-          set -- $t; bin=$1; shift
-          GLM5_QUICK=1 timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 /tmp/glm5-bin/$bin \
-            --test-threads=1 "$@" > "$OUT/sanitize-$tool-$bin.log" 2>&1; rc=$?
-          echo "compute-sanitizer $tool $bin: rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize-$tool-$bin.log" | tail -1)"; [ $rc = 0 ] || status=1
+    sanitize|variant-sanitize)
+      # variant-sanitize: the same over every variant's packed test binaries (scripts/gpu-variant.sh).
+      names=main; [ $step = sanitize ] || names=$(ls /tmp/glm5-bin | sed -n 's/^glm5-bench-//p')
+      for v in $names; do
+        suffix=""; [ $v = main ] || suffix=-$v
+        for tool in memcheck racecheck; do
+          for t in "sparse_mla_cuda bf16_kernel prefill_tokens wgmma_kernel" "dsa_indexer_cuda selected_sets equal_scores f32_kernel fp8_quantisation crowded"; do
+            set -- $t; bin=$1$suffix; shift
+            [ -x /tmp/glm5-bin/$bin ] || continue  # a variant packed without it
+            GLM5_QUICK=1 timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 /tmp/glm5-bin/$bin \
+              --test-threads=1 "$@" > "$OUT/sanitize-$tool-$bin.log" 2>&1; rc=$?
+            echo "compute-sanitizer $tool $bin: rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize-$tool-$bin.log" | tail -1)"; [ $rc = 0 ] || status=1
+          done
         done
       done ;;
     profile)
