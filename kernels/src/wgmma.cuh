@@ -16,6 +16,12 @@ __device__ __forceinline__ uint64_t wgmma_desc(uint32_t smem_address, uint32_t l
            (uint64_t)((stride & 0x3FFFF) >> 4) << 32 | (uint64_t)1 << 62;
 }
 
+// `desc` moved `bytes` further into shared memory: 32-bit arithmetic on the address field (a shared-memory
+// address never carries out of it), so no 64-bit add sits between consecutive wgmma.
+__device__ __forceinline__ uint64_t wgmma_desc_advance(uint64_t desc, uint32_t bytes) {
+    return (desc & 0xFFFFFFFF00000000ull) | (uint32_t)((uint32_t)desc + (bytes >> 4));
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
@@ -25,6 +31,16 @@ template <int N>
 __device__ __forceinline__ void wgmma_pin(float (&d)[N]) {
 #pragma unroll
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// Keeps a wgmma's register A operand alive (unchanged, in its registers) up to this point: call it after the
+// wait that covers the wgmma. Without it the compiler sees the registers as dead once the wgmma is issued
+// and reuses them while the tensor cores may still read them.
+template <int N>
+__device__ __forceinline__ void wgmma_hold(uint32_t (&a)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+        asm volatile("" : "+r"(a[i][0]), "+r"(a[i][1]), "+r"(a[i][2]), "+r"(a[i][3])::"memory");
 }
 
 // D(64x256, f32) += A(64x16, bf16, registers) * B(16x256, bf16, shared, N-major).
