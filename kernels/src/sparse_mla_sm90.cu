@@ -152,8 +152,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_wgmma_dv512_
     const float scale_log2 = p.scale * LOG2E;
 
     // O += P V of a tile runs on the tensor cores under the next tile's softmax: it is issued after that
-    // tile's S exchange, from the P this thread keeps in registers until then.
-    // P waits in this thread's shared-memory stash from the softmax to its P V, which loads it into `pa`: a
+    // tile's S exchange. P waits in this thread's shared-memory stash from the softmax to its P V, which loads it into `pa`: a
     // wgmma's register operands must not change until a wait covers it (wgmma_hold), and the next softmax runs
     // while that P V does (a second set of P registers would not fit).
     uint32_t pa[2][4] = {};
@@ -229,8 +228,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_wgmma_dv512_
         }
         // Both warpgroups' S waits (behind the barrier above) covered P V of tile local - 2: its stage is free.
         load_tile(local + STAGES - 2, ahead_row);
-        // O += P V of the previous tile (O, P and the previous stage: nothing the softmax touches but O when it
-        // rescales, which waits for it).
+        // O += P V of the previous tile: the softmax below writes neither its registers nor its stage (a raised
+        // maximum's rescale of O waits for the next wait).
         if (local > 0) issue_pv(local - 1);
 
         // Online softmax over the tile's keys; key 8j + 2c4 + (e & 1) is element 4j + e (row + 8 for e >= 2).
