@@ -152,9 +152,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_wgmma_dv512_
     const float scale_log2 = p.scale * LOG2E;
 
     // O += P V of a tile runs on the tensor cores under the next tile's softmax: it is issued after that
-    // tile's S exchange. P waits in this thread's shared-memory stash from the softmax to its P V, which loads it into `pa`: a
-    // wgmma's register operands must not change until a wait covers it (wgmma_hold), and the next softmax runs
-    // while that P V does (a second set of P registers would not fit).
+    // tile's S exchange. P waits in this thread's shared-memory stash from the softmax to its P V, which
+    // loads it into `pa`: a wgmma's register operands must not change until a wait covers it (wgmma_hold),
+    // and the next softmax runs while that P V does (a second set of P registers would not fit).
     uint32_t pa[2][4] = {};
     // A rescale of O the softmax owes it (rows g and g + 8): applied only while no wgmma writes O, i.e. after
     // a wait that covers the last P V issued (a wgmma wait inside a branch some warps of the warpgroup skip
