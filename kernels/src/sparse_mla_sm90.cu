@@ -8,13 +8,13 @@
 // staged in the ring's last two stages only until each warp holds its fragments in registers (72 per thread):
 //   S = Q K^T   each warpgroup takes every other one of the row's 36 k16 steps (wgmma m64n32k16, Q from
 //               registers, K from shared memory); the halves meet in shared memory and both warpgroups hold S;
-//   softmax     the same online softmax in both (identical inputs, identical results): each thread's P
-//               fragments go to its own slot of a shared-memory stash;
-//   O += P V    warpgroup g accumulates value columns 256g..256g+255 (wgmma m64n256k16, P from registers,
-//               V = the tile's own rows read N-major): 128 f32 accumulators per thread. It is issued once the
-//               next tile's S halves have met, so the tensor cores run it under that tile's softmax; P is
-//               loaded from the stash just before and its registers are held until the next wait (a running
-//               wgmma's register operands must not change, and two sets of P registers do not fit).
+//   softmax     the same online softmax in both (identical inputs, identical results); warpgroup g writes
+//               P's keys 16g..16g+15 to shared memory (two P buffers, one per tile in flight);
+//   O += P V    warpgroup g accumulates value columns 256g..256g+255 (wgmma m64n256k16, P and V = the tile's
+//               own rows read N-major, both from shared memory): 128 f32 accumulators per thread. It is issued
+//               once the next tile's S halves have met, so the tensor cores run it under that tile's softmax.
+//               P goes through shared memory because a running wgmma's register operands must not change and
+//               a second set of P registers does not fit (ptxas then serialises every wgmma).
 // The ring holds three tiles in flight, the tile in S and the tile in P V.
 // Why: with mma.sync every warp stages its operands through registers (ldmatrix), and at 64 heads that
 // shared-memory traffic, not the tensor cores, bounded the kernel; wgmma reads each operand once per
@@ -43,7 +43,8 @@ constexpr int THREADS = 256;
 constexpr int Q_BYTES = SLABS * HEADS * 128;
 constexpr int TILE_BYTES = SLABS * BN * 128;
 constexpr int EXCHANGE_BYTES = 2 * 128 * 16 * 4;  // each warpgroup's partial S, 16 floats per thread
-constexpr int P_STASH_BYTES = THREADS * 8 * 4;     // each thread's P fragments (8 words) between softmax and P V
+constexpr int P_BYTES = HEADS * BN * 2;          // one tile's P (bf16), in unswizzled 8 x 16-byte core matrices
+constexpr int P_STEP_BYTES = HEADS * 16 * 2;     // P's keys of one k16 step: 8 row groups of two core matrices
 // A row's running maximum (log2 domain) is only raised when a tile's maximum exceeds it by more than this:
 // probabilities stay below 2^8 (no overflow in bf16 or f32) and the rescale of O (128 multiplies per thread)
 // is skipped for almost every tile. Exact: O, l and lse all use the same maximum.
@@ -80,8 +81,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_wgmma_dv512_
     uint8_t* k_s = smem;
     uint8_t* q_s = k_s + (STAGES - 2) * TILE_BYTES;  // Q is staged in the last two stages until it is in registers
     float4* exchange = reinterpret_cast<float4*>(k_s + STAGES * TILE_BYTES);  // [group][4][128]
-    uint4* p_stash = reinterpret_cast<uint4*>(k_s + STAGES * TILE_BYTES + EXCHANGE_BYTES);  // [2][THREADS]
-    int* rows_s = reinterpret_cast<int*>(k_s + STAGES * TILE_BYTES + EXCHANGE_BYTES + P_STASH_BYTES);
+    uint8_t* p_s = k_s + STAGES * TILE_BYTES + EXCHANGE_BYTES;  // [2 tiles][2 k16 steps][8 row groups][2][128 B]
+    int* rows_s = reinterpret_cast<int*>(p_s + 2 * P_BYTES);
     uint32_t* masks_s = reinterpret_cast<uint32_t*>(rows_s + p.tiles_per_split * BN);
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -152,17 +153,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_wgmma_dv512_
     const float scale_log2 = p.scale * LOG2E;
 
     // O += P V of a tile runs on the tensor cores under the next tile's softmax: it is issued after that
-    // tile's S exchange. P waits in this thread's shared-memory stash from the softmax to its P V, which
-    // loads it into `pa`: a wgmma's register operands must not change until a wait covers it (wgmma_hold),
-    // and the next softmax runs while that P V does (a second set of P registers would not fit).
-    uint32_t pa[2][4] = {};
+    // tile's S exchange, and reads P from buffer tile % 2, which the softmax two tiles on rewrites only after
+    // both warpgroups' S waits (behind the exchange barrier) covered it.
+    const uint32_t p_base = smem_addr(p_s);
     // A rescale of O the softmax owes it (rows g and g + 8): applied only while no wgmma writes O, i.e. after
     // a wait that covers the last P V issued (a wgmma wait inside a branch some warps of the warpgroup skip
     // would break wgmma's warpgroup-uniform rules).
     float o_scale[2] = {1.f, 1.f};
     const auto rescale_o = [&]() {
         wgmma_pin(o);
-        wgmma_hold(pa);
         if (__any_sync(0xffffffff, o_scale[0] != 1.f || o_scale[1] != 1.f)) {
 #pragma unroll
             for (int j = 0; j < 32; ++j) {
@@ -176,19 +175,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_wgmma_dv512_
     };
     const auto issue_pv = [&](int local) {
         const uint32_t tile = k_base + (local % STAGES) * TILE_BYTES;
-#pragma unroll
-        for (int k = 0; k < 2; ++k) {
-            const uint4 stashed = p_stash[k * THREADS + tid];
-            pa[k][0] = stashed.x;
-            pa[k][1] = stashed.y;
-            pa[k][2] = stashed.z;
-            pa[k][3] = stashed.w;
-        }
+        const uint32_t p_tile = p_base + (local % 2) * P_BYTES;
         wgmma_fence();
 #pragma unroll
         for (int k = 0; k < 2; ++k) {
+            const uint64_t a = wgmma_desc_interleave(p_tile + k * P_STEP_BYTES, 128, 256);
             const uint64_t b = wgmma_desc(tile + 4 * group * BN * 128 + k * 16 * 128, BN * 128, 1024);
-            wgmma_m64n256k16_rs_tn(o, pa[k], b);
+            wgmma_m64n256k16_ss_tn(o, a, b);
         }
         wgmma_commit();
     };
@@ -268,20 +261,27 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_wgmma_dv512_
             s[i] = all_valid || s[i] != -INFINITY ? v : 0.f;
             l_run[r] += s[i];  // this thread's columns only
         }
-        // P as two k16 A fragments (keys 0-15, 16-31), stashed for P V after the next tile's S exchange.
+        // This warpgroup's k16 step of P (keys 16g..16g+15), for P V after the next tile's S exchange: rows
+        // 16 * wg_warp + g (+ 8) are row r of 8-row groups 2 * wg_warp (+ 1), keys 8h + 2c4 (+ 1) at byte 4c4
+        // of core matrix h; the loop's next fence and barrier make it visible to both warpgroups' wgmma.
+        {
+            uint8_t* dst = p_s + (local % 2) * P_BYTES + group * P_STEP_BYTES + 2 * wg_warp * 256 + g * 16 + 4 * c4;
 #pragma unroll
-        for (int k = 0; k < 2; ++k)
-            p_stash[k * THREADS + tid] = make_uint4(pack_bf16(s[8 * k], s[8 * k + 1]), pack_bf16(s[8 * k + 2], s[8 * k + 3]),
-                                                    pack_bf16(s[8 * k + 4], s[8 * k + 5]), pack_bf16(s[8 * k + 6], s[8 * k + 7]));
+            for (int e = 0; e < 4; ++e) {  // (row + 8 * (e % 2), core matrix e / 2); s's index stays static
+                const float lo = group ? s[8 + 2 * e] : s[2 * e], hi = group ? s[9 + 2 * e] : s[2 * e + 1];
+                *reinterpret_cast<uint32_t*>(dst + (e % 2) * 256 + (e / 2) * 128) = pack_bf16(lo, hi);
+            }
+        }
     }
     if (tile_count > 0) {
         wgmma_wait<0>();
         rescale_o();
+        fence_proxy_async_shared();  // the last tile's P, for wgmma's reads
+        __syncthreads();
         issue_pv(tile_count - 1);
     }
     wgmma_wait<0>();
     wgmma_pin(o);
-    wgmma_hold(pa);
     cp_async_wait<0>();  // nothing in flight at exit
     // The combine (a programmatic dependent) may start its blocks; it waits for this grid's writes itself.
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
