@@ -3,20 +3,24 @@
 // GLM-5's rows (576 = 512 value columns + 64 rope) and heads in groups of 64.
 //
 // One block of two warpgroups handles one token, 64 heads and a contiguous range of 32-key tiles (a split).
-// Key tiles stream through a four-stage cp.async ring, their rows stored as nine 64-column slabs of 128-byte
+// Key tiles stream through a five-stage cp.async ring, their rows stored as nine 64-column slabs of 128-byte
 // rows in the 128-byte swizzle wgmma reads (16-byte piece c of row r at piece c ^ (r % 8)). Q (64 x 576) is
 // staged in the ring's last two stages only until each warp holds its fragments in registers (72 per thread):
 //   S = Q K^T   each warpgroup takes every other one of the row's 36 k16 steps (wgmma m64n32k16, Q from
 //               registers, K from shared memory); the halves meet in shared memory and both warpgroups hold S;
-//   softmax     the same online softmax in both (identical inputs, identical results): P in registers;
-//   O += P V    warpgroup g accumulates value columns 256g..256g+255 (wgmma m64n256k16, P from registers,
-//               V = the tile's own rows read N-major): 128 f32 accumulators per thread. It is waited for
-//               by the next tile's S wait, so it runs under that tile's barrier and S issue.
+//   softmax     the same online softmax in both (identical inputs, identical results); warpgroup g writes
+//               P's keys 16g..16g+15 to shared memory (two P buffers, one per tile in flight);
+//   O += P V    warpgroup g accumulates value columns 256g..256g+255 (wgmma m64n256k16, P and V = the tile's
+//               own rows read N-major, both from shared memory): 128 f32 accumulators per thread. It is issued
+//               once the next tile's S halves have met, so the tensor cores run it under that tile's softmax.
+//               P goes through shared memory because a running wgmma's register operands must not change and
+//               a second set of P registers does not fit (ptxas then serialises every wgmma).
+// The ring holds three tiles in flight, the tile in S and the tile in P V.
 // Why: with mma.sync every warp stages its operands through registers (ldmatrix), and at 64 heads that
 // shared-memory traffic, not the tensor cores, bounded the kernel; wgmma reads each operand once per
-// warpgroup. Q in registers halves what S reads from shared memory and frees the room for a fourth stage
-// (three tiles in flight). With several splits the block writes a normalised f32 partial and its lse, merged by
-// sparse_mla.cu's combine kernel.
+// warpgroup. Q in registers halves what S reads from shared memory and frees the room for the deeper ring.
+// With several splits the block writes a normalised f32 partial and its lse, merged by sparse_mla.cu's combine
+// kernel.
 
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -30,7 +34,7 @@ namespace {
 constexpr int D = 576, DV = 512;            // row and value widths (GLM-5's kv_lora_rank + rope)
 constexpr int HEADS = 64;                   // heads per block: wgmma's M
 constexpr int BN = 32;                      // keys per tile
-constexpr int STAGES = 4;                   // key tiles in the ring
+constexpr int STAGES = 5;                   // key tiles in the ring: 3 loading, 1 in S, 1 in P V
 constexpr int SLABS = D / 64;               // 64-column (128-byte) slabs per row
 constexpr int PIECES = D / 8;               // 16-byte pieces per row
 constexpr int STEPS = D / 16;               // k16 steps of S
@@ -39,6 +43,8 @@ constexpr int THREADS = 256;
 constexpr int Q_BYTES = SLABS * HEADS * 128;
 constexpr int TILE_BYTES = SLABS * BN * 128;
 constexpr int EXCHANGE_BYTES = 2 * 128 * 16 * 4;  // each warpgroup's partial S, 16 floats per thread
+constexpr int P_BYTES = HEADS * BN * 2;          // one tile's P (bf16), in unswizzled 8 x 16-byte core matrices
+constexpr int P_STEP_BYTES = HEADS * 16 * 2;     // P's keys of one k16 step: 8 row groups of two core matrices
 // A row's running maximum (log2 domain) is only raised when a tile's maximum exceeds it by more than this:
 // probabilities stay below 2^8 (no overflow in bf16 or f32) and the rescale of O (128 multiplies per thread)
 // is skipped for almost every tile. Exact: O, l and lse all use the same maximum.
@@ -50,6 +56,14 @@ static_assert(THREADS == BN * 8 && PIECES == 8 * SLABS, "a tile copy: 8 threads 
 static_assert(Q_BYTES == 2 * TILE_BYTES, "Q is staged in two key stages");
 
 typedef __nv_bfloat16 bf16;
+
+// 2^x without exp2f's care for denormal results (they flush to 0: probabilities below 2^-126 of the row's
+// maximum, nothing the bf16 P can hold anyway).
+__device__ __forceinline__ float exp2_ftz(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
 
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
@@ -67,7 +81,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_wgmma_dv512_
     uint8_t* k_s = smem;
     uint8_t* q_s = k_s + (STAGES - 2) * TILE_BYTES;  // Q is staged in the last two stages until it is in registers
     float4* exchange = reinterpret_cast<float4*>(k_s + STAGES * TILE_BYTES);  // [group][4][128]
-    int* rows_s = reinterpret_cast<int*>(k_s + STAGES * TILE_BYTES + EXCHANGE_BYTES);
+    uint8_t* p_s = k_s + STAGES * TILE_BYTES + EXCHANGE_BYTES;  // [2 tiles][2 k16 steps][8 row groups][2][128 B]
+    int* rows_s = reinterpret_cast<int*>(p_s + 2 * P_BYTES);
     uint32_t* masks_s = reinterpret_cast<uint32_t*>(rows_s + p.tiles_per_split * BN);
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -97,10 +112,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_wgmma_dv512_
     resolve_split_rows<THREADS>(p, seq, seq_len, idx_row, tile_begin * BN, tile_count * BN, rows_s);
     __syncthreads();
 
-    // One cp.async group per tile (empty past the split's end); row -1 is zero-filled.
-    auto load_tile = [&](int local) {
+    // One cp.async group per tile (empty past the split's end); row -1 is zero-filled. The thread's row of
+    // the tile is read ahead of the copy (`row_of`), off the copy's critical path.
+    const auto row_of = [&](int local) { return local < tile_count ? rows_s[local * BN + copy_row] : -1; };
+    auto load_tile = [&](int local, long long row) {
         if (local < tile_count) {
-            const long long row = rows_s[local * BN + copy_row];
             const bf16* src = (row >= 0 ? kv + row * D : kv) + copy_piece * 8;
             uint8_t* dst = k_s + (local % STAGES) * TILE_BYTES + copy_offset;
 #pragma unroll
@@ -108,9 +124,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_wgmma_dv512_
         }
         cp_async_commit();
     };
-    // Tiles 0 and 1 now; Q occupies stages 2 and 3 until every warp holds its fragments.
+    // Tiles 0 to 2 now; Q occupies stages 3 and 4 until every warp holds its fragments.
 #pragma unroll
-    for (int s = 0; s < STAGES - 2; ++s) load_tile(s);
+    for (int s = 0; s < STAGES - 2; ++s) load_tile(s, row_of(s));
     // Each tile's valid keys as a bit mask (read after the loop's first barrier).
     for (int tile = warp; tile < tile_count; tile += THREADS / 32) {
         const uint32_t valid = __ballot_sync(0xffffffff, rows_s[tile * BN + lane] >= 0);
@@ -119,7 +135,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_wgmma_dv512_
 
     // Warpgroup g takes the k16 steps 2i + g of S: its Q fragments (A in registers, mma.sync's m16k16 layout
     // per warp), and the key operand at slab i / 2, byte (i % 2) * 64 + g * 32 of the 128-byte rows.
-    cp_async_wait<STAGES - 2>();  // Q (tiles 0 and 1 may still be in flight)
+    cp_async_wait<STAGES - 2>();  // Q (tiles 0 to 2 may still be in flight)
     __syncthreads();
     uint32_t qa[STEPS_PER_GROUP][4];
 #pragma unroll
@@ -127,8 +143,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_wgmma_dv512_
         const int row = 16 * wg_warp + lane % 16, chunk = 2 * (2 * i + group) + lane / 16;
         ldmatrix_x4(qa[i], q_s + (chunk / 8) * HEADS * 128 + row * 128 + (((chunk % 8) ^ (row % 8)) * 16));
     }
-    __syncthreads();  // every warp holds its fragments: stages 2 and 3 are free
-    load_tile(STAGES - 2);
+    __syncthreads();  // every warp holds its fragments: stages 3 and 4 are free for tiles 3 and 4
     const uint32_t k_base = smem_addr(k_s);
     const int g = lane / 4, c4 = lane % 4;  // accumulator rows 16 * wg_warp + g (+ 8), columns 2 * c4 (+ 1)
     float o[128];
@@ -137,12 +152,47 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_wgmma_dv512_
     float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
     const float scale_log2 = p.scale * LOG2E;
 
+    // O += P V of a tile runs on the tensor cores under the next tile's softmax: it is issued after that
+    // tile's S exchange, and reads P from buffer tile % 2, which the softmax two tiles on rewrites only after
+    // both warpgroups' S waits (behind the exchange barrier) covered it.
+    const uint32_t p_base = smem_addr(p_s);
+    // A rescale of O the softmax owes it (rows g and g + 8): applied only while no wgmma writes O, i.e. after
+    // a wait that covers the last P V issued (a wgmma wait inside a branch some warps of the warpgroup skip
+    // would break wgmma's warpgroup-uniform rules).
+    float o_scale[2] = {1.f, 1.f};
+    const auto rescale_o = [&]() {
+        wgmma_pin(o);
+        if (__any_sync(0xffffffff, o_scale[0] != 1.f || o_scale[1] != 1.f)) {
+#pragma unroll
+            for (int j = 0; j < 32; ++j) {
+                o[4 * j] *= o_scale[0];
+                o[4 * j + 1] *= o_scale[0];
+                o[4 * j + 2] *= o_scale[1];
+                o[4 * j + 3] *= o_scale[1];
+            }
+        }
+        o_scale[0] = o_scale[1] = 1.f;
+    };
+    const auto issue_pv = [&](int local) {
+        const uint32_t tile = k_base + (local % STAGES) * TILE_BYTES;
+        const uint32_t p_tile = p_base + (local % 2) * P_BYTES;
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            const uint64_t a = wgmma_desc_interleave(p_tile + k * P_STEP_BYTES, 128, 256);
+            const uint64_t b = wgmma_desc(tile + 4 * group * BN * 128 + k * 16 * 128, BN * 128, 1024);
+            wgmma_m64n256k16_ss_tn(o, a, b);
+        }
+        wgmma_commit();
+    };
     for (int local = 0; local < tile_count; ++local) {
-        cp_async_wait<STAGES - 2>();  // this thread's pieces of tile `local` have landed
+        cp_async_wait<STAGES - 3>();  // this thread's pieces of tile `local` have landed
         fence_proxy_async_shared();   // ... and are visible to wgmma's reads
         __syncthreads();              // everyone's
         const uint32_t tile = k_base + (local % STAGES) * TILE_BYTES;
         const uint64_t k_desc = wgmma_desc(tile + group * 32, 16, 1024);
+        const int ahead_row = row_of(local + STAGES - 2);
+        const uint32_t valid = masks_s[local];  // read now, used by the softmax
 
         // This warpgroup's half of S (64 heads x 32 keys).
         float s[16] = {};
@@ -150,11 +200,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_wgmma_dv512_
 #pragma unroll
         for (int i = 0; i < STEPS_PER_GROUP; ++i) {
             const uint32_t within = (i % 2) * 64;
-            wgmma_m64n32k16_rs(s, qa[i], k_desc + (((i / 2) * BN * 128 + within) >> 4), i > 0);
+            wgmma_m64n32k16_rs(s, qa[i], wgmma_desc_advance(k_desc, (i / 2) * BN * 128 + within), i > 0);
         }
         wgmma_commit();
-        wgmma_wait<0>();
+        wgmma_wait<0>();  // S, and P V of tile local - 2
         wgmma_pin(s);
+        rescale_o();
         // The halves meet: each thread adds the other warpgroup's partial of the same 16 elements.
 #pragma unroll
         for (int j = 0; j < 4; ++j)
@@ -168,11 +219,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_wgmma_dv512_
             s[4 * j + 2] += other.z;
             s[4 * j + 3] += other.w;
         }
-        // Both warpgroups' S waits (behind the barrier above) covered the previous tile's P V: its stage is free.
-        load_tile(local + STAGES - 1);
+        // Both warpgroups' S waits (behind the barrier above) covered P V of tile local - 2: its stage is free.
+        load_tile(local + STAGES - 2, ahead_row);
+        // O += P V of the previous tile: the softmax below writes neither its registers nor its stage (a raised
+        // maximum's rescale of O waits for the next wait).
+        if (local > 0) issue_pv(local - 1);
 
         // Online softmax over the tile's keys; key 8j + 2c4 + (e & 1) is element 4j + e (row + 8 for e >= 2).
-        const uint32_t valid = masks_s[local];
         const bool all_valid = valid == 0xffffffffu;
         if (!all_valid) {
 #pragma unroll
@@ -190,49 +243,42 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_wgmma_dv512_
             m_tile[r] *= scale_log2;
             raise[r] = m_tile[r] > m_run[r] + RESCALE_SLACK;
         }
-        if (__any_sync(0xffffffff, raise[0] || raise[1])) {
-            float alpha[2];
+        // A raised maximum rescales l now and O (with the P V in flight) once that P V has landed.
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                alpha[r] = raise[r] ? exp2f(m_run[r] - m_tile[r]) : 1.f;
-                if (raise[r]) m_run[r] = m_tile[r];
-                l_run[r] *= alpha[r];
-            }
-#pragma unroll
-            for (int j = 0; j < 32; ++j) {
-                o[4 * j] *= alpha[0];
-                o[4 * j + 1] *= alpha[0];
-                o[4 * j + 2] *= alpha[1];
-                o[4 * j + 3] *= alpha[1];
+        for (int r = 0; r < 2; ++r) {
+            if (raise[r]) {
+                const float alpha = exp2_ftz(m_run[r] - m_tile[r]);
+                m_run[r] = m_tile[r];
+                l_run[r] *= alpha;
+                o_scale[r] *= alpha;
             }
         }
         // p = 2^(score - m); a masked key (or a row with nothing valid yet) has p = 0.
 #pragma unroll
         for (int i = 0; i < 16; ++i) {
             const int r = (i / 2) % 2;
-            const float v = exp2f(fmaf(s[i], scale_log2, -m_run[r]));
+            const float v = exp2_ftz(fmaf(s[i], scale_log2, -m_run[r]));
             s[i] = all_valid || s[i] != -INFINITY ? v : 0.f;
             l_run[r] += s[i];  // this thread's columns only
         }
-        // P as two k16 A fragments (keys 0-15, 16-31).
-        uint32_t pa[2][4];
+        // This warpgroup's k16 step of P (keys 16g..16g+15), for P V after the next tile's S exchange: rows
+        // 16 * wg_warp + g (+ 8) are row r of 8-row groups 2 * wg_warp (+ 1), keys 8h + 2c4 (+ 1) at byte 4c4
+        // of core matrix h; the loop's next fence and barrier make it visible to both warpgroups' wgmma.
+        {
+            uint8_t* dst = p_s + (local % 2) * P_BYTES + group * P_STEP_BYTES + 2 * wg_warp * 256 + g * 16 + 4 * c4;
 #pragma unroll
-        for (int k = 0; k < 2; ++k) {
-            pa[k][0] = pack_bf16(s[8 * k], s[8 * k + 1]);
-            pa[k][1] = pack_bf16(s[8 * k + 2], s[8 * k + 3]);
-            pa[k][2] = pack_bf16(s[8 * k + 4], s[8 * k + 5]);
-            pa[k][3] = pack_bf16(s[8 * k + 6], s[8 * k + 7]);
+            for (int e = 0; e < 4; ++e) {  // (row + 8 * (e % 2), core matrix e / 2); s's index stays static
+                const float lo = group ? s[8 + 2 * e] : s[2 * e], hi = group ? s[9 + 2 * e] : s[2 * e + 1];
+                *reinterpret_cast<uint32_t*>(dst + (e % 2) * 256 + (e / 2) * 128) = pack_bf16(lo, hi);
+            }
         }
-        // O[:, 256 group ..] += P V: V N-major, 64-column slabs 4 group .. 4 group + 3 of the tile.
-        wgmma_fence();
-#pragma unroll
-        for (int k = 0; k < 2; ++k) {
-            const uint64_t b = wgmma_desc(tile + 4 * group * BN * 128 + k * 16 * 128, BN * 128, 1024);
-            wgmma_m64n256k16_rs_tn(o, pa[k], b);
-        }
-        // Waited for by the next tile's S wait. Until then nothing writes P or O: a wgmma's register operands
-        // must not change while it runs (the softmax that rewrites them follows that wait).
-        wgmma_commit();
+    }
+    if (tile_count > 0) {
+        wgmma_wait<0>();
+        rescale_o();
+        fence_proxy_async_shared();  // the last tile's P, for wgmma's reads
+        __syncthreads();
+        issue_pv(tile_count - 1);
     }
     wgmma_wait<0>();
     wgmma_pin(o);

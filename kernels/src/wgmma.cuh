@@ -1,6 +1,6 @@
-// Warpgroup MMA (wgmma, sm_90a only): shared-memory matrix descriptors for 128-byte-swizzled tiles and the
-// two shapes sparse_mla_sm90.cu uses (A in registers, B in shared memory). A warpgroup is 4 consecutive warps; every wgmma is issued by all 128
-// threads. Accumulator fragments: warp w of the group holds rows 16w + lane/4 and 16w + lane/4 + 8, and
+// Warpgroup MMA (wgmma, sm_90a only): shared-memory matrix descriptors (128-byte-swizzled tiles, unswizzled
+// core matrices) and the two shapes sparse_mla_sm90.cu uses (S: A in registers; P V: both operands in shared
+// memory). A warpgroup is 4 consecutive warps; every wgmma is issued by all 128 threads. Accumulator fragments: warp w of the group holds rows 16w + lane/4 and 16w + lane/4 + 8, and
 // for each 8-column block j the columns 8j + 2(lane%4) + {0, 1} (registers 4j..4j+3: row r cols 0, 1, then
 // row r + 8); register A fragments follow mma.sync's m16n8k16 layout per warp.
 #pragma once
@@ -16,6 +16,19 @@ __device__ __forceinline__ uint64_t wgmma_desc(uint32_t smem_address, uint32_t l
            (uint64_t)((stride & 0x3FFFF) >> 4) << 32 | (uint64_t)1 << 62;
 }
 
+// `desc` moved `bytes` further into shared memory: 32-bit arithmetic on the address field (a shared-memory
+// address never carries out of it), so no 64-bit add sits between consecutive wgmma.
+__device__ __forceinline__ uint64_t wgmma_desc_advance(uint64_t desc, uint32_t bytes) {
+    return (desc & 0xFFFFFFFF00000000ull) | (uint32_t)((uint32_t)desc + (bytes >> 4));
+}
+
+// Descriptor of a matrix in shared memory without swizzle: 8-row x 16-byte core matrices, 128 contiguous
+// bytes each; K-major, `leading` = between core matrices along K, `stride` = between 8-row groups.
+__device__ __forceinline__ uint64_t wgmma_desc_interleave(uint32_t smem_address, uint32_t leading, uint32_t stride) {
+    return (uint64_t)((smem_address & 0x3FFFF) >> 4) | (uint64_t)((leading & 0x3FFFF) >> 4) << 16 |
+           (uint64_t)((stride & 0x3FFFF) >> 4) << 32;
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
@@ -27,13 +40,13 @@ __device__ __forceinline__ void wgmma_pin(float (&d)[N]) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// D(64x256, f32) += A(64x16, bf16, registers) * B(16x256, bf16, shared, N-major).
-__device__ __forceinline__ void wgmma_m64n256k16_rs_tn(float (&d)[128], const uint32_t (&a)[4], uint64_t b) {
+// D(64x256, f32) += A(64x16, bf16, shared, K-major) * B(16x256, bf16, shared, N-major).
+__device__ __forceinline__ void wgmma_m64n256k16_ss_tn(float (&d)[128], uint64_t a, uint64_t b) {
     asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %133, 0;\n"
+        "{\n .reg .pred p;\n setp.ne.b32 p, %130, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
         "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}, "
-        "{%128,%129,%130,%131}, %132, p, 1, 1, 1;\n}\n"
+        "%128, %129, p, 1, 1, 0, 1;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -50,7 +63,7 @@ __device__ __forceinline__ void wgmma_m64n256k16_rs_tn(float (&d)[128], const ui
           "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
           "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
           "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+        : "l"(a), "l"(b), "r"(1));
 }
 
 // D(64x32, f32) (+)= A(64x16, bf16, registers) * B(16x32, bf16, shared, K-major).

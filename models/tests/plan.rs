@@ -253,7 +253,7 @@ fn glm5_on_hopper_cpu_and_turing() {
             && r.verdict
                 == Verdict::Invalid(vec![
                     Reason::new("compute capability", "∈ {9.0}", "12.0"),
-                    Reason::new("shared memory per block", "169088 B", "100352 B"),
+                    Reason::new("shared memory per block", "214144 B", "100352 B"),
                 ])));
 
     let cpu = Plan::build(

@@ -411,12 +411,19 @@ pub(crate) mod limits {
     pub const WGMMA_ROW_DIM: usize = 576;
     pub const WGMMA_VALUE_DIM: usize = 512;
 
-    /// Shared memory of the wgmma kernel (mirrors the .cu file): a ring of four key tiles in 128-byte rows (Q is
-    /// staged in two of them before it moves to registers), the S exchange of two warpgroups (16 f32 per
-    /// thread), the split's row table and tile masks, and 1 KB to align the start to the swizzle period. With
-    /// 32 tiles per split: 169088 B (sm_90's opt-in limit: 232448).
+    /// Key tiles in the wgmma kernel's ring (`STAGES` in the .cu file).
+    pub const WGMMA_STAGES: usize = 5;
+
+    /// Shared memory of the wgmma kernel (mirrors the .cu file): a ring of `WGMMA_STAGES` key tiles in
+    /// 128-byte rows (Q is staged in two of them before it moves to registers), the S exchange of two
+    /// warpgroups (16 f32 per thread), two tiles' P (64 x 32 bf16 each), the split's row table and tile masks,
+    /// and 1 KB to align the start to the swizzle period. With 32 tiles per split: 214144 B (sm_90's opt-in
+    /// limit: 232448).
     pub fn wgmma_shared_bytes(tiles_per_split: usize) -> usize {
-        1024 + WGMMA_ROW_DIM * 2 * 4 * TILE + 2 * 128 * 16 * 4 + tiles_per_split * (TILE + 1) * 4
+        1024 + WGMMA_ROW_DIM * 2 * WGMMA_STAGES * TILE
+            + 2 * 128 * 16 * 4
+            + 2 * 64 * TILE * 2
+            + tiles_per_split * (TILE + 1) * 4
     }
 
     /// Shared memory of the f32 kernel: the query row, value accumulators and reduction scratch.
