@@ -83,9 +83,6 @@ __device__ __forceinline__ void sparse_mla_bf16_body(const SparseMlaParams& p) {
     int* rows_s = reinterpret_cast<int*>(l_s + HT * KW * 16);     // physical row of every slot of the split
                                                                   // (the launcher sizes it)
 
-    const int seq = p.token_seq[t];
-    const int seq_len = p.seq_lens[seq];
-    const int* idx_row = p.indices + (size_t)t * p.K;
     const int2 tiles = split_tiles(p, split, BN);
     const int tile_begin = tiles.x, tile_count = tiles.y;
     const bf16* kv = static_cast<const bf16*>(p.kv);
@@ -109,7 +106,7 @@ __device__ __forceinline__ void sparse_mla_bf16_body(const SparseMlaParams& p) {
     zero_padding(ks);
     if constexpr (!Q_ALIASED) zero_padding(ks + BN * ld);
     // Every slot of the split resolved up front.
-    resolve_split_rows<THREADS>(p, seq, seq_len, idx_row, tile_begin * BN, tile_count * BN, rows_s);
+    resolve_split_rows<THREADS>(p, t, tile_begin * BN, tile_count * BN, rows_s);
     __syncthreads();
 
     // One cp.async group per tile (empty past the split's end). A warp copies whole rows: lane c moves

@@ -37,14 +37,39 @@ __device__ __forceinline__ int2 split_tiles(const SparseMlaParams& p, int split,
     return make_int2(begin, max(min(begin + p.tiles_per_split, n_tiles) - begin, 0));
 }
 
-// The physical row of every slot of a split (`count` slots from `first`; past K: -1) into `rows`, by
-// `threads` threads: the index and block-table loads are independent, so they are all in flight at once
-// instead of one dependent chain per tile. The caller synchronises before reading `rows`.
+// The physical row of every slot of a split of token t's top-k (`count` slots from `first`; past K: -1)
+// into `rows`, by `threads` threads, with the loads' latencies overlapped: a thread issues its (up to) eight
+// index loads before the token's sequence number is needed, then the sequence length and the eight
+// block-table loads together. Two global latencies in a row instead of one dependent chain per slot (or per
+// token_seq -> seq_lens -> indices): at one wave of blocks they are the kernel's start-up time. The caller
+// synchronises before reading `rows`.
 template <int THREADS>
-__device__ __forceinline__ void resolve_split_rows(const SparseMlaParams& p, int seq, int seq_len, const int* idx_row,
-                                                   int first, int count, int* rows) {
-    for (int r = threadIdx.x; r < count; r += THREADS) {
-        const int slot = first + r;
-        rows[r] = slot < p.K ? (int)physical_row(p, seq, seq_len, idx_row[slot]) : -1;
+__device__ __forceinline__ void resolve_split_rows(const SparseMlaParams& p, int t, int first, int count, int* rows) {
+    constexpr int PER = 8;  // slots per thread and round
+    const int* idx_row = p.indices + (size_t)t * p.K;
+    const int seq = p.token_seq[t];
+    for (int round = 0; round < count; round += THREADS * PER) {
+        int idx[PER];
+#pragma unroll
+        for (int j = 0; j < PER; ++j) {
+            const int r = round + j * THREADS + threadIdx.x, slot = first + r;
+            idx[j] = r < count && slot < p.K ? idx_row[slot] : -1;
+        }
+        // Pages first, then every block-table load (predicated, none inside a branch), then the rows.
+        int2 page[PER];
+#pragma unroll
+        for (int j = 0; j < PER; ++j) page[j] = page_of(max(idx[j], 0), p.block_size);
+        const int seq_len = p.seq_lens[seq];
+        int block[PER];
+#pragma unroll
+        for (int j = 0; j < PER; ++j) {
+            const bool in_table = idx[j] >= 0 && page[j].x < p.max_blocks;
+            block[j] = in_table ? p.block_table[(size_t)seq * p.max_blocks + page[j].x] : -1;
+        }
+#pragma unroll
+        for (int j = 0; j < PER; ++j) {
+            const int r = round + j * THREADS + threadIdx.x;
+            if (r < count) rows[r] = block[j] >= 0 && idx[j] < seq_len ? block[j] * p.block_size + page[j].y : -1;
+        }
     }
 }
