@@ -83,6 +83,7 @@ __device__ __forceinline__ void sparse_mla_bf16_body(const SparseMlaParams& p) {
     int* rows_s = reinterpret_cast<int*>(l_s + HT * KW * 16);     // physical row of every slot of the split
                                                                   // (the launcher sizes it)
 
+    const int seq = p.token_seq[t];  // first used by resolve_split_rows: its latency hides behind Q's copies
     const int2 tiles = split_tiles(p, split, BN);
     const int tile_begin = tiles.x, tile_count = tiles.y;
     const bf16* kv = static_cast<const bf16*>(p.kv);
@@ -106,7 +107,7 @@ __device__ __forceinline__ void sparse_mla_bf16_body(const SparseMlaParams& p) {
     zero_padding(ks);
     if constexpr (!Q_ALIASED) zero_padding(ks + BN * ld);
     // Every slot of the split resolved up front.
-    resolve_split_rows<THREADS>(p, t, tile_begin * BN, tile_count * BN, rows_s);
+    resolve_split_rows<THREADS>(p, t, seq, tile_begin * BN, tile_count * BN, rows_s);
     __syncthreads();
 
     // One cp.async group per tile (empty past the split's end). A warp copies whole rows: lane c moves

@@ -39,15 +39,15 @@ __device__ __forceinline__ int2 split_tiles(const SparseMlaParams& p, int split,
 
 // The physical row of every slot of a split of token t's top-k (`count` slots from `first`; past K: -1)
 // into `rows`, by `threads` threads, with the loads' latencies overlapped: a thread issues its (up to) eight
-// index loads before the token's sequence number is needed, then the sequence length and the eight
-// block-table loads together. Two global latencies in a row instead of one dependent chain per slot (or per
-// token_seq -> seq_lens -> indices): at one wave of blocks they are the kernel's start-up time. The caller
-// synchronises before reading `rows`.
+// index loads, then the sequence length and the eight block-table loads together. `seq` (token_seq[t]) is
+// loaded by the caller early and first used here. Two global latencies in a row instead of one dependent
+// chain per slot (or token_seq -> seq_lens before anything else): at one wave of blocks they are the
+// kernel's start-up time. The caller synchronises before reading `rows`.
 template <int THREADS>
-__device__ __forceinline__ void resolve_split_rows(const SparseMlaParams& p, int t, int first, int count, int* rows) {
+__device__ __forceinline__ void resolve_split_rows(const SparseMlaParams& p, int t, int seq, int first, int count,
+                                                   int* rows) {
     constexpr int PER = 8;  // slots per thread and round
     const int* idx_row = p.indices + (size_t)t * p.K;
-    const int seq = p.token_seq[t];
     for (int round = 0; round < count; round += THREADS * PER) {
         int idx[PER];
 #pragma unroll

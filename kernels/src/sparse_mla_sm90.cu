@@ -88,6 +88,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_wgmma_dv512_
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int group = tid / 128, gtid = tid % 128, wg_warp = gtid / 32;  // warpgroup, its thread and warp
     const int split = blockIdx.x, h0 = blockIdx.y * HEADS, t = blockIdx.z;
+    const int seq = p.token_seq[t];  // first used by resolve_split_rows: its latency hides behind Q's copies
     const int2 tiles = split_tiles(p, split, BN);
     const int tile_begin = tiles.x, tile_count = tiles.y;
     const bf16* kv = static_cast<const bf16*>(p.kv);
@@ -106,7 +107,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_wgmma_dv512_
                         q + (size_t)(copy_row + 32 * half) * D + slab * 64 + copy_piece * 8, true);
     cp_async_commit();
     // Every slot of the split resolved up front.
-    resolve_split_rows<THREADS>(p, t, tile_begin * BN, tile_count * BN, rows_s);
+    resolve_split_rows<THREADS>(p, t, seq, tile_begin * BN, tile_count * BN, rows_s);
     __syncthreads();
 
     // One cp.async group per tile (empty past the split's end); row -1 is zero-filled. The thread's row of
