@@ -12,8 +12,10 @@
 //                          select over the candidates; then each segment's output offset.
 //   dsa_topk_emit          per (segment, token): the segment's selected positions, in ascending order, at its
 //                          offset; rows with visible <= K get 0..visible-1 and -1 padding.
-// The top-k kernels are programmatic dependent launches: each may start while its predecessor finishes
-// and waits (griddepcontrol.wait) before reading what the predecessor wrote.
+// With GLM-5's FP8 cache (the TMA score kernel), dsa_q_prep_fp8_d128 first turns each token's Q into the
+// score kernel's f16 fragments once, instead of every score block doing it.
+// The score kernel (after dsa_q_prep) and the top-k kernels are programmatic dependent launches: each may
+// start while its predecessor finishes and waits (griddepcontrol.wait) before reading what it wrote.
 // The result is the set of the min(K, visible) highest scores, in ascending position order, -1 padded;
 // it does not depend on the order in which blocks run. A token whose sequence index is outside the block
 // table has no visible keys (all -1).
@@ -63,8 +65,15 @@ struct DsaParams {
     uint32_t* work;           // [T, 2 * score_stride + 2 * segments]: candidate pairs, segment counts, offsets
     int* indices;             // [T, K]
     int T, H, D, K, block_size, max_blocks, batch, score_stride, positions, segments;
+    uint4* q_frag;            // [T, Q_FRAG_WORDS]: Q as the TMA score kernel's fragments, by dsa_q_prep_fp8_d128
     TensorMap key_map;        // FP8 keys as a [rows, D] byte tensor, box [64 rows, D], 128-byte swizzle (TMA kernels)
 };
+
+// Per token, for the TMA score kernel (FP8 keys of 128, up to 2 tiles of 16 heads): each warp's f16 A
+// fragments of Q scaled into f16's range, [tile][k16 step][lane] (16 bytes each, the order a warp loads them
+// in), then the factor that undoes the scale.
+constexpr int Q_FRAG_TILES = 2, Q_FRAG_STEPS = 128 / 16;
+constexpr int Q_FRAG_WORDS = Q_FRAG_TILES * Q_FRAG_STEPS * 32 + 1;
 
 constexpr int HIST_BITS = 11;
 constexpr int HIST_BINS = 1 << HIST_BITS;
@@ -189,6 +198,21 @@ __device__ __forceinline__ uint32_t pack_f16(float lo, float hi) {
     return *reinterpret_cast<const uint32_t*>(&h);
 }
 
+// The FP8 kernels' f16 A fragment of Q from a lane's (already scaled) values: v[r][j] = dim 4c + j of row
+// g + 8r of the 16-head tile, within one k16 step.
+__device__ __forceinline__ uint4 q_fragment_f16(const float (&v)[2][4]) {
+    return make_uint4(pack_f16(v[0][0], v[0][1]), pack_f16(v[1][0], v[1][1]), pack_f16(v[0][2], v[0][3]),
+                      pack_f16(v[1][2], v[1][3]));
+}
+
+// The factor that brings Q into f16's range for the FP8 kernels (|q| * scale < 2^15 < 65504; a power of
+// two, so exact) and the one that undoes it on a score: from the largest |q| of the token.
+__device__ __forceinline__ float2 q_scales(float amax) {
+    int e;
+    frexpf(amax, &e);  // amax < 2^e
+    return make_float2(ldexpf(1.f, 15 - e), ldexpf(1.f, e - 15));
+}
+
 // bf16 / FP8 scores. MT tiles of 16 heads (H <= 16 * MT), rows of D (a multiple of 16). TMA: FP8 rows of
 // 128 in pages of a multiple of TILE_KEYS (the launcher checks), `p` a __grid_constant__ parameter.
 template <int D, int MT, bool FP8, bool TMA>
@@ -230,20 +254,20 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
         }
         const int stage = i % STAGES, first_row = __shfl_sync(0xffffffff, rows_now, i % 32);
         if (lane == 0) {
-            fence_proxy_async_shared();  // the stage's earlier readers (and Q's cp.async) come first
+            fence_proxy_async_shared();  // the stage's earlier readers come first
             mbarrier_arrive_expect_tx(&full[stage], TILE_KEYS * (D + 4));
             tma_load_2d(stages[stage], &p.key_map, 0, first_row, &full[stage]);
             bulk_copy_to_shared(scales[stage], p.key_scales + first_row, TILE_KEYS * 4, &full[stage]);
         }
     };
 
-    // Q goes to the last stage, which the main loop first fills in its first iteration; its copy and the
-    // first tiles' copies go out before anything else, so their latency hides the set-up below.
-    // bf16 per Q row in shared memory: padded (conflict-free ldmatrix) where the stage has the room.
-    constexpr int QLD = TMA ? D : D + 8;
-    static_assert(MT * 16 * QLD * 2 <= TILE_KEYS * Tile::ROW_BYTES, "Q fits in a stage");
+    // Without TMA, Q goes to the last stage, which the main loop first fills in its first iteration; its copy
+    // and the first tiles' copies go out before anything else, so their latency hides the set-up below.
+    // bf16 per Q row in shared memory, padded (conflict-free ldmatrix).
+    constexpr int QLD = D + 8;
+    static_assert(TMA || MT * 16 * QLD * 2 <= TILE_KEYS * Tile::ROW_BYTES, "Q fits in a stage");
     bf16* q_s = reinterpret_cast<bf16*>(stages[STAGES - 1]);
-    {
+    if constexpr (!TMA) {  // with TMA, dsa_q_prep_fp8_d128 has the fragments ready
         const bf16* q = static_cast<const bf16*>(p.q) + (size_t)t * p.H * D;
         constexpr int PIECES = D / 8;  // 16-byte pieces per row
         for (int i = threadIdx.x; i < MT * 16 * PIECES; i += blockDim.x) {
@@ -268,12 +292,11 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
     }
     for (int i = threadIdx.x; i < HIST_BINS; i += blockDim.x) bins[i] = 0;
     __shared__ float warp_amax[SCORE_WARPS];
-    if constexpr (TMA) cp_async_wait<0>();  // this thread's pieces of Q (the only cp.async group)
-    else cp_async_wait<STAGES - 1>();
+    if constexpr (!TMA) cp_async_wait<STAGES - 1>();  // this thread's pieces of Q
     __syncthreads();  // everyone's
 
     float q_scale = 1.f, score_unscale = 1.f;
-    if constexpr (FP8) {
+    if constexpr (FP8 && !TMA) {
         // The largest |q|, over the block: each thread its share of the staged rows (the padding rows are 0).
         float amax = 0.f;
         for (int i = threadIdx.x; i < MT * 16 * (D / 8); i += blockDim.x) {
@@ -287,19 +310,31 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
         __syncthreads();
 #pragma unroll
         for (int w = 0; w < SCORE_WARPS; ++w) amax = fmaxf(amax, warp_amax[w]);
-        int e;
-        frexpf(amax, &e);  // amax < 2^e: scaled, |q| < 2^15 < 65504
-        q_scale = ldexpf(1.f, 15 - e);
-        score_unscale = ldexpf(1.f, e - 15);
+        const float2 scales = q_scales(amax);
+        q_scale = scales.x;
+        score_unscale = scales.y;
     }
     // A fragments of 16 heads x 16 dims. bf16: the mma's own layout (thread: dims 2c, 2c+1 and 2c+8, 2c+9).
     // f16: dims 4c..4c+3, matching the B fragments below.
     uint32_t qa[MT][KSTEPS][4];
+    if constexpr (TMA) {
+        // The prepared fragments: the tiles' copies and block-table reads above did not need them.
+        static_assert(MT <= Q_FRAG_TILES && KSTEPS == Q_FRAG_STEPS, "the prepared layout");
+        asm volatile("griddepcontrol.wait;\n" ::: "memory");  // dsa_q_prep_fp8_d128's writes
+        score_unscale = __uint_as_float(p.q_frag[(size_t)t * Q_FRAG_WORDS + Q_FRAG_TILES * Q_FRAG_STEPS * 32].x);
+    }
+    const uint4* frag = p.q_frag + (size_t)t * Q_FRAG_WORDS;
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
 #pragma unroll
         for (int k = 0; k < KSTEPS; ++k) {
-            if constexpr (FP8) {
+            if constexpr (TMA) {
+                const uint4 f = frag[(m * KSTEPS + k) * 32 + lane];
+                qa[m][k][0] = f.x;
+                qa[m][k][1] = f.y;
+                qa[m][k][2] = f.z;
+                qa[m][k][3] = f.w;
+            } else if constexpr (FP8) {
                 float v[2][4];
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
@@ -308,10 +343,11 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
 #pragma unroll
                     for (int j = 0; j < 4; ++j) v[r][j] = __bfloat162float(b[j]) * q_scale;
                 }
-                qa[m][k][0] = pack_f16(v[0][0], v[0][1]);
-                qa[m][k][1] = pack_f16(v[1][0], v[1][1]);
-                qa[m][k][2] = pack_f16(v[0][2], v[0][3]);
-                qa[m][k][3] = pack_f16(v[1][2], v[1][3]);
+                const uint4 f = q_fragment_f16(v);
+                qa[m][k][0] = f.x;
+                qa[m][k][1] = f.y;
+                qa[m][k][2] = f.z;
+                qa[m][k][3] = f.w;
             } else {
                 ldmatrix_x4(qa[m][k], q_s + (m * 16 + lane % 16) * QLD + k * 16 + (lane / 16) * 8);
             }
@@ -712,6 +748,51 @@ __device__ void quantize_fp8_impl(const T* rows, uint8_t* bytes, float* scales, 
     for (int d = lane; d < D; d += 32)
         bytes[(size_t)row * D + d] = __nv_cvt_float_to_fp8(float(x[d]) / scale, __NV_SATFINITE, __NV_E4M3);
     if (lane == 0) scales[row] = scale;
+}
+
+// Per token (one block of SCORE_WARPS warps): Q of FP8 keys of 128 as the TMA score kernel's fragments,
+// scaled into f16's range exactly as that kernel would (from the token's largest |q|), and the factor that
+// undoes the scale. Done once per token instead of by every score block; the score kernel, a programmatic
+// dependent, issues its first tiles before it waits for this.
+__device__ void q_prep_fp8_d128(const DsaParams& p) {
+    constexpr int D = 128, KSTEPS = D / 16;
+    const int t = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+    const bf16* q = static_cast<const bf16*>(p.q) + (size_t)t * p.H * D;
+    __shared__ float warp_amax[SCORE_WARPS];
+    float amax = 0.f;
+    for (int i = threadIdx.x; i < p.H * (D / 8); i += blockDim.x) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(q + (size_t)i * 8);
+        const bf16* b = reinterpret_cast<const bf16*>(&raw);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(__bfloat162float(b[j])));
+    }
+    for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, o));
+    if (lane == 0) warp_amax[warp] = amax;
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < SCORE_WARPS; ++w) amax = fmaxf(amax, warp_amax[w]);
+    const float2 scales = q_scales(amax);
+    uint4* frag = p.q_frag + (size_t)t * Q_FRAG_WORDS;
+    const int tiles = (p.H + 15) / 16;
+    for (int mk = warp; mk < tiles * KSTEPS; mk += SCORE_WARPS) {
+        const int m = mk / KSTEPS, k = mk % KSTEPS;
+        float v[2][4];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int head = m * 16 + g + 8 * r;
+            uint2 raw = make_uint2(0u, 0u);  // heads past H: zero, as the score kernel's padding rows
+            if (head < p.H) raw = *reinterpret_cast<const uint2*>(q + (size_t)head * D + k * 16 + 4 * c);
+            const bf16* b = reinterpret_cast<const bf16*>(&raw);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) v[r][j] = __bfloat162float(b[j]) * scales.x;
+        }
+        frag[(m * KSTEPS + k) * 32 + lane] = q_fragment_f16(v);
+    }
+    if (threadIdx.x == 0) frag[Q_FRAG_TILES * Q_FRAG_STEPS * 32] = make_uint4(__float_as_uint(scales.y), 0u, 0u, 0u);
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+extern "C" __global__ void __launch_bounds__(SCORE_WARPS * 32) dsa_q_prep_fp8_d128(const DsaParams p) {
+    q_prep_fp8_d128(p);
 }
 
 #define DSA_SCORES_ENTRY(D, MT)                                                                          \

@@ -622,6 +622,8 @@ mod cuda {
     const TILE_KEYS: usize = 64;
     /// Per-row histogram words: 2048 bins and the top-k kernels' slots (`HIST_STRIDE` in the .cu file).
     const HIST_STRIDE: usize = 2048 + 4;
+    /// Per-token 16-byte words of the prepared Q fragments (`Q_FRAG_WORDS` in the .cu file).
+    const Q_FRAG_WORDS: usize = 2 * 8 * 32 + 1;
     /// Positions per top-k segment (`SEG` in the .cu file).
     const SEGMENT: usize = 2048;
     const SCORE_THREADS: u32 = 128;
@@ -668,6 +670,7 @@ mod cuda {
         score_stride: i32,
         positions: i32,
         segments: i32,
+        q_frag: u64,
         key_map: TensorMap,
     }
     // SAFETY: plain-old-data with the C layout of the kernel's parameter struct.
@@ -738,25 +741,32 @@ mod cuda {
 
     /// This thread's workspace on `dev`: scores `[chunk, stride]` f32, the per-row histograms and
     /// slots `[chunk, HIST_STRIDE]` i32, which must be zero when a call starts (allocated zeroed; the
-    /// threshold kernel zeroes every row it reads), and the top-k kernels' candidate (position, score)
-    /// pairs and segment counts and offsets `[chunk, 2 * stride + 2 * segments]` u32. Per thread because candle issues work on the
-    /// per-thread default stream.
+    /// threshold kernel zeroes every row it reads), the top-k kernels' candidate (position, score)
+    /// pairs and segment counts and offsets `[chunk, 2 * stride + 2 * segments]` u32, and the prepared Q
+    /// fragments of the TMA score kernel `[chunk, 4 * Q_FRAG_WORDS]` u32. Per thread because candle issues
+    /// work on the per-thread default stream.
     fn workspace(
         dev: &CudaDevice,
         scores: usize,
         hist: usize,
         work: usize,
-    ) -> candle_core::Result<[u64; 3]> {
-        type Buffers = (CudaSlice<f32>, CudaSlice<i32>, CudaSlice<u32>);
+        q_frag: usize,
+    ) -> candle_core::Result<[u64; 4]> {
+        type Buffers = (
+            CudaSlice<f32>,
+            CudaSlice<i32>,
+            CudaSlice<u32>,
+            CudaSlice<u32>,
+        );
         thread_local! {
             static WORKSPACE: RefCell<HashMap<DeviceId, Buffers>> = RefCell::new(HashMap::new());
         }
         WORKSPACE.with(|cell| {
             let mut map = cell.borrow_mut();
             let stream = dev.cuda_stream();
-            let fits = map
-                .get(&dev.id())
-                .is_some_and(|(s, h, w)| s.len() >= scores && h.len() >= hist && w.len() >= work);
+            let fits = map.get(&dev.id()).is_some_and(|(s, h, w, q)| {
+                s.len() >= scores && h.len() >= hist && w.len() >= work && q.len() >= q_frag
+            });
             if !fits {
                 // SAFETY: every score and work word the kernels read is written by the same call first.
                 let fresh_scores = unsafe { dev.alloc::<f32>(scores.next_power_of_two()) }?;
@@ -764,15 +774,18 @@ mod cuda {
                     .alloc_zeros::<i32>(hist.next_power_of_two())
                     .map_err(cuda_err)?;
                 let fresh_work = unsafe { dev.alloc::<u32>(work.next_power_of_two()) }?;
-                map.insert(dev.id(), (fresh_scores, fresh_hist, fresh_work));
+                // SAFETY: the prepared Q is written by dsa_q_prep before the score kernel reads it.
+                let fresh_q = unsafe { dev.alloc::<u32>(q_frag.next_power_of_two().max(1)) }?;
+                map.insert(dev.id(), (fresh_scores, fresh_hist, fresh_work, fresh_q));
             }
-            let (s, h, w) = map
+            let (s, h, w, q) = map
                 .get(&dev.id())
                 .ok_or_else(|| cuda_err("dsa_indexer workspace missing"))?;
             let pointers = [
                 s.device_ptr(&stream).0,
                 h.device_ptr(&stream).0,
                 w.device_ptr(&stream).0,
+                q.device_ptr(&stream).0,
             ];
             Ok(pointers)
         })
@@ -842,11 +855,12 @@ mod cuda {
             let stride = positions.next_multiple_of(4);
             let chunk = (MAX_CHUNK_ELEMS / stride).clamp(1, t_len.max(1));
             let work_stride = 2 * stride + 2 * segments;
-            let [scores_ptr, hist_ptr, work_ptr] = workspace(
+            let [scores_ptr, hist_ptr, work_ptr, q_frag_ptr] = workspace(
                 dev,
                 chunk * stride,
                 chunk * HIST_STRIDE,
                 chunk * work_stride,
+                chunk * Q_FRAG_WORDS * 4,
             )?;
             let q_elem = self.q.dtype().size_in_bytes();
             let key_scales = match &self.scales {
@@ -869,6 +883,11 @@ mod cuda {
                 ),
             };
             let scores_fn = kernel(dev, "dsa_indexer", MODULE, &name)?;
+            let q_prep_fn = if tma {
+                Some(kernel(dev, "dsa_indexer", MODULE, "dsa_q_prep_fp8_d128")?)
+            } else {
+                None
+            };
             let [candidates_fn, threshold_fn, emit_fn] =
                 ["dsa_topk_candidates", "dsa_topk_threshold", "dsa_topk_emit"]
                     .map(|name| kernel(dev, "dsa_indexer", MODULE, name));
@@ -916,6 +935,7 @@ mod cuda {
                     score_stride: stride as i32,
                     positions: positions as i32,
                     segments: segments as i32,
+                    q_frag: q_frag_ptr,
                     key_map,
                 };
                 let tiles = positions.div_ceil(TILE_KEYS);
@@ -932,11 +952,23 @@ mod cuda {
                     shared_mem_bytes: shared as u32,
                 };
                 let before_scores = stage_event(&stream)?;
-                let mut builder = stream.launch_builder(&scores_fn);
-                builder.arg(&params);
-                // SAFETY: `params` mirrors DsaParams; every pointer in it is live for this call.
-                unsafe { builder.launch(config((score_blocks, len), SCORE_THREADS, score_smem)) }
-                    .map_err(cuda_err)?;
+                let score_config = config((score_blocks, len), SCORE_THREADS, score_smem);
+                if let Some(prep) = &q_prep_fn {
+                    // Q as the TMA score kernel's fragments, once per token; the score kernel starts its
+                    // tiles' copies before it waits for them.
+                    let mut builder = stream.launch_builder(prep);
+                    builder.arg(&params);
+                    // SAFETY: `params` mirrors DsaParams; every pointer in it is live for this call.
+                    unsafe { builder.launch(config((len, 1), SCORE_THREADS, 0)) }
+                        .map_err(cuda_err)?;
+                    // SAFETY: as above.
+                    unsafe { launch_dependent(&scores_fn, &stream, score_config, &params) }?;
+                } else {
+                    let mut builder = stream.launch_builder(&scores_fn);
+                    builder.arg(&params);
+                    // SAFETY: as above.
+                    unsafe { builder.launch(score_config) }.map_err(cuda_err)?;
+                }
                 let after_scores = stage_event(&stream)?;
                 // The top-k kernels start as their predecessor finishes and wait for its writes.
                 let top_k = [
