@@ -205,6 +205,25 @@ __device__ __forceinline__ uint4 q_fragment_f16(const float (&v)[2][4]) {
                       pack_f16(v[1][2], v[1][3]));
 }
 
+// The largest |x| of eight packed bf16 and `amax`.
+__device__ __forceinline__ float abs_max_bf16x8(uint4 raw, float amax) {
+    const bf16* b = reinterpret_cast<const bf16*>(&raw);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(__bfloat162float(b[j])));
+    return amax;
+}
+
+// The largest of every thread's `v` over a block of SCORE_WARPS warps (`warp_max`: one slot per warp; the
+// caller's warp and lane).
+__device__ __forceinline__ float block_max(float v, float* warp_max, int warp, int lane) {
+    for (int o = 16; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+    if (lane == 0) warp_max[warp] = v;
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < SCORE_WARPS; ++w) v = fmaxf(v, warp_max[w]);
+    return v;
+}
+
 // The factor that brings Q into f16's range for the FP8 kernels (|q| * scale < 2^15 < 65504; a power of
 // two, so exact) and the one that undoes it on a score: from the largest |q| of the token.
 __device__ __forceinline__ float2 q_scales(float amax) {
@@ -299,18 +318,9 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
     if constexpr (FP8 && !TMA) {
         // The largest |q|, over the block: each thread its share of the staged rows (the padding rows are 0).
         float amax = 0.f;
-        for (int i = threadIdx.x; i < MT * 16 * (D / 8); i += blockDim.x) {
-            const uint4 raw = *reinterpret_cast<const uint4*>(q_s + (i / (D / 8)) * QLD + (i % (D / 8)) * 8);
-            const bf16* b = reinterpret_cast<const bf16*>(&raw);
-#pragma unroll
-            for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(__bfloat162float(b[j])));
-        }
-        for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, o));
-        if (lane == 0) warp_amax[warp] = amax;
-        __syncthreads();
-#pragma unroll
-        for (int w = 0; w < SCORE_WARPS; ++w) amax = fmaxf(amax, warp_amax[w]);
-        const float2 scales = q_scales(amax);
+        for (int i = threadIdx.x; i < MT * 16 * (D / 8); i += blockDim.x)
+            amax = abs_max_bf16x8(*reinterpret_cast<const uint4*>(q_s + (i / (D / 8)) * QLD + (i % (D / 8)) * 8), amax);
+        const float2 scales = q_scales(block_max(amax, warp_amax, warp, lane));
         q_scale = scales.x;
         score_unscale = scales.y;
     }
@@ -760,18 +770,9 @@ __device__ void q_prep_fp8_d128(const DsaParams& p) {
     const bf16* q = static_cast<const bf16*>(p.q) + (size_t)t * p.H * D;
     __shared__ float warp_amax[SCORE_WARPS];
     float amax = 0.f;
-    for (int i = threadIdx.x; i < p.H * (D / 8); i += blockDim.x) {
-        const uint4 raw = *reinterpret_cast<const uint4*>(q + (size_t)i * 8);
-        const bf16* b = reinterpret_cast<const bf16*>(&raw);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(__bfloat162float(b[j])));
-    }
-    for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, o));
-    if (lane == 0) warp_amax[warp] = amax;
-    __syncthreads();
-#pragma unroll
-    for (int w = 0; w < SCORE_WARPS; ++w) amax = fmaxf(amax, warp_amax[w]);
-    const float2 scales = q_scales(amax);
+    for (int i = threadIdx.x; i < p.H * (D / 8); i += blockDim.x)
+        amax = abs_max_bf16x8(*reinterpret_cast<const uint4*>(q + (size_t)i * 8), amax);
+    const float2 scales = q_scales(block_max(amax, warp_amax, warp, lane));
     uint4* frag = p.q_frag + (size_t)t * Q_FRAG_WORDS;
     const int tiles = (p.H + 15) / 16;
     for (int mk = warp; mk < tiles * KSTEPS; mk += SCORE_WARPS) {
