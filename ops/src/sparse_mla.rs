@@ -422,7 +422,7 @@ pub(crate) mod limits {
     pub fn wgmma_shared_bytes(tiles_per_split: usize) -> usize {
         1024 + WGMMA_ROW_DIM * 2 * WGMMA_STAGES * TILE
             + 2 * 128 * 16 * 4
-            + 2 * 64 * TILE * 2
+            + 2 * WGMMA_HEADS * TILE * 2
             + tiles_per_split * (TILE + 1) * 4
     }
 
