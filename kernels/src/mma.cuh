@@ -1,6 +1,6 @@
 // Tensor-core and shared-memory primitives shared by glm5's kernels (sm_90 and sm_120 both have them):
-// cp.async copies, bulk copies completed on an mbarrier, ldmatrix fragment loads, mma.sync m16n8k16 bf16 and
-// f16 with f32 accumulate, e4m3 -> f16.
+// cp.async copies, bulk copies completed on an mbarrier, cluster barriers and distributed shared memory,
+// ldmatrix fragment loads, mma.sync m16n8k16 bf16 and f16 with f32 accumulate, e4m3 -> f16.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -60,6 +60,36 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const void* map, int c0, 
         "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
         ::"r"(smem_addr(dst)), "l"(map), "r"(c0), "r"(c1), "r"(smem_addr(bar))
         : "memory");
+}
+
+// Thread-block clusters (launched with a cluster dimension): every thread of every block of the cluster meets
+// here; shared-memory writes before it are visible to the cluster's reads after it.
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+// This block's rank in its cluster.
+__device__ __forceinline__ uint32_t cluster_rank() {
+    uint32_t rank;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+    return rank;
+}
+// The shared-memory address of `p` (in this block's shared memory) in the block of rank `rank`, for
+// ld_cluster_* (distributed shared memory).
+__device__ __forceinline__ uint32_t cluster_map(const void* p, uint32_t rank) {
+    uint32_t remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(smem_addr(p)), "r"(rank));
+    return remote;
+}
+__device__ __forceinline__ float ld_cluster_f32(uint32_t remote) {
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(remote) : "memory");
+    return v;
+}
+__device__ __forceinline__ float4 ld_cluster_f32x4(uint32_t remote) {
+    float4 v;
+    asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(remote) : "memory");
+    return v;
 }
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {

@@ -18,7 +18,8 @@
 //                the row maxima through shared memory, and each writes its part of P (bf16);
 //   O += P V     by value columns: warp kw accumulates columns [kw*DV/KW, (kw+1)*DV/KW).
 // So a warp's registers hold a quarter of O (of each of its tiles). With several splits each block writes a
-// normalised partial (f32) and its lse; sparse_mla_combine merges them (flash-decoding).
+// normalised partial (f32) and its lse; sparse_mla_combine merges them (flash-decoding), or, when the
+// launcher made a token's splits one thread-block cluster, they merge in distributed shared memory.
 //
 // f32 kernel: plain FMA, one block per (token, head), for full-precision runs.
 
@@ -49,6 +50,60 @@ constexpr int LDS = BN + 8;   // f32 stride of a partial-score row: float2 store
 
 // k16 steps of the row each of KW warps owns, for rows up to DV + MAX_ROPE wide.
 __host__ __device__ constexpr int q_steps(int dv, int kw) { return ((dv + MAX_ROPE + 15) / 16 + kw - 1) / kw; }
+
+// The flash-decoding merge inside a thread-block cluster: the cluster is the num_splits blocks of one
+// (token, 16-head tile), each holding its normalised partial `part_s` [16][DV] and lse `part_lse_s` [16] in
+// shared memory. Every block reads the splits' lse (distributed shared memory) and merges an interleaved
+// share of the [16][DV] outputs: out = sum_s w_s o_s / sum_s w_s, w_s = exp(lse_s - max) (as
+// sparse_mla_combine, without the partials' round trip through global memory and the second launch).
+// `weights_s`: (MAX_CLUSTER + 2) * 16 floats of scratch.
+constexpr int MAX_CLUSTER = 16;  // most blocks per cluster the launcher asks for (MAX_CLUSTER_BLOCKS, ops/src/cuda.rs)
+template <int DV, int THREADS>
+__device__ __forceinline__ void combine_in_cluster(const SparseMlaParams& p, const float* part_s,
+                                                   const float* part_lse_s, float* weights_s, int t, int h0) {
+    const int splits = p.num_splits;
+    float* total_s = weights_s + MAX_CLUSTER * 16;  // [16] sum of a row's weights
+    float* max_s = total_s + 16;                    // [16] a row's largest lse
+    cluster_sync();  // every split's partial is in its block's shared memory
+    for (int i = threadIdx.x; i < splits * 16; i += THREADS)
+        weights_s[i] = h0 + i % 16 < p.H ? ld_cluster_f32(cluster_map(part_lse_s + i % 16, i / 16)) : -INFINITY;
+    __syncthreads();
+    if (threadIdx.x < 16) {
+        const int row = threadIdx.x;
+        float m = -INFINITY, total = 0.f;
+        for (int s = 0; s < splits; ++s) m = fmaxf(m, weights_s[s * 16 + row]);
+        for (int s = 0; s < splits; ++s) {
+            const float w = m == -INFINITY ? 0.f : expf(weights_s[s * 16 + row] - m);
+            weights_s[s * 16 + row] = w;
+            total += w;
+        }
+        total_s[row] = total;
+        max_s[row] = m;
+    }
+    __syncthreads();
+    const int rank = cluster_rank();
+    constexpr int UNITS = 16 * DV / 4;  // float4 outputs of the head tile
+    for (int u = rank * THREADS + threadIdx.x; u < UNITS; u += splits * THREADS) {
+        const int row = u / (DV / 4), c4 = u % (DV / 4), head = h0 + row;
+        if (head >= p.H) continue;
+        const float* src = part_s + row * DV + 4 * c4;
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+        for (int s = 0; s < splits; ++s) {
+            const float w = weights_s[s * 16 + row];
+            const float4 v = ld_cluster_f32x4(cluster_map(src, s));
+            acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
+        }
+        const float inv = total_s[row] > 0.f ? 1.f / total_s[row] : 0.f;
+        bf16* out = static_cast<bf16*>(p.out) + ((size_t)t * p.H + head) * DV + 4 * c4;
+        *reinterpret_cast<uint32_t*>(out) = pack_bf16(acc.x * inv, acc.y * inv);
+        *reinterpret_cast<uint32_t*>(out + 2) = pack_bf16(acc.z * inv, acc.w * inv);
+    }
+    if (rank == 0 && threadIdx.x < 16 && h0 + (int)threadIdx.x < p.H)
+        p.lse[(size_t)t * p.H + h0 + threadIdx.x] =
+            total_s[threadIdx.x] > 0.f ? max_s[threadIdx.x] + logf(total_s[threadIdx.x]) : -INFINITY;
+    cluster_sync();  // no block leaves while another still reads its shared memory
+}
 
 template <int DV, int HT, int KW, int MW, int FIXED_D>
 __device__ __forceinline__ void sparse_mla_bf16_body(const SparseMlaParams& p) {
@@ -316,7 +371,12 @@ __device__ __forceinline__ void sparse_mla_bf16_body(const SparseMlaParams& p) {
     // writes itself.
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 
-    // Epilogue: the KW warps' row sums, normalise, write out / partials.
+    // Epilogue: the KW warps' row sums, normalise, write out / partials. Merged in the cluster (one 16-head
+    // tile per block): the partial and its lse go to this block's shared memory instead, the key buffers and
+    // partial scores being free once every warp is past the barrier below.
+    const bool in_cluster = HT == 1 && p.num_splits > 1 && p.cluster_combine;
+    float* part_s = reinterpret_cast<float*>(smem);  // [16][DV] this split's partial (cluster merge)
+    float* part_lse_s = sp;                          // [16]
 #pragma unroll
     for (int mw = 0; mw < MW; ++mw) {
         float* l_tile = l_s + (ht0 + mw) * KW * 16;
@@ -331,7 +391,7 @@ __device__ __forceinline__ void sparse_mla_bf16_body(const SparseMlaParams& p) {
         const float* l_tile = l_s + (ht0 + mw) * KW * 16;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            const int head = h0 + (ht0 + mw) * 16 + r0 + r * 8;
+            const int row = (ht0 + mw) * 16 + r0 + r * 8, head = h0 + row;
             if (head >= p.H) continue;
             float l = 0.f;
 #pragma unroll
@@ -344,6 +404,8 @@ __device__ __forceinline__ void sparse_mla_bf16_body(const SparseMlaParams& p) {
                 const float v0 = o_acc[mw][n][r * 2] * inv_l, v1 = o_acc[mw][n][r * 2 + 1] * inv_l;
                 if (p.num_splits == 1) {
                     *reinterpret_cast<uint32_t*>(static_cast<bf16*>(p.out) + th * DV + col) = pack_bf16(v0, v1);
+                } else if (in_cluster) {
+                    *reinterpret_cast<float2*>(part_s + row * DV + col) = make_float2(v0, v1);
                 } else {
                     float* dst = p.part_out + ((size_t)split * p.T * p.H + th) * DV + col;
                     *reinterpret_cast<float2*>(dst) = make_float2(v0, v1);
@@ -352,9 +414,14 @@ __device__ __forceinline__ void sparse_mla_bf16_body(const SparseMlaParams& p) {
             if (kw == 0 && lane % 4 == 0) {
                 const float lse = l > 0.f ? m_run[mw][r] * LN2 + logf(l) : -INFINITY;
                 if (p.num_splits == 1) p.lse[th] = lse;
+                else if (in_cluster) part_lse_s[row] = lse;
                 else p.part_lse[(size_t)split * p.T * p.H + th] = lse;
             }
         }
+    }
+    if constexpr (HT == 1) {
+        static_assert(KW * 16 * LDS >= 16 + (MAX_CLUSTER + 2) * 16, "the merge's lse and weights fit the partial scores");
+        if (in_cluster) combine_in_cluster<DV, THREADS>(p, part_s, part_lse_s, sp + 16, t, h0);
     }
 }
 

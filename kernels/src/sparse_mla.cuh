@@ -13,9 +13,10 @@ struct SparseMlaParams {
     const int* indices;      // [T, K]
     void* out;               // [T, H, DV]          (num_splits == 1)
     float* lse;              // [T, H]              (num_splits == 1)
-    float* part_out;         // [splits, T, H, DV]  (num_splits > 1)
-    float* part_lse;         // [splits, T, H]      (num_splits > 1)
+    float* part_out;         // [splits, T, H, DV]  (num_splits > 1, not combined in a cluster)
+    float* part_lse;         // [splits, T, H]      (num_splits > 1, not combined in a cluster)
     int T, H, D, DV, K, block_size, max_blocks, num_splits, tiles_per_split;
+    int cluster_combine;     // 1: a token's splits are one thread-block cluster and merge in shared memory
     float scale;             // softmax scale
 };
 

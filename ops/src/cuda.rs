@@ -57,8 +57,13 @@ struct Loaded {
     modules: HashMap<(DeviceId, &'static str), Arc<CudaModule>>,
     functions: HashMap<(DeviceId, &'static str), HashMap<String, CudaFunction>>,
     resident: HashMap<(DeviceId, &'static str), HashMap<String, usize>>,
+    /// `resident_clusters`' answers, by function name, then (threads, dynamic shared memory).
+    clusters: HashMap<(DeviceId, &'static str), HashMap<String, ClustersBySize>>,
     devices: HashMap<DeviceId, DeviceInfo>,
 }
+
+/// Clusters at once per cluster size, by (threads, dynamic shared memory) of a launch.
+type ClustersBySize = HashMap<(u32, u32), Vec<usize>>;
 
 fn loaded() -> &'static Mutex<Loaded> {
     static LOADED: OnceLock<Mutex<Loaded>> = OnceLock::new();
@@ -202,6 +207,91 @@ pub(crate) fn describe(
     })
 }
 
+/// Most blocks per thread-block cluster the launchers ask for: 16 is a non-portable size, which
+/// `resident_clusters` says whether the device schedules.
+pub(crate) const MAX_CLUSTER_BLOCKS: usize = 16;
+
+/// For each cluster size c in 0..=MAX_CLUSTER_BLOCKS, how many clusters of c blocks of function `name`
+/// (`threads` threads, `smem` bytes of dynamic shared memory) the device runs at once, from the driver's
+/// occupancy calculator: 0 where it cannot form them (and for c < 2). Cached like the functions.
+pub(crate) fn resident_clusters(
+    dev: &CudaDevice,
+    (module, image): (&'static str, &'static [u8]),
+    name: &str,
+    threads: u32,
+    smem: u32,
+) -> candle_core::Result<Vec<usize>> {
+    if let Some(counts) = loaded()
+        .lock()
+        .map_err(cuda_err)?
+        .clusters
+        .get(&(dev.id(), module))
+        .and_then(|by_name| by_name.get(name))
+        .and_then(|by_size| by_size.get(&(threads, smem)))
+    {
+        return Ok(counts.clone());
+    }
+    let func = kernel(dev, module, image, name)?;
+    let stream = dev.cuda_stream();
+    // Without this the sizes above the portable 8 are refused; a device that refuses the attribute keeps those.
+    let non_portable = func
+        .set_attribute(
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
+            1,
+        )
+        .is_ok();
+    let limit = if non_portable { MAX_CLUSTER_BLOCKS } else { 8 };
+    let mut counts = vec![0; MAX_CLUSTER_BLOCKS + 1];
+    stream.context().bind_to_thread().map_err(cuda_err)?;
+    for (size, count) in counts.iter_mut().enumerate().take(limit + 1).skip(2) {
+        let mut attribute = cluster_attribute(size as u32);
+        let config = sys::CUlaunchConfig {
+            gridDimX: size as u32,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: threads,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: smem,
+            hStream: stream.cu_stream(),
+            attrs: &mut attribute,
+            numAttrs: 1,
+        };
+        let mut clusters: std::ffi::c_int = 0;
+        // SAFETY: `config` and its one attribute live across the call; `func` is a loaded function.
+        let status = unsafe {
+            sys::cuOccupancyMaxActiveClusters(&mut clusters, func.cu_function(), &config)
+        };
+        // An error (no cluster support, a size over the device's limit) means this size cannot be used.
+        *count = if status.result().is_ok() {
+            clusters.max(0) as usize
+        } else {
+            0
+        };
+    }
+    loaded()
+        .lock()
+        .map_err(cuda_err)?
+        .clusters
+        .entry((dev.id(), module))
+        .or_default()
+        .entry(name.to_string())
+        .or_default()
+        .insert((threads, smem), counts.clone());
+    Ok(counts)
+}
+
+/// The launch attribute that groups blocks along x into clusters of `blocks`.
+fn cluster_attribute(blocks: u32) -> sys::CUlaunchAttribute {
+    // SAFETY: an all-zero launch attribute is valid; the id and its value are set right after.
+    let mut attribute: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attribute.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    attribute.value.clusterDim.x = blocks;
+    attribute.value.clusterDim.y = 1;
+    attribute.value.clusterDim.z = 1;
+    attribute
+}
+
 /// Launches `func` as a programmatic dependent of the previous launch on `stream`: its blocks may be
 /// scheduled while that kernel's last blocks finish, hiding the launch gap; the kernel waits for the
 /// previous grid's writes itself (`griddepcontrol.wait`).
@@ -219,6 +309,37 @@ pub(crate) unsafe fn launch_dependent<P: DeviceRepr>(
     let mut attribute: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
     attribute.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
     attribute.value.programmaticStreamSerializationAllowed = 1;
+    // SAFETY: the caller's contract above.
+    unsafe { launch_with(func, stream, cfg, attribute, params) }
+}
+
+/// Launches `func` with its blocks grouped along x into thread-block clusters of `blocks` (the grid's x
+/// dimension a multiple of it; a size `resident_clusters` found schedulable).
+///
+/// # Safety
+/// As `launch_dependent`.
+pub(crate) unsafe fn launch_cluster<P: DeviceRepr>(
+    func: &CudaFunction,
+    stream: &CudaStream,
+    cfg: LaunchConfig,
+    blocks: u32,
+    params: &P,
+) -> candle_core::Result<()> {
+    // SAFETY: the caller's contract above.
+    unsafe { launch_with(func, stream, cfg, cluster_attribute(blocks), params) }
+}
+
+/// `cuLaunchKernelEx` of `func` with one launch attribute and one parameter struct.
+///
+/// # Safety
+/// As `launch_dependent`.
+unsafe fn launch_with<P: DeviceRepr>(
+    func: &CudaFunction,
+    stream: &CudaStream,
+    cfg: LaunchConfig,
+    mut attribute: sys::CUlaunchAttribute,
+    params: &P,
+) -> candle_core::Result<()> {
     let config = sys::CUlaunchConfig {
         gridDimX: cfg.grid_dim.0,
         gridDimY: cfg.grid_dim.1,

@@ -578,7 +578,7 @@ pub fn registry_entries() -> Vec<crate::registry::Entry> {
 }
 
 #[cfg(feature = "cuda")]
-pub use cuda::set_poison_outputs;
+pub use cuda::{set_cluster_combine, set_poison_outputs};
 
 #[cfg(feature = "cuda")]
 mod cuda {
@@ -599,8 +599,8 @@ mod cuda {
 
     use super::{Bf16Kernel, PagedLatentCache};
     use crate::cuda::{
-        cuda_err, device_address, device_info, kernel, launch_dependent, DeviceInfo,
-        STATIC_SHARED_RESERVE,
+        cuda_err, device_address, device_info, kernel, launch_cluster, launch_dependent,
+        resident_clusters, DeviceInfo, STATIC_SHARED_RESERVE,
     };
     use crate::error::{check_shape, OpError, Result};
 
@@ -635,6 +635,13 @@ mod cuda {
     const COMBINE_COLUMNS: usize = 128;
 
     static POISON_OUTPUTS: AtomicBool = AtomicBool::new(false);
+    static CLUSTER_COMBINE: AtomicBool = AtomicBool::new(true);
+
+    /// Whether the mma.sync kernel may merge a token's splits inside a thread-block cluster (the default;
+    /// tests turn it off to run the combine kernel instead).
+    pub fn set_cluster_combine(on: bool) {
+        CLUSTER_COMBINE.store(on, Ordering::Relaxed);
+    }
 
     /// Tests: fill every output buffer with NaN bytes before the kernels run, so an element they forget
     /// to write shows up.
@@ -691,6 +698,7 @@ mod cuda {
         max_blocks: i32,
         num_splits: i32,
         tiles_per_split: i32,
+        cluster_combine: i32,
         scale: f32,
     }
     // SAFETY: plain-old-data with the C layout of the kernel's parameter struct.
@@ -853,6 +861,14 @@ mod cuda {
         None
     }
 
+    /// How a launch splits each token's top-k: tiles per split, and whether the splits of a token merge
+    /// inside a thread-block cluster (else through the combine kernel).
+    #[derive(Clone, Copy, Debug)]
+    struct Split {
+        per: usize,
+        cluster: bool,
+    }
+
     /// Flash-decoding: split the top-k of `tiles` tiles when `blocks` blocks alone would leave SMs idle.
     /// The split minimises waves x (tiles per block + a block's fixed cost in tiles: Q, index and
     /// block-table loads, the epilogue) -- a last, partly filled wave costs a whole one -- preferring fewer
@@ -908,7 +924,11 @@ mod cuda {
             );
             let func = kernel_fn(dev, WGMMA_MODULE, "sparse_mla_wgmma_dv512_d576")?;
             let smem = wgmma_shared_bytes(per.max(MAX_TILES_PER_SPLIT));
-            return launch_split(dev, params, &func, (groups, 256, smem), tiles, per);
+            let split = Split {
+                per,
+                cluster: false,
+            };
+            return launch_split(dev, params, &func, (groups, 256, smem), tiles, split);
         }
 
         let warps_per_tile = warps_per_head_tile(value_dim);
@@ -948,7 +968,27 @@ mod cuda {
         let func = kernel_fn(dev, MODULE, &name)?;
         let threads = head_tiles / head_tiles_per_warp(head_tiles) * warps_per_tile * 32;
         let smem = smem_for(per.max(MAX_TILES_PER_SPLIT));
-        launch_split(dev, params, &func, (groups, threads, smem), tiles, per)
+        // With one head tile per block (the kernel's partial then fits its key buffers), a token's splits
+        // merge inside a thread-block cluster instead of through the combine kernel, where clusters of that
+        // size take no more waves than the blocks alone. (Splitting into fewer, longer splits to make
+        // clusters possible loses: a block's copies stream at a fraction of the device's bandwidth, so a
+        // small batch needs blocks on every SM -- docs/perf.md, session 9.)
+        let (blocks, splits) = (t_len * groups, tiles.div_ceil(per));
+        let cluster = head_tiles == 1 && splits > 1 && CLUSTER_COMBINE.load(Ordering::Relaxed) && {
+            let at_once = resident_clusters(dev, MODULE, &name, threads as u32, smem as u32)?
+                .get(splits)
+                .copied()
+                .unwrap_or(0);
+            at_once > 0 && blocks.div_ceil(at_once) <= (blocks * splits).div_ceil(resident)
+        };
+        launch_split(
+            dev,
+            params,
+            &func,
+            (groups, threads, smem),
+            tiles,
+            Split { per, cluster },
+        )
     }
 
     /// Function `name` of one of this op's modules (`sparse_mla.cu` or `sparse_mla_sm90.cu`).
@@ -961,16 +1001,18 @@ mod cuda {
     }
 
     /// Launches `func` over (splits, head groups, tokens) blocks of `threads` threads and `smem` bytes of
-    /// shared memory, `per` of the `tiles` top-k tiles per split; several splits write f32 partials that
-    /// the combine kernel (a programmatic dependent launch) merges.
+    /// shared memory, `split.per` of the `tiles` top-k tiles per split. Several splits merge in their
+    /// cluster (`split.cluster`: one cluster per token and head group) or write f32 partials that the
+    /// combine kernel (a programmatic dependent launch) merges.
     fn launch_split(
         dev: &CudaDevice,
         params: &mut Params,
         func: &CudaFunction,
         (groups, threads, smem): (usize, usize, usize),
         tiles: usize,
-        per: usize,
+        split: Split,
     ) -> candle_core::Result<()> {
+        let per = split.per;
         let stream = dev.cuda_stream();
         let (t_len, heads, value_dim) = (params.t as usize, params.h as usize, params.dv as usize);
         let splits = tiles.div_ceil(per);
@@ -993,6 +1035,11 @@ mod cuda {
             builder.arg(&*params);
             // SAFETY: `params` mirrors SparseMlaParams; every pointer in it is live for this call.
             return unsafe { builder.launch(cfg) }.map(|_| ()).map_err(cuda_err);
+        }
+        if split.cluster {
+            params.cluster_combine = 1;
+            // SAFETY: as above; the grid's x dimension is the cluster's size.
+            return unsafe { launch_cluster(func, &stream, cfg, splits as u32, params) };
         }
         let partial_out = splits * t_len * heads * value_dim;
         let partial_lse = splits * t_len * heads;

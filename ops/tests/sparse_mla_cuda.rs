@@ -5,8 +5,8 @@
 
 use candle_core::{DType, Device, Tensor};
 use glm5_ops::{
-    set_poison_outputs, sparse_mla, sparse_mla_cuda_wgmma, sparse_mla_paged_with, Bf16Kernel,
-    DeviceDesc, DeviceFamily, OpError, PagedLatentCache,
+    set_cluster_combine, set_poison_outputs, sparse_mla, sparse_mla_cuda_wgmma,
+    sparse_mla_paged_with, Bf16Kernel, DeviceDesc, DeviceFamily, OpError, PagedLatentCache,
 };
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -217,9 +217,10 @@ fn check(p: &Problem, dtype: DType, dv: usize, label: &str) {
     check_kernel(p, dtype, dv, label, Bf16Kernel::MmaSync);
 }
 
+/// `kernel` on the GPU against the CPU f32 reference; the mma.sync kernel both with its splits merged in a
+/// thread-block cluster (where its launcher picks that) and by the combine kernel.
 fn check_kernel(p: &Problem, dtype: DType, dv: usize, label: &str, kernel: Bf16Kernel) {
     let scale = (p.d as f64).powf(-0.5);
-    let (out, lse) = run(p, dtype, dv, scale, &gpu(), kernel);
     let reference = Bf16Kernel::Fastest; // ignored on the CPU
     let (out_ref, lse_ref) = run(
         &rounded(p, dtype),
@@ -234,10 +235,21 @@ fn check_kernel(p: &Problem, dtype: DType, dv: usize, label: &str, kernel: Bf16K
     } else {
         (1e-5, 1e-5)
     };
-    let (e_out, e_lse) = (relative_error(&out, &out_ref), lse_error(&lse, &lse_ref));
-    println!("{label}: out rel {e_out:.2e}, lse {e_lse:.2e}");
-    assert!(e_out <= tol_out, "{label}: out relative error {e_out}");
-    assert!(e_lse <= tol_lse, "{label}: lse error {e_lse}");
+    let merges: &[bool] = if kernel == Bf16Kernel::MmaSync {
+        &[true, false]
+    } else {
+        &[true]
+    };
+    for &cluster in merges {
+        set_cluster_combine(cluster);
+        let (out, lse) = run(p, dtype, dv, scale, &gpu(), kernel);
+        set_cluster_combine(true);
+        let (e_out, e_lse) = (relative_error(&out, &out_ref), lse_error(&lse, &lse_ref));
+        let label = format!("{label} (cluster merge allowed: {cluster})");
+        println!("{label}: out rel {e_out:.2e}, lse {e_lse:.2e}");
+        assert!(e_out <= tol_out, "{label}: out relative error {e_out}");
+        assert!(e_lse <= tol_lse, "{label}: lse error {e_lse}");
+    }
 }
 
 #[test]
