@@ -57,7 +57,8 @@ __host__ __device__ constexpr int q_steps(int dv, int kw) { return ((dv + MAX_RO
 // share of the [16][DV] outputs: out = sum_s w_s o_s / sum_s w_s, w_s = exp(lse_s - max) (as
 // sparse_mla_combine, without the partials' round trip through global memory and the second launch).
 // `weights_s`: (MAX_CLUSTER + 2) * 16 floats of scratch.
-constexpr int MAX_CLUSTER = 16;  // most blocks per cluster the launcher asks for (MAX_CLUSTER_BLOCKS, ops/src/cuda.rs)
+// Most blocks per cluster the launcher asks for (MAX_CLUSTER_BLOCKS in ops/src/cuda.rs).
+constexpr int MAX_CLUSTER = 16;
 template <int DV, int THREADS>
 __device__ __forceinline__ void combine_in_cluster(const SparseMlaParams& p, const float* part_s,
                                                    const float* part_lse_s, float* weights_s, int t, int h0) {
@@ -420,7 +421,8 @@ __device__ __forceinline__ void sparse_mla_bf16_body(const SparseMlaParams& p) {
         }
     }
     if constexpr (HT == 1) {
-        static_assert(KW * 16 * LDS >= 16 + (MAX_CLUSTER + 2) * 16, "the merge's lse and weights fit the partial scores");
+        static_assert(KW * 16 * LDS >= 16 + (MAX_CLUSTER + 2) * 16,
+                      "the merge's lse and weights fit in the partial scores' region");
         if (in_cluster) combine_in_cluster<DV, THREADS>(p, part_s, part_lse_s, sp + 16, t, h0);
     }
 }

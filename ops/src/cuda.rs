@@ -233,7 +233,7 @@ pub(crate) fn resident_clusters(
     }
     let func = kernel(dev, module, image, name)?;
     let stream = dev.cuda_stream();
-    // Without this the sizes above the portable 8 are refused; a device that refuses the attribute keeps those.
+    // Sizes above the portable 8 need this opt-in; where the device refuses it, only sizes up to 8 are tried.
     let non_portable = func
         .set_attribute(
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
