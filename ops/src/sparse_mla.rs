@@ -617,6 +617,10 @@ mod cuda {
     const BLOCK_COST_IN_TILES: usize = 2;
     /// The same for the wgmma kernel, whose blocks also load 64 heads of Q (two tiles' bytes).
     const WGMMA_BLOCK_COST_IN_TILES: usize = 3;
+    /// Most splits merged in a thread-block cluster. On the H200 clusters of 2 merge faster than the combine
+    /// kernel (B128/H16 102 -> 93 µs), of 4 as fast, of 16 2.5-3.5 µs slower even as a first level before the
+    /// combine (docs/perf.md, session 9).
+    const MAX_MERGE_CLUSTER: usize = 4;
     /// Value widths with a 64-head instantiation.
     const WIDE_VALUE_DIMS: [usize; 3] = [128, 256, 512];
 
@@ -968,19 +972,22 @@ mod cuda {
         let func = kernel_fn(dev, MODULE, &name)?;
         let threads = head_tiles / head_tiles_per_warp(head_tiles) * warps_per_tile * 32;
         let smem = smem_for(per.max(MAX_TILES_PER_SPLIT));
-        // With one head tile per block (the kernel's partial then fits its key buffers), a token's splits
-        // merge inside a thread-block cluster instead of through the combine kernel, where clusters of that
-        // size take no more waves than the blocks alone. (Splitting into fewer, longer splits to make
+        // With one head tile per block (the kernel's partial then fits its key buffers), a token's few
+        // splits merge inside a thread-block cluster instead of through the combine kernel, where clusters
+        // of that size take no more waves than the blocks alone. (Splitting into fewer, longer splits to make
         // clusters possible loses: a block's copies stream at a fraction of the device's bandwidth, so a
         // small batch needs blocks on every SM -- docs/perf.md, session 9.)
         let (blocks, splits) = (t_len * groups, tiles.div_ceil(per));
-        let cluster = head_tiles == 1 && splits > 1 && CLUSTER_COMBINE.load(Ordering::Relaxed) && {
-            let at_once = resident_clusters(dev, MODULE, &name, threads as u32, smem as u32)?
-                .get(splits)
-                .copied()
-                .unwrap_or(0);
-            at_once > 0 && blocks.div_ceil(at_once) <= (blocks * splits).div_ceil(resident)
-        };
+        let cluster = head_tiles == 1
+            && (2..=MAX_MERGE_CLUSTER).contains(&splits)
+            && CLUSTER_COMBINE.load(Ordering::Relaxed)
+            && {
+                let at_once = resident_clusters(dev, MODULE, &name, threads as u32, smem as u32)?
+                    .get(splits)
+                    .copied()
+                    .unwrap_or(0);
+                at_once > 0 && blocks.div_ceil(at_once) <= (blocks * splits).div_ceil(resident)
+            };
         launch_split(
             dev,
             params,
