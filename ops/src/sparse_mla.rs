@@ -432,6 +432,105 @@ pub(crate) mod limits {
     }
 }
 
+/// How the bf16 launchers divide each token's top-k among blocks and merge the parts (pure, so it is
+/// tested without a GPU).
+#[cfg(any(feature = "cuda", test))]
+pub(crate) mod split_policy {
+    use super::limits::{MAX_SPLITS, MAX_TILES_PER_SPLIT};
+
+    /// Most splits merged in a thread-block cluster. On the H200 clusters of 2 merge faster than the
+    /// combine kernel (B128/H16 102 -> 93 µs), of 4 as fast, of 16 2.5-3.5 µs slower, even as a first
+    /// level before the combine (docs/perf.md, session 9).
+    pub const MAX_MERGE_CLUSTER: usize = 4;
+
+    /// Flash-decoding: split the top-k of `tiles` tiles when `blocks` blocks alone would leave SMs idle.
+    /// The split minimises waves x (tiles per block + a block's fixed cost in tiles: Q, index and
+    /// block-table loads, the epilogue) -- a last, partly filled wave costs a whole one -- preferring fewer
+    /// splits (less to combine; one split needs no combine at all). `resident`: blocks the device runs at
+    /// once. A block resolves its split's rows up front, so `fits(tiles per split)` says whether its row
+    /// table fits in shared memory.
+    pub fn tiles_per_split(
+        tiles: usize,
+        blocks: usize,
+        resident: usize,
+        block_cost: usize,
+        fits: impl Fn(usize) -> bool,
+    ) -> usize {
+        (1..=tiles.min(MAX_SPLITS))
+            .map(|splits| tiles.div_ceil(splits))
+            .filter(|&per| fits(per))
+            .min_by_key(|&per| {
+                (blocks * tiles.div_ceil(per)).div_ceil(resident) * (per + block_cost)
+            })
+            .unwrap_or(MAX_TILES_PER_SPLIT)
+    }
+
+    /// Whether a token's `splits` splits are few enough to merge in one thread-block cluster.
+    pub fn cluster_may_merge(splits: usize) -> bool {
+        (2..=MAX_MERGE_CLUSTER).contains(&splits)
+    }
+
+    /// Whether `blocks` clusters of `splits` blocks, `at_once` of which the device runs together, take no
+    /// more waves than the same blocks launched alone (`resident` at once).
+    pub fn cluster_keeps_waves(
+        splits: usize,
+        blocks: usize,
+        resident: usize,
+        at_once: usize,
+    ) -> bool {
+        at_once > 0 && blocks.div_ceil(at_once) <= (blocks * splits).div_ceil(resident)
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        /// GLM-5's top-k 2048 = 64 tiles of 32 keys, 2 blocks per SM of the H200's 132, a block's fixed
+        /// cost of 2 tiles, every split size fitting.
+        fn glm5_split(blocks: usize) -> usize {
+            tiles_per_split(64, blocks, 264, 2, |_| true)
+        }
+
+        #[test]
+        fn small_batches_split_until_the_device_is_full() {
+            // Batch 1: 64 one-tile blocks (1 + 2 tiles' time) beat 32 two-tile ones (2 + 2).
+            assert_eq!(glm5_split(1), 1);
+            // Batch 8: 32 splits = 256 blocks, one wave of two-tile blocks; 64 splits would need two waves.
+            assert_eq!(glm5_split(8), 2);
+            // Batch 64: 4 splits = 256 blocks of 16 tiles; 2 splits (128 blocks of 32) cost 34 > 18.
+            assert_eq!(glm5_split(64), 16);
+            // Batch 128: 2 splits = 256 blocks, one wave of 32 tiles (34) against one split's 66.
+            assert_eq!(glm5_split(128), 32);
+            // Batch 512: one split, two waves of 66 (132), against 2 splits' four waves of 34 (136).
+            assert_eq!(glm5_split(512), 64);
+        }
+
+        #[test]
+        fn split_size_respects_the_row_table() {
+            // A row table of at most 8 tiles: batch 128 takes 8 splits of 8 tiles instead of 2 of 32.
+            assert_eq!(tiles_per_split(64, 128, 264, 2, |per| per <= 8), 8);
+            // Nothing fits: the largest split the registry assumes.
+            assert_eq!(
+                tiles_per_split(64, 1, 264, 2, |_| false),
+                MAX_TILES_PER_SPLIT
+            );
+        }
+
+        #[test]
+        fn clusters_merge_a_few_splits_without_adding_waves() {
+            assert!(!cluster_may_merge(1));
+            assert!(cluster_may_merge(2) && cluster_may_merge(MAX_MERGE_CLUSTER));
+            assert!(!cluster_may_merge(MAX_MERGE_CLUSTER + 1));
+            // 128 tokens x 2 splits: 256 blocks are one wave of 264; 132 clusters of 2 at once keep it one.
+            assert!(cluster_keeps_waves(2, 128, 264, 132));
+            // ... 60 clusters at once would take three waves.
+            assert!(!cluster_keeps_waves(2, 128, 264, 60));
+            // A size the device cannot form.
+            assert!(!cluster_keeps_waves(2, 128, 264, 0));
+        }
+    }
+}
+
 /// Why a kernel that needs `needed` bytes of shared memory per block (described by `needs`) cannot run on
 /// `device`; nothing on a CPU (the device match already rules a kernel out there).
 fn shared_memory_reason(
@@ -611,16 +710,13 @@ mod cuda {
         BF16_VALUE_DIMS, MAX_ROPE, MAX_SPLITS, MAX_TILES_PER_SPLIT, TILE, WGMMA_HEADS,
         WGMMA_ROW_DIM, WGMMA_VALUE_DIM,
     };
+    use super::split_policy::{cluster_keeps_waves, cluster_may_merge, tiles_per_split};
 
     /// A block's fixed cost in tiles' time, for the split choice (measured on the H200: one-tile blocks take
     /// about three tiles' time).
     const BLOCK_COST_IN_TILES: usize = 2;
     /// The same for the wgmma kernel, whose blocks also load 64 heads of Q (two tiles' bytes).
     const WGMMA_BLOCK_COST_IN_TILES: usize = 3;
-    /// Most splits merged in a thread-block cluster. On the H200 clusters of 2 merge faster than the combine
-    /// kernel (B128/H16 102 -> 93 µs), of 4 as fast, of 16 2.5-3.5 µs slower even as a first level before the
-    /// combine (docs/perf.md, session 9).
-    const MAX_MERGE_CLUSTER: usize = 4;
     /// Value widths with a 64-head instantiation.
     const WIDE_VALUE_DIMS: [usize; 3] = [128, 256, 512];
 
@@ -873,27 +969,6 @@ mod cuda {
         cluster: bool,
     }
 
-    /// Flash-decoding: split the top-k of `tiles` tiles when `blocks` blocks alone would leave SMs idle.
-    /// The split minimises waves x (tiles per block + a block's fixed cost in tiles: Q, index and
-    /// block-table loads, the epilogue) -- a last, partly filled wave costs a whole one -- preferring fewer
-    /// splits (less to combine; one split needs no combine at all). A block resolves its split's rows up
-    /// front, so `fits(tiles per split)` says whether its row table fits in shared memory.
-    fn tiles_per_split(
-        tiles: usize,
-        blocks: usize,
-        resident: usize,
-        block_cost: usize,
-        fits: impl Fn(usize) -> bool,
-    ) -> usize {
-        (1..=tiles.min(MAX_SPLITS))
-            .map(|splits| tiles.div_ceil(splits))
-            .filter(|&per| fits(per))
-            .min_by_key(|&per| {
-                (blocks * tiles.div_ceil(per)).div_ceil(resident) * (per + block_cost)
-            })
-            .unwrap_or(MAX_TILES_PER_SPLIT)
-    }
-
     /// Launches the bf16 kernel `kernel` picks (the split of the top-k, and the combine when there are
     /// several).
     fn launch_bf16(
@@ -979,14 +1054,11 @@ mod cuda {
         // small batch needs blocks on every SM -- docs/perf.md, session 9.)
         let (blocks, splits) = (t_len * groups, tiles.div_ceil(per));
         let cluster = head_tiles == 1
-            && (2..=MAX_MERGE_CLUSTER).contains(&splits)
+            && cluster_may_merge(splits)
             && CLUSTER_COMBINE.load(Ordering::Relaxed)
             && {
-                let at_once = resident_clusters(dev, MODULE, &name, threads as u32, smem as u32)?
-                    .get(splits)
-                    .copied()
-                    .unwrap_or(0);
-                at_once > 0 && blocks.div_ceil(at_once) <= (blocks * splits).div_ceil(resident)
+                let at_once = resident_clusters(dev, MODULE, &name, threads as u32, smem as u32)?;
+                cluster_keeps_waves(splits, blocks, resident, at_once[splits])
             };
         launch_split(
             dev,
