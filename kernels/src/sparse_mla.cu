@@ -57,7 +57,8 @@ __host__ __device__ constexpr int q_steps(int dv, int kw) { return ((dv + MAX_RO
 // share of the [16][DV] outputs: out = sum_s w_s o_s / sum_s w_s, w_s = exp(lse_s - max) (as
 // sparse_mla_combine, without the partials' round trip through global memory and the second launch).
 // `weights_s`: (MAX_CLUSTER + 2) * 16 floats of scratch.
-// Most blocks per cluster the launcher asks for (MAX_CLUSTER_BLOCKS in ops/src/cuda.rs).
+// Most blocks per cluster the merge's scratch holds: at least the launcher's MAX_MERGE_CLUSTER
+// (ops/src/sparse_mla.rs).
 constexpr int MAX_CLUSTER = 16;
 template <int DV, int THREADS>
 __device__ __forceinline__ void combine_in_cluster(const SparseMlaParams& p, const float* part_s,

@@ -207,11 +207,11 @@ pub(crate) fn describe(
     })
 }
 
-/// Most blocks per thread-block cluster the launchers ask for: 16 is a non-portable size, which
-/// `resident_clusters` says whether the device schedules.
-pub(crate) const MAX_CLUSTER_BLOCKS: usize = 16;
+/// The largest thread-block cluster every cluster-capable device supports (the portable size); the
+/// launchers ask for no more, so no function needs the non-portable opt-in.
+pub(crate) const PORTABLE_CLUSTER_BLOCKS: usize = 8;
 
-/// For each cluster size c in 0..=MAX_CLUSTER_BLOCKS, how many clusters of c blocks of function `name`
+/// For each cluster size c in 0..=PORTABLE_CLUSTER_BLOCKS, how many clusters of c blocks of function `name`
 /// (`threads` threads, `smem` bytes of dynamic shared memory) the device runs at once, from the driver's
 /// occupancy calculator: 0 where it cannot form them (and for c < 2). Cached like the functions.
 pub(crate) fn resident_clusters(
@@ -233,17 +233,9 @@ pub(crate) fn resident_clusters(
     }
     let func = kernel(dev, module, image, name)?;
     let stream = dev.cuda_stream();
-    // Sizes above the portable 8 need this opt-in; where the device refuses it, only sizes up to 8 are tried.
-    let non_portable = func
-        .set_attribute(
-            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
-            1,
-        )
-        .is_ok();
-    let limit = if non_portable { MAX_CLUSTER_BLOCKS } else { 8 };
-    let mut counts = vec![0; MAX_CLUSTER_BLOCKS + 1];
+    let mut counts = vec![0; PORTABLE_CLUSTER_BLOCKS + 1];
     stream.context().bind_to_thread().map_err(cuda_err)?;
-    for (size, count) in counts.iter_mut().enumerate().take(limit + 1).skip(2) {
+    for (size, count) in counts.iter_mut().enumerate().skip(2) {
         let mut attribute = cluster_attribute(size as u32);
         let config = sys::CUlaunchConfig {
             gridDimX: size as u32,
@@ -262,7 +254,7 @@ pub(crate) fn resident_clusters(
         let status = unsafe {
             sys::cuOccupancyMaxActiveClusters(&mut clusters, func.cu_function(), &config)
         };
-        // An error (no cluster support, a size over the device's limit) means this size cannot be used.
+        // An error (no cluster support) means this size cannot be used.
         *count = if status.result().is_ok() {
             clusters.max(0) as usize
         } else {

@@ -699,8 +699,9 @@ mod cuda {
     use super::{Bf16Kernel, PagedLatentCache};
     use crate::cuda::{
         cuda_err, device_address, device_info, kernel, launch_cluster, launch_dependent,
-        resident_clusters, DeviceInfo, STATIC_SHARED_RESERVE,
+        resident_clusters, DeviceInfo, PORTABLE_CLUSTER_BLOCKS, STATIC_SHARED_RESERVE,
     };
+    const _: () = assert!(super::split_policy::MAX_MERGE_CLUSTER <= PORTABLE_CLUSTER_BLOCKS);
     use crate::error::{check_shape, OpError, Result};
 
     const MODULE: (&str, &[u8]) = ("sparse_mla", glm5_kernels::SPARSE_MLA);
