@@ -518,6 +518,10 @@ __device__ void topk_candidates_impl(const DsaParams& p) {
     __shared__ int warp_sums[32];
     __shared__ int bin_s, remaining_s;
     asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the score kernel's writes
+    // The segment's scores, read together with the bins (one memory latency, not two in a row).
+    const int first = segment * SEG + threadIdx.x * SEG_ELEMS;
+    float v[SEG_ELEMS];
+    load_scores(p.scores + (size_t)t * p.score_stride, first, n, v);
 
     // The bin of the K-th largest score: thread i sums the 8 bins from the top's 8i-th down.
     static_assert(HIST_BINS == 8 * SEG_THREADS, "eight bins per thread");
@@ -544,9 +548,6 @@ __device__ void topk_candidates_impl(const DsaParams& p) {
         hist[SLOT_COUNT] = remaining_s;
     }
 
-    const int first = segment * SEG + threadIdx.x * SEG_ELEMS;
-    float v[SEG_ELEMS];
-    load_scores(p.scores + (size_t)t * p.score_stride, first, n, v);
     int above_here = 0, mine = 0;
     bool candidate[SEG_ELEMS];
 #pragma unroll
@@ -625,7 +626,7 @@ struct ThresholdShared {
 
 // The K-th largest value (ordered), the last position taken among the scores equal to it, and each
 // segment's output offset, from the row's candidates (`value(i)`: candidate i's ordered score, `position(i)`
-// its position).
+// its position) and, in sh.selected, each segment's count of scores above the threshold bin.
 template <typename Value, typename Position>
 __device__ void threshold_over(const DsaParams& p, int t, int n, Value value, Position position_of, int count,
                                uint32_t prefix, int remaining, ThresholdShared& sh) {
@@ -643,7 +644,8 @@ __device__ void threshold_over(const DsaParams& p, int t, int n, Value value, Po
     __syncthreads();
     int equal = 0;
     for (int i = threadIdx.x; i < count; i += blockDim.x) equal += value(i) == kth;
-    atomicAdd(&equal_s, equal);
+    equal = __reduce_add_sync(0xffffffff, equal);  // one shared atomic per warp, not per thread
+    if (threadIdx.x % 32 == 0) atomicAdd(&equal_s, equal);
     __syncthreads();
     // Among equal scores the lowest positions win: the remaining-th largest of ~position over them.
     uint32_t last_tied = 0xffffffffu;
@@ -654,11 +656,10 @@ __device__ void threshold_over(const DsaParams& p, int t, int n, Value value, Po
                       position_mask, take, digits, &prefix_s, &remaining_s);
         last_tied = ~position_prefix;
     }
-    // Each segment's output count: its scores above the threshold bin plus its candidates taken.
+    // Each segment's output count: its scores above the threshold bin (in `selected` already) plus its
+    // candidates taken.
     const int segments = (n + SEG - 1) / SEG;
     uint32_t* counts = segment_counts_of(p, t);
-    for (int s = threadIdx.x; s < segments; s += blockDim.x) selected[s] = counts[s];
-    __syncthreads();
     for (int i = threadIdx.x; i < count; i += blockDim.x) {
         const uint32_t u = value(i), position = position_of(i);
         if (u > kth || (u == kth && position <= last_tied)) atomicAdd(&selected[position / SEG], 1);
@@ -684,21 +685,44 @@ __device__ void topk_threshold_impl(const DsaParams& p) {
     int* hist = p.hist + (size_t)t * HIST_STRIDE;
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
     asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the candidates kernel's writes
+    // Everything the select reads, issued together before the count is known (one memory latency, not
+    // three in a row): the slots, each segment's count, and as many candidates as there could be (at most
+    // n, and the workspace row holds `score_stride` >= n of them; those past the count go unused).
+    const uint2* candidates = candidates_of(p, t);
+    const uint32_t* segment_counts = segment_counts_of(p, t);
     const int count = hist[SLOT_CANDIDATES];
     const uint32_t prefix = (uint32_t)hist[SLOT_VALUE];
     const int remaining = hist[SLOT_COUNT];
+    const int segments = (n + SEG - 1) / SEG, loaded = n > p.K ? min(n, CANDIDATES) : 0;
+    constexpr int PER_THREAD = CANDIDATES / TOPK_THREADS, SEGMENTS_PER_THREAD = MAX_SEGMENTS / TOPK_THREADS;
+    uint2 pairs[PER_THREAD];
+#pragma unroll
+    for (int j = 0; j < PER_THREAD; ++j) {
+        const int i = threadIdx.x + j * TOPK_THREADS;
+        if (i < loaded) pairs[j] = candidates[i];
+    }
+    uint32_t counts[SEGMENTS_PER_THREAD];
+#pragma unroll
+    for (int j = 0; j < SEGMENTS_PER_THREAD; ++j) {
+        const int s = threadIdx.x + j * TOPK_THREADS;
+        counts[j] = n > p.K && s < segments ? segment_counts[s] : 0u;
+    }
     __syncthreads();  // every thread has read the slots before they are reset
     // The bins and the candidate count are zero again for the next call.
     for (int i = threadIdx.x; i <= SLOT_CANDIDATES; i += blockDim.x) hist[i] = 0;
     if (n <= p.K) return;
-    const uint2* candidates = candidates_of(p, t);
     __shared__ uint32_t values[CANDIDATES], positions[CANDIDATES];
     __shared__ ThresholdShared sh;
+#pragma unroll
+    for (int j = 0; j < SEGMENTS_PER_THREAD; ++j) sh.selected[threadIdx.x + j * TOPK_THREADS] = counts[j];
     if (count <= CANDIDATES) {
-        for (int i = threadIdx.x; i < count; i += blockDim.x) {
-            const uint2 pair = candidates[i];
-            positions[i] = pair.x;
-            values[i] = pair.y;
+#pragma unroll
+        for (int j = 0; j < PER_THREAD; ++j) {
+            const int i = threadIdx.x + j * TOPK_THREADS;
+            if (i < count) {
+                positions[i] = pairs[j].x;
+                values[i] = pairs[j].y;
+            }
         }
         __syncthreads();
         threshold_over(p, t, n, [&](int i) { return values[i]; }, [&](int i) { return positions[i]; }, count, prefix,
@@ -769,10 +793,15 @@ __device__ void q_prep_fp8_d128(const DsaParams& p) {
     const int t = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
     const bf16* q = static_cast<const bf16*>(p.q) + (size_t)t * p.H * D;
     __shared__ float warp_amax[SCORE_WARPS];
+    // The token's Q, read from memory once: the fragment pass below needs the scale, i.e. every element.
+    __shared__ uint4 q_s[Q_FRAG_TILES * 16 * D / 8];
     float amax = 0.f;
-    for (int i = threadIdx.x; i < p.H * (D / 8); i += blockDim.x)
-        amax = abs_max_bf16x8(*reinterpret_cast<const uint4*>(q + (size_t)i * 8), amax);
-    const float2 scales = q_scales(block_max(amax, warp_amax, warp, lane));
+    for (int i = threadIdx.x; i < p.H * (D / 8); i += blockDim.x) {
+        const uint4 piece = *reinterpret_cast<const uint4*>(q + (size_t)i * 8);
+        q_s[i] = piece;
+        amax = abs_max_bf16x8(piece, amax);
+    }
+    const float2 scales = q_scales(block_max(amax, warp_amax, warp, lane));  // also the barrier for q_s
     uint4* frag = p.q_frag + (size_t)t * Q_FRAG_WORDS;
     const int tiles = (p.H + 15) / 16;
     for (int mk = warp; mk < tiles * KSTEPS; mk += SCORE_WARPS) {
@@ -782,7 +811,7 @@ __device__ void q_prep_fp8_d128(const DsaParams& p) {
         for (int r = 0; r < 2; ++r) {
             const int head = m * 16 + g + 8 * r;
             uint2 raw = make_uint2(0u, 0u);  // heads past H: zero, as the score kernel's padding rows
-            if (head < p.H) raw = *reinterpret_cast<const uint2*>(q + (size_t)head * D + k * 16 + 4 * c);
+            if (head < p.H) raw = reinterpret_cast<const uint2*>(q_s)[(head * D + k * 16 + 4 * c) / 4];
             const bf16* b = reinterpret_cast<const bf16*>(&raw);
 #pragma unroll
             for (int j = 0; j < 4; ++j) v[r][j] = __bfloat162float(b[j]) * scales.x;
