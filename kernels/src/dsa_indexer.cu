@@ -792,6 +792,8 @@ __device__ void q_prep_fp8_d128(const DsaParams& p) {
     constexpr int D = 128, KSTEPS = D / 16;
     const int t = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
     const bf16* q = static_cast<const bf16*>(p.q) + (size_t)t * p.H * D;
+    // The score kernel may launch at once: it issues its first tiles, then waits for this grid to complete.
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
     __shared__ float warp_amax[SCORE_WARPS];
     // The token's Q, read from memory once: the fragment pass below needs the scale, i.e. every element.
     __shared__ uint4 q_s[Q_FRAG_TILES * 16 * D / 8];
@@ -819,7 +821,6 @@ __device__ void q_prep_fp8_d128(const DsaParams& p) {
         frag[(m * KSTEPS + k) * 32 + lane] = q_fragment_f16(v);
     }
     if (threadIdx.x == 0) frag[Q_FRAG_TILES * Q_FRAG_STEPS * 32] = make_uint4(__float_as_uint(scales.y), 0u, 0u, 0u);
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 }
 extern "C" __global__ void __launch_bounds__(SCORE_WARPS * 32) dsa_q_prep_fp8_d128(const DsaParams p) {
     q_prep_fp8_d128(p);
