@@ -237,18 +237,12 @@ pub(crate) fn resident_clusters(
     stream.context().bind_to_thread().map_err(cuda_err)?;
     for (size, count) in counts.iter_mut().enumerate().skip(2) {
         let mut attribute = cluster_attribute(size as u32);
-        let config = sys::CUlaunchConfig {
-            gridDimX: size as u32,
-            gridDimY: 1,
-            gridDimZ: 1,
-            blockDimX: threads,
-            blockDimY: 1,
-            blockDimZ: 1,
-            sharedMemBytes: smem,
-            hStream: stream.cu_stream(),
-            attrs: &mut attribute,
-            numAttrs: 1,
+        let cfg = LaunchConfig {
+            grid_dim: (size as u32, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: smem,
         };
+        let config = driver_config(&cfg, &stream, &mut attribute);
         let mut clusters: std::ffi::c_int = 0;
         // SAFETY: `config` and its one attribute live across the call; `func` is a loaded function.
         let status = unsafe {
@@ -271,6 +265,26 @@ pub(crate) fn resident_clusters(
         .or_default()
         .insert((threads, smem), counts.clone());
     Ok(counts)
+}
+
+/// The driver's form of `cfg` on `stream` with one launch attribute (which must outlive the result's use).
+fn driver_config(
+    cfg: &LaunchConfig,
+    stream: &CudaStream,
+    attribute: &mut sys::CUlaunchAttribute,
+) -> sys::CUlaunchConfig {
+    sys::CUlaunchConfig {
+        gridDimX: cfg.grid_dim.0,
+        gridDimY: cfg.grid_dim.1,
+        gridDimZ: cfg.grid_dim.2,
+        blockDimX: cfg.block_dim.0,
+        blockDimY: cfg.block_dim.1,
+        blockDimZ: cfg.block_dim.2,
+        sharedMemBytes: cfg.shared_mem_bytes,
+        hStream: stream.cu_stream(),
+        attrs: attribute,
+        numAttrs: 1,
+    }
 }
 
 /// The launch attribute that groups blocks along x into clusters of `blocks`.
@@ -332,18 +346,7 @@ unsafe fn launch_with<P: DeviceRepr>(
     mut attribute: sys::CUlaunchAttribute,
     params: &P,
 ) -> candle_core::Result<()> {
-    let config = sys::CUlaunchConfig {
-        gridDimX: cfg.grid_dim.0,
-        gridDimY: cfg.grid_dim.1,
-        gridDimZ: cfg.grid_dim.2,
-        blockDimX: cfg.block_dim.0,
-        blockDimY: cfg.block_dim.1,
-        blockDimZ: cfg.block_dim.2,
-        sharedMemBytes: cfg.shared_mem_bytes,
-        hStream: stream.cu_stream(),
-        attrs: &mut attribute,
-        numAttrs: 1,
-    };
+    let config = driver_config(&cfg, stream, &mut attribute);
     let mut args = [params as *const P as *mut std::ffi::c_void];
     stream.context().bind_to_thread().map_err(cuda_err)?;
     // SAFETY: the caller's contract above.
