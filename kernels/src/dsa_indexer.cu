@@ -97,9 +97,15 @@ __device__ __forceinline__ uint32_t ordered(float v) {
 
 // Keys token t may see: none when its sequence index is not a row of the block table; counts are clamped to
 // 0 .. positions (the bound the workspace and the grid were sized for; counts on the device are not checked
-// by the host). Both loads are issued together (neither waits for the other).
+// by the host). Both loads are issued together: as plain loads the compiler sank the count's into the
+// branch on the sequence index, one memory latency after the other (seen in the score kernel's SASS).
+__device__ __forceinline__ int load_now(const int* address) {
+    int v;
+    asm volatile("ld.global.s32 %0, [%1];" : "=r"(v) : "l"(address));
+    return v;
+}
 __device__ __forceinline__ int visible_keys(const DsaParams& p, int t) {
-    const int seq = p.token_seq[t], visible = p.visible[t];
+    const int seq = load_now(p.token_seq + t), visible = load_now(p.visible + t);
     return seq >= 0 && seq < p.batch ? min(max(visible, 0), p.positions) : 0;
 }
 
