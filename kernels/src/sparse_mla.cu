@@ -42,6 +42,15 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// The log-sum-exp merge of splits (or warps) shared by every merge below: a part's weight relative to the
+// largest lse, and the merged lse from that largest and the weights' total (no rows at all: -inf).
+__device__ __forceinline__ float split_weight(float lse, float max_lse) {
+    return max_lse == -INFINITY ? 0.f : expf(lse - max_lse);
+}
+__device__ __forceinline__ float merged_lse(float max_lse, float total) {
+    return total > 0.f ? max_lse + logf(total) : -INFINITY;
+}
+
 // Dynamic shared memory of the bf16 kernel (mirrored by the launcher).
 __host__ __device__ constexpr int row_stride(int d) { return (d + 15) / 16 * 16 + ROW_PAD; }
 
@@ -75,7 +84,7 @@ __device__ __forceinline__ void combine_in_cluster(const SparseMlaParams& p, con
         float m = -INFINITY, total = 0.f;
         for (int s = 0; s < splits; ++s) m = fmaxf(m, weights_s[s * 16 + row]);
         for (int s = 0; s < splits; ++s) {
-            const float w = m == -INFINITY ? 0.f : expf(weights_s[s * 16 + row] - m);
+            const float w = split_weight(weights_s[s * 16 + row], m);
             weights_s[s * 16 + row] = w;
             total += w;
         }
@@ -102,8 +111,7 @@ __device__ __forceinline__ void combine_in_cluster(const SparseMlaParams& p, con
         *reinterpret_cast<uint32_t*>(out + 2) = pack_bf16(acc.z * inv, acc.w * inv);
     }
     if (rank == 0 && threadIdx.x < 16 && h0 + (int)threadIdx.x < p.H)
-        p.lse[(size_t)t * p.H + h0 + threadIdx.x] =
-            total_s[threadIdx.x] > 0.f ? max_s[threadIdx.x] + logf(total_s[threadIdx.x]) : -INFINITY;
+        p.lse[(size_t)t * p.H + h0 + threadIdx.x] = merged_lse(max_s[threadIdx.x], total_s[threadIdx.x]);
     cluster_sync();  // no block leaves while another still reads its shared memory
 }
 
@@ -452,7 +460,7 @@ __device__ void combine_impl(const SparseMlaParams& p) {
         for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, o));
         float total = 0.f;
         for (int s = lane; s < p.num_splits; s += 32) {
-            const float w = m == -INFINITY ? 0.f : expf(weights[s] - m);
+            const float w = split_weight(weights[s], m);
             weights[s] = w;
             total += w;
         }
@@ -486,7 +494,7 @@ __device__ void combine_impl(const SparseMlaParams& p) {
         *reinterpret_cast<uint32_t*>(out + 4 * c) = pack_bf16(acc.x * inv, acc.y * inv);
         *reinterpret_cast<uint32_t*>(out + 4 * c + 2) = pack_bf16(acc.z * inv, acc.w * inv);
     }
-    if (blockIdx.y == 0 && threadIdx.x == 0) p.lse[th] = total_s > 0.f ? max_s + logf(total_s) : -INFINITY;
+    if (blockIdx.y == 0 && threadIdx.x == 0) p.lse[th] = merged_lse(max_s, total_s);
 }
 
 // f32 kernel: one block of 4 warps per (token, head); each warp walks every 4th selected key with an online
@@ -528,7 +536,7 @@ __device__ void f32_impl(const SparseMlaParams& p) {
     float m_all = -INFINITY;
     for (int w = 0; w < WARPS; ++w) m_all = fmaxf(m_all, m_w[w]);
     float l_all = 0.f;
-    for (int w = 0; w < WARPS; ++w) l_all += m_w[w] == -INFINITY ? 0.f : l_w[w] * expf(m_w[w] - m_all);
+    for (int w = 0; w < WARPS; ++w) l_all += l_w[w] * split_weight(m_w[w], m_all);
     const float inv = l_all > 0.f ? 1.f / l_all : 0.f;
     const size_t th = (size_t)t * p.H + h;
     for (int d = threadIdx.x; d < DV; d += blockDim.x) {
@@ -537,7 +545,7 @@ __device__ void f32_impl(const SparseMlaParams& p) {
             if (m_w[w] != -INFINITY) acc += o_w[w * DV + d] * expf(m_w[w] - m_all);
         static_cast<float*>(p.out)[th * DV + d] = acc * inv;
     }
-    if (threadIdx.x == 0) p.lse[th] = l_all > 0.f ? m_all + logf(l_all) : -INFINITY;
+    if (threadIdx.x == 0) p.lse[th] = merged_lse(m_all, l_all);
 }
 
 // Entry points, found by name from Rust: the bf16 kernel per value width and heads per block (16 * HT), for
