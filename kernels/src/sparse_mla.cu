@@ -542,7 +542,7 @@ __device__ void f32_impl(const SparseMlaParams& p) {
     for (int d = threadIdx.x; d < DV; d += blockDim.x) {
         float acc = 0.f;
         for (int w = 0; w < WARPS; ++w)
-            if (m_w[w] != -INFINITY) acc += o_w[w * DV + d] * expf(m_w[w] - m_all);
+            if (m_w[w] != -INFINITY) acc += o_w[w * DV + d] * split_weight(m_w[w], m_all);
         static_cast<float*>(p.out)[th * DV + d] = acc * inv;
     }
     if (threadIdx.x == 0) p.lse[th] = merged_lse(m_all, l_all);

@@ -3,9 +3,10 @@
 //! register-only microkernel), all measured in the same run. Needs `--features cuda` and a GPU.
 //!
 //! `glm5-bench CONTEXT BATCH HEADS` runs one sparse_mla shape only, `glm5-bench indexer` the indexer rows
-//! only, `glm5-bench indexer CONTEXT BATCH` one indexer decode shape (e.g. under a profiler). `glm5-bench slice LAYERS` builds the first LAYERS layers of GLM-5 at their real sizes with
-//! random weights, on one GPU and split over two, and prints decode tokens/s, the bytes moved between the
-//! GPUs per token and how far the two-GPU logits are from the one-GPU ones.
+//! only, `glm5-bench indexer CONTEXT BATCH` one indexer decode shape (e.g. under a profiler).
+//! `glm5-bench slice LAYERS` builds the first LAYERS layers of GLM-5 at their real sizes with random
+//! weights, on one GPU and split over two, and prints decode tokens/s, the bytes moved between the GPUs per
+//! token and how far the two-GPU logits are from the one-GPU ones.
 //!
 //! "wall" is the median of several rounds, each round `n` back-to-back calls then a device sync: it includes
 //! the host's launch overhead, as an eager decode step pays it. "GPU" replays the same `n` calls captured in
