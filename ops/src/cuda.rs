@@ -70,6 +70,11 @@ fn loaded() -> &'static Mutex<Loaded> {
     LOADED.get_or_init(Default::default)
 }
 
+/// `f` on the cache, under its lock (released when `f` returns).
+fn with_loaded<T>(f: impl FnOnce(&mut Loaded) -> T) -> candle_core::Result<T> {
+    Ok(f(&mut *loaded().lock().map_err(cuda_err)?))
+}
+
 /// SM count, the opt-in shared memory limit and the compute capability of `dev`.
 pub(crate) fn device_info(dev: &CudaDevice) -> candle_core::Result<DeviceInfo> {
     let mut loaded = loaded().lock().map_err(cuda_err)?;
@@ -100,14 +105,10 @@ pub(crate) fn kernel(
     image: &'static [u8],
     name: &str,
 ) -> candle_core::Result<CudaFunction> {
-    if let Some(function) = loaded()
-        .lock()
-        .map_err(cuda_err)?
-        .functions
-        .get(&(dev.id(), module))
-        .and_then(|functions| functions.get(name))
+    if let Some(function) =
+        with_loaded(|l| l.functions.get(&(dev.id(), module))?.get(name).cloned())?
     {
-        return Ok(function.clone());
+        return Ok(function);
     }
     let info = device_info(dev)?;
     let mut loaded = loaded().lock().map_err(cuda_err)?;
@@ -152,26 +153,18 @@ pub(crate) fn resident_blocks(
     name: &str,
     threads: u32,
 ) -> candle_core::Result<usize> {
-    if let Some(blocks) = loaded()
-        .lock()
-        .map_err(cuda_err)?
-        .resident
-        .get(&(dev.id(), module))
-        .and_then(|resident| resident.get(name))
+    if let Some(blocks) = with_loaded(|l| l.resident.get(&(dev.id(), module))?.get(name).copied())?
     {
-        return Ok(*blocks);
+        return Ok(blocks);
     }
     let per_sm = kernel(dev, module, image, name)?
         .occupancy_max_active_blocks_per_multiprocessor(threads, 0, None)
         .map_err(cuda_err)? as usize;
     let blocks = device_info(dev)?.sms * per_sm.max(1);
-    loaded()
-        .lock()
-        .map_err(cuda_err)?
-        .resident
-        .entry((dev.id(), module))
-        .or_default()
-        .insert(name.to_string(), blocks);
+    with_loaded(|l| {
+        let by_name = l.resident.entry((dev.id(), module)).or_default();
+        by_name.insert(name.to_string(), blocks)
+    })?;
     Ok(blocks)
 }
 
@@ -221,15 +214,15 @@ pub(crate) fn resident_clusters(
     threads: u32,
     smem: u32,
 ) -> candle_core::Result<Vec<usize>> {
-    if let Some(counts) = loaded()
-        .lock()
-        .map_err(cuda_err)?
-        .clusters
-        .get(&(dev.id(), module))
-        .and_then(|by_name| by_name.get(name))
-        .and_then(|by_size| by_size.get(&(threads, smem)))
-    {
-        return Ok(counts.clone());
+    let key = (threads, smem);
+    if let Some(counts) = with_loaded(|l| {
+        l.clusters
+            .get(&(dev.id(), module))?
+            .get(name)?
+            .get(&key)
+            .cloned()
+    })? {
+        return Ok(counts);
     }
     let func = kernel(dev, module, image, name)?;
     let stream = dev.cuda_stream();
@@ -255,15 +248,13 @@ pub(crate) fn resident_clusters(
             0
         };
     }
-    loaded()
-        .lock()
-        .map_err(cuda_err)?
-        .clusters
-        .entry((dev.id(), module))
-        .or_default()
-        .entry(name.to_string())
-        .or_default()
-        .insert((threads, smem), counts.clone());
+    with_loaded(|l| {
+        let by_name = l.clusters.entry((dev.id(), module)).or_default();
+        by_name
+            .entry(name.to_string())
+            .or_default()
+            .insert(key, counts.clone())
+    })?;
     Ok(counts)
 }
 
