@@ -32,7 +32,7 @@ for step in $steps; do
       for v in $names; do
         suffix=""; [ $v = main ] || suffix=-$v
         for tool in memcheck racecheck; do
-          for t in "sparse_mla_cuda bf16_kernel prefill_tokens wgmma_kernel" "dsa_indexer_cuda selected_sets equal_scores f32_kernel fp8_quantisation crowded"; do
+          for t in "sparse_mla_cuda bf16_kernel prefill_tokens wgmma_kernel" "dsa_indexer_cuda selected_sets equal_scores f32_kernel fp8_quantisation crowded repeated"; do
             set -- $t; bin=$1$suffix; shift
             [ -x /tmp/glm5-bin/$bin ] || continue  # a variant packed without it
             GLM5_QUICK=1 timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 /tmp/glm5-bin/$bin \

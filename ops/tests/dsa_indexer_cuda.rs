@@ -255,20 +255,7 @@ fn selected_sets_match_the_reference_over_the_grid() {
             for fp8 in [false, true] {
                 // The reference reads what the kernel reads: bf16 keys, or the dequantised FP8 keys.
                 let keys = if fp8 {
-                    let cpu =
-                        Tensor::from_vec(p.keys.clone(), (p.keys.len() / DIM, DIM), &Device::Cpu)
-                            .unwrap();
-                    let (bytes, scales) = quantize_fp8(&cpu).unwrap();
-                    IndexKeys::Fp8 {
-                        bytes: &bytes,
-                        scales: &scales,
-                    }
-                    .dequantize()
-                    .unwrap()
-                    .flatten_all()
-                    .unwrap()
-                    .to_vec1::<f32>()
-                    .unwrap()
+                    dequantized_fp8(&p.keys)
                 } else {
                     bf16_keys.clone()
                 };
@@ -319,6 +306,67 @@ fn equal_scores_go_to_the_lower_position() {
     let mut short: Vec<i32> = (0..40).collect();
     short.resize(k, -1);
     assert_eq!(got[1], short);
+}
+
+/// The keys the kernel reads after FP8 quantisation (on the CPU, bit-identical to the GPU's), as f32 rows.
+fn dequantized_fp8(keys: &[f32]) -> Vec<f32> {
+    let cpu = Tensor::from_vec(keys.to_vec(), (keys.len() / DIM, DIM), &Device::Cpu).unwrap();
+    let (bytes, scales) = quantize_fp8(&cpu).unwrap();
+    IndexKeys::Fp8 {
+        bytes: &bytes,
+        scales: &scales,
+    }
+    .dequantize()
+    .unwrap()
+    .flatten_all()
+    .unwrap()
+    .to_vec1::<f32>()
+    .unwrap()
+}
+
+#[test]
+fn repeated_fp8_keys_tie_to_the_lower_positions() {
+    // FP8 keys in pages of 64 (the TMA score kernel) drawn from a few distinct vectors: each score value
+    // repeats, and the K-th one is shared by many positions, of which the lowest are taken. 40 values (~125
+    // copies each), 8 (~5000: more than the threshold kernel holds in shared memory) or one. The set must be
+    // exactly the reference's (the distinct values lie far apart compared with the kernel's rounding).
+    let device = gpu();
+    let mut rng = StdRng::seed_from_u64(23);
+    for (distinct, n, k) in [
+        (40, 5000, 2048),
+        (40, 5000, 64),
+        (8, 40_000, 2048),
+        (1, 3000, 64),
+    ] {
+        let mut p = Problem::new(&mut rng, 32, n);
+        let pool: Vec<Vec<f32>> = (0..distinct)
+            .map(|_| (0..DIM).map(|_| rng.random_range(-1.0f32..1.0)).collect())
+            .collect();
+        for row in p.keys.chunks_mut(DIM) {
+            row.copy_from_slice(&pool[rng.random_range(0..distinct)]);
+        }
+        let keys = dequantized_fp8(&p.keys);
+        let got = run(&p, true, k, &device);
+        for (t, row) in got.iter().enumerate() {
+            let scores = p.scores(t, &keys);
+            let mut order: Vec<usize> = (0..scores.len()).collect();
+            order.sort_by(|&a, &b| {
+                (scores[b] + 0.0)
+                    .total_cmp(&(scores[a] + 0.0))
+                    .then(a.cmp(&b))
+            });
+            let mut want: Vec<i32> = order[..k.min(scores.len())]
+                .iter()
+                .map(|&s| s as i32)
+                .collect();
+            want.sort();
+            want.resize(k, -1);
+            assert_eq!(
+                row, &want,
+                "{distinct} distinct keys, n {n}, K {k}, query {t}"
+            );
+        }
+    }
 }
 
 #[test]
