@@ -80,8 +80,13 @@ constexpr int HIST_BINS = 1 << HIST_BITS;
 // After a row's bins: the candidate count (zero between calls), then the selection state passed from one
 // top-k kernel to the next: the threshold bin's prefix and the count still to take from it (candidates →
 // threshold), then the K-th largest value and the last tied position taken (threshold → emit).
+// Then the fine histogram (zero between calls): the candidates' next 11 bits (20..10), by which the
+// threshold kernel narrows the K-th largest to its top 22 bits before ranking the few candidates left.
 constexpr int SLOT_CANDIDATES = HIST_BINS, SLOT_VALUE = HIST_BINS + 1, SLOT_COUNT = HIST_BINS + 2;
-constexpr int HIST_STRIDE = HIST_BINS + 4;
+constexpr int FINE_BITS = 11, FINE_BINS = 1 << FINE_BITS, FINE_SHIFT = 32 - HIST_BITS - FINE_BITS;
+constexpr int FINE_OFFSET = HIST_BINS + 4;
+constexpr int HIST_STRIDE = FINE_OFFSET + FINE_BINS;
+constexpr int FINE_LIST = 256;  // candidates in the fine bin the threshold kernel ranks by comparison
 constexpr int TILE_KEYS = 64;  // keys per shared-memory tile
 constexpr int SCORE_WARPS = 4;
 constexpr int SEG_THREADS = 256, SEG_ELEMS = 8, SEG = SEG_THREADS * SEG_ELEMS;  // positions per segment
@@ -559,10 +564,11 @@ __device__ void topk_candidates_impl(const DsaParams& p) {
 #pragma unroll
     for (int j = 0; j < SEG_ELEMS; ++j) {
         const bool valid = first + j < n;
-        const uint32_t b = ordered(v[j]) >> (32 - HIST_BITS);
+        const uint32_t u = ordered(v[j]), b = u >> (32 - HIST_BITS);
         above_here += valid && b > bin;
         candidate[j] = valid && b == bin;
         mine += candidate[j];
+        if (candidate[j]) atomicAdd(hist + FINE_OFFSET + ((u >> FINE_SHIFT) & (FINE_BINS - 1)), 1);
     }
     // One scan for both counts (each under 2^16 per segment) and one atomic per block for its candidates,
     // which go out in position order.
@@ -628,39 +634,85 @@ struct ThresholdShared {
     int remaining, equal;
     int selected[MAX_SEGMENTS];
     int warp_sums[32];
+    int fine, fine_need, fine_count, listed;  // the fine bin, how many to take from it, its count
+    uint32_t kth, last_tied;
+    uint32_t list_values[FINE_LIST], list_positions[FINE_LIST];
 };
 
 // The K-th largest value (ordered), the last position taken among the scores equal to it, and each
 // segment's output offset, from the row's candidates (`value(i)`: candidate i's ordered score, `position(i)`
-// its position) and, in sh.selected, each segment's count of scores above the threshold bin.
+// its position), in sh.selected each segment's count of scores above the threshold bin, and the fine
+// histogram's bins 2047 - 2i and 2046 - 2i in thread i (`fine_high`, `fine_low`).
 template <typename Value, typename Position>
 __device__ void threshold_over(const DsaParams& p, int t, int n, Value value, Position position_of, int count,
-                               uint32_t prefix, int remaining, ThresholdShared& sh) {
+                               uint32_t prefix, int remaining, int fine_high, int fine_low, ThresholdShared& sh) {
     int* hist = p.hist + (size_t)t * HIST_STRIDE;
     int* digits = sh.digits;
     uint32_t& prefix_s = sh.prefix;
     int &remaining_s = sh.remaining, &equal_s = sh.equal;
     int* selected = sh.selected;
     int* warp_sums = sh.warp_sums;
-    // The remaining 21 bits, 8 at a time (the first digit overlaps 3 known bits, which all match).
-    uint32_t mask = ~0u << (32 - HIST_BITS);
-    select_digits(value, count, 16, prefix, mask, remaining, digits, &prefix_s, &remaining_s);
-    const uint32_t kth = prefix;
-    if (threadIdx.x == 0) equal_s = 0;
+    // The fine bin of the K-th largest (its bits 20..10) from the fine histogram, counted from the top.
+    static_assert(FINE_BINS == 2 * TOPK_THREADS, "two fine bins per thread");
+    int fine_total;
+    const int fine_above = block_exclusive_scan<TOPK_THREADS>(fine_high + fine_low, warp_sums, fine_total);
+    if (threadIdx.x == 0) sh.listed = 0;
+    if (fine_above < remaining && fine_above + fine_high + fine_low >= remaining) {
+        const bool high = fine_above + fine_high >= remaining;
+        sh.fine = FINE_BINS - 1 - 2 * threadIdx.x - (high ? 0 : 1);
+        sh.fine_need = remaining - fine_above - (high ? 0 : fine_high);
+        sh.fine_count = high ? fine_high : fine_low;
+    }
     __syncthreads();
-    int equal = 0;
-    for (int i = threadIdx.x; i < count; i += blockDim.x) equal += value(i) == kth;
-    equal = __reduce_add_sync(0xffffffff, equal);  // one shared atomic per warp, not per thread
-    if (threadIdx.x % 32 == 0) atomicAdd(&equal_s, equal);
-    __syncthreads();
-    // Among equal scores the lowest positions win: the remaining-th largest of ~position over them.
-    uint32_t last_tied = 0xffffffffu;
-    if (equal_s > remaining) {
-        uint32_t position_prefix = 0, position_mask = 0;
-        int take = remaining;
-        select_digits([&](int i) { return value(i) == kth ? ~position_of(i) : 0u; }, count, 24, position_prefix,
-                      position_mask, take, digits, &prefix_s, &remaining_s);
-        last_tied = ~position_prefix;
+    uint32_t kth, last_tied;
+    if (sh.fine_count <= FINE_LIST) {
+        // Few candidates share the K-th's top 22 bits: rank them (higher value first, then lower position);
+        // the one of rank fine_need - 1 is the last taken.
+        const uint32_t top = (prefix >> FINE_SHIFT) | (uint32_t)sh.fine;
+        for (int i = threadIdx.x; i < count; i += blockDim.x) {
+            const uint32_t u = value(i);
+            if (u >> FINE_SHIFT == top) {
+                const int slot = atomicAdd(&sh.listed, 1);
+                sh.list_values[slot] = u;
+                sh.list_positions[slot] = position_of(i);
+            }
+        }
+        __syncthreads();
+        const int listed = sh.listed, need = sh.fine_need;
+        if ((int)threadIdx.x < listed) {
+            const uint32_t u = sh.list_values[threadIdx.x], position = sh.list_positions[threadIdx.x];
+            int rank = 0;
+            for (int j = 0; j < listed; ++j)
+                rank += sh.list_values[j] > u || (sh.list_values[j] == u && sh.list_positions[j] < position);
+            if (rank == need - 1) {
+                sh.kth = u;
+                sh.last_tied = position;
+            }
+        }
+        __syncthreads();
+        kth = sh.kth;
+        last_tied = sh.last_tied;
+    } else {
+        // The remaining 21 bits, 8 at a time (the first digit overlaps 3 known bits, which all match).
+        uint32_t mask = ~0u << (32 - HIST_BITS);
+        select_digits(value, count, 16, prefix, mask, remaining, digits, &prefix_s, &remaining_s);
+        kth = prefix;
+        if (threadIdx.x == 0) equal_s = 0;
+        __syncthreads();
+        int equal = 0;
+        for (int i = threadIdx.x; i < count; i += blockDim.x) equal += value(i) == kth;
+        equal = __reduce_add_sync(0xffffffff, equal);  // one shared atomic per warp, not per thread
+        if (threadIdx.x % 32 == 0) atomicAdd(&equal_s, equal);
+        __syncthreads();
+        // Among equal scores the lowest positions win: the remaining-th largest of ~position over them.
+        last_tied = 0xffffffffu;
+        if (equal_s > remaining) {
+            uint32_t position_prefix = 0, position_mask = 0;
+            int take = remaining;
+            select_digits([&](int i) { return value(i) == kth ? ~position_of(i) : 0u; }, count, 24, position_prefix,
+                          position_mask, take, digits, &prefix_s, &remaining_s);
+            last_tied = ~position_prefix;
+        }
     }
     // Each segment's output count: its scores above the threshold bin (in `selected` already) plus its
     // candidates taken.
@@ -713,9 +765,12 @@ __device__ void topk_threshold_impl(const DsaParams& p) {
         const int s = threadIdx.x + j * TOPK_THREADS;
         counts[j] = n > p.K && s < segments ? segment_counts[s] : 0u;
     }
+    int* fine = hist + FINE_OFFSET + FINE_BINS - 2 - 2 * threadIdx.x;  // this thread's two fine bins
+    const int2 fine_bins = *reinterpret_cast<const int2*>(fine);      // (low, high)
     __syncthreads();  // every thread has read the slots before they are reset
-    // The bins and the candidate count are zero again for the next call.
+    // The bins, the candidate count and the fine bins are zero again for the next call.
     for (int i = threadIdx.x; i <= SLOT_CANDIDATES; i += blockDim.x) hist[i] = 0;
+    *reinterpret_cast<int2*>(fine) = make_int2(0, 0);
     if (n <= p.K) return;
     __shared__ uint32_t values[CANDIDATES], positions[CANDIDATES];
     __shared__ ThresholdShared sh;
@@ -732,10 +787,10 @@ __device__ void topk_threshold_impl(const DsaParams& p) {
         }
         __syncthreads();
         threshold_over(p, t, n, [&](int i) { return values[i]; }, [&](int i) { return positions[i]; }, count, prefix,
-                       remaining, sh);
+                       remaining, fine_bins.y, fine_bins.x, sh);
     } else {  // a crowded bin: its candidates stay in global memory (L2)
         threshold_over(p, t, n, [&](int i) { return candidates[i].y; }, [&](int i) { return candidates[i].x; }, count,
-                       prefix, remaining, sh);
+                       prefix, remaining, fine_bins.y, fine_bins.x, sh);
     }
 }
 

@@ -620,8 +620,9 @@ mod cuda {
     const MODULE: &[u8] = glm5_kernels::DSA_INDEXER;
     /// Keys per score tile (`TILE_KEYS` in the .cu file): the f32 kernel's block covers one.
     const TILE_KEYS: usize = 64;
-    /// Per-row histogram words: 2048 bins and the top-k kernels' slots (`HIST_STRIDE` in the .cu file).
-    const HIST_STRIDE: usize = 2048 + 4;
+    /// Per-row histogram words: 2048 bins, the top-k kernels' slots and 2048 fine bins (`HIST_STRIDE` in
+    /// the .cu file).
+    const HIST_STRIDE: usize = 2048 + 4 + 2048;
     /// Per-token 16-byte words of the prepared Q fragments (`Q_FRAG_WORDS` in the .cu file).
     const Q_FRAG_WORDS: usize = 2 * 8 * 32 + 1;
     /// Positions per top-k segment (`SEG` in the .cu file).
