@@ -6,10 +6,13 @@
 //                          for a token with visible[t] <= K, which takes every position.
 //   dsa_topk_candidates    per (segment of 2048 positions, token): the histogram's threshold bin (the bin of
 //                          the K-th largest score), the segment's count of scores above that bin, and the
-//                          (position, score) pairs of the scores in it, appended to the row's candidate list.
+//                          (position, score) pairs of the scores in it, appended to the row's candidate list
+//                          and counted in the row's fine histogram by their next 11 bits.
 //   dsa_topk_threshold     per token: the exact K-th largest score and, when several scores equal it, the
-//                          last position taken among them (equal scores go to the lower position), by radix
-//                          select over the candidates; then each segment's output offset.
+//                          last position taken among them (equal scores go to the lower position): the fine
+//                          histogram gives the K-th's top 22 bits, and the few candidates sharing them are
+//                          ranked (radix select over the candidates when more than FINE_LIST do); then each
+//                          segment's output offset.
 //   dsa_topk_emit          per (segment, token): the segment's selected positions, in ascending order, at its
 //                          offset; rows with visible <= K get 0..visible-1 and -1 padding.
 // With GLM-5's FP8 cache (the TMA score kernel), dsa_q_prep_fp8_d128 first turns each token's Q into the
@@ -636,7 +639,10 @@ struct ThresholdShared {
     int warp_sums[32];
     int fine, fine_need, fine_count, listed;  // the fine bin, how many to take from it, its count
     uint32_t kth, last_tied;
-    uint32_t list_values[FINE_LIST], list_positions[FINE_LIST];
+    // Aligned: the rank loop reads the list in 16-byte pieces, which must not take in kth or last_tied (a
+    // read of a word another thread writes, unused, but a hazard to racecheck).
+    alignas(16) uint32_t list_values[FINE_LIST];
+    alignas(16) uint32_t list_positions[FINE_LIST];
 };
 
 // The K-th largest value (ordered), the last position taken among the scores equal to it, and each
@@ -654,9 +660,12 @@ __device__ void threshold_over(const DsaParams& p, int t, int n, Value value, Po
     int* warp_sums = sh.warp_sums;
     // The fine bin of the K-th largest (its bits 20..10) from the fine histogram, counted from the top.
     static_assert(FINE_BINS == 2 * TOPK_THREADS, "two fine bins per thread");
+    if (threadIdx.x == 0) {
+        sh.listed = 0;
+        sh.fine_count = FINE_LIST + 1;  // (no bin found: cannot happen) the radix select below
+    }
     int fine_total;
     const int fine_above = block_exclusive_scan<TOPK_THREADS>(fine_high + fine_low, warp_sums, fine_total);
-    if (threadIdx.x == 0) sh.listed = 0;
     if (fine_above < remaining && fine_above + fine_high + fine_low >= remaining) {
         const bool high = fine_above + fine_high >= remaining;
         sh.fine = FINE_BINS - 1 - 2 * threadIdx.x - (high ? 0 : 1);

@@ -42,9 +42,11 @@
 //! and the key's scale multiplies its score), `H_I <= 32` heads, `D` in {16, 32, 64, 128}; f32: an FMA
 //! kernel. The score kernel also counts each row's scores by their top 11 bits. Top-k, spread over
 //! segments of 2048 positions so that one query uses the whole GPU: each segment finds the bin of the
-//! K-th score from those counts and lists its scores in that bin; one block per query selects the
-//! K-th value exactly among them (radix select; ties to the lower position) and gives each segment
-//! its output offset; each segment then writes its selected positions in order. Scores go to an f32
+//! K-th score from those counts, lists its scores in that bin and counts them by their next 11 bits;
+//! one block per query finds the K-th value exactly among them (the finer counts narrow it to the few
+//! scores sharing its top 22 bits, ranked by value then position; a radix select where many share
+//! them; ties to the lower position) and gives each segment its output offset; each segment then
+//! writes its selected positions in order. Scores go to an f32
 //! workspace `[T_chunk, N]` and the candidates to a u32 one of the same size; queries go in chunks
 //! that keep them under [`MAX_CHUNK_ELEMS`] elements (a long prefill never holds `[T, N]`). At most
 //! 4,194,304 visible keys per query.
