@@ -95,7 +95,9 @@ constexpr int SCORE_WARPS = 4;
 constexpr int SEG_THREADS = 256, SEG_ELEMS = 8, SEG = SEG_THREADS * SEG_ELEMS;  // positions per segment
 constexpr int MAX_SEGMENTS = 2048;                                               // per row
 constexpr int TOPK_THREADS = 1024;
-constexpr int CANDIDATES = 4096;  // threshold-bin candidates the threshold kernel holds in shared memory
+// Threshold-bin candidates the threshold kernel loads before it knows their count, and the most it holds in
+// (dynamic) shared memory; more stay in global memory (L2).
+constexpr int SPECULATIVE_CANDIDATES = 4096, STAGED_CANDIDATES = 8192;
 
 // Order-preserving integer of a score: a > b  <=>  ordered(a) > ordered(b); -0.0 and 0.0 map together.
 __device__ __forceinline__ uint32_t ordered(float v) {
@@ -753,18 +755,21 @@ __device__ void topk_threshold_impl(const DsaParams& p) {
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
     asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the candidates kernel's writes
     // Everything the select reads, issued together before the count is known (one memory latency, not
-    // three in a row): the slots, each segment's count, and as many candidates as there could be (at most
-    // n, and the workspace row holds `score_stride` >= n of them; those past the count go unused).
+    // three in a row): the slots, each segment's count, and as many candidates as there could be up to
+    // SPECULATIVE_CANDIDATES (at most n, and the workspace row holds `score_stride` >= n of them; those past
+    // the count go unused). A longer row's list (~4% of its positions) loads the rest, up to
+    // STAGED_CANDIDATES, once the count is known.
     const uint2* candidates = candidates_of(p, t);
     const uint32_t* segment_counts = segment_counts_of(p, t);
     const int count = hist[SLOT_CANDIDATES];
     const uint32_t prefix = (uint32_t)hist[SLOT_VALUE];
     const int remaining = hist[SLOT_COUNT];
-    const int segments = (n + SEG - 1) / SEG, loaded = n > p.K ? min(n, CANDIDATES) : 0;
-    constexpr int PER_THREAD = CANDIDATES / TOPK_THREADS, SEGMENTS_PER_THREAD = MAX_SEGMENTS / TOPK_THREADS;
-    uint2 pairs[PER_THREAD];
+    const int segments = (n + SEG - 1) / SEG, loaded = n > p.K ? min(n, SPECULATIVE_CANDIDATES) : 0;
+    constexpr int SPECULATIVE = SPECULATIVE_CANDIDATES / TOPK_THREADS, STAGED = STAGED_CANDIDATES / TOPK_THREADS;
+    constexpr int SEGMENTS_PER_THREAD = MAX_SEGMENTS / TOPK_THREADS;
+    uint2 pairs[STAGED];
 #pragma unroll
-    for (int j = 0; j < PER_THREAD; ++j) {
+    for (int j = 0; j < SPECULATIVE; ++j) {
         const int i = threadIdx.x + j * TOPK_THREADS;
         if (i < loaded) pairs[j] = candidates[i];
     }
@@ -781,13 +786,29 @@ __device__ void topk_threshold_impl(const DsaParams& p) {
     for (int i = threadIdx.x; i <= SLOT_CANDIDATES; i += blockDim.x) hist[i] = 0;
     *reinterpret_cast<int2*>(fine) = make_int2(0, 0);
     if (n <= p.K) return;
-    __shared__ uint32_t values[CANDIDATES], positions[CANDIDATES];
+    extern __shared__ uint32_t staged[];  // [STAGED_CANDIDATES] values, then as many positions (the launcher)
+    uint32_t *values = staged, *positions = staged + STAGED_CANDIDATES;
     __shared__ ThresholdShared sh;
 #pragma unroll
     for (int j = 0; j < SEGMENTS_PER_THREAD; ++j) sh.selected[threadIdx.x + j * TOPK_THREADS] = counts[j];
-    if (count <= CANDIDATES) {
+    if (count <= STAGED_CANDIDATES) {
+        if (count > SPECULATIVE_CANDIDATES) {  // (uniform over the block)
 #pragma unroll
-        for (int j = 0; j < PER_THREAD; ++j) {
+            for (int j = SPECULATIVE; j < STAGED; ++j) {
+                const int i = threadIdx.x + j * TOPK_THREADS;
+                if (i < count) pairs[j] = candidates[i];
+            }
+#pragma unroll
+            for (int j = SPECULATIVE; j < STAGED; ++j) {
+                const int i = threadIdx.x + j * TOPK_THREADS;
+                if (i < count) {
+                    positions[i] = pairs[j].x;
+                    values[i] = pairs[j].y;
+                }
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < SPECULATIVE; ++j) {
             const int i = threadIdx.x + j * TOPK_THREADS;
             if (i < count) {
                 positions[i] = pairs[j].x;
@@ -922,7 +943,7 @@ DSA_SCORES_TMA_ENTRY(2)
 
 extern "C" __global__ void __launch_bounds__(SCORE_WARPS * 32) dsa_scores_f32(const DsaParams p) { scores_f32(p); }
 extern "C" __global__ void __launch_bounds__(SEG_THREADS) dsa_topk_candidates(const DsaParams p) { topk_candidates_impl(p); }
-extern "C" __global__ void __launch_bounds__(TOPK_THREADS) dsa_topk_threshold(const DsaParams p) { topk_threshold_impl(p); }
+extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) dsa_topk_threshold(const DsaParams p) { topk_threshold_impl(p); }
 extern "C" __global__ void __launch_bounds__(SEG_THREADS) dsa_topk_emit(const DsaParams p) { topk_emit_impl(p); }
 extern "C" __global__ void dsa_quantize_fp8_bf16(const bf16* rows, uint8_t* bytes, float* scales, int n, int D) {
     quantize_fp8_impl(rows, bytes, scales, n, D);

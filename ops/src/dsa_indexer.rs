@@ -632,6 +632,9 @@ mod cuda {
     const SCORE_THREADS: u32 = 128;
     const SEGMENT_THREADS: u32 = 256;
     const TOPK_THREADS: u32 = 1024;
+    /// Dynamic shared memory of the threshold kernel: up to 8192 staged candidates' values and positions
+    /// (`STAGED_CANDIDATES` in the .cu file).
+    const THRESHOLD_STAGE_BYTES: usize = 2 * 8192 * 4;
     use super::limits::{MMA_HEAD_DIMS, MMA_MAX_HEADS};
 
     /// Whether the mma score kernels serve `heads` heads of width `head_dim`.
@@ -979,7 +982,10 @@ mod cuda {
                 // The top-k kernels start as their predecessor finishes and wait for its writes.
                 let top_k = [
                     (&candidates_fn, config((segments, len), SEGMENT_THREADS, 0)),
-                    (&threshold_fn, config((len, 1), TOPK_THREADS, 0)),
+                    (
+                        &threshold_fn,
+                        config((len, 1), TOPK_THREADS, THRESHOLD_STAGE_BYTES),
+                    ),
                     (
                         &emit_fn,
                         config(
