@@ -94,7 +94,8 @@ constexpr int TILE_KEYS = 64;  // keys per shared-memory tile
 constexpr int SCORE_WARPS = 4;
 constexpr int SEG_THREADS = 256, SEG_ELEMS = 8, SEG = SEG_THREADS * SEG_ELEMS;  // positions per segment
 constexpr int MAX_SEGMENTS = 2048;                                               // per row
-constexpr int TOPK_THREADS = 1024;
+constexpr int TOPK_THREADS = 512;
+constexpr int FINE_PER_THREAD = FINE_BINS / TOPK_THREADS, SEGMENTS_PER_THREAD = MAX_SEGMENTS / TOPK_THREADS;
 // Threshold-bin candidates the threshold kernel loads before it knows their count, and the most it holds in
 // (dynamic) shared memory; more stay in global memory (L2).
 constexpr int SPECULATIVE_CANDIDATES = 4096, STAGED_CANDIDATES = 8192;
@@ -650,10 +651,11 @@ struct ThresholdShared {
 // The K-th largest value (ordered), the last position taken among the scores equal to it, and each
 // segment's output offset, from the row's candidates (`value(i)`: candidate i's ordered score, `position(i)`
 // its position), in sh.selected each segment's count of scores above the threshold bin, and the fine
-// histogram's bins 2047 - 2i and 2046 - 2i in thread i (`fine_high`, `fine_low`).
+// histogram's bins FINE_BINS - 1 - FINE_PER_THREAD * i - j in fine[j] of thread i.
 template <typename Value, typename Position>
 __device__ void threshold_over(const DsaParams& p, int t, int n, Value value, Position position_of, int count,
-                               uint32_t prefix, int remaining, int fine_high, int fine_low, ThresholdShared& sh) {
+                               uint32_t prefix, int remaining, const int (&fine)[FINE_PER_THREAD],
+                               ThresholdShared& sh) {
     int* hist = p.hist + (size_t)t * HIST_STRIDE;
     int* digits = sh.digits;
     uint32_t& prefix_s = sh.prefix;
@@ -661,18 +663,26 @@ __device__ void threshold_over(const DsaParams& p, int t, int n, Value value, Po
     int* selected = sh.selected;
     int* warp_sums = sh.warp_sums;
     // The fine bin of the K-th largest (its bits 20..10) from the fine histogram, counted from the top.
-    static_assert(FINE_BINS == 2 * TOPK_THREADS, "two fine bins per thread");
     if (threadIdx.x == 0) {
         sh.listed = 0;
         sh.fine_count = FINE_LIST + 1;  // (no bin found: cannot happen) the radix select below
     }
+    int fine_sum = 0;
+#pragma unroll
+    for (int j = 0; j < FINE_PER_THREAD; ++j) fine_sum += fine[j];
     int fine_total;
-    const int fine_above = block_exclusive_scan<TOPK_THREADS>(fine_high + fine_low, warp_sums, fine_total);
-    if (fine_above < remaining && fine_above + fine_high + fine_low >= remaining) {
-        const bool high = fine_above + fine_high >= remaining;
-        sh.fine = FINE_BINS - 1 - 2 * threadIdx.x - (high ? 0 : 1);
-        sh.fine_need = remaining - fine_above - (high ? 0 : fine_high);
-        sh.fine_count = high ? fine_high : fine_low;
+    int fine_above = block_exclusive_scan<TOPK_THREADS>(fine_sum, warp_sums, fine_total);
+    if (fine_above < remaining && fine_above + fine_sum >= remaining) {
+#pragma unroll
+        for (int j = 0; j < FINE_PER_THREAD; ++j) {
+            if (fine_above + fine[j] >= remaining) {
+                sh.fine = FINE_BINS - 1 - FINE_PER_THREAD * threadIdx.x - j;
+                sh.fine_need = remaining - fine_above;
+                sh.fine_count = fine[j];
+                break;
+            }
+            fine_above += fine[j];
+        }
     }
     __syncthreads();
     uint32_t kth, last_tied;
@@ -734,14 +744,20 @@ __device__ void threshold_over(const DsaParams& p, int t, int n, Value value, Po
         if (u > kth || (u == kth && position <= last_tied)) atomicAdd(&selected[position / SEG], 1);
     }
     __syncthreads();
-    static_assert(MAX_SEGMENTS == 2 * TOPK_THREADS, "two segments per thread");
-    const int s0 = 2 * threadIdx.x;
-    const int pair = (s0 < segments ? selected[s0] : 0) + (s0 + 1 < segments ? selected[s0 + 1] : 0);
+    const int s0 = SEGMENTS_PER_THREAD * threadIdx.x;  // this thread's consecutive segments
+    int mine = 0;
+#pragma unroll
+    for (int j = 0; j < SEGMENTS_PER_THREAD; ++j) mine += s0 + j < segments ? selected[s0 + j] : 0;
     int total;
-    const int offset = block_exclusive_scan<TOPK_THREADS>(pair, warp_sums, total);
+    int offset = block_exclusive_scan<TOPK_THREADS>(mine, warp_sums, total);
     uint32_t* offsets = counts + p.segments;
-    if (s0 < segments) offsets[s0] = offset;
-    if (s0 + 1 < segments) offsets[s0 + 1] = offset + selected[s0];
+#pragma unroll
+    for (int j = 0; j < SEGMENTS_PER_THREAD; ++j) {
+        if (s0 + j < segments) {
+            offsets[s0 + j] = offset;
+            offset += selected[s0 + j];
+        }
+    }
     if (threadIdx.x == 0) {
         hist[SLOT_VALUE] = (int)kth;
         hist[SLOT_COUNT] = (int)last_tied;
@@ -766,7 +782,6 @@ __device__ void topk_threshold_impl(const DsaParams& p) {
     const int remaining = hist[SLOT_COUNT];
     const int segments = (n + SEG - 1) / SEG, loaded = n > p.K ? min(n, SPECULATIVE_CANDIDATES) : 0;
     constexpr int SPECULATIVE = SPECULATIVE_CANDIDATES / TOPK_THREADS, STAGED = STAGED_CANDIDATES / TOPK_THREADS;
-    constexpr int SEGMENTS_PER_THREAD = MAX_SEGMENTS / TOPK_THREADS;
     uint2 pairs[STAGED];
 #pragma unroll
     for (int j = 0; j < SPECULATIVE; ++j) {
@@ -779,12 +794,15 @@ __device__ void topk_threshold_impl(const DsaParams& p) {
         const int s = threadIdx.x + j * TOPK_THREADS;
         counts[j] = n > p.K && s < segments ? segment_counts[s] : 0u;
     }
-    int* fine = hist + FINE_OFFSET + FINE_BINS - 2 - 2 * threadIdx.x;  // this thread's two fine bins
-    const int2 fine_bins = *reinterpret_cast<const int2*>(fine);      // (low, high)
+    // This thread's fine bins, FINE_BINS - 1 - FINE_PER_THREAD * i - j in fine[j].
+    static_assert(FINE_PER_THREAD == 4, "one 16-byte load of fine bins per thread");
+    int4* fine_bins = reinterpret_cast<int4*>(hist + FINE_OFFSET + FINE_BINS - FINE_PER_THREAD * (threadIdx.x + 1));
+    const int4 fine_loaded = *fine_bins;
+    const int fine[FINE_PER_THREAD] = {fine_loaded.w, fine_loaded.z, fine_loaded.y, fine_loaded.x};
     __syncthreads();  // every thread has read the slots before they are reset
     // The bins, the candidate count and the fine bins are zero again for the next call.
     for (int i = threadIdx.x; i <= SLOT_CANDIDATES; i += blockDim.x) hist[i] = 0;
-    *reinterpret_cast<int2*>(fine) = make_int2(0, 0);
+    *fine_bins = make_int4(0, 0, 0, 0);
     if (n <= p.K) return;
     extern __shared__ uint32_t staged[];  // [STAGED_CANDIDATES] values, then as many positions (the launcher)
     uint32_t *values = staged, *positions = staged + STAGED_CANDIDATES;
@@ -817,10 +835,10 @@ __device__ void topk_threshold_impl(const DsaParams& p) {
         }
         __syncthreads();
         threshold_over(p, t, n, [&](int i) { return values[i]; }, [&](int i) { return positions[i]; }, count, prefix,
-                       remaining, fine_bins.y, fine_bins.x, sh);
+                       remaining, fine, sh);
     } else {  // a crowded bin: its candidates stay in global memory (L2)
         threshold_over(p, t, n, [&](int i) { return candidates[i].y; }, [&](int i) { return candidates[i].x; }, count,
-                       prefix, remaining, fine_bins.y, fine_bins.x, sh);
+                       prefix, remaining, fine, sh);
     }
 }
 

@@ -631,7 +631,7 @@ mod cuda {
     const SEGMENT: usize = 2048;
     const SCORE_THREADS: u32 = 128;
     const SEGMENT_THREADS: u32 = 256;
-    const TOPK_THREADS: u32 = 1024;
+    const TOPK_THREADS: u32 = 512;
     /// Dynamic shared memory of the threshold kernel: up to 8192 staged candidates' values and positions
     /// (`STAGED_CANDIDATES` in the .cu file).
     const THRESHOLD_STAGE_BYTES: usize = 2 * 8192 * 4;
