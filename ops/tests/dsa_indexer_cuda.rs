@@ -97,17 +97,22 @@ impl Problem {
     }
 }
 
-/// Compares a kernel row with the reference scores: returns the number of positions that differ when the
-/// boundary is a near-tie (printed), and panics when it is not.
-fn check_row(label: &str, got: &[i32], scores: &[f32], k: usize) -> usize {
-    let n = scores.len();
-    let take = k.min(n);
-    let mut order: Vec<usize> = (0..n).collect();
+/// Positions by the reference's ordering: higher score first (-0.0 equal to 0.0), then lower position.
+fn reference_order(scores: &[f32]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..scores.len()).collect();
     order.sort_by(|&a, &b| {
         (scores[b] + 0.0)
             .total_cmp(&(scores[a] + 0.0))
             .then(a.cmp(&b))
     });
+    order
+}
+
+/// Compares a kernel row with the reference scores: returns the number of positions that differ when the
+/// boundary is a near-tie (printed), and panics when it is not.
+fn check_row(label: &str, got: &[i32], scores: &[f32], k: usize) -> usize {
+    let take = k.min(scores.len());
+    let order = reference_order(scores);
     let mut want: Vec<i32> = order[..take].iter().map(|&s| s as i32).collect();
     want.sort();
     let mut selected: Vec<i32> = got.iter().copied().filter(|&s| s >= 0).collect();
@@ -349,12 +354,7 @@ fn repeated_fp8_keys_tie_to_the_lower_positions() {
         let got = run(&p, true, k, &device);
         for (t, row) in got.iter().enumerate() {
             let scores = p.scores(t, &keys);
-            let mut order: Vec<usize> = (0..scores.len()).collect();
-            order.sort_by(|&a, &b| {
-                (scores[b] + 0.0)
-                    .total_cmp(&(scores[a] + 0.0))
-                    .then(a.cmp(&b))
-            });
+            let order = reference_order(&scores);
             let mut want: Vec<i32> = order[..k.min(scores.len())]
                 .iter()
                 .map(|&s| s as i32)
