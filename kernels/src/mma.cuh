@@ -1,6 +1,7 @@
 // Tensor-core and shared-memory primitives shared by glm5's kernels (sm_90 and sm_120 both have them):
 // cp.async copies, bulk copies completed on an mbarrier, cluster barriers and distributed shared memory,
-// ldmatrix fragment loads, mma.sync m16n8k16 bf16 and f16 with f32 accumulate, e4m3 -> f16.
+// ldmatrix fragment loads, movmatrix transposes, mma.sync m16n8k16 bf16 and f16 with f32 accumulate,
+// e4m3 -> f16.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -103,6 +104,15 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
 __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&r)[2], const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
                  : "=r"(r[0]), "=r"(r[1]) : "r"(smem_addr(p)));
+}
+
+// The transpose of an 8x8 b16 matrix held as an mma fragment (thread l: row l/4, columns 2(l%4), 2(l%4)+1):
+// afterwards thread l holds row l/4 of the transpose. Turns an accumulator tile into the B operand of the
+// next product without a trip through shared memory.
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
+    uint32_t y;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+    return y;
 }
 
 // c += a(16x16 bf16, row) * b(16x8 bf16, col), f32 accumulate.

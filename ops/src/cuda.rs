@@ -144,23 +144,25 @@ pub(crate) fn kernel(
     Ok(function)
 }
 
-/// How many blocks of `threads` threads (no dynamic shared memory) of function `name` the whole device holds
-/// at once, from the driver's occupancy calculator; cached like the functions.
+/// How many blocks of `threads` threads and `shared_bytes` of dynamic shared memory of function `name` the
+/// whole device holds at once (0 where one does not fit), from the driver's occupancy calculator; cached like
+/// the functions (a function is always launched with the same block size and shared memory).
 pub(crate) fn resident_blocks(
     dev: &CudaDevice,
     module: &'static str,
     image: &'static [u8],
     name: &str,
     threads: u32,
+    shared_bytes: u32,
 ) -> candle_core::Result<usize> {
     if let Some(blocks) = with_loaded(|l| l.resident.get(&(dev.id(), module))?.get(name).copied())?
     {
         return Ok(blocks);
     }
     let per_sm = kernel(dev, module, image, name)?
-        .occupancy_max_active_blocks_per_multiprocessor(threads, 0, None)
+        .occupancy_max_active_blocks_per_multiprocessor(threads, shared_bytes as usize, None)
         .map_err(cuda_err)? as usize;
-    let blocks = device_info(dev)?.sms * per_sm.max(1);
+    let blocks = device_info(dev)?.sms * per_sm;
     with_loaded(|l| {
         let by_name = l.resident.entry((dev.id(), module)).or_default();
         by_name.insert(name.to_string(), blocks)

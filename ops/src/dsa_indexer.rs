@@ -903,7 +903,7 @@ mod cuda {
             let resident = if f32_scores {
                 0
             } else {
-                resident_blocks(dev, "dsa_indexer", MODULE, &name, SCORE_THREADS)?
+                resident_blocks(dev, "dsa_indexer", MODULE, &name, SCORE_THREADS, 0)?
             };
             let (q, weights, block_table, token_seq, visible) = (
                 device_address(&self.q)?.0,

@@ -28,7 +28,7 @@ pub use registry::{
     Rejection, Serves, Verdict,
 };
 #[cfg(feature = "cuda")]
-pub use sparse_mla::{set_cluster_combine, set_poison_outputs};
+pub use sparse_mla::{set_cluster_combine, set_narrow_heads, set_poison_outputs, NarrowHeads};
 pub use sparse_mla::{
     sparse_mla, sparse_mla_cuda, sparse_mla_cuda_wgmma, sparse_mla_paged, sparse_mla_paged_with,
     sparse_mla_reference, Bf16Kernel, PagedLatentCache,

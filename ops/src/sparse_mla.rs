@@ -426,6 +426,31 @@ pub(crate) mod limits {
             + tiles_per_split * (TILE + 1) * 4
     }
 
+    /// The narrow kernel (at most 8 heads, keys as the mma's rows): heads per block, keys per warp, the row
+    /// and value widths it is instantiated for (GLM-5's), its warps per block and shared memory.
+    #[cfg(any(feature = "cuda", test))]
+    pub mod narrow {
+        pub const NARROW_KEYS: usize = 16;
+        pub const NARROW_WARPS: [usize; 3] = [8, 4, 2];
+        #[cfg(feature = "cuda")]
+        pub const NARROW_HEADS: usize = 8;
+        #[cfg(feature = "cuda")]
+        pub const NARROW_ROW_DIM: usize = 576;
+        #[cfg(feature = "cuda")]
+        pub const NARROW_VALUE_DIM: usize = 512;
+
+        /// Shared memory with `warps` warps (mirrors the .cu file): each warp's 16 rows, Q's 8 rows, each
+        /// warp's P^T fragments (32 lanes x 8 bytes) and its tile's head maxima and sums. 8 warps: 161408 B
+        /// (one block per SM on the H200; sm_120's 99 KB take 4 warps).
+        #[cfg(feature = "cuda")]
+        pub fn narrow_shared_bytes(warps: usize) -> usize {
+            let ld = NARROW_ROW_DIM.div_ceil(16) * 16 + super::ROW_PAD;
+            (warps * NARROW_KEYS + NARROW_HEADS) * ld * 2
+                + warps * 32 * 8
+                + 2 * warps * NARROW_HEADS * 4
+        }
+    }
+
     /// Shared memory of the f32 kernel: the query row, value accumulators and reduction scratch.
     pub fn f32_shared_bytes(row_dim: usize, value_dim: usize) -> usize {
         (row_dim + 4 * value_dim + 8) * 4
@@ -463,6 +488,33 @@ pub(crate) mod split_policy {
                 (blocks * tiles.div_ceil(per)).div_ceil(resident) * (per + block_cost)
             })
             .unwrap_or(MAX_TILES_PER_SPLIT)
+    }
+
+    /// Warps per block of the narrow kernel for `tokens` queries of `top_k` slots, or `None` where its grid
+    /// (one split of 16 x warps keys per block, every row copied at once) would take more than one wave or
+    /// more splits than the combine merges. `resident(warps)`: blocks of that size the device holds at once
+    /// (0 where one does not fit). Of the sizes that fit, the one leaving the fewest keys on the busiest of
+    /// the `sms` SMs (its copies are the block's time), then the fewest splits to merge, then the smallest.
+    pub fn narrow_warps(
+        tokens: usize,
+        top_k: usize,
+        sms: usize,
+        resident: impl Fn(usize) -> usize,
+    ) -> Option<usize> {
+        use super::limits::narrow::{NARROW_KEYS, NARROW_WARPS};
+        NARROW_WARPS
+            .iter()
+            .filter_map(|&warps| {
+                let keys = NARROW_KEYS * warps;
+                let splits = top_k.div_ceil(keys).max(1);
+                let blocks = tokens * splits;
+                (splits <= MAX_SPLITS && blocks <= resident(warps)).then(|| {
+                    let busiest = blocks.div_ceil(sms) * keys.min(top_k);
+                    (busiest, splits, warps)
+                })
+            })
+            .min()
+            .map(|(_, _, warps)| warps)
     }
 
     /// Whether a token's `splits` splits are few enough to merge in one thread-block cluster.
@@ -513,6 +565,31 @@ pub(crate) mod split_policy {
             assert_eq!(
                 tiles_per_split(64, 1, 264, 2, |_| false),
                 MAX_TILES_PER_SPLIT
+            );
+        }
+
+        /// The H200: 132 SMs holding 1, 2 or 4 narrow blocks of 8, 4 or 2 warps each.
+        fn h200_narrow(tokens: usize, top_k: usize) -> Option<usize> {
+            narrow_warps(tokens, top_k, 132, |warps| 132 * 8 / warps)
+        }
+
+        #[test]
+        fn narrow_blocks_fill_the_device_in_one_wave() {
+            // Batch 8, top-k 2048: every size puts 128 keys on the busiest SM; 8 warps have the fewest splits.
+            assert_eq!(h200_narrow(8, 2048), Some(8));
+            // Batch 1: 64 blocks of 32 keys spread the rows over the most SMs.
+            assert_eq!(h200_narrow(1, 2048), Some(2));
+            // Batch 3: 96 blocks of 64 keys, as few on the busiest SM as 192 of 32 and half the splits.
+            assert_eq!(h200_narrow(3, 2048), Some(4));
+            // A short top-k: one split, no combine.
+            assert_eq!(h200_narrow(8, 7), Some(2));
+            // Batch 64 would take several waves; 24,576 slots more splits than the combine merges.
+            assert_eq!(h200_narrow(64, 2048), None);
+            assert_eq!(h200_narrow(1, 24576), None);
+            // A size that does not fit the device is never picked.
+            assert_eq!(
+                narrow_warps(8, 2048, 132, |w| if w == 8 { 0 } else { 132 * 8 / w }),
+                Some(4)
             );
         }
 
@@ -677,7 +754,7 @@ pub fn registry_entries() -> Vec<crate::registry::Entry> {
 }
 
 #[cfg(feature = "cuda")]
-pub use cuda::{set_cluster_combine, set_poison_outputs};
+pub use cuda::{set_cluster_combine, set_narrow_heads, set_poison_outputs, NarrowHeads};
 
 #[cfg(feature = "cuda")]
 mod cuda {
@@ -686,7 +763,7 @@ mod cuda {
 
     use std::cell::RefCell;
     use std::collections::HashMap;
-    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     use std::sync::{Arc, Mutex};
 
     use candle_core::backend::BackendStorage;
@@ -699,19 +776,26 @@ mod cuda {
     use super::{Bf16Kernel, PagedLatentCache};
     use crate::cuda::{
         cuda_err, device_address, device_info, kernel, launch_cluster, launch_dependent,
-        resident_clusters, DeviceInfo, PORTABLE_CLUSTER_BLOCKS, STATIC_SHARED_RESERVE,
+        resident_blocks, resident_clusters, DeviceInfo, PORTABLE_CLUSTER_BLOCKS,
+        STATIC_SHARED_RESERVE,
     };
     const _: () = assert!(super::split_policy::MAX_MERGE_CLUSTER <= PORTABLE_CLUSTER_BLOCKS);
     use crate::error::{check_shape, OpError, Result};
 
     const MODULE: (&str, &[u8]) = ("sparse_mla", glm5_kernels::SPARSE_MLA);
     const WGMMA_MODULE: (&str, &[u8]) = ("sparse_mla_sm90", glm5_kernels::SPARSE_MLA_SM90);
+    use super::limits::narrow::{
+        narrow_shared_bytes, NARROW_HEADS, NARROW_KEYS, NARROW_ROW_DIM, NARROW_VALUE_DIM,
+        NARROW_WARPS,
+    };
     use super::limits::{
         bf16_shared_bytes, f32_shared_bytes, warps_per_head_tile, wgmma_shared_bytes,
         BF16_VALUE_DIMS, MAX_ROPE, MAX_SPLITS, MAX_TILES_PER_SPLIT, TILE, WGMMA_HEADS,
         WGMMA_ROW_DIM, WGMMA_VALUE_DIM,
     };
-    use super::split_policy::{cluster_keeps_waves, cluster_may_merge, tiles_per_split};
+    use super::split_policy::{
+        cluster_keeps_waves, cluster_may_merge, narrow_warps, tiles_per_split,
+    };
 
     /// A block's fixed cost in tiles' time, for the split choice (measured on the H200: one-tile blocks take
     /// about three tiles' time).
@@ -734,6 +818,40 @@ mod cuda {
     /// .cu file).
     const COMBINE_GROUPS: usize = 8;
     const COMBINE_COLUMNS: usize = 128;
+
+    /// Which kernel takes bf16 calls of at most 8 heads over GLM-5's rows (tests and benchmarks pin one).
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum NarrowHeads {
+        /// The launcher's choice: the narrow kernel where its grid is one wave (`split_policy::narrow_warps`),
+        /// else the head-tile kernel.
+        Policy,
+        /// The head-tile kernel always.
+        Off,
+        /// The narrow kernel with this many warps per block (2, 4 or 8) for every such call.
+        Warps(usize),
+    }
+
+    /// `NarrowHeads` as one word: 0 policy, 1 off, else the warps.
+    static NARROW_HEADS_CHOICE: AtomicUsize = AtomicUsize::new(0);
+
+    /// Pins the kernel for bf16 calls of at most 8 heads over GLM-5's rows ([`NarrowHeads::Policy`]: the
+    /// default).
+    pub fn set_narrow_heads(choice: NarrowHeads) {
+        let word = match choice {
+            NarrowHeads::Policy => 0,
+            NarrowHeads::Off => 1,
+            NarrowHeads::Warps(warps) => warps.max(2),
+        };
+        NARROW_HEADS_CHOICE.store(word, Ordering::Relaxed);
+    }
+
+    fn narrow_heads() -> NarrowHeads {
+        match NARROW_HEADS_CHOICE.load(Ordering::Relaxed) {
+            0 => NarrowHeads::Policy,
+            1 => NarrowHeads::Off,
+            warps => NarrowHeads::Warps(warps),
+        }
+    }
 
     static POISON_OUTPUTS: AtomicBool = AtomicBool::new(false);
     static CLUSTER_COMBINE: AtomicBool = AtomicBool::new(true);
@@ -1011,6 +1129,51 @@ mod cuda {
             return launch_split(dev, params, &func, (groups, 256, smem), tiles, split);
         }
 
+        if heads <= NARROW_HEADS && row_dim == NARROW_ROW_DIM && value_dim == NARROW_VALUE_DIM {
+            let warps = match narrow_heads() {
+                NarrowHeads::Off => None,
+                NarrowHeads::Warps(warps) => Some(warps),
+                NarrowHeads::Policy => {
+                    let mut resident = [0; NARROW_WARPS.len()];
+                    for (slot, &warps) in resident.iter_mut().zip(&NARROW_WARPS) {
+                        let smem = narrow_shared_bytes(warps);
+                        if smem <= max_smem {
+                            let name = narrow_name(warps);
+                            *slot = resident_blocks(
+                                dev,
+                                MODULE.0,
+                                MODULE.1,
+                                &name,
+                                32 * warps as u32,
+                                smem as u32,
+                            )?;
+                        }
+                    }
+                    narrow_warps(t_len, k_len, sms, |warps| {
+                        NARROW_WARPS
+                            .iter()
+                            .position(|&w| w == warps)
+                            .map_or(0, |i| resident[i])
+                    })
+                }
+            };
+            if let Some(warps) = warps {
+                let smem = narrow_shared_bytes(warps);
+                if !NARROW_WARPS.contains(&warps) || smem > max_smem {
+                    candle_core::bail!(
+                        "sparse_mla narrow kernel: {warps} warps per block (instantiated: {NARROW_WARPS:?}) need {smem} B of shared memory, the device has {max_smem}"
+                    );
+                }
+                let func = kernel_fn(dev, MODULE, &narrow_name(warps))?;
+                let split = Split {
+                    per: warps,
+                    cluster: false,
+                };
+                let tiles = k_len.div_ceil(NARROW_KEYS).max(1);
+                return launch_split(dev, params, &func, (1, 32 * warps, smem), tiles, split);
+            }
+        }
+
         let warps_per_tile = warps_per_head_tile(value_dim);
         // Many heads: four 16-head tiles per block share each key tile (a quarter of the key traffic).
         let head_tiles = if heads >= 64
@@ -1071,6 +1234,11 @@ mod cuda {
         )
     }
 
+    /// The narrow kernel's entry point with `warps` warps per block.
+    fn narrow_name(warps: usize) -> String {
+        format!("sparse_mla_narrow_dv{NARROW_VALUE_DIM}_d{NARROW_ROW_DIM}_w{warps}")
+    }
+
     /// Function `name` of one of this op's modules (`sparse_mla.cu` or `sparse_mla_sm90.cu`).
     fn kernel_fn(
         dev: &CudaDevice,
@@ -1098,9 +1266,8 @@ mod cuda {
         let splits = tiles.div_ceil(per);
         if splits > MAX_SPLITS {
             candle_core::bail!(
-                "sparse_mla: top-k {} exceeds the kernel's {} slots per query",
-                params.k,
-                MAX_SPLITS * per * TILE
+                "sparse_mla: top-k {} needs {splits} splits of {per} tiles, more than the {MAX_SPLITS} the combine merges",
+                params.k
             );
         }
         params.num_splits = splits as i32;

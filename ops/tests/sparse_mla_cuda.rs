@@ -5,8 +5,9 @@
 
 use candle_core::{DType, Device, Tensor};
 use glm5_ops::{
-    set_cluster_combine, set_poison_outputs, sparse_mla, sparse_mla_cuda_wgmma,
-    sparse_mla_paged_with, Bf16Kernel, DeviceDesc, DeviceFamily, OpError, PagedLatentCache,
+    set_cluster_combine, set_narrow_heads, set_poison_outputs, sparse_mla, sparse_mla_cuda_wgmma,
+    sparse_mla_paged_with, Bf16Kernel, DeviceDesc, DeviceFamily, NarrowHeads, OpError,
+    PagedLatentCache,
 };
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -217,8 +218,9 @@ fn check(p: &Problem, dtype: DType, dv: usize, label: &str) {
     check_kernel(p, dtype, dv, label, Bf16Kernel::MmaSync);
 }
 
-/// `kernel` on the GPU against the CPU f32 reference; the mma.sync kernel both with its splits merged in a
-/// thread-block cluster (where its launcher picks that) and by the combine kernel.
+/// `kernel` on the GPU against the CPU f32 reference; the mma.sync launcher's head-tile kernel both with its
+/// splits merged in a thread-block cluster (where its launcher picks that) and by the combine kernel, and for
+/// at most 8 heads over GLM-5's rows its narrow kernel with each block size.
 fn check_kernel(p: &Problem, dtype: DType, dv: usize, label: &str, kernel: Bf16Kernel) {
     let scale = (p.d as f64).powf(-0.5);
     let reference = Bf16Kernel::Fastest; // ignored on the CPU
@@ -235,17 +237,26 @@ fn check_kernel(p: &Problem, dtype: DType, dv: usize, label: &str, kernel: Bf16K
     } else {
         (1e-5, 1e-5)
     };
-    let merges: &[bool] = if kernel == Bf16Kernel::MmaSync {
-        &[true, false]
-    } else {
-        &[true]
-    };
-    for &cluster in merges {
+    // (narrow kernel choice, cluster merge allowed): the mma.sync launcher's paths.
+    let mut paths = vec![(NarrowHeads::Off, true)];
+    if kernel == Bf16Kernel::MmaSync {
+        paths.push((NarrowHeads::Off, false));
+        if dtype == DType::BF16 && p.h <= 8 && p.d == 576 && dv == 512 {
+            for warps in [2, 4, 8] {
+                if p.k.div_ceil(16 * warps) <= 128 {
+                    paths.push((NarrowHeads::Warps(warps), true));
+                }
+            }
+        }
+    }
+    for (narrow, cluster) in paths {
+        set_narrow_heads(narrow);
         set_cluster_combine(cluster);
         let (out, lse) = run(p, dtype, dv, scale, &gpu(), kernel);
         set_cluster_combine(true);
+        set_narrow_heads(NarrowHeads::Policy);
         let (e_out, e_lse) = (relative_error(&out, &out_ref), lse_error(&lse, &lse_ref));
-        let label = format!("{label} (cluster merge allowed: {cluster})");
+        let label = format!("{label} (narrow: {narrow:?}, cluster merge allowed: {cluster})");
         println!("{label}: out rel {e_out:.2e}, lse {e_lse:.2e}");
         assert!(e_out <= tol_out, "{label}: out relative error {e_out}");
         assert!(e_lse <= tol_lse, "{label}: lse error {e_lse}");

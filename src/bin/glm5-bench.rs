@@ -2,7 +2,8 @@
 //! and against the device's own ceilings (device-to-device copy bandwidth and the mma.sync bf16 rate of a
 //! register-only microkernel), all measured in the same run. Needs `--features cuda` and a GPU.
 //!
-//! `glm5-bench CONTEXT BATCH HEADS` runs one sparse_mla shape only, `glm5-bench indexer` the indexer rows
+//! `glm5-bench CONTEXT BATCH HEADS [KERNEL]` runs one sparse_mla shape only (one of its rows, named as in
+//! the "kernel" column, with KERNEL), `glm5-bench indexer` the indexer rows
 //! only, `glm5-bench indexer CONTEXT BATCH` one indexer decode shape (e.g. under a profiler).
 //! `glm5-bench slice LAYERS` builds the first LAYERS layers of GLM-5 at their real sizes with random
 //! weights, on one GPU and split over two, and prints decode tokens/s, the bytes moved between the GPUs per
@@ -11,9 +12,11 @@
 //! "wall" is the median of several rounds, each round `n` back-to-back calls then a device sync: it includes
 //! the host's launch overhead, as an eager decode step pays it. "GPU" replays the same `n` calls captured in
 //! a CUDA graph (as a graph-captured decode step runs them): the device's time, launch gaps included, host
-//! excluded. Throughput columns use the GPU time. sparse_mla rows name their kernel: mma.sync everywhere, and
-//! on an sm_90 GPU also wgmma where it serves (heads a multiple of 64); "vs mma" is the mma.sync row's GPU
-//! time over this row's. Inputs are random (never zeros). Back-to-back calls on
+//! excluded. Throughput columns use the GPU time. sparse_mla rows name their kernel: "mma" is the mma.sync
+//! launcher's own pick; with at most 8 heads also its head-tile kernel ("tiles") and its narrow kernel with
+//! 2, 4 and 8 warps per block ("n2", "n4", "n8"); on an sm_90 GPU also wgmma where it serves (heads a
+//! multiple of 64). "vs mma" is the "mma" row's GPU time over this row's. Inputs are random (never zeros).
+//! Back-to-back calls on
 //! the same inputs keep small problems' data in L2 (50 MB on an H200), which a decode step does not: it
 //! visits a layer's cache once per token, after every other layer. "cold" times one call with the L2
 //! emptied first (device time, CUDA events), and "%cold" is the copy-bandwidth share at that time. The
@@ -29,8 +32,8 @@ use glm5::candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use glm5::candle_core::{DType, Device, Result, Tensor};
 use glm5::ops::{
     dsa_indexer_paged, dsa_indexer_paged_device_visible, dsa_indexer_reference, quantize_fp8,
-    sparse_mla_paged_with, sparse_mla_reference, Bf16Kernel, IndexKeys, PagedIndexKeys,
-    PagedLatentCache,
+    set_narrow_heads, sparse_mla_paged_with, sparse_mla_reference, Bf16Kernel, IndexKeys,
+    NarrowHeads, PagedIndexKeys, PagedLatentCache,
 };
 
 /// GLM-5's indexer: 32 heads of 128, FP8 keys of 128 bytes + an f32 scale.
@@ -706,25 +709,37 @@ fn main() -> Result<()> {
             + batch * heads * 4
             + batch * TOP_K * 4) as f64;
         let flops = (batch * heads * TOP_K * 2 * (ROW_DIM + VALUE_DIM)) as f64;
-        let mut kernels = vec![Bf16Kernel::MmaSync];
+        // (label, kernel, narrow-kernel choice): the launcher's pick first, then the alternatives.
+        let mut kernels = vec![("mma", Bf16Kernel::MmaSync, NarrowHeads::Policy)];
+        if heads <= 8 {
+            kernels.push(("tiles", Bf16Kernel::MmaSync, NarrowHeads::Off));
+            for (label, warps) in [("n2", 2), ("n4", 4), ("n8", 8)] {
+                if TOP_K.div_ceil(16 * warps) <= 128 {
+                    kernels.push((label, Bf16Kernel::MmaSync, NarrowHeads::Warps(warps)));
+                }
+            }
+        }
         if wgmma && heads.is_multiple_of(64) {
-            kernels.push(Bf16Kernel::Wgmma);
+            kernels.push(("wgmma", Bf16Kernel::Wgmma, NarrowHeads::Policy));
+        }
+        // `glm5-bench CONTEXT BATCH HEADS LABEL`: that row only (e.g. under a profiler).
+        if let [_, _, _, wanted] = &args[..] {
+            kernels.retain(|(label, ..)| label == wanted);
         }
         let mut mma_gpu = None;
-        for kernel in kernels {
+        for (label, kernel, narrow) in kernels {
+            set_narrow_heads(narrow);
             let wall = median_seconds(&device, 7, 20, || problem.kernel(kernel))?;
             let gpu = graph_seconds(&device, 20, || problem.kernel(kernel))?;
             let cold = cold_seconds(&device, 7, || problem.kernel(kernel))?;
+            set_narrow_heads(NarrowHeads::Policy);
             let mma = *mma_gpu.get_or_insert(gpu);
             println!(
                 "{:>7} {:>5} {:>4} {:>6} | {:>8.1} {:>7.1} {:>7.1} {:>5.1}% {:>8.0} {:>6.1}% {:>8.1} {:>5.1}% {:>8.2} | {:>10.1} {:>7.1}x {:>6.2}x",
                 context,
                 batch,
                 heads,
-                match kernel {
-                    Bf16Kernel::Wgmma => "wgmma",
-                    _ => "mma",
-                },
+                label,
                 wall * 1e6,
                 gpu * 1e6,
                 cold * 1e6,
