@@ -590,15 +590,10 @@ __device__ __forceinline__ void sparse_mla_narrow_body(const SparseMlaParams& p)
     const int seq = p.token_seq[t];
     const bf16* kv = static_cast<const bf16*>(p.kv);
 
-    // Q: 8 rows, zero beyond H.
-    const bf16* q = static_cast<const bf16*>(p.q) + (size_t)t * p.H * D;
-    for (int i = threadIdx.x; i < NARROW_HEADS * CHUNKS; i += THREADS) {
-        const int r = i / CHUNKS, c = (i % CHUNKS) * 8;
-        cp_async_16(qs + r * LD + c, r < p.H ? q + (size_t)r * D + c : q, r < p.H);
-    }
     // This warp's keys: lane l copies rows l/8, l/8 + 4, l/8 + 8, l/8 + 12 (16-byte pieces l%8, l%8 + 8, ...:
     // four whole 128-byte lines per instruction, conflict-free in shared memory), so it resolves those four.
-    // All index loads, then the length and all block-table loads: two latencies, not one chain per key.
+    // The index loads first, Q's copies under them, then the length and all block-table loads: two
+    // latencies before the rows' copies, not one chain per key.
     const int first = (split * WARPS + warp) * NARROW_KEYS;
     const int* idx_row = p.indices + (size_t)t * p.K;
     int idx[4];
@@ -607,6 +602,13 @@ __device__ __forceinline__ void sparse_mla_narrow_body(const SparseMlaParams& p)
         const int slot = first + 4 * g + lane / 8;
         idx[g] = slot < p.K ? idx_row[slot] : -1;
     }
+    // Q: 8 rows, zero beyond H (cp.async group 0).
+    const bf16* q = static_cast<const bf16*>(p.q) + (size_t)t * p.H * D;
+    for (int i = threadIdx.x; i < NARROW_HEADS * CHUNKS; i += THREADS) {
+        const int r = i / CHUNKS, c = (i % CHUNKS) * 8;
+        cp_async_16(qs + r * LD + c, r < p.H ? q + (size_t)r * D + c : q, r < p.H);
+    }
+    cp_async_commit();
     const int seq_len = p.seq_lens[seq];
     long long row[4];
 #pragma unroll
@@ -616,6 +618,7 @@ __device__ __forceinline__ void sparse_mla_narrow_body(const SparseMlaParams& p)
         const int block = in_table ? p.block_table[(size_t)seq * p.max_blocks + page.x] : 0;
         row[g] = in_table && idx[g] < seq_len ? (long long)block * p.block_size + page.y : -1;
     }
+    // The rows (group 1).
     bf16* kt = ks + warp * NARROW_KEYS * LD;
 #pragma unroll
     for (int g = 0; g < 4; ++g) {
@@ -633,23 +636,26 @@ __device__ __forceinline__ void sparse_mla_narrow_body(const SparseMlaParams& p)
 #pragma unroll
         for (int j = 0; j < 4; ++j) has_row |= ((votes >> (8 * j)) & 1u) << (4 * g + j);
     }
+    // Q's B fragments into registers while the rows are in flight (two k16 steps per ldmatrix).
+    cp_async_wait<1>();
+    __syncthreads();  // all of Q has landed
+    uint32_t qb[K_STEPS / 2][4];
+#pragma unroll
+    for (int i = 0; i < K_STEPS / 2; ++i) ldmatrix_x4(qb[i], qs + (lane % 8) * LD + i * 32 + (lane / 8) * 8);
+    // This warp's rows: its scores need nothing else, so no block barrier before them.
     cp_async_wait<0>();
-    __syncthreads();  // Q and every warp's keys have landed
-    // The combine (a programmatic dependent) may start its blocks; it waits for this grid's writes itself.
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+    __syncwarp();
 
     // S^T (16 keys x 8 heads) over the full row: four independent chains of k16 steps.
     float s[4][4] = {};
 #pragma unroll
     for (int step = 0; step < K_STEPS; step += 2) {
-        uint32_t qb[4];  // B fragments of steps `step` and `step + 1`
-        ldmatrix_x4(qb, qs + (lane % 8) * LD + step * 16 + (lane / 8) * 8);
         uint32_t a0[4], a1[4];
         ldmatrix_x4(a0, kt + (lane % 16) * LD + step * 16 + (lane / 16) * 8);
         ldmatrix_x4(a1, kt + (lane % 16) * LD + (step + 1) * 16 + (lane / 16) * 8);
         const int chain = (step / 2) % 2 * 2;
-        mma_bf16(s[chain], a0, qb[0], qb[1]);
-        mma_bf16(s[chain + 1], a1, qb[2], qb[3]);
+        mma_bf16(s[chain], a0, qb[step / 2][0], qb[step / 2][1]);
+        mma_bf16(s[chain + 1], a1, qb[step / 2][2], qb[step / 2][3]);
     }
     // This thread's scores: keys lane/4 and lane/4 + 8, heads 2(lane%4) and 2(lane%4) + 1; log2 domain.
     const float scale_log2 = p.scale * LOG2E;
@@ -670,7 +676,9 @@ __device__ __forceinline__ void sparse_mla_narrow_body(const SparseMlaParams& p)
         max_s[warp * NARROW_HEADS + 2 * hp] = mx[0];
         max_s[warp * NARROW_HEADS + 2 * hp + 1] = mx[1];
     }
-    __syncthreads();  // every tile's maxima
+    __syncthreads();  // every tile's maxima; every warp's rows have landed
+    // The combine (a programmatic dependent) may start its blocks; it waits for this grid's writes itself.
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
     float m[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int w = 0; w < WARPS; ++w) {
