@@ -562,9 +562,10 @@ __device__ void f32_impl(const SparseMlaParams& p) {
 //                value product, in registers (`movmatrix`) and leaves it in shared memory (256 bytes);
 //   O^T += V^T P^T  warp w: value columns [w*DV/WARPS, (w+1)*DV/WARPS) over all WARPS tiles.
 // A block is one split of WARPS * 16 keys (one step: the launcher sizes the split so the grid is one wave),
-// and every row of the split is copied at once at the start: a warp resolves and copies its own 16 rows.
-// Two block barriers after the copies, no exchange of partial scores. Several splits write f32 partials
-// for sparse_mla_combine (or, with one split, the output).
+// and every row of the split is copied at once at the start: a warp resolves and copies its own 16 rows, holds
+// Q's fragments in registers while they land and computes its scores as soon as its own rows are in. The
+// block meets twice after that (the maxima, then P^T); no exchange of partial scores. Several splits write
+// f32 partials for sparse_mla_combine (or, with one split, the output).
 constexpr int NARROW_HEADS = 8;  // the mma's N: heads per block
 constexpr int NARROW_KEYS = 16;  // the mma's M: keys per warp
 
