@@ -818,6 +818,9 @@ mod cuda {
     /// .cu file).
     const COMBINE_GROUPS: usize = 8;
     const COMBINE_COLUMNS: usize = 128;
+    /// Most splits of the one-wait combine, and its warps per block (`COMBINE_CHUNK`, `COMBINE_ROW_WARPS`).
+    const COMBINE_CHUNK: usize = 16;
+    const COMBINE_ROW_WARPS: usize = 4;
 
     /// Which kernel takes bf16 calls of at most 8 heads over GLM-5's rows (tests and benchmarks pin one).
     #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -1298,14 +1301,28 @@ mod cuda {
         builder.arg(&*params);
         // SAFETY: as above.
         unsafe { builder.launch(cfg) }.map_err(cuda_err)?;
-        let combine = kernel_fn(dev, MODULE, "sparse_mla_combine_bf16")?;
+        // Up to 16 splits: one warp per 128 columns loads every partial at once; more: the block combine.
+        let (name, columns, threads) = if splits <= COMBINE_CHUNK {
+            (
+                "sparse_mla_combine_rows_bf16",
+                COMBINE_ROW_WARPS * COMBINE_COLUMNS,
+                COMBINE_ROW_WARPS * 32,
+            )
+        } else {
+            (
+                "sparse_mla_combine_bf16",
+                COMBINE_COLUMNS,
+                COMBINE_GROUPS * 32,
+            )
+        };
+        let combine = kernel_fn(dev, MODULE, name)?;
         let cfg = LaunchConfig {
             grid_dim: (
                 (t_len * heads) as u32,
-                value_dim.div_ceil(COMBINE_COLUMNS) as u32,
+                value_dim.div_ceil(columns) as u32,
                 1,
             ),
-            block_dim: ((COMBINE_GROUPS * 32) as u32, 1, 1),
+            block_dim: (threads as u32, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: the combine kernel takes one `SparseMlaParams`, which `Params` mirrors.
