@@ -663,9 +663,7 @@ __device__ __forceinline__ void sparse_mla_narrow_body(const SparseMlaParams& p)
         const int block = in_table ? p.block_table[(size_t)seq * p.max_blocks + page.x] : 0;
         row[g] = in_table && idx[g] < seq_len ? (long long)block * p.block_size + page.y : -1;
     }
-    // The rows (group 1), issued by the warps in turn (warp w after warp w - 1, named barrier w), so that they
-    // land in about that order and the first warps' scores overlap the later warps' copies.
-    if (warp > 0) asm volatile("bar.sync %0, 64;\n" ::"r"(warp) : "memory");
+    // The rows (group 1).
     bf16* kt = ks + warp * NARROW_KEYS * LD;
 #pragma unroll
     for (int g = 0; g < 4; ++g) {
@@ -675,7 +673,6 @@ __device__ __forceinline__ void sparse_mla_narrow_body(const SparseMlaParams& p)
         for (int c = lane % 8; c < CHUNKS; c += 8) cp_async_16(dst + c * 8, src + c * 8, row[g] >= 0);
     }
     cp_async_commit();
-    if (warp + 1 < WARPS) asm volatile("bar.arrive %0, 64;\n" ::"r"(warp + 1) : "memory");
     // Which of the warp's 16 keys have a row: bit k for key k (lane 8j resolved keys 4g + j).
     unsigned has_row = 0;
 #pragma unroll
