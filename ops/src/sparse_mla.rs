@@ -834,16 +834,16 @@ mod cuda {
         Warps(usize),
     }
 
-    /// `NarrowHeads` as one word: 0 policy, 1 off, else the warps.
+    /// `NarrowHeads` as one word: 0 policy, 1 off, else 2 + the warps.
     static NARROW_HEADS_CHOICE: AtomicUsize = AtomicUsize::new(0);
 
     /// Pins the kernel for bf16 calls of at most 8 heads over GLM-5's rows ([`NarrowHeads::Policy`]: the
-    /// default).
+    /// default). A block size without an instantiation fails the call with an error naming the sizes.
     pub fn set_narrow_heads(choice: NarrowHeads) {
         let word = match choice {
             NarrowHeads::Policy => 0,
             NarrowHeads::Off => 1,
-            NarrowHeads::Warps(warps) => warps.max(2),
+            NarrowHeads::Warps(warps) => warps.saturating_add(2),
         };
         NARROW_HEADS_CHOICE.store(word, Ordering::Relaxed);
     }
@@ -852,7 +852,7 @@ mod cuda {
         match NARROW_HEADS_CHOICE.load(Ordering::Relaxed) {
             0 => NarrowHeads::Policy,
             1 => NarrowHeads::Off,
-            warps => NarrowHeads::Warps(warps),
+            word => NarrowHeads::Warps(word - 2),
         }
     }
 
