@@ -99,9 +99,10 @@ pub(crate) fn device_info(dev: &CudaDevice) -> candle_core::Result<DeviceInfo> {
 
 /// Modules whose kernels prefer the largest shared-memory carveout (the rest keep the driver's choice). The
 /// indexer is a chain of programmatic dependents (Q prep, scores, candidates, threshold, emit) with different
-/// shared-memory needs; with one carveout for all of them its decode calls run ~1.1 µs faster on the H200
-/// (32K batch 1: 14.9-15.1 -> 13.7-13.9 µs GPU), likely because an SM no longer changes its L1/shared split
-/// between them before a dependent's blocks can be placed. sparse_mla measured no gain (B8/H8 +0.2 µs).
+/// shared-memory needs; with one carveout for all of them, 32K batch 1 measured 13.7-14.8 µs GPU against
+/// 14.9-15.1 on the H200 (five same-run pairs, four lower; other shapes within their spread), likely because
+/// an SM no longer changes its L1/shared split between them before a dependent's blocks can be placed.
+/// sparse_mla measured no gain (B8/H8 +0.2 µs).
 const MAX_SHARED_CARVEOUT: &[&str] = &["dsa_indexer"];
 
 /// Function `name` of module `module` (fatbin `image`) on `dev`. On first use the module is loaded and the
