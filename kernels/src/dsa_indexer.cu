@@ -877,6 +877,289 @@ __device__ void topk_emit_impl(const DsaParams& p) {
         if (take[j]) out[slot++] = first + j;
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// Top-k in one thread-block cluster per token
+//
+// dsa_topk_cluster_e*: the three top-k kernels above in one launch, for rows of at most CLUSTER_BLOCKS *
+// CLUSTER_THREADS * E positions. A token's CLUSTER_BLOCKS blocks form one cluster; block r holds positions
+// [r * SPAN, (r + 1) * SPAN) in registers, E consecutive ones per thread, and the blocks meet through cluster
+// barriers and distributed shared memory (a few hundred cycles each) instead of kernel boundaries and global
+// memory (microseconds each):
+//   1. every block finds the threshold bin from the row's histogram (as dsa_topk_candidates), counts its
+//      scores above it and histograms its candidates by their next 11 bits (the fine bins) in shared memory;
+//   2. block r sums slice r of the fine histograms over the cluster;
+//   3. every block finds the fine bin of the K-th largest from the slices and lists its scores that share the
+//      K-th's top 22 bits (at most FINE_LIST over the cluster; more take a third level, the last 10 bits,
+//      after which the scores equal to the K-th go to the lowest positions, block by block);
+//   4. every block gathers the cluster's lists and ranks them (higher value, then lower position: the K-th
+//      largest and the last tied position taken), then writes its selected positions in order after those
+//      of the blocks before it.
+constexpr int CLUSTER_BLOCKS = 8, CLUSTER_THREADS = 512;
+constexpr int FINE_SLICE = FINE_BINS / CLUSTER_BLOCKS;  // fine bins summed by each block
+constexpr int LOW_BITS = FINE_SHIFT, LOW_BINS = 1 << LOW_BITS, LOW_SLICE = LOW_BINS / CLUSTER_BLOCKS;
+static_assert(HIST_BINS == 4 * CLUSTER_THREADS && FINE_LIST <= CLUSTER_THREADS, "four bins and one list entry per thread");
+
+struct ClusterTopkShared {
+    int hist[FINE_BINS];                   // this block's fine histogram; in the third level its low bins
+    int fine_slice[FINE_SLICE], low_slice[LOW_SLICE];  // this block's slices of the cluster's histograms
+    int fine_total, low_total;             // their sums
+    int definite, listed, equal;           // published: selected for sure, listed, equal to the K-th
+    alignas(16) uint32_t list_values[FINE_LIST];
+    alignas(16) uint32_t list_positions[FINE_LIST];
+    uint32_t all_values[FINE_LIST], all_positions[FINE_LIST];  // the cluster's lists, in block order
+    int all_blocks[FINE_LIST];
+    int block_definite[CLUSTER_BLOCKS], block_listed[CLUSTER_BLOCKS], block_taken[CLUSTER_BLOCKS];
+    int warp_sums[32];
+    int bin, remaining, slice, before;
+    int3 located;  // (bin, how many to take from it, its count) of the last cluster_locate
+    uint32_t kth, last_tied;
+};
+
+// Block `rank`'s slice of a histogram of CLUSTER_BLOCKS * SLICE bins kept by every block in `hist`: the
+// cluster's sums into `slice`, their total into `total` (zero before).
+template <int SLICE>
+__device__ __forceinline__ void cluster_merge_slice(const int* hist, int* slice, int* total, uint32_t rank) {
+    int sum = 0;
+    if (threadIdx.x < SLICE) {
+        int counts[CLUSTER_BLOCKS];
+#pragma unroll
+        for (int r = 0; r < CLUSTER_BLOCKS; ++r)
+            counts[r] = (int)ld_cluster_u32(cluster_map(hist + rank * SLICE + threadIdx.x, r));
+#pragma unroll
+        for (int r = 0; r < CLUSTER_BLOCKS; ++r) sum += counts[r];
+        slice[threadIdx.x] = sum;
+    }
+    sum = __reduce_add_sync(0xffffffff, sum);
+    if (threadIdx.x % 32 == 0 && sum != 0) atomicAdd(total, sum);
+}
+
+// The bin of the remaining-th largest in the histogram whose slices (`slice`, summed in `total`) the
+// cluster's blocks hold, counted from the top: (bin, how many to take from it, its count).
+template <int SLICE>
+__device__ int3 cluster_locate(const int* slice, const int* total, int remaining, ClusterTopkShared& sh) {
+    if (threadIdx.x < 32) {  // lane l: the slice l-th from the top
+        const int lane = threadIdx.x, s = CLUSTER_BLOCKS - 1 - lane;
+        const int count = lane < CLUSTER_BLOCKS ? (int)ld_cluster_u32(cluster_map(total, s)) : 0;
+        int inclusive = count;
+#pragma unroll
+        for (int o = 1; o < 32; o *= 2) {
+            const int v = __shfl_up_sync(0xffffffff, inclusive, o);
+            if (lane >= o) inclusive += v;
+        }
+        if (lane < CLUSTER_BLOCKS && inclusive - count < remaining && inclusive >= remaining) {
+            sh.slice = s;
+            sh.before = inclusive - count;
+        }
+    }
+    __syncthreads();
+    const int s = sh.slice, before = sh.before, bin = SLICE - 1 - (int)threadIdx.x;  // thread i: i-th from the top
+    const int count = threadIdx.x < SLICE ? (int)ld_cluster_u32(cluster_map(slice + bin, s)) : 0;
+    int sum;
+    const int above = before + block_exclusive_scan<CLUSTER_THREADS>(count, sh.warp_sums, sum);
+    if (threadIdx.x < SLICE && above < remaining && above + count >= remaining)
+        sh.located = make_int3(s * SLICE + bin, remaining - above, count);
+    __syncthreads();
+    return sh.located;
+}
+
+template <int E>
+__device__ void topk_cluster_impl(const DsaParams& p) {
+    constexpr int SPAN = CLUSTER_THREADS * E;
+    static_assert(E % 4 == 0, "scores load as float4");
+    __shared__ ClusterTopkShared sh;
+    const int t = blockIdx.y, lane = threadIdx.x % 32;
+    const uint32_t rank = cluster_rank();
+    const int n = visible_keys(p, t), K = p.K;
+    int* out = p.indices + (size_t)t * K;
+    for (int i = threadIdx.x; i < FINE_BINS; i += CLUSTER_THREADS) sh.hist[i] = 0;
+    if (threadIdx.x == 0) {
+        sh.fine_total = sh.low_total = sh.definite = sh.listed = sh.equal = 0;
+        sh.slice = sh.before = 0;
+        sh.located = make_int3(0, 1, 0);  // (no bin found: cannot happen)
+    }
+    if (threadIdx.x < CLUSTER_BLOCKS) sh.block_taken[threadIdx.x] = 0;
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the score kernel's writes
+    if (n <= K) {  // every visible position, then -1 (the same for every block of the cluster: none meets)
+        for (int i = rank * CLUSTER_THREADS + threadIdx.x; i < K; i += CLUSTER_BLOCKS * CLUSTER_THREADS)
+            out[i] = i < n ? i : -1;
+        return;
+    }
+    int* hist = p.hist + (size_t)t * HIST_STRIDE;
+    const int first = rank * SPAN + threadIdx.x * E;
+    // The bins (this thread's four, from the top's 4i-th down) and this thread's scores, loaded together.
+    const int4 four = reinterpret_cast<const int4*>(hist)[HIST_BINS / 4 - 1 - threadIdx.x];
+    const float* row = p.scores + (size_t)t * p.score_stride;
+    float v[E];
+    if (first + E <= n) {
+#pragma unroll
+        for (int j = 0; j < E; j += 4) {
+            const float4 f = *reinterpret_cast<const float4*>(row + first + j);
+            v[j] = f.x; v[j + 1] = f.y; v[j + 2] = f.z; v[j + 3] = f.w;
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < E; ++j) v[j] = first + j < n ? row[first + j] : 0.f;
+    }
+
+    // 1. The threshold bin and how many to take from it; the scores above it; the fine histogram.
+    const int counts[4] = {four.w, four.z, four.y, four.x};
+    int above_bins, total;
+    above_bins = block_exclusive_scan<CLUSTER_THREADS>(counts[0] + counts[1] + counts[2] + counts[3], sh.warp_sums, total);
+    if (above_bins < K && above_bins + counts[0] + counts[1] + counts[2] + counts[3] >= K) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            if (above_bins + counts[j] >= K) {
+                sh.bin = HIST_BINS - 1 - 4 * threadIdx.x - j;
+                sh.remaining = K - above_bins;
+                break;
+            }
+            above_bins += counts[j];
+        }
+    }
+    __syncthreads();
+    const uint32_t bin = sh.bin;
+    const int remaining = sh.remaining;
+    uint32_t u[E];
+    int definite = 0;
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+        u[j] = ordered(v[j]);
+        const bool valid = first + j < n;
+        definite += valid && u[j] >> (32 - HIST_BITS) > bin;
+        if (valid && u[j] >> (32 - HIST_BITS) == bin) atomicAdd(&sh.hist[(u[j] >> FINE_SHIFT) & (FINE_BINS - 1)], 1);
+    }
+    cluster_sync();  // every block's fine histogram
+    if (rank == 0)   // every block has read the row's bins: zero for the next call
+        for (int i = threadIdx.x; i < HIST_BINS; i += CLUSTER_THREADS) hist[i] = 0;
+
+    // 2. This block's slice of the cluster's fine histogram.
+    cluster_merge_slice<FINE_SLICE>(sh.hist, sh.fine_slice, &sh.fine_total, rank);
+    cluster_sync();  // every slice
+
+    // 3. The fine bin of the K-th largest; the scores above it are selected.
+    const int3 fine = cluster_locate<FINE_SLICE>(sh.fine_slice, &sh.fine_total, remaining, sh);
+    const uint32_t top22 = bin << FINE_BITS | (uint32_t)fine.x;
+#pragma unroll
+    for (int j = 0; j < E; ++j)
+        definite += first + j < n && u[j] >> (32 - HIST_BITS) == bin && ((u[j] >> FINE_SHIFT) & (FINE_BINS - 1)) > (uint32_t)fine.x;
+    uint32_t kth, last_tied = 0;
+    int offset = 0, take_equal = 0, equal_before = 0;  // the third level: equal scores this block takes
+    const bool listed = fine.z <= FINE_LIST;  // (uniform over the cluster)
+    if (listed) {
+        // 4. The cluster's scores sharing the K-th's top 22 bits, ranked.
+#pragma unroll
+        for (int j = 0; j < E; ++j) {
+            if (first + j < n && u[j] >> FINE_SHIFT == top22) {
+                const int slot = atomicAdd(&sh.listed, 1);
+                sh.list_values[slot] = u[j];
+                sh.list_positions[slot] = first + j;
+            }
+        }
+        definite = __reduce_add_sync(0xffffffff, definite);
+        if (lane == 0 && definite != 0) atomicAdd(&sh.definite, definite);
+        cluster_sync();  // every block's list and count
+        if (threadIdx.x < CLUSTER_BLOCKS) {
+            sh.block_definite[threadIdx.x] = (int)ld_cluster_u32(cluster_map(&sh.definite, threadIdx.x));
+            sh.block_listed[threadIdx.x] = (int)ld_cluster_u32(cluster_map(&sh.listed, threadIdx.x));
+        }
+        __syncthreads();
+        int count = 0, from = 0, source = 0;  // entry threadIdx.x is entry threadIdx.x - from of block source
+#pragma unroll
+        for (int b = 0; b < CLUSTER_BLOCKS; ++b) {
+            if ((int)threadIdx.x >= count) {
+                from = count;
+                source = b;
+            }
+            count += sh.block_listed[b];
+        }
+        if ((int)threadIdx.x < count) {
+            sh.all_values[threadIdx.x] = ld_cluster_u32(cluster_map(sh.list_values + threadIdx.x - from, source));
+            sh.all_positions[threadIdx.x] = ld_cluster_u32(cluster_map(sh.list_positions + threadIdx.x - from, source));
+            sh.all_blocks[threadIdx.x] = source;
+        }
+        cluster_arrive();  // no more reads of other blocks' shared memory
+        __syncthreads();
+        if ((int)threadIdx.x < count) {
+            const uint32_t value = sh.all_values[threadIdx.x], position = sh.all_positions[threadIdx.x];
+            int above = 0;
+            for (int j = 0; j < count; ++j)
+                above += sh.all_values[j] > value || (sh.all_values[j] == value && sh.all_positions[j] < position);
+            if (above == fine.y - 1) {
+                sh.kth = value;
+                sh.last_tied = position;
+            }
+        }
+        __syncthreads();
+        kth = sh.kth;
+        last_tied = sh.last_tied;
+        if ((int)threadIdx.x < count) {
+            const uint32_t value = sh.all_values[threadIdx.x];
+            if (value > kth || (value == kth && sh.all_positions[threadIdx.x] <= last_tied))
+                atomicAdd(&sh.block_taken[sh.all_blocks[threadIdx.x]], 1);
+        }
+        __syncthreads();
+        for (int b = 0; b < (int)rank; ++b) offset += sh.block_definite[b] + sh.block_taken[b];
+    } else {
+        // A crowded fine bin: 3'. the last 10 bits (the block's fine histogram was read before the last
+        // meeting and is free), then the equal scores by position.
+        for (int i = threadIdx.x; i < LOW_BINS; i += CLUSTER_THREADS) sh.hist[i] = 0;
+        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < E; ++j)
+            if (first + j < n && u[j] >> FINE_SHIFT == top22) atomicAdd(&sh.hist[u[j] & (LOW_BINS - 1)], 1);
+        cluster_sync();  // every block's low histogram
+        cluster_merge_slice<LOW_SLICE>(sh.hist, sh.low_slice, &sh.low_total, rank);
+        cluster_sync();  // every slice
+        const int3 low = cluster_locate<LOW_SLICE>(sh.low_slice, &sh.low_total, fine.y, sh);
+        kth = top22 << LOW_BITS | (uint32_t)low.x;
+        int equal = 0;
+#pragma unroll
+        for (int j = 0; j < E; ++j) {
+            const bool valid = first + j < n;
+            definite += valid && u[j] >> FINE_SHIFT == top22 && u[j] > kth;
+            equal += valid && u[j] == kth;
+        }
+        int block_equal;
+        equal_before = block_exclusive_scan<CLUSTER_THREADS>(equal, sh.warp_sums, block_equal);
+        definite = __reduce_add_sync(0xffffffff, definite);
+        if (lane == 0 && definite != 0) atomicAdd(&sh.definite, definite);
+        if (threadIdx.x == 0) sh.equal = block_equal;
+        cluster_sync();  // every block's counts
+        if (threadIdx.x < CLUSTER_BLOCKS) {
+            sh.block_definite[threadIdx.x] = (int)ld_cluster_u32(cluster_map(&sh.definite, threadIdx.x));
+            sh.block_listed[threadIdx.x] = (int)ld_cluster_u32(cluster_map(&sh.equal, threadIdx.x));
+        }
+        cluster_arrive();  // no more reads of other blocks' shared memory
+        __syncthreads();
+        // The low.y equal scores taken go to the lowest positions: the blocks' in order.
+        int equal_seen = 0;
+        for (int b = 0; b < CLUSTER_BLOCKS; ++b) {
+            const int taken = min(max(low.y - equal_seen, 0), sh.block_listed[b]);
+            if (b < (int)rank) offset += sh.block_definite[b] + taken;
+            if (b == (int)rank) take_equal = taken;
+            equal_seen += sh.block_listed[b];
+        }
+    }
+
+    // This block's selected positions, in order, after the blocks before it.
+    bool take[E];
+    int here = 0;
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+        const bool valid = first + j < n, equal = valid && u[j] == kth;
+        take[j] = valid && (u[j] > kth || (equal && (listed ? (uint32_t)(first + j) <= last_tied
+                                                            : equal_before < take_equal)));
+        equal_before += equal;
+        here += take[j];
+    }
+    int block_total;
+    int slot = offset + block_exclusive_scan<CLUSTER_THREADS>(here, sh.warp_sums, block_total);
+#pragma unroll
+    for (int j = 0; j < E; ++j)
+        if (take[j]) out[slot++] = first + j;
+    cluster_wait();  // no block leaves while another may still read its shared memory
+}
+
 // Quantises float rows to e4m3 with one scale per row: scale = amax / 448 (1 for an all-zero row), byte =
 // e4m3(x / scale), round to nearest even, saturating. One warp per row.
 template <typename T>
@@ -963,6 +1246,17 @@ extern "C" __global__ void __launch_bounds__(SCORE_WARPS * 32) dsa_scores_f32(co
 extern "C" __global__ void __launch_bounds__(SEG_THREADS) dsa_topk_candidates(const DsaParams p) { topk_candidates_impl(p); }
 extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) dsa_topk_threshold(const DsaParams p) { topk_threshold_impl(p); }
 extern "C" __global__ void __launch_bounds__(SEG_THREADS) dsa_topk_emit(const DsaParams p) { topk_emit_impl(p); }
+// The cluster top-k with E scores per thread: rows of up to CLUSTER_BLOCKS * CLUSTER_THREADS * E positions.
+#define DSA_TOPK_CLUSTER_ENTRY(E)                                                                        \
+    extern "C" __global__ void __cluster_dims__(CLUSTER_BLOCKS, 1, 1) __launch_bounds__(CLUSTER_THREADS, 1) \
+        dsa_topk_cluster_e##E(const DsaParams p) {                                                       \
+        topk_cluster_impl<E>(p);                                                                         \
+    }
+DSA_TOPK_CLUSTER_ENTRY(4)
+DSA_TOPK_CLUSTER_ENTRY(8)
+DSA_TOPK_CLUSTER_ENTRY(16)
+DSA_TOPK_CLUSTER_ENTRY(32)
+DSA_TOPK_CLUSTER_ENTRY(64)
 extern "C" __global__ void dsa_quantize_fp8_bf16(const bf16* rows, uint8_t* bytes, float* scales, int n, int D) {
     quantize_fp8_impl(rows, bytes, scales, n, D);
 }

@@ -155,6 +155,17 @@ pub(crate) mod limits {
     /// Most keys one query may see on the CUDA kernels: 2048 top-k segments (`MAX_SEGMENTS`) of 2048.
     #[cfg(feature = "cuda")]
     pub const CUDA_MAX_VISIBLE_KEYS: usize = 2048 * 2048;
+    /// Blocks per cluster and threads per block of the cluster top-k (`CLUSTER_BLOCKS`,
+    /// `CLUSTER_THREADS` in the .cu file), and the scores per thread it is instantiated for.
+    #[cfg(feature = "cuda")]
+    pub const CLUSTER_BLOCKS: usize = 8;
+    #[cfg(feature = "cuda")]
+    pub const CLUSTER_THREADS: usize = 512;
+    #[cfg(feature = "cuda")]
+    pub const CLUSTER_SCORES_PER_THREAD: [usize; 5] = [4, 8, 16, 32, 64];
+    /// The longest row the cluster top-k selects from.
+    #[cfg(feature = "cuda")]
+    pub const CLUSTER_MAX_POSITIONS: usize = CLUSTER_BLOCKS * CLUSTER_THREADS * 64;
 }
 
 /// A paged indexer key cache (layout in the module docs).
@@ -536,6 +547,25 @@ pub fn time_stages<R>(f: impl FnOnce() -> R) -> Result<(R, StageTimes)> {
     cuda::time_stages(f)
 }
 
+/// Which top-k the CUDA indexer runs after its scores (tests and benchmarks pin one).
+#[cfg(feature = "cuda")]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TopKPath {
+    /// The launcher's choice: the cluster top-k wherever a row fits it, else the chain.
+    Policy,
+    /// Three kernels in a programmatic chain (candidates, exact threshold, ordered emit): any row length.
+    Chain,
+    /// One thread-block cluster per query (rows of at most [`limits::CLUSTER_MAX_POSITIONS`]; longer rows
+    /// take the chain).
+    Cluster,
+}
+
+/// Pins the CUDA indexer's top-k ([`TopKPath::Policy`]: the default).
+#[cfg(feature = "cuda")]
+pub fn set_top_k_path(path: TopKPath) {
+    cuda::set_top_k_path(path)
+}
+
 /// The reference over a paged cache: each query's visible keys gathered through the block table
 /// (dequantised), then [`reference`].
 fn paged_reference(
@@ -614,7 +644,12 @@ mod cuda {
     use candle_core::cuda_backend::{CudaDevice, CudaStorage, DeviceId};
     use candle_core::{CustomOp1, DType, Layout, Shape, Tensor};
 
-    use super::{PagedIndexKeys, MAX_CHUNK_ELEMS};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::limits::{
+        CLUSTER_BLOCKS, CLUSTER_MAX_POSITIONS, CLUSTER_SCORES_PER_THREAD, CLUSTER_THREADS,
+    };
+    use super::{PagedIndexKeys, TopKPath, MAX_CHUNK_ELEMS};
     use crate::cuda::{cuda_err, device_address, kernel, launch_dependent, resident_blocks};
     use crate::error::{OpError, Result};
     use crate::index_keys::IndexKeys;
@@ -649,6 +684,28 @@ mod cuda {
             DType::F32 => true,
             _ => false,
         }
+    }
+
+    /// `TopKPath` as one word: 0 policy, 1 chain, 2 cluster.
+    static TOP_K_PATH: AtomicUsize = AtomicUsize::new(0);
+
+    pub(super) fn set_top_k_path(path: TopKPath) {
+        let word = match path {
+            TopKPath::Policy => 0,
+            TopKPath::Chain => 1,
+            TopKPath::Cluster => 2,
+        };
+        TOP_K_PATH.store(word, Ordering::Relaxed);
+    }
+
+    /// The cluster top-k's scores per thread for rows of up to `positions`, where it takes them.
+    fn cluster_scores_per_thread(positions: usize) -> Option<usize> {
+        if TOP_K_PATH.load(Ordering::Relaxed) == 1 || positions > CLUSTER_MAX_POSITIONS {
+            return None;
+        }
+        CLUSTER_SCORES_PER_THREAD
+            .into_iter()
+            .find(|e| CLUSTER_BLOCKS * CLUSTER_THREADS * e >= positions)
     }
 
     /// Mirrors `DsaParams` in the .cu file.
@@ -898,6 +955,16 @@ mod cuda {
                 ["dsa_topk_candidates", "dsa_topk_threshold", "dsa_topk_emit"]
                     .map(|name| kernel(dev, "dsa_indexer", MODULE, name));
             let (candidates_fn, threshold_fn, emit_fn) = (candidates_fn?, threshold_fn?, emit_fn?);
+            let cluster_fn = cluster_scores_per_thread(positions)
+                .map(|e| {
+                    kernel(
+                        dev,
+                        "dsa_indexer",
+                        MODULE,
+                        &format!("dsa_topk_cluster_e{e}"),
+                    )
+                })
+                .transpose()?;
             let f32_scores = self.q.dtype() == DType::F32 && !self.fp8;
             // mma score blocks stream a strided share of a row's tiles: as many blocks as the SMs hold.
             let resident = if f32_scores {
@@ -980,24 +1047,30 @@ mod cuda {
                 }
                 let after_scores = stage_event(&stream)?;
                 // The top-k kernels start as their predecessor finishes and wait for its writes.
-                let top_k = [
-                    (&candidates_fn, config((segments, len), SEGMENT_THREADS, 0)),
-                    (
-                        &threshold_fn,
-                        config((len, 1), TOPK_THREADS, THRESHOLD_STAGE_BYTES),
-                    ),
-                    (
-                        &emit_fn,
-                        config(
-                            (positions.max(self.top_k).div_ceil(SEGMENT), len),
-                            SEGMENT_THREADS,
-                            0,
+                if let Some(cluster_fn) = &cluster_fn {
+                    let cfg = config((CLUSTER_BLOCKS, len), CLUSTER_THREADS as u32, 0);
+                    // SAFETY: as above (the kernel's cluster shape is fixed at compile time).
+                    unsafe { launch_dependent(cluster_fn, &stream, cfg, &params) }?;
+                } else {
+                    let chain = [
+                        (&candidates_fn, config((segments, len), SEGMENT_THREADS, 0)),
+                        (
+                            &threshold_fn,
+                            config((len, 1), TOPK_THREADS, THRESHOLD_STAGE_BYTES),
                         ),
-                    ),
-                ];
-                for (function, cfg) in top_k {
-                    // SAFETY: as above; each top-k kernel takes one DsaParams.
-                    unsafe { launch_dependent(function, &stream, cfg, &params) }?;
+                        (
+                            &emit_fn,
+                            config(
+                                (positions.max(self.top_k).div_ceil(SEGMENT), len),
+                                SEGMENT_THREADS,
+                                0,
+                            ),
+                        ),
+                    ];
+                    for (function, cfg) in chain {
+                        // SAFETY: as above; each top-k kernel takes one DsaParams.
+                        unsafe { launch_dependent(function, &stream, cfg, &params) }?;
+                    }
                 }
                 if let (Some(start), Some(between), Some(end)) =
                     (before_scores, after_scores, stage_event(&stream)?)

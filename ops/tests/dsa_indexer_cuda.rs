@@ -6,8 +6,8 @@
 
 use candle_core::{DType, Device, Tensor};
 use glm5_ops::{
-    dsa_indexer, dsa_indexer_paged, dsa_indexer_paged_device_visible, quantize_fp8, IndexKeys,
-    PagedIndexKeys,
+    dsa_indexer, dsa_indexer_paged, dsa_indexer_paged_device_visible, quantize_fp8, set_top_k_path,
+    IndexKeys, PagedIndexKeys, TopKPath,
 };
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -211,12 +211,30 @@ impl OnDevice {
     }
 }
 
+/// `f` once per top-k path; both must give the same rows (each is exact), which are returned.
+fn on_both_top_k_paths(label: &str, f: impl Fn() -> Vec<Vec<i32>>) -> Vec<Vec<i32>> {
+    set_top_k_path(TopKPath::Chain);
+    let chain = f();
+    set_top_k_path(TopKPath::Cluster);
+    let cluster = f();
+    set_top_k_path(TopKPath::Policy);
+    for (t, (a, b)) in chain.iter().zip(&cluster).enumerate() {
+        assert_eq!(
+            a, b,
+            "{label}: the cluster top-k differs from the chain at query {t}"
+        );
+    }
+    cluster
+}
+
 fn run(p: &Problem, fp8: bool, k: usize, device: &Device) -> Vec<Vec<i32>> {
     let inputs = OnDevice::new(p, fp8, device);
-    dsa_indexer_paged(&inputs.q, &inputs.w, &inputs.cache(), &p.visible, k)
-        .unwrap()
-        .to_vec2::<i32>()
-        .unwrap()
+    on_both_top_k_paths(&format!("n {} K {k} fp8 {fp8}", p.n), || {
+        dsa_indexer_paged(&inputs.q, &inputs.w, &inputs.cache(), &p.visible, k)
+            .unwrap()
+            .to_vec2::<i32>()
+            .unwrap()
+    })
 }
 
 #[test]
@@ -303,10 +321,12 @@ fn equal_scores_go_to_the_lower_position() {
         block_table: &table,
         token_seq: &seq,
     };
-    let got = dsa_indexer_paged(&q, &w, &cache, &[n, 40], k)
-        .unwrap()
-        .to_vec2::<i32>()
-        .unwrap();
+    let got = on_both_top_k_paths("all equal", || {
+        dsa_indexer_paged(&q, &w, &cache, &[n, 40], k)
+            .unwrap()
+            .to_vec2::<i32>()
+            .unwrap()
+    });
     assert_eq!(got[0], (0..k as i32).collect::<Vec<_>>());
     let mut short: Vec<i32> = (0..40).collect();
     short.resize(k, -1);
@@ -443,10 +463,12 @@ fn crowded_bin_case(device: &Device, n: usize) {
         block_table: &table,
         token_seq: &seq,
     };
-    let got = dsa_indexer_paged(&q, &w, &cache, &[n, n], k)
-        .unwrap()
-        .to_vec2::<i32>()
-        .unwrap();
+    let got = on_both_top_k_paths(&format!("crowded, n {n}"), || {
+        dsa_indexer_paged(&q, &w, &cache, &[n, n], k)
+            .unwrap()
+            .to_vec2::<i32>()
+            .unwrap()
+    });
     assert_eq!(got[0], (0..k as i32).collect::<Vec<_>>());
     assert_eq!(got[1], vec![-1; k]);
 }

@@ -32,8 +32,8 @@ use glm5::candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use glm5::candle_core::{DType, Device, Result, Tensor};
 use glm5::ops::{
     dsa_indexer_paged, dsa_indexer_paged_device_visible, dsa_indexer_reference, quantize_fp8,
-    set_narrow_heads, sparse_mla_paged_with, sparse_mla_reference, Bf16Kernel, IndexKeys,
-    NarrowHeads, PagedIndexKeys, PagedLatentCache,
+    set_narrow_heads, set_top_k_path, sparse_mla_paged_with, sparse_mla_reference, Bf16Kernel,
+    IndexKeys, NarrowHeads, PagedIndexKeys, PagedLatentCache, TopKPath,
 };
 
 /// GLM-5's indexer: 32 heads of 128, FP8 keys of 128 bytes + an f32 scale.
@@ -440,12 +440,13 @@ fn indexer_rows(device: &Device, copy: f64, peak: f64, only: Option<(usize, usiz
         "dsa_indexer, FP8 keys ({INDEX_DIM} B + f32 scale), {INDEX_HEADS} heads, top-k {TOP_K}, paged (block {BLOCK_SIZE})"
     );
     println!(
-        "{:>7} {:>5} {:>7} | {:>8} {:>8} {:>8} {:>8} {:>8} {:>6} {:>8} {:>6} {:>8} {:>6} {:>8} | {:>10} {:>8}",
+        "{:>7} {:>5} {:>7} | {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>6} {:>8} {:>6} {:>8} {:>6} {:>8} | {:>10} {:>8}",
         "context",
         "batch",
         "queries",
         "wall µs",
         "GPU µs",
+        "chain µs",
         "scores",
         "top-k",
         "cold µs",
@@ -478,6 +479,12 @@ fn indexer_rows(device: &Device, copy: f64, peak: f64, only: Option<(usize, usiz
         let rounds = if queries > 1 { 3 } else { 7 };
         let wall = median_seconds(device, rounds, 5, || problem.kernel())?;
         let gpu = graph_seconds(device, 5, || problem.kernel_on_device())?;
+        // The same with the top-k pinned to the three-kernel chain (the policy takes the cluster top-k
+        // wherever a row fits it).
+        set_top_k_path(TopKPath::Chain);
+        let chain = graph_seconds(device, 5, || problem.kernel_on_device());
+        set_top_k_path(TopKPath::Policy);
+        let chain = chain?;
         let cold = cold_seconds(device, rounds, || problem.kernel())?;
         // The split: CUDA events between the stages (which keeps them from overlapping).
         let split_calls = 5;
@@ -498,12 +505,13 @@ fn indexer_rows(device: &Device, copy: f64, peak: f64, only: Option<(usize, usiz
         let reference_rounds = if queries == 1 && batch <= 8 { 3 } else { 1 };
         let reference = median_seconds(device, reference_rounds, 1, || problem.reference())?;
         println!(
-            "{:>7} {:>5} {:>7} | {:>8.1} {:>8.1} {:>8.1} {:>8.1} {:>8.1} {:>5.1}% {:>8.0} {:>5.1}% {:>8.1} {:>5.1}% {:>8.2} | {:>10} {:>8}",
+            "{:>7} {:>5} {:>7} | {:>8.1} {:>8.1} {:>8.1} {:>8.1} {:>8.1} {:>8.1} {:>5.1}% {:>8.0} {:>5.1}% {:>8.1} {:>5.1}% {:>8.2} | {:>10} {:>8}",
             context,
             batch,
             queries,
             wall * 1e6,
             gpu * 1e6,
+            chain * 1e6,
             split.scores.as_secs_f64() * 1e6 / split_calls as f64,
             split.top_k.as_secs_f64() * 1e6 / split_calls as f64,
             cold * 1e6,
