@@ -898,12 +898,18 @@ constexpr int CLUSTER_BLOCKS = 8, CLUSTER_THREADS = 512;
 constexpr int FINE_SLICE = FINE_BINS / CLUSTER_BLOCKS;  // fine bins summed by each block
 constexpr int LOW_BITS = FINE_SHIFT, LOW_BINS = 1 << LOW_BITS, LOW_SLICE = LOW_BINS / CLUSTER_BLOCKS;
 static_assert(HIST_BINS == 4 * CLUSTER_THREADS && FINE_LIST <= CLUSTER_THREADS, "four bins and one list entry per thread");
+// Threshold-bin candidates a block lists in shared memory (~4% of a row's scores; a block with more works
+// from its registers instead).
+constexpr int CLUSTER_CANDIDATES = 2048;
 
 struct ClusterTopkShared {
     int hist[FINE_BINS];                   // this block's fine histogram; in the third level its low bins
     int fine_slice[FINE_SLICE], low_slice[LOW_SLICE];  // this block's slices of the cluster's histograms
     int fine_total, low_total;             // their sums
     int definite, listed, equal;           // published: selected for sure, listed, equal to the K-th
+    int candidates;                        // this block's scores in the threshold bin
+    uint32_t candidate_values[CLUSTER_CANDIDATES], candidate_positions[CLUSTER_CANDIDATES];  // the first ones
+    uint64_t taken[CLUSTER_THREADS];       // thread i's selected candidates, bit j for its position j
     alignas(16) uint32_t list_values[FINE_LIST];
     alignas(16) uint32_t list_positions[FINE_LIST];
     uint32_t all_values[FINE_LIST], all_positions[FINE_LIST];  // the cluster's lists, in block order
@@ -965,15 +971,16 @@ __device__ int3 cluster_locate(const int* slice, const int* total, int remaining
 template <int E>
 __device__ void topk_cluster_impl(const DsaParams& p) {
     constexpr int SPAN = CLUSTER_THREADS * E;
-    static_assert(E % 4 == 0, "scores load as float4");
+    static_assert(E % 4 == 0 && E <= 64, "scores load as float4; one 64-bit mask per thread");
     __shared__ ClusterTopkShared sh;
     const int t = blockIdx.y, lane = threadIdx.x % 32;
     const uint32_t rank = cluster_rank();
     const int n = visible_keys(p, t), K = p.K;
     int* out = p.indices + (size_t)t * K;
     for (int i = threadIdx.x; i < FINE_BINS; i += CLUSTER_THREADS) sh.hist[i] = 0;
+    sh.taken[threadIdx.x] = 0;
     if (threadIdx.x == 0) {
-        sh.fine_total = sh.low_total = sh.definite = sh.listed = sh.equal = 0;
+        sh.fine_total = sh.low_total = sh.definite = sh.listed = sh.equal = sh.candidates = 0;
         sh.slice = sh.before = 0;
         sh.located = make_int3(0, 1, 0);  // (no bin found: cannot happen)
     }
@@ -985,7 +992,7 @@ __device__ void topk_cluster_impl(const DsaParams& p) {
         return;
     }
     int* hist = p.hist + (size_t)t * HIST_STRIDE;
-    const int first = rank * SPAN + threadIdx.x * E;
+    const int block_first = rank * SPAN, first = block_first + threadIdx.x * E;
     // The bins (this thread's four, from the top's 4i-th down) and this thread's scores, loaded together.
     const int4 four = reinterpret_cast<const int4*>(hist)[HIST_BINS / 4 - 1 - threadIdx.x];
     const float* row = p.scores + (size_t)t * p.score_stride;
@@ -1001,11 +1008,12 @@ __device__ void topk_cluster_impl(const DsaParams& p) {
         for (int j = 0; j < E; ++j) v[j] = first + j < n ? row[first + j] : 0.f;
     }
 
-    // 1. The threshold bin and how many to take from it; the scores above it; the fine histogram.
+    // 1. The threshold bin and how many to take from it; the scores above it (selected: a bit per score in
+    // `selected`); the candidates in it, listed, and their fine histogram.
     const int counts[4] = {four.w, four.z, four.y, four.x};
-    int above_bins, total;
-    above_bins = block_exclusive_scan<CLUSTER_THREADS>(counts[0] + counts[1] + counts[2] + counts[3], sh.warp_sums, total);
-    if (above_bins < K && above_bins + counts[0] + counts[1] + counts[2] + counts[3] >= K) {
+    const int sum4 = counts[0] + counts[1] + counts[2] + counts[3];
+    int total, above_bins = block_exclusive_scan<CLUSTER_THREADS>(sum4, sh.warp_sums, total);
+    if (above_bins < K && above_bins + sum4 >= K) {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             if (above_bins + counts[j] >= K) {
@@ -1020,14 +1028,24 @@ __device__ void topk_cluster_impl(const DsaParams& p) {
     const uint32_t bin = sh.bin;
     const int remaining = sh.remaining;
     uint32_t u[E];
-    int definite = 0;
+    uint64_t selected = 0;
 #pragma unroll
     for (int j = 0; j < E; ++j) {
         u[j] = ordered(v[j]);
         const bool valid = first + j < n;
-        definite += valid && u[j] >> (32 - HIST_BITS) > bin;
-        if (valid && u[j] >> (32 - HIST_BITS) == bin) atomicAdd(&sh.hist[(u[j] >> FINE_SHIFT) & (FINE_BINS - 1)], 1);
+        const uint32_t b = u[j] >> (32 - HIST_BITS);
+        if (valid && b > bin) selected |= 1ull << j;
+        if (valid && b == bin) {
+            atomicAdd(&sh.hist[(u[j] >> FINE_SHIFT) & (FINE_BINS - 1)], 1);
+            const int slot = atomicAdd(&sh.candidates, 1);
+            if (slot < CLUSTER_CANDIDATES) {
+                sh.candidate_values[slot] = u[j];
+                sh.candidate_positions[slot] = first + j;
+            }
+        }
     }
+    const int above = __reduce_add_sync(0xffffffff, __popcll(selected));
+    if (lane == 0 && above != 0) atomicAdd(&sh.definite, above);
     cluster_sync();  // every block's fine histogram
     if (rank == 0)   // every block has read the row's bins: zero for the next call
         for (int i = threadIdx.x; i < HIST_BINS; i += CLUSTER_THREADS) hist[i] = 0;
@@ -1036,27 +1054,45 @@ __device__ void topk_cluster_impl(const DsaParams& p) {
     cluster_merge_slice<FINE_SLICE>(sh.hist, sh.fine_slice, &sh.fine_total, rank);
     cluster_sync();  // every slice
 
-    // 3. The fine bin of the K-th largest; the scores above it are selected.
+    // 3. The fine bin of the K-th largest; the block's candidates above it are selected (counted from its
+    // fine histogram, which no other block reads any more).
     const int3 fine = cluster_locate<FINE_SLICE>(sh.fine_slice, &sh.fine_total, remaining, sh);
     const uint32_t top22 = bin << FINE_BITS | (uint32_t)fine.x;
+    // The block's candidates: from its list, or from its registers where the list overflowed.
+    const int candidates = sh.candidates;
+    const auto for_each_candidate = [&](auto&& f) {
+        if (candidates <= CLUSTER_CANDIDATES) {
+            for (int i = threadIdx.x; i < candidates; i += CLUSTER_THREADS)
+                f(sh.candidate_values[i], sh.candidate_positions[i]);
+        } else {
 #pragma unroll
-    for (int j = 0; j < E; ++j)
-        definite += first + j < n && u[j] >> (32 - HIST_BITS) == bin && ((u[j] >> FINE_SHIFT) & (FINE_BINS - 1)) > (uint32_t)fine.x;
-    uint32_t kth, last_tied = 0;
-    int offset = 0, take_equal = 0, equal_before = 0;  // the third level: equal scores this block takes
-    const bool listed = fine.z <= FINE_LIST;  // (uniform over the cluster)
-    if (listed) {
-        // 4. The cluster's scores sharing the K-th's top 22 bits, ranked.
-#pragma unroll
-        for (int j = 0; j < E; ++j) {
-            if (first + j < n && u[j] >> FINE_SHIFT == top22) {
-                const int slot = atomicAdd(&sh.listed, 1);
-                sh.list_values[slot] = u[j];
-                sh.list_positions[slot] = first + j;
-            }
+            for (int j = 0; j < E; ++j)
+                if (first + j < n && u[j] >> (32 - HIST_BITS) == bin) f(u[j], (uint32_t)(first + j));
         }
-        definite = __reduce_add_sync(0xffffffff, definite);
-        if (lane == 0 && definite != 0) atomicAdd(&sh.definite, definite);
+    };
+    const auto take = [&](uint32_t position) {
+        const int i = position - block_first;
+        atomicOr(reinterpret_cast<unsigned long long*>(&sh.taken[i / E]), 1ull << (i % E));
+    };
+    uint32_t kth;
+    int offset = 0;
+    if (fine.z <= FINE_LIST) {  // (uniform over the cluster)
+        // 4. The cluster's scores sharing the K-th's top 22 bits, ranked.
+        int above_fine = 0;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int b = HIST_BINS - 1 - 4 * threadIdx.x - j;
+            if (b > fine.x) above_fine += sh.hist[b];
+        }
+        above_fine = __reduce_add_sync(0xffffffff, above_fine);
+        if (lane == 0 && above_fine != 0) atomicAdd(&sh.definite, above_fine);
+        for_each_candidate([&](uint32_t value, uint32_t position) {
+            if (value >> FINE_SHIFT == top22) {
+                const int slot = atomicAdd(&sh.listed, 1);
+                sh.list_values[slot] = value;
+                sh.list_positions[slot] = position;
+            }
+        });
         cluster_sync();  // every block's list and count
         if (threadIdx.x < CLUSTER_BLOCKS) {
             sh.block_definite[threadIdx.x] = (int)ld_cluster_u32(cluster_map(&sh.definite, threadIdx.x));
@@ -1081,27 +1117,32 @@ __device__ void topk_cluster_impl(const DsaParams& p) {
         __syncthreads();
         if ((int)threadIdx.x < count) {
             const uint32_t value = sh.all_values[threadIdx.x], position = sh.all_positions[threadIdx.x];
-            int above = 0;
+            int higher = 0;
             for (int j = 0; j < count; ++j)
-                above += sh.all_values[j] > value || (sh.all_values[j] == value && sh.all_positions[j] < position);
-            if (above == fine.y - 1) {
+                higher += sh.all_values[j] > value || (sh.all_values[j] == value && sh.all_positions[j] < position);
+            if (higher == fine.y - 1) {
                 sh.kth = value;
                 sh.last_tied = position;
             }
         }
         __syncthreads();
         kth = sh.kth;
-        last_tied = sh.last_tied;
+        const uint32_t last_tied = sh.last_tied;
         if ((int)threadIdx.x < count) {
             const uint32_t value = sh.all_values[threadIdx.x];
             if (value > kth || (value == kth && sh.all_positions[threadIdx.x] <= last_tied))
                 atomicAdd(&sh.block_taken[sh.all_blocks[threadIdx.x]], 1);
         }
+        // The block's candidates taken: above the fine bin, or in it and ranked within the K.
+        for_each_candidate([&](uint32_t value, uint32_t position) {
+            if (value > kth || (value == kth && position <= last_tied)) take(position);
+        });
         __syncthreads();
         for (int b = 0; b < (int)rank; ++b) offset += sh.block_definite[b] + sh.block_taken[b];
     } else {
-        // A crowded fine bin: 3'. the last 10 bits (the block's fine histogram was read before the last
-        // meeting and is free), then the equal scores by position.
+        // A crowded fine bin: 3'. the last 10 bits, then the scores equal to the K-th by position, block by
+        // block. From the registers (the candidates' list is not in position order).
+        __syncthreads();  // (the block's fine histogram was read above) its low histogram
         for (int i = threadIdx.x; i < LOW_BINS; i += CLUSTER_THREADS) sh.hist[i] = 0;
         __syncthreads();
 #pragma unroll
@@ -1112,17 +1153,17 @@ __device__ void topk_cluster_impl(const DsaParams& p) {
         cluster_sync();  // every slice
         const int3 low = cluster_locate<LOW_SLICE>(sh.low_slice, &sh.low_total, fine.y, sh);
         kth = top22 << LOW_BITS | (uint32_t)low.x;
-        int equal = 0;
+        int higher = 0, equal = 0;
 #pragma unroll
         for (int j = 0; j < E; ++j) {
-            const bool valid = first + j < n;
-            definite += valid && u[j] >> FINE_SHIFT == top22 && u[j] > kth;
-            equal += valid && u[j] == kth;
+            const bool in_bin = first + j < n && u[j] >> (32 - HIST_BITS) == bin;
+            higher += in_bin && u[j] > kth;
+            equal += in_bin && u[j] == kth;
         }
         int block_equal;
-        equal_before = block_exclusive_scan<CLUSTER_THREADS>(equal, sh.warp_sums, block_equal);
-        definite = __reduce_add_sync(0xffffffff, definite);
-        if (lane == 0 && definite != 0) atomicAdd(&sh.definite, definite);
+        int equal_before = block_exclusive_scan<CLUSTER_THREADS>(equal, sh.warp_sums, block_equal);
+        higher = __reduce_add_sync(0xffffffff, higher);
+        if (lane == 0 && higher != 0) atomicAdd(&sh.definite, higher);
         if (threadIdx.x == 0) sh.equal = block_equal;
         cluster_sync();  // every block's counts
         if (threadIdx.x < CLUSTER_BLOCKS) {
@@ -1132,31 +1173,25 @@ __device__ void topk_cluster_impl(const DsaParams& p) {
         cluster_arrive();  // no more reads of other blocks' shared memory
         __syncthreads();
         // The low.y equal scores taken go to the lowest positions: the blocks' in order.
-        int equal_seen = 0;
+        int equal_seen = 0, take_equal = 0;
         for (int b = 0; b < CLUSTER_BLOCKS; ++b) {
             const int taken = min(max(low.y - equal_seen, 0), sh.block_listed[b]);
             if (b < (int)rank) offset += sh.block_definite[b] + taken;
             if (b == (int)rank) take_equal = taken;
             equal_seen += sh.block_listed[b];
         }
+#pragma unroll
+        for (int j = 0; j < E; ++j) {
+            const bool in_bin = first + j < n && u[j] >> (32 - HIST_BITS) == bin;
+            if (in_bin && (u[j] > kth || (u[j] == kth && equal_before++ < take_equal))) selected |= 1ull << j;
+        }
     }
 
     // This block's selected positions, in order, after the blocks before it.
-    bool take[E];
-    int here = 0;
-#pragma unroll
-    for (int j = 0; j < E; ++j) {
-        const bool valid = first + j < n, equal = valid && u[j] == kth;
-        take[j] = valid && (u[j] > kth || (equal && (listed ? (uint32_t)(first + j) <= last_tied
-                                                            : equal_before < take_equal)));
-        equal_before += equal;
-        here += take[j];
-    }
+    selected |= sh.taken[threadIdx.x];
     int block_total;
-    int slot = offset + block_exclusive_scan<CLUSTER_THREADS>(here, sh.warp_sums, block_total);
-#pragma unroll
-    for (int j = 0; j < E; ++j)
-        if (take[j]) out[slot++] = first + j;
+    int slot = offset + block_exclusive_scan<CLUSTER_THREADS>(__popcll(selected), sh.warp_sums, block_total);
+    for (; selected != 0; selected &= selected - 1) out[slot++] = first + __ffsll(selected) - 1;
     cluster_wait();  // no block leaves while another may still read its shared memory
 }
 
