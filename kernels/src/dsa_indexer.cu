@@ -882,113 +882,177 @@ __device__ void topk_emit_impl(const DsaParams& p) {
 //
 // dsa_topk_cluster_e*: the three top-k kernels above in one launch, for rows of at most CLUSTER_BLOCKS *
 // CLUSTER_THREADS * E positions. A token's CLUSTER_BLOCKS blocks form one cluster; block r holds positions
-// [r * SPAN, (r + 1) * SPAN) in registers, E consecutive ones per thread, and the blocks meet through cluster
-// barriers and distributed shared memory (a few hundred cycles each) instead of kernel boundaries and global
-// memory (microseconds each):
-//   1. every block finds the threshold bin from the row's histogram (as dsa_topk_candidates), counts its
-//      scores above it and histograms its candidates by their next 11 bits (the fine bins) in shared memory;
-//   2. block r sums slice r of the fine histograms over the cluster;
-//   3. every block finds the fine bin of the K-th largest from the slices and lists its scores that share the
-//      K-th's top 22 bits (at most FINE_LIST over the cluster; more take a third level, the last 10 bits,
-//      after which the scores equal to the K-th go to the lowest positions, block by block);
-//   4. every block gathers the cluster's lists and ranks them (higher value, then lower position: the K-th
-//      largest and the last tied position taken), then writes its selected positions in order after those
-//      of the blocks before it.
+// [r * SPAN, (r + 1) * SPAN) in registers, E consecutive ones per thread. The blocks exchange counts by
+// pushing them into each other's shared memory (`st.async`, completing on the receiver's mbarrier): no
+// kernel boundary, no global-memory meeting, and no cluster barrier after the first (a cluster barrier that
+// orders shared-memory writes is a GPU-scope memory barrier on sm_90).
+//   1. every block finds the threshold bin from the row's histogram (as dsa_topk_candidates), marks its
+//      scores above it, lists the scores in it (its candidates) and counts them by their next 11 bits (the
+//      fine bins);
+//   2. block r receives slice r of every block's fine histogram, sums it and sends the sum to every block,
+//      so that each holds the cluster's fine histogram and finds the fine bin of the K-th largest;
+//   3. the blocks send each other how many of their scores are selected for sure and how many share the
+//      K-th's top 22 bits, then those scores (at most FINE_LIST in the cluster; more take the same two steps
+//      over the last 10 bits, after which the scores equal to the K-th go to the lowest positions, block by
+//      block);
+//   4. every block ranks the shared scores (higher value, then lower position: the K-th largest and the last
+//      tied position taken) and writes its selected positions in order after those of the blocks before it.
 constexpr int CLUSTER_BLOCKS = 8, CLUSTER_THREADS = 512;
 constexpr int FINE_SLICE = FINE_BINS / CLUSTER_BLOCKS;  // fine bins summed by each block
 constexpr int LOW_BITS = FINE_SHIFT, LOW_BINS = 1 << LOW_BITS, LOW_SLICE = LOW_BINS / CLUSTER_BLOCKS;
-static_assert(HIST_BINS == 4 * CLUSTER_THREADS && FINE_LIST <= CLUSTER_THREADS, "four bins and one list entry per thread");
+static_assert(HIST_BINS == 4 * CLUSTER_THREADS && FINE_BINS == 4 * CLUSTER_THREADS && LOW_BINS == 2 * CLUSTER_THREADS,
+              "four (low: two) bins per thread");
+static_assert(FINE_SLICE == CLUSTER_THREADS / 2 && LOW_SLICE * CLUSTER_BLOCKS / 4 <= CLUSTER_THREADS,
+              "one 16-byte push per thread");
 // Threshold-bin candidates a block lists in shared memory (~4% of a row's scores; a block with more works
 // from its registers instead).
 constexpr int CLUSTER_CANDIDATES = 2048;
 
+// What a block receives, each on its own mbarrier (`ClusterTopkShared::arrived`).
+enum ClusterExchange {
+    FINE_PARTS,      // slice `rank` of every block's fine histogram
+    FINE_MERGED,     // the cluster's fine histogram, a slice from each block
+    COUNTS,          // every block's (selected for sure, listed) counts
+    LISTS,           // every block's listed scores, in block order
+    LOW_PARTS,       // crowded fine bin: as FINE_PARTS for the last 10 bits
+    LOW_MERGED,      // ... as FINE_MERGED
+    CROWDED_COUNTS,  // ... every block's (selected for sure, equal to the K-th) counts
+    EXCHANGES
+};
+
 struct ClusterTopkShared {
-    int hist[FINE_BINS];                   // this block's fine histogram; in the third level its low bins
-    int fine_slice[FINE_SLICE], low_slice[LOW_SLICE];  // this block's slices of the cluster's histograms
-    int fine_total, low_total;             // their sums
-    int definite, listed, equal;           // published: selected for sure, listed, equal to the K-th
-    int candidates;                        // this block's scores in the threshold bin
-    uint32_t candidate_values[CLUSTER_CANDIDATES], candidate_positions[CLUSTER_CANDIDATES];  // the first ones
-    uint64_t taken[CLUSTER_THREADS];       // thread i's selected candidates, bit j for its position j
-    alignas(16) uint32_t list_values[FINE_LIST];
-    alignas(16) uint32_t list_positions[FINE_LIST];
-    uint32_t all_values[FINE_LIST], all_positions[FINE_LIST];  // the cluster's lists, in block order
-    int all_blocks[FINE_LIST];
-    int block_definite[CLUSTER_BLOCKS], block_listed[CLUSTER_BLOCKS], block_taken[CLUSTER_BLOCKS];
+    uint64_t arrived[EXCHANGES];
+    alignas(16) int fine[FINE_BINS];                              // this block's fine histogram
+    alignas(16) int low[LOW_BINS];                                // ... and low one (crowded)
+    alignas(16) int fine_parts[CLUSTER_BLOCKS][FINE_SLICE];       // received
+    alignas(16) int fine_merged[FINE_BINS];
+    alignas(16) int low_parts[CLUSTER_BLOCKS][LOW_SLICE];
+    alignas(16) int low_merged[LOW_BINS];
+    alignas(16) int2 counts[CLUSTER_BLOCKS];
+    alignas(16) int2 crowded_counts[CLUSTER_BLOCKS];
+    alignas(16) uint2 lists[FINE_LIST];                           // (value, position), block by block
+    alignas(16) uint2 list[FINE_LIST];                            // this block's
+    uint32_t candidate_values[CLUSTER_CANDIDATES], candidate_positions[CLUSTER_CANDIDATES];
+    uint64_t taken[CLUSTER_THREADS];  // thread i's selected candidates, bit j for its position j
+    int candidates, listed;
+    int block_taken[CLUSTER_BLOCKS];
     int warp_sums[32];
-    int bin, remaining, slice, before;
-    int3 located;  // (bin, how many to take from it, its count) of the last cluster_locate
+    int bin, remaining;
+    int3 located;
     uint32_t kth, last_tied;
 };
 
-// Block `rank`'s slice of a histogram of CLUSTER_BLOCKS * SLICE bins kept by every block in `hist`: the
-// cluster's sums into `slice`, their total into `total` (zero before).
-template <int SLICE>
-__device__ __forceinline__ void cluster_merge_slice(const int* hist, int* slice, int* total, uint32_t rank) {
-    int sum = 0;
-    if (threadIdx.x < SLICE) {
-        int counts[CLUSTER_BLOCKS];
-#pragma unroll
-        for (int r = 0; r < CLUSTER_BLOCKS; ++r)
-            counts[r] = (int)ld_cluster_u32(cluster_map(hist + rank * SLICE + threadIdx.x, r));
-#pragma unroll
-        for (int r = 0; r < CLUSTER_BLOCKS; ++r) sum += counts[r];
-        slice[threadIdx.x] = sum;
-    }
-    sum = __reduce_add_sync(0xffffffff, sum);
-    if (threadIdx.x % 32 == 0 && sum != 0) atomicAdd(total, sum);
+// Sends 8 or 16 bytes into the same variable of block `rank`, completing them on that block's `bar`.
+__device__ __forceinline__ void push_u32x2(const void* dst, uint2 v, const uint64_t* bar, uint32_t rank) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.u32 [%0], {%1, %2}, [%3];\n"
+                 ::"r"(cluster_map(dst, rank)), "r"(v.x), "r"(v.y), "r"(cluster_map(bar, rank)) : "memory");
+}
+__device__ __forceinline__ void push_u32x4(const void* dst, uint4 v, const uint64_t* bar, uint32_t rank) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.u32 [%0], {%1, %2, %3, %4}, [%5];\n"
+                 ::"r"(cluster_map(dst, rank)), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(cluster_map(bar, rank))
+                 : "memory");
 }
 
-// The bin of the remaining-th largest in the histogram whose slices (`slice`, summed in `total`) the
-// cluster's blocks hold, counted from the top: (bin, how many to take from it, its count).
-template <int SLICE>
-__device__ int3 cluster_locate(const int* slice, const int* total, int remaining, ClusterTopkShared& sh) {
-    if (threadIdx.x < 32) {  // lane l: the slice l-th from the top
-        const int lane = threadIdx.x, s = CLUSTER_BLOCKS - 1 - lane;
-        const int count = lane < CLUSTER_BLOCKS ? (int)ld_cluster_u32(cluster_map(total, s)) : 0;
-        int inclusive = count;
+// Steps 2 (and its repeat over the low bits): block `rank` sums slice `rank` of the cluster's histograms
+// (BINS bins; `parts` received on `parts_arrived`) and sends it to every block's `merged`.
+template <int BINS>
+__device__ __forceinline__ void cluster_merge(const int* local, int (*parts)[BINS / CLUSTER_BLOCKS], int* merged,
+                                              uint64_t* arrived, uint32_t rank, int parts_exchange,
+                                              int merged_exchange) {
+    constexpr int SLICE = BINS / CLUSTER_BLOCKS, PIECES = SLICE / 4;  // 16-byte pieces per slice
+    // This block's counts of every slice to the slice's owner (thread i: piece i % PIECES of slice i / PIECES).
+    if (threadIdx.x < CLUSTER_BLOCKS * PIECES) {
+        const int owner = threadIdx.x / PIECES, piece = threadIdx.x % PIECES;
+        const int4 c = reinterpret_cast<const int4*>(local + owner * SLICE)[piece];
+        push_u32x4(reinterpret_cast<const int4*>(parts[rank]) + piece, make_uint4(c.x, c.y, c.z, c.w),
+                   &arrived[parts_exchange], owner);
+    }
+    mbarrier_wait(&arrived[parts_exchange], 0);
+    // The sum of this block's slice, to every block (thread i: piece i % PIECES to block i / PIECES).
+    if (threadIdx.x < CLUSTER_BLOCKS * PIECES) {
+        const int to = threadIdx.x / PIECES, piece = threadIdx.x % PIECES;
+        int4 sum = make_int4(0, 0, 0, 0);
 #pragma unroll
-        for (int o = 1; o < 32; o *= 2) {
-            const int v = __shfl_up_sync(0xffffffff, inclusive, o);
-            if (lane >= o) inclusive += v;
+        for (int r = 0; r < CLUSTER_BLOCKS; ++r) {
+            const int4 c = reinterpret_cast<const int4*>(parts[r])[piece];
+            sum.x += c.x; sum.y += c.y; sum.z += c.z; sum.w += c.w;
         }
-        if (lane < CLUSTER_BLOCKS && inclusive - count < remaining && inclusive >= remaining) {
-            sh.slice = s;
-            sh.before = inclusive - count;
+        push_u32x4(reinterpret_cast<const int4*>(merged + rank * SLICE) + piece, make_uint4(sum.x, sum.y, sum.z, sum.w),
+                   &arrived[merged_exchange], to);
+    }
+    mbarrier_wait(&arrived[merged_exchange], 0);
+}
+
+// The bin of the remaining-th largest in a histogram of PER * CLUSTER_THREADS bins, counted from the top:
+// (bin, how many to take from it, its count).
+template <int PER>
+__device__ int3 locate(const int* hist, int remaining, ClusterTopkShared& sh) {
+    constexpr int BINS = PER * CLUSTER_THREADS;
+    int counts[PER], sum = 0;
+#pragma unroll
+    for (int j = 0; j < PER; ++j) sum += counts[j] = hist[BINS - 1 - PER * threadIdx.x - j];
+    int total;
+    int above = block_exclusive_scan<CLUSTER_THREADS>(sum, sh.warp_sums, total);
+    if (above < remaining && above + sum >= remaining) {
+#pragma unroll
+        for (int j = 0; j < PER; ++j) {
+            if (above + counts[j] >= remaining) {
+                sh.located = make_int3(BINS - 1 - PER * threadIdx.x - j, remaining - above, counts[j]);
+                break;
+            }
+            above += counts[j];
         }
     }
-    __syncthreads();
-    const int s = sh.slice, before = sh.before, bin = SLICE - 1 - (int)threadIdx.x;  // thread i: i-th from the top
-    const int count = threadIdx.x < SLICE ? (int)ld_cluster_u32(cluster_map(slice + bin, s)) : 0;
-    int sum;
-    const int above = before + block_exclusive_scan<CLUSTER_THREADS>(count, sh.warp_sums, sum);
-    if (threadIdx.x < SLICE && above < remaining && above + count >= remaining)
-        sh.located = make_int3(s * SLICE + bin, remaining - above, count);
     __syncthreads();
     return sh.located;
 }
+
+// The sum over the block of this thread's PER bins of `hist` above `bin` (the thread's bins as `locate`'s).
+template <int PER>
+__device__ __forceinline__ int count_above(const int* hist, int bin) {
+    int above = 0;
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        const int b = PER * CLUSTER_THREADS - 1 - PER * threadIdx.x - j;
+        if (b > bin) above += hist[b];
+    }
+    return above;
+}
+
+// The dynamic shared memory the launcher gives a cluster top-k block (`CLUSTER_SHARED_BYTES` in Rust).
+constexpr int CLUSTER_SHARED_BYTES = 64 * 1024;
+static_assert(sizeof(ClusterTopkShared) <= CLUSTER_SHARED_BYTES, "the launcher's dynamic shared memory");
 
 template <int E>
 __device__ void topk_cluster_impl(const DsaParams& p) {
     constexpr int SPAN = CLUSTER_THREADS * E;
     static_assert(E % 4 == 0 && E <= 64, "scores load as float4; one 64-bit mask per thread");
-    __shared__ ClusterTopkShared sh;
+    extern __shared__ __align__(16) unsigned char cluster_smem[];
+    ClusterTopkShared& sh = *reinterpret_cast<ClusterTopkShared*>(cluster_smem);
     const int t = blockIdx.y, lane = threadIdx.x % 32;
     const uint32_t rank = cluster_rank();
+    // The exchanges' barriers, each expecting its bytes from the cluster (LISTS: once the counts are in);
+    // the other blocks may send as soon as the cluster barrier below has made them visible.
+    if (threadIdx.x == 0) {
+        constexpr int BYTES[EXCHANGES] = {FINE_SLICE * 4 * CLUSTER_BLOCKS, FINE_BINS * 4, 8 * CLUSTER_BLOCKS, 0,
+                                          LOW_SLICE * 4 * CLUSTER_BLOCKS, LOW_BINS * 4, 8 * CLUSTER_BLOCKS};
+        for (int x = 0; x < EXCHANGES; ++x) mbarrier_init(&sh.arrived[x], 1);
+        for (int x = 0; x < EXCHANGES; ++x)
+            if (x != LISTS) mbarrier_arrive_expect_tx(&sh.arrived[x], BYTES[x]);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\nbarrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
     const int n = visible_keys(p, t), K = p.K;
     int* out = p.indices + (size_t)t * K;
-    for (int i = threadIdx.x; i < FINE_BINS; i += CLUSTER_THREADS) sh.hist[i] = 0;
+    for (int i = threadIdx.x; i < FINE_BINS; i += CLUSTER_THREADS) sh.fine[i] = 0;
+    for (int i = threadIdx.x; i < LOW_BINS; i += CLUSTER_THREADS) sh.low[i] = 0;
     sh.taken[threadIdx.x] = 0;
-    if (threadIdx.x == 0) {
-        sh.fine_total = sh.low_total = sh.definite = sh.listed = sh.equal = sh.candidates = 0;
-        sh.slice = sh.before = 0;
-        sh.located = make_int3(0, 1, 0);  // (no bin found: cannot happen)
-    }
+    if (threadIdx.x == 0) sh.candidates = sh.listed = 0;
     if (threadIdx.x < CLUSTER_BLOCKS) sh.block_taken[threadIdx.x] = 0;
     asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the score kernel's writes
-    if (n <= K) {  // every visible position, then -1 (the same for every block of the cluster: none meets)
+    if (n <= K) {  // every visible position, then -1 (the same for every block of the cluster: none sends)
         for (int i = rank * CLUSTER_THREADS + threadIdx.x; i < K; i += CLUSTER_BLOCKS * CLUSTER_THREADS)
             out[i] = i < n ? i : -1;
+        asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
         return;
     }
     int* hist = p.hist + (size_t)t * HIST_STRIDE;
@@ -1008,8 +1072,8 @@ __device__ void topk_cluster_impl(const DsaParams& p) {
         for (int j = 0; j < E; ++j) v[j] = first + j < n ? row[first + j] : 0.f;
     }
 
-    // 1. The threshold bin and how many to take from it; the scores above it (selected: a bit per score in
-    // `selected`); the candidates in it, listed, and their fine histogram.
+    // 1. The threshold bin and how many to take from it; the scores above it (a bit per score in
+    // `selected`); the candidates, listed, and their fine histogram.
     const int counts[4] = {four.w, four.z, four.y, four.x};
     const int sum4 = counts[0] + counts[1] + counts[2] + counts[3];
     int total, above_bins = block_exclusive_scan<CLUSTER_THREADS>(sum4, sh.warp_sums, total);
@@ -1036,7 +1100,7 @@ __device__ void topk_cluster_impl(const DsaParams& p) {
         const uint32_t b = u[j] >> (32 - HIST_BITS);
         if (valid && b > bin) selected |= 1ull << j;
         if (valid && b == bin) {
-            atomicAdd(&sh.hist[(u[j] >> FINE_SHIFT) & (FINE_BINS - 1)], 1);
+            atomicAdd(&sh.fine[(u[j] >> FINE_SHIFT) & (FINE_BINS - 1)], 1);
             const int slot = atomicAdd(&sh.candidates, 1);
             if (slot < CLUSTER_CANDIDATES) {
                 sh.candidate_values[slot] = u[j];
@@ -1044,20 +1108,17 @@ __device__ void topk_cluster_impl(const DsaParams& p) {
             }
         }
     }
-    const int above = __reduce_add_sync(0xffffffff, __popcll(selected));
-    if (lane == 0 && above != 0) atomicAdd(&sh.definite, above);
-    cluster_sync();  // every block's fine histogram
-    if (rank == 0)   // every block has read the row's bins: zero for the next call
+    int definite = __popcll(selected);
+    asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // every block's barriers are set up
+    __syncthreads();  // the block's fine histogram is complete
+
+    // 2. The cluster's fine histogram, in every block; the fine bin of the K-th largest.
+    cluster_merge<FINE_BINS>(sh.fine, sh.fine_parts, sh.fine_merged, sh.arrived, rank, FINE_PARTS, FINE_MERGED);
+    if (rank == 0)  // every block has read the row's bins (before sending its slices): zero for the next call
         for (int i = threadIdx.x; i < HIST_BINS; i += CLUSTER_THREADS) hist[i] = 0;
-
-    // 2. This block's slice of the cluster's fine histogram.
-    cluster_merge_slice<FINE_SLICE>(sh.hist, sh.fine_slice, &sh.fine_total, rank);
-    cluster_sync();  // every slice
-
-    // 3. The fine bin of the K-th largest; the block's candidates above it are selected (counted from its
-    // fine histogram, which no other block reads any more).
-    const int3 fine = cluster_locate<FINE_SLICE>(sh.fine_slice, &sh.fine_total, remaining, sh);
+    const int3 fine = locate<4>(sh.fine_merged, remaining, sh);
     const uint32_t top22 = bin << FINE_BITS | (uint32_t)fine.x;
+    definite += count_above<4>(sh.fine, fine.x);
     // The block's candidates: from its list, or from its registers where the list overflowed.
     const int candidates = sh.candidates;
     const auto for_each_candidate = [&](auto&& f) {
@@ -1070,115 +1131,102 @@ __device__ void topk_cluster_impl(const DsaParams& p) {
                 if (first + j < n && u[j] >> (32 - HIST_BITS) == bin) f(u[j], (uint32_t)(first + j));
         }
     };
-    const auto take = [&](uint32_t position) {
-        const int i = position - block_first;
-        atomicOr(reinterpret_cast<unsigned long long*>(&sh.taken[i / E]), 1ull << (i % E));
-    };
     uint32_t kth;
     int offset = 0;
     if (fine.z <= FINE_LIST) {  // (uniform over the cluster)
-        // 4. The cluster's scores sharing the K-th's top 22 bits, ranked.
-        int above_fine = 0;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int b = HIST_BINS - 1 - 4 * threadIdx.x - j;
-            if (b > fine.x) above_fine += sh.hist[b];
-        }
-        above_fine = __reduce_add_sync(0xffffffff, above_fine);
-        if (lane == 0 && above_fine != 0) atomicAdd(&sh.definite, above_fine);
+        // 3. The cluster's scores sharing the K-th's top 22 bits, in every block.
         for_each_candidate([&](uint32_t value, uint32_t position) {
-            if (value >> FINE_SHIFT == top22) {
-                const int slot = atomicAdd(&sh.listed, 1);
-                sh.list_values[slot] = value;
-                sh.list_positions[slot] = position;
-            }
+            if (value >> FINE_SHIFT == top22) sh.list[atomicAdd(&sh.listed, 1)] = make_uint2(value, position);
         });
-        cluster_sync();  // every block's list and count
+        definite = __reduce_add_sync(0xffffffff, definite);
+        if (lane == 0) sh.warp_sums[threadIdx.x / 32] = definite;
+        __syncthreads();
         if (threadIdx.x < CLUSTER_BLOCKS) {
-            sh.block_definite[threadIdx.x] = (int)ld_cluster_u32(cluster_map(&sh.definite, threadIdx.x));
-            sh.block_listed[threadIdx.x] = (int)ld_cluster_u32(cluster_map(&sh.listed, threadIdx.x));
+            int block_definite = 0;
+            for (int w = 0; w < CLUSTER_THREADS / 32; ++w) block_definite += sh.warp_sums[w];
+            push_u32x2(&sh.counts[rank], make_uint2(block_definite, sh.listed), &sh.arrived[COUNTS], threadIdx.x);
         }
-        __syncthreads();
-        int count = 0, from = 0, source = 0;  // entry threadIdx.x is entry threadIdx.x - from of block source
-#pragma unroll
+        mbarrier_wait(&sh.arrived[COUNTS], 0);
+        int listed = 0, before = 0;  // the cluster's, and the blocks' before this one
         for (int b = 0; b < CLUSTER_BLOCKS; ++b) {
-            if ((int)threadIdx.x >= count) {
-                from = count;
-                source = b;
-            }
-            count += sh.block_listed[b];
+            if (b == (int)rank) before = listed;
+            listed += sh.counts[b].y;
         }
-        if ((int)threadIdx.x < count) {
-            sh.all_values[threadIdx.x] = ld_cluster_u32(cluster_map(sh.list_values + threadIdx.x - from, source));
-            sh.all_positions[threadIdx.x] = ld_cluster_u32(cluster_map(sh.list_positions + threadIdx.x - from, source));
-            sh.all_blocks[threadIdx.x] = source;
+        if (threadIdx.x == 0) mbarrier_arrive_expect_tx(&sh.arrived[LISTS], listed * 8);
+        for (int k = threadIdx.x, mine = sh.listed; k < mine * CLUSTER_BLOCKS; k += CLUSTER_THREADS) {
+            const int i = k % mine, to = k / mine;  // entry i to block `to`
+            push_u32x2(&sh.lists[before + i], sh.list[i], &sh.arrived[LISTS], to);
         }
-        cluster_arrive();  // no more reads of other blocks' shared memory
-        __syncthreads();
-        if ((int)threadIdx.x < count) {
-            const uint32_t value = sh.all_values[threadIdx.x], position = sh.all_positions[threadIdx.x];
+        // 4. Rank them.
+        mbarrier_wait(&sh.arrived[LISTS], 0);
+        if ((int)threadIdx.x < listed) {
+            const uint2 entry = sh.lists[threadIdx.x];
             int higher = 0;
-            for (int j = 0; j < count; ++j)
-                higher += sh.all_values[j] > value || (sh.all_values[j] == value && sh.all_positions[j] < position);
+            for (int j = 0; j < listed; ++j) {
+                const uint2 other = sh.lists[j];
+                higher += other.x > entry.x || (other.x == entry.x && other.y < entry.y);
+            }
             if (higher == fine.y - 1) {
-                sh.kth = value;
-                sh.last_tied = position;
+                sh.kth = entry.x;
+                sh.last_tied = entry.y;
             }
         }
         __syncthreads();
         kth = sh.kth;
         const uint32_t last_tied = sh.last_tied;
-        if ((int)threadIdx.x < count) {
-            const uint32_t value = sh.all_values[threadIdx.x];
-            if (value > kth || (value == kth && sh.all_positions[threadIdx.x] <= last_tied))
-                atomicAdd(&sh.block_taken[sh.all_blocks[threadIdx.x]], 1);
+        if ((int)threadIdx.x < listed) {  // entry i came from the block whose share of the list holds i
+            const uint2 entry = sh.lists[threadIdx.x];
+            if (entry.x > kth || (entry.x == kth && entry.y <= last_tied)) {
+                int source = 0;
+                for (int b = 0, end = 0; b < CLUSTER_BLOCKS; ++b) {
+                    end += sh.counts[b].y;
+                    if ((int)threadIdx.x >= end) source = b + 1;
+                }
+                atomicAdd(&sh.block_taken[source], 1);
+            }
         }
         // The block's candidates taken: above the fine bin, or in it and ranked within the K.
         for_each_candidate([&](uint32_t value, uint32_t position) {
-            if (value > kth || (value == kth && position <= last_tied)) take(position);
+            if (value > kth || (value == kth && position <= last_tied)) {
+                const int i = position - block_first;
+                atomicOr(reinterpret_cast<unsigned long long*>(&sh.taken[i / E]), 1ull << (i % E));
+            }
         });
         __syncthreads();
-        for (int b = 0; b < (int)rank; ++b) offset += sh.block_definite[b] + sh.block_taken[b];
+        for (int b = 0; b < (int)rank; ++b) offset += sh.counts[b].x + sh.block_taken[b];
     } else {
-        // A crowded fine bin: 3'. the last 10 bits, then the scores equal to the K-th by position, block by
-        // block. From the registers (the candidates' list is not in position order).
-        __syncthreads();  // (the block's fine histogram was read above) its low histogram
-        for (int i = threadIdx.x; i < LOW_BINS; i += CLUSTER_THREADS) sh.hist[i] = 0;
+        // A crowded fine bin: 3'. the same over the last 10 bits, then the scores equal to the K-th by
+        // position, block by block (from the registers: the candidates' list is not in position order).
+        for_each_candidate([&](uint32_t value, uint32_t) {
+            if (value >> FINE_SHIFT == top22) atomicAdd(&sh.low[value & (LOW_BINS - 1)], 1);
+        });
         __syncthreads();
-#pragma unroll
-        for (int j = 0; j < E; ++j)
-            if (first + j < n && u[j] >> FINE_SHIFT == top22) atomicAdd(&sh.hist[u[j] & (LOW_BINS - 1)], 1);
-        cluster_sync();  // every block's low histogram
-        cluster_merge_slice<LOW_SLICE>(sh.hist, sh.low_slice, &sh.low_total, rank);
-        cluster_sync();  // every slice
-        const int3 low = cluster_locate<LOW_SLICE>(sh.low_slice, &sh.low_total, fine.y, sh);
+        cluster_merge<LOW_BINS>(sh.low, sh.low_parts, sh.low_merged, sh.arrived, rank, LOW_PARTS, LOW_MERGED);
+        const int3 low = locate<2>(sh.low_merged, fine.y, sh);
         kth = top22 << LOW_BITS | (uint32_t)low.x;
-        int higher = 0, equal = 0;
+        definite += count_above<2>(sh.low, low.x);
+        int equal = 0;
 #pragma unroll
-        for (int j = 0; j < E; ++j) {
-            const bool in_bin = first + j < n && u[j] >> (32 - HIST_BITS) == bin;
-            higher += in_bin && u[j] > kth;
-            equal += in_bin && u[j] == kth;
-        }
+        for (int j = 0; j < E; ++j) equal += first + j < n && u[j] == kth;
         int block_equal;
         int equal_before = block_exclusive_scan<CLUSTER_THREADS>(equal, sh.warp_sums, block_equal);
-        higher = __reduce_add_sync(0xffffffff, higher);
-        if (lane == 0 && higher != 0) atomicAdd(&sh.definite, higher);
-        if (threadIdx.x == 0) sh.equal = block_equal;
-        cluster_sync();  // every block's counts
-        if (threadIdx.x < CLUSTER_BLOCKS) {
-            sh.block_definite[threadIdx.x] = (int)ld_cluster_u32(cluster_map(&sh.definite, threadIdx.x));
-            sh.block_listed[threadIdx.x] = (int)ld_cluster_u32(cluster_map(&sh.equal, threadIdx.x));
-        }
-        cluster_arrive();  // no more reads of other blocks' shared memory
+        definite = __reduce_add_sync(0xffffffff, definite);
+        if (lane == 0) sh.warp_sums[threadIdx.x / 32] = definite;
         __syncthreads();
+        if (threadIdx.x < CLUSTER_BLOCKS) {
+            int block_definite = 0;
+            for (int w = 0; w < CLUSTER_THREADS / 32; ++w) block_definite += sh.warp_sums[w];
+            push_u32x2(&sh.crowded_counts[rank], make_uint2(block_definite, block_equal), &sh.arrived[CROWDED_COUNTS],
+                       threadIdx.x);
+        }
+        mbarrier_wait(&sh.arrived[CROWDED_COUNTS], 0);
         // The low.y equal scores taken go to the lowest positions: the blocks' in order.
         int equal_seen = 0, take_equal = 0;
         for (int b = 0; b < CLUSTER_BLOCKS; ++b) {
-            const int taken = min(max(low.y - equal_seen, 0), sh.block_listed[b]);
-            if (b < (int)rank) offset += sh.block_definite[b] + taken;
+            const int taken = min(max(low.y - equal_seen, 0), sh.crowded_counts[b].y);
+            if (b < (int)rank) offset += sh.crowded_counts[b].x + taken;
             if (b == (int)rank) take_equal = taken;
-            equal_seen += sh.block_listed[b];
+            equal_seen += sh.crowded_counts[b].y;
         }
 #pragma unroll
         for (int j = 0; j < E; ++j) {
@@ -1192,7 +1240,6 @@ __device__ void topk_cluster_impl(const DsaParams& p) {
     int block_total;
     int slot = offset + block_exclusive_scan<CLUSTER_THREADS>(__popcll(selected), sh.warp_sums, block_total);
     for (; selected != 0; selected &= selected - 1) out[slot++] = first + __ffsll(selected) - 1;
-    cluster_wait();  // no block leaves while another may still read its shared memory
 }
 
 // Quantises float rows to e4m3 with one scale per row: scale = amax / 448 (1 for an all-zero row), byte =

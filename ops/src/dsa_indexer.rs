@@ -670,6 +670,8 @@ mod cuda {
     /// Dynamic shared memory of the threshold kernel: up to 8192 staged candidates' values and positions
     /// (`STAGED_CANDIDATES` in the .cu file).
     const THRESHOLD_STAGE_BYTES: usize = 2 * 8192 * 4;
+    /// Dynamic shared memory of a cluster top-k block (`CLUSTER_SHARED_BYTES` in the .cu file).
+    const CLUSTER_SHARED_BYTES: usize = 64 * 1024;
     use super::limits::{MMA_HEAD_DIMS, MMA_MAX_HEADS};
 
     /// Whether the mma score kernels serve `heads` heads of width `head_dim`.
@@ -1048,7 +1050,11 @@ mod cuda {
                 let after_scores = stage_event(&stream)?;
                 // The top-k kernels start as their predecessor finishes and wait for its writes.
                 if let Some(cluster_fn) = &cluster_fn {
-                    let cfg = config((CLUSTER_BLOCKS, len), CLUSTER_THREADS as u32, 0);
+                    let cfg = config(
+                        (CLUSTER_BLOCKS, len),
+                        CLUSTER_THREADS as u32,
+                        CLUSTER_SHARED_BYTES,
+                    );
                     // SAFETY: as above (the kernel's cluster shape is fixed at compile time).
                     unsafe { launch_dependent(cluster_fn, &stream, cfg, &params) }?;
                 } else {
