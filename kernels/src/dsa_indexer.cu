@@ -937,6 +937,7 @@ struct ClusterTopkShared {
     int candidates, listed;
     int block_taken[CLUSTER_BLOCKS];
     int warp_sums[32];
+    int definite_sums[CLUSTER_THREADS / 32];  // each warp's scores selected for sure
     int bin, remaining;
     int3 located;
     uint32_t kth, last_tied;
@@ -1139,11 +1140,11 @@ __device__ void topk_cluster_impl(const DsaParams& p) {
             if (value >> FINE_SHIFT == top22) sh.list[atomicAdd(&sh.listed, 1)] = make_uint2(value, position);
         });
         definite = __reduce_add_sync(0xffffffff, definite);
-        if (lane == 0) sh.warp_sums[threadIdx.x / 32] = definite;
+        if (lane == 0) sh.definite_sums[threadIdx.x / 32] = definite;
         __syncthreads();
         if (threadIdx.x < CLUSTER_BLOCKS) {
             int block_definite = 0;
-            for (int w = 0; w < CLUSTER_THREADS / 32; ++w) block_definite += sh.warp_sums[w];
+            for (int w = 0; w < CLUSTER_THREADS / 32; ++w) block_definite += sh.definite_sums[w];
             push_u32x2(&sh.counts[rank], make_uint2(block_definite, sh.listed), &sh.arrived[COUNTS], threadIdx.x);
         }
         mbarrier_wait(&sh.arrived[COUNTS], 0);
@@ -1211,11 +1212,11 @@ __device__ void topk_cluster_impl(const DsaParams& p) {
         int block_equal;
         int equal_before = block_exclusive_scan<CLUSTER_THREADS>(equal, sh.warp_sums, block_equal);
         definite = __reduce_add_sync(0xffffffff, definite);
-        if (lane == 0) sh.warp_sums[threadIdx.x / 32] = definite;
+        if (lane == 0) sh.definite_sums[threadIdx.x / 32] = definite;
         __syncthreads();
         if (threadIdx.x < CLUSTER_BLOCKS) {
             int block_definite = 0;
-            for (int w = 0; w < CLUSTER_THREADS / 32; ++w) block_definite += sh.warp_sums[w];
+            for (int w = 0; w < CLUSTER_THREADS / 32; ++w) block_definite += sh.definite_sums[w];
             push_u32x2(&sh.crowded_counts[rank], make_uint2(block_definite, block_equal), &sh.arrived[CROWDED_COUNTS],
                        threadIdx.x);
         }

@@ -155,17 +155,61 @@ pub(crate) mod limits {
     /// Most keys one query may see on the CUDA kernels: 2048 top-k segments (`MAX_SEGMENTS`) of 2048.
     #[cfg(feature = "cuda")]
     pub const CUDA_MAX_VISIBLE_KEYS: usize = 2048 * 2048;
+}
+
+/// Which top-k the CUDA launcher runs after the scores (pure, so that CPU tests check it).
+pub(crate) mod top_k_policy {
     /// Blocks per cluster and threads per block of the cluster top-k (`CLUSTER_BLOCKS`,
     /// `CLUSTER_THREADS` in the .cu file), and the scores per thread it is instantiated for.
-    #[cfg(feature = "cuda")]
     pub const CLUSTER_BLOCKS: usize = 8;
-    #[cfg(feature = "cuda")]
     pub const CLUSTER_THREADS: usize = 512;
-    #[cfg(feature = "cuda")]
     pub const CLUSTER_SCORES_PER_THREAD: [usize; 5] = [4, 8, 16, 32, 64];
-    /// The longest row the cluster top-k selects from.
-    #[cfg(feature = "cuda")]
-    pub const CLUSTER_MAX_POSITIONS: usize = CLUSTER_BLOCKS * CLUSTER_THREADS * 64;
+    /// The most scores per thread the launcher's choice gives the cluster top-k: its eight blocks do a
+    /// row's per-score work on eight SMs, which at 32 per thread (128K rows) costs more than the chain's
+    /// two kernel boundaries save (H200, batch 1: 22.3 µs against 18.6; at 8 per thread, 32K rows:
+    /// 13.3 against 14.0).
+    pub const CHOSEN_MAX_SCORES_PER_THREAD: usize = 8;
+
+    /// The cluster kernel's scores per thread for rows of up to `positions` (none past its longest row).
+    pub fn scores_per_thread(positions: usize) -> Option<usize> {
+        CLUSTER_SCORES_PER_THREAD
+            .into_iter()
+            .find(|e| CLUSTER_BLOCKS * CLUSTER_THREADS * e >= positions)
+    }
+
+    /// The launcher's choice for `tokens` rows of up to `positions` when the device runs `at_once`
+    /// clusters together: the cluster top-k (its scores per thread) where rows are short enough and every
+    /// token's cluster runs in one wave (a second wave costs more than the chain: 32K rows at batch 64,
+    /// 116 µs against 99), else the chain (`None`).
+    pub fn chosen(positions: usize, tokens: usize, at_once: usize) -> Option<usize> {
+        scores_per_thread(positions)
+            .filter(|&e| e <= CHOSEN_MAX_SCORES_PER_THREAD && tokens <= at_once)
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn rows_up_to_the_longest_get_the_fewest_scores_per_thread_that_cover_them() {
+            assert_eq!(scores_per_thread(1), Some(4));
+            assert_eq!(scores_per_thread(16_384), Some(4));
+            assert_eq!(scores_per_thread(16_385), Some(8));
+            assert_eq!(scores_per_thread(131_072), Some(32));
+            let longest = CLUSTER_BLOCKS * CLUSTER_THREADS * 64;
+            assert_eq!(scores_per_thread(longest), Some(64));
+            assert_eq!(scores_per_thread(longest + 1), None);
+        }
+
+        #[test]
+        fn the_choice_takes_short_rows_in_one_wave_and_leaves_the_rest_to_the_chain() {
+            assert_eq!(chosen(32_768, 8, 16), Some(8));
+            assert_eq!(chosen(8192, 1, 16), Some(4));
+            assert_eq!(chosen(32_768, 64, 16), None, "a second wave");
+            assert_eq!(chosen(131_072, 1, 16), None, "32 scores per thread");
+            assert_eq!(chosen(32_768, 1, 0), None, "no cluster fits the device");
+        }
+    }
 }
 
 /// A paged indexer key cache (layout in the module docs).
@@ -555,8 +599,8 @@ pub enum TopKPath {
     Policy,
     /// Three kernels in a programmatic chain (candidates, exact threshold, ordered emit): any row length.
     Chain,
-    /// One thread-block cluster per query (rows of at most [`limits::CLUSTER_MAX_POSITIONS`]; longer rows
-    /// take the chain).
+    /// One thread-block cluster per query (rows of at most 262,144 positions; longer rows take the
+    /// chain).
     Cluster,
 }
 
@@ -646,11 +690,11 @@ mod cuda {
 
     use std::sync::atomic::{AtomicUsize, Ordering};
 
-    use super::limits::{
-        CLUSTER_BLOCKS, CLUSTER_MAX_POSITIONS, CLUSTER_SCORES_PER_THREAD, CLUSTER_THREADS,
-    };
+    use super::top_k_policy::{self, CLUSTER_BLOCKS, CLUSTER_THREADS};
     use super::{PagedIndexKeys, TopKPath, MAX_CHUNK_ELEMS};
-    use crate::cuda::{cuda_err, device_address, kernel, launch_dependent, resident_blocks};
+    use crate::cuda::{
+        cuda_err, device_address, kernel, launch_dependent, resident_blocks, resident_clusters,
+    };
     use crate::error::{OpError, Result};
     use crate::index_keys::IndexKeys;
 
@@ -700,14 +744,31 @@ mod cuda {
         TOP_K_PATH.store(word, Ordering::Relaxed);
     }
 
-    /// The cluster top-k's scores per thread for rows of up to `positions`, where it takes them.
-    fn cluster_scores_per_thread(positions: usize) -> Option<usize> {
-        if TOP_K_PATH.load(Ordering::Relaxed) == 1 || positions > CLUSTER_MAX_POSITIONS {
-            return None;
-        }
-        CLUSTER_SCORES_PER_THREAD
-            .into_iter()
-            .find(|e| CLUSTER_BLOCKS * CLUSTER_THREADS * e >= positions)
+    /// The cluster top-k's scores per thread for `tokens` rows of up to `positions`, where it takes them
+    /// (the pin, else `top_k_policy::chosen`).
+    fn cluster_scores_per_thread(
+        dev: &CudaDevice,
+        positions: usize,
+        tokens: usize,
+    ) -> candle_core::Result<Option<usize>> {
+        Ok(match TOP_K_PATH.load(Ordering::Relaxed) {
+            1 => None,
+            2 => top_k_policy::scores_per_thread(positions),
+            _ => match top_k_policy::scores_per_thread(positions) {
+                Some(e) => {
+                    let name = format!("dsa_topk_cluster_e{e}");
+                    let at_once = resident_clusters(
+                        dev,
+                        ("dsa_indexer", MODULE),
+                        &name,
+                        CLUSTER_THREADS as u32,
+                        CLUSTER_SHARED_BYTES as u32,
+                    )?[CLUSTER_BLOCKS];
+                    top_k_policy::chosen(positions, tokens, at_once)
+                }
+                None => None,
+            },
+        })
     }
 
     /// Mirrors `DsaParams` in the .cu file.
@@ -957,7 +1018,7 @@ mod cuda {
                 ["dsa_topk_candidates", "dsa_topk_threshold", "dsa_topk_emit"]
                     .map(|name| kernel(dev, "dsa_indexer", MODULE, name));
             let (candidates_fn, threshold_fn, emit_fn) = (candidates_fn?, threshold_fn?, emit_fn?);
-            let cluster_fn = cluster_scores_per_thread(positions)
+            let cluster_fn = cluster_scores_per_thread(dev, positions, chunk)?
                 .map(|e| {
                     kernel(
                         dev,
