@@ -1,4 +1,6 @@
-// DSA lightning indexer over a paged key cache (contract: ops/src/dsa_indexer.rs), in four kernels:
+// DSA lightning indexer over a paged key cache (contract: ops/src/dsa_indexer.rs): a score kernel, then the
+// top-k as a chain of three kernels (any row length) or, for short rows, one kernel (dsa_topk_cluster_e*,
+// below the chain's: the same three steps inside a thread-block cluster per token):
 //
 //   dsa_scores_*           score(t, s) = sum_h w[t,h] * relu(q[t,h,:] . key(s)) for every visible position s
 //                          of the token's sequence (s < visible[t]), one f32 row of `score_stride` per token,

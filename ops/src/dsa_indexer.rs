@@ -46,7 +46,12 @@
 //! one block per query finds the K-th value exactly among them (the finer counts narrow it to the few
 //! scores sharing its top 22 bits, ranked by value then position; a radix select where many share
 //! them; ties to the lower position) and gives each segment its output offset; each segment then
-//! writes its selected positions in order. Scores go to an f32
+//! writes its selected positions in order. Rows of up to 32,768 positions whose queries' clusters fit the
+//! GPU at once take the same steps in one kernel instead (`top_k_policy`): a thread-block cluster of 8
+//! blocks per query, each holding a share of the row's scores in registers, the blocks exchanging their
+//! histograms, counts and the few scores sharing the K-th's top 22 bits by pushing them into each other's
+//! shared memory (`st.async` on the receiver's mbarrier), with no kernel boundary or global-memory meeting
+//! between the steps. Scores go to an f32
 //! workspace `[T_chunk, N]` and the candidates to a u32 one of the same size; queries go in chunks
 //! that keep them under [`MAX_CHUNK_ELEMS`] elements (a long prefill never holds `[T, N]`). At most
 //! 4,194,304 visible keys per query.
@@ -578,7 +583,7 @@ pub fn dsa_indexer_paged_device_visible(
 pub struct StageTimes {
     /// The score kernel (scores and their histogram).
     pub scores: std::time::Duration,
-    /// The top-k kernels (candidates, exact threshold, ordered emit).
+    /// The top-k kernels (candidates, exact threshold, ordered emit; or the cluster top-k).
     pub top_k: std::time::Duration,
 }
 
