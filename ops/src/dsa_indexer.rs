@@ -163,6 +163,7 @@ pub(crate) mod limits {
 }
 
 /// Which top-k the CUDA launcher runs after the scores (pure, so that CPU tests check it).
+#[cfg(any(feature = "cuda", test))]
 pub(crate) mod top_k_policy {
     /// Blocks per cluster and threads per block of the cluster top-k (`CLUSTER_BLOCKS`,
     /// `CLUSTER_THREADS` in the .cu file), and the scores per thread it is instantiated for.
