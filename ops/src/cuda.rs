@@ -225,13 +225,16 @@ pub(crate) const PORTABLE_CLUSTER_BLOCKS: usize = 8;
 
 /// For each cluster size c in 0..=PORTABLE_CLUSTER_BLOCKS, how many clusters of c blocks of function `name`
 /// (`threads` threads, `smem` bytes of dynamic shared memory) the device runs at once, from the driver's
-/// occupancy calculator: 0 where it cannot form them (and for c < 2). Cached like the functions.
+/// occupancy calculator: 0 where it cannot form them (and for c < 2). A function whose cluster shape is
+/// fixed at compile time gives that size as `fixed` (the driver rejects the others as an error, which
+/// compute-sanitizer reports). Cached like the functions.
 pub(crate) fn resident_clusters(
     dev: &CudaDevice,
     (module, image): (&'static str, &'static [u8]),
     name: &str,
     threads: u32,
     smem: u32,
+    fixed: Option<usize>,
 ) -> candle_core::Result<Vec<usize>> {
     let key = (threads, smem);
     if let Some(counts) = with_loaded(|l| {
@@ -248,6 +251,9 @@ pub(crate) fn resident_clusters(
     let mut counts = vec![0; PORTABLE_CLUSTER_BLOCKS + 1];
     stream.context().bind_to_thread().map_err(cuda_err)?;
     for (size, count) in counts.iter_mut().enumerate().skip(2) {
+        if fixed.is_some_and(|fixed| fixed != size) {
+            continue;
+        }
         let mut attribute = cluster_attribute(size as u32);
         let cfg = LaunchConfig {
             grid_dim: (size as u32, 1, 1),

@@ -769,6 +769,7 @@ mod cuda {
                         &name,
                         CLUSTER_THREADS as u32,
                         CLUSTER_SHARED_BYTES as u32,
+                        Some(CLUSTER_BLOCKS),
                     )?[CLUSTER_BLOCKS];
                     top_k_policy::chosen(positions, tokens, at_once)
                 }

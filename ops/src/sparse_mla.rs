@@ -1224,7 +1224,8 @@ mod cuda {
             && cluster_may_merge(splits)
             && CLUSTER_COMBINE.load(Ordering::Relaxed)
             && {
-                let at_once = resident_clusters(dev, MODULE, &name, threads as u32, smem as u32)?;
+                let at_once =
+                    resident_clusters(dev, MODULE, &name, threads as u32, smem as u32, None)?;
                 cluster_keeps_waves(splits, blocks, resident, at_once[splits])
             };
         launch_split(
