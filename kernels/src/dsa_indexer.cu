@@ -1043,7 +1043,7 @@ __device__ void topk_cluster_impl(const DsaParams& p) {
         for (int x = 0; x < EXCHANGES; ++x)
             if (x != LISTS) mbarrier_arrive_expect_tx(&sh.arrived[x], BYTES[x]);
     }
-    asm volatile("fence.mbarrier_init.release.cluster;\nbarrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+    cluster_arrive_after_mbarrier_init();
     const int n = visible_keys(p, t), K = p.K;
     int* out = p.indices + (size_t)t * K;
     for (int i = threadIdx.x; i < FINE_BINS; i += CLUSTER_THREADS) sh.fine[i] = 0;
@@ -1055,7 +1055,7 @@ __device__ void topk_cluster_impl(const DsaParams& p) {
     if (n <= K) {  // every visible position, then -1 (the same for every block of the cluster: none sends)
         for (int i = rank * CLUSTER_THREADS + threadIdx.x; i < K; i += CLUSTER_BLOCKS * CLUSTER_THREADS)
             out[i] = i < n ? i : -1;
-        asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
+        cluster_wait_arrivals();
         return;
     }
     int* hist = p.hist + (size_t)t * HIST_STRIDE;
@@ -1112,7 +1112,7 @@ __device__ void topk_cluster_impl(const DsaParams& p) {
         }
     }
     int definite = __popcll(selected);
-    asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // every block's barriers are set up
+    cluster_wait_arrivals();  // every block's barriers are set up
     __syncthreads();  // the block's fine histogram is complete
 
     // 2. The cluster's fine histogram, in every block; the fine bin of the K-th largest.

@@ -68,13 +68,14 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const void* map, int c0, 
 __device__ __forceinline__ void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
-// The two halves of cluster_sync, for a block that reads no other block's shared memory after the arrive but
-// must not leave before the others are done with its own (the wait).
-__device__ __forceinline__ void cluster_arrive() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+// The two halves of a cluster barrier that orders nothing but this block's mbarrier initialisation (a release
+// arrive, as in cluster_sync, is a GPU-scope memory barrier on sm_90): other blocks may use its mbarriers once
+// cluster_wait_arrivals has seen every block arrive.
+__device__ __forceinline__ void cluster_arrive_after_mbarrier_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;\nbarrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
 }
-__device__ __forceinline__ void cluster_wait() {
-    asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+__device__ __forceinline__ void cluster_wait_arrivals() {
+    asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
 }
 // This block's rank in its cluster.
 __device__ __forceinline__ uint32_t cluster_rank() {
@@ -92,11 +93,6 @@ __device__ __forceinline__ uint32_t cluster_map(const void* p, uint32_t rank) {
 __device__ __forceinline__ float ld_cluster_f32(uint32_t remote) {
     float v;
     asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(remote) : "memory");
-    return v;
-}
-__device__ __forceinline__ uint32_t ld_cluster_u32(uint32_t remote) {
-    uint32_t v;
-    asm volatile("ld.shared::cluster.u32 %0, [%1];\n" : "=r"(v) : "r"(remote) : "memory");
     return v;
 }
 __device__ __forceinline__ float4 ld_cluster_f32x4(uint32_t remote) {

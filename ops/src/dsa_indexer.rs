@@ -601,7 +601,8 @@ pub fn time_stages<R>(f: impl FnOnce() -> R) -> Result<(R, StageTimes)> {
 #[cfg(feature = "cuda")]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TopKPath {
-    /// The launcher's choice: the cluster top-k wherever a row fits it, else the chain.
+    /// The launcher's choice: the cluster top-k for rows of up to 32,768 positions whose queries' clusters
+    /// the GPU runs at once, else the chain.
     Policy,
     /// Three kernels in a programmatic chain (candidates, exact threshold, ordered emit): any row length.
     Chain,
@@ -686,6 +687,7 @@ mod cuda {
 
     use std::cell::RefCell;
     use std::collections::HashMap;
+    use std::sync::atomic::{AtomicUsize, Ordering};
 
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{
@@ -693,8 +695,6 @@ mod cuda {
     };
     use candle_core::cuda_backend::{CudaDevice, CudaStorage, DeviceId};
     use candle_core::{CustomOp1, DType, Layout, Shape, Tensor};
-
-    use std::sync::atomic::{AtomicUsize, Ordering};
 
     use super::top_k_policy::{self, CLUSTER_BLOCKS, CLUSTER_THREADS};
     use super::{PagedIndexKeys, TopKPath, MAX_CHUNK_ELEMS};
