@@ -956,8 +956,9 @@ __device__ __forceinline__ void push_u32x4(const void* dst, uint4 v, const uint6
                  : "memory");
 }
 
-// Steps 2 (and its repeat over the low bits): block `rank` sums slice `rank` of the cluster's histograms
-// (BINS bins; `parts` received on `parts_arrived`) and sends it to every block's `merged`.
+// Step 2 (and its repeat over the low bits): block `rank` sends slice r of its histogram `local` (BINS bins)
+// to block r's `parts`, sums the slices it receives (exchange `parts_exchange`) and sends the sum to every
+// block's `merged` (exchange `merged_exchange`), where the whole histogram arrives.
 template <int BINS>
 __device__ __forceinline__ void cluster_merge(const int* local, int (*parts)[BINS / CLUSTER_BLOCKS], int* merged,
                                               uint64_t* arrived, uint32_t rank, int parts_exchange,
