@@ -511,17 +511,20 @@ __device__ void scores_f32(const DsaParams& p) {
 // ---------------------------------------------------------------------------------------------------------
 // Top-k
 
-// Scores first .. first + SEG_ELEMS of a row (rows start 16-byte aligned: the stride is a multiple of 4).
-__device__ __forceinline__ void load_scores(const float* row, int first, int n, float (&v)[SEG_ELEMS]) {
-    if (first + SEG_ELEMS <= n) {
+// Scores first .. first + N of a row, 0 past n (rows start 16-byte aligned: the stride and `first` are
+// multiples of 4).
+template <int N>
+__device__ __forceinline__ void load_scores(const float* row, int first, int n, float (&v)[N]) {
+    static_assert(N % 4 == 0, "whole float4 loads");
+    if (first + N <= n) {
 #pragma unroll
-        for (int j = 0; j < SEG_ELEMS; j += 4) {
+        for (int j = 0; j < N; j += 4) {
             const float4 f = *reinterpret_cast<const float4*>(row + first + j);
             v[j] = f.x; v[j + 1] = f.y; v[j + 2] = f.z; v[j + 3] = f.w;
         }
     } else {
 #pragma unroll
-        for (int j = 0; j < SEG_ELEMS; ++j) v[j] = first + j < n ? row[first + j] : 0.f;
+        for (int j = 0; j < N; ++j) v[j] = first + j < n ? row[first + j] : 0.f;
     }
 }
 
@@ -1030,7 +1033,7 @@ static_assert(sizeof(ClusterTopkShared) <= CLUSTER_SHARED_BYTES, "the launcher's
 template <int E>
 __device__ void topk_cluster_impl(const DsaParams& p) {
     constexpr int SPAN = CLUSTER_THREADS * E;
-    static_assert(E % 4 == 0 && E <= 64, "scores load as float4; one 64-bit mask per thread");
+    static_assert(E <= 64, "one 64-bit mask per thread");
     extern __shared__ __align__(16) unsigned char cluster_smem[];
     ClusterTopkShared& sh = *reinterpret_cast<ClusterTopkShared*>(cluster_smem);
     const int t = blockIdx.y, lane = threadIdx.x % 32;
@@ -1063,18 +1066,8 @@ __device__ void topk_cluster_impl(const DsaParams& p) {
     const int block_first = rank * SPAN, first = block_first + threadIdx.x * E;
     // The bins (this thread's four, from the top's 4i-th down) and this thread's scores, loaded together.
     const int4 four = reinterpret_cast<const int4*>(hist)[HIST_BINS / 4 - 1 - threadIdx.x];
-    const float* row = p.scores + (size_t)t * p.score_stride;
     float v[E];
-    if (first + E <= n) {
-#pragma unroll
-        for (int j = 0; j < E; j += 4) {
-            const float4 f = *reinterpret_cast<const float4*>(row + first + j);
-            v[j] = f.x; v[j + 1] = f.y; v[j + 2] = f.z; v[j + 3] = f.w;
-        }
-    } else {
-#pragma unroll
-        for (int j = 0; j < E; ++j) v[j] = first + j < n ? row[first + j] : 0.f;
-    }
+    load_scores(p.scores + (size_t)t * p.score_stride, first, n, v);
 
     // 1. The threshold bin and how many to take from it; the scores above it (a bit per score in
     // `selected`); the candidates, listed, and their fine histogram.
