@@ -750,6 +750,11 @@ mod cuda {
         TOP_K_PATH.store(word, Ordering::Relaxed);
     }
 
+    /// The cluster top-k's entry point with `e` scores per thread.
+    fn cluster_kernel_name(e: usize) -> String {
+        format!("dsa_topk_cluster_e{e}")
+    }
+
     /// The cluster top-k's scores per thread for `tokens` rows of up to `positions`, where it takes them
     /// (the pin, else `top_k_policy::chosen`).
     fn cluster_scores_per_thread(
@@ -762,11 +767,10 @@ mod cuda {
             2 => top_k_policy::scores_per_thread(positions),
             _ => match top_k_policy::scores_per_thread(positions) {
                 Some(e) => {
-                    let name = format!("dsa_topk_cluster_e{e}");
                     let at_once = resident_clusters(
                         dev,
                         ("dsa_indexer", MODULE),
-                        &name,
+                        &cluster_kernel_name(e),
                         CLUSTER_THREADS as u32,
                         CLUSTER_SHARED_BYTES as u32,
                         Some(CLUSTER_BLOCKS),
@@ -1026,14 +1030,7 @@ mod cuda {
                     .map(|name| kernel(dev, "dsa_indexer", MODULE, name));
             let (candidates_fn, threshold_fn, emit_fn) = (candidates_fn?, threshold_fn?, emit_fn?);
             let cluster_fn = cluster_scores_per_thread(dev, positions, chunk)?
-                .map(|e| {
-                    kernel(
-                        dev,
-                        "dsa_indexer",
-                        MODULE,
-                        &format!("dsa_topk_cluster_e{e}"),
-                    )
-                })
+                .map(|e| kernel(dev, "dsa_indexer", MODULE, &cluster_kernel_name(e)))
                 .transpose()?;
             let f32_scores = self.q.dtype() == DType::F32 && !self.fp8;
             // mma score blocks stream a strided share of a row's tiles: as many blocks as the SMs hold.
