@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine (device tool): `bash scripts/gpu-run.sh [tests|kernel-tests|model-tests|multi-gpu|sanitize|bench|profile|profile-warm|profile-detail|variants|variant-tests|variant-bench|variant-sanitize|none]...`
+# Runs on the GPU machine (device tool): `bash scripts/gpu-run.sh [tests|kernel-tests|model-tests|multi-gpu|sanitize|bench|profile|profile-warm|profile-detail|profile-source|variants|variant-tests|variant-bench|variant-sanitize|none]...`
 # (default: tests sanitize bench),
 # with .gpu/ carried. Logs go to $OUT (or ./gpu-out).
 set -uo pipefail
@@ -67,6 +67,24 @@ for step in $steps; do
         timeout 300 ncu --set full --import-source no --clock-control none --launch-skip 12 --launch-count $count \
           -k "$filter" /tmp/glm5-bin/glm5-bench $shape > "$OUT/ncu-${shape// /-}.txt" 2>&1
         echo "ncu $shape: rc=$? $(grep -c 'Section:' "$OUT/ncu-${shape// /-}.txt") sections"
+      done ;;
+    profile-source)
+      # Where one kernel's warps wait, instruction by instruction: ncu's full sections and its SASS source page
+      # (stall samples per instruction) for each "NAME|KERNEL-REGEX|BENCH ARGS" of $PROFILES (";"-separated),
+      # the 30th matching launch (warm L2), into $OUT/ncu-NAME.txt and $OUT/src-NAME.csv. BENCH is glm5-bench,
+      # or glm5-bench-VARIANT when the args start with "@VARIANT ".
+      IFS=';' read -ra profiles <<< "${PROFILES:?profile-source needs PROFILES}"
+      for entry in "${profiles[@]}"; do
+        IFS='|' read -r name regex args <<< "$entry"
+        bin=/tmp/glm5-bin/glm5-bench
+        case $args in @*) bin=$bin-${args%% *}; bin=${bin/@/}; args=${args#* } ;; esac
+        for page in details source; do
+          extra=""; file="$OUT/ncu-$name.txt"
+          [ $page = source ] && { extra="--page source --print-source sass --csv"; file="$OUT/src-$name.csv"; }
+          timeout 200 ncu --set full --import-source no --cache-control none --clock-control none --launch-skip 30 \
+            --launch-count 1 -k "regex:$regex" $extra $bin $args > "$file" 2>&1
+          echo "ncu $name ($page): rc=$? $(wc -l < "$file") lines"
+        done
       done ;;
     variants|variant-tests|variant-bench)
       # Variants packed by scripts/gpu-variant.sh. variant-tests: each one's kernel tests. variant-bench:
