@@ -70,7 +70,7 @@ for step in $steps; do
       done ;;
     profile-source)
       # Where one kernel's warps wait, instruction by instruction: ncu's full sections and its SASS source page
-      # (stall samples per instruction) for each "NAME|KERNEL-REGEX|BENCH ARGS" of $PROFILES (";"-separated),
+      # (stall samples per instruction, densest sampling) for each "NAME|KERNEL-REGEX|BENCH ARGS" of $PROFILES (";"-separated),
       # the 30th matching launch (warm L2), into $OUT/ncu-NAME.txt and $OUT/src-NAME.csv. BENCH is glm5-bench,
       # or glm5-bench-VARIANT when the args start with "@VARIANT ".
       IFS=';' read -ra profiles <<< "${PROFILES:?profile-source needs PROFILES}"
@@ -81,7 +81,7 @@ for step in $steps; do
         for page in details source; do
           extra=""; file="$OUT/ncu-$name.txt"
           [ $page = source ] && { extra="--page source --print-source sass --csv"; file="$OUT/src-$name.csv"; }
-          timeout 200 ncu --set full --import-source no --cache-control none --clock-control none --launch-skip 30 \
+          timeout 200 ncu --set full --import-source no --warp-sampling-interval 0 --cache-control none --clock-control none --launch-skip 30 \
             --launch-count 1 -k "regex:$regex" $extra $bin $args > "$file" 2>&1
           echo "ncu $name ($page): rc=$? $(wc -l < "$file") lines"
         done
