@@ -821,17 +821,9 @@ __device__ void topk_threshold_impl(const DsaParams& p) {
                 const int i = threadIdx.x + j * TOPK_THREADS;
                 if (i < count) pairs[j] = candidates[i];
             }
-#pragma unroll
-            for (int j = SPECULATIVE; j < STAGED; ++j) {
-                const int i = threadIdx.x + j * TOPK_THREADS;
-                if (i < count) {
-                    positions[i] = pairs[j].x;
-                    values[i] = pairs[j].y;
-                }
-            }
         }
 #pragma unroll
-        for (int j = 0; j < SPECULATIVE; ++j) {
+        for (int j = 0; j < STAGED; ++j) {  // pairs[j] was loaded for every i < count
             const int i = threadIdx.x + j * TOPK_THREADS;
             if (i < count) {
                 positions[i] = pairs[j].x;
@@ -943,7 +935,6 @@ struct ClusterTopkShared {
     int block_taken[CLUSTER_BLOCKS];
     int warp_sums[32];
     int definite_sums[CLUSTER_THREADS / 32];  // each warp's scores selected for sure
-    int bin, remaining;
     int3 located;
     uint32_t kth, last_tied;
 };
@@ -990,14 +981,15 @@ __device__ __forceinline__ void cluster_merge(const int* local, int (*parts)[BIN
     mbarrier_wait(&arrived[merged_exchange], 0);
 }
 
-// The bin of the remaining-th largest in a histogram of PER * CLUSTER_THREADS bins, counted from the top:
-// (bin, how many to take from it, its count).
+// The bin of the remaining-th largest in a histogram of PER * CLUSTER_THREADS bins, counted from the top,
+// from each thread's PER bins (counts[j]: bin BINS - 1 - PER * threadIdx.x - j): (bin, how many to take from
+// it, its count), in every thread.
 template <int PER>
-__device__ int3 locate(const int* hist, int remaining, ClusterTopkShared& sh) {
+__device__ int3 locate(const int (&counts)[PER], int remaining, ClusterTopkShared& sh) {
     constexpr int BINS = PER * CLUSTER_THREADS;
-    int counts[PER], sum = 0;
+    int sum = 0;
 #pragma unroll
-    for (int j = 0; j < PER; ++j) sum += counts[j] = hist[BINS - 1 - PER * threadIdx.x - j];
+    for (int j = 0; j < PER; ++j) sum += counts[j];
     int total;
     int above = block_exclusive_scan<CLUSTER_THREADS>(sum, sh.warp_sums, total);
     if (above < remaining && above + sum >= remaining) {
@@ -1012,6 +1004,15 @@ __device__ int3 locate(const int* hist, int remaining, ClusterTopkShared& sh) {
     }
     __syncthreads();
     return sh.located;
+}
+
+// `locate` over a histogram in shared memory.
+template <int PER>
+__device__ int3 locate(const int* hist, int remaining, ClusterTopkShared& sh) {
+    int counts[PER];
+#pragma unroll
+    for (int j = 0; j < PER; ++j) counts[j] = hist[PER * CLUSTER_THREADS - 1 - PER * threadIdx.x - j];
+    return locate(counts, remaining, sh);
 }
 
 // The sum over the block of this thread's PER bins of `hist` above `bin` (the thread's bins as `locate`'s).
@@ -1071,23 +1072,9 @@ __device__ void topk_cluster_impl(const DsaParams& p) {
 
     // 1. The threshold bin and how many to take from it; the scores above it (a bit per score in
     // `selected`); the candidates, listed, and their fine histogram.
-    const int counts[4] = {four.w, four.z, four.y, four.x};
-    const int sum4 = counts[0] + counts[1] + counts[2] + counts[3];
-    int total, above_bins = block_exclusive_scan<CLUSTER_THREADS>(sum4, sh.warp_sums, total);
-    if (above_bins < K && above_bins + sum4 >= K) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            if (above_bins + counts[j] >= K) {
-                sh.bin = HIST_BINS - 1 - 4 * threadIdx.x - j;
-                sh.remaining = K - above_bins;
-                break;
-            }
-            above_bins += counts[j];
-        }
-    }
-    __syncthreads();
-    const uint32_t bin = sh.bin;
-    const int remaining = sh.remaining;
+    const int3 coarse = locate<4>({four.w, four.z, four.y, four.x}, K, sh);
+    const uint32_t bin = coarse.x;
+    const int remaining = coarse.y;
     uint32_t u[E];
     uint64_t selected = 0;
 #pragma unroll
