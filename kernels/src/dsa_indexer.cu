@@ -935,7 +935,7 @@ struct ClusterTopkShared {
     alignas(16) uint2 lists[FINE_LIST];                           // (value, position), block by block
     alignas(16) uint2 list[FINE_LIST];                            // this block's
     uint32_t candidate_values[CLUSTER_CANDIDATES], candidate_positions[CLUSTER_CANDIDATES];
-    uint64_t taken[CLUSTER_THREADS];  // thread i's selected candidates, bit j for its position j
+    uint32_t taken[CLUSTER_THREADS][2];  // thread i's selected candidates, bit j % 32 of word j / 32 for its position j
     int candidates, listed;
     int block_taken[CLUSTER_BLOCKS];
     int warp_sums[32];
@@ -1058,7 +1058,7 @@ __device__ void topk_cluster_impl(const DsaParams& p) {
     int* out = p.indices + (size_t)t * K;
     for (int i = threadIdx.x; i < FINE_BINS; i += CLUSTER_THREADS) sh.fine[i] = 0;
     for (int i = threadIdx.x; i < LOW_BINS; i += CLUSTER_THREADS) sh.low[i] = 0;
-    sh.taken[threadIdx.x] = 0;
+    sh.taken[threadIdx.x][0] = sh.taken[threadIdx.x][1] = 0;
     if (threadIdx.x == 0) sh.candidates = sh.listed = 0;
     if (threadIdx.x < CLUSTER_BLOCKS) sh.block_taken[threadIdx.x] = 0;
     asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the score kernel's writes
@@ -1178,7 +1178,8 @@ __device__ void topk_cluster_impl(const DsaParams& p) {
         for_each_candidate([&](uint32_t value, uint32_t position) {
             if (value > kth || (value == kth && position <= last_tied)) {
                 const int i = position - block_first;
-                atomicOr(reinterpret_cast<unsigned long long*>(&sh.taken[i / E]), 1ull << (i % E));
+                const int j = i % E;  // 32-bit words: a 64-bit shared atomicOr is a compare-and-swap loop
+                atomicOr(&sh.taken[i / E][j / 32], 1u << (j % 32));
             }
         });
         __syncthreads();
@@ -1225,7 +1226,7 @@ __device__ void topk_cluster_impl(const DsaParams& p) {
     }
 
     // This block's selected positions, in order, after the blocks before it.
-    selected |= sh.taken[threadIdx.x];
+    selected |= (uint64_t)sh.taken[threadIdx.x][1] << 32 | sh.taken[threadIdx.x][0];
     int block_total;
     int slot = offset + block_exclusive_scan<CLUSTER_THREADS>(__popcll(selected), sh.warp_sums, block_total);
     for (; selected != 0; selected &= selected - 1) out[slot++] = first + __ffsll(selected) - 1;
