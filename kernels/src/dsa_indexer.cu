@@ -891,14 +891,19 @@ __device__ void topk_emit_impl(const DsaParams& p) {
 //   1. every block finds the threshold bin from the row's histogram (as dsa_topk_candidates), marks its
 //      scores above it, lists the scores in it (its candidates) and counts them by their next 11 bits (the
 //      fine bins);
-//   2. block r receives slice r of every block's fine histogram, sums it and sends the sum to every block,
-//      so that each holds the cluster's fine histogram and finds the fine bin of the K-th largest;
-//   3. the blocks send each other how many of their scores are selected for sure and how many share the
-//      K-th's top 22 bits, then those scores (at most FINE_LIST in the cluster; more take the same two steps
-//      over the last 10 bits, after which the scores equal to the K-th go to the lowest positions, block by
-//      block);
-//   4. every block ranks the shared scores (higher value, then lower position: the K-th largest and the last
-//      tied position taken) and writes its selected positions in order after those of the blocks before it.
+//   2. the blocks send each other how many scores they hold above the threshold bin and how many candidates,
+//      then (where the cluster's candidates fit: at most GATHER_CAPACITY) their candidates, so that every
+//      block holds all of them in block order;
+//   3. each block alone: the candidates' fine histogram, the fine bin of the K-th largest, and the few
+//      candidates sharing the K-th's top 22 bits ranked (higher value, then lower position: the K-th largest
+//      and the last tied position taken);
+//   4. every block marks its taken candidates and writes its selected positions in order after those of the
+//      blocks before it (their counts above the threshold bin plus their taken candidates, which it holds).
+// Where the candidates do not fit, or more than FINE_LIST share the K-th's top 22 bits, steps 3 and 4 go by
+// exchanges instead (3'): block r receives slice r of every block's fine histogram, sums it and sends the sum
+// to every block; the blocks send each other their counts and the scores sharing the K-th's top 22 bits (more
+// than FINE_LIST take the same two steps over the last 10 bits, after which the scores equal to the K-th go to
+// the lowest positions, block by block).
 constexpr int CLUSTER_BLOCKS = 8, CLUSTER_THREADS = 512;
 constexpr int FINE_SLICE = FINE_BINS / CLUSTER_BLOCKS;  // fine bins summed by each block
 constexpr int LOW_BITS = FINE_SHIFT, LOW_BINS = 1 << LOW_BITS, LOW_SLICE = LOW_BINS / CLUSTER_BLOCKS;
@@ -909,6 +914,8 @@ static_assert(FINE_SLICE == CLUSTER_THREADS / 2 && LOW_SLICE * CLUSTER_BLOCKS / 
 // Threshold-bin candidates a block lists in shared memory (~4% of a row's scores; a block with more works
 // from its registers instead).
 constexpr int CLUSTER_CANDIDATES = 2048;
+// The most candidates of a cluster that every block gathers (step 2); more take the histogram merge.
+constexpr int GATHER_CAPACITY = 2048;
 
 // What a block receives, each on its own mbarrier (`ClusterTopkShared::arrived`).
 enum ClusterExchange {
@@ -919,6 +926,8 @@ enum ClusterExchange {
     LOW_PARTS,       // crowded fine bin: as FINE_PARTS for the last 10 bits
     LOW_MERGED,      // ... as FINE_MERGED
     CROWDED_COUNTS,  // ... every block's (selected for sure, equal to the K-th) counts
+    GATHER_COUNTS,   // every block's (above the threshold bin, candidates) counts
+    GATHERED,        // every block's candidates, in block order
     EXCHANGES
 };
 
@@ -934,6 +943,8 @@ struct ClusterTopkShared {
     alignas(16) int2 crowded_counts[CLUSTER_BLOCKS];
     alignas(16) uint2 lists[FINE_LIST];                           // (value, position), block by block
     alignas(16) uint2 list[FINE_LIST];                            // this block's
+    alignas(16) uint2 gathered[GATHER_CAPACITY];                  // (value, position): the cluster's candidates
+    alignas(16) int2 gather_counts[CLUSTER_BLOCKS];
     uint32_t candidate_values[CLUSTER_CANDIDATES], candidate_positions[CLUSTER_CANDIDATES];
     uint32_t taken[CLUSTER_THREADS][2];  // thread i's selected candidates, bit j % 32 of word j / 32 for its position j
     int candidates, listed;
@@ -1033,7 +1044,7 @@ __device__ __forceinline__ int count_above(const int* hist, int bin) {
 }
 
 // The dynamic shared memory the launcher gives a cluster top-k block (`CLUSTER_SHARED_BYTES` in Rust).
-constexpr int CLUSTER_SHARED_BYTES = 64 * 1024;
+constexpr int CLUSTER_SHARED_BYTES = 80 * 1024;
 static_assert(sizeof(ClusterTopkShared) <= CLUSTER_SHARED_BYTES, "the launcher's dynamic shared memory");
 
 template <int E>
@@ -1048,16 +1059,18 @@ __device__ void topk_cluster_impl(const DsaParams& p) {
     // the other blocks may send as soon as the cluster barrier below has made them visible.
     if (threadIdx.x == 0) {
         constexpr int BYTES[EXCHANGES] = {FINE_SLICE * 4 * CLUSTER_BLOCKS, FINE_BINS * 4, 8 * CLUSTER_BLOCKS, 0,
-                                          LOW_SLICE * 4 * CLUSTER_BLOCKS, LOW_BINS * 4, 8 * CLUSTER_BLOCKS};
+                                          LOW_SLICE * 4 * CLUSTER_BLOCKS, LOW_BINS * 4, 8 * CLUSTER_BLOCKS,
+                                          8 * CLUSTER_BLOCKS, 0};
         for (int x = 0; x < EXCHANGES; ++x) mbarrier_init(&sh.arrived[x], 1);
         for (int x = 0; x < EXCHANGES; ++x)
-            if (x != LISTS) mbarrier_arrive_expect_tx(&sh.arrived[x], BYTES[x]);
+            if (x != LISTS && x != GATHERED) mbarrier_arrive_expect_tx(&sh.arrived[x], BYTES[x]);
     }
     cluster_arrive_after_mbarrier_init();
     const int n = visible_keys(p, t), K = p.K;
     int* out = p.indices + (size_t)t * K;
     for (int i = threadIdx.x; i < FINE_BINS; i += CLUSTER_THREADS) sh.fine[i] = 0;
     for (int i = threadIdx.x; i < LOW_BINS; i += CLUSTER_THREADS) sh.low[i] = 0;
+    for (int i = threadIdx.x; i < FINE_BINS; i += CLUSTER_THREADS) sh.fine_merged[i] = 0;  // (gathered: counted here)
     sh.taken[threadIdx.x][0] = sh.taken[threadIdx.x][1] = 0;
     if (threadIdx.x == 0) sh.candidates = sh.listed = 0;
     if (threadIdx.x < CLUSTER_BLOCKS) sh.block_taken[threadIdx.x] = 0;
@@ -1099,130 +1112,211 @@ __device__ void topk_cluster_impl(const DsaParams& p) {
     }
     int definite = __popcll(selected);
     cluster_wait_arrivals();  // every block's barriers are set up
-    __syncthreads();  // the block's fine histogram is complete
 
-    // 2. The cluster's fine histogram, in every block; the fine bin of the K-th largest.
-    cluster_merge<FINE_BINS>(sh.fine, sh.fine_parts, sh.fine_merged, sh.arrived, rank, FINE_PARTS, FINE_MERGED);
-    if (rank == 0)  // every block has read the row's bins (before sending its slices): zero for the next call
+    // 2. Every block's counts (scores above the threshold bin, candidates) to every block; then, where the
+    // cluster's candidates fit, every block's candidates to every block (in block order).
+    const int warp_definite = __reduce_add_sync(0xffffffff, definite);
+    if (lane == 0) sh.definite_sums[threadIdx.x / 32] = warp_definite;
+    __syncthreads();  // (also: the block's candidate list and fine histogram are complete)
+    if (threadIdx.x < CLUSTER_BLOCKS) {
+        int block_definite = 0;
+        for (int w = 0; w < CLUSTER_THREADS / 32; ++w) block_definite += sh.definite_sums[w];
+        push_u32x2(&sh.gather_counts[rank], make_uint2(block_definite, sh.candidates), &sh.arrived[GATHER_COUNTS],
+                   threadIdx.x);
+    }
+    mbarrier_wait(&sh.arrived[GATHER_COUNTS], 0);
+    if (rank == 0)  // every block has read the row's bins (before sending its counts): zero for the next call
         for (int i = threadIdx.x; i < HIST_BINS; i += CLUSTER_THREADS) hist[i] = 0;
-    const int3 fine = locate<4>(sh.fine_merged, remaining, sh);
-    const uint32_t top22 = bin << FINE_BITS | (uint32_t)fine.x;
-    definite += count_above<4>(sh.fine, fine.x);
-    // The block's candidates: from its list, or from its registers where the list overflowed.
-    const int candidates = sh.candidates;
-    const auto for_each_candidate = [&](auto&& f) {
-        if (candidates <= CLUSTER_CANDIDATES) {
-            for (int i = threadIdx.x; i < candidates; i += CLUSTER_THREADS)
-                f(sh.candidate_values[i], sh.candidate_positions[i]);
-        } else {
-#pragma unroll
-            for (int j = 0; j < E; ++j)
-                if (first + j < n && u[j] >> (32 - HIST_BITS) == bin) f(u[j], (uint32_t)(first + j));
-        }
-    };
-    uint32_t kth;
+    int gathered = 0, my_start = 0;
+    bool listed = true;  // every block's candidates are in its list
+    for (int b = 0; b < CLUSTER_BLOCKS; ++b) {
+        if (b == (int)rank) my_start = gathered;
+        gathered += sh.gather_counts[b].y;
+        listed &= sh.gather_counts[b].y <= CLUSTER_CANDIDATES;
+    }
+    const int mine = sh.candidates;
+    uint32_t kth = 0;
     int offset = 0;
-    if (fine.z <= FINE_LIST) {  // (uniform over the cluster)
-        // 3. The cluster's scores sharing the K-th's top 22 bits, in every block.
-        for_each_candidate([&](uint32_t value, uint32_t position) {
-            if (value >> FINE_SHIFT == top22) sh.list[atomicAdd(&sh.listed, 1)] = make_uint2(value, position);
-        });
-        definite = __reduce_add_sync(0xffffffff, definite);
-        if (lane == 0) sh.definite_sums[threadIdx.x / 32] = definite;
+    bool selected_by_gathering = false;
+    if (listed && gathered <= GATHER_CAPACITY) {  // (uniform over the cluster)
+        if (threadIdx.x == 0) mbarrier_arrive_expect_tx(&sh.arrived[GATHERED], gathered * 8);
+        for (int k = threadIdx.x; k < mine * CLUSTER_BLOCKS; k += CLUSTER_THREADS) {
+            const int i = k % mine, to = k / mine;  // candidate i to block `to`
+            push_u32x2(&sh.gathered[my_start + i], make_uint2(sh.candidate_values[i], sh.candidate_positions[i]),
+                       &sh.arrived[GATHERED], to);
+        }
+        mbarrier_wait(&sh.arrived[GATHERED], 0);
+        // 3. Locally: the candidates' fine histogram, the fine bin of the K-th largest, and (when few share it)
+        // the K-th value and the last tied position by ranking them.
+        for (int i = threadIdx.x; i < gathered; i += CLUSTER_THREADS)
+            atomicAdd(&sh.fine_merged[(sh.gathered[i].x >> FINE_SHIFT) & (FINE_BINS - 1)], 1);
         __syncthreads();
-        if (threadIdx.x < CLUSTER_BLOCKS) {
-            int block_definite = 0;
-            for (int w = 0; w < CLUSTER_THREADS / 32; ++w) block_definite += sh.definite_sums[w];
-            push_u32x2(&sh.counts[rank], make_uint2(block_definite, sh.listed), &sh.arrived[COUNTS], threadIdx.x);
-        }
-        mbarrier_wait(&sh.arrived[COUNTS], 0);
-        int listed = 0, before = 0;  // the cluster's, and the blocks' before this one
-        for (int b = 0; b < CLUSTER_BLOCKS; ++b) {
-            if (b == (int)rank) before = listed;
-            listed += sh.counts[b].y;
-        }
-        if (threadIdx.x == 0) mbarrier_arrive_expect_tx(&sh.arrived[LISTS], listed * 8);
-        for (int k = threadIdx.x, mine = sh.listed; k < mine * CLUSTER_BLOCKS; k += CLUSTER_THREADS) {
-            const int i = k % mine, to = k / mine;  // entry i to block `to`
-            push_u32x2(&sh.lists[before + i], sh.list[i], &sh.arrived[LISTS], to);
-        }
-        // 4. Rank them.
-        mbarrier_wait(&sh.arrived[LISTS], 0);
-        if ((int)threadIdx.x < listed) {
-            const uint2 entry = sh.lists[threadIdx.x];
-            int higher = 0;
-            for (int j = 0; j < listed; ++j) {
-                const uint2 other = sh.lists[j];
-                higher += other.x > entry.x || (other.x == entry.x && other.y < entry.y);
+        const int3 fine = locate<4>(sh.fine_merged, remaining, sh);
+        if (fine.z <= FINE_LIST) {  // (uniform: every block holds the same candidates)
+            const uint32_t top22 = bin << FINE_BITS | (uint32_t)fine.x;
+            for (int i = threadIdx.x; i < gathered; i += CLUSTER_THREADS) {
+                const uint2 entry = sh.gathered[i];
+                if (entry.x >> FINE_SHIFT == top22) sh.list[atomicAdd(&sh.listed, 1)] = entry;
             }
-            if (higher == fine.y - 1) {
-                sh.kth = entry.x;
-                sh.last_tied = entry.y;
-            }
-        }
-        __syncthreads();
-        kth = sh.kth;
-        const uint32_t last_tied = sh.last_tied;
-        if ((int)threadIdx.x < listed) {  // entry i came from the block whose share of the list holds i
-            const uint2 entry = sh.lists[threadIdx.x];
-            if (entry.x > kth || (entry.x == kth && entry.y <= last_tied)) {
-                int source = 0;
-                for (int b = 0, end = 0; b < CLUSTER_BLOCKS; ++b) {
-                    end += sh.counts[b].y;
-                    if ((int)threadIdx.x >= end) source = b + 1;
+            __syncthreads();
+            const int in_bin = sh.listed;
+            if ((int)threadIdx.x < in_bin) {
+                const uint2 entry = sh.list[threadIdx.x];
+                int higher = 0;
+                for (int j = 0; j < in_bin; ++j) {
+                    const uint2 other = sh.list[j];
+                    higher += other.x > entry.x || (other.x == entry.x && other.y < entry.y);
                 }
-                atomicAdd(&sh.block_taken[source], 1);
+                if (higher == fine.y - 1) {
+                    sh.kth = entry.x;
+                    sh.last_tied = entry.y;
+                }
+            }
+            __syncthreads();
+            kth = sh.kth;
+            const uint32_t last_tied = sh.last_tied;
+            // 4. The taken candidates: this block's marked, the earlier blocks' counted for its offset.
+            int taken_before = 0;
+            for (int i = threadIdx.x; i < my_start + mine; i += CLUSTER_THREADS) {
+                const uint2 entry = sh.gathered[i];
+                if (entry.x > kth || (entry.x == kth && entry.y <= last_tied)) {
+                    if (i < my_start) {
+                        ++taken_before;
+                    } else {
+                        const int position = entry.y - block_first, j = position % E;
+                        atomicOr(&sh.taken[position / E][j / 32], 1u << (j % 32));
+                    }
+                }
+            }
+            taken_before = __reduce_add_sync(0xffffffff, taken_before);
+            if (lane == 0) sh.definite_sums[threadIdx.x / 32] = taken_before;
+            __syncthreads();
+            for (int w = 0; w < CLUSTER_THREADS / 32; ++w) offset += sh.definite_sums[w];
+            for (int b = 0; b < (int)rank; ++b) offset += sh.gather_counts[b].x;
+            selected_by_gathering = true;
+        }
+    }
+    if (!selected_by_gathering) {
+        // 3'. The cluster's fine histogram, in every block; the fine bin of the K-th largest.
+        cluster_merge<FINE_BINS>(sh.fine, sh.fine_parts, sh.fine_merged, sh.arrived, rank, FINE_PARTS, FINE_MERGED);
+        const int3 fine = locate<4>(sh.fine_merged, remaining, sh);
+        const uint32_t top22 = bin << FINE_BITS | (uint32_t)fine.x;
+        definite += count_above<4>(sh.fine, fine.x);
+        // The block's candidates: from its list, or from its registers where the list overflowed.
+        const int candidates = sh.candidates;
+        const auto for_each_candidate = [&](auto&& f) {
+            if (candidates <= CLUSTER_CANDIDATES) {
+                for (int i = threadIdx.x; i < candidates; i += CLUSTER_THREADS)
+                    f(sh.candidate_values[i], sh.candidate_positions[i]);
+            } else {
+#pragma unroll
+                for (int j = 0; j < E; ++j)
+                    if (first + j < n && u[j] >> (32 - HIST_BITS) == bin) f(u[j], (uint32_t)(first + j));
+            }
+        };
+        if (fine.z <= FINE_LIST) {  // (uniform over the cluster)
+            // The cluster's scores sharing the K-th's top 22 bits, in every block.
+            for_each_candidate([&](uint32_t value, uint32_t position) {
+                if (value >> FINE_SHIFT == top22) sh.list[atomicAdd(&sh.listed, 1)] = make_uint2(value, position);
+            });
+            definite = __reduce_add_sync(0xffffffff, definite);
+            if (lane == 0) sh.definite_sums[threadIdx.x / 32] = definite;
+            __syncthreads();
+            if (threadIdx.x < CLUSTER_BLOCKS) {
+                int block_definite = 0;
+                for (int w = 0; w < CLUSTER_THREADS / 32; ++w) block_definite += sh.definite_sums[w];
+                push_u32x2(&sh.counts[rank], make_uint2(block_definite, sh.listed), &sh.arrived[COUNTS], threadIdx.x);
+            }
+            mbarrier_wait(&sh.arrived[COUNTS], 0);
+            int listed = 0, before = 0;  // the cluster's, and the blocks' before this one
+            for (int b = 0; b < CLUSTER_BLOCKS; ++b) {
+                if (b == (int)rank) before = listed;
+                listed += sh.counts[b].y;
+            }
+            if (threadIdx.x == 0) mbarrier_arrive_expect_tx(&sh.arrived[LISTS], listed * 8);
+            for (int k = threadIdx.x, mine = sh.listed; k < mine * CLUSTER_BLOCKS; k += CLUSTER_THREADS) {
+                const int i = k % mine, to = k / mine;  // entry i to block `to`
+                push_u32x2(&sh.lists[before + i], sh.list[i], &sh.arrived[LISTS], to);
+            }
+            // Rank them.
+            mbarrier_wait(&sh.arrived[LISTS], 0);
+            if ((int)threadIdx.x < listed) {
+                const uint2 entry = sh.lists[threadIdx.x];
+                int higher = 0;
+                for (int j = 0; j < listed; ++j) {
+                    const uint2 other = sh.lists[j];
+                    higher += other.x > entry.x || (other.x == entry.x && other.y < entry.y);
+                }
+                if (higher == fine.y - 1) {
+                    sh.kth = entry.x;
+                    sh.last_tied = entry.y;
+                }
+            }
+            __syncthreads();
+            kth = sh.kth;
+            const uint32_t last_tied = sh.last_tied;
+            if ((int)threadIdx.x < listed) {  // entry i came from the block whose share of the list holds i
+                const uint2 entry = sh.lists[threadIdx.x];
+                if (entry.x > kth || (entry.x == kth && entry.y <= last_tied)) {
+                    int source = 0;
+                    for (int b = 0, end = 0; b < CLUSTER_BLOCKS; ++b) {
+                        end += sh.counts[b].y;
+                        if ((int)threadIdx.x >= end) source = b + 1;
+                    }
+                    atomicAdd(&sh.block_taken[source], 1);
+                }
+            }
+            // The block's candidates taken: above the fine bin, or in it and ranked within the K.
+            for_each_candidate([&](uint32_t value, uint32_t position) {
+                if (value > kth || (value == kth && position <= last_tied)) {
+                    const int i = position - block_first;
+                    const int j = i % E;  // 32-bit words: a 64-bit shared atomicOr is a compare-and-swap loop
+                    atomicOr(&sh.taken[i / E][j / 32], 1u << (j % 32));
+                }
+            });
+            __syncthreads();
+            for (int b = 0; b < (int)rank; ++b) offset += sh.counts[b].x + sh.block_taken[b];
+        } else {
+            // A crowded fine bin: the same over the last 10 bits, then the scores equal to the K-th by
+            // position, block by block (from the registers: the candidates' list is not in position order).
+            for_each_candidate([&](uint32_t value, uint32_t) {
+                if (value >> FINE_SHIFT == top22) atomicAdd(&sh.low[value & (LOW_BINS - 1)], 1);
+            });
+            __syncthreads();
+            cluster_merge<LOW_BINS>(sh.low, sh.low_parts, sh.low_merged, sh.arrived, rank, LOW_PARTS, LOW_MERGED);
+            const int3 low = locate<2>(sh.low_merged, fine.y, sh);
+            kth = top22 << LOW_BITS | (uint32_t)low.x;
+            definite += count_above<2>(sh.low, low.x);
+            int equal = 0;
+#pragma unroll
+            for (int j = 0; j < E; ++j) equal += first + j < n && u[j] == kth;
+            int block_equal;
+            int equal_before = block_exclusive_scan<CLUSTER_THREADS>(equal, sh.warp_sums, block_equal);
+            definite = __reduce_add_sync(0xffffffff, definite);
+            if (lane == 0) sh.definite_sums[threadIdx.x / 32] = definite;
+            __syncthreads();
+            if (threadIdx.x < CLUSTER_BLOCKS) {
+                int block_definite = 0;
+                for (int w = 0; w < CLUSTER_THREADS / 32; ++w) block_definite += sh.definite_sums[w];
+                push_u32x2(&sh.crowded_counts[rank], make_uint2(block_definite, block_equal),
+                           &sh.arrived[CROWDED_COUNTS], threadIdx.x);
+            }
+            mbarrier_wait(&sh.arrived[CROWDED_COUNTS], 0);
+            // The low.y equal scores taken go to the lowest positions: the blocks' in order.
+            int equal_seen = 0, take_equal = 0;
+            for (int b = 0; b < CLUSTER_BLOCKS; ++b) {
+                const int taken = min(max(low.y - equal_seen, 0), sh.crowded_counts[b].y);
+                if (b < (int)rank) offset += sh.crowded_counts[b].x + taken;
+                if (b == (int)rank) take_equal = taken;
+                equal_seen += sh.crowded_counts[b].y;
+            }
+#pragma unroll
+            for (int j = 0; j < E; ++j) {
+                const bool in_bin = first + j < n && u[j] >> (32 - HIST_BITS) == bin;
+                if (in_bin && (u[j] > kth || (u[j] == kth && equal_before++ < take_equal))) selected |= 1ull << j;
             }
         }
-        // The block's candidates taken: above the fine bin, or in it and ranked within the K.
-        for_each_candidate([&](uint32_t value, uint32_t position) {
-            if (value > kth || (value == kth && position <= last_tied)) {
-                const int i = position - block_first;
-                const int j = i % E;  // 32-bit words: a 64-bit shared atomicOr is a compare-and-swap loop
-                atomicOr(&sh.taken[i / E][j / 32], 1u << (j % 32));
-            }
-        });
-        __syncthreads();
-        for (int b = 0; b < (int)rank; ++b) offset += sh.counts[b].x + sh.block_taken[b];
-    } else {
-        // A crowded fine bin: 3'. the same over the last 10 bits, then the scores equal to the K-th by
-        // position, block by block (from the registers: the candidates' list is not in position order).
-        for_each_candidate([&](uint32_t value, uint32_t) {
-            if (value >> FINE_SHIFT == top22) atomicAdd(&sh.low[value & (LOW_BINS - 1)], 1);
-        });
-        __syncthreads();
-        cluster_merge<LOW_BINS>(sh.low, sh.low_parts, sh.low_merged, sh.arrived, rank, LOW_PARTS, LOW_MERGED);
-        const int3 low = locate<2>(sh.low_merged, fine.y, sh);
-        kth = top22 << LOW_BITS | (uint32_t)low.x;
-        definite += count_above<2>(sh.low, low.x);
-        int equal = 0;
-#pragma unroll
-        for (int j = 0; j < E; ++j) equal += first + j < n && u[j] == kth;
-        int block_equal;
-        int equal_before = block_exclusive_scan<CLUSTER_THREADS>(equal, sh.warp_sums, block_equal);
-        definite = __reduce_add_sync(0xffffffff, definite);
-        if (lane == 0) sh.definite_sums[threadIdx.x / 32] = definite;
-        __syncthreads();
-        if (threadIdx.x < CLUSTER_BLOCKS) {
-            int block_definite = 0;
-            for (int w = 0; w < CLUSTER_THREADS / 32; ++w) block_definite += sh.definite_sums[w];
-            push_u32x2(&sh.crowded_counts[rank], make_uint2(block_definite, block_equal), &sh.arrived[CROWDED_COUNTS],
-                       threadIdx.x);
-        }
-        mbarrier_wait(&sh.arrived[CROWDED_COUNTS], 0);
-        // The low.y equal scores taken go to the lowest positions: the blocks' in order.
-        int equal_seen = 0, take_equal = 0;
-        for (int b = 0; b < CLUSTER_BLOCKS; ++b) {
-            const int taken = min(max(low.y - equal_seen, 0), sh.crowded_counts[b].y);
-            if (b < (int)rank) offset += sh.crowded_counts[b].x + taken;
-            if (b == (int)rank) take_equal = taken;
-            equal_seen += sh.crowded_counts[b].y;
-        }
-#pragma unroll
-        for (int j = 0; j < E; ++j) {
-            const bool in_bin = first + j < n && u[j] >> (32 - HIST_BITS) == bin;
-            if (in_bin && (u[j] > kth || (u[j] == kth && equal_before++ < take_equal))) selected |= 1ull << j;
-        }
+
     }
 
     // This block's selected positions, in order, after the blocks before it.

@@ -721,7 +721,7 @@ mod cuda {
     /// (`STAGED_CANDIDATES` in the .cu file).
     const THRESHOLD_STAGE_BYTES: usize = 2 * 8192 * 4;
     /// Dynamic shared memory of a cluster top-k block (`CLUSTER_SHARED_BYTES` in the .cu file).
-    const CLUSTER_SHARED_BYTES: usize = 64 * 1024;
+    const CLUSTER_SHARED_BYTES: usize = 80 * 1024;
     use super::limits::{MMA_HEAD_DIMS, MMA_MAX_HEADS};
 
     /// Whether the mma score kernels serve `heads` heads of width `head_dim`.
