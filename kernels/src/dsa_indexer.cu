@@ -936,13 +936,13 @@ struct ClusterTopkShared {
     alignas(16) int fine[FINE_BINS];                              // this block's fine histogram
     alignas(16) int low[LOW_BINS];                                // ... and low one (crowded)
     alignas(16) int fine_parts[CLUSTER_BLOCKS][FINE_SLICE];       // received
-    alignas(16) int fine_merged[FINE_BINS];
+    alignas(16) int fine_merged[FINE_BINS];                       // the cluster's (merged, or from `gathered`)
     alignas(16) int low_parts[CLUSTER_BLOCKS][LOW_SLICE];
     alignas(16) int low_merged[LOW_BINS];
     alignas(16) int2 counts[CLUSTER_BLOCKS];
     alignas(16) int2 crowded_counts[CLUSTER_BLOCKS];
     alignas(16) uint2 lists[FINE_LIST];                           // (value, position), block by block
-    alignas(16) uint2 list[FINE_LIST];                            // this block's
+    alignas(16) uint2 list[FINE_LIST];                            // this block's (gathered: the cluster's)
     alignas(16) uint2 gathered[GATHER_CAPACITY];                  // (value, position): the cluster's candidates
     alignas(16) int2 gather_counts[CLUSTER_BLOCKS];
     uint32_t candidate_values[CLUSTER_CANDIDATES], candidate_positions[CLUSTER_CANDIDATES];
@@ -950,7 +950,7 @@ struct ClusterTopkShared {
     int candidates, listed;
     int block_taken[CLUSTER_BLOCKS];
     int warp_sums[32];
-    int definite_sums[CLUSTER_THREADS / 32];  // each warp's scores selected for sure
+    int definite_sums[CLUSTER_THREADS / 32];  // each warp's scores selected for sure (or earlier blocks' taken)
     int3 located;
     uint32_t kth, last_tied;
 };
