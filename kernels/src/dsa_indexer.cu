@@ -1043,6 +1043,41 @@ __device__ __forceinline__ int count_above(const int* hist, int bin) {
     return above;
 }
 
+// Sums each thread's `mine` over the block and sends (the sum, `second`) to entry `rank` of `counts` in every
+// block, then waits for every block's (exchange `exchange`). `second` is read after the block barrier, so it may
+// be a shared count the block's threads have just finished.
+__device__ __forceinline__ void exchange_counts(int mine, const int& second, int2* counts, int exchange,
+                                                uint32_t rank, ClusterTopkShared& sh) {
+    mine = __reduce_add_sync(0xffffffff, mine);
+    if (threadIdx.x % 32 == 0) sh.definite_sums[threadIdx.x / 32] = mine;
+    __syncthreads();
+    if (threadIdx.x < CLUSTER_BLOCKS) {
+        int sum = 0;
+        for (int w = 0; w < CLUSTER_THREADS / 32; ++w) sum += sh.definite_sums[w];
+        push_u32x2(&counts[rank], make_uint2(sum, second), &sh.arrived[exchange], threadIdx.x);
+    }
+    mbarrier_wait(&sh.arrived[exchange], 0);
+}
+
+// The entry of rank `need - 1` among the first `count` of `list` (higher value first, then lower position):
+// the K-th value and the last tied position taken, in every thread.
+__device__ __forceinline__ uint2 rank_list(const uint2* list, int count, int need, ClusterTopkShared& sh) {
+    if ((int)threadIdx.x < count) {
+        const uint2 entry = list[threadIdx.x];
+        int higher = 0;
+        for (int j = 0; j < count; ++j) {
+            const uint2 other = list[j];
+            higher += other.x > entry.x || (other.x == entry.x && other.y < entry.y);
+        }
+        if (higher == need - 1) {
+            sh.kth = entry.x;
+            sh.last_tied = entry.y;
+        }
+    }
+    __syncthreads();
+    return make_uint2(sh.kth, sh.last_tied);
+}
+
 // The dynamic shared memory the launcher gives a cluster top-k block (`CLUSTER_SHARED_BYTES` in Rust).
 constexpr int CLUSTER_SHARED_BYTES = 80 * 1024;
 static_assert(sizeof(ClusterTopkShared) <= CLUSTER_SHARED_BYTES, "the launcher's dynamic shared memory");
@@ -1115,16 +1150,8 @@ __device__ void topk_cluster_impl(const DsaParams& p) {
 
     // 2. Every block's counts (scores above the threshold bin, candidates) to every block; then, where the
     // cluster's candidates fit, every block's candidates to every block (in block order).
-    const int warp_definite = __reduce_add_sync(0xffffffff, definite);
-    if (lane == 0) sh.definite_sums[threadIdx.x / 32] = warp_definite;
-    __syncthreads();  // (also: the block's candidate list and fine histogram are complete)
-    if (threadIdx.x < CLUSTER_BLOCKS) {
-        int block_definite = 0;
-        for (int w = 0; w < CLUSTER_THREADS / 32; ++w) block_definite += sh.definite_sums[w];
-        push_u32x2(&sh.gather_counts[rank], make_uint2(block_definite, sh.candidates), &sh.arrived[GATHER_COUNTS],
-                   threadIdx.x);
-    }
-    mbarrier_wait(&sh.arrived[GATHER_COUNTS], 0);
+    // (Its block barrier also completes the block's candidate list and fine histogram.)
+    exchange_counts(definite, sh.candidates, sh.gather_counts, GATHER_COUNTS, rank, sh);
     if (rank == 0)  // every block has read the row's bins (before sending its counts): zero for the next call
         for (int i = threadIdx.x; i < HIST_BINS; i += CLUSTER_THREADS) hist[i] = 0;
     int gathered = 0, my_start = 0;
@@ -1159,22 +1186,9 @@ __device__ void topk_cluster_impl(const DsaParams& p) {
                 if (entry.x >> FINE_SHIFT == top22) sh.list[atomicAdd(&sh.listed, 1)] = entry;
             }
             __syncthreads();
-            const int in_bin = sh.listed;
-            if ((int)threadIdx.x < in_bin) {
-                const uint2 entry = sh.list[threadIdx.x];
-                int higher = 0;
-                for (int j = 0; j < in_bin; ++j) {
-                    const uint2 other = sh.list[j];
-                    higher += other.x > entry.x || (other.x == entry.x && other.y < entry.y);
-                }
-                if (higher == fine.y - 1) {
-                    sh.kth = entry.x;
-                    sh.last_tied = entry.y;
-                }
-            }
-            __syncthreads();
-            kth = sh.kth;
-            const uint32_t last_tied = sh.last_tied;
+            const uint2 kth_tied = rank_list(sh.list, sh.listed, fine.y, sh);
+            kth = kth_tied.x;
+            const uint32_t last_tied = kth_tied.y;
             // 4. The taken candidates: this block's marked, the earlier blocks' counted for its offset.
             int taken_before = 0;
             for (int i = threadIdx.x; i < my_start + mine; i += CLUSTER_THREADS) {
@@ -1219,15 +1233,7 @@ __device__ void topk_cluster_impl(const DsaParams& p) {
             for_each_candidate([&](uint32_t value, uint32_t position) {
                 if (value >> FINE_SHIFT == top22) sh.list[atomicAdd(&sh.listed, 1)] = make_uint2(value, position);
             });
-            definite = __reduce_add_sync(0xffffffff, definite);
-            if (lane == 0) sh.definite_sums[threadIdx.x / 32] = definite;
-            __syncthreads();
-            if (threadIdx.x < CLUSTER_BLOCKS) {
-                int block_definite = 0;
-                for (int w = 0; w < CLUSTER_THREADS / 32; ++w) block_definite += sh.definite_sums[w];
-                push_u32x2(&sh.counts[rank], make_uint2(block_definite, sh.listed), &sh.arrived[COUNTS], threadIdx.x);
-            }
-            mbarrier_wait(&sh.arrived[COUNTS], 0);
+            exchange_counts(definite, sh.listed, sh.counts, COUNTS, rank, sh);
             int listed = 0, before = 0;  // the cluster's, and the blocks' before this one
             for (int b = 0; b < CLUSTER_BLOCKS; ++b) {
                 if (b == (int)rank) before = listed;
@@ -1240,21 +1246,9 @@ __device__ void topk_cluster_impl(const DsaParams& p) {
             }
             // Rank them.
             mbarrier_wait(&sh.arrived[LISTS], 0);
-            if ((int)threadIdx.x < listed) {
-                const uint2 entry = sh.lists[threadIdx.x];
-                int higher = 0;
-                for (int j = 0; j < listed; ++j) {
-                    const uint2 other = sh.lists[j];
-                    higher += other.x > entry.x || (other.x == entry.x && other.y < entry.y);
-                }
-                if (higher == fine.y - 1) {
-                    sh.kth = entry.x;
-                    sh.last_tied = entry.y;
-                }
-            }
-            __syncthreads();
-            kth = sh.kth;
-            const uint32_t last_tied = sh.last_tied;
+            const uint2 kth_tied = rank_list(sh.lists, listed, fine.y, sh);
+            kth = kth_tied.x;
+            const uint32_t last_tied = kth_tied.y;
             if ((int)threadIdx.x < listed) {  // entry i came from the block whose share of the list holds i
                 const uint2 entry = sh.lists[threadIdx.x];
                 if (entry.x > kth || (entry.x == kth && entry.y <= last_tied)) {
@@ -1292,16 +1286,7 @@ __device__ void topk_cluster_impl(const DsaParams& p) {
             for (int j = 0; j < E; ++j) equal += first + j < n && u[j] == kth;
             int block_equal;
             int equal_before = block_exclusive_scan<CLUSTER_THREADS>(equal, sh.warp_sums, block_equal);
-            definite = __reduce_add_sync(0xffffffff, definite);
-            if (lane == 0) sh.definite_sums[threadIdx.x / 32] = definite;
-            __syncthreads();
-            if (threadIdx.x < CLUSTER_BLOCKS) {
-                int block_definite = 0;
-                for (int w = 0; w < CLUSTER_THREADS / 32; ++w) block_definite += sh.definite_sums[w];
-                push_u32x2(&sh.crowded_counts[rank], make_uint2(block_definite, block_equal),
-                           &sh.arrived[CROWDED_COUNTS], threadIdx.x);
-            }
-            mbarrier_wait(&sh.arrived[CROWDED_COUNTS], 0);
+            exchange_counts(definite, block_equal, sh.crowded_counts, CROWDED_COUNTS, rank, sh);
             // The low.y equal scores taken go to the lowest positions: the blocks' in order.
             int equal_seen = 0, take_equal = 0;
             for (int b = 0; b < CLUSTER_BLOCKS; ++b) {
