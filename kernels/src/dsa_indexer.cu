@@ -1405,16 +1405,19 @@ extern "C" __global__ void __launch_bounds__(SEG_THREADS) dsa_topk_candidates(co
 extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) dsa_topk_threshold(const DsaParams p) { topk_threshold_impl(p); }
 extern "C" __global__ void __launch_bounds__(SEG_THREADS) dsa_topk_emit(const DsaParams p) { topk_emit_impl(p); }
 // The cluster top-k with E scores per thread: rows of up to CLUSTER_BLOCKS * CLUSTER_THREADS * E positions.
-#define DSA_TOPK_CLUSTER_ENTRY(E)                                                                        \
-    extern "C" __global__ void __cluster_dims__(CLUSTER_BLOCKS, 1, 1) __launch_bounds__(CLUSTER_THREADS, 1) \
-        dsa_topk_cluster_e##E(const DsaParams p) {                                                       \
-        topk_cluster_impl<E>(p);                                                                         \
+// Up to E = 8 (the rows the launcher gives it), at most 64 registers (the bounds of two blocks per SM): a block
+// then fits on an SM beside two score blocks (2 x 128 threads x 124 registers), so the cluster can start (its
+// barriers, its shared memory zeroed) while the score kernel still runs, instead of after its blocks leave.
+#define DSA_TOPK_CLUSTER_ENTRY(E, MIN_BLOCKS)                                                                     \
+    extern "C" __global__ void __cluster_dims__(CLUSTER_BLOCKS, 1, 1) __launch_bounds__(CLUSTER_THREADS, MIN_BLOCKS) \
+        dsa_topk_cluster_e##E(const DsaParams p) {                                                                \
+        topk_cluster_impl<E>(p);                                                                                  \
     }
-DSA_TOPK_CLUSTER_ENTRY(4)
-DSA_TOPK_CLUSTER_ENTRY(8)
-DSA_TOPK_CLUSTER_ENTRY(16)
-DSA_TOPK_CLUSTER_ENTRY(32)
-DSA_TOPK_CLUSTER_ENTRY(64)
+DSA_TOPK_CLUSTER_ENTRY(4, 2)
+DSA_TOPK_CLUSTER_ENTRY(8, 2)
+DSA_TOPK_CLUSTER_ENTRY(16, 1)
+DSA_TOPK_CLUSTER_ENTRY(32, 1)
+DSA_TOPK_CLUSTER_ENTRY(64, 1)
 extern "C" __global__ void dsa_quantize_fp8_bf16(const bf16* rows, uint8_t* bytes, float* scales, int n, int D) {
     quantize_fp8_impl(rows, bytes, scales, n, D);
 }
