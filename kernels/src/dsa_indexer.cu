@@ -1043,18 +1043,38 @@ __device__ __forceinline__ int count_above(const int* hist, int bin) {
     return above;
 }
 
+// The sum of each thread's `mine` over the block, in every thread; its block barrier also completes the
+// block's earlier shared-memory writes.
+__device__ __forceinline__ int block_sum(int mine, ClusterTopkShared& sh) {
+    mine = __reduce_add_sync(0xffffffff, mine);
+    if (threadIdx.x % 32 == 0) sh.definite_sums[threadIdx.x / 32] = mine;
+    __syncthreads();
+    int sum = 0;
+#pragma unroll
+    for (int w = 0; w < CLUSTER_THREADS / 32; ++w) sum += sh.definite_sums[w];
+    return sum;
+}
+
 // Sums each thread's `mine` over the block and sends (the sum, `second`) to entry `rank` of `counts` in every
 // block, then waits for every block's (exchange `exchange`). `second` is read after the block barrier, so it may
 // be a shared count the block's threads have just finished.
 __device__ __forceinline__ void exchange_counts(int mine, const int& second, int2* counts, int exchange,
                                                 uint32_t rank, ClusterTopkShared& sh) {
-    mine = __reduce_add_sync(0xffffffff, mine);
-    if (threadIdx.x % 32 == 0) sh.definite_sums[threadIdx.x / 32] = mine;
-    __syncthreads();
-    if (threadIdx.x < CLUSTER_BLOCKS) {
-        int sum = 0;
-        for (int w = 0; w < CLUSTER_THREADS / 32; ++w) sum += sh.definite_sums[w];
+    const int sum = block_sum(mine, sh);
+    if (threadIdx.x < CLUSTER_BLOCKS)
         push_u32x2(&counts[rank], make_uint2(sum, second), &sh.arrived[exchange], threadIdx.x);
+    mbarrier_wait(&sh.arrived[exchange], 0);
+}
+
+// Sends this block's `mine` entries (`entry(i)`) to `dst[start + i]` in every block of the cluster and waits
+// until the cluster's `total` entries have arrived in its own `dst` (exchange `exchange`).
+template <typename Entry>
+__device__ __forceinline__ void all_gather(uint2* dst, int start, int mine, int total, int exchange, Entry entry,
+                                           ClusterTopkShared& sh) {
+    if (threadIdx.x == 0) mbarrier_arrive_expect_tx(&sh.arrived[exchange], total * 8);
+    for (int k = threadIdx.x; k < mine * CLUSTER_BLOCKS; k += CLUSTER_THREADS) {
+        const int i = k % mine, to = k / mine;  // entry i to block `to`
+        push_u32x2(&dst[start + i], entry(i), &sh.arrived[exchange], to);
     }
     mbarrier_wait(&sh.arrived[exchange], 0);
 }
@@ -1088,7 +1108,7 @@ __device__ void topk_cluster_impl(const DsaParams& p) {
     static_assert(E <= 64, "one 64-bit mask per thread");
     extern __shared__ __align__(16) unsigned char cluster_smem[];
     ClusterTopkShared& sh = *reinterpret_cast<ClusterTopkShared*>(cluster_smem);
-    const int t = blockIdx.y, lane = threadIdx.x % 32;
+    const int t = blockIdx.y;
     const uint32_t rank = cluster_rank();
     // The exchanges' barriers, each expecting its bytes from the cluster (LISTS: once the counts are in);
     // the other blocks may send as soon as the cluster barrier below has made them visible.
@@ -1166,13 +1186,8 @@ __device__ void topk_cluster_impl(const DsaParams& p) {
     int offset = 0;
     bool selected_by_gathering = false;
     if (listed && gathered <= GATHER_CAPACITY) {  // (uniform over the cluster)
-        if (threadIdx.x == 0) mbarrier_arrive_expect_tx(&sh.arrived[GATHERED], gathered * 8);
-        for (int k = threadIdx.x; k < mine * CLUSTER_BLOCKS; k += CLUSTER_THREADS) {
-            const int i = k % mine, to = k / mine;  // candidate i to block `to`
-            push_u32x2(&sh.gathered[my_start + i], make_uint2(sh.candidate_values[i], sh.candidate_positions[i]),
-                       &sh.arrived[GATHERED], to);
-        }
-        mbarrier_wait(&sh.arrived[GATHERED], 0);
+        all_gather(sh.gathered, my_start, mine, gathered, GATHERED,
+                   [&](int i) { return make_uint2(sh.candidate_values[i], sh.candidate_positions[i]); }, sh);
         // 3. Locally: the candidates' fine histogram, the fine bin of the K-th largest, and (when few share it)
         // the K-th value and the last tied position by ranking them.
         for (int i = threadIdx.x; i < gathered; i += CLUSTER_THREADS)
@@ -1202,10 +1217,7 @@ __device__ void topk_cluster_impl(const DsaParams& p) {
                     }
                 }
             }
-            taken_before = __reduce_add_sync(0xffffffff, taken_before);
-            if (lane == 0) sh.definite_sums[threadIdx.x / 32] = taken_before;
-            __syncthreads();
-            for (int w = 0; w < CLUSTER_THREADS / 32; ++w) offset += sh.definite_sums[w];
+            offset = block_sum(taken_before, sh);  // (its barrier also completes the marks)
             for (int b = 0; b < (int)rank; ++b) offset += sh.gather_counts[b].x;
             selected_by_gathering = true;
         }
@@ -1239,13 +1251,8 @@ __device__ void topk_cluster_impl(const DsaParams& p) {
                 if (b == (int)rank) before = listed;
                 listed += sh.counts[b].y;
             }
-            if (threadIdx.x == 0) mbarrier_arrive_expect_tx(&sh.arrived[LISTS], listed * 8);
-            for (int k = threadIdx.x, mine = sh.listed; k < mine * CLUSTER_BLOCKS; k += CLUSTER_THREADS) {
-                const int i = k % mine, to = k / mine;  // entry i to block `to`
-                push_u32x2(&sh.lists[before + i], sh.list[i], &sh.arrived[LISTS], to);
-            }
+            all_gather(sh.lists, before, sh.listed, listed, LISTS, [&](int i) { return sh.list[i]; }, sh);
             // Rank them.
-            mbarrier_wait(&sh.arrived[LISTS], 0);
             const uint2 kth_tied = rank_list(sh.lists, listed, fine.y, sh);
             kth = kth_tied.x;
             const uint32_t last_tied = kth_tied.y;
