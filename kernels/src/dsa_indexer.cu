@@ -17,10 +17,8 @@
 //                          segment's output offset.
 //   dsa_topk_emit          per (segment, token): the segment's selected positions, in ascending order, at its
 //                          offset; rows with visible <= K get 0..visible-1 and -1 padding.
-// With GLM-5's FP8 cache (the TMA score kernel), dsa_q_prep_fp8_d128 first turns each token's Q into the
-// score kernel's f16 fragments once, instead of every score block doing it.
-// The score kernel (after dsa_q_prep) and the top-k kernels are programmatic dependent launches: each may
-// start while its predecessor finishes and waits (griddepcontrol.wait) before reading what it wrote.
+// The top-k kernels are programmatic dependent launches: each may start while its predecessor finishes and
+// waits (griddepcontrol.wait) before reading what it wrote.
 // The result is the set of the min(K, visible) highest scores, in ascending position order, -1 padded;
 // it does not depend on the order in which blocks run. A token whose sequence index is outside the block
 // table has no visible keys (all -1).
@@ -70,15 +68,8 @@ struct DsaParams {
     uint32_t* work;           // [T, 2 * score_stride + 2 * segments]: candidate pairs, segment counts, offsets
     int* indices;             // [T, K]
     int T, H, D, K, block_size, max_blocks, batch, score_stride, positions, segments;
-    uint4* q_frag;            // [T, Q_FRAG_WORDS]: Q as the TMA score kernel's fragments, by dsa_q_prep_fp8_d128
     TensorMap key_map;        // FP8 keys as a [rows, D] byte tensor, box [64 rows, D], 128-byte swizzle (TMA kernels)
 };
-
-// Per token, for the TMA score kernel (FP8 keys of 128, up to 2 tiles of 16 heads): each warp's f16 A
-// fragments of Q scaled into f16's range, [tile][k16 step][lane] (16 bytes each, the order a warp loads them
-// in), then the factor that undoes the scale.
-constexpr int Q_FRAG_TILES = 2, Q_FRAG_STEPS = 128 / 16;
-constexpr int Q_FRAG_WORDS = Q_FRAG_TILES * Q_FRAG_STEPS * 32 + 1;
 
 constexpr int HIST_BITS = 11;
 constexpr int HIST_BINS = 1 << HIST_BITS;
@@ -150,18 +141,16 @@ __device__ __forceinline__ int block_exclusive_scan(int flag, int* warp_sums, in
     }
     if (lane == 31) warp_sums[warp] = inclusive;
     __syncthreads();
-    if (warp == 0) {
-        int w = lane < WARPS ? warp_sums[lane] : 0;
+    // Every thread adds up the warps' totals itself (their loads go out together): no second scan, no
+    // second barrier before the result.
+    int before = 0;
+    total = 0;
 #pragma unroll
-        for (int o = 1; o < 32; o *= 2) {
-            const int v = __shfl_up_sync(0xffffffff, w, o);
-            if (lane >= o) w += v;
-        }
-        if (lane < WARPS) warp_sums[lane] = w;  // inclusive over warps
+    for (int w = 0; w < WARPS; ++w) {
+        const int sum = warp_sums[w];
+        before += w < warp ? sum : 0;
+        total += sum;
     }
-    __syncthreads();
-    total = warp_sums[WARPS - 1];
-    const int before = warp == 0 ? 0 : warp_sums[warp - 1];
     __syncthreads();  // warp_sums is reused by the next scan
     return before + inclusive - flag;
 }
@@ -260,29 +249,72 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
     constexpr int KSTEPS = D / 16;
     constexpr int STAGES = Tile::STAGES;
     const int t = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-    const int visible = visible_keys(p, t), seq = p.token_seq[t];
-    const int tiles = visible > p.K ? (visible + TILE_KEYS - 1) / TILE_KEYS : 0;  // visible <= K: all taken
-    if ((int)blockIdx.x >= tiles) return;
-    const int my_tiles = (tiles - blockIdx.x + gridDim.x - 1) / gridDim.x;  // tiles blockIdx.x + i * gridDim.x
     // 1024-byte aligned stages: the 128-byte swizzle pattern repeats every 8 rows from the stage start.
     __shared__ __align__(1024) uint8_t stages[STAGES][TILE_KEYS * Tile::ROW_BYTES];
     __shared__ __align__(16) float scales[STAGES][TILE_KEYS];
     __shared__ int bins[HIST_BINS];  // this block's share of the row's histogram
     __shared__ int rows[STAGES][TILE_KEYS];  // tile i's rows in slot i % STAGES (not with TMA)
     __shared__ uint64_t full[STAGES];        // TMA: stage s holds its tile
+    __shared__ uint64_t q_full;              // TMA: the token's Q is in the last stage
     const auto tile_base = [&](int i) { return (int)(blockIdx.x + i * gridDim.x) * TILE_KEYS; };
-    if (TMA && threadIdx.x == 0) {
-        for (int s = 0; s < STAGES; ++s) mbarrier_init(&full[s], 1);
-        mbarrier_init_fence();
-    }
+    bf16* q_s = reinterpret_cast<bf16*>(stages[STAGES - 1]);  // Q's rows (see below)
     // TMA: warp 0 issues the tiles, in order. It holds their first rows in registers, 32 tiles per register
     // (lane j: tile 32c + j of chunk c), the next chunk's read 32 tiles before it is needed: no iteration
-    // waits for a block-table read.
-    const auto first_row_of = [&](int i) { return i < my_tiles ? (int)key_row(p, seq, tile_base(i)) : -1; };
+    // waits for a block-table read. The first 64 are read before the token's sequence is known, as
+    // sequence t's (a decode batch's token t is its sequence t; bounded by the table, not by the count), and
+    // Q's copy goes out with them: one memory latency before the tiles' copies, not two. A wrong guess reads
+    // them again.
+    // (The entries stay raw until the count's load has gone out: a row computed at once waits for its read.)
+    const int guessed_seq = min(t, p.batch - 1);
+    const auto guessed_entry_of = [&](int i) {
+        const int page = tile_base(i) / p.block_size;
+        return page < p.max_blocks ? load_now(p.block_table + (size_t)guessed_seq * p.max_blocks + page) : -1;
+    };
     int rows_now = -1, rows_next = -1;
+    if constexpr (TMA) {
+        if (threadIdx.x == 0) {
+            for (int s = 0; s < STAGES; ++s) mbarrier_init(&full[s], 1);
+            mbarrier_init(&q_full, 1);
+            mbarrier_init_fence();
+            static_assert(MT * 16 * D * 2 <= TILE_KEYS * Tile::ROW_BYTES, "Q's rows fit in a stage");
+            mbarrier_arrive_expect_tx(&q_full, p.H * D * 2);
+            bulk_copy_to_shared(q_s, static_cast<const bf16*>(p.q) + (size_t)t * p.H * D, p.H * D * 2, &q_full);
+        }
+        if (warp == 0) {
+            rows_now = guessed_entry_of(lane);
+            rows_next = guessed_entry_of(32 + lane);
+        }
+    }
+    // The weights of this thread's head rows, read with the first loads (read after Q's fragments, they were
+    // one more memory latency before the first tile).
+    float w_row[MT][2];
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int head = m * 16 + g + 8 * r;
+            const int* weight = reinterpret_cast<const int*>(p.weights) + (size_t)t * p.H + head;
+            w_row[m][r] = head < p.H ? __int_as_float(load_now(weight)) : 0.f;
+        }
+    const int visible = visible_keys(p, t), seq = p.token_seq[t];
+    const int tiles = visible > p.K ? (visible + TILE_KEYS - 1) / TILE_KEYS : 0;  // visible <= K: all taken
+    if ((int)blockIdx.x >= tiles) {
+        if (TMA && threadIdx.x == 0) mbarrier_wait(&q_full, 0);  // Q's copy into this block lands first
+        return;
+    }
+    const int my_tiles = (tiles - blockIdx.x + gridDim.x - 1) / gridDim.x;  // tiles blockIdx.x + i * gridDim.x
+    const auto first_row_of = [&](int i) { return i < my_tiles ? (int)key_row(p, seq, tile_base(i)) : -1; };
     if (TMA && warp == 0) {
-        rows_now = first_row_of(lane);
-        rows_next = first_row_of(32 + lane);
+        if (seq == guessed_seq) {
+            const auto row = [&](int entry, int i) {
+                return i < my_tiles ? entry * p.block_size + tile_base(i) % p.block_size : -1;
+            };
+            rows_now = row(rows_now, lane);
+            rows_next = row(rows_next, 32 + lane);
+        } else {
+            rows_now = first_row_of(lane);
+            rows_next = first_row_of(32 + lane);
+        }
     }
     // Tile i's copy into its stage (64 rows from the tile's first, and their scales), by warp 0's lane 0.
     const auto issue_tma = [&](int i) {
@@ -299,13 +331,12 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
         }
     };
 
-    // Without TMA, Q goes to the last stage, which the main loop first fills in its first iteration; its copy
-    // and the first tiles' copies go out before anything else, so their latency hides the set-up below.
-    // bf16 per Q row in shared memory, padded (conflict-free ldmatrix).
+    // Q goes to the last stage, which the main loop first fills in its first iteration; its copy and the
+    // first tiles' copies go out before anything else, so their latency hides the set-up below. Without TMA:
+    // bf16 per Q row, padded (conflict-free ldmatrix); with TMA: the rows as they are, by one bulk copy.
     constexpr int QLD = D + 8;
     static_assert(TMA || MT * 16 * QLD * 2 <= TILE_KEYS * Tile::ROW_BYTES, "Q fits in a stage");
-    bf16* q_s = reinterpret_cast<bf16*>(stages[STAGES - 1]);
-    if constexpr (!TMA) {  // with TMA, dsa_q_prep_fp8_d128 has the fragments ready
+    if constexpr (!TMA) {
         const bf16* q = static_cast<const bf16*>(p.q) + (size_t)t * p.H * D;
         constexpr int PIECES = D / 8;  // 16-byte pieces per row
         for (int i = threadIdx.x; i < MT * 16 * PIECES; i += blockDim.x) {
@@ -347,49 +378,77 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
     // f16: dims 4c..4c+3, matching the B fragments below.
     uint32_t qa[MT][KSTEPS][4];
     if constexpr (TMA) {
-        // The prepared fragments: the tiles' copies and block-table reads above did not need them.
-        static_assert(MT <= Q_FRAG_TILES && KSTEPS == Q_FRAG_STEPS, "the prepared layout");
-        asm volatile("griddepcontrol.wait;\n" ::: "memory");  // dsa_q_prep_fp8_d128's writes
-        score_unscale = __uint_as_float(p.q_frag[(size_t)t * Q_FRAG_WORDS + Q_FRAG_TILES * Q_FRAG_STEPS * 32].x);
+        // The token's Q as f16 fragments, scaled as dsa_scores_fp8 scales it (from the token's largest |q|):
+        // each warp converts a quarter of them, then they go through the last stage to every warp.
+        constexpr int FRAGS = MT * KSTEPS, PIECES = D / 8;  // fragments (m, k); 16-byte pieces per row
+        static_assert(FRAGS % SCORE_WARPS == 0 && FRAGS * 32 * 16 <= TILE_KEYS * Tile::ROW_BYTES, "whole shares");
+        mbarrier_wait(&q_full, 0);
+        float amax = 0.f;
+#pragma unroll
+        for (int j = 0; j < MT * 16 * PIECES / (SCORE_WARPS * 32); ++j) {
+            const int i = threadIdx.x + j * SCORE_WARPS * 32;
+            if (i < p.H * PIECES) amax = abs_max_bf16x8(reinterpret_cast<const uint4*>(q_s)[i], amax);
+        }
+        const float2 scales = q_scales(block_max(amax, warp_amax, warp, lane));
+        score_unscale = scales.y;
+        uint4 mine[FRAGS / SCORE_WARPS];
+#pragma unroll
+        for (int j = 0; j < FRAGS / SCORE_WARPS; ++j) {
+            const int mk = warp + j * SCORE_WARPS, m = mk / KSTEPS, k = mk % KSTEPS;
+            float v[2][4];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int head = m * 16 + g + 8 * r;  // past H: 0, as the padding rows of the other kernels
+                const uint2 raw = head < p.H ? *reinterpret_cast<const uint2*>(q_s + head * D + k * 16 + 4 * c)
+                                             : make_uint2(0u, 0u);
+                const bf16* b = reinterpret_cast<const bf16*>(&raw);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) v[r][i] = __bfloat162float(b[i]) * scales.x;
+            }
+            mine[j] = q_fragment_f16(v);
+        }
+        __syncthreads();  // every warp has read Q: its fragments replace it
+        uint4* frags = reinterpret_cast<uint4*>(stages[STAGES - 1]);
+#pragma unroll
+        for (int j = 0; j < FRAGS / SCORE_WARPS; ++j) frags[(warp + j * SCORE_WARPS) * 32 + lane] = mine[j];
+        __syncthreads();
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+            for (int k = 0; k < KSTEPS; ++k) {
+                const uint4 f = frags[(m * KSTEPS + k) * 32 + lane];
+                qa[m][k][0] = f.x;
+                qa[m][k][1] = f.y;
+                qa[m][k][2] = f.z;
+                qa[m][k][3] = f.w;
+            }
     }
-    const uint4* frag = p.q_frag + (size_t)t * Q_FRAG_WORDS;
+    if constexpr (!TMA) {
 #pragma unroll
-    for (int m = 0; m < MT; ++m) {
+        for (int m = 0; m < MT; ++m) {
 #pragma unroll
-        for (int k = 0; k < KSTEPS; ++k) {
-            if constexpr (TMA) {
-                const uint4 f = frag[(m * KSTEPS + k) * 32 + lane];
-                qa[m][k][0] = f.x;
-                qa[m][k][1] = f.y;
-                qa[m][k][2] = f.z;
-                qa[m][k][3] = f.w;
-            } else if constexpr (FP8) {
-                float v[2][4];
+            for (int k = 0; k < KSTEPS; ++k) {
+                if constexpr (FP8) {
+                    float v[2][4];
 #pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const uint2 raw = *reinterpret_cast<const uint2*>(q_s + (m * 16 + g + 8 * r) * QLD + k * 16 + 4 * c);
-                    const bf16* b = reinterpret_cast<const bf16*>(&raw);
+                    for (int r = 0; r < 2; ++r) {
+                        const uint2 raw =
+                            *reinterpret_cast<const uint2*>(q_s + (m * 16 + g + 8 * r) * QLD + k * 16 + 4 * c);
+                        const bf16* b = reinterpret_cast<const bf16*>(&raw);
 #pragma unroll
-                    for (int j = 0; j < 4; ++j) v[r][j] = __bfloat162float(b[j]) * q_scale;
+                        for (int j = 0; j < 4; ++j) v[r][j] = __bfloat162float(b[j]) * q_scale;
+                    }
+                    const uint4 f = q_fragment_f16(v);
+                    qa[m][k][0] = f.x;
+                    qa[m][k][1] = f.y;
+                    qa[m][k][2] = f.z;
+                    qa[m][k][3] = f.w;
+                } else {
+                    ldmatrix_x4(qa[m][k], q_s + (m * 16 + lane % 16) * QLD + k * 16 + (lane / 16) * 8);
                 }
-                const uint4 f = q_fragment_f16(v);
-                qa[m][k][0] = f.x;
-                qa[m][k][1] = f.y;
-                qa[m][k][2] = f.z;
-                qa[m][k][3] = f.w;
-            } else {
-                ldmatrix_x4(qa[m][k], q_s + (m * 16 + lane % 16) * QLD + k * 16 + (lane / 16) * 8);
             }
         }
     }
-    float w_row[MT][2];
-#pragma unroll
-    for (int m = 0; m < MT; ++m) {
-        const int h0 = m * 16 + g, h1 = h0 + 8;
-        w_row[m][0] = h0 < p.H ? p.weights[(size_t)t * p.H + h0] : 0.f;
-        w_row[m][1] = h1 < p.H ? p.weights[(size_t)t * p.H + h1] : 0.f;
-    }
-
     __syncthreads();  // every warp holds its Q fragments: the first iteration refills Q's stage
     float* score_row = p.scores + (size_t)t * p.score_stride;
     const int key0 = warp * 16;  // this warp's keys of each tile
@@ -1332,55 +1391,6 @@ __device__ void quantize_fp8_impl(const T* rows, uint8_t* bytes, float* scales, 
     for (int d = lane; d < D; d += 32)
         bytes[(size_t)row * D + d] = __nv_cvt_float_to_fp8(float(x[d]) / scale, __NV_SATFINITE, __NV_E4M3);
     if (lane == 0) scales[row] = scale;
-}
-
-// Per token (one block of SCORE_WARPS warps): Q of FP8 keys of 128 as the TMA score kernel's fragments,
-// scaled into f16's range exactly as that kernel would (from the token's largest |q|), and the factor that
-// undoes the scale. Done once per token instead of by every score block; the score kernel, a programmatic
-// dependent, issues its first tiles before it waits for this.
-__device__ void q_prep_fp8_d128(const DsaParams& p) {
-    constexpr int D = 128, KSTEPS = D / 16;
-    const int t = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-    const bf16* q = static_cast<const bf16*>(p.q) + (size_t)t * p.H * D;
-    // The score kernel may launch at once: it issues its first tiles, then waits for this grid to complete.
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-    __shared__ float warp_amax[SCORE_WARPS];
-    // The token's Q, read from memory once: the fragment pass below needs the scale, i.e. every element.
-    // Unrolled over the most pieces a thread can have, so that its loads go out together (a loop waited for
-    // each in turn: four memory latencies for GLM-5's 32 heads).
-    constexpr int Q_PIECES = Q_FRAG_TILES * 16 * D / 8, PIECES_PER_THREAD = Q_PIECES / (SCORE_WARPS * 32);
-    __shared__ uint4 q_s[Q_PIECES];
-    float amax = 0.f;
-#pragma unroll
-    for (int j = 0; j < PIECES_PER_THREAD; ++j) {
-        const int i = threadIdx.x + j * SCORE_WARPS * 32;
-        if (i < p.H * (D / 8)) {
-            const uint4 piece = *reinterpret_cast<const uint4*>(q + (size_t)i * 8);
-            q_s[i] = piece;
-            amax = abs_max_bf16x8(piece, amax);
-        }
-    }
-    const float2 scales = q_scales(block_max(amax, warp_amax, warp, lane));  // also the barrier for q_s
-    uint4* frag = p.q_frag + (size_t)t * Q_FRAG_WORDS;
-    const int tiles = (p.H + 15) / 16;
-    for (int mk = warp; mk < tiles * KSTEPS; mk += SCORE_WARPS) {
-        const int m = mk / KSTEPS, k = mk % KSTEPS;
-        float v[2][4];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int head = m * 16 + g + 8 * r;
-            uint2 raw = make_uint2(0u, 0u);  // heads past H: zero, as the score kernel's padding rows
-            if (head < p.H) raw = reinterpret_cast<const uint2*>(q_s)[(head * D + k * 16 + 4 * c) / 4];
-            const bf16* b = reinterpret_cast<const bf16*>(&raw);
-#pragma unroll
-            for (int j = 0; j < 4; ++j) v[r][j] = __bfloat162float(b[j]) * scales.x;
-        }
-        frag[(m * KSTEPS + k) * 32 + lane] = q_fragment_f16(v);
-    }
-    if (threadIdx.x == 0) frag[Q_FRAG_TILES * Q_FRAG_STEPS * 32] = make_uint4(__float_as_uint(scales.y), 0u, 0u, 0u);
-}
-extern "C" __global__ void __launch_bounds__(SCORE_WARPS * 32) dsa_q_prep_fp8_d128(const DsaParams p) {
-    q_prep_fp8_d128(p);
 }
 
 #define DSA_SCORES_ENTRY(D, MT)                                                                          \

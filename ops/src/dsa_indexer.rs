@@ -710,8 +710,6 @@ mod cuda {
     /// Per-row histogram words: 2048 bins, the top-k kernels' slots and 2048 fine bins (`HIST_STRIDE` in
     /// the .cu file).
     const HIST_STRIDE: usize = 2048 + 4 + 2048;
-    /// Per-token 16-byte words of the prepared Q fragments (`Q_FRAG_WORDS` in the .cu file).
-    const Q_FRAG_WORDS: usize = 2 * 8 * 32 + 1;
     /// Positions per top-k segment (`SEG` in the .cu file).
     const SEGMENT: usize = 2048;
     const SCORE_THREADS: u32 = 128;
@@ -807,7 +805,6 @@ mod cuda {
         score_stride: i32,
         positions: i32,
         segments: i32,
-        q_frag: u64,
         key_map: TensorMap,
     }
     // SAFETY: plain-old-data with the C layout of the kernel's parameter struct.
@@ -879,31 +876,24 @@ mod cuda {
     /// This thread's workspace on `dev`: scores `[chunk, stride]` f32, the per-row histograms and
     /// slots `[chunk, HIST_STRIDE]` i32, which must be zero when a call starts (allocated zeroed; the
     /// threshold kernel zeroes every row it reads), the top-k kernels' candidate (position, score)
-    /// pairs and segment counts and offsets `[chunk, 2 * stride + 2 * segments]` u32, and the prepared Q
-    /// fragments of the TMA score kernel `[chunk, 4 * Q_FRAG_WORDS]` u32. Per thread because candle issues
-    /// work on the per-thread default stream.
+    /// pairs and segment counts and offsets `[chunk, 2 * stride + 2 * segments]` u32. Per thread because
+    /// candle issues work on the per-thread default stream.
     fn workspace(
         dev: &CudaDevice,
         scores: usize,
         hist: usize,
         work: usize,
-        q_frag: usize,
-    ) -> candle_core::Result<[u64; 4]> {
-        type Buffers = (
-            CudaSlice<f32>,
-            CudaSlice<i32>,
-            CudaSlice<u32>,
-            CudaSlice<u32>,
-        );
+    ) -> candle_core::Result<[u64; 3]> {
+        type Buffers = (CudaSlice<f32>, CudaSlice<i32>, CudaSlice<u32>);
         thread_local! {
             static WORKSPACE: RefCell<HashMap<DeviceId, Buffers>> = RefCell::new(HashMap::new());
         }
         WORKSPACE.with(|cell| {
             let mut map = cell.borrow_mut();
             let stream = dev.cuda_stream();
-            let fits = map.get(&dev.id()).is_some_and(|(s, h, w, q)| {
-                s.len() >= scores && h.len() >= hist && w.len() >= work && q.len() >= q_frag
-            });
+            let fits = map
+                .get(&dev.id())
+                .is_some_and(|(s, h, w)| s.len() >= scores && h.len() >= hist && w.len() >= work);
             if !fits {
                 // SAFETY: every score and work word the kernels read is written by the same call first.
                 let fresh_scores = unsafe { dev.alloc::<f32>(scores.next_power_of_two()) }?;
@@ -911,18 +901,15 @@ mod cuda {
                     .alloc_zeros::<i32>(hist.next_power_of_two())
                     .map_err(cuda_err)?;
                 let fresh_work = unsafe { dev.alloc::<u32>(work.next_power_of_two()) }?;
-                // SAFETY: the prepared Q is written by dsa_q_prep before the score kernel reads it.
-                let fresh_q = unsafe { dev.alloc::<u32>(q_frag.next_power_of_two().max(1)) }?;
-                map.insert(dev.id(), (fresh_scores, fresh_hist, fresh_work, fresh_q));
+                map.insert(dev.id(), (fresh_scores, fresh_hist, fresh_work));
             }
-            let (s, h, w, q) = map
+            let (s, h, w) = map
                 .get(&dev.id())
                 .ok_or_else(|| cuda_err("dsa_indexer workspace missing"))?;
             let pointers = [
                 s.device_ptr(&stream).0,
                 h.device_ptr(&stream).0,
                 w.device_ptr(&stream).0,
-                q.device_ptr(&stream).0,
             ];
             Ok(pointers)
         })
@@ -992,12 +979,11 @@ mod cuda {
             let stride = positions.next_multiple_of(4);
             let chunk = (MAX_CHUNK_ELEMS / stride).clamp(1, t_len.max(1));
             let work_stride = 2 * stride + 2 * segments;
-            let [scores_ptr, hist_ptr, work_ptr, q_frag_ptr] = workspace(
+            let [scores_ptr, hist_ptr, work_ptr] = workspace(
                 dev,
                 chunk * stride,
                 chunk * HIST_STRIDE,
                 chunk * work_stride,
-                chunk * Q_FRAG_WORDS * 4,
             )?;
             let q_elem = self.q.dtype().size_in_bytes();
             let key_scales = match &self.scales {
@@ -1020,11 +1006,6 @@ mod cuda {
                 ),
             };
             let scores_fn = kernel(dev, "dsa_indexer", MODULE, &name)?;
-            let q_prep_fn = if tma {
-                Some(kernel(dev, "dsa_indexer", MODULE, "dsa_q_prep_fp8_d128")?)
-            } else {
-                None
-            };
             let [candidates_fn, threshold_fn, emit_fn] =
                 ["dsa_topk_candidates", "dsa_topk_threshold", "dsa_topk_emit"]
                     .map(|name| kernel(dev, "dsa_indexer", MODULE, name));
@@ -1046,6 +1027,10 @@ mod cuda {
                 device_address(&self.token_seq)?.0,
                 device_address(&self.visible)?.0,
             );
+            if !f32_scores && q % 16 != 0 {
+                // The mma score kernels copy Q in 16-byte pieces (TMA: one bulk copy per token).
+                candle_core::bail!("dsa_indexer: q must start 16-byte aligned");
+            }
             let key_map = if tma {
                 fp8_key_map(keys, num_blocks * block_size, dim)?
             } else {
@@ -1075,7 +1060,6 @@ mod cuda {
                     score_stride: stride as i32,
                     positions: positions as i32,
                     segments: segments as i32,
-                    q_frag: q_frag_ptr,
                     key_map,
                 };
                 let tiles = positions.div_ceil(TILE_KEYS);
@@ -1084,9 +1068,9 @@ mod cuda {
                 } else {
                     // Whole waves: rounding the blocks per token up would leave a second, nearly empty wave
                     // (64 tokens on 528 slots: 9 each = 576 blocks, the last 48 running alone). At least two
-                    // tiles per block: the blocks launch under q_prep and all load the Q fragments at once
-                    // when it completes; one-tile blocks (32K, batch 1) paid that burst for a single tile
-                    // (measured: 17.2 µs against 15.7 with two).
+                    // tiles per block: every block copies and converts the token's Q, which one-tile blocks
+                    // (32K, batch 1) would pay for a single tile (measured when a Q-preparing kernel came
+                    // first: 17.2 µs against 15.7 with two).
                     (tiles.div_ceil(2).min(resident / len).max(1), 0)
                 };
                 let config = |(x, y): (usize, usize), threads: u32, shared: usize| LaunchConfig {
@@ -1096,22 +1080,10 @@ mod cuda {
                 };
                 let before_scores = stage_event(&stream)?;
                 let score_config = config((score_blocks, len), SCORE_THREADS, score_smem);
-                if let Some(prep) = &q_prep_fn {
-                    // Q as the TMA score kernel's fragments, once per token; the score kernel starts its
-                    // tiles' copies before it waits for them.
-                    let mut builder = stream.launch_builder(prep);
-                    builder.arg(&params);
-                    // SAFETY: `params` mirrors DsaParams; every pointer in it is live for this call.
-                    unsafe { builder.launch(config((len, 1), SCORE_THREADS, 0)) }
-                        .map_err(cuda_err)?;
-                    // SAFETY: as above.
-                    unsafe { launch_dependent(&scores_fn, &stream, score_config, &params) }?;
-                } else {
-                    let mut builder = stream.launch_builder(&scores_fn);
-                    builder.arg(&params);
-                    // SAFETY: as above.
-                    unsafe { builder.launch(score_config) }.map_err(cuda_err)?;
-                }
+                let mut builder = stream.launch_builder(&scores_fn);
+                builder.arg(&params);
+                // SAFETY: `params` mirrors DsaParams; every pointer in it is live for this call.
+                unsafe { builder.launch(score_config) }.map_err(cuda_err)?;
                 let after_scores = stage_event(&stream)?;
                 // The top-k kernels start as their predecessor finishes and wait for its writes.
                 if let Some(cluster_fn) = &cluster_fn {
