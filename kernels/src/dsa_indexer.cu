@@ -68,6 +68,7 @@ struct DsaParams {
     uint32_t* work;           // [T, 2 * score_stride + 2 * segments]: candidate pairs, segment counts, offsets
     int* indices;             // [T, K]
     int T, H, D, K, block_size, max_blocks, batch, score_stride, positions, segments;
+    int cluster_topk;         // 1: the cluster top-k follows the score kernel (it may launch at the score kernel's start)
     TensorMap key_map;        // FP8 keys as a [rows, D] byte tensor, box [64 rows, D], 128-byte swizzle (TMA kernels)
 };
 
@@ -249,6 +250,10 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
     constexpr int KSTEPS = D / 16;
     constexpr int STAGES = Tile::STAGES;
     const int t = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+    // The cluster top-k may launch at once: its blocks set up beside these (where they fit) and wait for this
+    // grid. The chain's first kernel launches after the tile loops (launched early, its many blocks cost more
+    // than they save: 128K b1 +1.5 µs).
+    if (p.cluster_topk) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
     // 1024-byte aligned stages: the 128-byte swizzle pattern repeats every 8 rows from the stage start.
     __shared__ __align__(1024) uint8_t stages[STAGES][TILE_KEYS * Tile::ROW_BYTES];
     __shared__ __align__(16) float scales[STAGES][TILE_KEYS];
@@ -534,7 +539,7 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
         if (resolve) rows[(ahead + 1) % STAGES][threadIdx.x] = page >= 0 ? page * p.block_size + next_page.y : -1;
         __syncthreads();  // the stage is refilled next iteration
     }
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+    if (!p.cluster_topk) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
     // Merge into the row's histogram: one global atomic per non-empty bin, not per key. Unrolled, so that a
     // thread's shared loads go out together (a loop waited for each: ~0.4 µs at the end of every block).
     static_assert(HIST_BINS % (SCORE_WARPS * 32) == 0, "whole passes over the bins");

@@ -805,6 +805,7 @@ mod cuda {
         score_stride: i32,
         positions: i32,
         segments: i32,
+        cluster_topk: i32,
         key_map: TensorMap,
     }
     // SAFETY: plain-old-data with the C layout of the kernel's parameter struct.
@@ -1060,6 +1061,7 @@ mod cuda {
                     score_stride: stride as i32,
                     positions: positions as i32,
                     segments: segments as i32,
+                    cluster_topk: cluster_fn.is_some() as i32,
                     key_map,
                 };
                 let tiles = positions.div_ceil(TILE_KEYS);
@@ -1085,7 +1087,8 @@ mod cuda {
                 // SAFETY: `params` mirrors DsaParams; every pointer in it is live for this call.
                 unsafe { builder.launch(score_config) }.map_err(cuda_err)?;
                 let after_scores = stage_event(&stream)?;
-                // The top-k kernels start as their predecessor finishes and wait for its writes.
+                // The top-k kernels start before their predecessor finishes (the cluster top-k as the score
+                // kernel starts: `cluster_topk`) and wait for its writes.
                 if let Some(cluster_fn) = &cluster_fn {
                     let cfg = config(
                         (CLUSTER_BLOCKS, len),
