@@ -270,10 +270,11 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
     // Q's copy goes out with them: one memory latency before the tiles' copies, not two. A wrong guess reads
     // them again.
     // (The entries stay raw until the count's load has gone out: a row computed at once waits for its read.)
-    const int guessed_seq = min(t, p.batch - 1);
+    const int guessed_seq = max(min(t, p.batch - 1), 0);
     const auto guessed_entry_of = [&](int i) {
         const int page = tile_base(i) / p.block_size;
-        return page < p.max_blocks ? load_now(p.block_table + (size_t)guessed_seq * p.max_blocks + page) : -1;
+        const bool in_table = p.batch > 0 && page < p.max_blocks;  // (a table of no rows: nothing to read)
+        return in_table ? load_now(p.block_table + (size_t)guessed_seq * p.max_blocks + page) : -1;
     };
     int rows_now = -1, rows_next = -1;
     if constexpr (TMA) {
