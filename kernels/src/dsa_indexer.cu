@@ -120,6 +120,12 @@ __device__ __forceinline__ long long key_row(const DsaParams& p, int seq, int s)
     return (long long)p.block_table[(size_t)seq * p.max_blocks + page.x] * p.block_size + page.y;
 }
 
+// Whether a score (its ordered bits and position) is among the K largest, given the K-th value and the last
+// tied position taken: above the K-th, or equal to it no later than the last tied (ties go to lower positions).
+__device__ __forceinline__ bool among_k(uint32_t value, uint32_t position, uint2 kth_tied) {
+    return value > kth_tied.x || (value == kth_tied.x && position <= kth_tied.y);
+}
+
 // A row's work area: (position, ordered score) of each candidate, then per segment its count of scores above
 // the threshold bin, then its output offset.
 __device__ __forceinline__ uint2* candidates_of(const DsaParams& p, int t) {
@@ -207,11 +213,15 @@ __device__ __forceinline__ uint32_t pack_f16(float lo, float hi) {
     return *reinterpret_cast<const uint32_t*>(&h);
 }
 
-// The FP8 kernels' f16 A fragment of Q from a lane's (already scaled) values: v[r][j] = dim 4c + j of row
-// g + 8r of the 16-head tile, within one k16 step.
-__device__ __forceinline__ uint4 q_fragment_f16(const float (&v)[2][4]) {
-    return make_uint4(pack_f16(v[0][0], v[0][1]), pack_f16(v[1][0], v[1][1]), pack_f16(v[0][2], v[0][3]),
-                      pack_f16(v[1][2], v[1][3]));
+// The FP8 kernels' f16 A fragment of Q within one k16 step, times `scale`: from the lane's four bf16 (dims
+// 4c..4c+3) of rows g and g + 8 of the 16-head tile.
+__device__ __forceinline__ uint4 q_fragment_f16(uint2 row_g, uint2 row_g8, float scale) {
+    const bf16* a = reinterpret_cast<const bf16*>(&row_g);
+    const bf16* b = reinterpret_cast<const bf16*>(&row_g8);
+    const auto pair = [scale](const bf16* x, int j) {
+        return pack_f16(__bfloat162float(x[j]) * scale, __bfloat162float(x[j + 1]) * scale);
+    };
+    return make_uint4(pair(a, 0), pair(b, 0), pair(a, 2), pair(b, 2));
 }
 
 // The largest |x| of eight packed bf16 and `amax`.
@@ -401,17 +411,10 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
 #pragma unroll
         for (int j = 0; j < FRAGS / SCORE_WARPS; ++j) {
             const int mk = warp + j * SCORE_WARPS, m = mk / KSTEPS, k = mk % KSTEPS;
-            float v[2][4];
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int head = m * 16 + g + 8 * r;  // past H: 0, as the padding rows of the other kernels
-                const uint2 raw = head < p.H ? *reinterpret_cast<const uint2*>(q_s + head * D + k * 16 + 4 * c)
-                                             : make_uint2(0u, 0u);
-                const bf16* b = reinterpret_cast<const bf16*>(&raw);
-#pragma unroll
-                for (int i = 0; i < 4; ++i) v[r][i] = __bfloat162float(b[i]) * scales.x;
-            }
-            mine[j] = q_fragment_f16(v);
+            const auto piece = [&](int head) {  // past H: 0, as the padding rows of the other kernels
+                return head < p.H ? *reinterpret_cast<const uint2*>(q_s + head * D + k * 16 + 4 * c) : make_uint2(0u, 0u);
+            };
+            mine[j] = q_fragment_f16(piece(m * 16 + g), piece(m * 16 + g + 8), scales.x);
         }
         __syncthreads();  // every warp has read Q: its fragments replace it
         uint4* frags = reinterpret_cast<uint4*>(stages[STAGES - 1]);
@@ -435,16 +438,10 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
 #pragma unroll
             for (int k = 0; k < KSTEPS; ++k) {
                 if constexpr (FP8) {
-                    float v[2][4];
-#pragma unroll
-                    for (int r = 0; r < 2; ++r) {
-                        const uint2 raw =
-                            *reinterpret_cast<const uint2*>(q_s + (m * 16 + g + 8 * r) * QLD + k * 16 + 4 * c);
-                        const bf16* b = reinterpret_cast<const bf16*>(&raw);
-#pragma unroll
-                        for (int j = 0; j < 4; ++j) v[r][j] = __bfloat162float(b[j]) * q_scale;
-                    }
-                    const uint4 f = q_fragment_f16(v);
+                    const auto piece = [&](int head) {
+                        return *reinterpret_cast<const uint2*>(q_s + head * QLD + k * 16 + 4 * c);
+                    };
+                    const uint4 f = q_fragment_f16(piece(m * 16 + g), piece(m * 16 + g + 8), q_scale);
                     qa[m][k][0] = f.x;
                     qa[m][k][1] = f.y;
                     qa[m][k][2] = f.z;
@@ -760,7 +757,7 @@ __device__ void threshold_over(const DsaParams& p, int t, int n, Value value, Po
         }
     }
     __syncthreads();
-    uint32_t kth, last_tied;
+    uint2 kth_tied;  // the K-th value and the last tied position taken
     if (sh.fine_count <= FINE_LIST) {
         // Few candidates share the K-th's top 22 bits: rank them (higher value first, then lower position);
         // the one of rank fine_need - 1 is the last taken.
@@ -786,13 +783,12 @@ __device__ void threshold_over(const DsaParams& p, int t, int n, Value value, Po
             }
         }
         __syncthreads();
-        kth = sh.kth;
-        last_tied = sh.last_tied;
+        kth_tied = make_uint2(sh.kth, sh.last_tied);
     } else {
         // The remaining 21 bits, 8 at a time (the first digit overlaps 3 known bits, which all match).
         uint32_t mask = ~0u << (32 - HIST_BITS);
         select_digits(value, count, 16, prefix, mask, remaining, digits, &prefix_s, &remaining_s);
-        kth = prefix;
+        const uint32_t kth = prefix;
         if (threadIdx.x == 0) equal_s = 0;
         __syncthreads();
         int equal = 0;
@@ -801,7 +797,7 @@ __device__ void threshold_over(const DsaParams& p, int t, int n, Value value, Po
         if (threadIdx.x % 32 == 0) atomicAdd(&equal_s, equal);
         __syncthreads();
         // Among equal scores the lowest positions win: the remaining-th largest of ~position over them.
-        last_tied = 0xffffffffu;
+        uint32_t last_tied = 0xffffffffu;
         if (equal_s > remaining) {
             uint32_t position_prefix = 0, position_mask = 0;
             int take = remaining;
@@ -809,14 +805,15 @@ __device__ void threshold_over(const DsaParams& p, int t, int n, Value value, Po
                           position_mask, take, digits, &prefix_s, &remaining_s);
             last_tied = ~position_prefix;
         }
+        kth_tied = make_uint2(kth, last_tied);
     }
     // Each segment's output count: its scores above the threshold bin (in `selected` already) plus its
     // candidates taken.
     const int segments = (n + SEG - 1) / SEG;
     uint32_t* counts = segment_counts_of(p, t);
     for (int i = threadIdx.x; i < count; i += blockDim.x) {
-        const uint32_t u = value(i), position = position_of(i);
-        if (u > kth || (u == kth && position <= last_tied)) atomicAdd(&selected[position / SEG], 1);
+        const uint32_t position = position_of(i);
+        if (among_k(value(i), position, kth_tied)) atomicAdd(&selected[position / SEG], 1);
     }
     __syncthreads();
     const int s0 = SEGMENTS_PER_THREAD * threadIdx.x;  // this thread's consecutive segments
@@ -834,8 +831,8 @@ __device__ void threshold_over(const DsaParams& p, int t, int n, Value value, Po
         }
     }
     if (threadIdx.x == 0) {
-        hist[SLOT_VALUE] = (int)kth;
-        hist[SLOT_COUNT] = (int)last_tied;
+        hist[SLOT_VALUE] = (int)kth_tied.x;
+        hist[SLOT_COUNT] = (int)kth_tied.y;
     }
 }
 
@@ -924,7 +921,7 @@ __device__ void topk_emit_impl(const DsaParams& p) {
     }
     if (segment * SEG >= n) return;
     const int* hist = p.hist + (size_t)t * HIST_STRIDE;
-    const uint32_t kth = (uint32_t)hist[SLOT_VALUE], last_tied = (uint32_t)hist[SLOT_COUNT];
+    const uint2 kth_tied = make_uint2((uint32_t)hist[SLOT_VALUE], (uint32_t)hist[SLOT_COUNT]);
     const int offset = segment_counts_of(p, t)[p.segments + segment];
     __shared__ int warp_sums[32];
     float v[SEG_ELEMS];
@@ -933,8 +930,7 @@ __device__ void topk_emit_impl(const DsaParams& p) {
     int here = 0;
 #pragma unroll
     for (int j = 0; j < SEG_ELEMS; ++j) {
-        const uint32_t u = ordered(v[j]), position = first + j;
-        take[j] = first + j < n && (u > kth || (u == kth && position <= last_tied));
+        take[j] = first + j < n && among_k(ordered(v[j]), first + j, kth_tied);
         here += take[j];
     }
     int total;
@@ -1247,7 +1243,6 @@ __device__ void topk_cluster_impl(const DsaParams& p) {
         listed &= sh.gather_counts[b].y <= CLUSTER_CANDIDATES;
     }
     const int mine = sh.candidates;
-    uint32_t kth = 0;
     int offset = 0;
     bool selected_by_gathering = false;
     if (listed && gathered <= GATHER_CAPACITY) {  // (uniform over the cluster)
@@ -1267,13 +1262,11 @@ __device__ void topk_cluster_impl(const DsaParams& p) {
             }
             __syncthreads();
             const uint2 kth_tied = rank_list(sh.list, sh.listed, fine.y, sh);
-            kth = kth_tied.x;
-            const uint32_t last_tied = kth_tied.y;
             // 4. The taken candidates: this block's marked, the earlier blocks' counted for its offset.
             int taken_before = 0;
             for (int i = threadIdx.x; i < my_start + mine; i += CLUSTER_THREADS) {
                 const uint2 entry = sh.gathered[i];
-                if (entry.x > kth || (entry.x == kth && entry.y <= last_tied)) {
+                if (among_k(entry.x, entry.y, kth_tied)) {
                     if (i < my_start) {
                         ++taken_before;
                     } else {
@@ -1319,11 +1312,9 @@ __device__ void topk_cluster_impl(const DsaParams& p) {
             all_gather(sh.lists, before, sh.listed, listed, LISTS, [&](int i) { return sh.list[i]; }, sh);
             // Rank them.
             const uint2 kth_tied = rank_list(sh.lists, listed, fine.y, sh);
-            kth = kth_tied.x;
-            const uint32_t last_tied = kth_tied.y;
             if ((int)threadIdx.x < listed) {  // entry i came from the block whose share of the list holds i
                 const uint2 entry = sh.lists[threadIdx.x];
-                if (entry.x > kth || (entry.x == kth && entry.y <= last_tied)) {
+                if (among_k(entry.x, entry.y, kth_tied)) {
                     int source = 0;
                     for (int b = 0, end = 0; b < CLUSTER_BLOCKS; ++b) {
                         end += sh.counts[b].y;
@@ -1334,7 +1325,7 @@ __device__ void topk_cluster_impl(const DsaParams& p) {
             }
             // The block's candidates taken: above the fine bin, or in it and ranked within the K.
             for_each_candidate([&](uint32_t value, uint32_t position) {
-                if (value > kth || (value == kth && position <= last_tied)) {
+                if (among_k(value, position, kth_tied)) {
                     const int i = position - block_first;
                     const int j = i % E;  // 32-bit words: a 64-bit shared atomicOr is a compare-and-swap loop
                     atomicOr(&sh.taken[i / E][j / 32], 1u << (j % 32));
@@ -1351,7 +1342,7 @@ __device__ void topk_cluster_impl(const DsaParams& p) {
             __syncthreads();
             cluster_merge<LOW_BINS>(sh.low, sh.low_parts, sh.low_merged, sh.arrived, rank, LOW_PARTS, LOW_MERGED);
             const int3 low = locate<2>(sh.low_merged, fine.y, sh);
-            kth = top22 << LOW_BITS | (uint32_t)low.x;
+            const uint32_t kth = top22 << LOW_BITS | (uint32_t)low.x;
             definite += count_above<2>(sh.low, low.x);
             int equal = 0;
 #pragma unroll
