@@ -412,7 +412,8 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
         for (int j = 0; j < FRAGS / SCORE_WARPS; ++j) {
             const int mk = warp + j * SCORE_WARPS, m = mk / KSTEPS, k = mk % KSTEPS;
             const auto piece = [&](int head) {  // past H: 0, as the padding rows of the other kernels
-                return head < p.H ? *reinterpret_cast<const uint2*>(q_s + head * D + k * 16 + 4 * c) : make_uint2(0u, 0u);
+                return head < p.H ? *reinterpret_cast<const uint2*>(q_s + head * D + k * 16 + 4 * c)
+                                  : make_uint2(0u, 0u);
             };
             mine[j] = q_fragment_f16(piece(m * 16 + g), piece(m * 16 + g + 8), scales.x);
         }
