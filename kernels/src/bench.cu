@@ -64,3 +64,32 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     gather_rows_s6(const uint8_t* kv, const int* rows, int k, int per_block, unsigned* out) {
     gather_rows_body<6>(kv, rows, k, per_block, out);
 }
+
+// What one dependent global load costs when a kernel starts, as the attention kernels' blocks start: one block
+// per SM, its thread 0 following `hops` links of `chain` (chain[i] is the next index) from index
+// blockIdx.x * spacing. out[3 b] = ns from the block's first stamp to its first link's value (ptxas reads the
+// memory descriptor's constant line before that stamp, so its miss is not counted), out[3 b + 1] = ns for the
+// `hops` links after it, out[3 b + 2] = the last index (keeps the chain live). %globaltimer: 32 ns ticks here.
+__device__ __forceinline__ unsigned long long global_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
+    return t;
+}
+extern "C" __global__ void load_chain(const unsigned* chain, unsigned spacing, int hops, unsigned long long* out) {
+    __shared__ unsigned sink;
+    if (threadIdx.x != 0) return;
+    // The value goes to shared memory before each stamp: the store waits for the load, the stamp for the store.
+    const auto stamp_after = [&](unsigned value) {
+        asm volatile("st.volatile.shared.u32 [%0], %1;" ::"r"((unsigned)__cvta_generic_to_shared(&sink)), "r"(value)
+                     : "memory");
+        return global_ns();
+    };
+    const unsigned long long start = global_ns();
+    unsigned i = chain[(size_t)blockIdx.x * spacing];
+    const unsigned long long first = stamp_after(i);
+    for (int h = 0; h < hops; ++h) i = chain[i];
+    const unsigned long long last = stamp_after(i);
+    out[3 * blockIdx.x] = first - start;
+    out[3 * blockIdx.x + 1] = last - first;
+    out[3 * blockIdx.x + 2] = i;
+}

@@ -5,7 +5,8 @@
 //! `glm5-bench CONTEXT BATCH HEADS [KERNEL]` runs one sparse_mla shape only (one of its rows, named as in
 //! the "kernel" column, with KERNEL), `glm5-bench indexer` the indexer rows
 //! only, `glm5-bench indexer CONTEXT BATCH` one indexer decode shape (e.g. under a profiler).
-//! `glm5-bench slice LAYERS` builds the first LAYERS layers of GLM-5 at their real sizes with random
+//! `glm5-bench latency` prints what one dependent global load costs at a kernel's start (L2, L2 across
+//! 2 MB pages, DRAM). `glm5-bench slice LAYERS` builds the first LAYERS layers of GLM-5 at their real sizes with random
 //! weights, on one GPU and split over two, and prints decode tokens/s, the bytes moved between the GPUs per
 //! token and how far the two-GPU logits are from the one-GPU ones.
 //!
@@ -228,6 +229,91 @@ fn gather_seconds(device: &Device, problem: &Decode) -> Result<Vec<(usize, f64)>
         result.push((stages, seconds));
     }
     Ok(result)
+}
+
+/// `glm5-bench latency`: what one dependent global load costs at a kernel's start, from the `load_chain`
+/// microkernel (bench.cu, one block per SM following a chain of links): from L2 (a 64 KB chain of 128-byte
+/// links), from L2 with one link per 2 MB page of a 512 MB chain (a TLB miss where its pages are not in the
+/// TLBs, as the cache's rows are spread over its pages), and that chain again after the L2 is flushed. Each
+/// warm row is the second of two launches. Prints ns, median and largest over the blocks.
+fn latency_rows(device: &Device) -> Result<()> {
+    const HOPS: i32 = 64;
+    let Device::Cuda(dev) = device else {
+        glm5::candle_core::bail!("needs a CUDA device")
+    };
+    let stream = dev.cuda_stream();
+    let func = bench_kernel(&stream, "load_chain")?;
+    let sms = stream
+        .context()
+        .attribute(glm5::candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .map_err(cuda)? as usize;
+    // One cycle through every `stride`-th word of `words`, in random order: chain[slot] = the next slot.
+    let chain = |words: usize, stride: usize| -> Result<_> {
+        let slots = words / stride;
+        if slots < sms {
+            glm5::candle_core::bail!(
+                "a chain of {slots} links cannot start {sms} blocks on links of their own"
+            )
+        }
+        let mut order: Vec<usize> = (0..slots).collect();
+        let mut state = 7u64;
+        for i in (1..slots).rev() {
+            order.swap(i, (next(&mut state) % (i as u64 + 1)) as usize);
+        }
+        let mut host = vec![0u32; words];
+        for w in 0..slots {
+            host[order[w] * stride] = (order[(w + 1) % slots] * stride) as u32;
+        }
+        stream.clone_htod(&host).map_err(cuda)
+    };
+    let (line, page) = (128 / 4, (2 << 20) / 4);
+    let lines = chain((64 << 10) / 4, line)?;
+    let pages = chain((512 << 20) / 4, page)?;
+    let flush_src = stream.alloc_zeros::<u8>(256 << 20).map_err(cuda)?;
+    let mut flush_dst = stream.alloc_zeros::<u8>(256 << 20).map_err(cuda)?;
+    let out = stream.alloc_zeros::<u64>(3 * sms).map_err(cuda)?;
+    let cfg = LaunchConfig {
+        grid_dim: (sms as u32, 1, 1),
+        block_dim: (32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let median_max = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        (v[v.len() / 2], v[v.len() - 1])
+    };
+    println!("dependent-load latency at a kernel's start ({sms} blocks, ns: median / largest over the blocks)");
+    println!(
+        "{:<44} {:>15} {:>15}",
+        "chain", "first load", "each later link"
+    );
+    for (name, chain, stride, flush) in [
+        ("L2, 128-byte links (64 KB)", &lines, line, false),
+        ("L2, a link per 2 MB page (512 MB)", &pages, page, false),
+        ("L2 flushed first, a link per 2 MB page", &pages, page, true),
+    ] {
+        let spacing = stride as u32;
+        let mut times = Vec::new();
+        for launch_index in 0..2 {
+            if flush && launch_index == 1 {
+                stream
+                    .memcpy_dtod(&flush_src, &mut flush_dst)
+                    .map_err(cuda)?;
+            }
+            let mut launch = stream.launch_builder(&func);
+            launch.arg(chain).arg(&spacing).arg(&HOPS).arg(&out);
+            // SAFETY: every block's links stay inside `chain`; `out` holds three words per block.
+            unsafe { launch.launch(cfg) }.map_err(cuda)?;
+            stream.synchronize().map_err(cuda)?;
+            times = stream.clone_dtoh(&out).map_err(cuda)?;
+        }
+        let first = median_max(times.chunks(3).map(|c| c[0] as f64).collect());
+        let link = median_max(times.chunks(3).map(|c| c[1] as f64 / HOPS as f64).collect());
+        println!(
+            "{name:<44} {:>7.0} / {:<5.0} {:>7.0} / {:<5.0}",
+            first.0, first.1, link.0, link.1
+        );
+    }
+    Ok(())
 }
 
 fn cuda(e: impl std::fmt::Display) -> glm5::candle_core::Error {
@@ -659,6 +745,9 @@ fn main() -> Result<()> {
             glm5::candle_core::bail!("usage: glm5-bench slice LAYERS")
         };
         return slice_rows(layers);
+    }
+    if args.first().map(String::as_str) == Some("latency") {
+        return latency_rows(&device);
     }
     if args.first().map(String::as_str) == Some("indexer") {
         let shape = match only[..] {
