@@ -6,9 +6,9 @@
 //! the "kernel" column, with KERNEL), `glm5-bench indexer` the indexer rows
 //! only, `glm5-bench indexer CONTEXT BATCH` one indexer decode shape (e.g. under a profiler).
 //! `glm5-bench latency` prints what one dependent global load costs at a kernel's start (L2, L2 across
-//! 2 MB pages, DRAM). `glm5-bench slice LAYERS` builds the first LAYERS layers of GLM-5 at their real sizes with random
-//! weights, on one GPU and split over two, and prints decode tokens/s, the bytes moved between the GPUs per
-//! token and how far the two-GPU logits are from the one-GPU ones.
+//! 2 MB pages, DRAM). `glm5-bench slice LAYERS` builds the first LAYERS layers of GLM-5 at their real sizes
+//! with random weights, on one GPU and split over two, and prints decode tokens/s, the bytes moved between the
+//! GPUs per token and how far the two-GPU logits are from the one-GPU ones.
 //!
 //! "wall" is the median of several rounds, each round `n` back-to-back calls then a device sync: it includes
 //! the host's launch overhead, as an eager decode step pays it. "GPU" replays the same `n` calls captured in
