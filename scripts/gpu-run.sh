@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine (device tool): `bash scripts/gpu-run.sh [tests|kernel-tests|model-tests|multi-gpu|sanitize|bench|profile|profile-warm|profile-detail|profile-source|variants|variant-tests|variant-bench|variant-sanitize|none]...`
+# Runs on the GPU machine (device tool): `bash scripts/gpu-run.sh [tests|kernel-tests|model-tests|multi-gpu|sanitize|bench|latency|profile|profile-warm|profile-detail|profile-source|variants|variant-tests|variant-bench|variant-sanitize|none]...`
 # (default: tests sanitize bench),
 # with .gpu/ carried. Logs go to $OUT (or ./gpu-out).
 set -uo pipefail
@@ -111,6 +111,9 @@ for step in $steps; do
           done
         done 2>&1 | tee -a "$OUT/variants.txt"
       fi ;;
+    latency)
+      # One dependent load's cost at a kernel's start (L2, L2 across 2 MB pages, after an L2 flush).
+      timeout 120 /tmp/glm5-bin/glm5-bench latency 2>&1 | tee "$OUT/latency.txt"; [ ${PIPESTATUS[0]} = 0 ] || status=1 ;;
     bench)
       timeout 400 /tmp/glm5-bin/glm5-bench 2>&1 | tee "$OUT/bench.txt"; [ ${PIPESTATUS[0]} = 0 ] || status=1
       for arch in sm_90 sm_120; do
