@@ -145,6 +145,16 @@ fn bench_kernel(stream: &CudaStream, name: &str) -> Result<CudaFunction> {
         .map_err(cuda)
 }
 
+/// The SMs of `stream`'s device.
+fn sm_count(stream: &CudaStream) -> Result<usize> {
+    use glm5::candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
+    let sms = stream
+        .context()
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .map_err(cuda)?;
+    Ok(sms as usize)
+}
+
 /// mma.sync bf16 rate in flop/s from the `mma_bf16_peak` microkernel.
 fn mma_peak(device: &Device) -> Result<f64> {
     let Device::Cuda(dev) = device else {
@@ -182,10 +192,7 @@ fn gather_seconds(device: &Device, problem: &Decode) -> Result<Vec<(usize, f64)>
     let (batch, k) = problem.physical.dims2()?;
     let rows: Vec<i32> = problem.physical.flatten_all()?.to_vec1()?;
     let rows = stream.clone_htod(&rows).map_err(cuda)?;
-    let sms = stream
-        .context()
-        .attribute(glm5::candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-        .map_err(cuda)? as usize;
+    let sms = sm_count(&stream)?;
     let tiles = k.div_ceil(32);
     let splits = (2 * sms / batch).clamp(1, tiles);
     let per_block = tiles.div_ceil(splits) * 32;
@@ -243,10 +250,7 @@ fn latency_rows(device: &Device) -> Result<()> {
     };
     let stream = dev.cuda_stream();
     let func = bench_kernel(&stream, "load_chain")?;
-    let sms = stream
-        .context()
-        .attribute(glm5::candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-        .map_err(cuda)? as usize;
+    let sms = sm_count(&stream)?;
     // One cycle through every `stride`-th word of `words`, in random order: chain[slot] = the next slot.
     let chain = |words: usize, stride: usize| -> Result<_> {
         let slots = words / stride;
