@@ -5,17 +5,21 @@
 #include "paged.cuh"
 
 struct SparseMlaParams {
-    const void* q;           // [T, H, D]
-    const void* kv;          // [num_blocks * block_size, D]
-    const int* block_table;  // [B, max_blocks]
-    const int* seq_lens;     // [B]
+    // What the kernels read before their first loads comes first: the first 48 bytes share a 64-byte line of
+    // the constant bank with the memory descriptor every global access needs, and each line a block touches
+    // before its first load is a constant-cache miss it waits for.
     const int* token_seq;    // [T]
     const int* indices;      // [T, K]
+    const void* q;           // [T, H, D]
+    const void* kv;          // [num_blocks * block_size, D]
+    int K, H, block_size, max_blocks;
+    const int* seq_lens;     // [B]
+    const int* block_table;  // [B, max_blocks]
     void* out;               // [T, H, DV]          (num_splits == 1)
     float* lse;              // [T, H]              (num_splits == 1)
     float* part_out;         // [splits, T, H, DV]  (num_splits > 1, not combined in a cluster)
     float* part_lse;         // [splits, T, H]      (num_splits > 1, not combined in a cluster)
-    int T, H, D, DV, K, block_size, max_blocks, num_splits, tiles_per_split;
+    int tiles_per_split, num_splits, T, DV, D;
     int cluster_combine;     // 1: a token's splits are one thread-block cluster and merge in shared memory
     float scale;             // softmax scale
 };
