@@ -82,7 +82,10 @@ constexpr int HIST_BINS = 1 << HIST_BITS;
 constexpr int SLOT_CANDIDATES = HIST_BINS, SLOT_VALUE = HIST_BINS + 1, SLOT_COUNT = HIST_BINS + 2;
 constexpr int FINE_BITS = 11, FINE_BINS = 1 << FINE_BITS, FINE_SHIFT = 32 - HIST_BITS - FINE_BITS;
 constexpr int FINE_OFFSET = HIST_BINS + 4;
-constexpr int HIST_STRIDE = FINE_OFFSET + FINE_BINS;
+// Then, where the cluster top-k follows, the bins' sums by groups of 16 (group g: bins 16g .. 16g + 15), zero
+// between calls, by which each warp of the cluster top-k finds the threshold bin alone (no block scan).
+constexpr int GROUP_BINS = 16, HIST_GROUPS = HIST_BINS / GROUP_BINS, GROUP_OFFSET = FINE_OFFSET + FINE_BINS;
+constexpr int HIST_STRIDE = GROUP_OFFSET + HIST_GROUPS;
 constexpr int FINE_LIST = 256;  // candidates in the fine bin the threshold kernel ranks by comparison
 constexpr int TILE_KEYS = 64;  // keys per shared-memory tile
 constexpr int SCORE_WARPS = 4;
@@ -547,6 +550,13 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
         const int i = threadIdx.x + j * SCORE_WARPS * 32, count = bins[i];
         if (count != 0) atomicAdd(&p.hist[(size_t)t * HIST_STRIDE + i], count);
     }
+    static_assert(HIST_GROUPS == SCORE_WARPS * 32, "one group per thread");
+    if (p.cluster_topk) {  // group threadIdx.x, its bins read from a rotated start (2-way bank conflicts, not 16)
+        int sum = 0;
+#pragma unroll
+        for (int j = 0; j < GROUP_BINS; ++j) sum += bins[GROUP_BINS * threadIdx.x + (j + threadIdx.x) % GROUP_BINS];
+        if (sum != 0) atomicAdd(&p.hist[(size_t)t * HIST_STRIDE + GROUP_OFFSET + threadIdx.x], sum);
+    }
 }
 
 // f32 scores: plain FMA, one warp per key (full precision for f32 models); one 64-key tile per block.
@@ -571,7 +581,9 @@ __device__ void scores_f32(const DsaParams& p) {
         }
         if (lane == 0) {
             p.scores[(size_t)t * p.score_stride + s] = score;
-            atomicAdd(&p.hist[(size_t)t * HIST_STRIDE + (ordered(score) >> (32 - HIST_BITS))], 1);
+            const uint32_t bin = ordered(score) >> (32 - HIST_BITS);
+            atomicAdd(&p.hist[(size_t)t * HIST_STRIDE + bin], 1);
+            if (p.cluster_topk) atomicAdd(&p.hist[(size_t)t * HIST_STRIDE + GROUP_OFFSET + bin / GROUP_BINS], 1);
         }
     }
 }
@@ -999,6 +1011,7 @@ struct ClusterTopkShared {
     alignas(16) int low[LOW_BINS];                                // ... and low one (crowded)
     alignas(16) int fine_parts[CLUSTER_BLOCKS][FINE_SLICE];       // received
     alignas(16) int fine_merged[FINE_BINS];                       // the cluster's (merged, or from `gathered`)
+    alignas(16) int fine_groups[FINE_BINS / GROUP_BINS];          // gathered: fine_merged's group sums
     alignas(16) int low_parts[CLUSTER_BLOCKS][LOW_SLICE];
     alignas(16) int low_merged[LOW_BINS];
     alignas(16) int2 counts[CLUSTER_BLOCKS];
@@ -1091,6 +1104,46 @@ __device__ int3 locate(const int* hist, int remaining, ClusterTopkShared& sh) {
 #pragma unroll
     for (int j = 0; j < PER; ++j) counts[j] = hist[PER * CLUSTER_THREADS - 1 - PER * threadIdx.x - j];
     return locate(counts, remaining, sh);
+}
+
+// `locate` by one warp alone, in every warp (no block barrier): the bin of the remaining-th largest in a
+// histogram of HIST_BINS bins (global or shared memory) from its 16-bin group sums `groups`: a warp scan over
+// the groups (four per lane, from the top), then one over the 16 bins of the group it falls in. At most
+// `total` of the histogram (the caller's remaining never exceeds it); (bin, how many to take from it, its count).
+__device__ __forceinline__ int3 locate_by_groups(const int* groups, const int* bins, int remaining) {
+    const int lane = threadIdx.x % 32;
+    const auto crossing = [&](int count, int& before) {  // first lane whose inclusive prefix reaches remaining
+        int inclusive = count;
+#pragma unroll
+        for (int o = 1; o < 32; o *= 2) {
+            const int up = __shfl_up_sync(0xffffffff, inclusive, o);
+            if (lane >= o) inclusive += up;
+        }
+        const unsigned reached = __ballot_sync(0xffffffff, inclusive >= remaining);
+        const int src = reached ? __ffs(reached) - 1 : 31;
+        before = __shfl_sync(0xffffffff, inclusive - count, src);
+        return src;
+    };
+    static_assert(HIST_GROUPS == 4 * 32 && GROUP_BINS <= 32, "four groups per lane, a group's bins in a warp");
+    const int4 four = reinterpret_cast<const int4*>(groups)[HIST_GROUPS / 4 - 1 - lane];  // groups 127 - 4 lane - j
+    int before;
+    const int src = crossing(four.x + four.y + four.z + four.w, before);
+    const int c[4] = {__shfl_sync(0xffffffff, four.w, src), __shfl_sync(0xffffffff, four.z, src),
+                      __shfl_sync(0xffffffff, four.y, src), __shfl_sync(0xffffffff, four.x, src)};
+    int group = HIST_GROUPS - 1 - 4 * src - 3;
+#pragma unroll
+    for (int j = 0; j < 3; ++j) {
+        if (before + c[j] >= remaining) {
+            group = HIST_GROUPS - 1 - 4 * src - j;
+            break;
+        }
+        before += c[j];
+    }
+    remaining -= before;
+    const int bin_here = group * GROUP_BINS + GROUP_BINS - 1 - lane;  // from the group's top
+    const int count = lane < GROUP_BINS ? bins[bin_here] : 0;
+    const int at = crossing(count, before);
+    return make_int3(group * GROUP_BINS + GROUP_BINS - 1 - at, remaining - before, __shfl_sync(0xffffffff, count, at));
 }
 
 // The sum over the block of this thread's PER bins of `hist` above `bin` (the thread's bins as `locate`'s).
@@ -1188,9 +1241,13 @@ __device__ void topk_cluster_impl(const DsaParams& p) {
     for (int i = threadIdx.x; i < FINE_BINS; i += CLUSTER_THREADS) sh.fine[i] = 0;
     for (int i = threadIdx.x; i < LOW_BINS; i += CLUSTER_THREADS) sh.low[i] = 0;
     for (int i = threadIdx.x; i < FINE_BINS; i += CLUSTER_THREADS) sh.fine_merged[i] = 0;  // (gathered: counted here)
+    for (int i = threadIdx.x; i < FINE_BINS / GROUP_BINS; i += CLUSTER_THREADS) sh.fine_groups[i] = 0;
     sh.taken[threadIdx.x][0] = sh.taken[threadIdx.x][1] = 0;
     if (threadIdx.x == 0) sh.candidates = sh.listed = 0;
     if (threadIdx.x < CLUSTER_BLOCKS) sh.block_taken[threadIdx.x] = 0;
+    // The zeroed bins and counters before any warp counts into them (no block scan orders them later), while
+    // the block waits for the score kernel anyway.
+    __syncthreads();
     asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the score kernel's writes
     if (n <= K) {  // every visible position, then -1 (the same for every block of the cluster: none sends)
         for (int i = rank * CLUSTER_THREADS + threadIdx.x; i < K; i += CLUSTER_BLOCKS * CLUSTER_THREADS)
@@ -1200,14 +1257,16 @@ __device__ void topk_cluster_impl(const DsaParams& p) {
     }
     int* hist = p.hist + (size_t)t * HIST_STRIDE;
     const int block_first = rank * SPAN, first = block_first + threadIdx.x * E;
-    // The bins (this thread's four, from the top's 4i-th down) and this thread's scores, loaded together.
-    const int4 four = reinterpret_cast<const int4*>(hist)[HIST_BINS / 4 - 1 - threadIdx.x];
+    // The bins' lines into L1 (each warp's second look at the bins below is then a hit) and this thread's
+    // scores, loaded together.
+    static_assert(HIST_BINS * 4 / 128 <= CLUSTER_THREADS, "one line per thread");
+    if (threadIdx.x < HIST_BINS * 4 / 128) prefetch_l1(hist + threadIdx.x * 32);
     float v[E];
     load_scores(p.scores + (size_t)t * p.score_stride, first, n, v);
 
-    // 1. The threshold bin and how many to take from it; the scores above it (a bit per score in
-    // `selected`); the candidates, listed, and their fine histogram.
-    const int3 coarse = locate<4>({four.w, four.z, four.y, four.x}, K, sh);
+    // 1. The threshold bin and how many to take from it (every warp alone, from the bins' group sums); the
+    // scores above it (a bit per score in `selected`); the candidates, listed, and their fine histogram.
+    const int3 coarse = locate_by_groups(hist + GROUP_OFFSET, hist, K);
     const uint32_t bin = coarse.x;
     const int remaining = coarse.y;
     uint32_t u[E];
@@ -1234,8 +1293,10 @@ __device__ void topk_cluster_impl(const DsaParams& p) {
     // cluster's candidates fit, every block's candidates to every block (in block order).
     // (Its block barrier also completes the block's candidate list and fine histogram.)
     exchange_counts(definite, sh.candidates, sh.gather_counts, GATHER_COUNTS, rank, sh);
-    if (rank == 0)  // every block has read the row's bins (before sending its counts): zero for the next call
+    if (rank == 0) {  // every block has read the row's bins and groups (before sending its counts): zero them
         for (int i = threadIdx.x; i < HIST_BINS; i += CLUSTER_THREADS) hist[i] = 0;
+        if (threadIdx.x < HIST_GROUPS) hist[GROUP_OFFSET + threadIdx.x] = 0;
+    }
     int gathered = 0, my_start = 0;
     bool listed = true;  // every block's candidates are in its list
     for (int b = 0; b < CLUSTER_BLOCKS; ++b) {
@@ -1251,10 +1312,13 @@ __device__ void topk_cluster_impl(const DsaParams& p) {
                    [&](int i) { return make_uint2(sh.candidate_values[i], sh.candidate_positions[i]); }, sh);
         // 3. Locally: the candidates' fine histogram, the fine bin of the K-th largest, and (when few share it)
         // the K-th value and the last tied position by ranking them.
-        for (int i = threadIdx.x; i < gathered; i += CLUSTER_THREADS)
-            atomicAdd(&sh.fine_merged[(sh.gathered[i].x >> FINE_SHIFT) & (FINE_BINS - 1)], 1);
+        for (int i = threadIdx.x; i < gathered; i += CLUSTER_THREADS) {
+            const uint32_t fine_bin = (sh.gathered[i].x >> FINE_SHIFT) & (FINE_BINS - 1);
+            atomicAdd(&sh.fine_merged[fine_bin], 1);
+            atomicAdd(&sh.fine_groups[fine_bin / GROUP_BINS], 1);
+        }
         __syncthreads();
-        const int3 fine = locate<4>(sh.fine_merged, remaining, sh);
+        const int3 fine = locate_by_groups(sh.fine_groups, sh.fine_merged, remaining);
         if (fine.z <= FINE_LIST) {  // (uniform: every block holds the same candidates)
             const uint32_t top22 = bin << FINE_BITS | (uint32_t)fine.x;
             for (int i = threadIdx.x; i < gathered; i += CLUSTER_THREADS) {

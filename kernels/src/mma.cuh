@@ -42,6 +42,10 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, int parity) {
         ::"r"(smem_addr(bar)), "r"(parity)
         : "memory");
 }
+// Starts bringing the 128-byte line at `address` into L1 (nothing waits for it).
+__device__ __forceinline__ void prefetch_l1(const void* address) {
+    asm volatile("prefetch.global.L1 [%0];\n" ::"l"(address));
+}
 // Orders this thread's earlier shared-memory accesses (and those a block barrier made visible to it)
 // before its later bulk copies: needed where a bulk copy overwrites what plain stores or loads touched.
 __device__ __forceinline__ void fence_proxy_async_shared() {

@@ -707,9 +707,9 @@ mod cuda {
     const MODULE: &[u8] = glm5_kernels::DSA_INDEXER;
     /// Keys per score tile (`TILE_KEYS` in the .cu file): the f32 kernel's block covers one.
     const TILE_KEYS: usize = 64;
-    /// Per-row histogram words: 2048 bins, the top-k kernels' slots and 2048 fine bins (`HIST_STRIDE` in
-    /// the .cu file).
-    const HIST_STRIDE: usize = 2048 + 4 + 2048;
+    /// Per-row histogram words: 2048 bins, the top-k kernels' slots, 2048 fine bins and the bins' 128 group
+    /// sums (`HIST_STRIDE` in the .cu file).
+    const HIST_STRIDE: usize = 2048 + 4 + 2048 + 128;
     /// Positions per top-k segment (`SEG` in the .cu file).
     const SEGMENT: usize = 2048;
     const SCORE_THREADS: u32 = 128;
