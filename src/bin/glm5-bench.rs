@@ -11,9 +11,9 @@
 //! GPUs per token and how far the two-GPU logits are from the one-GPU ones.
 //!
 //! "wall" is the median of several rounds, each round `n` back-to-back calls then a device sync: it includes
-//! the host's launch overhead, as an eager decode step pays it. "GPU" replays the same `n` calls captured in
-//! a CUDA graph (as a graph-captured decode step runs them): the device's time, launch gaps included, host
-//! excluded. Throughput columns use the GPU time. sparse_mla rows name their kernel: "mma" is the mma.sync
+//! the host's launch overhead, as an eager decode step pays it. "GPU" is the period of back-to-back calls
+//! replayed from CUDA graphs (as a graph-captured decode step runs them): the device's time, launch gaps
+//! included, host excluded (`graph_seconds`: the difference between graphs of `n` and 2`n` calls). Throughput columns use the GPU time. sparse_mla rows name their kernel: "mma" is the mma.sync
 //! launcher's own pick; with at most 8 heads also its head-tile kernel ("tiles") and its narrow kernel with
 //! 2, 4 and 8 warps per block ("n2", "n4", "n8"); on an sm_90 GPU also wgmma where it serves (heads a
 //! multiple of 64). "vs mma" is the "mma" row's GPU time over this row's. Inputs are random (never zeros).
@@ -67,7 +67,12 @@ fn median_seconds(
     Ok(times[rounds / 2])
 }
 
-/// Per-call device time of `calls` calls of `f` captured into one CUDA graph (median of 7 replays).
+/// Per-call device time of `f` replayed from a CUDA graph, as a graph-captured decode step runs it: graphs
+/// of `calls` and of 2 x `calls` back-to-back calls, each replay timed by CUDA events around it (median of 7
+/// each), and their difference over `calls`. That is the period of back-to-back calls on the device, launch
+/// gaps included, while the fixed cost of a replay (the graph's launch, its first kernel's start, the host's
+/// wait) cancels; one graph's wall time over its calls (up to session 19) charged each call a share of it:
+/// a fifth for the indexer's 5-call graphs, a twentieth for sparse_mla's 20.
 fn graph_seconds(device: &Device, calls: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     use glm5::candle_core::cuda_backend::cudarc::driver::sys;
     let Device::Cuda(dev) = device else {
@@ -76,17 +81,38 @@ fn graph_seconds(device: &Device, calls: usize, mut f: impl FnMut() -> Result<()
     let stream = dev.cuda_stream();
     f()?; // warm-up outside the capture: module load, workspaces
     device.synchronize()?;
-    stream
-        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
-        .map_err(cuda)?;
-    let captured = (0..calls).try_for_each(|_| f());
-    let graph = stream
-        .end_capture(sys::CUgraphInstantiate_flags(0))
-        .map_err(cuda)?;
-    captured?;
-    let graph = graph.ok_or_else(|| cuda("the capture recorded nothing"))?;
-    graph.upload().map_err(cuda)?;
-    median_seconds(device, 7, 1, || graph.launch().map_err(cuda)).map(|s| s / calls as f64)
+    let mut capture = |n: usize| -> Result<_> {
+        stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+            .map_err(cuda)?;
+        let captured = (0..n).try_for_each(|_| f());
+        let graph = stream
+            .end_capture(sys::CUgraphInstantiate_flags(0))
+            .map_err(cuda)?;
+        captured?;
+        let graph = graph.ok_or_else(|| cuda("the capture recorded nothing"))?;
+        graph.upload().map_err(cuda)?;
+        Ok(graph)
+    };
+    let graphs = [capture(calls)?, capture(2 * calls)?];
+    let timing = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let mut times = [Vec::new(), Vec::new()];
+    for round in 0..8 {
+        for (graph, times) in graphs.iter().zip(&mut times) {
+            let start = stream.record_event(timing).map_err(cuda)?;
+            graph.launch().map_err(cuda)?;
+            let end = stream.record_event(timing).map_err(cuda)?;
+            let ms = start.elapsed_ms(&end).map_err(cuda)?;
+            if round > 0 {
+                times.push(f64::from(ms) / 1e3); // (round 0 warms the replays up)
+            }
+        }
+    }
+    let [one, two] = times.map(|mut t| {
+        t.sort_by(f64::total_cmp);
+        t[t.len() / 2]
+    });
+    Ok((two - one) / calls as f64)
 }
 
 /// Bytes written before each "cold" call: several times any GPU's L2.
@@ -568,11 +594,11 @@ fn indexer_rows(device: &Device, copy: f64, peak: f64, only: Option<(usize, usiz
         // replayed from a CUDA graph (device time, host excluded).
         let rounds = if queries > 1 { 3 } else { 7 };
         let wall = median_seconds(device, rounds, 5, || problem.kernel())?;
-        let gpu = graph_seconds(device, 5, || problem.kernel_on_device())?;
+        let gpu = graph_seconds(device, 20, || problem.kernel_on_device())?;
         // The same with the top-k pinned to the three-kernel chain (the policy takes the cluster top-k
         // wherever a row fits it).
         set_top_k_path(TopKPath::Chain);
-        let chain = graph_seconds(device, 5, || problem.kernel_on_device());
+        let chain = graph_seconds(device, 20, || problem.kernel_on_device());
         set_top_k_path(TopKPath::Policy);
         let chain = chain?;
         let cold = cold_seconds(device, rounds, || problem.kernel())?;
