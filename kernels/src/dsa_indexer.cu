@@ -1108,8 +1108,9 @@ __device__ int3 locate(const int* hist, int remaining, ClusterTopkShared& sh) {
 
 // `locate` by one warp alone, in every warp (no block barrier): the bin of the remaining-th largest in a
 // histogram of HIST_BINS bins (global or shared memory) from its 16-bin group sums `groups`: a warp scan over
-// the groups (four per lane, from the top), then one over the 16 bins of the group it falls in. At most
-// `total` of the histogram (the caller's remaining never exceeds it); (bin, how many to take from it, its count).
+// the groups (four per lane, from the top), then one over the 16 bins of the group it falls in. `remaining`
+// is at most the histogram's total (K below the visible count; the fine bins hold the threshold bin's
+// candidates). Returns (bin, how many to take from it, its count).
 __device__ __forceinline__ int3 locate_by_groups(const int* groups, const int* bins, int remaining) {
     const int lane = threadIdx.x % 32;
     const auto crossing = [&](int count, int& before) {  // first lane whose inclusive prefix reaches remaining

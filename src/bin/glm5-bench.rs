@@ -13,7 +13,8 @@
 //! "wall" is the median of several rounds, each round `n` back-to-back calls then a device sync: it includes
 //! the host's launch overhead, as an eager decode step pays it. "GPU" is the period of back-to-back calls
 //! replayed from CUDA graphs (as a graph-captured decode step runs them): the device's time, launch gaps
-//! included, host excluded (`graph_seconds`: the difference between graphs of `n` and 2`n` calls). Throughput columns use the GPU time. sparse_mla rows name their kernel: "mma" is the mma.sync
+//! included, host excluded (`graph_seconds`: the difference between graphs of `n` and 2`n` calls).
+//! Throughput columns use the GPU time. sparse_mla rows name their kernel: "mma" is the mma.sync
 //! launcher's own pick; with at most 8 heads also its head-tile kernel ("tiles") and its narrow kernel with
 //! 2, 4 and 8 warps per block ("n2", "n4", "n8"); on an sm_90 GPU also wgmma where it serves (heads a
 //! multiple of 64). "vs mma" is the "mma" row's GPU time over this row's. Inputs are random (never zeros).
