@@ -138,17 +138,23 @@ __device__ __forceinline__ uint32_t* segment_counts_of(const DsaParams& p, int t
     return p.work + (size_t)t * (2 * p.score_stride + 2 * p.segments) + 2 * p.score_stride;
 }
 
+// Inclusive prefix sum of `v` over the lanes of a full warp.
+__device__ __forceinline__ int warp_inclusive_sum(int v) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int o = 1; o < 32; o *= 2) {
+        const int up = __shfl_up_sync(0xffffffff, v, o);
+        if (lane >= o) v += up;
+    }
+    return v;
+}
+
 // Exclusive prefix sum of `flag` over a block of THREADS threads; returns it and sets `total`.
 template <int THREADS>
 __device__ __forceinline__ int block_exclusive_scan(int flag, int* warp_sums, int& total) {
     constexpr int WARPS = THREADS / 32;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    int inclusive = flag;
-#pragma unroll
-    for (int o = 1; o < 32; o *= 2) {
-        const int v = __shfl_up_sync(0xffffffff, inclusive, o);
-        if (lane >= o) inclusive += v;
-    }
+    const int inclusive = warp_inclusive_sum(flag);
     if (lane == 31) warp_sums[warp] = inclusive;
     __syncthreads();
     // Every thread adds up the warps' totals itself (their loads go out together): no second scan, no
@@ -1114,12 +1120,7 @@ __device__ int3 locate(const int* hist, int remaining, ClusterTopkShared& sh) {
 __device__ __forceinline__ int3 locate_by_groups(const int* groups, const int* bins, int remaining) {
     const int lane = threadIdx.x % 32;
     const auto crossing = [&](int count, int& before) {  // first lane whose inclusive prefix reaches remaining
-        int inclusive = count;
-#pragma unroll
-        for (int o = 1; o < 32; o *= 2) {
-            const int up = __shfl_up_sync(0xffffffff, inclusive, o);
-            if (lane >= o) inclusive += up;
-        }
+        const int inclusive = warp_inclusive_sum(count);
         const unsigned reached = __ballot_sync(0xffffffff, inclusive >= remaining);
         const int src = reached ? __ffs(reached) - 1 : 31;
         before = __shfl_sync(0xffffffff, inclusive - count, src);
