@@ -47,6 +47,12 @@ const VALUE_DIM: usize = 512;
 const TOP_K: usize = 2048;
 const BLOCK_SIZE: usize = 64;
 
+/// The middle value of `values` (the upper one of an even count), as every timing here reports.
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
 fn median_seconds(
     device: &Device,
     rounds: usize,
@@ -64,8 +70,7 @@ fn median_seconds(
         device.synchronize()?;
         times.push(start.elapsed().as_secs_f64() / calls as f64);
     }
-    times.sort_by(f64::total_cmp);
-    Ok(times[rounds / 2])
+    Ok(median(times))
 }
 
 /// Per-call device time of `f` replayed from a CUDA graph, as a graph-captured decode step runs it: graphs
@@ -109,10 +114,7 @@ fn graph_seconds(device: &Device, calls: usize, mut f: impl FnMut() -> Result<()
             }
         }
     }
-    let [one, two] = times.map(|mut t| {
-        t.sort_by(f64::total_cmp);
-        t[t.len() / 2]
-    });
+    let [one, two] = times.map(median);
     Ok((two - one) / calls as f64)
 }
 
@@ -140,8 +142,7 @@ fn cold_seconds(device: &Device, rounds: usize, mut f: impl FnMut() -> Result<()
         let end = stream.record_event(timing).map_err(cuda)?;
         times.push(f64::from(start.elapsed_ms(&end).map_err(cuda)?) / 1e3);
     }
-    times.sort_by(f64::total_cmp);
-    Ok(times[rounds / 2])
+    Ok(median(times))
 }
 
 /// Device-to-device copy bandwidth in bytes/s (read + write counted), from plain cuMemcpyDtoD of 512 MiB of
@@ -308,9 +309,9 @@ fn latency_rows(device: &Device) -> Result<()> {
         block_dim: (32, 1, 1),
         shared_mem_bytes: 0,
     };
-    let median_max = |mut v: Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        (v[v.len() / 2], v[v.len() - 1])
+    let median_max = |v: Vec<f64>| {
+        let largest = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        (median(v), largest)
     };
     println!("dependent-load latency at a kernel's start ({sms} blocks, ns: median / largest over the blocks)");
     println!(
