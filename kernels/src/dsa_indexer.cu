@@ -465,6 +465,10 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
     __syncthreads();  // every warp holds its Q fragments: the first iteration refills Q's stage
     float* score_row = p.scores + (size_t)t * p.score_stride;
     const int key0 = warp * 16;  // this warp's keys of each tile
+    // The key whose score this lane ends with (n = lane bit 4, o = lane bit 3); lanes 4 apart hold the same
+    // one, and those of even row groups store it.
+    const bool upper_n = lane & 16, upper_o = lane & 8, stores_key = (lane & 4) == 0;
+    const int my_key = key0 + (upper_n ? 8 : 0) + 2 * c + (upper_o ? 1 : 0);
     for (int i = 0; i < my_tiles; ++i) {
         const int ahead = i + STAGES - 1;  // refills the stage consumed in iteration i - 1
         if constexpr (TMA) {
@@ -516,9 +520,9 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
                 }
             }
         }
-        // sum_h w[h] relu(S[h, key]): this thread's rows, then across the 8 row groups of the warp, after
-        // which every lane of column group c holds the sums of keys 2c, 2c + 1 of both n8 tiles; the lanes of
-        // row groups 0..3 each take one of those four keys, so a tile's 16 scores go out in one pass.
+        // sum_h w[h] relu(S[h, key]): this thread's rows (col[n][o]: key n * 8 + 2c + o), then over the warp's 8
+        // row groups by a reduce-scatter: each exchange sends the partner the half it keeps, so four shuffles
+        // (not twelve) leave every lane with the sum of key `my_key`.
         float col[2][2] = {};
 #pragma unroll
         for (int n = 0; n < 2; ++n)
@@ -526,22 +530,18 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
             for (int m = 0; m < MT; ++m)
 #pragma unroll
                 for (int j = 0; j < 4; ++j) col[n][j & 1] += w_row[m][j / 2] * fmaxf(acc[m][n][j], 0.f);
+        float keep[2];
 #pragma unroll
-        for (int n = 0; n < 2; ++n)
-#pragma unroll
-            for (int o = 0; o < 2; ++o) {
-                col[n][o] += __shfl_xor_sync(0xffffffff, col[n][o], 4);
-                col[n][o] += __shfl_xor_sync(0xffffffff, col[n][o], 8);
-                col[n][o] += __shfl_xor_sync(0xffffffff, col[n][o], 16);
-            }
-        if (g < 4) {
-            const int n = g / 2, o = g % 2, r = key0 + n * 8 + c * 2 + o, s = base + r;
-            if (s < visible) {
-                float v = n == 0 ? (o == 0 ? col[0][0] : col[0][1]) : (o == 0 ? col[1][0] : col[1][1]);
-                if constexpr (FP8) v *= scales[i % STAGES][r] * score_unscale;
-                score_row[s] = v;
-                atomicAdd(&bins[ordered(v) >> (32 - HIST_BITS)], 1);
-            }
+        for (int o = 0; o < 2; ++o)
+            keep[o] = (upper_n ? col[1][o] : col[0][o]) +
+                      __shfl_xor_sync(0xffffffff, upper_n ? col[0][o] : col[1][o], 16);
+        float sum = (upper_o ? keep[1] : keep[0]) + __shfl_xor_sync(0xffffffff, upper_o ? keep[0] : keep[1], 8);
+        sum += __shfl_xor_sync(0xffffffff, sum, 4);
+        const int s = base + my_key;
+        if (stores_key && s < visible) {
+            if constexpr (FP8) sum *= scales[i % STAGES][my_key] * score_unscale;
+            score_row[s] = sum;
+            atomicAdd(&bins[ordered(sum) >> (32 - HIST_BITS)], 1);
         }
         // Into the slot of tile i, whose copy went out long ago; read after the barrier below.
         if (resolve) rows[(ahead + 1) % STAGES][threadIdx.x] = page >= 0 ? page * p.block_size + next_page.y : -1;
