@@ -233,12 +233,17 @@ __device__ __forceinline__ uint4 q_fragment_f16(uint2 row_g, uint2 row_g8, float
     return make_uint4(pair(a, 0), pair(b, 0), pair(a, 2), pair(b, 2));
 }
 
-// The largest |x| of eight packed bf16 and `amax`.
-__device__ __forceinline__ float abs_max_bf16x8(uint4 raw, float amax) {
-    const bf16* b = reinterpret_cast<const bf16*>(&raw);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(__bfloat162float(b[j])));
-    return amax;
+// The largest |x| of eight packed bf16 and of the two in `amax`, as packed bf16: on the bits (without the
+// sign they order as the magnitudes do), two 16-bit lanes at a time.
+__device__ __forceinline__ uint32_t abs_max_bf16x8(uint4 raw, uint32_t amax) {
+    constexpr uint32_t MAGNITUDE = 0x7fff7fffu;
+    amax = __vmaxu2(amax, __vmaxu2(raw.x & MAGNITUDE, raw.y & MAGNITUDE));
+    return __vmaxu2(amax, __vmaxu2(raw.z & MAGNITUDE, raw.w & MAGNITUDE));
+}
+
+// The larger of the two packed bf16 magnitudes of abs_max_bf16x8, as a float.
+__device__ __forceinline__ float larger_bf16(uint32_t pair) {
+    return __uint_as_float(max(pair & 0xffffu, pair >> 16) << 16);
 }
 
 // The largest of every thread's `v` over a block of SCORE_WARPS warps (`warp_max`: one slot per warp; the
@@ -392,10 +397,10 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
     float q_scale = 1.f, score_unscale = 1.f;
     if constexpr (FP8 && !TMA) {
         // The largest |q|, over the block: each thread its share of the staged rows (the padding rows are 0).
-        float amax = 0.f;
+        uint32_t amax = 0;
         for (int i = threadIdx.x; i < MT * 16 * (D / 8); i += blockDim.x)
             amax = abs_max_bf16x8(*reinterpret_cast<const uint4*>(q_s + (i / (D / 8)) * QLD + (i % (D / 8)) * 8), amax);
-        const float2 scales = q_scales(block_max(amax, warp_amax, warp, lane));
+        const float2 scales = q_scales(block_max(larger_bf16(amax), warp_amax, warp, lane));
         q_scale = scales.x;
         score_unscale = scales.y;
     }
@@ -408,13 +413,13 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
         constexpr int FRAGS = MT * KSTEPS, PIECES = D / 8;  // fragments (m, k); 16-byte pieces per row
         static_assert(FRAGS % SCORE_WARPS == 0 && FRAGS * 32 * 16 <= TILE_KEYS * Tile::ROW_BYTES, "whole shares");
         mbarrier_wait(&q_full, 0);
-        float amax = 0.f;
+        uint32_t amax = 0;
 #pragma unroll
         for (int j = 0; j < MT * 16 * PIECES / (SCORE_WARPS * 32); ++j) {
             const int i = threadIdx.x + j * SCORE_WARPS * 32;
             if (i < p.H * PIECES) amax = abs_max_bf16x8(reinterpret_cast<const uint4*>(q_s)[i], amax);
         }
-        const float2 scales = q_scales(block_max(amax, warp_amax, warp, lane));
+        const float2 scales = q_scales(block_max(larger_bf16(amax), warp_amax, warp, lane));
         score_unscale = scales.y;
         uint4 mine[FRAGS / SCORE_WARPS];
 #pragma unroll
