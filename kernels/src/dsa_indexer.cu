@@ -707,13 +707,7 @@ __device__ void select_digits(Value value, int count, int first_shift, uint32_t&
             int counts[8], sum = 0;
 #pragma unroll
             for (int j = 0; j < 8; ++j) sum += counts[j] = hist[255 - 8 * lane - j];
-            int above = sum;
-#pragma unroll
-            for (int o = 1; o < 32; o *= 2) {
-                const int v = __shfl_up_sync(0xffffffff, above, o);
-                if (lane >= o) above += v;
-            }
-            above -= sum;  // values in higher lanes' digits
+            int above = warp_inclusive_sum(sum) - sum;  // values in higher lanes' digits
             const bool here = above < remaining && above + sum >= remaining;
             const bool nowhere = __ballot_sync(0xffffffff, here) == 0;  // (cannot happen) then digit 0
             if (here || (nowhere && lane == 31)) {
