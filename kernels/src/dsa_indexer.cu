@@ -234,7 +234,8 @@ __device__ __forceinline__ uint4 q_fragment_f16(uint2 row_g, uint2 row_g8, float
 }
 
 // The largest |x| of eight packed bf16 and of the two in `amax`, as packed bf16: on the bits (without the
-// sign they order as the magnitudes do), two 16-bit lanes at a time.
+// sign they order as the magnitudes do), two 16-bit lanes at a time. A NaN orders above infinity here, where a
+// float max would skip it: a token whose q holds a NaN gets the scale the NaN gives, not its finite values'.
 __device__ __forceinline__ uint32_t abs_max_bf16x8(uint4 raw, uint32_t amax) {
     constexpr uint32_t MAGNITUDE = 0x7fff7fffu;
     amax = __vmaxu2(amax, __vmaxu2(raw.x & MAGNITUDE, raw.y & MAGNITUDE));
