@@ -1320,6 +1320,7 @@ __device__ void topk_cluster_impl(const DsaParams& p) {
             atomicAdd(&sh.fine_groups[fine_bin / GROUP_BINS], 1);
         }
         __syncthreads();
+        static_assert(FINE_BINS == HIST_BINS, "locate_by_groups takes HIST_BINS bins: the fine ones must match");
         const int3 fine = locate_by_groups(sh.fine_groups, sh.fine_merged, remaining);
         if (fine.z <= FINE_LIST) {  // (uniform: every block holds the same candidates)
             const uint32_t top22 = bin << FINE_BITS | (uint32_t)fine.x;
