@@ -552,7 +552,13 @@ impl Indexer {
 }
 
 /// Indexer rows: decode at batch 1/8/64 and a 4096-token prefill chunk, per context.
-fn indexer_rows(device: &Device, copy: f64, peak: f64, only: Option<(usize, usize)>) -> Result<()> {
+/// `only`: one row (context, batch, queries per sequence) instead.
+fn indexer_rows(
+    device: &Device,
+    copy: f64,
+    peak: f64,
+    only: Option<(usize, usize, usize)>,
+) -> Result<()> {
     println!();
     println!(
         "dsa_indexer, FP8 keys ({INDEX_DIM} B + f32 scale), {INDEX_HEADS} heads, top-k {TOP_K}, paged (block {BLOCK_SIZE})"
@@ -578,7 +584,7 @@ fn indexer_rows(device: &Device, copy: f64, peak: f64, only: Option<(usize, usiz
         "speedup"
     );
     let shapes: Vec<(usize, usize, usize)> = match only {
-        Some((context, batch)) => vec![(context, batch, 1)],
+        Some(shape) => vec![shape],
         None => [8192usize, 32_768, 131_072, 200_000]
             .iter()
             .flat_map(|&c| [(c, 1, 1), (c, 8, 1), (c, 64, 1), (c, 1, 4096)])
@@ -784,8 +790,9 @@ fn main() -> Result<()> {
     if args.first().map(String::as_str) == Some("indexer") {
         let shape = match only[..] {
             [] => None,
-            [context, batch] => Some((context, batch)),
-            _ => glm5::candle_core::bail!("usage: glm5-bench indexer [CONTEXT BATCH]"),
+            [context, batch] => Some((context, batch, 1)),
+            [context, batch, queries] => Some((context, batch, queries)),
+            _ => glm5::candle_core::bail!("usage: glm5-bench indexer [CONTEXT BATCH [QUERIES]]"),
         };
         return indexer_rows(&device, copy, peak, shape);
     }
