@@ -31,8 +31,7 @@ fn bf16_round(v: &[f32]) -> Vec<f32> {
         .collect()
 }
 
-/// Two sequences of `n` keys in shuffled blocks and three queries: one per sequence seeing all `n`, and one
-/// of sequence 0 seeing `n - 1` (or 1).
+/// Two sequences of `n` keys in shuffled blocks and the queries of `token_seq`, query t seeing `visible[t]`.
 struct Problem {
     heads: usize,
     n: usize,
@@ -46,7 +45,26 @@ struct Problem {
 }
 
 impl Problem {
+    /// Three queries: one per sequence seeing all `n`, and one of sequence 0 seeing `n - 1` (or 1).
     fn new(rng: &mut StdRng, heads: usize, n: usize) -> Self {
+        Self::with_queries(rng, heads, n, vec![0, 1, 0], vec![n, n, (n - 1).max(1)])
+    }
+
+    /// A prefill chunk of `queries` tokens at the end of sequence 0's `n` keys (causal: query t sees
+    /// `n - queries + 1 + t`).
+    fn prefill_chunk(rng: &mut StdRng, heads: usize, n: usize, queries: usize) -> Self {
+        let visible = (0..queries).map(|t| n - queries + 1 + t).collect();
+        Self::with_queries(rng, heads, n, vec![0; queries], visible)
+    }
+
+    fn with_queries(
+        rng: &mut StdRng,
+        heads: usize,
+        n: usize,
+        token_seq: Vec<i32>,
+        visible: Vec<usize>,
+    ) -> Self {
+        let tokens = token_seq.len();
         let max_blocks = n.div_ceil(BLOCK);
         let num_blocks = 2 * max_blocks;
         let mut order: Vec<i32> = (0..num_blocks as i32).collect();
@@ -55,11 +73,11 @@ impl Problem {
             .map(|_| rng.random_range(-1.0f32..1.0))
             .collect();
         let q = bf16_round(
-            &(0..3 * heads * DIM)
+            &(0..tokens * heads * DIM)
                 .map(|_| rng.random_range(-1.0f32..1.0))
                 .collect::<Vec<_>>(),
         );
-        let w = (0..3 * heads)
+        let w = (0..tokens * heads)
             .map(|_| rng.random_range(-0.5f32..1.0))
             .collect();
         Self {
@@ -70,8 +88,8 @@ impl Problem {
             keys,
             block_table: order,
             max_blocks,
-            token_seq: vec![0, 1, 0],
-            visible: vec![n, n, (n - 1).max(1)],
+            token_seq,
+            visible,
         }
     }
 
@@ -187,14 +205,15 @@ impl OnDevice {
                     .unwrap(),
             )
         };
+        let tokens = p.token_seq.len();
         Self {
-            q: Tensor::from_vec(p.q.clone(), (3, p.heads, DIM), device)
+            q: Tensor::from_vec(p.q.clone(), (tokens, p.heads, DIM), device)
                 .unwrap()
                 .to_dtype(DType::BF16)
                 .unwrap(),
-            w: Tensor::from_vec(p.w.clone(), (3, p.heads), device).unwrap(),
+            w: Tensor::from_vec(p.w.clone(), (tokens, p.heads), device).unwrap(),
             table: Tensor::from_vec(p.block_table.clone(), (2, p.max_blocks), device).unwrap(),
-            token_seq: Tensor::from_vec(p.token_seq.clone(), 3, device).unwrap(),
+            token_seq: Tensor::from_vec(p.token_seq.clone(), tokens, device).unwrap(),
             pages,
         }
     }
@@ -432,6 +451,28 @@ fn f32_kernel_and_contiguous_entry_point_match_the_cpu_reference() {
             g.sort();
             w.sort();
             assert_eq!(g, w, "{dtype:?} query {row}");
+        }
+    }
+}
+
+#[test]
+fn a_prefill_chunk_selects_exactly_on_every_row() {
+    // 48 causal queries at the end of a sequence: a few score blocks per query row, so each block walks many
+    // tiles (with FP8 pages of 64, the TMA kernel's rows beyond its first tiles); every row's set exact.
+    let device = gpu();
+    let mut rng = StdRng::seed_from_u64(23);
+    let (n, queries, k) = (12_000, 48, 2048);
+    let p = Problem::prefill_chunk(&mut rng, 32, n, queries);
+    for fp8 in [true, false] {
+        let keys = if fp8 {
+            dequantized_fp8(&p.keys)
+        } else {
+            bf16_round(&p.keys)
+        };
+        let got = run(&p, fp8, k, &device);
+        for (t, row) in got.iter().enumerate() {
+            let label = format!("prefill n{n} fp8 {fp8} query {t}");
+            check_row(&label, row, &p.scores(t, &keys), k);
         }
     }
 }
