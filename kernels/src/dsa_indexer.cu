@@ -274,7 +274,13 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
     using Tile = KeyTile<D, FP8, TMA>;
     constexpr int KSTEPS = D / 16;
     constexpr int STAGES = Tile::STAGES;
-    const int t = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+    const int t = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+    // The row's blocks along y, the tokens along x. Blocks are placed in x-major order and the last quarter of
+    // the grid falls behind in its start-up (32K b8: first tiles ~1 µs after the first quarter's, four blocks
+    // per SM), so each row's blocks span every start position, and its first blocks, the early ones, take the
+    // row's remainder tiles (by the stride below). With a row's blocks along x, the last two rows started late
+    // and ended last, holding up the top-k (32K b8 and 200K b8: -0.7 to -1.1 µs with this layout).
+    const int block = blockIdx.y, blocks = gridDim.y;
     // The cluster top-k may launch at once: its blocks set up beside these (where they fit) and wait for this
     // grid. The chain's first kernel launches after the tile loops (launched early, its many blocks cost more
     // than they save: 128K b1 +1.5 µs).
@@ -286,7 +292,7 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
     __shared__ int rows[STAGES][TILE_KEYS];  // tile i's rows in slot i % STAGES (not with TMA)
     __shared__ uint64_t full[STAGES];        // TMA: stage s holds its tile
     __shared__ uint64_t q_full;              // TMA: the token's Q is in the last stage
-    const auto tile_base = [&](int i) { return (int)(blockIdx.x + i * gridDim.x) * TILE_KEYS; };
+    const auto tile_base = [&](int i) { return (block + i * blocks) * TILE_KEYS; };
     bf16* q_s = reinterpret_cast<bf16*>(stages[STAGES - 1]);  // Q's rows (see below)
     // TMA: warp 0 issues the tiles, in order. It holds their first rows in registers, 32 tiles per register
     // (lane j: tile 32c + j of chunk c), the next chunk's read 32 tiles before it is needed: no iteration
@@ -329,11 +335,11 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
         }
     const int visible = visible_keys(p, t), seq = p.token_seq[t];
     const int tiles = visible > p.K ? (visible + TILE_KEYS - 1) / TILE_KEYS : 0;  // visible <= K: all taken
-    if ((int)blockIdx.x >= tiles) {
+    if (block >= tiles) {
         if (TMA && threadIdx.x == 0) mbarrier_wait(&q_full, 0);  // Q's copy into this block lands first
         return;
     }
-    const int my_tiles = (tiles - blockIdx.x + gridDim.x - 1) / gridDim.x;  // tiles blockIdx.x + i * gridDim.x
+    const int my_tiles = (tiles - block + blocks - 1) / blocks;  // tiles block + i * blocks
     const auto first_row_of = [&](int i) { return i < my_tiles ? (int)key_row(p, seq, tile_base(i)) : -1; };
     if (TMA && warp == 0) {
         if (seq == guessed_seq) {
@@ -571,9 +577,10 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
     }
 }
 
-// f32 scores: plain FMA, one warp per key (full precision for f32 models); one 64-key tile per block.
+// f32 scores: plain FMA, one warp per key (full precision for f32 models); one 64-key tile per block (the
+// tile along y, the token along x, as the kernels above).
 __device__ void scores_f32(const DsaParams& p) {
-    const int t = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int t = blockIdx.x, tile = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int visible = visible_keys(p, t), seq = p.token_seq[t], D = p.D;
     if (visible <= p.K) return;  // every visible position is taken
     extern __shared__ float qf[];  // [H][D], then [H] weights
@@ -581,8 +588,8 @@ __device__ void scores_f32(const DsaParams& p) {
     for (int i = threadIdx.x; i < p.H * D; i += blockDim.x) qf[i] = q[i];
     for (int h = threadIdx.x; h < p.H; h += blockDim.x) qf[p.H * D + h] = p.weights[(size_t)t * p.H + h];
     __syncthreads();
-    const int last = min(blockIdx.x * TILE_KEYS + TILE_KEYS, visible);
-    for (int s = blockIdx.x * TILE_KEYS + warp; s < last; s += SCORE_WARPS) {
+    const int last = min(tile * TILE_KEYS + TILE_KEYS, visible);
+    for (int s = tile * TILE_KEYS + warp; s < last; s += SCORE_WARPS) {
         const float* k = static_cast<const float*>(p.keys) + key_row(p, seq, s) * D;
         float score = 0.f;
         for (int h = 0; h < p.H; ++h) {

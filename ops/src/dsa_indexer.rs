@@ -1081,7 +1081,8 @@ mod cuda {
                     shared_mem_bytes: shared as u32,
                 };
                 let before_scores = stage_event(&stream)?;
-                let score_config = config((score_blocks, len), SCORE_THREADS, score_smem);
+                // Tokens along x, a row's blocks along y (see the score kernels).
+                let score_config = config((len, score_blocks), SCORE_THREADS, score_smem);
                 let mut builder = stream.launch_builder(&scores_fn);
                 builder.arg(&params);
                 // SAFETY: `params` mirrors DsaParams; every pointer in it is live for this call.
