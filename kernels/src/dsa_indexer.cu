@@ -47,6 +47,9 @@
 
 #include "mma.cuh"
 #include "paged.cuh"
+#ifdef DSA_INDEXER_WGMMA
+#include "wgmma.cuh"
+#endif
 
 typedef __nv_bfloat16 bf16;
 
@@ -268,9 +271,14 @@ __device__ __forceinline__ float2 q_scales(float amax) {
 
 // bf16 / FP8 scores. MT tiles of 16 heads (H <= 16 * MT), rows of D (a multiple of 16). TMA: FP8 rows of
 // 128 in pages of a multiple of TILE_KEYS (the launcher checks), `p` a __grid_constant__ parameter.
-template <int D, int MT, bool FP8, bool TMA>
+// WG (sm_90a, dsa_indexer_sm90.cu): the TMA kernel with warpgroup MMA. The block's four warps are one
+// warpgroup; a tile's 64 keys are wgmma's M (warp w: keys 16w..16w+15, the same rows as below), converted to f16
+// in registers as the A operand, and the token's Q (32 heads, f16) is the B operand in shared memory: one
+// wgmma m64n32k16 per 16 dims instead of eight mma.sync per warp, and no Q fragments in registers.
+template <int D, int MT, bool FP8, bool TMA, bool WG = false>
 __device__ __forceinline__ void scores_mma(const DsaParams& p) {
     static_assert(!TMA || (FP8 && D == 128), "TMA tiles: FP8 rows of 128 bytes (one swizzle span)");
+    static_assert(!WG || (TMA && MT == 2 && SCORE_WARPS == 4), "wgmma: the TMA kernel, 32 heads, one warpgroup");
     using Tile = KeyTile<D, FP8, TMA>;
     constexpr int KSTEPS = D / 16;
     constexpr int STAGES = Tile::STAGES;
@@ -292,6 +300,8 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
     __shared__ int rows[STAGES][TILE_KEYS];  // tile i's rows in slot i % STAGES (not with TMA)
     __shared__ uint64_t full[STAGES];        // TMA: stage s holds its tile
     __shared__ uint64_t q_full;              // TMA: the token's Q is in the last stage
+    // WG: Q as wgmma's B operand, [2 slabs of 64 dims][32 heads][128 bytes], 128-byte swizzled.
+    __shared__ __align__(1024) uint8_t q_b[WG ? 2 * 32 * 128 : 16];
     const auto tile_base = [&](int i) { return (block + i * blocks) * TILE_KEYS; };
     bf16* q_s = reinterpret_cast<bf16*>(stages[STAGES - 1]);  // Q's rows (see below)
     // TMA: warp 0 issues the tiles, in order. It holds their first rows in registers, 32 tiles per register
@@ -323,13 +333,14 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
         }
     }
     // The weights of this thread's head rows, read with the first loads (read after Q's fragments, they were
-    // one more memory latency before the first tile).
-    float w_row[MT][2];
+    // one more memory latency before the first tile). WG: of its accumulator columns, heads 8m + 2c + r.
+    constexpr int W_ROWS = WG ? 4 : MT;
+    float w_row[W_ROWS][2];
 #pragma unroll
-    for (int m = 0; m < MT; ++m)
+    for (int m = 0; m < W_ROWS; ++m)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            const int head = m * 16 + g + 8 * r;
+            const int head = WG ? 8 * m + 2 * c + r : m * 16 + g + 8 * r;
             const int* weight = reinterpret_cast<const int*>(p.weights) + (size_t)t * p.H + head;
             w_row[m][r] = head < p.H ? __int_as_float(load_now(weight)) : 0.f;
         }
@@ -428,6 +439,29 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
         }
         const float2 scales = q_scales(block_max(larger_bf16(amax), warp_amax, warp, lane));
         score_unscale = scales.y;
+        if constexpr (WG) {
+            // Row h of B holds head h's 128 dims as 16-byte pieces, piece P = 8 values of its k16 step P / 2 in
+            // the order the key fragments hold dims (thread quad c: dims 4c, 4c+1 at wgmma's k 2c, 2c+1 and
+            // dims 4c+2, 4c+3 at k 2c+8, 2c+9): piece P takes dims 16(P/2) + 4c + 2(P%2) + {0,1}, c = 0..3. Piece
+            // P of row h sits in slab P / 8 at (P % 8) ^ (h % 8). Heads past H: zero.
+            constexpr int B_PIECES = 32 * 16;
+#pragma unroll
+            for (int j = 0; j < B_PIECES / (SCORE_WARPS * 32); ++j) {
+                const int i = threadIdx.x + j * SCORE_WARPS * 32, h = i / 16, piece = i % 16;
+                uint32_t v[4] = {0u, 0u, 0u, 0u};
+                if (h < p.H) {
+                    const bf16* row = q_s + h * D + 16 * (piece / 2) + 2 * (piece % 2);
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) {
+                        const __nv_bfloat162 pair = *reinterpret_cast<const __nv_bfloat162*>(row + 4 * q);
+                        v[q] = pack_f16(__low2float(pair) * scales.x, __high2float(pair) * scales.x);
+                    }
+                }
+                *reinterpret_cast<uint4*>(q_b + (piece / 8) * 32 * 128 + h * 128 + ((piece % 8) ^ (h % 8)) * 16) =
+                    make_uint4(v[0], v[1], v[2], v[3]);
+            }
+            fence_proxy_async_shared();  // visible to wgmma's reads
+        } else {
         uint4 mine[FRAGS / SCORE_WARPS];
 #pragma unroll
         for (int j = 0; j < FRAGS / SCORE_WARPS; ++j) {
@@ -453,6 +487,7 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
                 qa[m][k][2] = f.z;
                 qa[m][k][3] = f.w;
             }
+        }
     }
     if constexpr (!TMA) {
 #pragma unroll
@@ -478,9 +513,10 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
     float* score_row = p.scores + (size_t)t * p.score_stride;
     const int key0 = warp * 16;  // this warp's keys of each tile
     // The key whose score this lane ends with (n = lane bit 4, o = lane bit 3); lanes 4 apart hold the same
-    // one, and those of even row groups store it.
-    const bool upper_n = lane & 16, upper_o = lane & 8, stores_key = (lane & 4) == 0;
-    const int my_key = key0 + (upper_n ? 8 : 0) + 2 * c + (upper_o ? 1 : 0);
+    // one, and those of even row groups store it. WG: key g (even c) or g + 8 (odd c) of the warp's 16, the
+    // quad's lanes 0 and 1 store them.
+    const bool upper_n = lane & 16, upper_o = lane & 8, stores_key = WG ? c < 2 : (lane & 4) == 0;
+    const int my_key = WG ? key0 + g + (c & 1 ? 8 : 0) : key0 + (upper_n ? 8 : 0) + 2 * c + (upper_o ? 1 : 0);
     for (int i = 0; i < my_tiles; ++i) {
         const int ahead = i + STAGES - 1;  // refills the stage consumed in iteration i - 1
         if constexpr (TMA) {
@@ -504,6 +540,44 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
         const uint8_t* tile = stages[i % STAGES];
         const int base = tile_base(i);
 
+        float sum;
+        if constexpr (WG) {
+#ifdef DSA_INDEXER_WGMMA
+            // S^T = K Q^T: the warp's 16 keys (rows g, g + 8) x 32 heads (columns 8j + 2c + {0, 1}). The keys'
+            // f16 pairs are the A fragments as the mma.sync path's B fragments hold them: (row g: k 2c, 2c+1;
+            // row g+8: the same; row g: k 2c+8, 2c+9; row g+8: the same).
+            uint32_t a[KSTEPS][4];
+#pragma unroll
+            for (int k = 0; k < KSTEPS; ++k)
+#pragma unroll
+                for (int n = 0; n < 2; ++n) {
+                    const uint32_t four = *reinterpret_cast<const uint32_t*>(
+                        tile + (key0 + n * 8 + g) * Tile::ROW_BYTES + (k ^ g) * 16 + 4 * c);
+                    e4m3x4_to_f16x2x2(four, a[k][n], a[k][2 + n]);
+                }
+            float d[16];
+            const uint32_t q_base = smem_addr(q_b);
+            wgmma_fence();
+#pragma unroll
+            for (int k = 0; k < KSTEPS; ++k)
+                wgmma_m64n32k16_rs_f16(d, a[k], wgmma_desc(q_base + (k / 4) * 32 * 128 + (k % 4) * 32, 16, 1024), k > 0);
+            wgmma_commit();
+            wgmma_wait<0>();
+            wgmma_pin(d);
+            // sum_h w[h] relu(S[key, h]) over this thread's 8 heads for keys g (lo) and g + 8 (hi), then over the
+            // quad: a reduce-scatter (even lanes keep lo, odd hi), then the pair's sum.
+            float lo = 0.f, hi = 0.f;
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    lo += w_row[j][e] * fmaxf(d[4 * j + e], 0.f);
+                    hi += w_row[j][e] * fmaxf(d[4 * j + 2 + e], 0.f);
+                }
+            sum = (c & 1 ? hi : lo) + __shfl_xor_sync(0xffffffff, c & 1 ? lo : hi, 1);
+            sum += __shfl_xor_sync(0xffffffff, sum, 2);
+#endif
+        } else {
         // S = Q K^T for this warp's 16 keys: MT x 2 accumulators of 16 heads x 8 keys.
         float acc[MT][2][4] = {};
 #pragma unroll
@@ -547,8 +621,9 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
         for (int o = 0; o < 2; ++o)
             keep[o] = (upper_n ? col[1][o] : col[0][o]) +
                       __shfl_xor_sync(0xffffffff, upper_n ? col[0][o] : col[1][o], 16);
-        float sum = (upper_o ? keep[1] : keep[0]) + __shfl_xor_sync(0xffffffff, upper_o ? keep[0] : keep[1], 8);
+        sum = (upper_o ? keep[1] : keep[0]) + __shfl_xor_sync(0xffffffff, upper_o ? keep[0] : keep[1], 8);
         sum += __shfl_xor_sync(0xffffffff, sum, 4);
+        }
         const int s = base + my_key;
         if (stores_key && s < visible) {
             if constexpr (FP8) sum *= scales[i % STAGES][my_key] * score_unscale;
@@ -1478,6 +1553,13 @@ __device__ void quantize_fp8_impl(const T* rows, uint8_t* bytes, float* scales, 
         dsa_scores_fp8_tma_d128_mt##MT(const __grid_constant__ DsaParams p) {                            \
         scores_mma<128, MT, true, true>(p);                                                              \
     }
+#ifdef DSA_INDEXER_WGMMA
+// dsa_indexer_sm90.cu: only the wgmma score kernel (sm_90a).
+extern "C" __global__ void __launch_bounds__(SCORE_WARPS * 32, 4)
+    dsa_scores_fp8_wgmma_d128_mt2(const __grid_constant__ DsaParams p) {
+    scores_mma<128, 2, true, true, true>(p);
+}
+#else
 DSA_SCORES_ENTRY(16, 1)
 DSA_SCORES_ENTRY(16, 2)
 DSA_SCORES_ENTRY(32, 1)
@@ -1513,3 +1595,4 @@ extern "C" __global__ void dsa_quantize_fp8_bf16(const bf16* rows, uint8_t* byte
 extern "C" __global__ void dsa_quantize_fp8_f32(const float* rows, uint8_t* bytes, float* scales, int n, int D) {
     quantize_fp8_impl(rows, bytes, scales, n, D);
 }
+#endif  // DSA_INDEXER_WGMMA

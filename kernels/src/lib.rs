@@ -19,6 +19,11 @@ pub const SPARSE_MLA_SM90: &[u8] =
 #[cfg(feature = "cuda")]
 pub const DSA_INDEXER: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/dsa_indexer.fatbin"));
 
+/// `dsa_indexer_sm90.cu`: the indexer's TMA score kernel by warpgroup MMA (wgmma), SASS for sm_90a only.
+#[cfg(feature = "cuda")]
+pub const DSA_INDEXER_SM90: &[u8] =
+    include_bytes!(concat!(env!("OUT_DIR"), "/dsa_indexer_sm90.fatbin"));
+
 /// `bench.cu`: microkernels that measure the device's ceilings (the mma.sync bf16 rate).
 #[cfg(feature = "cuda")]
 pub const BENCH: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/bench.fatbin"));

@@ -40,7 +40,9 @@
 //! bf16 or FP8 keys with bf16 queries: scores by `mma.sync` over cp.async-pipelined key tiles (FP8
 //! keys are exact in f16: the f16 mma runs on the raw e4m3 values against Q scaled by a power of two,
 //! and the key's scale multiplies its score), `H_I <= 32` heads, `D` in {16, 32, 64, 128}; f32: an FMA
-//! kernel. The score kernel also counts each row's scores by their top 11 bits. Top-k, spread over
+//! kernel. On Hopper, GLM-5's layout (FP8 keys of 128 in pages of 64, 17-32 heads) runs the same kernel with
+//! warpgroup MMA instead (`kernels/src/dsa_indexer_sm90.cu`: a tile's 64 keys as wgmma's rows, converted to
+//! f16 in registers, against Q in shared memory; `set_score_kernel` pins mma.sync). The score kernel also counts each row's scores by their top 11 bits. Top-k, spread over
 //! segments of 2048 positions so that one query uses the whole GPU: each segment finds the bin of the
 //! K-th score from those counts, lists its scores in that bin and counts them by their next 11 bits;
 //! one block per query finds the K-th value exactly among them (the finer counts narrow it to the few
@@ -96,7 +98,8 @@ pub fn registry_entries() -> Vec<crate::registry::Entry> {
         Entry {
             name: "cuda-bf16-mma",
             description:
-                "glm5 CUDA kernel: mma.sync scores over bf16 (or FP8) keys, exact radix top-k",
+                "glm5 CUDA kernel: mma.sync scores over bf16 (or FP8) keys (wgmma on sm_90 for FP8 \
+                          pages of 64 with 17-32 heads), exact radix top-k",
             kernel: Kernel::DsaIndexer(dsa_indexer_cuda),
             serves: Serves {
                 devices: kernel_archs.clone(),
@@ -617,6 +620,23 @@ pub fn set_top_k_path(path: TopKPath) {
     cuda::set_top_k_path(path)
 }
 
+/// Which score kernel the CUDA indexer runs for FP8 keys of 128 in pages of 64 with 17 to 32 heads
+/// (GLM-5's cache; tests and benchmarks pin one).
+#[cfg(feature = "cuda")]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScoreKernel {
+    /// The launcher's choice: warpgroup MMA (wgmma) on Hopper (sm_90), mma.sync elsewhere.
+    Policy,
+    /// mma.sync on every GPU (sm_120's kernel, on Hopper too).
+    MmaSync,
+}
+
+/// Pins the CUDA indexer's score kernel ([`ScoreKernel::Policy`]: the default).
+#[cfg(feature = "cuda")]
+pub fn set_score_kernel(kernel: ScoreKernel) {
+    cuda::set_score_kernel(kernel)
+}
+
 /// The reference over a paged cache: each query's visible keys gathered through the block table
 /// (dequantised), then [`reference`].
 fn paged_reference(
@@ -697,14 +717,17 @@ mod cuda {
     use candle_core::{CustomOp1, DType, Layout, Shape, Tensor};
 
     use super::top_k_policy::{self, CLUSTER_BLOCKS, CLUSTER_THREADS};
-    use super::{PagedIndexKeys, TopKPath, MAX_CHUNK_ELEMS};
+    use super::{PagedIndexKeys, ScoreKernel, TopKPath, MAX_CHUNK_ELEMS};
     use crate::cuda::{
-        cuda_err, device_address, kernel, launch_dependent, resident_blocks, resident_clusters,
+        cuda_err, device_address, device_info, kernel, launch_dependent, resident_blocks,
+        resident_clusters,
     };
     use crate::error::{OpError, Result};
     use crate::index_keys::IndexKeys;
 
     const MODULE: &[u8] = glm5_kernels::DSA_INDEXER;
+    /// The wgmma score kernel (`dsa_indexer_sm90.cu`, sm_90a only).
+    const MODULE_SM90: &[u8] = glm5_kernels::DSA_INDEXER_SM90;
     /// Keys per score tile (`TILE_KEYS` in the .cu file): the f32 kernel's block covers one.
     const TILE_KEYS: usize = 64;
     /// Per-row histogram words: 2048 bins, the top-k kernels' slots, 2048 fine bins and the bins' 128 group
@@ -746,6 +769,17 @@ mod cuda {
             TopKPath::Cluster => 2,
         };
         TOP_K_PATH.store(word, Ordering::Relaxed);
+    }
+
+    /// `ScoreKernel` as one word: 0 policy, 1 mma.sync.
+    static SCORE_KERNEL: AtomicUsize = AtomicUsize::new(0);
+
+    pub(super) fn set_score_kernel(kernel: ScoreKernel) {
+        let word = match kernel {
+            ScoreKernel::Policy => 0,
+            ScoreKernel::MmaSync => 1,
+        };
+        SCORE_KERNEL.store(word, Ordering::Relaxed);
     }
 
     /// The cluster top-k's entry point with `e` scores per thread.
@@ -1006,7 +1040,20 @@ mod cuda {
                     heads.div_ceil(16)
                 ),
             };
-            let scores_fn = kernel(dev, "dsa_indexer", MODULE, &name)?;
+            // On Hopper, 17 to 32 heads (GLM-5's 32): the same TMA kernel by warpgroup MMA (unless pinned).
+            let wgmma = tma
+                && heads.div_ceil(16) == 2
+                && SCORE_KERNEL.load(Ordering::Relaxed) == 0
+                && device_info(dev)?.capability == (9, 0);
+            let (score_module, name) = if wgmma {
+                (
+                    ("dsa_indexer_sm90", MODULE_SM90),
+                    "dsa_scores_fp8_wgmma_d128_mt2".to_string(),
+                )
+            } else {
+                (("dsa_indexer", MODULE), name)
+            };
+            let scores_fn = kernel(dev, score_module.0, score_module.1, &name)?;
             let [candidates_fn, threshold_fn, emit_fn] =
                 ["dsa_topk_candidates", "dsa_topk_threshold", "dsa_topk_emit"]
                     .map(|name| kernel(dev, "dsa_indexer", MODULE, name));
@@ -1019,7 +1066,7 @@ mod cuda {
             let resident = if f32_scores {
                 0
             } else {
-                resident_blocks(dev, "dsa_indexer", MODULE, &name, SCORE_THREADS, 0)?
+                resident_blocks(dev, score_module.0, score_module.1, &name, SCORE_THREADS, 0)?
             };
             let (q, weights, block_table, token_seq, visible) = (
                 device_address(&self.q)?.0,

@@ -20,7 +20,9 @@ pub use dsa_indexer::{
     dsa_indexer_reference, PagedIndexKeys,
 };
 #[cfg(feature = "cuda")]
-pub use dsa_indexer::{set_top_k_path, time_stages, StageTimes, TopKPath};
+pub use dsa_indexer::{
+    set_score_kernel, set_top_k_path, time_stages, ScoreKernel, StageTimes, TopKPath,
+};
 pub use error::{OpError, Result};
 pub use index_keys::{quantize_fp8, IndexKeys, KeyFormat};
 pub use registry::{

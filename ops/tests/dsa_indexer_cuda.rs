@@ -6,8 +6,8 @@
 
 use candle_core::{DType, Device, Tensor};
 use glm5_ops::{
-    dsa_indexer, dsa_indexer_paged, dsa_indexer_paged_device_visible, quantize_fp8, set_top_k_path,
-    IndexKeys, PagedIndexKeys, TopKPath,
+    dsa_indexer, dsa_indexer_paged, dsa_indexer_paged_device_visible, quantize_fp8,
+    set_score_kernel, set_top_k_path, IndexKeys, PagedIndexKeys, ScoreKernel, TopKPath,
 };
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -246,6 +246,19 @@ fn on_both_top_k_paths(label: &str, f: impl Fn() -> Vec<Vec<i32>>) -> Vec<Vec<i3
     cluster
 }
 
+/// `f` once per score kernel (on Hopper the policy's wgmma kernel and the pinned mma.sync one; elsewhere
+/// mma.sync twice), the kernel named in its label.
+fn on_both_score_kernels(f: impl Fn(&str)) {
+    for (kernel, label) in [
+        (ScoreKernel::Policy, "policy"),
+        (ScoreKernel::MmaSync, "mma.sync"),
+    ] {
+        set_score_kernel(kernel);
+        f(label);
+    }
+    set_score_kernel(ScoreKernel::Policy);
+}
+
 fn run(p: &Problem, fp8: bool, k: usize, device: &Device) -> Vec<Vec<i32>> {
     let inputs = OnDevice::new(p, fp8, device);
     on_both_top_k_paths(&format!("n {} K {k} fp8 {fp8}", p.n), || {
@@ -289,7 +302,7 @@ fn selected_sets_match_the_reference_over_the_grid() {
     } else {
         &[1, 100, 2048, 2049, 32_768, 40_000, 131_072]
     };
-    let (mut rows, mut differing_rows) = (0, 0);
+    let (rows, differing_rows) = (std::cell::Cell::new(0), std::cell::Cell::new(0));
     for &heads in &[8usize, 32] {
         for &n in lengths {
             let p = Problem::new(&mut rng, heads, n);
@@ -303,22 +316,30 @@ fn selected_sets_match_the_reference_over_the_grid() {
                 };
                 let scores: Vec<Vec<f32>> = (0..3).map(|t| p.scores(t, &keys)).collect();
                 for &k in &[1usize, 64, 2048] {
-                    let got = run(&p, fp8, k, &device);
-                    for t in 0..3 {
-                        let label = format!(
-                            "H{heads} n{n} K{k} {} query {t}",
-                            if fp8 { "fp8" } else { "bf16" }
-                        );
-                        rows += 1;
-                        differing_rows +=
-                            usize::from(check_row(&label, &got[t], &scores[t], k) > 0);
-                    }
+                    on_both_score_kernels(|kernel| {
+                        let got = run(&p, fp8, k, &device);
+                        for t in 0..3 {
+                            let label = format!(
+                                "H{heads} n{n} K{k} {} {kernel} query {t}",
+                                if fp8 { "fp8" } else { "bf16" }
+                            );
+                            rows.set(rows.get() + 1);
+                            differing_rows.set(
+                                differing_rows.get()
+                                    + usize::from(check_row(&label, &got[t], &scores[t], k) > 0),
+                            );
+                        }
+                    });
                 }
             }
             let _ = p.n;
         }
     }
-    println!("{rows} rows, {differing_rows} differ only at near-ties");
+    println!(
+        "{} rows, {} differ only at near-ties",
+        rows.get(),
+        differing_rows.get()
+    );
 }
 
 #[test]
@@ -469,11 +490,14 @@ fn a_prefill_chunk_selects_exactly_on_every_row() {
         } else {
             bf16_round(&p.keys)
         };
-        let got = run(&p, fp8, k, &device);
-        for (t, row) in got.iter().enumerate() {
-            let label = format!("prefill n{n} fp8 {fp8} query {t}");
-            check_row(&label, row, &p.scores(t, &keys), k);
-        }
+        let scores: Vec<Vec<f32>> = (0..queries).map(|t| p.scores(t, &keys)).collect();
+        on_both_score_kernels(|kernel| {
+            let got = run(&p, fp8, k, &device);
+            for (t, row) in got.iter().enumerate() {
+                let label = format!("prefill n{n} fp8 {fp8} {kernel} query {t}");
+                check_row(&label, row, &scores[t], k);
+            }
+        });
     }
 }
 
