@@ -300,8 +300,9 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
     __shared__ int rows[STAGES][TILE_KEYS];  // tile i's rows in slot i % STAGES (not with TMA)
     __shared__ uint64_t full[STAGES];        // TMA: stage s holds its tile
     __shared__ uint64_t q_full;              // TMA: the token's Q is in the last stage
-    // WG: Q as wgmma's B operand, [2 slabs of 64 dims][32 heads][128 bytes], 128-byte swizzled.
-    __shared__ __align__(1024) uint8_t q_b[WG ? 2 * 32 * 128 : 16];
+    // WG: Q as wgmma's B operand, [D / 64 slabs of 64 dims][MT * 16 heads][128 bytes], 128-byte swizzled.
+    constexpr int B_ROWS = MT * 16, B_SLAB_BYTES = B_ROWS * 128;
+    __shared__ __align__(1024) uint8_t q_b[WG ? D / 64 * B_SLAB_BYTES : 16];
     const auto tile_base = [&](int i) { return (block + i * blocks) * TILE_KEYS; };
     bf16* q_s = reinterpret_cast<bf16*>(stages[STAGES - 1]);  // Q's rows (see below)
     // TMA: warp 0 issues the tiles, in order. It holds their first rows in registers, 32 tiles per register
@@ -444,10 +445,10 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
             // the order the key fragments hold dims (thread quad c: dims 4c, 4c+1 at wgmma's k 2c, 2c+1 and
             // dims 4c+2, 4c+3 at k 2c+8, 2c+9): piece P takes dims 16(P/2) + 4c + 2(P%2) + {0,1}, c = 0..3. Piece
             // P of row h sits in slab P / 8 at (P % 8) ^ (h % 8). Heads past H: zero.
-            constexpr int B_PIECES = 32 * 16;
+            constexpr int B_PIECES = B_ROWS * D / 8;
 #pragma unroll
             for (int j = 0; j < B_PIECES / (SCORE_WARPS * 32); ++j) {
-                const int i = threadIdx.x + j * SCORE_WARPS * 32, h = i / 16, piece = i % 16;
+                const int i = threadIdx.x + j * SCORE_WARPS * 32, h = i / (D / 8), piece = i % (D / 8);
                 uint32_t v[4] = {0u, 0u, 0u, 0u};
                 if (h < p.H) {
                     const bf16* row = q_s + h * D + 16 * (piece / 2) + 2 * (piece % 2);
@@ -457,36 +458,36 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
                         v[q] = pack_f16(__low2float(pair) * scales.x, __high2float(pair) * scales.x);
                     }
                 }
-                *reinterpret_cast<uint4*>(q_b + (piece / 8) * 32 * 128 + h * 128 + ((piece % 8) ^ (h % 8)) * 16) =
+                *reinterpret_cast<uint4*>(q_b + (piece / 8) * B_SLAB_BYTES + h * 128 + ((piece % 8) ^ (h % 8)) * 16) =
                     make_uint4(v[0], v[1], v[2], v[3]);
             }
             fence_proxy_async_shared();  // visible to wgmma's reads
         } else {
-        uint4 mine[FRAGS / SCORE_WARPS];
+            uint4 mine[FRAGS / SCORE_WARPS];
 #pragma unroll
-        for (int j = 0; j < FRAGS / SCORE_WARPS; ++j) {
-            const int mk = warp + j * SCORE_WARPS, m = mk / KSTEPS, k = mk % KSTEPS;
-            const auto piece = [&](int head) {  // past H: 0, as the padding rows of the other kernels
-                return head < p.H ? *reinterpret_cast<const uint2*>(q_s + head * D + k * 16 + 4 * c)
-                                  : make_uint2(0u, 0u);
-            };
-            mine[j] = q_fragment_f16(piece(m * 16 + g), piece(m * 16 + g + 8), scales.x);
-        }
-        __syncthreads();  // every warp has read Q: its fragments replace it
-        uint4* frags = reinterpret_cast<uint4*>(stages[STAGES - 1]);
-#pragma unroll
-        for (int j = 0; j < FRAGS / SCORE_WARPS; ++j) frags[(warp + j * SCORE_WARPS) * 32 + lane] = mine[j];
-        __syncthreads();
-#pragma unroll
-        for (int m = 0; m < MT; ++m)
-#pragma unroll
-            for (int k = 0; k < KSTEPS; ++k) {
-                const uint4 f = frags[(m * KSTEPS + k) * 32 + lane];
-                qa[m][k][0] = f.x;
-                qa[m][k][1] = f.y;
-                qa[m][k][2] = f.z;
-                qa[m][k][3] = f.w;
+            for (int j = 0; j < FRAGS / SCORE_WARPS; ++j) {
+                const int mk = warp + j * SCORE_WARPS, m = mk / KSTEPS, k = mk % KSTEPS;
+                const auto piece = [&](int head) {  // past H: 0, as the padding rows of the other kernels
+                    return head < p.H ? *reinterpret_cast<const uint2*>(q_s + head * D + k * 16 + 4 * c)
+                                      : make_uint2(0u, 0u);
+                };
+                mine[j] = q_fragment_f16(piece(m * 16 + g), piece(m * 16 + g + 8), scales.x);
             }
+            __syncthreads();  // every warp has read Q: its fragments replace it
+            uint4* frags = reinterpret_cast<uint4*>(stages[STAGES - 1]);
+#pragma unroll
+            for (int j = 0; j < FRAGS / SCORE_WARPS; ++j) frags[(warp + j * SCORE_WARPS) * 32 + lane] = mine[j];
+            __syncthreads();
+#pragma unroll
+            for (int m = 0; m < MT; ++m)
+#pragma unroll
+                for (int k = 0; k < KSTEPS; ++k) {
+                    const uint4 f = frags[(m * KSTEPS + k) * 32 + lane];
+                    qa[m][k][0] = f.x;
+                    qa[m][k][1] = f.y;
+                    qa[m][k][2] = f.z;
+                    qa[m][k][3] = f.w;
+                }
         }
     }
     if constexpr (!TMA) {
@@ -560,7 +561,8 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
             wgmma_fence();
 #pragma unroll
             for (int k = 0; k < KSTEPS; ++k)
-                wgmma_m64n32k16_rs_f16(d, a[k], wgmma_desc(q_base + (k / 4) * 32 * 128 + (k % 4) * 32, 16, 1024), k > 0);
+                wgmma_m64n32k16_rs_f16(d, a[k], wgmma_desc(q_base + (k / 4) * B_SLAB_BYTES + (k % 4) * 32, 16, 1024),
+                                       k > 0);
             wgmma_commit();
             wgmma_wait<0>();
             wgmma_pin(d);
@@ -578,51 +580,52 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
             sum += __shfl_xor_sync(0xffffffff, sum, 2);
 #endif
         } else {
-        // S = Q K^T for this warp's 16 keys: MT x 2 accumulators of 16 heads x 8 keys.
-        float acc[MT][2][4] = {};
+            // S = Q K^T for this warp's 16 keys: MT x 2 accumulators of 16 heads x 8 keys.
+            float acc[MT][2][4] = {};
 #pragma unroll
-        for (int k = 0; k < KSTEPS; ++k) {
-            if constexpr (FP8) {
+            for (int k = 0; k < KSTEPS; ++k) {
+                if constexpr (FP8) {
 #pragma unroll
-                for (int n = 0; n < 2; ++n) {
-                    // Key key0 + n*8 + g, dims 16k + 4c ..: with the swizzle its 16-byte piece k sits at k ^ g.
-                    const int piece = TMA ? (k ^ g) : k;
-                    const uint32_t four = *reinterpret_cast<const uint32_t*>(
-                        tile + (key0 + n * 8 + g) * Tile::ROW_BYTES + piece * 16 + 4 * c);
-                    uint32_t b0, b1;
-                    e4m3x4_to_f16x2x2(four, b0, b1);
+                    for (int n = 0; n < 2; ++n) {
+                        // Key key0 + n*8 + g, dims 16k + 4c ..: with the swizzle its 16-byte piece k sits at
+                        // k ^ g.
+                        const int piece = TMA ? (k ^ g) : k;
+                        const uint32_t four = *reinterpret_cast<const uint32_t*>(
+                            tile + (key0 + n * 8 + g) * Tile::ROW_BYTES + piece * 16 + 4 * c);
+                        uint32_t b0, b1;
+                        e4m3x4_to_f16x2x2(four, b0, b1);
 #pragma unroll
-                    for (int m = 0; m < MT; ++m) mma_f16(acc[m][n], qa[m][k], b0, b1);
-                }
-            } else {
-                constexpr int LD = Tile::ROW_BYTES / 2;
-                uint32_t b[4];
-                ldmatrix_x4(b, reinterpret_cast<const bf16*>(tile) + (key0 + lane % 8 + (lane / 16) * 8) * LD + k * 16 +
-                                   ((lane / 8) % 2) * 8);
+                        for (int m = 0; m < MT; ++m) mma_f16(acc[m][n], qa[m][k], b0, b1);
+                    }
+                } else {
+                    constexpr int LD = Tile::ROW_BYTES / 2;
+                    uint32_t b[4];
+                    ldmatrix_x4(b, reinterpret_cast<const bf16*>(tile) + (key0 + lane % 8 + (lane / 16) * 8) * LD +
+                                       k * 16 + ((lane / 8) % 2) * 8);
 #pragma unroll
-                for (int m = 0; m < MT; ++m) {
-                    mma_bf16(acc[m][0], qa[m][k], b[0], b[1]);
-                    mma_bf16(acc[m][1], qa[m][k], b[2], b[3]);
+                    for (int m = 0; m < MT; ++m) {
+                        mma_bf16(acc[m][0], qa[m][k], b[0], b[1]);
+                        mma_bf16(acc[m][1], qa[m][k], b[2], b[3]);
+                    }
                 }
             }
-        }
-        // sum_h w[h] relu(S[h, key]): this thread's rows (col[n][o]: key n * 8 + 2c + o), then over the warp's 8
-        // row groups by a reduce-scatter: each exchange sends the partner the half it keeps, so four shuffles
-        // (not twelve) leave every lane with the sum of key `my_key`.
-        float col[2][2] = {};
+            // sum_h w[h] relu(S[h, key]): this thread's rows (col[n][o]: key n * 8 + 2c + o), then over the
+            // warp's 8 row groups by a reduce-scatter: each exchange sends the partner the half it keeps, so four
+            // shuffles (not twelve) leave every lane with the sum of key `my_key`.
+            float col[2][2] = {};
 #pragma unroll
-        for (int n = 0; n < 2; ++n)
+            for (int n = 0; n < 2; ++n)
 #pragma unroll
-            for (int m = 0; m < MT; ++m)
+                for (int m = 0; m < MT; ++m)
 #pragma unroll
-                for (int j = 0; j < 4; ++j) col[n][j & 1] += w_row[m][j / 2] * fmaxf(acc[m][n][j], 0.f);
-        float keep[2];
+                    for (int j = 0; j < 4; ++j) col[n][j & 1] += w_row[m][j / 2] * fmaxf(acc[m][n][j], 0.f);
+            float keep[2];
 #pragma unroll
-        for (int o = 0; o < 2; ++o)
-            keep[o] = (upper_n ? col[1][o] : col[0][o]) +
-                      __shfl_xor_sync(0xffffffff, upper_n ? col[0][o] : col[1][o], 16);
-        sum = (upper_o ? keep[1] : keep[0]) + __shfl_xor_sync(0xffffffff, upper_o ? keep[0] : keep[1], 8);
-        sum += __shfl_xor_sync(0xffffffff, sum, 4);
+            for (int o = 0; o < 2; ++o)
+                keep[o] = (upper_n ? col[1][o] : col[0][o]) +
+                          __shfl_xor_sync(0xffffffff, upper_n ? col[0][o] : col[1][o], 16);
+            sum = (upper_o ? keep[1] : keep[0]) + __shfl_xor_sync(0xffffffff, upper_o ? keep[0] : keep[1], 8);
+            sum += __shfl_xor_sync(0xffffffff, sum, 4);
         }
         const int s = base + my_key;
         if (stores_key && s < visible) {

@@ -42,7 +42,8 @@
 //! and the key's scale multiplies its score), `H_I <= 32` heads, `D` in {16, 32, 64, 128}; f32: an FMA
 //! kernel. On Hopper, GLM-5's layout (FP8 keys of 128 in pages of 64, 17-32 heads) runs the same kernel with
 //! warpgroup MMA instead (`kernels/src/dsa_indexer_sm90.cu`: a tile's 64 keys as wgmma's rows, converted to
-//! f16 in registers, against Q in shared memory; `set_score_kernel` pins mma.sync). The score kernel also counts each row's scores by their top 11 bits. Top-k, spread over
+//! f16 in registers, against Q in shared memory; `set_score_kernel` pins mma.sync). The score kernel also
+//! counts each row's scores by their top 11 bits. Top-k, spread over
 //! segments of 2048 positions so that one query uses the whole GPU: each segment finds the bin of the
 //! K-th score from those counts, lists its scores in that bin and counts them by their next 11 bits;
 //! one block per query finds the K-th value exactly among them (the finer counts narrow it to the few
