@@ -655,10 +655,10 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
     }
 }
 
-// f32 scores: plain FMA, one warp per key (full precision for f32 models); one 64-key tile per block (the
-// tile along y, the token along x, as the kernels above).
+// f32 scores: plain FMA, one warp per key (full precision for f32 models); one 64-key tile per block, the tile
+// along x (a row's tiles can outnumber gridDim.y's 65535), the token along y.
 __device__ void scores_f32(const DsaParams& p) {
-    const int t = blockIdx.x, tile = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int t = blockIdx.y, tile = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int visible = visible_keys(p, t), seq = p.token_seq[t], D = p.D;
     if (visible <= p.K) return;  // every visible position is taken
     extern __shared__ float qf[];  // [H][D], then [H] weights

@@ -1129,8 +1129,14 @@ mod cuda {
                     shared_mem_bytes: shared as u32,
                 };
                 let before_scores = stage_event(&stream)?;
-                // Tokens along x, a row's blocks along y (see the score kernels).
-                let score_config = config((len, score_blocks), SCORE_THREADS, score_smem);
+                // The mma kernels: tokens along x, a row's blocks along y (see the kernel); the f32 kernel's one
+                // block per tile: tiles along x (a row's 65,536 at the most visible keys exceed y's limit).
+                let grid = if f32_scores {
+                    (score_blocks, len)
+                } else {
+                    (len, score_blocks)
+                };
+                let score_config = config(grid, SCORE_THREADS, score_smem);
                 let mut builder = stream.launch_builder(&scores_fn);
                 builder.arg(&params);
                 // SAFETY: `params` mirrors DsaParams; every pointer in it is live for this call.
