@@ -66,20 +66,19 @@ __device__ __forceinline__ void wgmma_m64n256k16_ss_tn(float (&d)[128], uint64_t
         : "l"(a), "l"(b), "r"(1));
 }
 
-// The same with f16 operands (dsa_indexer_sm90.cu: FP8 keys converted to f16 in registers, Q in f16).
-__device__ __forceinline__ void wgmma_m64n32k16_rs_f16(float (&d)[16], const uint32_t (&a)[4], uint64_t b, int accumulate) {
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %21, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
-}
-
-// D(64x32, f32) (+)= A(64x16, bf16, registers) * B(16x32, bf16, shared, K-major).
-__device__ __forceinline__ void wgmma_m64n32k16_rs(float (&d)[16], const uint32_t (&a)[4], uint64_t b, int accumulate) {
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %21, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
-}
+// D(64x32, f32) (+)= A(64x16, registers) * B(16x32, shared, K-major), the operands bf16
+// (`wgmma_m64n32k16_rs`, sparse_mla_sm90.cu) or f16 (`wgmma_m64n32k16_rs_f16`, dsa_indexer_sm90.cu: FP8 keys
+// converted to f16 in registers, Q in f16).
+#define WGMMA_M64N32K16_RS(NAME, TYPE)                                                                         \
+    __device__ __forceinline__ void NAME(float (&d)[16], const uint32_t (&a)[4], uint64_t b, int accumulate) { \
+        asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %21, 0;\n"                                              \
+                     "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE                               \
+                     " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, p, 1, 1, 0;\n}\n" \
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),      \
+                       "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), \
+                       "+f"(d[14]), "+f"(d[15])                                                                \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));                   \
+    }
+WGMMA_M64N32K16_RS(wgmma_m64n32k16_rs, "bf16")
+WGMMA_M64N32K16_RS(wgmma_m64n32k16_rs_f16, "f16")
+#undef WGMMA_M64N32K16_RS

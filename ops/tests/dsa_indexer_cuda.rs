@@ -248,7 +248,7 @@ fn on_both_top_k_paths(label: &str, f: impl Fn() -> Vec<Vec<i32>>) -> Vec<Vec<i3
 
 /// `f` once per score kernel (on Hopper the policy's wgmma kernel and the pinned mma.sync one; elsewhere
 /// mma.sync twice), the kernel named in its label.
-fn on_both_score_kernels(f: impl Fn(&str)) {
+fn on_both_score_kernels(mut f: impl FnMut(&str)) {
     for (kernel, label) in [
         (ScoreKernel::Policy, "policy"),
         (ScoreKernel::MmaSync, "mma.sync"),
@@ -302,7 +302,7 @@ fn selected_sets_match_the_reference_over_the_grid() {
     } else {
         &[1, 100, 2048, 2049, 32_768, 40_000, 131_072]
     };
-    let (rows, differing_rows) = (std::cell::Cell::new(0), std::cell::Cell::new(0));
+    let (mut rows, mut differing_rows) = (0, 0);
     for &heads in &[8usize, 32] {
         for &n in lengths {
             let p = Problem::new(&mut rng, heads, n);
@@ -323,11 +323,9 @@ fn selected_sets_match_the_reference_over_the_grid() {
                                 "H{heads} n{n} K{k} {} {kernel} query {t}",
                                 if fp8 { "fp8" } else { "bf16" }
                             );
-                            rows.set(rows.get() + 1);
-                            differing_rows.set(
-                                differing_rows.get()
-                                    + usize::from(check_row(&label, &got[t], &scores[t], k) > 0),
-                            );
+                            rows += 1;
+                            differing_rows +=
+                                usize::from(check_row(&label, &got[t], &scores[t], k) > 0);
                         }
                     });
                 }
@@ -335,11 +333,7 @@ fn selected_sets_match_the_reference_over_the_grid() {
             let _ = p.n;
         }
     }
-    println!(
-        "{} rows, {} differ only at near-ties",
-        rows.get(),
-        differing_rows.get()
-    );
+    println!("{rows} rows, {differing_rows} differ only at near-ties");
 }
 
 #[test]
