@@ -518,7 +518,33 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
     // quad's lanes 0 and 1 store them.
     const bool upper_n = lane & 16, upper_o = lane & 8, stores_key = WG ? c < 2 : (lane & 4) == 0;
     const int my_key = WG ? key0 + g + (c & 1 ? 8 : 0) : key0 + (upper_n ? 8 : 0) + 2 * c + (upper_o ? 1 : 0);
-    for (int i = 0; i < my_tiles; ++i) {
+#ifdef DSA_INDEXER_WGMMA
+    // WG: tile i + 1's wgmma runs on the tensor cores under tile i's head sum (software pipelining: the loop
+    // waits for each tile's bytes one iteration ahead). S^T = K Q^T: the warp's 16 keys (rows g, g + 8) x 32
+    // heads (columns 8j + 2c + {0, 1}). The keys' f16 pairs are the A fragments as the mma.sync path's B
+    // fragments hold them: (row g: k 2c, 2c+1; row g+8: the same; row g: k 2c+8, 2c+9; row g+8: the same).
+    uint32_t a[KSTEPS][4];
+    const auto issue_wgmma = [&](int i, float (&d)[16]) {
+        const uint8_t* tile = stages[i % STAGES];
+#pragma unroll
+        for (int k = 0; k < KSTEPS; ++k)
+#pragma unroll
+            for (int n = 0; n < 2; ++n) {
+                const uint32_t four = *reinterpret_cast<const uint32_t*>(
+                    tile + (key0 + n * 8 + g) * Tile::ROW_BYTES + (k ^ g) * 16 + 4 * c);
+                e4m3x4_to_f16x2x2(four, a[k][n], a[k][2 + n]);
+            }
+        const uint32_t q_base = smem_addr(q_b);
+        const auto q_desc = [&](int k) { return wgmma_desc(q_base + (k / 4) * B_SLAB_BYTES + (k % 4) * 32, 16, 1024); };
+        wgmma_fence();
+        wgmma_m64n32k16_rs_f16_first(d, a[0], q_desc(0));
+#pragma unroll
+        for (int k = 1; k < KSTEPS; ++k) wgmma_m64n32k16_rs_f16(d, a[k], q_desc(k), 1);
+        wgmma_commit();
+    };
+#endif
+    // Tile i's scores. WG: its S in `d` (issued an iteration ago), tile i + 1's issued into `d_next`.
+    const auto tile_step = [&](const int i, float (&d)[16], float (&d_next)[16]) {
         const int ahead = i + STAGES - 1;  // refills the stage consumed in iteration i - 1
         if constexpr (TMA) {
             if (ahead < my_tiles && warp == 0) issue_tma(ahead);
@@ -533,7 +559,8 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
         const int2 next_page = page_of(next, p.block_size);
         const int page = resolve && next < visible ? p.block_table[(size_t)seq * p.max_blocks + next_page.x] : -1;
         if constexpr (TMA) {
-            mbarrier_wait(&full[i % STAGES], (i / STAGES) & 1);  // this tile's bytes are in (for every waiter)
+            // This tile's bytes are in (for every waiter). WG: waited for before its wgmma, an iteration ago.
+            if constexpr (!WG) mbarrier_wait(&full[i % STAGES], (i / STAGES) & 1);
         } else {
             cp_async_wait<STAGES - 1>();
             __syncthreads();
@@ -544,28 +571,14 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
         float sum;
         if constexpr (WG) {
 #ifdef DSA_INDEXER_WGMMA
-            // S^T = K Q^T: the warp's 16 keys (rows g, g + 8) x 32 heads (columns 8j + 2c + {0, 1}). The keys'
-            // f16 pairs are the A fragments as the mma.sync path's B fragments hold them: (row g: k 2c, 2c+1;
-            // row g+8: the same; row g: k 2c+8, 2c+9; row g+8: the same).
-            uint32_t a[KSTEPS][4];
-#pragma unroll
-            for (int k = 0; k < KSTEPS; ++k)
-#pragma unroll
-                for (int n = 0; n < 2; ++n) {
-                    const uint32_t four = *reinterpret_cast<const uint32_t*>(
-                        tile + (key0 + n * 8 + g) * Tile::ROW_BYTES + (k ^ g) * 16 + 4 * c);
-                    e4m3x4_to_f16x2x2(four, a[k][n], a[k][2 + n]);
-                }
-            float d[16];
-            const uint32_t q_base = smem_addr(q_b);
-            wgmma_fence();
-#pragma unroll
-            for (int k = 0; k < KSTEPS; ++k)
-                wgmma_m64n32k16_rs_f16(d, a[k], wgmma_desc(q_base + (k / 4) * B_SLAB_BYTES + (k % 4) * 32, 16, 1024),
-                                       k > 0);
-            wgmma_commit();
+            // Tile i's S, then tile i + 1's wgmma goes out: A's registers stay untouched until that wait.
             wgmma_wait<0>();
             wgmma_pin(d);
+            wgmma_hold(a);
+            if (i + 1 < my_tiles) {
+                mbarrier_wait(&full[(i + 1) % STAGES], ((i + 1) / STAGES) & 1);
+                issue_wgmma(i + 1, d_next);
+            }
             // sum_h w[h] relu(S[key, h]) over this thread's 8 heads for keys g (lo) and g + 8 (hi), then over the
             // quad: a reduce-scatter (even lanes keep lo, odd hi), then the pair's sum.
             float lo = 0.f, hi = 0.f;
@@ -636,6 +649,21 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
         // Into the slot of tile i, whose copy went out long ago; read after the barrier below.
         if (resolve) rows[(ahead + 1) % STAGES][threadIdx.x] = page >= 0 ? page * p.block_size + next_page.y : -1;
         __syncthreads();  // the stage is refilled next iteration
+    };
+    // WG: two sets of accumulators in turn, so a wgmma in flight never shares registers with the S being summed
+    // (with one set, the compiler copies the new S into the old one's registers and ptxas serialises the wgmma).
+    float d0[16], d1[16];
+    if constexpr (WG) {
+#ifdef DSA_INDEXER_WGMMA
+        mbarrier_wait(&full[0], 0);
+        issue_wgmma(0, d0);
+#endif
+        for (int i = 0; i < my_tiles; i += 2) {
+            tile_step(i, d0, d1);
+            if (i + 1 < my_tiles) tile_step(i + 1, d1, d0);
+        }
+    } else {
+        for (int i = 0; i < my_tiles; ++i) tile_step(i, d0, d1);
     }
     if (!p.cluster_topk) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
     // Merge into the row's histogram: one global atomic per non-empty bin, not per key. Unrolled, so that a

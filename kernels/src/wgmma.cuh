@@ -40,6 +40,16 @@ __device__ __forceinline__ void wgmma_pin(float (&d)[N]) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+// Keeps a wgmma's register A operand alive (so in the same registers, unwritten) until a wait that covers it:
+// without a use after the wait the compiler may hand those registers to other values while the wgmma reads them.
+template <int N>
+__device__ __forceinline__ void wgmma_hold(uint32_t (&a)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(a[i][j])::"memory");
+}
+
 // D(64x256, f32) += A(64x16, bf16, shared, K-major) * B(16x256, bf16, shared, N-major).
 __device__ __forceinline__ void wgmma_m64n256k16_ss_tn(float (&d)[128], uint64_t a, uint64_t b) {
     asm volatile(
@@ -68,17 +78,21 @@ __device__ __forceinline__ void wgmma_m64n256k16_ss_tn(float (&d)[128], uint64_t
 
 // D(64x32, f32) (+)= A(64x16, registers) * B(16x32, shared, K-major), the operands bf16
 // (`wgmma_m64n32k16_rs`, sparse_mla_sm90.cu) or f16 (`wgmma_m64n32k16_rs_f16`, dsa_indexer_sm90.cu: FP8 keys
-// converted to f16 in registers, Q in f16).
-#define WGMMA_M64N32K16_RS(NAME, TYPE)                                                                         \
-    __device__ __forceinline__ void NAME(float (&d)[16], const uint32_t (&a)[4], uint64_t b, int accumulate) { \
-        asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %21, 0;\n"                                              \
+// converted to f16 in registers, Q in f16). `*_first`: D = A * B, D's old values not an input (so the compiler
+// need not keep or copy them: a copy into D's registers while an earlier wgmma group runs makes ptxas
+// serialise the wgmma).
+// (The macro's variable arguments: the accumulate flag's parameter, if any.)
+#define WGMMA_M64N32K16_RS(NAME, TYPE, OUT, SCALE_D, ...)                                                      \
+    __device__ __forceinline__ void NAME(float (&d)[16], const uint32_t (&a)[4], uint64_t b __VA_ARGS__) {     \
+        asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %21, 0;\n"                                             \
                      "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE                               \
                      " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, p, 1, 1, 0;\n}\n" \
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),      \
-                       "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), \
-                       "+f"(d[14]), "+f"(d[15])                                                                \
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));                   \
+                     : OUT(d[0]), OUT(d[1]), OUT(d[2]), OUT(d[3]), OUT(d[4]), OUT(d[5]), OUT(d[6]), OUT(d[7]),   \
+                       OUT(d[8]), OUT(d[9]), OUT(d[10]), OUT(d[11]), OUT(d[12]), OUT(d[13]), OUT(d[14]),         \
+                       OUT(d[15])                                                                              \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(SCALE_D));                      \
     }
-WGMMA_M64N32K16_RS(wgmma_m64n32k16_rs, "bf16")
-WGMMA_M64N32K16_RS(wgmma_m64n32k16_rs_f16, "f16")
+WGMMA_M64N32K16_RS(wgmma_m64n32k16_rs, "bf16", "+f", accumulate, , int accumulate)
+WGMMA_M64N32K16_RS(wgmma_m64n32k16_rs_f16, "f16", "+f", accumulate, , int accumulate)
+WGMMA_M64N32K16_RS(wgmma_m64n32k16_rs_f16_first, "f16", "=f", 0)
 #undef WGMMA_M64N32K16_RS
