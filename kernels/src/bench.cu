@@ -65,6 +65,27 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     gather_rows_body<6>(kv, rows, k, per_block, out);
 }
 
+// A plain streaming read: what one kernel needs to move the indexer's key bytes (no math, no selection).
+// Two ranges of 16-byte words (the FP8 keys, then their scales); each thread keeps READ_UNROLL loads in
+// flight per pass of its grid stride and folds them into one word of `out` (so the loads are not dead).
+constexpr int READ_UNROLL = 4;
+extern "C" __global__ void __launch_bounds__(256)
+    read_bytes(const uint4* a, long long a_words, const uint4* b, long long b_words, unsigned* out) {
+    const long long stride = (long long)gridDim.x * blockDim.x, total = a_words + b_words;
+    unsigned acc = 0;
+    for (long long i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += READ_UNROLL * stride) {
+        uint4 v[READ_UNROLL];
+#pragma unroll
+        for (int u = 0; u < READ_UNROLL; ++u) {
+            const long long j = i + u * stride;
+            v[u] = j < a_words ? a[j] : j < total ? b[j - a_words] : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < READ_UNROLL; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+    }
+    out[blockIdx.x * blockDim.x + threadIdx.x] = acc;
+}
+
 // What one dependent global load costs when a kernel starts, as the attention kernels' blocks start: one block
 // per SM, its thread 0 following `hops` links of `chain` (chain[i] is the next index) from index
 // blockIdx.x * spacing. out[3 b] = ns from the block's first stamp to its first link's value (ptxas reads the

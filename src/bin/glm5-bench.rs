@@ -266,6 +266,57 @@ fn gather_seconds(device: &Device, problem: &Decode) -> Result<Vec<(usize, f64)>
     Ok(result)
 }
 
+/// The indexer's key bytes (FP8 rows and their scales) read by one plain streaming kernel (`read_bytes`,
+/// bench.cu), timed as the op's GPU column is: the least time any kernel needs to move what the op reads,
+/// ramp-up and tail included. The fastest of a few grid sizes (blocks of 256 threads per SM), in seconds.
+fn key_read_seconds(device: &Device, problem: &Indexer) -> Result<f64> {
+    let Device::Cuda(dev) = device else {
+        glm5::candle_core::bail!("needs a CUDA device")
+    };
+    let stream = dev.cuda_stream();
+    let func = bench_kernel(&stream, "read_bytes")?;
+    let (bytes, bytes_layout) = problem.bytes.storage_and_layout();
+    let (scales, scales_layout) = problem.scales.storage_and_layout();
+    let (glm5::candle_core::Storage::Cuda(bytes), glm5::candle_core::Storage::Cuda(scales)) =
+        (&*bytes, &*scales)
+    else {
+        glm5::candle_core::bail!("the keys are not on the GPU")
+    };
+    let bytes = bytes
+        .as_cuda_slice::<u8>()?
+        .slice(bytes_layout.start_offset()..);
+    let scales = scales
+        .as_cuda_slice::<f32>()?
+        .slice(scales_layout.start_offset()..);
+    // (Both buffers are whole multiples of 16 bytes: 128-byte rows, 64 scales per page.)
+    let a_words = (problem.bytes.elem_count() / 16) as i64;
+    let b_words = (problem.scales.elem_count() * 4 / 16) as i64;
+    let sms = sm_count(&stream)?;
+    let mut best = f64::INFINITY;
+    for blocks_per_sm in [4usize, 8, 16] {
+        let blocks = sms * blocks_per_sm;
+        let out = stream.alloc_zeros::<u32>(blocks * 256).map_err(cuda)?;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let seconds = graph_seconds(device, 20, || {
+            let mut launch = stream.launch_builder(&func);
+            launch
+                .arg(&bytes)
+                .arg(&a_words)
+                .arg(&scales)
+                .arg(&b_words)
+                .arg(&out);
+            // SAFETY: both ranges lie inside their buffers; `out` has a word per thread.
+            unsafe { launch.launch(cfg) }.map(|_| ()).map_err(cuda)
+        })?;
+        best = best.min(seconds);
+    }
+    Ok(best)
+}
+
 /// `glm5-bench latency`: what one dependent global load costs at a kernel's start, from the `load_chain`
 /// microkernel (bench.cu, one block per SM following a chain of links): from L2 (a 64 KB chain of 128-byte
 /// links), from L2 with one link per 2 MB page of a 512 MB chain (a TLB miss where its pages are not in the
@@ -647,6 +698,15 @@ fn indexer_rows(
             bytes / copy * 1e6,
             format!("{:.1}", reference * 1e6),
             format!("{:.1}x", reference / wall),
+        );
+        let read = key_read_seconds(device, &problem)?;
+        let key_bytes = (batch * context * (INDEX_DIM + 4)) as f64;
+        println!(
+            "{:>21} | the keys read alone (one streaming kernel, no math, no top-k): {:.1} µs ({:.1}% of copy); the op's GPU µs over it: {:.2}x",
+            "",
+            read * 1e6,
+            100.0 * key_bytes / read / copy,
+            gpu / read
         );
     }
     Ok(())
