@@ -8,8 +8,9 @@
 // staged in the ring's last two stages only until each warp holds its fragments in registers (72 per thread):
 //   S = Q K^T   each warpgroup takes every other one of the row's 36 k16 steps (wgmma m64n32k16, Q from
 //               registers, K from shared memory); the halves meet in shared memory and both warpgroups hold S;
-//   softmax     the same online softmax in both (identical inputs, identical results); warpgroup g writes
-//               P's keys 16g..16g+15 to shared memory (two P buffers, one per tile in flight);
+//   softmax     the same running maxima in both (identical inputs, identical results); warpgroup g
+//               exponentiates only P's keys 16g..16g+15, writes them to shared memory (two P buffers, one per
+//               tile in flight) and sums them into its half of l (the halves meet after the loop);
 //   O += P V    warpgroup g accumulates value columns 256g..256g+255 (wgmma m64n256k16, P and V = the tile's
 //               own rows read N-major, both from shared memory): 128 f32 accumulators per thread. It is issued
 //               once the next tile's S halves have met, so the tensor cores run it under that tile's softmax.
@@ -251,13 +252,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_wgmma_dv512_
                 o_scale[r] *= alpha;
             }
         }
-        // p = 2^(score - m); a masked key (or a row with nothing valid yet) has p = 0.
+        // p = 2^(score - m) of this warpgroup's keys only (16g..16g+15: elements 8g..8g+7, the k16 step of P it
+        // writes); a masked key (or a row with nothing valid yet) has p = 0. l sums them: the warpgroups' halves
+        // of l meet after the loop. (s's index stays static: the element is selected, not indexed by g.)
+        float p[8];
 #pragma unroll
-        for (int i = 0; i < 16; ++i) {
-            const int r = (i / 2) % 2;
-            const float v = exp2_ftz(fmaf(s[i], scale_log2, -m_run[r]));
-            s[i] = all_valid || s[i] != -INFINITY ? v : 0.f;
-            l_run[r] += s[i];  // this thread's columns only
+        for (int i = 0; i < 8; ++i) {
+            const int r = (i / 2) % 2;  // the same row for element i and 8 + i
+            const float x = group ? s[8 + i] : s[i];
+            const float v = exp2_ftz(fmaf(x, scale_log2, -m_run[r]));
+            p[i] = all_valid || x != -INFINITY ? v : 0.f;
+            l_run[r] += p[i];  // this thread's columns only
         }
         // This warpgroup's k16 step of P (keys 16g..16g+15), for P V after the next tile's S exchange: rows
         // 16 * wg_warp + g (+ 8) are row r of 8-row groups 2 * wg_warp (+ 1), keys 8h + 2c4 (+ 1) at byte 4c4
@@ -265,18 +270,24 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_wgmma_dv512_
         {
             uint8_t* dst = p_s + (local % 2) * P_BYTES + group * P_STEP_BYTES + 2 * wg_warp * 256 + g * 16 + 4 * c4;
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {  // (row + 8 * (e % 2), core matrix e / 2); s's index stays static
-                const float lo = group ? s[8 + 2 * e] : s[2 * e], hi = group ? s[9 + 2 * e] : s[2 * e + 1];
-                *reinterpret_cast<uint32_t*>(dst + (e % 2) * 256 + (e / 2) * 128) = pack_bf16(lo, hi);
-            }
+            for (int e = 0; e < 4; ++e)  // (row + 8 * (e % 2), core matrix e / 2)
+                *reinterpret_cast<uint32_t*>(dst + (e % 2) * 256 + (e / 2) * 128) = pack_bf16(p[2 * e], p[2 * e + 1]);
         }
     }
     if (tile_count > 0) {
         wgmma_wait<0>();
         rescale_o();
         fence_proxy_async_shared();  // the last tile's P, for wgmma's reads
-        __syncthreads();
+        __syncthreads();             // (every read of the S exchange is done)
         issue_pv(tile_count - 1);
+        // The halves of l meet: the thread of the other warpgroup with the same index holds the same rows and
+        // columns of the other keys.
+        float* l_exchange = reinterpret_cast<float*>(exchange);  // [group][row half][128]
+        l_exchange[(group * 2) * 128 + gtid] = l_run[0];
+        l_exchange[(group * 2 + 1) * 128 + gtid] = l_run[1];
+        __syncthreads();
+        l_run[0] += l_exchange[((1 - group) * 2) * 128 + gtid];
+        l_run[1] += l_exchange[((1 - group) * 2 + 1) * 128 + gtid];
     }
     wgmma_wait<0>();
     wgmma_pin(o);
