@@ -496,6 +496,41 @@ fn a_prefill_chunk_selects_exactly_on_every_row() {
 }
 
 #[test]
+fn glm5_decode_rows_select_exactly() {
+    // GLM-5's decode shapes (FP8 keys in pages of 64, 32 heads; the TMA score kernel, wgmma on Hopper): 128K and
+    // 200K at batch 1 (the chain top-k by policy) and 32K at batch 8 (the cluster top-k), visible counts a little
+    // apart. Both top-k paths give the same rows, and they hold the reference's set.
+    let device = gpu();
+    let mut rng = StdRng::seed_from_u64(77);
+    let shapes: &[(usize, usize)] = if quick() {
+        &[(131_072, 1)]
+    } else {
+        &[(131_072, 1), (200_000, 1), (32_768, 8)]
+    };
+    for &(n, batch) in shapes {
+        let token_seq = (0..batch as i32).map(|b| b % 2).collect();
+        let visible = (0..batch).map(|b| n - 7 * b).collect();
+        let p = Problem::with_queries(&mut rng, 32, n, token_seq, visible);
+        let keys = dequantized_fp8(&p.keys);
+        let inputs = OnDevice::new(&p, true, &device);
+        let got = on_both_top_k_paths(&format!("decode n {n} batch {batch}"), || {
+            dsa_indexer_paged(&inputs.q, &inputs.w, &inputs.cache(), &p.visible, 2048)
+                .unwrap()
+                .to_vec2::<i32>()
+                .unwrap()
+        });
+        for (t, row) in got.iter().enumerate() {
+            check_row(
+                &format!("decode n {n} batch {batch} query {t}"),
+                row,
+                &p.scores(t, &keys),
+                2048,
+            );
+        }
+    }
+}
+
+#[test]
 fn a_crowded_threshold_bin_and_a_foreign_sequence() {
     // 20000 or 40000 equal scores: the K-th score's bin holds more values than shared memory does, so the
     // exact selection runs over the row; the set is still the lowest K positions. A query whose sequence
