@@ -512,14 +512,7 @@ fn glm5_decode_rows_select_exactly() {
         let visible = (0..batch).map(|b| n - 7 * b).collect();
         let p = Problem::with_queries(&mut rng, 32, n, token_seq, visible);
         let keys = dequantized_fp8(&p.keys);
-        let inputs = OnDevice::new(&p, true, &device);
-        let got = on_both_top_k_paths(&format!("decode n {n} batch {batch}"), || {
-            dsa_indexer_paged(&inputs.q, &inputs.w, &inputs.cache(), &p.visible, 2048)
-                .unwrap()
-                .to_vec2::<i32>()
-                .unwrap()
-        });
-        for (t, row) in got.iter().enumerate() {
+        for (t, row) in run(&p, true, 2048, &device).iter().enumerate() {
             check_row(
                 &format!("decode n {n} batch {batch} query {t}"),
                 row,
