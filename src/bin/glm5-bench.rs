@@ -615,13 +615,14 @@ fn indexer_rows(
         "dsa_indexer, FP8 keys ({INDEX_DIM} B + f32 scale), {INDEX_HEADS} heads, top-k {TOP_K}, paged (block {BLOCK_SIZE})"
     );
     println!(
-        "{:>7} {:>5} {:>7} | {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>6} {:>8} {:>6} {:>8} {:>6} {:>8} | {:>10} {:>8}",
+        "{:>7} {:>5} {:>7} | {:>8} {:>8} {:>8} {:>10} {:>8} {:>8} {:>8} {:>6} {:>8} {:>6} {:>8} {:>6} {:>8} | {:>10} {:>8}",
         "context",
         "batch",
         "queries",
         "wall µs",
         "GPU µs",
         "chain µs",
+        "cluster µs",
         "scores",
         "top-k",
         "cold µs",
@@ -658,8 +659,12 @@ fn indexer_rows(
         // wherever a row fits it).
         set_top_k_path(TopKPath::Chain);
         let chain = graph_seconds(device, 20, || problem.kernel_on_device());
+        // ... and pinned to the cluster top-k, so that the policy's row-length bound can be checked
+        // (rows it cannot take run the chain there too).
+        set_top_k_path(TopKPath::Cluster);
+        let cluster = graph_seconds(device, 20, || problem.kernel_on_device());
         set_top_k_path(TopKPath::Policy);
-        let chain = chain?;
+        let (chain, cluster) = (chain?, cluster?);
         let cold = cold_seconds(device, rounds, || problem.kernel())?;
         // The split: CUDA events between the stages (which keeps them from overlapping).
         let split_calls = 5;
@@ -680,13 +685,14 @@ fn indexer_rows(
         let reference_rounds = if queries == 1 && batch <= 8 { 3 } else { 1 };
         let reference = median_seconds(device, reference_rounds, 1, || problem.reference())?;
         println!(
-            "{:>7} {:>5} {:>7} | {:>8.1} {:>8.1} {:>8.1} {:>8.1} {:>8.1} {:>8.1} {:>5.1}% {:>8.0} {:>5.1}% {:>8.1} {:>5.1}% {:>8.2} | {:>10} {:>8}",
+            "{:>7} {:>5} {:>7} | {:>8.1} {:>8.1} {:>8.1} {:>10.1} {:>8.1} {:>8.1} {:>8.1} {:>5.1}% {:>8.0} {:>5.1}% {:>8.1} {:>5.1}% {:>8.2} | {:>10} {:>8}",
             context,
             batch,
             queries,
             wall * 1e6,
             gpu * 1e6,
             chain * 1e6,
+            cluster * 1e6,
             split.scores.as_secs_f64() * 1e6 / split_calls as f64,
             split.top_k.as_secs_f64() * 1e6 / split_calls as f64,
             cold * 1e6,
