@@ -683,6 +683,240 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
     }
 }
 
+#ifdef DSA_INDEXER_WGMMA
+// Prefill scores by warpgroup MMA, GROUP_TOKENS consecutive queries per block: each key tile is copied and
+// converted to f16 once for the group and multiplied against all its queries at once (S^T = K Q^T, one wgmma
+// m64n128k16 per 16 dims: the tile's 64 keys x 4 queries' 32 heads), where the decode kernel
+// (scores_mma<..., WG = true>) copies and converts every tile once per query with a quarter of the wgmma's
+// width. The launcher's promise: a block table of one row, so every query with keys is sequence 0's (a
+// query naming another sequence sees none, as in every kernel). Otherwise the decode kernel's contract and
+// layouts: FP8 rows of 128 by TMA in pages of a multiple of TILE_KEYS, up to 32
+// heads, a query's Q scaled into f16's range by its own power of two, a row's tiles strided over its blocks
+// (gridDim.y), scores and the row's histogram (and group sums) as the top-k expects them.
+constexpr int GROUP_TOKENS = 4, GROUP_HEADS = 32, GROUP_STAGES = 4;
+constexpr int GROUP_B_ROWS = GROUP_TOKENS * GROUP_HEADS, GROUP_SLAB_BYTES = GROUP_B_ROWS * 128;
+struct GroupScoreShared {
+    alignas(1024) uint8_t stages[GROUP_STAGES][TILE_KEYS * 128];
+    // wgmma's B: [2 slabs of 64 dims][query j's head h at row 32j + h][128 bytes], 128-byte swizzled.
+    alignas(1024) uint8_t q_b[128 / 64][GROUP_SLAB_BYTES];
+    // Each query's share of its row's histogram; first the group's Q as it arrives (bf16 [query][head][dim]).
+    alignas(16) int bins[GROUP_TOKENS][HIST_BINS];
+    alignas(16) float scales[GROUP_STAGES][TILE_KEYS];
+    uint64_t full[GROUP_STAGES], q_full;
+    float warp_amax[SCORE_WARPS][GROUP_TOKENS];
+};
+// The launcher's dynamic shared memory for it (`GROUP_SHARED_BYTES` in Rust): the struct and the slack to
+// align the dynamic base to 1024 bytes.
+constexpr int GROUP_SHARED_BYTES = 104 * 1024;
+static_assert(sizeof(GroupScoreShared) + 1024 <= GROUP_SHARED_BYTES, "the launcher's dynamic shared memory");
+static_assert(GROUP_TOKENS * GROUP_HEADS * 128 * 2 <= sizeof(int) * GROUP_TOKENS * HIST_BINS, "Q fits in the bins");
+
+__device__ void scores_wgmma_group(const DsaParams& p) {
+    constexpr int D = 128, KSTEPS = D / 16, STAGES = GROUP_STAGES, G = GROUP_TOKENS;
+    extern __shared__ uint8_t group_smem[];
+    GroupScoreShared& sh = *reinterpret_cast<GroupScoreShared*>(
+        group_smem + (((smem_addr(group_smem) + 1023u) & ~1023u) - smem_addr(group_smem)));
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+    const int t0 = blockIdx.x * G, block = blockIdx.y, blocks = gridDim.y;
+    if (p.cluster_topk) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+    // The group's queries (those past the chunk, or with no more visible keys than K, need no scores).
+    constexpr int seq = 0;
+    int visible[G], longest = 0;
+#pragma unroll
+    for (int j = 0; j < G; ++j) {
+        visible[j] = t0 + j < p.T ? visible_keys(p, t0 + j) : 0;
+        if (visible[j] <= p.K) visible[j] = 0;
+        longest = max(longest, visible[j]);
+    }
+    const int tiles = (longest + TILE_KEYS - 1) / TILE_KEYS;
+    if (block >= tiles) return;
+    const int queries = min(G, p.T - t0);
+    const int my_tiles = (tiles - block + blocks - 1) / blocks;  // tiles block + i * blocks
+    const auto tile_base = [&](int i) { return (block + i * blocks) * TILE_KEYS; };
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) mbarrier_init(&sh.full[s], 1);
+        mbarrier_init(&sh.q_full, 1);
+        mbarrier_init_fence();
+        mbarrier_arrive_expect_tx(&sh.q_full, queries * p.H * D * 2);
+        bulk_copy_to_shared(sh.bins, static_cast<const bf16*>(p.q) + (size_t)t0 * p.H * D, queries * p.H * D * 2,
+                            &sh.q_full);
+    }
+    // Each query's head weights for this thread's accumulator columns (heads 8m + 2c + r).
+    float w_row[G][4][2];
+#pragma unroll
+    for (int j = 0; j < G; ++j)
+#pragma unroll
+        for (int m = 0; m < 4; ++m)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int head = 8 * m + 2 * c + r;
+                w_row[j][m][r] = j < queries && head < p.H ? p.weights[(size_t)(t0 + j) * p.H + head] : 0.f;
+            }
+    __syncthreads();  // the barriers are initialised
+    // Warp 0 issues the tiles; lane j holds the first row of tile 32c + j of chunk c, the next chunk's read a
+    // chunk ahead.
+    const auto first_row_of = [&](int i) { return i < my_tiles ? (int)key_row(p, seq, tile_base(i)) : -1; };
+    int rows_now = -1, rows_next = -1;
+    if (warp == 0) {
+        rows_now = first_row_of(lane);
+        rows_next = first_row_of(32 + lane);
+    }
+    const auto issue_tma = [&](int i) {
+        if (i % 32 == 0 && i > 0) {
+            rows_now = rows_next;
+            rows_next = first_row_of(i + 32 + lane);
+        }
+        const int stage = i % STAGES, first_row = __shfl_sync(0xffffffff, rows_now, i % 32);
+        if (lane == 0) {
+            fence_proxy_async_shared();  // the stage's earlier readers come first
+            mbarrier_arrive_expect_tx(&sh.full[stage], TILE_KEYS * (D + 4));
+            tma_load_2d(sh.stages[stage], &p.key_map, 0, first_row, &sh.full[stage]);
+            bulk_copy_to_shared(sh.scales[stage], p.key_scales + first_row, TILE_KEYS * 4, &sh.full[stage]);
+        }
+    };
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i)
+        if (i < my_tiles && warp == 0) issue_tma(i);
+
+    // Q into B (as the decode kernel lays out its one query's, see there), each query scaled by its own power of
+    // two from its largest |q|.
+    mbarrier_wait(&sh.q_full, 0);
+    const bf16* q_s = reinterpret_cast<const bf16*>(sh.bins);
+    constexpr int PIECES = D / 8;  // 16-byte pieces per head row
+#pragma unroll
+    for (int j = 0; j < G; ++j) {
+        uint32_t m = 0;
+        if (j < queries)
+            for (int i = threadIdx.x; i < p.H * PIECES; i += SCORE_WARPS * 32)
+                m = abs_max_bf16x8(reinterpret_cast<const uint4*>(q_s + (size_t)j * p.H * D)[i], m);
+        float amax = larger_bf16(m);
+        for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, o));
+        if (lane == 0) sh.warp_amax[warp][j] = amax;
+    }
+    __syncthreads();
+    float q_scale[G], score_unscale[G];
+#pragma unroll
+    for (int j = 0; j < G; ++j) {
+        float m = 0.f;
+#pragma unroll
+        for (int w = 0; w < SCORE_WARPS; ++w) m = fmaxf(m, sh.warp_amax[w][j]);
+        const float2 scales = q_scales(m);
+        q_scale[j] = scales.x;
+        score_unscale[j] = scales.y;
+    }
+    for (int i = threadIdx.x; i < GROUP_B_ROWS * PIECES; i += SCORE_WARPS * 32) {
+        const int row = i / PIECES, piece = i % PIECES, j = row / GROUP_HEADS, h = row % GROUP_HEADS;
+        uint32_t v[4] = {0u, 0u, 0u, 0u};
+        if (j < queries && h < p.H) {
+            const bf16* src = q_s + ((size_t)j * p.H + h) * D + 16 * (piece / 2) + 2 * (piece % 2);
+            float scale = q_scale[0];
+#pragma unroll
+            for (int x = 1; x < G; ++x) scale = j == x ? q_scale[x] : scale;
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const __nv_bfloat162 pair = *reinterpret_cast<const __nv_bfloat162*>(src + 4 * q);
+                v[q] = pack_f16(__low2float(pair) * scale, __high2float(pair) * scale);
+            }
+        }
+        *reinterpret_cast<uint4*>(sh.q_b[piece / 8] + row * 128 + ((piece % 8) ^ (row % 8)) * 16) =
+            make_uint4(v[0], v[1], v[2], v[3]);
+    }
+    fence_proxy_async_shared();  // visible to wgmma's reads
+    __syncthreads();             // every thread has read Q: its space becomes the bins
+    for (int i = threadIdx.x; i < G * HIST_BINS; i += SCORE_WARPS * 32) (&sh.bins[0][0])[i] = 0;
+    __syncthreads();
+
+    const int key0 = warp * 16;
+    // The key whose score this lane ends with: key g (even c) or g + 8 (odd c) of the warp's 16; the quad's
+    // lanes 0 and 1 store it.
+    const bool stores_key = c < 2;
+    const int my_key = key0 + g + (c & 1 ? 8 : 0);
+    uint32_t a[KSTEPS][4];
+    // Two sets of accumulators in turn (see the decode kernel).
+    float d0[64], d1[64];
+    const auto wait_tile = [&](int i) { mbarrier_wait(&sh.full[i % STAGES], (i / STAGES) & 1); };
+    const auto issue_wgmma = [&](int i, float (&d)[64]) {
+        const uint8_t* tile = sh.stages[i % STAGES];
+#pragma unroll
+        for (int k = 0; k < KSTEPS; ++k)
+#pragma unroll
+            for (int n = 0; n < 2; ++n) {
+                const uint32_t four =
+                    *reinterpret_cast<const uint32_t*>(tile + (key0 + n * 8 + g) * D + (k ^ g) * 16 + 4 * c);
+                e4m3x4_to_f16x2x2(four, a[k][n], a[k][2 + n]);
+            }
+        const uint32_t q_base = smem_addr(sh.q_b);
+        const auto q_desc = [&](int k) {
+            return wgmma_desc(q_base + (k / 4) * GROUP_SLAB_BYTES + (k % 4) * 32, 16, 1024);
+        };
+        wgmma_fence();
+        wgmma_m64n128k16_rs_f16_first(d, a[0], q_desc(0));
+#pragma unroll
+        for (int k = 1; k < KSTEPS; ++k) wgmma_m64n128k16_rs_f16(d, a[k], q_desc(k), 1);
+        wgmma_commit();
+    };
+    // Tile i's scores from `d` (issued an iteration ago); tile i + 1's wgmma goes out into `d_next` first.
+    const auto tile_step = [&](const int i, float (&d)[64], float (&d_next)[64]) {
+        const int ahead = i + STAGES - 1;  // refills the stage consumed in iteration i - 1
+        if (ahead < my_tiles && warp == 0) issue_tma(ahead);
+        wgmma_wait<0>();
+        wgmma_pin(d);
+        wgmma_hold(a);
+        if (i + 1 < my_tiles) {
+            wait_tile(i + 1);
+            issue_wgmma(i + 1, d_next);
+        }
+        const int s = tile_base(i) + my_key;
+        const float key_scale = sh.scales[i % STAGES][my_key];
+#pragma unroll
+        for (int j = 0; j < G; ++j) {
+            // sum_h w[h] relu(S[key, h]) of query j over this thread's 8 heads for keys g (lo) and g + 8
+            // (hi), then over the quad (a reduce-scatter: even lanes keep lo, odd hi), then the pair's sum.
+            float lo = 0.f, hi = 0.f;
+#pragma unroll
+            for (int m = 0; m < 4; ++m)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    lo += w_row[j][m][e] * fmaxf(d[16 * j + 4 * m + e], 0.f);
+                    hi += w_row[j][m][e] * fmaxf(d[16 * j + 4 * m + 2 + e], 0.f);
+                }
+            float sum = (c & 1 ? hi : lo) + __shfl_xor_sync(0xffffffff, c & 1 ? lo : hi, 1);
+            sum += __shfl_xor_sync(0xffffffff, sum, 2);
+            if (stores_key && s < visible[j]) {
+                sum *= key_scale * score_unscale[j];
+                p.scores[(size_t)(t0 + j) * p.score_stride + s] = sum;
+                atomicAdd(&sh.bins[j][ordered(sum) >> (32 - HIST_BITS)], 1);
+            }
+        }
+        __syncthreads();  // the stage is refilled next iteration
+    };
+    wait_tile(0);
+    issue_wgmma(0, d0);
+    for (int i = 0; i < my_tiles; i += 2) {
+        tile_step(i, d0, d1);
+        if (i + 1 < my_tiles) tile_step(i + 1, d1, d0);
+    }
+    if (!p.cluster_topk) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+    // Into each query's row histogram: one global atomic per non-empty bin (and group, where the cluster top-k
+    // follows).
+    for (int j = 0; j < queries; ++j) {
+        int* hist = p.hist + (size_t)(t0 + j) * HIST_STRIDE;
+#pragma unroll
+        for (int x = 0; x < HIST_BINS / (SCORE_WARPS * 32); ++x) {
+            const int i = threadIdx.x + x * SCORE_WARPS * 32, count = sh.bins[j][i];
+            if (count != 0) atomicAdd(&hist[i], count);
+        }
+        if (p.cluster_topk) {
+            int sum = 0;
+#pragma unroll
+            for (int x = 0; x < GROUP_BINS; ++x)
+                sum += sh.bins[j][GROUP_BINS * threadIdx.x + (x + threadIdx.x) % GROUP_BINS];
+            if (sum != 0) atomicAdd(&hist[GROUP_OFFSET + threadIdx.x], sum);
+        }
+    }
+}
+#endif
+
 // f32 scores: plain FMA, one warp per key (full precision for f32 models); one 64-key tile per block, the tile
 // along x (a row's tiles can outnumber gridDim.y's 65535), the token along y.
 __device__ void scores_f32(const DsaParams& p) {
@@ -1589,6 +1823,11 @@ __device__ void quantize_fp8_impl(const T* rows, uint8_t* bytes, float* scales, 
 extern "C" __global__ void __launch_bounds__(SCORE_WARPS * 32, 4)
     dsa_scores_fp8_wgmma_d128_mt2(const __grid_constant__ DsaParams p) {
     scores_mma<128, 2, true, true, true>(p);
+}
+// Prefill: four queries of one sequence per block (the launcher's choice where the block table has one row).
+extern "C" __global__ void __launch_bounds__(SCORE_WARPS * 32, 2)
+    dsa_scores_fp8_wgmma_g4_d128(const __grid_constant__ DsaParams p) {
+    scores_wgmma_group(p);
 }
 #else
 DSA_SCORES_ENTRY(16, 1)

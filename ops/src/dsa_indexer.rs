@@ -622,7 +622,8 @@ pub fn set_top_k_path(path: TopKPath) {
 }
 
 /// Which score kernel the CUDA indexer runs for FP8 keys of 128 in pages of 64 with 17 to 32 heads
-/// (GLM-5's cache; tests and benchmarks pin one).
+/// (GLM-5's cache; tests and benchmarks pin one). On Hopper the policy scores the queries of a one-sequence
+/// call of at least `GROUP_MIN_QUERIES` (a prefill chunk) four at a time (`dsa_scores_fp8_wgmma_g4_d128`).
 #[cfg(feature = "cuda")]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ScoreKernel {
@@ -630,6 +631,8 @@ pub enum ScoreKernel {
     Policy,
     /// mma.sync on every GPU (sm_120's kernel, on Hopper too).
     MmaSync,
+    /// The launcher's choice without the grouped prefill kernel: every query scored by a block of its own.
+    PerQuery,
 }
 
 /// Pins the CUDA indexer's score kernel ([`ScoreKernel::Policy`]: the default).
@@ -744,6 +747,13 @@ mod cuda {
     const THRESHOLD_STAGE_BYTES: usize = 2 * 8192 * 4;
     /// Dynamic shared memory of a cluster top-k block (`CLUSTER_SHARED_BYTES` in the .cu file).
     const CLUSTER_SHARED_BYTES: usize = 80 * 1024;
+    /// Queries per block of the grouped prefill score kernel and its dynamic shared memory
+    /// (`GROUP_TOKENS`, `GROUP_SHARED_BYTES` in the .cu file).
+    const GROUP_TOKENS: usize = 4;
+    const GROUP_SHARED_BYTES: usize = 104 * 1024;
+    /// The fewest queries of one sequence for which the policy groups them (a prefill chunk; decode steps and
+    /// short verifications keep a block per query, whose rows then spread over more SMs).
+    const GROUP_MIN_QUERIES: usize = 16;
     use super::limits::{MMA_HEAD_DIMS, MMA_MAX_HEADS};
 
     /// Whether the mma score kernels serve `heads` heads of width `head_dim`.
@@ -772,13 +782,14 @@ mod cuda {
         TOP_K_PATH.store(word, Ordering::Relaxed);
     }
 
-    /// `ScoreKernel` as one word: 0 policy, 1 mma.sync.
+    /// `ScoreKernel` as one word: 0 policy, 1 mma.sync, 2 per query.
     static SCORE_KERNEL: AtomicUsize = AtomicUsize::new(0);
 
     pub(super) fn set_score_kernel(kernel: ScoreKernel) {
         let word = match kernel {
             ScoreKernel::Policy => 0,
             ScoreKernel::MmaSync => 1,
+            ScoreKernel::PerQuery => 2,
         };
         SCORE_KERNEL.store(word, Ordering::Relaxed);
     }
@@ -1041,12 +1052,21 @@ mod cuda {
                     heads.div_ceil(16)
                 ),
             };
-            // On Hopper, 17 to 32 heads (GLM-5's 32): the same TMA kernel by warpgroup MMA (unless pinned).
+            // On Hopper, 17 to 32 heads (GLM-5's 32): the same TMA kernel by warpgroup MMA (unless pinned), and
+            // for a prefill chunk of one sequence (a block table of one row: the grouped kernel's promise) the
+            // grouped kernel, four queries a block.
+            let pin = SCORE_KERNEL.load(Ordering::Relaxed);
             let wgmma = tma
                 && heads.div_ceil(16) == 2
-                && SCORE_KERNEL.load(Ordering::Relaxed) == 0
+                && pin != 1
                 && device_info(dev)?.capability == (9, 0);
-            let (score_module, name) = if wgmma {
+            let grouped = wgmma && pin == 0 && batch == 1 && t_len >= GROUP_MIN_QUERIES;
+            let (score_module, name) = if grouped {
+                (
+                    ("dsa_indexer_sm90", MODULE_SM90),
+                    "dsa_scores_fp8_wgmma_g4_d128".to_string(),
+                )
+            } else if wgmma {
                 (
                     ("dsa_indexer_sm90", MODULE_SM90),
                     "dsa_scores_fp8_wgmma_d128_mt2".to_string(),
@@ -1054,6 +1074,7 @@ mod cuda {
             } else {
                 (("dsa_indexer", MODULE), name)
             };
+            let group_smem = if grouped { GROUP_SHARED_BYTES } else { 0 };
             let scores_fn = kernel(dev, score_module.0, score_module.1, &name)?;
             let [candidates_fn, threshold_fn, emit_fn] =
                 ["dsa_topk_candidates", "dsa_topk_threshold", "dsa_topk_emit"]
@@ -1067,7 +1088,14 @@ mod cuda {
             let resident = if f32_scores {
                 0
             } else {
-                resident_blocks(dev, score_module.0, score_module.1, &name, SCORE_THREADS, 0)?
+                resident_blocks(
+                    dev,
+                    score_module.0,
+                    score_module.1,
+                    &name,
+                    SCORE_THREADS,
+                    group_smem as u32,
+                )?
             };
             let (q, weights, block_table, token_seq, visible) = (
                 device_address(&self.q)?.0,
@@ -1113,6 +1141,8 @@ mod cuda {
                     key_map,
                 };
                 let tiles = positions.div_ceil(TILE_KEYS);
+                // Score blocks per row, and the rows along x: queries, or groups of queries.
+                let rows = if grouped { len.div_ceil(GROUP_TOKENS) } else { len };
                 let (score_blocks, score_smem) = if f32_scores {
                     (tiles, (heads * dim + heads) * 4)
                 } else {
@@ -1121,7 +1151,7 @@ mod cuda {
                     // tiles per block: every block copies and converts the token's Q, which one-tile blocks
                     // (32K, batch 1) would pay for a single tile (measured when a Q-preparing kernel came
                     // first: 17.2 µs against 15.7 with two).
-                    (tiles.div_ceil(2).min(resident / len).max(1), 0)
+                    (tiles.div_ceil(2).min(resident / rows).max(1), group_smem)
                 };
                 let config = |(x, y): (usize, usize), threads: u32, shared: usize| LaunchConfig {
                     grid_dim: (x as u32, y as u32, 1),
@@ -1134,7 +1164,7 @@ mod cuda {
                 let grid = if f32_scores {
                     (score_blocks, len)
                 } else {
-                    (len, score_blocks)
+                    (rows, score_blocks)
                 };
                 let score_config = config(grid, SCORE_THREADS, score_smem);
                 let mut builder = stream.launch_builder(&scores_fn);

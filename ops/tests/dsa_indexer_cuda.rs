@@ -31,14 +31,15 @@ fn bf16_round(v: &[f32]) -> Vec<f32> {
         .collect()
 }
 
-/// Two sequences of `n` keys in shuffled blocks and the queries of `token_seq`, query t seeing `visible[t]`.
+/// Two sequences (a prefill chunk: one) of `n` keys in shuffled blocks and the queries of `token_seq`, query t
+/// seeing `visible[t]`.
 struct Problem {
     heads: usize,
     n: usize,
     q: Vec<f32>,           // [3, H, D], bf16-exact
     w: Vec<f32>,           // [3, H]
     keys: Vec<f32>,        // [num_blocks * BLOCK, D] f32
-    block_table: Vec<i32>, // [2, max_blocks]
+    block_table: Vec<i32>, // [sequences, max_blocks]
     max_blocks: usize,
     token_seq: Vec<i32>,
     visible: Vec<usize>,
@@ -50,11 +51,13 @@ impl Problem {
         Self::with_queries(rng, heads, n, vec![0, 1, 0], vec![n, n, (n - 1).max(1)])
     }
 
-    /// A prefill chunk of `queries` tokens at the end of sequence 0's `n` keys (causal: query t sees
-    /// `n - queries + 1 + t`).
+    /// A prefill chunk of `queries` tokens at the end of the one sequence's `n` keys (causal: query t sees
+    /// `n - queries + 1 + t`); a block table of one row (the grouped prefill kernel's case).
     fn prefill_chunk(rng: &mut StdRng, heads: usize, n: usize, queries: usize) -> Self {
         let visible = (0..queries).map(|t| n - queries + 1 + t).collect();
-        Self::with_queries(rng, heads, n, vec![0; queries], visible)
+        let mut p = Self::with_queries(rng, heads, n, vec![0; queries], visible);
+        p.block_table.truncate(p.max_blocks);
+        p
     }
 
     fn with_queries(
@@ -212,7 +215,12 @@ impl OnDevice {
                 .to_dtype(DType::BF16)
                 .unwrap(),
             w: Tensor::from_vec(p.w.clone(), (tokens, p.heads), device).unwrap(),
-            table: Tensor::from_vec(p.block_table.clone(), (2, p.max_blocks), device).unwrap(),
+            table: Tensor::from_vec(
+                p.block_table.clone(),
+                (p.block_table.len() / p.max_blocks, p.max_blocks),
+                device,
+            )
+            .unwrap(),
             token_seq: Tensor::from_vec(p.token_seq.clone(), tokens, device).unwrap(),
             pages,
         }
@@ -246,11 +254,13 @@ fn on_both_top_k_paths(label: &str, f: impl Fn() -> Vec<Vec<i32>>) -> Vec<Vec<i3
     cluster
 }
 
-/// `f` once per score kernel (on Hopper the policy's wgmma kernel and the pinned mma.sync one; elsewhere
-/// mma.sync twice), the kernel named in its label.
-fn on_both_score_kernels(mut f: impl FnMut(&str)) {
+/// `f` once per score kernel (on Hopper the policy's wgmma kernels, grouped for a prefill chunk, the
+/// per-query wgmma kernel and the pinned mma.sync one; elsewhere mma.sync three times), the kernel named in
+/// its label.
+fn on_every_score_kernel(mut f: impl FnMut(&str)) {
     for (kernel, label) in [
         (ScoreKernel::Policy, "policy"),
+        (ScoreKernel::PerQuery, "per query"),
         (ScoreKernel::MmaSync, "mma.sync"),
     ] {
         set_score_kernel(kernel);
@@ -316,7 +326,7 @@ fn selected_sets_match_the_reference_over_the_grid() {
                 };
                 let scores: Vec<Vec<f32>> = (0..3).map(|t| p.scores(t, &keys)).collect();
                 for &k in &[1usize, 64, 2048] {
-                    on_both_score_kernels(|kernel| {
+                    on_every_score_kernel(|kernel| {
                         let got = run(&p, fp8, k, &device);
                         for t in 0..3 {
                             let label = format!(
@@ -485,7 +495,7 @@ fn a_prefill_chunk_selects_exactly_on_every_row() {
             bf16_round(&p.keys)
         };
         let scores: Vec<Vec<f32>> = (0..queries).map(|t| p.scores(t, &keys)).collect();
-        on_both_score_kernels(|kernel| {
+        on_every_score_kernel(|kernel| {
             let got = run(&p, fp8, k, &device);
             for (t, row) in got.iter().enumerate() {
                 let label = format!("prefill n{n} fp8 {fp8} {kernel} query {t}");
@@ -493,6 +503,31 @@ fn a_prefill_chunk_selects_exactly_on_every_row() {
             }
         });
     }
+}
+
+#[test]
+fn a_prefill_chunk_with_short_rows_a_foreign_query_and_a_partial_group() {
+    // 45 causal queries (the last group of four holds one) over 2070 keys: the first 23 see at most K and take
+    // every key, the others are selected; query 30 names a sequence the one-row block table does not have and
+    // gets a row of -1. Groups mix all three kinds.
+    let device = gpu();
+    let mut rng = StdRng::seed_from_u64(24);
+    let (n, queries, k) = (2070, 45, 2048);
+    let mut p = Problem::prefill_chunk(&mut rng, 32, n, queries);
+    let foreign = 30;
+    p.token_seq[foreign] = 1;
+    let keys = dequantized_fp8(&p.keys);
+    on_every_score_kernel(|kernel| {
+        let got = run(&p, true, k, &device);
+        for (t, row) in got.iter().enumerate() {
+            let label = format!("short prefill {kernel} query {t}");
+            if t == foreign {
+                assert_eq!(row, &vec![-1; k], "{label}");
+            } else {
+                check_row(&label, row, &p.scores(t, &keys), k);
+            }
+        }
+    });
 }
 
 #[test]
