@@ -42,7 +42,9 @@
 //! and the key's scale multiplies its score), `H_I <= 32` heads, `D` in {16, 32, 64, 128}; f32: an FMA
 //! kernel. On Hopper, GLM-5's layout (FP8 keys of 128 in pages of 64, 17-32 heads) runs the same kernel with
 //! warpgroup MMA instead (`kernels/src/dsa_indexer_sm90.cu`: a tile's 64 keys as wgmma's rows, converted to
-//! f16 in registers, against Q in shared memory; `set_score_kernel` pins mma.sync). The score kernel also
+//! f16 in registers, against Q in shared memory; `set_score_kernel` pins mma.sync), and a prefill chunk of
+//! one sequence (a block table of one row) a grouped kernel: four queries per block, each key tile copied
+//! and converted once for all four (one wgmma m64n128k16 per 16 dims), where `score_policy` finds it pays. The score kernel also
 //! counts each row's scores by their top 11 bits. Top-k, spread over
 //! segments of 2048 positions so that one query uses the whole GPU: each segment finds the bin of the
 //! K-th score from those counts, lists its scores in that bin and counts them by their next 11 bits;
@@ -218,6 +220,41 @@ pub(crate) mod top_k_policy {
             assert_eq!(chosen(32_768, 64, 16), None, "a second wave");
             assert_eq!(chosen(131_072, 1, 16), None, "32 scores per thread");
             assert_eq!(chosen(32_768, 1, 0), None, "no cluster fits the device");
+        }
+    }
+}
+
+/// When the CUDA launcher scores a one-sequence call's queries in groups (pure, so that CPU tests check it).
+#[cfg(any(feature = "cuda", test))]
+pub(crate) mod score_policy {
+    /// Queries per block of the grouped prefill score kernel (`GROUP_TOKENS` in the .cu file).
+    pub const GROUP_TOKENS: usize = 4;
+    /// The fewest tiles each grouped block must get, the grid filling the device, for the grouped kernel to
+    /// pay for its longer start (four queries' Q, twice the histogram): H200, 8K rows x 64 queries (8 tiles a
+    /// block) 28.9-29.1 µs against 27.6 per query; 32K x 16 (8) even; 32K x 64 and 128K x 16 (32) 20-21%
+    /// faster, 128K x 4096 28%.
+    pub const GROUP_MIN_TILES_PER_BLOCK: usize = 16;
+
+    /// Whether `queries` queries of one sequence over rows of `tiles` key tiles go four to a block, the device
+    /// holding `resident` grouped blocks at once.
+    pub fn groups_queries(queries: usize, tiles: usize, resident: usize) -> bool {
+        resident > 0 && queries.div_ceil(GROUP_TOKENS) * tiles >= GROUP_MIN_TILES_PER_BLOCK * resident
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn groups_where_each_block_gets_sixteen_tiles() {
+            let h200 = 264; // 132 SMs x 2 blocks
+            assert!(!groups_queries(1, 2048, h200), "a decode step");
+            assert!(!groups_queries(64, 128, h200), "8K x 64: 8 tiles a block");
+            assert!(!groups_queries(16, 512, h200), "32K x 16: 8 tiles a block");
+            assert!(groups_queries(64, 512, h200), "32K x 64");
+            assert!(groups_queries(16, 2048, h200), "128K x 16");
+            assert!(groups_queries(4096, 128, h200), "8K x 4096");
+            assert!(!groups_queries(4096, 128, 0), "the kernel does not fit");
         }
     }
 }
@@ -623,7 +660,7 @@ pub fn set_top_k_path(path: TopKPath) {
 
 /// Which score kernel the CUDA indexer runs for FP8 keys of 128 in pages of 64 with 17 to 32 heads
 /// (GLM-5's cache; tests and benchmarks pin one). On Hopper the policy scores the queries of a one-sequence
-/// call of at least `GROUP_MIN_QUERIES` (a prefill chunk) four at a time (`dsa_scores_fp8_wgmma_g4_d128`).
+/// prefill chunk four at a time (`dsa_scores_fp8_wgmma_g4_d128`, see `score_policy`).
 #[cfg(feature = "cuda")]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ScoreKernel {
@@ -633,6 +670,8 @@ pub enum ScoreKernel {
     MmaSync,
     /// The launcher's choice without the grouped prefill kernel: every query scored by a block of its own.
     PerQuery,
+    /// The grouped prefill kernel wherever it runs (Hopper, a block table of one row), else the policy.
+    Grouped,
 }
 
 /// Pins the CUDA indexer's score kernel ([`ScoreKernel::Policy`]: the default).
@@ -747,13 +786,9 @@ mod cuda {
     const THRESHOLD_STAGE_BYTES: usize = 2 * 8192 * 4;
     /// Dynamic shared memory of a cluster top-k block (`CLUSTER_SHARED_BYTES` in the .cu file).
     const CLUSTER_SHARED_BYTES: usize = 80 * 1024;
-    /// Queries per block of the grouped prefill score kernel and its dynamic shared memory
-    /// (`GROUP_TOKENS`, `GROUP_SHARED_BYTES` in the .cu file).
-    const GROUP_TOKENS: usize = 4;
+    /// Dynamic shared memory of the grouped prefill score kernel (`GROUP_SHARED_BYTES` in the .cu file).
     const GROUP_SHARED_BYTES: usize = 104 * 1024;
-    /// The fewest queries of one sequence for which the policy groups them (a prefill chunk; decode steps and
-    /// short verifications keep a block per query, whose rows then spread over more SMs).
-    const GROUP_MIN_QUERIES: usize = 16;
+    use super::score_policy::{self, GROUP_TOKENS};
     use super::limits::{MMA_HEAD_DIMS, MMA_MAX_HEADS};
 
     /// Whether the mma score kernels serve `heads` heads of width `head_dim`.
@@ -782,7 +817,7 @@ mod cuda {
         TOP_K_PATH.store(word, Ordering::Relaxed);
     }
 
-    /// `ScoreKernel` as one word: 0 policy, 1 mma.sync, 2 per query.
+    /// `ScoreKernel` as one word: 0 policy, 1 mma.sync, 2 per query, 3 grouped.
     static SCORE_KERNEL: AtomicUsize = AtomicUsize::new(0);
 
     pub(super) fn set_score_kernel(kernel: ScoreKernel) {
@@ -790,6 +825,7 @@ mod cuda {
             ScoreKernel::Policy => 0,
             ScoreKernel::MmaSync => 1,
             ScoreKernel::PerQuery => 2,
+            ScoreKernel::Grouped => 3,
         };
         SCORE_KERNEL.store(word, Ordering::Relaxed);
     }
@@ -1054,18 +1090,27 @@ mod cuda {
             };
             // On Hopper, 17 to 32 heads (GLM-5's 32): the same TMA kernel by warpgroup MMA (unless pinned), and
             // for a prefill chunk of one sequence (a block table of one row: the grouped kernel's promise) the
-            // grouped kernel, four queries a block.
+            // grouped kernel, four queries a block, where `score_policy` takes it.
             let pin = SCORE_KERNEL.load(Ordering::Relaxed);
             let wgmma = tma
                 && heads.div_ceil(16) == 2
                 && pin != 1
                 && device_info(dev)?.capability == (9, 0);
-            let grouped = wgmma && pin == 0 && batch == 1 && t_len >= GROUP_MIN_QUERIES;
+            const GROUPED_NAME: &str = "dsa_scores_fp8_wgmma_g4_d128";
+            let grouped = wgmma && batch == 1 && (pin == 3 || pin == 0 && {
+                let resident = resident_blocks(
+                    dev,
+                    "dsa_indexer_sm90",
+                    MODULE_SM90,
+                    GROUPED_NAME,
+                    SCORE_THREADS,
+                    GROUP_SHARED_BYTES as u32,
+                )?;
+                let queries = t_len.min(MAX_CHUNK_ELEMS / positions.next_multiple_of(4));
+                score_policy::groups_queries(queries, positions.div_ceil(TILE_KEYS), resident)
+            });
             let (score_module, name) = if grouped {
-                (
-                    ("dsa_indexer_sm90", MODULE_SM90),
-                    "dsa_scores_fp8_wgmma_g4_d128".to_string(),
-                )
+                (("dsa_indexer_sm90", MODULE_SM90), GROUPED_NAME.to_string())
             } else if wgmma {
                 (
                     ("dsa_indexer_sm90", MODULE_SM90),

@@ -254,13 +254,14 @@ fn on_both_top_k_paths(label: &str, f: impl Fn() -> Vec<Vec<i32>>) -> Vec<Vec<i3
     cluster
 }
 
-/// `f` once per score kernel (on Hopper the policy's wgmma kernels, grouped for a prefill chunk, the
-/// per-query wgmma kernel and the pinned mma.sync one; elsewhere mma.sync three times), the kernel named in
-/// its label.
+/// `f` once per score kernel (on Hopper the policy's choice, the per-query wgmma kernel, the grouped one
+/// where the block table has one row, else the policy's again, and the pinned mma.sync one; elsewhere
+/// mma.sync four times), the kernel named in its label.
 fn on_every_score_kernel(mut f: impl FnMut(&str)) {
     for (kernel, label) in [
         (ScoreKernel::Policy, "policy"),
         (ScoreKernel::PerQuery, "per query"),
+        (ScoreKernel::Grouped, "grouped"),
         (ScoreKernel::MmaSync, "mma.sync"),
     ] {
         set_score_kernel(kernel);
