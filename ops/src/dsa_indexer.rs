@@ -44,8 +44,8 @@
 //! warpgroup MMA instead (`kernels/src/dsa_indexer_sm90.cu`: a tile's 64 keys as wgmma's rows, converted to
 //! f16 in registers, against Q in shared memory; `set_score_kernel` pins mma.sync), and a prefill chunk of
 //! one sequence (a block table of one row) a grouped kernel: four queries per block, each key tile copied
-//! and converted once for all four (one wgmma m64n128k16 per 16 dims), where `score_policy` finds it pays. The score kernel also
-//! counts each row's scores by their top 11 bits. Top-k, spread over
+//! and converted once for all four (one wgmma m64n128k16 per 16 dims), where `score_policy` finds it pays.
+//! The score kernel also counts each row's scores by their top 11 bits. Top-k, spread over
 //! segments of 2048 positions so that one query uses the whole GPU: each segment finds the bin of the
 //! K-th score from those counts, lists its scores in that bin and counts them by their next 11 bits;
 //! one block per query finds the K-th value exactly among them (the finer counts narrow it to the few
@@ -238,7 +238,8 @@ pub(crate) mod score_policy {
     /// Whether `queries` queries of one sequence over rows of `tiles` key tiles go four to a block, the device
     /// holding `resident` grouped blocks at once.
     pub fn groups_queries(queries: usize, tiles: usize, resident: usize) -> bool {
-        resident > 0 && queries.div_ceil(GROUP_TOKENS) * tiles >= GROUP_MIN_TILES_PER_BLOCK * resident
+        resident > 0
+            && queries.div_ceil(GROUP_TOKENS) * tiles >= GROUP_MIN_TILES_PER_BLOCK * resident
     }
 
     #[cfg(test)]
@@ -788,8 +789,8 @@ mod cuda {
     const CLUSTER_SHARED_BYTES: usize = 80 * 1024;
     /// Dynamic shared memory of the grouped prefill score kernel (`GROUP_SHARED_BYTES` in the .cu file).
     const GROUP_SHARED_BYTES: usize = 104 * 1024;
-    use super::score_policy::{self, GROUP_TOKENS};
     use super::limits::{MMA_HEAD_DIMS, MMA_MAX_HEADS};
+    use super::score_policy::{self, GROUP_TOKENS};
 
     /// Whether the mma score kernels serve `heads` heads of width `head_dim`.
     pub(super) fn mma_serves(heads: usize, head_dim: usize) -> bool {
@@ -1097,18 +1098,20 @@ mod cuda {
                 && pin != 1
                 && device_info(dev)?.capability == (9, 0);
             const GROUPED_NAME: &str = "dsa_scores_fp8_wgmma_g4_d128";
-            let grouped = wgmma && batch == 1 && (pin == 3 || pin == 0 && {
-                let resident = resident_blocks(
-                    dev,
-                    "dsa_indexer_sm90",
-                    MODULE_SM90,
-                    GROUPED_NAME,
-                    SCORE_THREADS,
-                    GROUP_SHARED_BYTES as u32,
-                )?;
-                let queries = t_len.min(MAX_CHUNK_ELEMS / positions.next_multiple_of(4));
-                score_policy::groups_queries(queries, positions.div_ceil(TILE_KEYS), resident)
-            });
+            let grouped = wgmma
+                && batch == 1
+                && (pin == 3
+                    || pin == 0 && {
+                        let resident = resident_blocks(
+                            dev,
+                            "dsa_indexer_sm90",
+                            MODULE_SM90,
+                            GROUPED_NAME,
+                            SCORE_THREADS,
+                            GROUP_SHARED_BYTES as u32,
+                        )?;
+                        score_policy::groups_queries(chunk, positions.div_ceil(TILE_KEYS), resident)
+                    });
             let (score_module, name) = if grouped {
                 (("dsa_indexer_sm90", MODULE_SM90), GROUPED_NAME.to_string())
             } else if wgmma {
@@ -1187,7 +1190,11 @@ mod cuda {
                 };
                 let tiles = positions.div_ceil(TILE_KEYS);
                 // Score blocks per row, and the rows along x: queries, or groups of queries.
-                let rows = if grouped { len.div_ceil(GROUP_TOKENS) } else { len };
+                let rows = if grouped {
+                    len.div_ceil(GROUP_TOKENS)
+                } else {
+                    len
+                };
                 let (score_blocks, score_smem) = if f32_scores {
                     (tiles, (heads * dim + heads) * 4)
                 } else {
