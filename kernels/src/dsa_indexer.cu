@@ -690,9 +690,9 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
 // (scores_mma<..., WG = true>) copies and converts every tile once per query with a quarter of the wgmma's
 // width. The launcher's promise: a block table of one row, so every query with keys is sequence 0's (a
 // query naming another sequence sees none, as in every kernel). Otherwise the decode kernel's contract and
-// layouts: FP8 rows of 128 by TMA in pages of a multiple of TILE_KEYS, up to 32
-// heads, a query's Q scaled into f16's range by its own power of two, a row's tiles strided over its blocks
-// (gridDim.y), scores and the row's histogram (and group sums) as the top-k expects them.
+// layouts: FP8 rows of 128 by TMA in pages of a multiple of TILE_KEYS, 17 to 32 heads, a query's Q scaled
+// into f16's range by its own power of two, a row's tiles strided over its blocks (gridDim.y), scores and
+// the row's histogram (and group sums) as the top-k expects them.
 constexpr int GROUP_TOKENS = 4, GROUP_HEADS = 32, GROUP_STAGES = 4;
 constexpr int GROUP_B_ROWS = GROUP_TOKENS * GROUP_HEADS, GROUP_SLAB_BYTES = GROUP_B_ROWS * 128;
 struct GroupScoreShared {
