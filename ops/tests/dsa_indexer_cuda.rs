@@ -36,8 +36,8 @@ fn bf16_round(v: &[f32]) -> Vec<f32> {
 struct Problem {
     heads: usize,
     n: usize,
-    q: Vec<f32>,           // [3, H, D], bf16-exact
-    w: Vec<f32>,           // [3, H]
+    q: Vec<f32>,           // [queries, H, D], bf16-exact
+    w: Vec<f32>,           // [queries, H]
     keys: Vec<f32>,        // [num_blocks * BLOCK, D] f32
     block_table: Vec<i32>, // [sequences, max_blocks]
     max_blocks: usize,
