@@ -4,7 +4,8 @@
 //!
 //! `glm5-bench CONTEXT BATCH HEADS [KERNEL]` runs one sparse_mla shape only (one of its rows, named as in
 //! the "kernel" column, with KERNEL), `glm5-bench indexer` the indexer rows
-//! only, `glm5-bench indexer CONTEXT BATCH` one indexer decode shape (e.g. under a profiler).
+//! only, `glm5-bench indexer CONTEXT BATCH [QUERIES] [KERNEL]` one indexer shape (e.g. under a profiler),
+//! KERNEL pinning its score kernel (`policy`, `per-query`, `grouped`, `mma.sync`).
 //! `glm5-bench latency` prints what one dependent global load costs at a kernel's start (L2, L2 across
 //! 2 MB pages, DRAM). `glm5-bench slice LAYERS` builds the first LAYERS layers of GLM-5 at their real sizes
 //! with random weights, on one GPU and split over two, and prints decode tokens/s, the bytes moved between the
@@ -34,8 +35,9 @@ use glm5::candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use glm5::candle_core::{DType, Device, Result, Tensor};
 use glm5::ops::{
     dsa_indexer_paged, dsa_indexer_paged_device_visible, dsa_indexer_reference, quantize_fp8,
-    set_narrow_heads, set_top_k_path, sparse_mla_paged_with, sparse_mla_reference, Bf16Kernel,
-    IndexKeys, NarrowHeads, PagedIndexKeys, PagedLatentCache, TopKPath,
+    set_narrow_heads, set_score_kernel, set_top_k_path, sparse_mla_paged_with,
+    sparse_mla_reference, Bf16Kernel, IndexKeys, NarrowHeads, PagedIndexKeys, PagedLatentCache,
+    ScoreKernel, TopKPath,
 };
 
 /// GLM-5's indexer: 32 heads of 128, FP8 keys of 128 bytes + an f32 scale.
@@ -854,11 +856,25 @@ fn main() -> Result<()> {
         return latency_rows(&device);
     }
     if args.first().map(String::as_str) == Some("indexer") {
+        let pinned = args.iter().skip(1).find(|a| a.parse::<usize>().is_err());
+        if let Some(name) = pinned {
+            let kernel = match name.as_str() {
+                "policy" => ScoreKernel::Policy,
+                "per-query" => ScoreKernel::PerQuery,
+                "grouped" => ScoreKernel::Grouped,
+                "mma.sync" => ScoreKernel::MmaSync,
+                _ => glm5::candle_core::bail!("unknown score kernel {name:?}"),
+            };
+            println!("score kernel pinned: {kernel:?}");
+            set_score_kernel(kernel);
+        }
         let shape = match only[..] {
             [] => None,
             [context, batch] => Some((context, batch, 1)),
             [context, batch, queries] => Some((context, batch, queries)),
-            _ => glm5::candle_core::bail!("usage: glm5-bench indexer [CONTEXT BATCH [QUERIES]]"),
+            _ => glm5::candle_core::bail!(
+                "usage: glm5-bench indexer [CONTEXT BATCH [QUERIES]] [KERNEL]"
+            ),
         };
         return indexer_rows(&device, copy, peak, shape);
     }
