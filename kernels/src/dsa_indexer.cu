@@ -269,6 +269,28 @@ __device__ __forceinline__ float2 q_scales(float amax) {
     return make_float2(ldexpf(1.f, 15 - e), ldexpf(1.f, e - 15));
 }
 
+// The TMA score kernels' tile rows: warp 0's lane j holds the first key row of tile 32c + j of chunk c in
+// `rows_now` and of the next chunk in `rows_next`, read a chunk ahead (`first_row_of(i)`: tile i's, -1 past the
+// block's tiles). Returns tile i's first row on every lane of warp 0, moving on to the next chunk at its start.
+template <typename FirstRow>
+__device__ __forceinline__ int tile_first_row(int i, int& rows_now, int& rows_next, const FirstRow& first_row_of) {
+    if (i % 32 == 0 && i > 0) {
+        rows_now = rows_next;
+        rows_next = first_row_of(i + 32 + (int)(threadIdx.x % 32));
+    }
+    return __shfl_sync(0xffffffff, rows_now, i % 32);
+}
+
+// Starts the copy of a tile's 64 FP8 key rows of 128 bytes from `first_row` (TMA, 128-byte swizzled) and their
+// scales into a stage, both completing on `full`; by one thread, the stage's earlier readers fenced first.
+__device__ __forceinline__ void copy_key_tile(const DsaParams& p, uint8_t* stage, float* scales, uint64_t* full,
+                                              int first_row) {
+    fence_proxy_async_shared();
+    mbarrier_arrive_expect_tx(full, TILE_KEYS * (128 + 4));
+    tma_load_2d(stage, &p.key_map, 0, first_row, full);
+    bulk_copy_to_shared(scales, p.key_scales + first_row, TILE_KEYS * 4, full);
+}
+
 // bf16 / FP8 scores. MT tiles of 16 heads (H <= 16 * MT), rows of D (a multiple of 16). TMA: FP8 rows of
 // 128 in pages of a multiple of TILE_KEYS (the launcher checks), `p` a __grid_constant__ parameter.
 // WG (sm_90a, dsa_indexer_sm90.cu): the TMA kernel with warpgroup MMA. The block's four warps are one
@@ -367,17 +389,8 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
     }
     // Tile i's copy into its stage (64 rows from the tile's first, and their scales), by warp 0's lane 0.
     const auto issue_tma = [&](int i) {
-        if (i % 32 == 0 && i > 0) {
-            rows_now = rows_next;
-            rows_next = first_row_of(i + 32 + lane);
-        }
-        const int stage = i % STAGES, first_row = __shfl_sync(0xffffffff, rows_now, i % 32);
-        if (lane == 0) {
-            fence_proxy_async_shared();  // the stage's earlier readers come first
-            mbarrier_arrive_expect_tx(&full[stage], TILE_KEYS * (D + 4));
-            tma_load_2d(stages[stage], &p.key_map, 0, first_row, &full[stage]);
-            bulk_copy_to_shared(scales[stage], p.key_scales + first_row, TILE_KEYS * 4, &full[stage]);
-        }
+        const int stage = i % STAGES, first_row = tile_first_row(i, rows_now, rows_next, first_row_of);
+        if (lane == 0) copy_key_tile(p, stages[stage], scales[stage], &full[stage], first_row);
     };
 
     // Q goes to the last stage, which the main loop first fills in its first iteration; its copy and the
@@ -753,8 +766,7 @@ __device__ void scores_wgmma_group(const DsaParams& p) {
                 w_row[j][m][r] = j < queries && head < p.H ? p.weights[(size_t)(t0 + j) * p.H + head] : 0.f;
             }
     __syncthreads();  // the barriers are initialised
-    // Warp 0 issues the tiles; lane j holds the first row of tile 32c + j of chunk c, the next chunk's read a
-    // chunk ahead.
+    // Warp 0 issues the tiles, their first rows read a chunk of 32 ahead (`tile_first_row`).
     const auto first_row_of = [&](int i) { return i < my_tiles ? (int)key_row(p, seq, tile_base(i)) : -1; };
     int rows_now = -1, rows_next = -1;
     if (warp == 0) {
@@ -762,17 +774,8 @@ __device__ void scores_wgmma_group(const DsaParams& p) {
         rows_next = first_row_of(32 + lane);
     }
     const auto issue_tma = [&](int i) {
-        if (i % 32 == 0 && i > 0) {
-            rows_now = rows_next;
-            rows_next = first_row_of(i + 32 + lane);
-        }
-        const int stage = i % STAGES, first_row = __shfl_sync(0xffffffff, rows_now, i % 32);
-        if (lane == 0) {
-            fence_proxy_async_shared();  // the stage's earlier readers come first
-            mbarrier_arrive_expect_tx(&sh.full[stage], TILE_KEYS * (D + 4));
-            tma_load_2d(sh.stages[stage], &p.key_map, 0, first_row, &sh.full[stage]);
-            bulk_copy_to_shared(sh.scales[stage], p.key_scales + first_row, TILE_KEYS * 4, &sh.full[stage]);
-        }
+        const int stage = i % STAGES, first_row = tile_first_row(i, rows_now, rows_next, first_row_of);
+        if (lane == 0) copy_key_tile(p, sh.stages[stage], sh.scales[stage], &sh.full[stage], first_row);
     };
 #pragma unroll
     for (int i = 0; i < STAGES - 1; ++i)
