@@ -291,6 +291,26 @@ __device__ __forceinline__ void copy_key_tile(const DsaParams& p, uint8_t* stage
     bulk_copy_to_shared(scales, p.key_scales + first_row, TILE_KEYS * 4, full);
 }
 
+// Merges a block's share of a row's histogram (`bins`, in shared memory) into the row's (`hist`): one global
+// atomic per non-empty bin, not per key, and per non-empty group of bins where the cluster top-k follows. By every
+// thread of a score block. Unrolled, so that a thread's shared loads go out together (a loop waited for each:
+// ~0.4 µs at the end of every block).
+__device__ __forceinline__ void merge_histogram(const int* bins, int* hist, bool cluster_topk) {
+    static_assert(HIST_BINS % (SCORE_WARPS * 32) == 0, "whole passes over the bins");
+#pragma unroll
+    for (int j = 0; j < HIST_BINS / (SCORE_WARPS * 32); ++j) {
+        const int i = threadIdx.x + j * SCORE_WARPS * 32, count = bins[i];
+        if (count != 0) atomicAdd(&hist[i], count);
+    }
+    static_assert(HIST_GROUPS == SCORE_WARPS * 32, "one group per thread");
+    if (cluster_topk) {  // group threadIdx.x, its bins read from a rotated start (2-way bank conflicts, not 16)
+        int sum = 0;
+#pragma unroll
+        for (int j = 0; j < GROUP_BINS; ++j) sum += bins[GROUP_BINS * threadIdx.x + (j + threadIdx.x) % GROUP_BINS];
+        if (sum != 0) atomicAdd(&hist[GROUP_OFFSET + threadIdx.x], sum);
+    }
+}
+
 // bf16 / FP8 scores. MT tiles of 16 heads (H <= 16 * MT), rows of D (a multiple of 16). TMA: FP8 rows of
 // 128 in pages of a multiple of TILE_KEYS (the launcher checks), `p` a __grid_constant__ parameter.
 // WG (sm_90a, dsa_indexer_sm90.cu): the TMA kernel with warpgroup MMA. The block's four warps are one
@@ -679,21 +699,7 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
         for (int i = 0; i < my_tiles; ++i) tile_step(i, d0, d1);
     }
     if (!p.cluster_topk) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-    // Merge into the row's histogram: one global atomic per non-empty bin, not per key. Unrolled, so that a
-    // thread's shared loads go out together (a loop waited for each: ~0.4 µs at the end of every block).
-    static_assert(HIST_BINS % (SCORE_WARPS * 32) == 0, "whole passes over the bins");
-#pragma unroll
-    for (int j = 0; j < HIST_BINS / (SCORE_WARPS * 32); ++j) {
-        const int i = threadIdx.x + j * SCORE_WARPS * 32, count = bins[i];
-        if (count != 0) atomicAdd(&p.hist[(size_t)t * HIST_STRIDE + i], count);
-    }
-    static_assert(HIST_GROUPS == SCORE_WARPS * 32, "one group per thread");
-    if (p.cluster_topk) {  // group threadIdx.x, its bins read from a rotated start (2-way bank conflicts, not 16)
-        int sum = 0;
-#pragma unroll
-        for (int j = 0; j < GROUP_BINS; ++j) sum += bins[GROUP_BINS * threadIdx.x + (j + threadIdx.x) % GROUP_BINS];
-        if (sum != 0) atomicAdd(&p.hist[(size_t)t * HIST_STRIDE + GROUP_OFFSET + threadIdx.x], sum);
-    }
+    merge_histogram(bins, p.hist + (size_t)t * HIST_STRIDE, p.cluster_topk);
 }
 
 #ifdef DSA_INDEXER_WGMMA
@@ -900,23 +906,8 @@ __device__ void scores_wgmma_group(const DsaParams& p) {
         if (i + 1 < my_tiles) tile_step(i + 1, d1, d0);
     }
     if (!p.cluster_topk) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-    // Into each query's row histogram: one global atomic per non-empty bin (and group, where the cluster top-k
-    // follows).
-    for (int j = 0; j < queries; ++j) {
-        int* hist = p.hist + (size_t)(t0 + j) * HIST_STRIDE;
-#pragma unroll
-        for (int x = 0; x < HIST_BINS / (SCORE_WARPS * 32); ++x) {
-            const int i = threadIdx.x + x * SCORE_WARPS * 32, count = sh.bins[j][i];
-            if (count != 0) atomicAdd(&hist[i], count);
-        }
-        if (p.cluster_topk) {
-            int sum = 0;
-#pragma unroll
-            for (int x = 0; x < GROUP_BINS; ++x)
-                sum += sh.bins[j][GROUP_BINS * threadIdx.x + (x + threadIdx.x) % GROUP_BINS];
-            if (sum != 0) atomicAdd(&hist[GROUP_OFFSET + threadIdx.x], sum);
-        }
-    }
+    for (int j = 0; j < queries; ++j)
+        merge_histogram(sh.bins[j], p.hist + (size_t)(t0 + j) * HIST_STRIDE, p.cluster_topk);
 }
 #endif
 
