@@ -68,7 +68,7 @@ struct DsaParams {
     const int* visible;       // [T]
     float* scores;            // [T, score_stride]
     int* hist;                // [T, HIST_STRIDE]: bin counts, then the SLOT_* values (zero between calls)
-    uint32_t* work;           // [T, 2 * score_stride + 2 * segments]: candidate pairs, segment counts, offsets
+    uint32_t* work;           // [T, work_stride(p)]: candidate pairs, then per segment counts, offsets, masks
     int* indices;             // [T, K]
     int T, H, D, K, block_size, max_blocks, batch, score_stride, positions, segments;
     int cluster_topk;         // 1: the cluster top-k follows the score kernel (it may launch at the score kernel's start)
@@ -77,9 +77,8 @@ struct DsaParams {
 
 constexpr int HIST_BITS = 11;
 constexpr int HIST_BINS = 1 << HIST_BITS;
-// After a row's bins: the candidate count (zero between calls), then the selection state passed from one
-// top-k kernel to the next: the threshold bin's prefix and the count still to take from it (candidates →
-// threshold), then the K-th largest value and the last tied position taken (threshold → emit).
+// After a row's bins: the candidate count (zero between calls), then the selection state the candidates
+// kernel passes to the threshold kernel: the threshold bin's prefix and the count still to take from it.
 // Then the fine histogram (zero between calls): the candidates' next 11 bits (20..10), by which the
 // threshold kernel narrows the K-th largest to its top 22 bits before ranking the few candidates left.
 constexpr int SLOT_CANDIDATES = HIST_BINS, SLOT_VALUE = HIST_BINS + 1, SLOT_COUNT = HIST_BINS + 2;
@@ -93,6 +92,7 @@ constexpr int FINE_LIST = 256;  // candidates in the fine bin the threshold kern
 constexpr int TILE_KEYS = 64;  // keys per shared-memory tile
 constexpr int SCORE_WARPS = 4;
 constexpr int SEG_THREADS = 256, SEG_ELEMS = 8, SEG = SEG_THREADS * SEG_ELEMS;  // positions per segment
+constexpr int SEG_WORDS = SEG / 32;  // words of a segment's bit mask
 constexpr int MAX_SEGMENTS = 2048;                                               // per row
 constexpr int TOPK_THREADS = 512;
 constexpr int FINE_PER_THREAD = FINE_BINS / TOPK_THREADS, SEGMENTS_PER_THREAD = MAX_SEGMENTS / TOPK_THREADS;
@@ -132,13 +132,32 @@ __device__ __forceinline__ bool among_k(uint32_t value, uint32_t position, uint2
     return value > kth_tied.x || (value == kth_tied.x && position <= kth_tied.y);
 }
 
-// A row's work area: (position, ordered score) of each candidate, then per segment its count of scores above
-// the threshold bin, then its output offset.
+// A row's work area (`WORK_PER_SEGMENT` in Rust sizes it): (position, ordered score) of each candidate, then
+// per segment its count of scores above the threshold bin, then its output offset, then its bit mask of the
+// selected positions (SEG_WORDS words a segment, see `mask_bit`): those above the threshold bin set by the
+// candidates kernel, the candidates taken by the threshold kernel.
+constexpr int WORK_PER_SEGMENT = 2 + SEG_WORDS;
+__device__ __forceinline__ size_t work_stride(const DsaParams& p) {
+    return 2 * (size_t)p.score_stride + WORK_PER_SEGMENT * (size_t)p.segments;
+}
 __device__ __forceinline__ uint2* candidates_of(const DsaParams& p, int t) {
-    return reinterpret_cast<uint2*>(p.work + (size_t)t * (2 * p.score_stride + 2 * p.segments));
+    return reinterpret_cast<uint2*>(p.work + t * work_stride(p));
 }
 __device__ __forceinline__ uint32_t* segment_counts_of(const DsaParams& p, int t) {
-    return p.work + (size_t)t * (2 * p.score_stride + 2 * p.segments) + 2 * p.score_stride;
+    return p.work + t * work_stride(p) + 2 * p.score_stride;
+}
+__device__ __forceinline__ uint32_t* segment_offsets_of(const DsaParams& p, int t) {
+    return segment_counts_of(p, t) + p.segments;
+}
+__device__ __forceinline__ uint32_t* segment_masks_of(const DsaParams& p, int t) {
+    return segment_counts_of(p, t) + 2 * p.segments;
+}
+// A row position's word in the row's masks and its bit there: the j-th position of a segment's thread 32w + l
+// (the top-k kernels' SEG_ELEMS consecutive positions a thread) is bit l of the segment's word SEG_ELEMS * w + j,
+// so that a warp's ballot over one j is a word.
+__device__ __forceinline__ uint2 mask_bit(uint32_t position) {
+    const uint32_t segment = position / SEG, thread = position % SEG / SEG_ELEMS, j = position % SEG_ELEMS;
+    return make_uint2(segment * SEG_WORDS + thread / 32 * SEG_ELEMS + j, 1u << (thread % 32));
 }
 
 // Inclusive prefix sum of `v` over the lanes of a full warp.
@@ -961,8 +980,8 @@ __device__ __forceinline__ void load_scores(const float* row, int first, int n, 
     }
 }
 
-// Per (segment, token): the threshold bin from the row's histogram, the segment's count of scores above it,
-// and its scores in that bin appended to the row's candidates with their positions.
+// Per (segment, token): the threshold bin from the row's histogram, the segment's count of scores above it
+// and their bits in its mask, and its scores in that bin appended to the row's candidates with their positions.
 __device__ void topk_candidates_impl(const DsaParams& p) {
     const int t = blockIdx.y, segment = blockIdx.x;
     const int n = visible_keys(p, t), K = p.K;
@@ -1005,15 +1024,23 @@ __device__ void topk_candidates_impl(const DsaParams& p) {
 
     int above_here = 0, mine = 0;
     bool candidate[SEG_ELEMS];
+    uint32_t mask_word = 0;  // lane j < SEG_ELEMS: the warp's mask word j (see `mask_bit`)
+    const int lane = threadIdx.x % 32;
 #pragma unroll
     for (int j = 0; j < SEG_ELEMS; ++j) {
         const bool valid = first + j < n;
         const uint32_t u = ordered(v[j]), b = u >> (32 - HIST_BITS);
-        above_here += valid && b > bin;
+        const bool above = valid && b > bin;
+        above_here += above;
+        const uint32_t word = __ballot_sync(0xffffffff, above);
+        if (lane == j) mask_word = word;
         candidate[j] = valid && b == bin;
         mine += candidate[j];
         if (candidate[j]) atomicAdd(hist + FINE_OFFSET + ((u >> FINE_SHIFT) & (FINE_BINS - 1)), 1);
     }
+    static_assert(SEG_ELEMS <= 32 && SEG_WORDS == SEG_THREADS / 32 * SEG_ELEMS, "a warp's mask words");
+    if (lane < SEG_ELEMS)
+        segment_masks_of(p, t)[segment * SEG_WORDS + threadIdx.x / 32 * SEG_ELEMS + lane] = mask_word;
     // One scan for both counts (each under 2^16 per segment) and one atomic per block for its candidates,
     // which go out in position order.
     int packed_total;
@@ -1168,12 +1195,16 @@ __device__ void threshold_over(const DsaParams& p, int t, int n, Value value, Po
         kth_tied = make_uint2(kth, last_tied);
     }
     // Each segment's output count: its scores above the threshold bin (in `selected` already) plus its
-    // candidates taken.
+    // candidates taken, which join those in its mask.
     const int segments = (n + SEG - 1) / SEG;
-    uint32_t* counts = segment_counts_of(p, t);
+    uint32_t* masks = segment_masks_of(p, t);
     for (int i = threadIdx.x; i < count; i += blockDim.x) {
         const uint32_t position = position_of(i);
-        if (among_k(value(i), position, kth_tied)) atomicAdd(&selected[position / SEG], 1);
+        if (among_k(value(i), position, kth_tied)) {
+            atomicAdd(&selected[position / SEG], 1);
+            const uint2 bit = mask_bit(position);
+            atomicOr(&masks[bit.x], bit.y);
+        }
     }
     __syncthreads();
     const int s0 = SEGMENTS_PER_THREAD * threadIdx.x;  // this thread's consecutive segments
@@ -1182,17 +1213,13 @@ __device__ void threshold_over(const DsaParams& p, int t, int n, Value value, Po
     for (int j = 0; j < SEGMENTS_PER_THREAD; ++j) mine += s0 + j < segments ? selected[s0 + j] : 0;
     int total;
     int offset = block_exclusive_scan<TOPK_THREADS>(mine, warp_sums, total);
-    uint32_t* offsets = counts + p.segments;
+    uint32_t* offsets = segment_offsets_of(p, t);
 #pragma unroll
     for (int j = 0; j < SEGMENTS_PER_THREAD; ++j) {
         if (s0 + j < segments) {
             offsets[s0 + j] = offset;
             offset += selected[s0 + j];
         }
-    }
-    if (threadIdx.x == 0) {
-        hist[SLOT_VALUE] = (int)kth_tied.x;
-        hist[SLOT_COUNT] = (int)kth_tied.y;
     }
 }
 
@@ -1266,7 +1293,8 @@ __device__ void topk_threshold_impl(const DsaParams& p) {
     }
 }
 
-// Per (segment, token): the segment's selected positions, in order, at the segment's offset.
+// Per (segment, token): the segment's selected positions (its mask, complete once the threshold kernel has
+// added the candidates taken), in order, at the segment's offset; the scores are not read again.
 __device__ void topk_emit_impl(const DsaParams& p) {
     const int t = blockIdx.y, segment = blockIdx.x;
     const int n = visible_keys(p, t), K = p.K;
@@ -1280,24 +1308,18 @@ __device__ void topk_emit_impl(const DsaParams& p) {
         return;
     }
     if (segment * SEG >= n) return;
-    const int* hist = p.hist + (size_t)t * HIST_STRIDE;
-    const uint2 kth_tied = make_uint2((uint32_t)hist[SLOT_VALUE], (uint32_t)hist[SLOT_COUNT]);
-    const int offset = segment_counts_of(p, t)[p.segments + segment];
     __shared__ int warp_sums[32];
-    float v[SEG_ELEMS];
-    load_scores(p.scores + (size_t)t * p.score_stride, first, n, v);
-    bool take[SEG_ELEMS];
-    int here = 0;
+    const int offset = segment_offsets_of(p, t)[segment], lane = threadIdx.x % 32;
+    const uint32_t* masks = segment_masks_of(p, t) + segment * SEG_WORDS;
+    const uint32_t word = lane < SEG_ELEMS ? masks[threadIdx.x / 32 * SEG_ELEMS + lane] : 0u;  // the warp's words
+    uint32_t take = 0;  // bit j: this thread's j-th position
 #pragma unroll
-    for (int j = 0; j < SEG_ELEMS; ++j) {
-        take[j] = first + j < n && among_k(ordered(v[j]), first + j, kth_tied);
-        here += take[j];
-    }
+    for (int j = 0; j < SEG_ELEMS; ++j) take |= (__shfl_sync(0xffffffff, word, j) >> lane & 1u) << j;
     int total;
-    int slot = offset + block_exclusive_scan<SEG_THREADS>(here, warp_sums, total);
+    int slot = offset + block_exclusive_scan<SEG_THREADS>(__popc(take), warp_sums, total);
 #pragma unroll
     for (int j = 0; j < SEG_ELEMS; ++j)
-        if (take[j]) out[slot++] = first + j;
+        if (take >> j & 1u) out[slot++] = first + j;
 }
 
 // ---------------------------------------------------------------------------------------------------------

@@ -47,11 +47,12 @@
 //! and converted once for all four (one wgmma m64n128k16 per 16 dims), where `score_policy` finds it pays.
 //! The score kernel also counts each row's scores by their top 11 bits. Top-k, spread over
 //! segments of 2048 positions so that one query uses the whole GPU: each segment finds the bin of the
-//! K-th score from those counts, lists its scores in that bin and counts them by their next 11 bits;
-//! one block per query finds the K-th value exactly among them (the finer counts narrow it to the few
-//! scores sharing its top 22 bits, ranked by value then position; a radix select where many share
-//! them; ties to the lower position) and gives each segment its output offset; each segment then
-//! writes its selected positions in order. Rows of up to 32,768 positions whose queries' clusters fit the
+//! K-th score from those counts, lists its scores in that bin, counts them by their next 11 bits and
+//! keeps a bit mask of its scores above the bin; one block per query finds the K-th value exactly among
+//! the listed ones (the finer counts narrow it to the few scores sharing its top 22 bits, ranked by value
+//! then position; a radix select where many share them; ties to the lower position) and gives each
+//! segment its output offset, marking the listed scores it takes in their segments' masks; each segment
+//! then writes its selected positions in order from its mask (the scores are read once, not twice). Rows of up to 32,768 positions whose queries' clusters fit the
 //! GPU at once take the same steps in one kernel instead (`top_k_policy`): a thread-block cluster of 8
 //! blocks per query, each holding a share of the row's scores in registers, the blocks exchanging their
 //! histograms, counts and the few scores sharing the K-th's top 22 bits by pushing them into each other's
@@ -779,6 +780,10 @@ mod cuda {
     const HIST_STRIDE: usize = 2048 + 4 + 2048 + 128;
     /// Positions per top-k segment (`SEG` in the .cu file).
     const SEGMENT: usize = 2048;
+    /// Per-segment words of a row's top-k work area after its candidate pairs (`WORK_PER_SEGMENT` in the .cu
+    /// file): the count above the threshold bin, the output offset and the mask of the selected positions
+    /// (a bit per position).
+    const WORK_PER_SEGMENT: usize = 2 + SEGMENT / 32;
     const SCORE_THREADS: u32 = 128;
     const SEGMENT_THREADS: u32 = 256;
     const TOPK_THREADS: u32 = 512;
@@ -960,7 +965,8 @@ mod cuda {
     /// This thread's workspace on `dev`: scores `[chunk, stride]` f32, the per-row histograms and
     /// slots `[chunk, HIST_STRIDE]` i32, which must be zero when a call starts (allocated zeroed; the
     /// threshold kernel zeroes every row it reads), the top-k kernels' candidate (position, score)
-    /// pairs and segment counts and offsets `[chunk, 2 * stride + 2 * segments]` u32. Per thread because
+    /// pairs and per-segment counts, offsets and masks `[chunk, 2 * stride + WORK_PER_SEGMENT * segments]`
+    /// u32. Per thread because
     /// candle issues work on the per-thread default stream.
     fn workspace(
         dev: &CudaDevice,
@@ -1062,7 +1068,7 @@ mod cuda {
             // Score rows start 16-byte aligned (the top-k kernels read them as float4).
             let stride = positions.next_multiple_of(4);
             let chunk = (MAX_CHUNK_ELEMS / stride).clamp(1, t_len.max(1));
-            let work_stride = 2 * stride + 2 * segments;
+            let work_stride = 2 * stride + WORK_PER_SEGMENT * segments;
             let [scores_ptr, hist_ptr, work_ptr] = workspace(
                 dev,
                 chunk * stride,
