@@ -1107,15 +1107,15 @@ struct ThresholdShared {
     alignas(16) uint32_t list_positions[FINE_LIST];
 };
 
-// The K-th largest value (ordered), the last position taken among the scores equal to it, and each
-// segment's output offset, from the row's candidates (`value(i)`: candidate i's ordered score, `position(i)`
-// its position), in sh.selected each segment's count of scores above the threshold bin, and the fine
-// histogram's bins FINE_BINS - 1 - FINE_PER_THREAD * i - j in fine[j] of thread i.
+// The K-th largest value (ordered) and the last position taken among the scores equal to it, by which the
+// candidates taken join their segments' masks, and each segment's output offset, from the row's candidates
+// (`value(i)`: candidate i's ordered score, `position(i)` its position), in sh.selected each segment's count of
+// scores above the threshold bin, and the fine histogram's bins FINE_BINS - 1 - FINE_PER_THREAD * i - j in
+// fine[j] of thread i.
 template <typename Value, typename Position>
 __device__ void threshold_over(const DsaParams& p, int t, int n, Value value, Position position_of, int count,
                                uint32_t prefix, int remaining, const int (&fine)[FINE_PER_THREAD],
                                ThresholdShared& sh) {
-    int* hist = p.hist + (size_t)t * HIST_STRIDE;
     int* digits = sh.digits;
     uint32_t& prefix_s = sh.prefix;
     int &remaining_s = sh.remaining, &equal_s = sh.equal;

@@ -52,15 +52,16 @@
 //! the listed ones (the finer counts narrow it to the few scores sharing its top 22 bits, ranked by value
 //! then position; a radix select where many share them; ties to the lower position) and gives each
 //! segment its output offset, marking the listed scores it takes in their segments' masks; each segment
-//! then writes its selected positions in order from its mask (the scores are read once, not twice). Rows of up to 32,768 positions whose queries' clusters fit the
-//! GPU at once take the same steps in one kernel instead (`top_k_policy`): a thread-block cluster of 8
+//! then writes its selected positions in order from its mask (the scores are read once, not twice).
+//! Rows of up to 32,768 positions whose queries' clusters fit the GPU at once take the same steps in
+//! one kernel instead (`top_k_policy`): a thread-block cluster of 8
 //! blocks per query, each holding a share of the row's scores in registers, the blocks exchanging their
 //! histograms, counts and the few scores sharing the K-th's top 22 bits by pushing them into each other's
 //! shared memory (`st.async` on the receiver's mbarrier), with no kernel boundary or global-memory meeting
-//! between the steps. Scores go to an f32
-//! workspace `[T_chunk, N]` and the candidates to a u32 one of the same size; queries go in chunks
-//! that keep them under [`MAX_CHUNK_ELEMS`] elements (a long prefill never holds `[T, N]`). At most
-//! 4,194,304 visible keys per query.
+//! between the steps. Scores go to an f32 workspace `[T_chunk, N]`, the candidates (position and score
+//! pairs) and the segments' counts, offsets and masks to a u32 one (`[T_chunk, ~2.03 N]`); queries go in
+//! chunks that keep them under [`MAX_CHUNK_ELEMS`] elements (a long prefill never holds `[T, N]`). At
+//! most 4,194,304 visible keys per query.
 //! Other dtypes and shapes run the reference.
 //!
 //! # Reference implementation
@@ -966,8 +967,7 @@ mod cuda {
     /// slots `[chunk, HIST_STRIDE]` i32, which must be zero when a call starts (allocated zeroed; the
     /// threshold kernel zeroes every row it reads), the top-k kernels' candidate (position, score)
     /// pairs and per-segment counts, offsets and masks `[chunk, 2 * stride + WORK_PER_SEGMENT * segments]`
-    /// u32. Per thread because
-    /// candle issues work on the per-thread default stream.
+    /// u32. Per thread because candle issues work on the per-thread default stream.
     fn workspace(
         dev: &CudaDevice,
         scores: usize,
