@@ -330,6 +330,23 @@ __device__ __forceinline__ void merge_histogram(const int* bins, int* hist, bool
     }
 }
 
+// One query's score of a key from its 32 heads' wgmma accumulators (`d`: 16 of them, columns 8j + 2c + {0, 1}
+// for keys g and g + 8 of the warp's 16, the m64nNk16 layout), `w` the head weights of those columns:
+// sum_h w[h] relu(S[key, h]) over this thread's 8 heads for key g (lo) and g + 8 (hi), then over the quad by a
+// reduce-scatter (even lanes keep lo, odd hi) and the pair's sum: key g on even c, g + 8 on odd c.
+__device__ __forceinline__ float wgmma_head_sum(const float* d, const float (&w)[4][2], int c) {
+    float lo = 0.f, hi = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            lo += w[j][e] * fmaxf(d[4 * j + e], 0.f);
+            hi += w[j][e] * fmaxf(d[4 * j + 2 + e], 0.f);
+        }
+    const float sum = (c & 1 ? hi : lo) + __shfl_xor_sync(0xffffffff, c & 1 ? lo : hi, 1);
+    return sum + __shfl_xor_sync(0xffffffff, sum, 2);
+}
+
 // bf16 / FP8 scores. MT tiles of 16 heads (H <= 16 * MT), rows of D (a multiple of 16). TMA: FP8 rows of
 // 128 in pages of a multiple of TILE_KEYS (the launcher checks), `p` a __grid_constant__ parameter.
 // WG (sm_90a, dsa_indexer_sm90.cu): the TMA kernel with warpgroup MMA. The block's four warps are one
@@ -631,18 +648,7 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
                 mbarrier_wait(&full[(i + 1) % STAGES], ((i + 1) / STAGES) & 1);
                 issue_wgmma(i + 1, d_next);
             }
-            // sum_h w[h] relu(S[key, h]) over this thread's 8 heads for keys g (lo) and g + 8 (hi), then over the
-            // quad: a reduce-scatter (even lanes keep lo, odd hi), then the pair's sum.
-            float lo = 0.f, hi = 0.f;
-#pragma unroll
-            for (int j = 0; j < 4; ++j)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    lo += w_row[j][e] * fmaxf(d[4 * j + e], 0.f);
-                    hi += w_row[j][e] * fmaxf(d[4 * j + 2 + e], 0.f);
-                }
-            sum = (c & 1 ? hi : lo) + __shfl_xor_sync(0xffffffff, c & 1 ? lo : hi, 1);
-            sum += __shfl_xor_sync(0xffffffff, sum, 2);
+            sum = wgmma_head_sum(d, w_row, c);
 #endif
         } else {
             // S = Q K^T for this warp's 16 keys: MT x 2 accumulators of 16 heads x 8 keys.
@@ -898,18 +904,7 @@ __device__ void scores_wgmma_group(const DsaParams& p) {
         const float key_scale = sh.scales[i % STAGES][my_key];
 #pragma unroll
         for (int j = 0; j < G; ++j) {
-            // sum_h w[h] relu(S[key, h]) of query j over this thread's 8 heads for keys g (lo) and g + 8
-            // (hi), then over the quad (a reduce-scatter: even lanes keep lo, odd hi), then the pair's sum.
-            float lo = 0.f, hi = 0.f;
-#pragma unroll
-            for (int m = 0; m < 4; ++m)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    lo += w_row[j][m][e] * fmaxf(d[16 * j + 4 * m + e], 0.f);
-                    hi += w_row[j][m][e] * fmaxf(d[16 * j + 4 * m + 2 + e], 0.f);
-                }
-            float sum = (c & 1 ? hi : lo) + __shfl_xor_sync(0xffffffff, c & 1 ? lo : hi, 1);
-            sum += __shfl_xor_sync(0xffffffff, sum, 2);
+            float sum = wgmma_head_sum(d + 16 * j, w_row[j], c);  // query j's 32 heads
             if (stores_key && s < visible[j]) {
                 sum *= key_scale * score_unscale[j];
                 p.scores[(size_t)(t0 + j) * p.score_stride + s] = sum;
