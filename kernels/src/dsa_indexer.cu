@@ -7,16 +7,16 @@
 //                          and each row's 2048-bin histogram of its scores by their top 11 bits; nothing
 //                          for a token with visible[t] <= K, which takes every position.
 //   dsa_topk_candidates    per (segment of 2048 positions, token): the histogram's threshold bin (the bin of
-//                          the K-th largest score), the segment's count of scores above that bin, and the
-//                          (position, score) pairs of the scores in it, appended to the row's candidate list
-//                          and counted in the row's fine histogram by their next 11 bits.
+//                          the K-th largest score), the segment's count of scores above that bin and their bits
+//                          in its mask, and the (position, score) pairs of the scores in it, appended to the
+//                          row's candidate list and counted in the row's fine histogram by their next 11 bits.
 //   dsa_topk_threshold     per token: the exact K-th largest score and, when several scores equal it, the
 //                          last position taken among them (equal scores go to the lower position): the fine
 //                          histogram gives the K-th's top 22 bits, and the few candidates sharing them are
-//                          ranked (radix select over the candidates when more than FINE_LIST do); then each
-//                          segment's output offset.
-//   dsa_topk_emit          per (segment, token): the segment's selected positions, in ascending order, at its
-//                          offset; rows with visible <= K get 0..visible-1 and -1 padding.
+//                          ranked (radix select over the candidates when more than FINE_LIST do); then the
+//                          candidates taken into their segments' masks, and each segment's output offset.
+//   dsa_topk_emit          per (segment, token): the segment's selected positions (its mask), in ascending
+//                          order, at its offset; rows with visible <= K get 0..visible-1 and -1 padding.
 // The top-k kernels are programmatic dependent launches: each may start while its predecessor finishes and
 // waits (griddepcontrol.wait) before reading what it wrote.
 // The result is the set of the min(K, visible) highest scores, in ascending position order, -1 padded;
