@@ -134,7 +134,7 @@ __device__ __forceinline__ bool among_k(uint32_t value, uint32_t position, uint2
 
 // A row's work area (`WORK_PER_SEGMENT` in Rust sizes it): (position, ordered score) of each candidate, then
 // per segment its count of scores above the threshold bin, then its output offset, then its bit mask of the
-// selected positions (SEG_WORDS words a segment, see `mask_bit`): those above the threshold bin set by the
+// selected positions (SEG_WORDS words a segment, see `mask_word_index`): those above the threshold bin set by the
 // candidates kernel, the candidates taken by the threshold kernel.
 constexpr int WORK_PER_SEGMENT = 2 + SEG_WORDS;
 __device__ __forceinline__ size_t work_stride(const DsaParams& p) {
@@ -152,12 +152,16 @@ __device__ __forceinline__ uint32_t* segment_offsets_of(const DsaParams& p, int 
 __device__ __forceinline__ uint32_t* segment_masks_of(const DsaParams& p, int t) {
     return segment_counts_of(p, t) + 2 * p.segments;
 }
-// A row position's word in the row's masks and its bit there: the j-th position of a segment's thread 32w + l
-// (the top-k kernels' SEG_ELEMS consecutive positions a thread) is bit l of the segment's word SEG_ELEMS * w + j,
-// so that a warp's ballot over one j is a word.
+// The row's masks: the j-th position of a segment's thread 32w + l (the top-k kernels' SEG_ELEMS consecutive
+// positions a thread) is bit l of the segment's word SEG_ELEMS * w + j, so that a warp's ballot over one j is a
+// word. `mask_word_index` is that word's index in the row's masks.
+__device__ __forceinline__ uint32_t mask_word_index(uint32_t segment, uint32_t warp, uint32_t j) {
+    return segment * SEG_WORDS + warp * SEG_ELEMS + j;
+}
+// A row position's word in the row's masks and its bit there.
 __device__ __forceinline__ uint2 mask_bit(uint32_t position) {
     const uint32_t segment = position / SEG, thread = position % SEG / SEG_ELEMS, j = position % SEG_ELEMS;
-    return make_uint2(segment * SEG_WORDS + thread / 32 * SEG_ELEMS + j, 1u << (thread % 32));
+    return make_uint2(mask_word_index(segment, thread / 32, j), 1u << (thread % 32));
 }
 
 // Inclusive prefix sum of `v` over the lanes of a full warp.
@@ -253,6 +257,27 @@ __device__ __forceinline__ uint4 q_fragment_f16(uint2 row_g, uint2 row_g8, float
         return pack_f16(__bfloat162float(x[j]) * scale, __bfloat162float(x[j + 1]) * scale);
     };
     return make_uint4(pair(a, 0), pair(b, 0), pair(a, 2), pair(b, 2));
+}
+
+// The wgmma score kernels' B operand of Q: B row `row` holds one head's 128 dims as 16-byte pieces, piece P = 8
+// values of its k16 step P / 2 in the order the key fragments hold dims (thread quad c: dims 4c, 4c+1 at wgmma's
+// k 2c, 2c+1 and dims 4c+2, 4c+3 at k 2c+8, 2c+9): piece P takes dims 16(P/2) + 4c + 2(P%2) + {0,1}, c = 0..3,
+// as f16 times `scale`. Piece P of row r sits in slab P / 8 (64 dims, `slab_bytes` apart) at 16-byte column
+// (P % 8) ^ (r % 8), the 128-byte swizzle. Stores piece `piece` of row `row` from `head` (its bf16 dims), or
+// zero where `head` is null (a padding row).
+__device__ __forceinline__ void store_q_b_piece(uint8_t* q_b, int slab_bytes, int row, int piece, const bf16* head,
+                                                float scale) {
+    uint32_t v[4] = {0u, 0u, 0u, 0u};
+    if (head != nullptr) {
+        const bf16* src = head + 16 * (piece / 2) + 2 * (piece % 2);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const __nv_bfloat162 pair = *reinterpret_cast<const __nv_bfloat162*>(src + 4 * c);
+            v[c] = pack_f16(__low2float(pair) * scale, __high2float(pair) * scale);
+        }
+    }
+    *reinterpret_cast<uint4*>(q_b + (piece / 8) * slab_bytes + row * 128 + ((piece % 8) ^ (row % 8)) * 16) =
+        make_uint4(v[0], v[1], v[2], v[3]);
 }
 
 // The largest |x| of eight packed bf16 and of the two in `amax`, as packed bf16: on the bits (without the
@@ -510,25 +535,13 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
         const float2 scales = q_scales(block_max(larger_bf16(amax), warp_amax, warp, lane));
         score_unscale = scales.y;
         if constexpr (WG) {
-            // Row h of B holds head h's 128 dims as 16-byte pieces, piece P = 8 values of its k16 step P / 2 in
-            // the order the key fragments hold dims (thread quad c: dims 4c, 4c+1 at wgmma's k 2c, 2c+1 and
-            // dims 4c+2, 4c+3 at k 2c+8, 2c+9): piece P takes dims 16(P/2) + 4c + 2(P%2) + {0,1}, c = 0..3. Piece
-            // P of row h sits in slab P / 8 at (P % 8) ^ (h % 8). Heads past H: zero.
+            // Row h of B is head h (`store_q_b_piece`); heads past H: zero.
             constexpr int B_PIECES = B_ROWS * D / 8;
+            static_assert(D == 128, "store_q_b_piece's rows");
 #pragma unroll
             for (int j = 0; j < B_PIECES / (SCORE_WARPS * 32); ++j) {
                 const int i = threadIdx.x + j * SCORE_WARPS * 32, h = i / (D / 8), piece = i % (D / 8);
-                uint32_t v[4] = {0u, 0u, 0u, 0u};
-                if (h < p.H) {
-                    const bf16* row = q_s + h * D + 16 * (piece / 2) + 2 * (piece % 2);
-#pragma unroll
-                    for (int q = 0; q < 4; ++q) {
-                        const __nv_bfloat162 pair = *reinterpret_cast<const __nv_bfloat162*>(row + 4 * q);
-                        v[q] = pack_f16(__low2float(pair) * scales.x, __high2float(pair) * scales.x);
-                    }
-                }
-                *reinterpret_cast<uint4*>(q_b + (piece / 8) * B_SLAB_BYTES + h * 128 + ((piece % 8) ^ (h % 8)) * 16) =
-                    make_uint4(v[0], v[1], v[2], v[3]);
+                store_q_b_piece(q_b, B_SLAB_BYTES, h, piece, h < p.H ? q_s + h * D : nullptr, scales.x);
             }
             fence_proxy_async_shared();  // visible to wgmma's reads
         } else {
@@ -812,8 +825,8 @@ __device__ void scores_wgmma_group(const DsaParams& p) {
     for (int i = 0; i < STAGES - 1; ++i)
         if (i < my_tiles && warp == 0) issue_tma(i);
 
-    // Q into B (as the decode kernel lays out its one query's, see there), each query scaled by its own power of
-    // two from its largest |q|.
+    // Q into B (`store_q_b_piece`: query j's head h at row 32j + h), each query scaled by its own power of two
+    // from its largest |q|.
     mbarrier_wait(&sh.q_full, 0);
     const bf16* q_s = reinterpret_cast<const bf16*>(sh.bins);
     constexpr int PIECES = D / 8;  // 16-byte pieces per head row
@@ -840,20 +853,12 @@ __device__ void scores_wgmma_group(const DsaParams& p) {
     }
     for (int i = threadIdx.x; i < GROUP_B_ROWS * PIECES; i += SCORE_WARPS * 32) {
         const int row = i / PIECES, piece = i % PIECES, j = row / GROUP_HEADS, h = row % GROUP_HEADS;
-        uint32_t v[4] = {0u, 0u, 0u, 0u};
-        if (j < queries && h < p.H) {
-            const bf16* src = q_s + ((size_t)j * p.H + h) * D + 16 * (piece / 2) + 2 * (piece % 2);
-            float scale = q_scale[0];
+        float scale = q_scale[0];
 #pragma unroll
-            for (int x = 1; x < G; ++x) scale = j == x ? q_scale[x] : scale;
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                const __nv_bfloat162 pair = *reinterpret_cast<const __nv_bfloat162*>(src + 4 * q);
-                v[q] = pack_f16(__low2float(pair) * scale, __high2float(pair) * scale);
-            }
-        }
-        *reinterpret_cast<uint4*>(sh.q_b[piece / 8] + row * 128 + ((piece % 8) ^ (row % 8)) * 16) =
-            make_uint4(v[0], v[1], v[2], v[3]);
+        for (int x = 1; x < G; ++x) scale = j == x ? q_scale[x] : scale;
+        const bool real = j < queries && h < p.H;
+        store_q_b_piece(sh.q_b[0], GROUP_SLAB_BYTES, row, piece, real ? q_s + ((size_t)j * p.H + h) * D : nullptr,
+                        scale);
     }
     fence_proxy_async_shared();  // visible to wgmma's reads
     __syncthreads();             // every thread has read Q: its space becomes the bins
@@ -1019,7 +1024,7 @@ __device__ void topk_candidates_impl(const DsaParams& p) {
 
     int above_here = 0, mine = 0;
     bool candidate[SEG_ELEMS];
-    uint32_t mask_word = 0;  // lane j < SEG_ELEMS: the warp's mask word j (see `mask_bit`)
+    uint32_t mask_word = 0;  // lane j < SEG_ELEMS: the warp's mask word j (see `mask_word_index`)
     const int lane = threadIdx.x % 32;
 #pragma unroll
     for (int j = 0; j < SEG_ELEMS; ++j) {
@@ -1035,7 +1040,7 @@ __device__ void topk_candidates_impl(const DsaParams& p) {
     }
     static_assert(SEG_ELEMS <= 32 && SEG_WORDS == SEG_THREADS / 32 * SEG_ELEMS, "a warp's mask words");
     if (lane < SEG_ELEMS)
-        segment_masks_of(p, t)[segment * SEG_WORDS + threadIdx.x / 32 * SEG_ELEMS + lane] = mask_word;
+        segment_masks_of(p, t)[mask_word_index(segment, threadIdx.x / 32, lane)] = mask_word;
     // One scan for both counts (each under 2^16 per segment) and one atomic per block for its candidates,
     // which go out in position order.
     int packed_total;
@@ -1305,8 +1310,8 @@ __device__ void topk_emit_impl(const DsaParams& p) {
     if (segment * SEG >= n) return;
     __shared__ int warp_sums[32];
     const int offset = segment_offsets_of(p, t)[segment], lane = threadIdx.x % 32;
-    const uint32_t* masks = segment_masks_of(p, t) + segment * SEG_WORDS;
-    const uint32_t word = lane < SEG_ELEMS ? masks[threadIdx.x / 32 * SEG_ELEMS + lane] : 0u;  // the warp's words
+    const uint32_t* masks = segment_masks_of(p, t);
+    const uint32_t word = lane < SEG_ELEMS ? masks[mask_word_index(segment, threadIdx.x / 32, lane)] : 0u;  // the warp's words
     uint32_t take = 0;  // bit j: this thread's j-th position
 #pragma unroll
     for (int j = 0; j < SEG_ELEMS; ++j) take |= (__shfl_sync(0xffffffff, word, j) >> lane & 1u) << j;
