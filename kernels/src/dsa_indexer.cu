@@ -262,13 +262,12 @@ __device__ __forceinline__ uint4 q_fragment_f16(uint2 row_g, uint2 row_g8, float
 // The wgmma score kernels' B operand of Q: B row `row` holds one head's 128 dims as 16-byte pieces, piece P = 8
 // values of its k16 step P / 2 in the order the key fragments hold dims (thread quad c: dims 4c, 4c+1 at wgmma's
 // k 2c, 2c+1 and dims 4c+2, 4c+3 at k 2c+8, 2c+9): piece P takes dims 16(P/2) + 4c + 2(P%2) + {0,1}, c = 0..3,
-// as f16 times `scale`. Piece P of row r sits in slab P / 8 (64 dims, `slab_bytes` apart) at 16-byte column
-// (P % 8) ^ (r % 8), the 128-byte swizzle. Stores piece `piece` of row `row` from `head` (its bf16 dims), or
-// zero where `head` is null (a padding row).
-__device__ __forceinline__ void store_q_b_piece(uint8_t* q_b, int slab_bytes, int row, int piece, const bf16* head,
-                                                float scale) {
+// as f16 times `scale`. Piece P of row r sits in slab P / 8 (64 dims) at 16-byte column (P % 8) ^ (r % 8), the
+// 128-byte swizzle. `q_b_piece` is piece `piece` of `head` (its bf16 dims) where `real`, else zero (a padding
+// row); `q_b_piece_offset` its byte offset in its slab.
+__device__ __forceinline__ uint4 q_b_piece(bool real, const bf16* head, int piece, float scale) {
     uint32_t v[4] = {0u, 0u, 0u, 0u};
-    if (head != nullptr) {
+    if (real) {
         const bf16* src = head + 16 * (piece / 2) + 2 * (piece % 2);
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
@@ -276,9 +275,9 @@ __device__ __forceinline__ void store_q_b_piece(uint8_t* q_b, int slab_bytes, in
             v[c] = pack_f16(__low2float(pair) * scale, __high2float(pair) * scale);
         }
     }
-    *reinterpret_cast<uint4*>(q_b + (piece / 8) * slab_bytes + row * 128 + ((piece % 8) ^ (row % 8)) * 16) =
-        make_uint4(v[0], v[1], v[2], v[3]);
+    return make_uint4(v[0], v[1], v[2], v[3]);
 }
+__device__ __forceinline__ int q_b_piece_offset(int row, int piece) { return row * 128 + ((piece % 8) ^ (row % 8)) * 16; }
 
 // The largest |x| of eight packed bf16 and of the two in `amax`, as packed bf16: on the bits (without the
 // sign they order as the magnitudes do), two 16-bit lanes at a time. A NaN orders above infinity here, where a
@@ -535,13 +534,14 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
         const float2 scales = q_scales(block_max(larger_bf16(amax), warp_amax, warp, lane));
         score_unscale = scales.y;
         if constexpr (WG) {
-            // Row h of B is head h (`store_q_b_piece`); heads past H: zero.
+            // Row h of B is head h (`q_b_piece`); heads past H: zero.
             constexpr int B_PIECES = B_ROWS * D / 8;
-            static_assert(D == 128, "store_q_b_piece's rows");
+            static_assert(D == 128, "q_b_piece's rows");
 #pragma unroll
             for (int j = 0; j < B_PIECES / (SCORE_WARPS * 32); ++j) {
                 const int i = threadIdx.x + j * SCORE_WARPS * 32, h = i / (D / 8), piece = i % (D / 8);
-                store_q_b_piece(q_b, B_SLAB_BYTES, h, piece, h < p.H ? q_s + h * D : nullptr, scales.x);
+                *reinterpret_cast<uint4*>(q_b + (piece / 8) * B_SLAB_BYTES + q_b_piece_offset(h, piece)) =
+                    q_b_piece(h < p.H, q_s + h * D, piece, scales.x);
             }
             fence_proxy_async_shared();  // visible to wgmma's reads
         } else {
@@ -606,18 +606,21 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
     // heads (columns 8j + 2c + {0, 1}). The keys' f16 pairs are the A fragments as the mma.sync path's B
     // fragments hold them: (row g: k 2c, 2c+1; row g+8: the same; row g: k 2c+8, 2c+9; row g+8: the same).
     uint32_t a[KSTEPS][4];
+    // This lane's piece of its key row g (the tile's 128-byte swizzle: step k's 16 bytes at (k ^ g) * 16), whose
+    // k-th is a_piece ^ (k * 16); row g + 8 is 8 rows on. B's descriptor at k = 0, the other steps' offsets from it.
+    const uint32_t a_piece = (key0 + g) * Tile::ROW_BYTES + g * 16 + 4 * c;
+    const uint64_t q_desc0 = wgmma_desc(smem_addr(q_b), 16, 1024);
     const auto issue_wgmma = [&](int i, float (&d)[16]) {
         const uint8_t* tile = stages[i % STAGES];
 #pragma unroll
         for (int k = 0; k < KSTEPS; ++k)
 #pragma unroll
             for (int n = 0; n < 2; ++n) {
-                const uint32_t four = *reinterpret_cast<const uint32_t*>(
-                    tile + (key0 + n * 8 + g) * Tile::ROW_BYTES + (k ^ g) * 16 + 4 * c);
+                const uint32_t four =
+                    *reinterpret_cast<const uint32_t*>(tile + (a_piece ^ (k * 16)) + n * 8 * Tile::ROW_BYTES);
                 e4m3x4_to_f16x2x2(four, a[k][n], a[k][2 + n]);
             }
-        const uint32_t q_base = smem_addr(q_b);
-        const auto q_desc = [&](int k) { return wgmma_desc(q_base + (k / 4) * B_SLAB_BYTES + (k % 4) * 32, 16, 1024); };
+        const auto q_desc = [&](int k) { return wgmma_desc_advance(q_desc0, (k / 4) * B_SLAB_BYTES + (k % 4) * 32); };
         wgmma_fence();
         wgmma_m64n32k16_rs_f16_first(d, a[0], q_desc(0));
 #pragma unroll
@@ -825,7 +828,7 @@ __device__ void scores_wgmma_group(const DsaParams& p) {
     for (int i = 0; i < STAGES - 1; ++i)
         if (i < my_tiles && warp == 0) issue_tma(i);
 
-    // Q into B (`store_q_b_piece`: query j's head h at row 32j + h), each query scaled by its own power of two
+    // Q into B (`q_b_piece`: query j's head h at row 32j + h), each query scaled by its own power of two
     // from its largest |q|.
     mbarrier_wait(&sh.q_full, 0);
     const bf16* q_s = reinterpret_cast<const bf16*>(sh.bins);
@@ -856,9 +859,8 @@ __device__ void scores_wgmma_group(const DsaParams& p) {
         float scale = q_scale[0];
 #pragma unroll
         for (int x = 1; x < G; ++x) scale = j == x ? q_scale[x] : scale;
-        const bool real = j < queries && h < p.H;
-        store_q_b_piece(sh.q_b[0], GROUP_SLAB_BYTES, row, piece, real ? q_s + ((size_t)j * p.H + h) * D : nullptr,
-                        scale);
+        *reinterpret_cast<uint4*>(sh.q_b[piece / 8] + q_b_piece_offset(row, piece)) =
+            q_b_piece(j < queries && h < p.H, q_s + ((size_t)j * p.H + h) * D, piece, scale);
     }
     fence_proxy_async_shared();  // visible to wgmma's reads
     __syncthreads();             // every thread has read Q: its space becomes the bins
@@ -873,25 +875,34 @@ __device__ void scores_wgmma_group(const DsaParams& p) {
     uint32_t a[KSTEPS][4];
     // Two sets of accumulators in turn (see the decode kernel).
     float d0[64], d1[64];
+    // B's descriptor at k = 0; the other k steps' are offsets from it (no descriptor rebuilt per wgmma).
+    const uint64_t q_desc0 = wgmma_desc(smem_addr(sh.q_b), 16, 1024);
     const auto wait_tile = [&](int i) { mbarrier_wait(&sh.full[i % STAGES], (i / STAGES) & 1); };
+    // This lane's piece of its key row g (the tile's 128-byte swizzle: step k's 16 bytes at (k ^ g) * 16), whose
+    // k-th is a_piece ^ (k * 16); row g + 8 is 8 rows on.
+    const uint32_t a_piece = (key0 + g) * D + g * 16 + 4 * c;
+    // In two halves of the k steps: the first half's wgmma go out while the second half converts.
     const auto issue_wgmma = [&](int i, float (&d)[64]) {
         const uint8_t* tile = sh.stages[i % STAGES];
-#pragma unroll
-        for (int k = 0; k < KSTEPS; ++k)
-#pragma unroll
-            for (int n = 0; n < 2; ++n) {
-                const uint32_t four =
-                    *reinterpret_cast<const uint32_t*>(tile + (key0 + n * 8 + g) * D + (k ^ g) * 16 + 4 * c);
-                e4m3x4_to_f16x2x2(four, a[k][n], a[k][2 + n]);
-            }
-        const uint32_t q_base = smem_addr(sh.q_b);
         const auto q_desc = [&](int k) {
-            return wgmma_desc(q_base + (k / 4) * GROUP_SLAB_BYTES + (k % 4) * 32, 16, 1024);
+            return wgmma_desc_advance(q_desc0, (k / 4) * GROUP_SLAB_BYTES + (k % 4) * 32);
         };
-        wgmma_fence();
-        wgmma_m64n128k16_rs_f16_first(d, a[0], q_desc(0));
 #pragma unroll
-        for (int k = 1; k < KSTEPS; ++k) wgmma_m64n128k16_rs_f16(d, a[k], q_desc(k), 1);
+        for (int half = 0; half < 2; ++half) {
+#pragma unroll
+            for (int k = half * KSTEPS / 2; k < (half + 1) * KSTEPS / 2; ++k)
+#pragma unroll
+                for (int n = 0; n < 2; ++n) {
+                    const uint32_t four = *reinterpret_cast<const uint32_t*>(tile + (a_piece ^ (k * 16)) + n * 8 * D);
+                    e4m3x4_to_f16x2x2(four, a[k][n], a[k][2 + n]);
+                }
+            wgmma_fence();
+#pragma unroll
+            for (int k = half * KSTEPS / 2; k < (half + 1) * KSTEPS / 2; ++k) {
+                if (k == 0) wgmma_m64n128k16_rs_f16_first(d, a[0], q_desc(0));
+                else wgmma_m64n128k16_rs_f16(d, a[k], q_desc(k), 1);
+            }
+        }
         wgmma_commit();
     };
     // Tile i's scores from `d` (issued an iteration ago); tile i + 1's wgmma goes out into `d_next` first.
