@@ -277,7 +277,9 @@ __device__ __forceinline__ uint4 q_b_piece(bool real, const bf16* head, int piec
     }
     return make_uint4(v[0], v[1], v[2], v[3]);
 }
-__device__ __forceinline__ int q_b_piece_offset(int row, int piece) { return row * 128 + ((piece % 8) ^ (row % 8)) * 16; }
+__device__ __forceinline__ int q_b_piece_offset(int row, int piece) {
+    return row * 128 + ((piece % 8) ^ (row % 8)) * 16;
+}
 
 // The largest |x| of eight packed bf16 and of the two in `amax`, as packed bf16: on the bits (without the
 // sign they order as the magnitudes do), two 16-bit lanes at a time. A NaN orders above infinity here, where a
@@ -1322,7 +1324,8 @@ __device__ void topk_emit_impl(const DsaParams& p) {
     __shared__ int warp_sums[32];
     const int offset = segment_offsets_of(p, t)[segment], lane = threadIdx.x % 32;
     const uint32_t* masks = segment_masks_of(p, t);
-    const uint32_t word = lane < SEG_ELEMS ? masks[mask_word_index(segment, threadIdx.x / 32, lane)] : 0u;  // the warp's words
+    // Lane j < SEG_ELEMS: the warp's mask word j.
+    const uint32_t word = lane < SEG_ELEMS ? masks[mask_word_index(segment, threadIdx.x / 32, lane)] : 0u;
     uint32_t take = 0;  // bit j: this thread's j-th position
 #pragma unroll
     for (int j = 0; j < SEG_ELEMS; ++j) take |= (__shfl_sync(0xffffffff, word, j) >> lane & 1u) << j;
