@@ -264,7 +264,8 @@ __device__ __forceinline__ uint4 q_fragment_f16(uint2 row_g, uint2 row_g8, float
 // k 2c, 2c+1 and dims 4c+2, 4c+3 at k 2c+8, 2c+9): piece P takes dims 16(P/2) + 4c + 2(P%2) + {0,1}, c = 0..3,
 // as f16 times `scale`. Piece P of row r sits in slab P / 8 (64 dims) at 16-byte column (P % 8) ^ (r % 8), the
 // 128-byte swizzle. `q_b_piece` is piece `piece` of `head` (its bf16 dims) where `real`, else zero (a padding
-// row); `q_b_piece_offset` its byte offset in its slab.
+// row); `q_b_piece_offset` its byte offset in its slab. The caller stores it: a helper storing through a pointer
+// (or taking a null `head`) moved the grouped kernel's wgmma descriptors out of uniform registers (session 26).
 __device__ __forceinline__ uint4 q_b_piece(bool real, const bf16* head, int piece, float scale) {
     uint32_t v[4] = {0u, 0u, 0u, 0u};
     if (real) {
