@@ -760,7 +760,8 @@ constexpr int GROUP_TOKENS = 4, GROUP_HEADS = 32, GROUP_STAGES = 4;
 constexpr int GROUP_B_ROWS = GROUP_TOKENS * GROUP_HEADS, GROUP_SLAB_BYTES = GROUP_B_ROWS * 128;
 struct GroupScoreShared {
     alignas(1024) uint8_t stages[GROUP_STAGES][TILE_KEYS * 128];
-    // wgmma's B: [2 slabs of 64 dims][query j's head h at row 32j + h][128 bytes], 128-byte swizzled.
+    // wgmma's B: [2 slabs of 64 dims][query j's head h at row 8 (h / 2) + 2j + h % 2][128 bytes], 128-byte
+    // swizzled: the accumulator columns a lane holds (8m + 2c + {0, 1}) are then all of query c's heads.
     alignas(1024) uint8_t q_b[128 / 64][GROUP_SLAB_BYTES];
     // Each query's share of its row's histogram; first the group's Q as it arrives (bf16 [query][head][dim]).
     alignas(16) int bins[GROUP_TOKENS][HIST_BINS];
@@ -804,17 +805,15 @@ __device__ void scores_wgmma_group(const DsaParams& p) {
         bulk_copy_to_shared(sh.bins, static_cast<const bf16*>(p.q) + (size_t)t0 * p.H * D, queries * p.H * D * 2,
                             &sh.q_full);
     }
-    // Each query's head weights for this thread's accumulator columns (heads 8m + 2c + r).
-    float w_row[G][4][2];
+    // Lane c's query is query c of the group (B's column order): its head weights, its visible keys.
+    static_assert(G == 4 && GROUP_HEADS == 32, "a quad's four lanes hold the four queries' 32 heads each");
+    float w_mine[GROUP_HEADS];
 #pragma unroll
-    for (int j = 0; j < G; ++j)
+    for (int h = 0; h < GROUP_HEADS; ++h)
+        w_mine[h] = c < queries && h < p.H ? p.weights[(size_t)(t0 + c) * p.H + h] : 0.f;
+    int visible_mine = visible[0];
 #pragma unroll
-        for (int m = 0; m < 4; ++m)
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int head = 8 * m + 2 * c + r;
-                w_row[j][m][r] = j < queries && head < p.H ? p.weights[(size_t)(t0 + j) * p.H + head] : 0.f;
-            }
+    for (int j = 1; j < G; ++j) visible_mine = c == j ? visible[j] : visible_mine;
     __syncthreads();  // the barriers are initialised
     // Warp 0 issues the tiles, their first rows read a chunk of 32 ahead (`tile_first_row`).
     const auto first_row_of = [&](int i) { return i < my_tiles ? (int)key_row(p, seq, tile_base(i)) : -1; };
@@ -831,8 +830,8 @@ __device__ void scores_wgmma_group(const DsaParams& p) {
     for (int i = 0; i < STAGES - 1; ++i)
         if (i < my_tiles && warp == 0) issue_tma(i);
 
-    // Q into B (`q_b_piece`: query j's head h at row 32j + h), each query scaled by its own power of two
-    // from its largest |q|.
+    // Q into B (`q_b_piece`; query j's head h at row 8 (h / 2) + 2j + h % 2), each query scaled by its own power
+    // of two from its largest |q|.
     mbarrier_wait(&sh.q_full, 0);
     const bf16* q_s = reinterpret_cast<const bf16*>(sh.bins);
     constexpr int PIECES = D / 8;  // 16-byte pieces per head row
@@ -857,8 +856,11 @@ __device__ void scores_wgmma_group(const DsaParams& p) {
         q_scale[j] = scales.x;
         score_unscale[j] = scales.y;
     }
+    float unscale_mine = score_unscale[0];
+#pragma unroll
+    for (int j = 1; j < G; ++j) unscale_mine = c == j ? score_unscale[j] : unscale_mine;
     for (int i = threadIdx.x; i < GROUP_B_ROWS * PIECES; i += SCORE_WARPS * 32) {
-        const int row = i / PIECES, piece = i % PIECES, j = row / GROUP_HEADS, h = row % GROUP_HEADS;
+        const int row = i / PIECES, piece = i % PIECES, j = row % 8 / 2, h = row / 8 * 2 + row % 2;
         float scale = q_scale[0];
 #pragma unroll
         for (int x = 1; x < G; ++x) scale = j == x ? q_scale[x] : scale;
@@ -871,10 +873,9 @@ __device__ void scores_wgmma_group(const DsaParams& p) {
     __syncthreads();
 
     const int key0 = warp * 16;
-    // The key whose score this lane ends with: key g (even c) or g + 8 (odd c) of the warp's 16; the quad's
-    // lanes 0 and 1 store it.
-    const bool stores_key = c < 2;
-    const int my_key = key0 + g + (c & 1 ? 8 : 0);
+    // The lane's scores: its query's (c) of keys g and g + 8 of the warp's 16.
+    float* score_row = p.scores + (size_t)(t0 + c) * p.score_stride;
+    int* bins_mine = sh.bins[c];
     uint32_t a[KSTEPS][4];
     // Two sets of accumulators in turn (see the decode kernel).
     float d0[64], d1[64];
@@ -919,15 +920,23 @@ __device__ void scores_wgmma_group(const DsaParams& p) {
             wait_tile(i + 1);
             issue_wgmma(i + 1, d_next);
         }
-        const int s = tile_base(i) + my_key;
-        const float key_scale = sh.scales[i % STAGES][my_key];
+        // sum_h w[h] relu(S[key, h]) over the lane's 32 heads (columns 8m + 2c + r: head 2m + r), for key g (lo)
+        // and g + 8 (hi), each in two chains (even and odd m) for the dependent adds' latency.
+        float lo[2] = {0.f, 0.f}, hi[2] = {0.f, 0.f};
 #pragma unroll
-        for (int j = 0; j < G; ++j) {
-            float sum = wgmma_head_sum(d + 16 * j, w_row[j], c);  // query j's 32 heads
-            if (stores_key && s < visible[j]) {
-                sum *= key_scale * score_unscale[j];
-                p.scores[(size_t)(t0 + j) * p.score_stride + s] = sum;
-                atomicAdd(&sh.bins[j][ordered(sum) >> (32 - HIST_BITS)], 1);
+        for (int m = 0; m < GROUP_HEADS / 2; ++m)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                lo[m % 2] += w_mine[2 * m + r] * fmaxf(d[4 * m + r], 0.f);
+                hi[m % 2] += w_mine[2 * m + r] * fmaxf(d[4 * m + 2 + r], 0.f);
+            }
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int key = key0 + g + 8 * half, s = tile_base(i) + key;
+            if (s < visible_mine) {
+                const float sum = (half ? hi[0] + hi[1] : lo[0] + lo[1]) * (sh.scales[i % STAGES][key] * unscale_mine);
+                score_row[s] = sum;
+                atomicAdd(&bins_mine[ordered(sum) >> (32 - HIST_BITS)], 1);
             }
         }
         __syncthreads();  // the stage is refilled next iteration
