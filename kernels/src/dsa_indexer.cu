@@ -374,6 +374,22 @@ __device__ __forceinline__ float wgmma_head_sum(const float* d, const float (&w)
     return sum + __shfl_xor_sync(0xffffffff, sum, 2);
 }
 
+#ifdef DSA_INDEXER_WGMMA
+// A lane's piece of its key row g (key0 + g of a TMA tile of 128-byte FP8 rows, 128-byte swizzled: step k's 16
+// bytes at (k ^ g) * 16). Step k's piece is the returned offset ^ (k * 16); row g + 8 is 8 rows on.
+__device__ __forceinline__ uint32_t key_a_piece(int key0, int g, int c) { return (key0 + g) * 128 + g * 16 + 4 * c; }
+
+// wgmma's A fragment (f16) of k step `k` from the FP8 key rows g and g + 8 (`key_a_piece`): (row g: k 2c, 2c+1;
+// row g+8: the same; row g: k 2c+8, 2c+9; row g+8: the same), as the mma.sync path's B fragments hold them.
+__device__ __forceinline__ void key_a_fragment(const uint8_t* tile, uint32_t a_piece, int k, uint32_t (&a)[4]) {
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+        const uint32_t four = *reinterpret_cast<const uint32_t*>(tile + (a_piece ^ (k * 16)) + n * 8 * 128);
+        e4m3x4_to_f16x2x2(four, a[n], a[2 + n]);
+    }
+}
+#endif
+
 // bf16 / FP8 scores. MT tiles of 16 heads (H <= 16 * MT), rows of D (a multiple of 16). TMA: FP8 rows of
 // 128 in pages of a multiple of TILE_KEYS (the launcher checks), `p` a __grid_constant__ parameter.
 // WG (sm_90a, dsa_indexer_sm90.cu): the TMA kernel with warpgroup MMA. The block's four warps are one
@@ -606,23 +622,16 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
 #ifdef DSA_INDEXER_WGMMA
     // WG: tile i + 1's wgmma runs on the tensor cores under tile i's head sum (software pipelining: the loop
     // waits for each tile's bytes one iteration ahead). S^T = K Q^T: the warp's 16 keys (rows g, g + 8) x 32
-    // heads (columns 8j + 2c + {0, 1}). The keys' f16 pairs are the A fragments as the mma.sync path's B
-    // fragments hold them: (row g: k 2c, 2c+1; row g+8: the same; row g: k 2c+8, 2c+9; row g+8: the same).
+    // heads (columns 8j + 2c + {0, 1}), the keys converted to f16 A fragments (`key_a_fragment`).
     uint32_t a[KSTEPS][4];
-    // This lane's piece of its key row g (the tile's 128-byte swizzle: step k's 16 bytes at (k ^ g) * 16), whose
-    // k-th is a_piece ^ (k * 16); row g + 8 is 8 rows on. B's descriptor at k = 0, the other steps' offsets from it.
-    const uint32_t a_piece = (key0 + g) * Tile::ROW_BYTES + g * 16 + 4 * c;
+    // B's descriptor at k = 0, the other steps' offsets from it.
+    static_assert(!WG || Tile::ROW_BYTES == 128, "wgmma keys are TMA tiles of 128-byte FP8 rows");
+    const uint32_t a_piece = key_a_piece(key0, g, c);
     const uint64_t q_desc0 = wgmma_desc(smem_addr(q_b), 16, 1024);
     const auto issue_wgmma = [&](int i, float (&d)[16]) {
         const uint8_t* tile = stages[i % STAGES];
 #pragma unroll
-        for (int k = 0; k < KSTEPS; ++k)
-#pragma unroll
-            for (int n = 0; n < 2; ++n) {
-                const uint32_t four =
-                    *reinterpret_cast<const uint32_t*>(tile + (a_piece ^ (k * 16)) + n * 8 * Tile::ROW_BYTES);
-                e4m3x4_to_f16x2x2(four, a[k][n], a[k][2 + n]);
-            }
+        for (int k = 0; k < KSTEPS; ++k) key_a_fragment(tile, a_piece, k, a[k]);
         const auto q_desc = [&](int k) { return wgmma_desc_advance(q_desc0, (k / 4) * B_SLAB_BYTES + (k % 4) * 32); };
         wgmma_fence();
         wgmma_m64n32k16_rs_f16_first(d, a[0], q_desc(0));
@@ -882,9 +891,7 @@ __device__ void scores_wgmma_group(const DsaParams& p) {
     // B's descriptor at k = 0; the other k steps' are offsets from it (no descriptor rebuilt per wgmma).
     const uint64_t q_desc0 = wgmma_desc(smem_addr(sh.q_b), 16, 1024);
     const auto wait_tile = [&](int i) { mbarrier_wait(&sh.full[i % STAGES], (i / STAGES) & 1); };
-    // This lane's piece of its key row g (the tile's 128-byte swizzle: step k's 16 bytes at (k ^ g) * 16), whose
-    // k-th is a_piece ^ (k * 16); row g + 8 is 8 rows on.
-    const uint32_t a_piece = (key0 + g) * D + g * 16 + 4 * c;
+    const uint32_t a_piece = key_a_piece(key0, g, c);
     // In two halves of the k steps: the first half's wgmma go out while the second half converts.
     const auto issue_wgmma = [&](int i, float (&d)[64]) {
         const uint8_t* tile = sh.stages[i % STAGES];
@@ -894,12 +901,7 @@ __device__ void scores_wgmma_group(const DsaParams& p) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
 #pragma unroll
-            for (int k = half * KSTEPS / 2; k < (half + 1) * KSTEPS / 2; ++k)
-#pragma unroll
-                for (int n = 0; n < 2; ++n) {
-                    const uint32_t four = *reinterpret_cast<const uint32_t*>(tile + (a_piece ^ (k * 16)) + n * 8 * D);
-                    e4m3x4_to_f16x2x2(four, a[k][n], a[k][2 + n]);
-                }
+            for (int k = half * KSTEPS / 2; k < (half + 1) * KSTEPS / 2; ++k) key_a_fragment(tile, a_piece, k, a[k]);
             wgmma_fence();
 #pragma unroll
             for (int k = half * KSTEPS / 2; k < (half + 1) * KSTEPS / 2; ++k) {
