@@ -758,25 +758,34 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
 #ifdef DSA_INDEXER_WGMMA
 // Prefill scores by warpgroup MMA, GROUP_TOKENS consecutive queries per block: each key tile is copied and
 // converted to f16 once for the group and multiplied against all its queries at once (S^T = K Q^T, one wgmma
-// m64n128k16 per 16 dims: the tile's 64 keys x 4 queries' 32 heads), where the decode kernel
+// m64n136k16 per 16 dims: the tile's 64 keys x 4 queries' 32 heads and 2 columns each of u below), where the
+// decode kernel
 // (scores_mma<..., WG = true>) copies and converts every tile once per query with a quarter of the wgmma's
 // width. The launcher's promise: a block table of one row, so every query with keys is sequence 0's (a
 // query naming another sequence sees none, as in every kernel). Otherwise the decode kernel's contract and
 // layouts: FP8 rows of 128 by TMA in pages of a multiple of TILE_KEYS, 17 to 32 heads, a query's Q scaled
 // into f16's range by its own power of two, a row's tiles strided over its blocks (gridDim.y), scores and
 // the row's histogram (and group sums) as the top-k expects them.
+// The head sum without a relu per head: w relu(x) = w (x + |x|) / 2, and sum_h w_h x_h = u . k for
+// u = sum_h w_h q_h, so score = (u . k + sum_h w_h |x_h|) / 2: one FFMA a head (|x| is an operand modifier)
+// where max-then-FFMA took two, u . k coming from B's two extra columns a query (u as an f16 pair hi + lo, 22
+// bits, scaled into f16's range by its own power of two). Its rounding is of the order of the per-head
+// accumulators' own (f32 sums of the same products); an exact relu zero becomes +-that rounding.
 constexpr int GROUP_TOKENS = 4, GROUP_HEADS = 32, GROUP_STAGES = 4;
-constexpr int GROUP_B_ROWS = GROUP_TOKENS * GROUP_HEADS, GROUP_SLAB_BYTES = GROUP_B_ROWS * 128;
+constexpr int GROUP_U_PARTS = 2, GROUP_COLUMNS = GROUP_HEADS + GROUP_U_PARTS;  // B's columns a query
+constexpr int GROUP_B_ROWS = GROUP_TOKENS * GROUP_COLUMNS, GROUP_SLAB_BYTES = GROUP_B_ROWS * 128;
 struct GroupScoreShared {
     alignas(1024) uint8_t stages[GROUP_STAGES][TILE_KEYS * 128];
-    // wgmma's B: [2 slabs of 64 dims][query j's head h at row 8 (h / 2) + 2j + h % 2][128 bytes], 128-byte
-    // swizzled: the accumulator columns a lane holds (8m + 2c + {0, 1}) are then all of query c's heads.
+    // wgmma's B: [2 slabs of 64 dims][query j's column h at row 8 (h / 2) + 2j + h % 2][128 bytes], 128-byte
+    // swizzled: the accumulator columns a lane holds (8m + 2c + {0, 1}) are then all of query c's. Columns
+    // 0..31 are the heads, 32 and 33 u's hi and lo.
     alignas(1024) uint8_t q_b[128 / 64][GROUP_SLAB_BYTES];
     // Each query's share of its row's histogram; first the group's Q as it arrives (bf16 [query][head][dim]).
     alignas(16) int bins[GROUP_TOKENS][HIST_BINS];
     alignas(16) float scales[GROUP_STAGES][TILE_KEYS];
     uint64_t full[GROUP_STAGES], q_full;
-    float warp_amax[SCORE_WARPS][GROUP_TOKENS];
+    float warp_amax[SCORE_WARPS][GROUP_TOKENS], warp_umax[SCORE_WARPS][GROUP_TOKENS];
+    float weights[GROUP_TOKENS * GROUP_HEADS];  // the group's head weights (for u)
 };
 // The launcher's dynamic shared memory for it (`GROUP_SHARED_BYTES` in Rust): the struct and the slack to
 // align the dynamic base to 1024 bytes.
@@ -814,16 +823,18 @@ __device__ void scores_wgmma_group(const DsaParams& p) {
         bulk_copy_to_shared(sh.bins, static_cast<const bf16*>(p.q) + (size_t)t0 * p.H * D, queries * p.H * D * 2,
                             &sh.q_full);
     }
-    // Lane c's query is query c of the group (B's column order): its head weights, its visible keys.
-    static_assert(G == 4 && GROUP_HEADS == 32, "a quad's four lanes hold the four queries' 32 heads each");
-    float w_mine[GROUP_HEADS];
+    // Lane c's query is query c of the group (B's column order): its head weights (halved), its visible keys.
+    static_assert(G == 4 && GROUP_COLUMNS == 34, "a quad's four lanes hold the four queries' 34 columns each");
+    float w_half[GROUP_HEADS];
 #pragma unroll
     for (int h = 0; h < GROUP_HEADS; ++h)
-        w_mine[h] = c < queries && h < p.H ? p.weights[(size_t)(t0 + c) * p.H + h] : 0.f;
+        w_half[h] = c < queries && h < p.H ? 0.5f * p.weights[(size_t)(t0 + c) * p.H + h] : 0.f;
     int visible_mine = visible[0];
 #pragma unroll
     for (int j = 1; j < G; ++j) visible_mine = c == j ? visible[j] : visible_mine;
-    __syncthreads();  // the barriers are initialised
+    static_assert(GROUP_TOKENS * GROUP_HEADS <= SCORE_WARPS * 32, "a weight a thread");
+    if (threadIdx.x < queries * p.H) sh.weights[threadIdx.x] = p.weights[(size_t)t0 * p.H + threadIdx.x];
+    __syncthreads();  // the barriers are initialised, the weights stored
     // Warp 0 issues the tiles, their first rows read a chunk of 32 ahead (`tile_first_row`).
     const auto first_row_of = [&](int i) { return i < my_tiles ? (int)key_row(p, seq, tile_base(i)) : -1; };
     int rows_now = -1, rows_next = -1;
@@ -840,35 +851,64 @@ __device__ void scores_wgmma_group(const DsaParams& p) {
         if (i < my_tiles && warp == 0) issue_tma(i);
 
     // Q into B (`q_b_piece`; query j's head h at row 8 (h / 2) + 2j + h % 2), each query scaled by its own power
-    // of two from its largest |q|.
+    // of two from its largest |q|; u's hi and lo (columns 32, 33) scaled by theirs from its largest |u|.
     mbarrier_wait(&sh.q_full, 0);
     const bf16* q_s = reinterpret_cast<const bf16*>(sh.bins);
     constexpr int PIECES = D / 8;  // 16-byte pieces per head row
+    static_assert(D == SCORE_WARPS * 32, "a thread's dim of u");
+    float u[G];  // u[j] = sum_h w[j, h] q[j, h, dim], dim = threadIdx.x
 #pragma unroll
     for (int j = 0; j < G; ++j) {
         uint32_t m = 0;
-        if (j < queries)
+        u[j] = 0.f;
+        if (j < queries) {
             for (int i = threadIdx.x; i < p.H * PIECES; i += SCORE_WARPS * 32)
                 m = abs_max_bf16x8(reinterpret_cast<const uint4*>(q_s + (size_t)j * p.H * D)[i], m);
-        float amax = larger_bf16(m);
-        for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, o));
-        if (lane == 0) sh.warp_amax[warp][j] = amax;
+#pragma unroll
+            for (int h = 0; h < GROUP_HEADS; ++h)
+                if (h < p.H) u[j] += sh.weights[j * p.H + h] * __bfloat162float(q_s[(j * p.H + h) * D + threadIdx.x]);
+        }
+        float amax = larger_bf16(m), umax = fabsf(u[j]);
+        for (int o = 16; o > 0; o /= 2) {
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, o));
+            umax = fmaxf(umax, __shfl_xor_sync(0xffffffff, umax, o));
+        }
+        if (lane == 0) {
+            sh.warp_amax[warp][j] = amax;
+            sh.warp_umax[warp][j] = umax;
+        }
     }
     __syncthreads();
-    float q_scale[G], score_unscale[G];
+    float q_scale[G], score_unscale[G], u_to_x[G];  // u_to_x: from u . k's units to the heads' (x = q_scale q . k)
 #pragma unroll
     for (int j = 0; j < G; ++j) {
-        float m = 0.f;
+        float m = 0.f, mu = 0.f;
 #pragma unroll
-        for (int w = 0; w < SCORE_WARPS; ++w) m = fmaxf(m, sh.warp_amax[w][j]);
-        const float2 scales = q_scales(m);
+        for (int w = 0; w < SCORE_WARPS; ++w) {
+            m = fmaxf(m, sh.warp_amax[w][j]);
+            mu = fmaxf(mu, sh.warp_umax[w][j]);
+        }
+        const float2 scales = q_scales(m), u_scales = q_scales(mu);
         q_scale[j] = scales.x;
         score_unscale[j] = scales.y;
+        u_to_x[j] = scales.x * u_scales.y;
+        // This thread's dim of u into columns 32 (hi) and 33 (lo), rows 128 + 2j + {0, 1}, where `q_b_piece` puts
+        // a dim: d = 16a + 4c + 2b + e is value 2c + e of piece 2a + b.
+        const float scaled = u[j] * u_scales.x;
+        const __half hi = __float2half_rn(scaled), lo = __float2half_rn(scaled - __half2float(hi));
+        const int dim = threadIdx.x, row = 8 * (GROUP_HEADS / 2) + 2 * j, piece = dim / 16 * 2 + dim % 4 / 2;
+        const int in_piece = (dim % 16 / 4 * 2 + dim % 2) * 2;
+        *reinterpret_cast<__half*>(sh.q_b[piece / 8] + q_b_piece_offset(row, piece) + in_piece) = hi;
+        *reinterpret_cast<__half*>(sh.q_b[piece / 8] + q_b_piece_offset(row + 1, piece) + in_piece) = lo;
     }
-    float unscale_mine = score_unscale[0];
+    // Lane c's: its score's unscale, and u . k's factor into the halved sum (0.5 u_to_x).
+    float unscale_mine = score_unscale[0], half_u_to_x_mine = 0.5f * u_to_x[0];
 #pragma unroll
-    for (int j = 1; j < G; ++j) unscale_mine = c == j ? score_unscale[j] : unscale_mine;
-    for (int i = threadIdx.x; i < GROUP_B_ROWS * PIECES; i += SCORE_WARPS * 32) {
+    for (int j = 1; j < G; ++j) {
+        unscale_mine = c == j ? score_unscale[j] : unscale_mine;
+        half_u_to_x_mine = c == j ? 0.5f * u_to_x[j] : half_u_to_x_mine;
+    }
+    for (int i = threadIdx.x; i < GROUP_TOKENS * GROUP_HEADS * PIECES; i += SCORE_WARPS * 32) {
         const int row = i / PIECES, piece = i % PIECES, j = row % 8 / 2, h = row / 8 * 2 + row % 2;
         float scale = q_scale[0];
 #pragma unroll
@@ -887,13 +927,13 @@ __device__ void scores_wgmma_group(const DsaParams& p) {
     int* bins_mine = sh.bins[c];
     uint32_t a[KSTEPS][4];
     // Two sets of accumulators in turn (see the decode kernel).
-    float d0[64], d1[64];
+    float d0[GROUP_COLUMNS * 2], d1[GROUP_COLUMNS * 2];
     // B's descriptor at k = 0; the other k steps' are offsets from it (no descriptor rebuilt per wgmma).
     const uint64_t q_desc0 = wgmma_desc(smem_addr(sh.q_b), 16, 1024);
     const auto wait_tile = [&](int i) { mbarrier_wait(&sh.full[i % STAGES], (i / STAGES) & 1); };
     const uint32_t a_piece = key_a_piece(key0, g, c);
     // In two halves of the k steps: the first half's wgmma go out while the second half converts.
-    const auto issue_wgmma = [&](int i, float (&d)[64]) {
+    const auto issue_wgmma = [&](int i, float (&d)[GROUP_COLUMNS * 2]) {
         const uint8_t* tile = sh.stages[i % STAGES];
         const auto q_desc = [&](int k) {
             return wgmma_desc_advance(q_desc0, (k / 4) * GROUP_SLAB_BYTES + (k % 4) * 32);
@@ -905,14 +945,14 @@ __device__ void scores_wgmma_group(const DsaParams& p) {
             wgmma_fence();
 #pragma unroll
             for (int k = half * KSTEPS / 2; k < (half + 1) * KSTEPS / 2; ++k) {
-                if (k == 0) wgmma_m64n128k16_rs_f16_first(d, a[0], q_desc(0));
-                else wgmma_m64n128k16_rs_f16(d, a[k], q_desc(k), 1);
+                if (k == 0) wgmma_m64n136k16_rs_f16_first(d, a[0], q_desc(0));
+                else wgmma_m64n136k16_rs_f16(d, a[k], q_desc(k), 1);
             }
         }
         wgmma_commit();
     };
     // Tile i's scores from `d` (issued an iteration ago); tile i + 1's wgmma goes out into `d_next` first.
-    const auto tile_step = [&](const int i, float (&d)[64], float (&d_next)[64]) {
+    const auto tile_step = [&](const int i, float (&d)[GROUP_COLUMNS * 2], float (&d_next)[GROUP_COLUMNS * 2]) {
         const int ahead = i + STAGES - 1;  // refills the stage consumed in iteration i - 1
         if (ahead < my_tiles && warp == 0) issue_tma(ahead);
         wgmma_wait<0>();
@@ -922,21 +962,25 @@ __device__ void scores_wgmma_group(const DsaParams& p) {
             wait_tile(i + 1);
             issue_wgmma(i + 1, d_next);
         }
-        // sum_h w[h] relu(S[key, h]) over the lane's 32 heads (columns 8m + 2c + r: head 2m + r), for key g (lo)
-        // and g + 8 (hi), each in two chains (even and odd m) for the dependent adds' latency.
+        // (u . k + sum_h w[h] |S[key, h]|) / 2 over the lane's 32 heads (columns 8m + 2c + r: head 2m + r; u's
+        // hi and lo at m = 16), for key g (lo) and g + 8 (hi), the head sums in two chains (even and odd m) for
+        // the dependent adds' latency.
+        constexpr int U = 4 * (GROUP_HEADS / 2);  // u's accumulators: key g's hi, lo, then key g + 8's
         float lo[2] = {0.f, 0.f}, hi[2] = {0.f, 0.f};
 #pragma unroll
         for (int m = 0; m < GROUP_HEADS / 2; ++m)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                lo[m % 2] += w_mine[2 * m + r] * fmaxf(d[4 * m + r], 0.f);
-                hi[m % 2] += w_mine[2 * m + r] * fmaxf(d[4 * m + 2 + r], 0.f);
+                lo[m % 2] += w_half[2 * m + r] * fabsf(d[4 * m + r]);
+                hi[m % 2] += w_half[2 * m + r] * fabsf(d[4 * m + 2 + r]);
             }
+        const float key_sum[2] = {fmaf(d[U] + d[U + 1], half_u_to_x_mine, lo[0] + lo[1]),
+                                  fmaf(d[U + 2] + d[U + 3], half_u_to_x_mine, hi[0] + hi[1])};
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int key = key0 + g + 8 * half, s = tile_base(i) + key;
             if (s < visible_mine) {
-                const float sum = (half ? hi[0] + hi[1] : lo[0] + lo[1]) * (sh.scales[i % STAGES][key] * unscale_mine);
+                const float sum = key_sum[half] * (sh.scales[i % STAGES][key] * unscale_mine);
                 score_row[s] = sum;
                 atomicAdd(&bins_mine[ordered(sum) >> (32 - HIST_BITS)], 1);
             }

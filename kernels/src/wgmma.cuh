@@ -97,15 +97,15 @@ WGMMA_M64N32K16_RS(wgmma_m64n32k16_rs_f16, "f16", "+f", accumulate, , int accumu
 WGMMA_M64N32K16_RS(wgmma_m64n32k16_rs_f16_first, "f16", "=f", 0)
 #undef WGMMA_M64N32K16_RS
 
-// D(64x128, f32) (+)= A(64x16, f16, registers) * B(16x128, f16, shared, K-major): the prefill score kernel's
+// D(64x136, f32) (+)= A(64x16, f16, registers) * B(16x136, f16, shared, K-major): the prefill score kernel's
 // wgmma (dsa_indexer.cu, `scores_wgmma_group`: FP8 keys converted to f16 in registers against four queries'
-// Q). `*_first` as above.
-#define WGMMA_M64N128K16_RS_F16(NAME, OUT, SCALE_D, ...)                                                    \
-    __device__ __forceinline__ void NAME(float (&d)[64], const uint32_t (&a)[4], uint64_t b __VA_ARGS__) {    \
-        asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %69, 0;\n"                                         \
-                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"                                  \
-                     "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "                                                                                \
-                     "{%64,%65,%66,%67}, %68, p, 1, 1, 0;\n}\n"                                             \
+// 32 heads and 2 columns of their weighted head sum). `*_first` as above.
+#define WGMMA_M64N136K16_RS_F16(NAME, OUT, SCALE_D, ...)                                                       \
+    __device__ __forceinline__ void NAME(float (&d)[68], const uint32_t (&a)[4], uint64_t b __VA_ARGS__) {     \
+        asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %73, 0;\n"                                            \
+                     "wgmma.mma_async.sync.aligned.m64n136k16.f32.f16.f16 {"                                   \
+                     "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67}, " \
+                     "{%68,%69,%70,%71}, %72, p, 1, 1, 0;\n}\n"                                                \
                      : OUT(d[0]), OUT(d[1]), OUT(d[2]), OUT(d[3]), OUT(d[4]), OUT(d[5]), OUT(d[6]), OUT(d[7]), \
                        OUT(d[8]), OUT(d[9]), OUT(d[10]), OUT(d[11]), OUT(d[12]), OUT(d[13]), OUT(d[14]), OUT(d[15]), \
                        OUT(d[16]), OUT(d[17]), OUT(d[18]), OUT(d[19]), OUT(d[20]), OUT(d[21]), OUT(d[22]), OUT(d[23]), \
@@ -113,9 +113,10 @@ WGMMA_M64N32K16_RS(wgmma_m64n32k16_rs_f16_first, "f16", "=f", 0)
                        OUT(d[32]), OUT(d[33]), OUT(d[34]), OUT(d[35]), OUT(d[36]), OUT(d[37]), OUT(d[38]), OUT(d[39]), \
                        OUT(d[40]), OUT(d[41]), OUT(d[42]), OUT(d[43]), OUT(d[44]), OUT(d[45]), OUT(d[46]), OUT(d[47]), \
                        OUT(d[48]), OUT(d[49]), OUT(d[50]), OUT(d[51]), OUT(d[52]), OUT(d[53]), OUT(d[54]), OUT(d[55]), \
-                       OUT(d[56]), OUT(d[57]), OUT(d[58]), OUT(d[59]), OUT(d[60]), OUT(d[61]), OUT(d[62]), OUT(d[63]) \
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(SCALE_D));                   \
+                       OUT(d[56]), OUT(d[57]), OUT(d[58]), OUT(d[59]), OUT(d[60]), OUT(d[61]), OUT(d[62]), OUT(d[63]), \
+                       OUT(d[64]), OUT(d[65]), OUT(d[66]), OUT(d[67])                                          \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(SCALE_D));                      \
     }
-WGMMA_M64N128K16_RS_F16(wgmma_m64n128k16_rs_f16, "+f", accumulate, , int accumulate)
-WGMMA_M64N128K16_RS_F16(wgmma_m64n128k16_rs_f16_first, "=f", 0)
-#undef WGMMA_M64N128K16_RS_F16
+WGMMA_M64N136K16_RS_F16(wgmma_m64n136k16_rs_f16, "+f", accumulate, , int accumulate)
+WGMMA_M64N136K16_RS_F16(wgmma_m64n136k16_rs_f16_first, "=f", 0)
+#undef WGMMA_M64N136K16_RS_F16
