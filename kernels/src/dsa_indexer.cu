@@ -759,9 +759,8 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
 // Prefill scores by warpgroup MMA, GROUP_TOKENS consecutive queries per block: each key tile is copied and
 // converted to f16 once for the group and multiplied against all its queries at once (S^T = K Q^T, one wgmma
 // m64n136k16 per 16 dims: the tile's 64 keys x 4 queries' 32 heads and 2 columns each of u below), where the
-// decode kernel
-// (scores_mma<..., WG = true>) copies and converts every tile once per query with a quarter of the wgmma's
-// width. The launcher's promise: a block table of one row, so every query with keys is sequence 0's (a
+// decode kernel (scores_mma<..., WG = true>) copies and converts every tile once per query with a quarter of
+// the wgmma's width. The launcher's promise: a block table of one row, so every query with keys is sequence 0's (a
 // query naming another sequence sees none, as in every kernel). Otherwise the decode kernel's contract and
 // layouts: FP8 rows of 128 by TMA in pages of a multiple of TILE_KEYS, 17 to 32 heads, a query's Q scaled
 // into f16's range by its own power of two, a row's tiles strided over its blocks (gridDim.y), scores and
