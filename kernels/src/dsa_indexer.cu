@@ -281,6 +281,12 @@ __device__ __forceinline__ uint4 q_b_piece(bool real, const bf16* head, int piec
 __device__ __forceinline__ int q_b_piece_offset(int row, int piece) {
     return row * 128 + ((piece % 8) ^ (row % 8)) * 16;
 }
+// The byte offset of one f16 value, dim `dim` of row `row`, from the first slab (slabs `slab_bytes` apart), in
+// `q_b_piece`'s order: d = 16a + 4c + 2b + e is value 2c + e of piece 2a + b.
+__device__ __forceinline__ int q_b_dim_offset(int row, int dim, int slab_bytes) {
+    const int piece = dim / 16 * 2 + dim % 4 / 2, value = dim % 16 / 4 * 2 + dim % 2;
+    return piece / 8 * slab_bytes + q_b_piece_offset(row, piece) + value * 2;
+}
 
 // The largest |x| of eight packed bf16 and of the two in `amax`, as packed bf16: on the bits (without the
 // sign they order as the magnitudes do), two 16-bit lanes at a time. A NaN orders above infinity here, where a
@@ -891,14 +897,12 @@ __device__ void scores_wgmma_group(const DsaParams& p) {
         q_scale[j] = scales.x;
         score_unscale[j] = scales.y;
         u_to_x[j] = scales.x * u_scales.y;
-        // This thread's dim of u into columns 32 (hi) and 33 (lo), rows 128 + 2j + {0, 1}, where `q_b_piece` puts
-        // a dim: d = 16a + 4c + 2b + e is value 2c + e of piece 2a + b.
+        // This thread's dim of u into columns 32 (hi) and 33 (lo), rows 128 + 2j + {0, 1}.
         const float scaled = u[j] * u_scales.x;
         const __half hi = __float2half_rn(scaled), lo = __float2half_rn(scaled - __half2float(hi));
-        const int dim = threadIdx.x, row = 8 * (GROUP_HEADS / 2) + 2 * j, piece = dim / 16 * 2 + dim % 4 / 2;
-        const int in_piece = (dim % 16 / 4 * 2 + dim % 2) * 2;
-        *reinterpret_cast<__half*>(sh.q_b[piece / 8] + q_b_piece_offset(row, piece) + in_piece) = hi;
-        *reinterpret_cast<__half*>(sh.q_b[piece / 8] + q_b_piece_offset(row + 1, piece) + in_piece) = lo;
+        const int row = 8 * (GROUP_HEADS / 2) + 2 * j;
+        *reinterpret_cast<__half*>(sh.q_b[0] + q_b_dim_offset(row, threadIdx.x, GROUP_SLAB_BYTES)) = hi;
+        *reinterpret_cast<__half*>(sh.q_b[0] + q_b_dim_offset(row + 1, threadIdx.x, GROUP_SLAB_BYTES)) = lo;
     }
     // Lane c's: its score's unscale, and u . k's factor into the halved sum (0.5 u_to_x).
     float unscale_mine = score_unscale[0], half_u_to_x_mine = 0.5f * u_to_x[0];
