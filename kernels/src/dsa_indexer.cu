@@ -828,18 +828,17 @@ __device__ void scores_wgmma_group(const DsaParams& p) {
         bulk_copy_to_shared(sh.bins, static_cast<const bf16*>(p.q) + (size_t)t0 * p.H * D, queries * p.H * D * 2,
                             &sh.q_full);
     }
-    // Lane c's query is query c of the group (B's column order): its head weights (halved), its visible keys.
+    // Lane c's query is query c of the group (B's column order): its visible keys; below, its head weights (halved).
     static_assert(G == 4 && GROUP_COLUMNS == 34, "a quad's four lanes hold the four queries' 34 columns each");
-    float w_half[GROUP_HEADS];
-#pragma unroll
-    for (int h = 0; h < GROUP_HEADS; ++h)
-        w_half[h] = c < queries && h < p.H ? 0.5f * p.weights[(size_t)(t0 + c) * p.H + h] : 0.f;
     int visible_mine = visible[0];
 #pragma unroll
     for (int j = 1; j < G; ++j) visible_mine = c == j ? visible[j] : visible_mine;
     static_assert(GROUP_TOKENS * GROUP_HEADS <= SCORE_WARPS * 32, "a weight a thread");
     if (threadIdx.x < queries * p.H) sh.weights[threadIdx.x] = p.weights[(size_t)t0 * p.H + threadIdx.x];
     __syncthreads();  // the barriers are initialised, the weights stored
+    float w_half[GROUP_HEADS];
+#pragma unroll
+    for (int h = 0; h < GROUP_HEADS; ++h) w_half[h] = c < queries && h < p.H ? 0.5f * sh.weights[c * p.H + h] : 0.f;
     // Warp 0 issues the tiles, their first rows read a chunk of 32 ahead (`tile_first_row`).
     const auto first_row_of = [&](int i) { return i < my_tiles ? (int)key_row(p, seq, tile_base(i)) : -1; };
     int rows_now = -1, rows_next = -1;
