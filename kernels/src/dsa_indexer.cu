@@ -798,6 +798,15 @@ constexpr int GROUP_SHARED_BYTES = 104 * 1024;
 static_assert(sizeof(GroupScoreShared) + 1024 <= GROUP_SHARED_BYTES, "the launcher's dynamic shared memory");
 static_assert(GROUP_TOKENS * GROUP_HEADS * 128 * 2 <= sizeof(int) * GROUP_TOKENS * HIST_BINS, "Q fits in the bins");
 
+// v[i] of a small array held in registers, by selects (indexing it with a runtime i would put it in local memory).
+template <typename T, int N>
+__device__ __forceinline__ T register_at(const T (&v)[N], int i) {
+    T x = v[0];
+#pragma unroll
+    for (int j = 1; j < N; ++j) x = i == j ? v[j] : x;
+    return x;
+}
+
 __device__ void scores_wgmma_group(const DsaParams& p) {
     constexpr int D = 128, KSTEPS = D / 16, STAGES = GROUP_STAGES, G = GROUP_TOKENS;
     extern __shared__ uint8_t group_smem[];
@@ -830,9 +839,7 @@ __device__ void scores_wgmma_group(const DsaParams& p) {
     }
     // Lane c's query is query c of the group (B's column order): its visible keys; below, its head weights (halved).
     static_assert(G == 4 && GROUP_COLUMNS == 34, "a quad's four lanes hold the four queries' 34 columns each");
-    int visible_mine = visible[0];
-#pragma unroll
-    for (int j = 1; j < G; ++j) visible_mine = c == j ? visible[j] : visible_mine;
+    const int visible_mine = register_at(visible, c);
     static_assert(GROUP_TOKENS * GROUP_HEADS <= SCORE_WARPS * 32, "a weight a thread");
     if (threadIdx.x < queries * p.H) sh.weights[threadIdx.x] = p.weights[(size_t)t0 * p.H + threadIdx.x];
     __syncthreads();  // the barriers are initialised, the weights stored
@@ -904,19 +911,11 @@ __device__ void scores_wgmma_group(const DsaParams& p) {
         *reinterpret_cast<__half*>(sh.q_b[0] + q_b_dim_offset(row + 1, threadIdx.x, GROUP_SLAB_BYTES)) = lo;
     }
     // Lane c's: its score's unscale, and u . k's factor into the halved sum (0.5 u_to_x).
-    float unscale_mine = score_unscale[0], half_u_to_x_mine = 0.5f * u_to_x[0];
-#pragma unroll
-    for (int j = 1; j < G; ++j) {
-        unscale_mine = c == j ? score_unscale[j] : unscale_mine;
-        half_u_to_x_mine = c == j ? 0.5f * u_to_x[j] : half_u_to_x_mine;
-    }
+    const float unscale_mine = register_at(score_unscale, c), half_u_to_x_mine = 0.5f * register_at(u_to_x, c);
     for (int i = threadIdx.x; i < GROUP_TOKENS * GROUP_HEADS * PIECES; i += SCORE_WARPS * 32) {
         const int row = i / PIECES, piece = i % PIECES, j = row % 8 / 2, h = row / 8 * 2 + row % 2;
-        float scale = q_scale[0];
-#pragma unroll
-        for (int x = 1; x < G; ++x) scale = j == x ? q_scale[x] : scale;
         *reinterpret_cast<uint4*>(sh.q_b[piece / 8] + q_b_piece_offset(row, piece)) =
-            q_b_piece(j < queries && h < p.H, q_s + ((size_t)j * p.H + h) * D, piece, scale);
+            q_b_piece(j < queries && h < p.H, q_s + ((size_t)j * p.H + h) * D, piece, register_at(q_scale, j));
     }
     fence_proxy_async_shared();  // visible to wgmma's reads
     __syncthreads();             // every thread has read Q: its space becomes the bins
