@@ -15,8 +15,8 @@
 //                          histogram gives the K-th's top 22 bits, and the few candidates sharing them are
 //                          ranked (radix select over the candidates when more than FINE_LIST do); then the
 //                          candidates taken into their segments' masks, and each segment's output offset.
-//   dsa_topk_emit          per (segment, token): the segment's selected positions (its mask), in ascending
-//                          order, at its offset; rows with visible <= K get 0..visible-1 and -1 padding.
+//   dsa_topk_emit          per (segment, token), a warp each: the segment's selected positions (its mask), in
+//                          ascending order, at its offset; rows with visible <= K get 0..visible-1 and -1 padding.
 // The top-k kernels are programmatic dependent launches: each may start while its predecessor finishes and
 // waits (griddepcontrol.wait) before reading what it wrote.
 // The result is the set of the min(K, visible) highest scores, in ascending position order, -1 padded;
@@ -1367,34 +1367,66 @@ __device__ void topk_threshold_impl(const DsaParams& p) {
     }
 }
 
-// Per (segment, token): the segment's selected positions (its mask, complete once the threshold kernel has
-// added the candidates taken), in order, at the segment's offset; the scores are not read again.
+// Per (segment, token), one warp a segment (EMIT_SEGMENTS to a block of SEG_THREADS): the segment's selected
+// positions (its mask, complete once the threshold kernel has added the candidates taken), in ascending order,
+// at the segment's offset; the scores are not read again. Rows with visible <= K get 0..visible-1 and -1
+// padding. A warp, not a block, per segment, and a lane 64 consecutive positions: four loads, one warp prefix sum
+// and the stores, no block barrier (a block a segment took 80 µs for a 2048-row chunk of 32K rows on the H200,
+// 31 waves of blocks; a warp a segment taking 8 rounds of 32 positions added ~2 µs to a 128K decode row).
+constexpr int EMIT_SEGMENTS = SEG_THREADS / 32;
 __device__ void topk_emit_impl(const DsaParams& p) {
-    const int t = blockIdx.y, segment = blockIdx.x;
+    const int t = blockIdx.y, segment = blockIdx.x * EMIT_SEGMENTS + threadIdx.x / 32, lane = threadIdx.x % 32;
     const int n = visible_keys(p, t), K = p.K;
-    const int first = segment * SEG + threadIdx.x * SEG_ELEMS;
     int* out = p.indices + (size_t)t * K;
     asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the threshold kernel's writes
     if (n <= K) {  // every visible position, then -1
-#pragma unroll
-        for (int j = 0; j < SEG_ELEMS; ++j)
-            if (first + j < K) out[first + j] = first + j < n ? first + j : -1;
+        for (int s = segment * SEG + lane; s < min((segment + 1) * SEG, K); s += 32) out[s] = s < n ? s : -1;
         return;
     }
     if (segment * SEG >= n) return;
-    __shared__ int warp_sums[32];
-    const int offset = segment_offsets_of(p, t)[segment], lane = threadIdx.x % 32;
-    const uint32_t* masks = segment_masks_of(p, t);
-    // Lane j < SEG_ELEMS: the warp's mask word j.
-    const uint32_t word = lane < SEG_ELEMS ? masks[mask_word_index(segment, threadIdx.x / 32, lane)] : 0u;
-    uint32_t take = 0;  // bit j: this thread's j-th position
+    // Lane l takes the positions of the candidates kernel's threads 8l .. 8l + 7: bits 8 (l % 4) .. 8 (l % 4) + 7
+    // of the 8 mask words of that kernel's warp l / 4 (`mask_word_index`: word j, bit i holds the j-th position
+    // of thread i). Byte j of `rows` is byte l % 4 of word j (bit s: thread 8l + s's position j); its 8 x 8 bit
+    // transpose (Hacker's Delight 7-3) puts position j of thread 8l + s at bit 8s + j, in position order.
+    static_assert(SEG_ELEMS == 8 && SEG_THREADS / 32 * 4 == 32 && SEG == 64 * 32, "a lane: 8 threads' 8 positions");
+    const uint2* words = reinterpret_cast<const uint2*>(segment_masks_of(p, t) + mask_word_index(segment, lane / 4, 0));
+    const uint2 w01 = words[0], w23 = words[1], w45 = words[2], w67 = words[3];
+    const uint32_t pick = lane % 4 | (lane % 4 + 4) << 4;  // __byte_perm: byte l % 4 of x, then of y
+    const uint32_t low = __byte_perm(__byte_perm(w01.x, w01.y, pick), __byte_perm(w23.x, w23.y, pick), 0x5410);
+    const uint32_t high = __byte_perm(__byte_perm(w45.x, w45.y, pick), __byte_perm(w67.x, w67.y, pick), 0x5410);
+    uint64_t take = (uint64_t)high << 32 | low, swap;
+    swap = (take ^ take >> 7) & 0x00AA00AA00AA00AAull;
+    take ^= swap ^ swap << 7;
+    swap = (take ^ take >> 14) & 0x0000CCCC0000CCCCull;
+    take ^= swap ^ swap << 14;
+    swap = (take ^ take >> 28) & 0x00000000F0F0F0F0ull;
+    take ^= swap ^ swap << 28;
+    // Sparse segments (decode rows of 16K and more: at most DIRECT_STORES selected, ~8 a lane) store each lane's
+    // run as it is, the shortest latency. Denser ones go out 32 at a time, lane i storing the i-th, so that a store
+    // instruction writes consecutive slots (each lane storing its own run, ~16 a lane, made an 8K prefill chunk's
+    // top-k 25% slower; the 32-at-a-time path made a 128K decode row 0.6-0.9 µs slower): its owner is the lane whose
+    // run holds it, found by a binary search over the runs' ends.
+    constexpr int DIRECT_STORES = 256;
+    const int count = __popcll(take), end = warp_inclusive_sum(count), total = __shfl_sync(0xffffffff, end, 31);
+    int* segment_out = out + segment_offsets_of(p, t)[segment];
+    if (total <= DIRECT_STORES) {
+        const int first = segment * SEG + lane * 64;
+        int slot = end - count;
+        for (; take != 0; take &= take - 1) segment_out[slot++] = first + __ffsll((long long)take) - 1;
+        return;
+    }
+    const uint32_t take_low = (uint32_t)take, take_high = (uint32_t)(take >> 32);
+    for (int i = lane; i - lane < total; i += 32) {
+        int owner = 0;  // the number of runs that end at or before i
 #pragma unroll
-    for (int j = 0; j < SEG_ELEMS; ++j) take |= (__shfl_sync(0xffffffff, word, j) >> lane & 1u) << j;
-    int total;
-    int slot = offset + block_exclusive_scan<SEG_THREADS>(__popc(take), warp_sums, total);
-#pragma unroll
-    for (int j = 0; j < SEG_ELEMS; ++j)
-        if (take >> j & 1u) out[slot++] = first + j;
+        for (int step = 16; step > 0; step /= 2)
+            if (__shfl_sync(0xffffffff, end, owner + step - 1) <= i) owner += step;
+        const int rank = i - __shfl_sync(0xffffffff, end - count, owner);  // in the owner's run
+        const uint32_t low = __shfl_sync(0xffffffff, take_low, owner), high = __shfl_sync(0xffffffff, take_high, owner);
+        const int in_low = __popc(low);
+        const int bit = rank < in_low ? __fns(low, 0, rank + 1) : 32 + __fns(high, 0, rank - in_low + 1);
+        if (i < total) segment_out[i] = segment * SEG + owner * 64 + bit;
+    }
 }
 
 // ---------------------------------------------------------------------------------------------------------

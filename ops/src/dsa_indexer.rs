@@ -787,6 +787,8 @@ mod cuda {
     const WORK_PER_SEGMENT: usize = 2 + SEGMENT / 32;
     const SCORE_THREADS: u32 = 128;
     const SEGMENT_THREADS: u32 = 256;
+    /// Segments per emit block, a warp each (`EMIT_SEGMENTS` in the .cu file).
+    const EMIT_SEGMENTS: usize = SEGMENT_THREADS as usize / 32;
     const TOPK_THREADS: u32 = 512;
     /// Dynamic shared memory of the threshold kernel: up to 8192 staged candidates' values and positions
     /// (`STAGED_CANDIDATES` in the .cu file).
@@ -1250,7 +1252,13 @@ mod cuda {
                         (
                             &emit_fn,
                             config(
-                                (positions.max(self.top_k).div_ceil(SEGMENT), len),
+                                (
+                                    positions
+                                        .max(self.top_k)
+                                        .div_ceil(SEGMENT)
+                                        .div_ceil(EMIT_SEGMENTS),
+                                    len,
+                                ),
                                 SEGMENT_THREADS,
                                 0,
                             ),
