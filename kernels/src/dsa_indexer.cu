@@ -1401,15 +1401,16 @@ __device__ void topk_emit_impl(const DsaParams& p) {
     take ^= swap ^ swap << 14;
     swap = (take ^ take >> 28) & 0x00000000F0F0F0F0ull;
     take ^= swap ^ swap << 28;
-    // Sparse segments (decode rows of 16K and more: at most DIRECT_STORES selected, ~8 a lane) store each lane's
-    // run as it is, the shortest latency. Denser ones go out 32 at a time, lane i storing the i-th, so that a store
-    // instruction writes consecutive slots (each lane storing its own run, ~16 a lane, made an 8K prefill chunk's
-    // top-k 25% slower; the 32-at-a-time path made a 128K decode row 0.6-0.9 µs slower): its owner is the lane whose
-    // run holds it, found by a binary search over the runs' ends.
-    constexpr int DIRECT_STORES = 256;
+    // Each lane stores its own run (the shortest latency) unless the segment is dense (over DIRECT_STORES selected:
+    // contexts under 16K) in a grid of more than a wave (COALESCED_BLOCKS: a prefill chunk), where the stores bound
+    // the time: then they go out 32 at a time, lane i storing the i-th, so that a store instruction writes
+    // consecutive slots; its owner is the lane whose run holds it, found by a binary search over the runs' ends.
+    // On the H200: own runs (~16 a lane) made an 8K prefill chunk's top-k 25% slower; 32 at a time made a 128K
+    // decode row 0.6-0.9 µs slower and an 8K batch-64 decode step's top-k 7 µs slower.
+    constexpr int DIRECT_STORES = 256, COALESCED_BLOCKS = 1024;
     const int count = __popcll(take), end = warp_inclusive_sum(count), total = __shfl_sync(0xffffffff, end, 31);
     int* segment_out = out + segment_offsets_of(p, t)[segment];
-    if (total <= DIRECT_STORES) {
+    if (total <= DIRECT_STORES || gridDim.x * gridDim.y < COALESCED_BLOCKS) {
         const int first = segment * SEG + lane * 64;
         int slot = end - count;
         for (; take != 0; take &= take - 1) segment_out[slot++] = first + __ffsll((long long)take) - 1;

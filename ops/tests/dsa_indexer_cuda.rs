@@ -540,6 +540,26 @@ fn a_prefill_chunk_with_short_rows_a_foreign_query_and_a_partial_group() {
 }
 
 #[test]
+fn a_long_prefill_chunk_of_dense_segments_selects_exactly() {
+    // 1100 causal queries over 4000 keys, 8 heads: every segment holds more than 256 of the K selected and the
+    // emit's grid is over a wave, so its 32-at-a-time stores (prefill chunks of short contexts) run; the tests
+    // above, of a few rows, take its per-lane stores. Every row's set exact, FP8 keys, the policy's kernels.
+    let device = gpu();
+    let mut rng = StdRng::seed_from_u64(29);
+    let (n, queries, k) = (4000, 1100, 2048);
+    let p = Problem::prefill_chunk(&mut rng, 8, n, queries);
+    let keys = dequantized_fp8(&p.keys);
+    for (t, row) in run(&p, true, k, &device).iter().enumerate() {
+        check_row(
+            &format!("long prefill query {t}"),
+            row,
+            &p.scores(t, &keys),
+            k,
+        );
+    }
+}
+
+#[test]
 fn glm5_decode_rows_select_exactly() {
     // GLM-5's decode shapes (FP8 keys in pages of 64, 32 heads; the TMA score kernel, wgmma on Hopper): 128K and
     // 200K at batch 1 (the chain top-k by policy) and 32K at batch 8 (the cluster top-k), visible counts a little
