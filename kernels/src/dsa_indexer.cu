@@ -96,9 +96,9 @@ constexpr int SEG_WORDS = SEG / 32;  // words of a segment's bit mask
 constexpr int MAX_SEGMENTS = 2048;                                               // per row
 constexpr int TOPK_THREADS = 512;
 constexpr int FINE_PER_THREAD = FINE_BINS / TOPK_THREADS, SEGMENTS_PER_THREAD = MAX_SEGMENTS / TOPK_THREADS;
-// Threshold-bin candidates the threshold kernel loads before it knows their count, and the most it holds in
-// (dynamic) shared memory; more stay in global memory (L2).
-constexpr int SPECULATIVE_CANDIDATES = 4096, STAGED_CANDIDATES = 8192;
+// Threshold-bin candidates the threshold kernel loads before it knows their count (a row's n / SPECULATIVE_SHARE,
+// at most SPECULATIVE_CANDIDATES), and the most it holds in (dynamic) shared memory; more stay in global memory (L2).
+constexpr int SPECULATIVE_SHARE = 16, SPECULATIVE_CANDIDATES = 4096, STAGED_CANDIDATES = 8192;
 
 // Order-preserving integer of a score: a > b  <=>  ordered(a) > ordered(b); -0.0 and 0.0 map together.
 __device__ __forceinline__ uint32_t ordered(float v) {
@@ -1304,16 +1304,17 @@ __device__ void topk_threshold_impl(const DsaParams& p) {
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
     asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the candidates kernel's writes
     // Everything the select reads, issued together before the count is known (one memory latency, not
-    // three in a row): the slots, each segment's count, and as many candidates as there could be up to
-    // SPECULATIVE_CANDIDATES (at most n, and the workspace row holds `score_stride` >= n of them; those past
-    // the count go unused). A longer row's list (~4% of its positions) loads the rest, up to
-    // STAGED_CANDIDATES, once the count is known.
+    // three in a row): the slots, each segment's count, and as many candidates as a row's list seldom exceeds,
+    // n / SPECULATIVE_SHARE (the K-th score's bin holds ~4% of a row's positions), up to SPECULATIVE_CANDIDATES
+    // (the workspace row holds `score_stride` >= n of them; those past the count go unused). A longer list loads
+    // the rest, up to STAGED_CANDIDATES, once the count is known. (4096 whatever n: 64 MB a 32K prefill chunk,
+    // the kernel DRAM-bound at 2.7 TB/s.)
     const uint2* candidates = candidates_of(p, t);
     const uint32_t* segment_counts = segment_counts_of(p, t);
     const int count = hist[SLOT_CANDIDATES];
     const uint32_t prefix = (uint32_t)hist[SLOT_VALUE];
     const int remaining = hist[SLOT_COUNT];
-    const int segments = (n + SEG - 1) / SEG, loaded = n > p.K ? min(n, SPECULATIVE_CANDIDATES) : 0;
+    const int segments = (n + SEG - 1) / SEG, loaded = n > p.K ? min(n / SPECULATIVE_SHARE, SPECULATIVE_CANDIDATES) : 0;
     constexpr int SPECULATIVE = SPECULATIVE_CANDIDATES / TOPK_THREADS, STAGED = STAGED_CANDIDATES / TOPK_THREADS;
     uint2 pairs[STAGED];
 #pragma unroll
@@ -1343,11 +1344,11 @@ __device__ void topk_threshold_impl(const DsaParams& p) {
 #pragma unroll
     for (int j = 0; j < SEGMENTS_PER_THREAD; ++j) sh.selected[threadIdx.x + j * TOPK_THREADS] = counts[j];
     if (count <= STAGED_CANDIDATES) {
-        if (count > SPECULATIVE_CANDIDATES) {  // (uniform over the block)
+        if (count > loaded) {  // (uniform over the block)
 #pragma unroll
-            for (int j = SPECULATIVE; j < STAGED; ++j) {
+            for (int j = 0; j < STAGED; ++j) {
                 const int i = threadIdx.x + j * TOPK_THREADS;
-                if (i < count) pairs[j] = candidates[i];
+                if (i >= loaded && i < count) pairs[j] = candidates[i];
             }
         }
 #pragma unroll
