@@ -1402,32 +1402,30 @@ __device__ void topk_emit_impl(const DsaParams& p) {
     take ^= swap ^ swap << 14;
     swap = (take ^ take >> 28) & 0x00000000F0F0F0F0ull;
     take ^= swap ^ swap << 28;
-    // Each lane stores its own run (the shortest latency) unless the segment is dense (over DIRECT_STORES selected:
-    // contexts under 16K) in a grid of more than a wave (COALESCED_BLOCKS: a prefill chunk), where the stores bound
-    // the time: then they go out 32 at a time, lane i storing the i-th, so that a store instruction writes
-    // consecutive slots; its owner is the lane whose run holds it, found by a binary search over the runs' ends.
-    // On the H200: own runs (~16 a lane) made an 8K prefill chunk's top-k 25% slower; 32 at a time made a 128K
-    // decode row 0.6-0.9 µs slower and an 8K batch-64 decode step's top-k 7 µs slower.
-    constexpr int DIRECT_STORES = 256, COALESCED_BLOCKS = 1024;
+    // Sparse segments (at most DIRECT_STORES selected: contexts of 16K and more) store each lane's run as it is, the
+    // shortest latency. Denser ones stage it in shared memory, half a warp's runs at a time (at most 1024
+    // positions), and the warp copies them out 32 consecutive slots a store: each lane storing its own ~16 scattered
+    // slots made an 8K prefill chunk's top-k 25% slower and an 8K batch-64 decode step's 1 µs slower on the H200.
+    constexpr int DIRECT_STORES = 256;
     const int count = __popcll(take), end = warp_inclusive_sum(count), total = __shfl_sync(0xffffffff, end, 31);
+    const int first = segment * SEG + lane * 64;
     int* segment_out = out + segment_offsets_of(p, t)[segment];
-    if (total <= DIRECT_STORES || gridDim.x * gridDim.y < COALESCED_BLOCKS) {
-        const int first = segment * SEG + lane * 64;
-        int slot = end - count;
-        for (; take != 0; take &= take - 1) segment_out[slot++] = first + __ffsll((long long)take) - 1;
+    if (total <= DIRECT_STORES) {
+        for (int slot = end - count; take != 0; take &= take - 1)
+            segment_out[slot++] = first + __ffsll((long long)take) - 1;
         return;
     }
-    const uint32_t take_low = (uint32_t)take, take_high = (uint32_t)(take >> 32);
-    for (int i = lane; i - lane < total; i += 32) {
-        int owner = 0;  // the number of runs that end at or before i
-#pragma unroll
-        for (int step = 16; step > 0; step /= 2)
-            if (__shfl_sync(0xffffffff, end, owner + step - 1) <= i) owner += step;
-        const int rank = i - __shfl_sync(0xffffffff, end - count, owner);  // in the owner's run
-        const uint32_t low = __shfl_sync(0xffffffff, take_low, owner), high = __shfl_sync(0xffffffff, take_high, owner);
-        const int in_low = __popc(low);
-        const int bit = rank < in_low ? __fns(low, 0, rank + 1) : 32 + __fns(high, 0, rank - in_low + 1);
-        if (i < total) segment_out[i] = segment * SEG + owner * 64 + bit;
+    __shared__ int staged[EMIT_SEGMENTS][SEG / 2];
+    int* stage = staged[threadIdx.x / 32];
+    for (int half = 0; half < 2; ++half) {
+        const int base = __shfl_sync(0xffffffff, end - count, 16 * half);  // slots before this half's runs
+        const int stop = __shfl_sync(0xffffffff, end, 16 * half + 15);
+        if (lane / 16 == half)
+            for (int slot = end - count - base; take != 0; take &= take - 1)
+                stage[slot++] = first + __ffsll((long long)take) - 1;
+        __syncwarp();
+        for (int i = base + lane; i < stop; i += 32) segment_out[i] = stage[i - base];
+        __syncwarp();  // the copy has read the stage before the next half overwrites it
     }
 }
 
