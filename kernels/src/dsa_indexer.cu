@@ -1372,8 +1372,9 @@ __device__ void topk_threshold_impl(const DsaParams& p) {
 // positions (its mask, complete once the threshold kernel has added the candidates taken), in ascending order,
 // at the segment's offset; the scores are not read again. Rows with visible <= K get 0..visible-1 and -1
 // padding. A warp, not a block, per segment, and a lane 64 consecutive positions: four loads, one warp prefix sum
-// and the stores, no block barrier (a block a segment took 80 µs for a 2048-row chunk of 32K rows on the H200,
-// 31 waves of blocks; a warp a segment taking 8 rounds of 32 positions added ~2 µs to a 128K decode row).
+// and the stores, no block barrier. On the H200 a block a segment took 80 µs for a 2048-row chunk of 32K rows (31
+// waves of blocks, each a chain of latencies); a warp a segment takes ~45, and a 2048-token prefill 40% less, but
+// costs an 8K batch-64 decode step ~1.7 µs (docs/perf.md, session 29).
 constexpr int EMIT_SEGMENTS = SEG_THREADS / 32;
 __device__ void topk_emit_impl(const DsaParams& p) {
     const int t = blockIdx.y, segment = blockIdx.x * EMIT_SEGMENTS + threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -1387,7 +1388,7 @@ __device__ void topk_emit_impl(const DsaParams& p) {
     if (segment * SEG >= n) return;
     // Lane l takes the positions of the candidates kernel's threads 8l .. 8l + 7: bits 8 (l % 4) .. 8 (l % 4) + 7
     // of the 8 mask words of that kernel's warp l / 4 (`mask_word_index`: word j, bit i holds the j-th position
-    // of thread i). Byte j of `rows` is byte l % 4 of word j (bit s: thread 8l + s's position j); its 8 x 8 bit
+    // of thread i). Byte j of `take` is byte l % 4 of word j (bit s: thread 8l + s's position j); its 8 x 8 bit
     // transpose (Hacker's Delight 7-3) puts position j of thread 8l + s at bit 8s + j, in position order.
     static_assert(SEG_ELEMS == 8 && SEG_THREADS / 32 * 4 == 32 && SEG == 64 * 32, "a lane: 8 threads' 8 positions");
     const uint2* words = reinterpret_cast<const uint2*>(segment_masks_of(p, t) + mask_word_index(segment, lane / 4, 0));
@@ -1405,7 +1406,7 @@ __device__ void topk_emit_impl(const DsaParams& p) {
     // Sparse segments (at most DIRECT_STORES selected: contexts of 16K and more) store each lane's run as it is, the
     // shortest latency. Denser ones stage it in shared memory, half a warp's runs at a time (at most 1024
     // positions), and the warp copies them out 32 consecutive slots a store: each lane storing its own ~16 scattered
-    // slots made an 8K prefill chunk's top-k 25% slower and an 8K batch-64 decode step's 1 µs slower on the H200.
+    // slots made an 8K prefill chunk's top-k 25% slower on the H200.
     constexpr int DIRECT_STORES = 256;
     const int count = __popcll(take), end = warp_inclusive_sum(count), total = __shfl_sync(0xffffffff, end, 31);
     const int first = segment * SEG + lane * 64;

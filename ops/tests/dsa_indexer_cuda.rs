@@ -541,9 +541,8 @@ fn a_prefill_chunk_with_short_rows_a_foreign_query_and_a_partial_group() {
 
 #[test]
 fn a_long_prefill_chunk_of_dense_segments_selects_exactly() {
-    // 1100 causal queries over 4000 keys, 8 heads: a chunk of more rows than the GPU holds at once, each of its
-    // segments with more than 256 of the K selected (the emit's staged stores). Every row's set exact, FP8 keys,
-    // the policy's score kernel.
+    // 1100 causal queries over 4000 keys, 8 heads: a long prefill chunk whose segments each hold more than 256 of
+    // the K selected (the emit's staged stores). Every row's set exact, FP8 keys, the policy's score kernel.
     let device = gpu();
     let mut rng = StdRng::seed_from_u64(29);
     let (n, queries, k) = (4000, 1100, 2048);
