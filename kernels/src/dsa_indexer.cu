@@ -17,6 +17,7 @@
 //                          candidates taken into their segments' masks, and each segment's output offset.
 //   dsa_topk_emit          per (segment, token), a warp each: the segment's selected positions (its mask), in
 //                          ascending order, at its offset; rows with visible <= K get 0..visible-1 and -1 padding.
+//   dsa_topk_emit_block    the same, a block a segment: small grids of dense segments (the launcher's choice).
 // The top-k kernels are programmatic dependent launches: each may start while its predecessor finishes and
 // waits (griddepcontrol.wait) before reading what it wrote.
 // The result is the set of the min(K, visible) highest scores, in ascending position order, -1 padded;
@@ -1368,13 +1369,18 @@ __device__ void topk_threshold_impl(const DsaParams& p) {
     }
 }
 
+// Writes first + i for each set bit i of `bits`, in ascending order, to dst[0], dst[1], ...
+__device__ __forceinline__ void store_positions(int* dst, uint64_t bits, int first) {
+    for (; bits != 0; bits &= bits - 1) *dst++ = first + __ffsll((long long)bits) - 1;
+}
+
 // Per (segment, token), one warp a segment (EMIT_SEGMENTS to a block of SEG_THREADS): the segment's selected
 // positions (its mask, complete once the threshold kernel has added the candidates taken), in ascending order,
 // at the segment's offset; the scores are not read again. Rows with visible <= K get 0..visible-1 and -1
 // padding. A warp, not a block, per segment, and a lane 64 consecutive positions: four loads, one warp prefix sum
 // and the stores, no block barrier. On the H200 a block a segment took 80 µs for a 2048-row chunk of 32K rows (31
-// waves of blocks, each a chain of latencies); a warp a segment takes ~45, and a 2048-token prefill 40% less, but
-// costs an 8K batch-64 decode step ~1.7 µs (docs/perf.md, session 29).
+// waves of blocks, each a chain of latencies); a warp a segment takes ~45, and a 2048-token prefill 40% less.
+// Small grids of dense rows take `topk_emit_block_impl` instead (the launcher's `emit_policy::by_blocks`).
 constexpr int EMIT_SEGMENTS = SEG_THREADS / 32;
 __device__ void topk_emit_impl(const DsaParams& p) {
     const int t = blockIdx.y, segment = blockIdx.x * EMIT_SEGMENTS + threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -1412,8 +1418,7 @@ __device__ void topk_emit_impl(const DsaParams& p) {
     const int first = segment * SEG + lane * 64;
     int* segment_out = out + segment_offsets_of(p, t)[segment];
     if (total <= DIRECT_STORES) {
-        for (int slot = end - count; take != 0; take &= take - 1)
-            segment_out[slot++] = first + __ffsll((long long)take) - 1;
+        store_positions(segment_out + end - count, take, first);
         return;
     }
     __shared__ int staged[EMIT_SEGMENTS][SEG / 2];
@@ -1421,13 +1426,43 @@ __device__ void topk_emit_impl(const DsaParams& p) {
     for (int half = 0; half < 2; ++half) {
         const int base = __shfl_sync(0xffffffff, end - count, 16 * half);  // slots before this half's runs
         const int stop = __shfl_sync(0xffffffff, end, 16 * half + 15);
-        if (lane / 16 == half)
-            for (int slot = end - count - base; take != 0; take &= take - 1)
-                stage[slot++] = first + __ffsll((long long)take) - 1;
+        if (lane / 16 == half) store_positions(stage + end - count - base, take, first);
         __syncwarp();
         for (int i = base + lane; i < stop; i += 32) segment_out[i] = stage[i - base];
         __syncwarp();  // the copy has read the stage before the next half overwrites it
     }
+}
+
+// The same rows as `topk_emit_impl` from a block of SEG_THREADS a segment, a thread SEG_ELEMS consecutive positions
+// and one block scan: eight times the warps a segment, for grids too small to fill the device whose segments are
+// dense (decode at 2K-16K positions: there a warp a segment, each lane walking ~16 set bits serially, took 5.6-7.0
+// µs an 8K batch-64 step on the H200, a block a segment 3.4-4.8; docs/perf.md, session 30).
+__device__ void topk_emit_block_impl(const DsaParams& p) {
+    const int t = blockIdx.y, segment = blockIdx.x;
+    const int n = visible_keys(p, t), K = p.K;
+    const int first = segment * SEG + threadIdx.x * SEG_ELEMS;
+    int* out = p.indices + (size_t)t * K;
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the threshold kernel's writes
+    if (n <= K) {  // every visible position, then -1
+#pragma unroll
+        for (int j = 0; j < SEG_ELEMS; ++j)
+            if (first + j < K) out[first + j] = first + j < n ? first + j : -1;
+        return;
+    }
+    if (segment * SEG >= n) return;
+    __shared__ int warp_sums[32];
+    const int offset = segment_offsets_of(p, t)[segment], lane = threadIdx.x % 32;
+    const uint32_t* masks = segment_masks_of(p, t);
+    // Lane j < SEG_ELEMS: the warp's mask word j.
+    const uint32_t word = lane < SEG_ELEMS ? masks[mask_word_index(segment, threadIdx.x / 32, lane)] : 0u;
+    uint32_t take = 0;  // bit j: this thread's j-th position
+#pragma unroll
+    for (int j = 0; j < SEG_ELEMS; ++j) take |= (__shfl_sync(0xffffffff, word, j) >> lane & 1u) << j;
+    int total;
+    int slot = offset + block_exclusive_scan<SEG_THREADS>(__popc(take), warp_sums, total);
+#pragma unroll
+    for (int j = 0; j < SEG_ELEMS; ++j)
+        if (take >> j & 1u) out[slot++] = first + j;
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -1969,6 +2004,9 @@ extern "C" __global__ void __launch_bounds__(SCORE_WARPS * 32) dsa_scores_f32(co
 extern "C" __global__ void __launch_bounds__(SEG_THREADS) dsa_topk_candidates(const DsaParams p) { topk_candidates_impl(p); }
 extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) dsa_topk_threshold(const DsaParams p) { topk_threshold_impl(p); }
 extern "C" __global__ void __launch_bounds__(SEG_THREADS) dsa_topk_emit(const DsaParams p) { topk_emit_impl(p); }
+extern "C" __global__ void __launch_bounds__(SEG_THREADS) dsa_topk_emit_block(const DsaParams p) {
+    topk_emit_block_impl(p);
+}
 // The cluster top-k with E scores per thread: rows of up to CLUSTER_BLOCKS * CLUSTER_THREADS * E positions.
 // Up to E = 8 (the rows the launcher gives it), at most 64 registers (the bounds of two blocks per SM): a block
 // then fits on an SM beside two score blocks (2 x 128 threads x 124 registers), so the cluster can start (its

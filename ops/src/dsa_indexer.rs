@@ -226,6 +226,55 @@ pub(crate) mod top_k_policy {
     }
 }
 
+/// Which emit kernel writes a chain top-k's rows (pure, so that CPU tests check it).
+#[cfg(any(feature = "cuda", test))]
+pub(crate) mod emit_policy {
+    /// Positions per top-k segment (`SEG` in the .cu file).
+    pub const SEGMENT: usize = 2048;
+    /// Segments a block of the warp-a-segment emit (`EMIT_SEGMENTS` in the .cu file).
+    pub const EMIT_SEGMENTS: usize = 8;
+    /// Selected positions above which a segment is dense (`DIRECT_STORES` in the .cu file).
+    pub const DIRECT_STORES: usize = 256;
+
+    /// Whether the block-a-segment emit writes `rows` rows seeing up to `positions` positions each, top `k`: where
+    /// the rows' segments are dense on average (more than DIRECT_STORES of a segment's positions selected) and the
+    /// warp-a-segment emit's grid would not fill the `resident` blocks the device holds at once (decode steps at
+    /// 2K-16K positions; a prefill chunk keeps the warp a segment, whose stores are coalesced).
+    pub fn by_blocks(rows: usize, positions: usize, k: usize, resident: usize) -> bool {
+        let dense = positions > k && positions * DIRECT_STORES <= k * SEGMENT;
+        dense && rows * positions.div_ceil(SEGMENT).div_ceil(EMIT_SEGMENTS) < resident
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn blocks_a_segment_for_small_grids_of_dense_rows() {
+            let h200 = 132 * 6; // the warp-a-segment emit: 6 blocks an SM
+            assert!(by_blocks(64, 8192, 2048, h200), "8K batch 64");
+            assert!(
+                by_blocks(64, 16_384, 2048, h200),
+                "16K batch 64: 256 a segment"
+            );
+            assert!(by_blocks(1, 2049, 2048, h200), "one row just past K");
+            assert!(
+                !by_blocks(64, 32_768, 2048, h200),
+                "32K batch 64: sparse segments"
+            );
+            assert!(!by_blocks(64, 1024, 2048, h200), "rows that see at most K");
+            assert!(
+                !by_blocks(4096, 8192, 2048, h200),
+                "an 8K prefill chunk fills the device"
+            );
+            assert!(
+                by_blocks(512, 8192, 2048, h200),
+                "a short prefill chunk does not"
+            );
+        }
+    }
+}
+
 /// When the CUDA launcher scores a one-sequence call's queries in groups (pure, so that CPU tests check it).
 #[cfg(any(feature = "cuda", test))]
 pub(crate) mod score_policy {
@@ -779,16 +828,12 @@ mod cuda {
     /// Per-row histogram words: 2048 bins, the top-k kernels' slots, 2048 fine bins and the bins' 128 group
     /// sums (`HIST_STRIDE` in the .cu file).
     const HIST_STRIDE: usize = 2048 + 4 + 2048 + 128;
-    /// Positions per top-k segment (`SEG` in the .cu file).
-    const SEGMENT: usize = 2048;
     /// Per-segment words of a row's top-k work area after its candidate pairs (`WORK_PER_SEGMENT` in the .cu
     /// file): the count above the threshold bin, the output offset and the mask of the selected positions
     /// (a bit per position).
     const WORK_PER_SEGMENT: usize = 2 + SEGMENT / 32;
     const SCORE_THREADS: u32 = 128;
     const SEGMENT_THREADS: u32 = 256;
-    /// Segments per emit block, a warp each (`EMIT_SEGMENTS` in the .cu file).
-    const EMIT_SEGMENTS: usize = SEGMENT_THREADS as usize / 32;
     const TOPK_THREADS: u32 = 512;
     /// Dynamic shared memory of the threshold kernel: up to 8192 staged candidates' values and positions
     /// (`STAGED_CANDIDATES` in the .cu file).
@@ -797,6 +842,7 @@ mod cuda {
     const CLUSTER_SHARED_BYTES: usize = 80 * 1024;
     /// Dynamic shared memory of the grouped prefill score kernel (`GROUP_SHARED_BYTES` in the .cu file).
     const GROUP_SHARED_BYTES: usize = 104 * 1024;
+    use super::emit_policy::{self, SEGMENT};
     use super::limits::{MMA_HEAD_DIMS, MMA_MAX_HEADS};
     use super::score_policy::{self, GROUP_TOKENS};
 
@@ -1132,10 +1178,23 @@ mod cuda {
             };
             let group_smem = if grouped { GROUP_SHARED_BYTES } else { 0 };
             let scores_fn = kernel(dev, score_module.0, score_module.1, &name)?;
-            let [candidates_fn, threshold_fn, emit_fn] =
-                ["dsa_topk_candidates", "dsa_topk_threshold", "dsa_topk_emit"]
-                    .map(|name| kernel(dev, "dsa_indexer", MODULE, name));
-            let (candidates_fn, threshold_fn, emit_fn) = (candidates_fn?, threshold_fn?, emit_fn?);
+            let [candidates_fn, threshold_fn, emit_fn, emit_block_fn] = [
+                "dsa_topk_candidates",
+                "dsa_topk_threshold",
+                "dsa_topk_emit",
+                "dsa_topk_emit_block",
+            ]
+            .map(|name| kernel(dev, "dsa_indexer", MODULE, name));
+            let (candidates_fn, threshold_fn, emit_fn, emit_block_fn) =
+                (candidates_fn?, threshold_fn?, emit_fn?, emit_block_fn?);
+            let emit_resident = resident_blocks(
+                dev,
+                "dsa_indexer",
+                MODULE,
+                "dsa_topk_emit",
+                SEGMENT_THREADS,
+                0,
+            )?;
             let cluster_fn = cluster_scores_per_thread(dev, positions, chunk)?
                 .map(|e| kernel(dev, "dsa_indexer", MODULE, &cluster_kernel_name(e)))
                 .transpose()?;
@@ -1249,20 +1308,31 @@ mod cuda {
                             &threshold_fn,
                             config((len, 1), TOPK_THREADS, THRESHOLD_STAGE_BYTES),
                         ),
-                        (
-                            &emit_fn,
-                            config(
-                                (
-                                    positions
-                                        .max(self.top_k)
-                                        .div_ceil(SEGMENT)
-                                        .div_ceil(EMIT_SEGMENTS),
-                                    len,
+                        if emit_policy::by_blocks(len, positions, self.top_k, emit_resident) {
+                            (
+                                &emit_block_fn,
+                                config(
+                                    (positions.max(self.top_k).div_ceil(SEGMENT), len),
+                                    SEGMENT_THREADS,
+                                    0,
                                 ),
-                                SEGMENT_THREADS,
-                                0,
-                            ),
-                        ),
+                            )
+                        } else {
+                            (
+                                &emit_fn,
+                                config(
+                                    (
+                                        positions
+                                            .max(self.top_k)
+                                            .div_ceil(SEGMENT)
+                                            .div_ceil(emit_policy::EMIT_SEGMENTS),
+                                        len,
+                                    ),
+                                    SEGMENT_THREADS,
+                                    0,
+                                ),
+                            )
+                        },
                     ];
                     for (function, cfg) in chain {
                         // SAFETY: as above; each top-k kernel takes one DsaParams.
