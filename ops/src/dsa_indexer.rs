@@ -1302,37 +1302,21 @@ mod cuda {
                     // SAFETY: as above (the kernel's cluster shape is fixed at compile time).
                     unsafe { launch_dependent(cluster_fn, &stream, cfg, &params) }?;
                 } else {
+                    // The emit's segments: a row's output slots (K) or its positions, whichever is more.
+                    let emit_segments = positions.max(self.top_k).div_ceil(SEGMENT);
+                    let (emit, emit_blocks) =
+                        if emit_policy::by_blocks(len, positions, self.top_k, emit_resident) {
+                            (&emit_block_fn, emit_segments)
+                        } else {
+                            (&emit_fn, emit_segments.div_ceil(emit_policy::EMIT_SEGMENTS))
+                        };
                     let chain = [
                         (&candidates_fn, config((segments, len), SEGMENT_THREADS, 0)),
                         (
                             &threshold_fn,
                             config((len, 1), TOPK_THREADS, THRESHOLD_STAGE_BYTES),
                         ),
-                        if emit_policy::by_blocks(len, positions, self.top_k, emit_resident) {
-                            (
-                                &emit_block_fn,
-                                config(
-                                    (positions.max(self.top_k).div_ceil(SEGMENT), len),
-                                    SEGMENT_THREADS,
-                                    0,
-                                ),
-                            )
-                        } else {
-                            (
-                                &emit_fn,
-                                config(
-                                    (
-                                        positions
-                                            .max(self.top_k)
-                                            .div_ceil(SEGMENT)
-                                            .div_ceil(emit_policy::EMIT_SEGMENTS),
-                                        len,
-                                    ),
-                                    SEGMENT_THREADS,
-                                    0,
-                                ),
-                            )
-                        },
+                        (emit, config((emit_blocks, len), SEGMENT_THREADS, 0)),
                     ];
                     for (function, cfg) in chain {
                         // SAFETY: as above; each top-k kernel takes one DsaParams.
