@@ -858,8 +858,10 @@ __device__ void scores_wgmma_group(const DsaParams& p) {
         const int stage = i % STAGES, first_row = tile_first_row(i, rows_now, rows_next, first_row_of);
         if (lane == 0) copy_key_tile(p, sh.stages[stage], sh.scales[stage], &sh.full[stage], first_row);
     };
+    // Every stage at once (Q waits in the bins); the loop refills each stage once its tile's A fragments are
+    // read.
 #pragma unroll
-    for (int i = 0; i < STAGES - 1; ++i)
+    for (int i = 0; i < STAGES; ++i)
         if (i < my_tiles && warp == 0) issue_tma(i);
 
     // Q into B (`q_b_piece`; query j's head h at row 8 (h / 2) + 2j + h % 2), each query scaled by its own power
@@ -934,9 +936,11 @@ __device__ void scores_wgmma_group(const DsaParams& p) {
     const uint64_t q_desc0 = wgmma_desc(smem_addr(sh.q_b), 16, 1024);
     const auto wait_tile = [&](int i) { mbarrier_wait(&sh.full[i % STAGES], (i / STAGES) & 1); };
     const uint32_t a_piece = key_a_piece(key0, g, c);
-    // In two halves of the k steps: the first half's wgmma go out while the second half converts.
-    const auto issue_wgmma = [&](int i, float (&d)[GROUP_COLUMNS * 2]) {
+    // In two halves of the k steps: the first half's wgmma go out while the second half converts. Also reads
+    // the scales of the lane's keys (g, g + 8): the stage is refilled before the tile's head sum.
+    const auto issue_wgmma = [&](int i, float (&d)[GROUP_COLUMNS * 2], float2& key_scales) {
         const uint8_t* tile = sh.stages[i % STAGES];
+        key_scales = make_float2(sh.scales[i % STAGES][key0 + g], sh.scales[i % STAGES][key0 + g + 8]);
         const auto q_desc = [&](int k) {
             return wgmma_desc_advance(q_desc0, (k / 4) * GROUP_SLAB_BYTES + (k % 4) * 32);
         };
@@ -953,16 +957,18 @@ __device__ void scores_wgmma_group(const DsaParams& p) {
         }
         wgmma_commit();
     };
-    // Tile i's scores from `d` (issued an iteration ago); tile i + 1's wgmma goes out into `d_next` first.
-    const auto tile_step = [&](const int i, float (&d)[GROUP_COLUMNS * 2], float (&d_next)[GROUP_COLUMNS * 2]) {
-        const int ahead = i + STAGES - 1;  // refills the stage consumed in iteration i - 1
+    // Tile i's scores from `d` and `key_scales` (issued an iteration ago); tile i + 1's wgmma goes out into
+    // `d_next` and `key_scales_next` first.
+    const auto tile_step = [&](const int i, float (&d)[GROUP_COLUMNS * 2], float (&d_next)[GROUP_COLUMNS * 2],
+                               float2& key_scales, float2& key_scales_next) {
+        const int ahead = i + STAGES;  // refills tile i's stage: its A fragments were read in iteration i - 1
         if (ahead < my_tiles && warp == 0) issue_tma(ahead);
         wgmma_wait<0>();
         wgmma_pin(d);
         wgmma_hold(a);
         if (i + 1 < my_tiles) {
             wait_tile(i + 1);
-            issue_wgmma(i + 1, d_next);
+            issue_wgmma(i + 1, d_next, key_scales_next);
         }
         // (u . k + sum_h w[h] |S[key, h]|) / 2 over the lane's 32 heads (columns 8m + 2c + r: head 2m + r; u's
         // hi and lo at m = 16), for key g (lo) and g + 8 (hi), the head sums in four chains (by m % 2 and r) for
@@ -982,18 +988,20 @@ __device__ void scores_wgmma_group(const DsaParams& p) {
         for (int half = 0; half < 2; ++half) {
             const int key = key0 + g + 8 * half, s = tile_base(i) + key;
             if (s < visible_mine) {
-                const float sum = key_sum[half] * (sh.scales[i % STAGES][key] * unscale_mine);
+                const float sum = key_sum[half] * ((half ? key_scales.y : key_scales.x) * unscale_mine);
                 score_row[s] = sum;
                 atomicAdd(&bins_mine[ordered(sum) >> (32 - HIST_BITS)], 1);
             }
         }
         __syncthreads();  // the stage is refilled next iteration
     };
+    float2 key_scales0, key_scales1;
     wait_tile(0);
-    issue_wgmma(0, d0);
+    issue_wgmma(0, d0, key_scales0);
+    __syncthreads();  // every warp has read tile 0's stage before the first iteration refills it
     for (int i = 0; i < my_tiles; i += 2) {
-        tile_step(i, d0, d1);
-        if (i + 1 < my_tiles) tile_step(i + 1, d1, d0);
+        tile_step(i, d0, d1, key_scales0, key_scales1);
+        if (i + 1 < my_tiles) tile_step(i + 1, d1, d0, key_scales1, key_scales0);
     }
     if (!p.cluster_topk) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
     for (int j = 0; j < queries; ++j)
