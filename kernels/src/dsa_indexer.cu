@@ -45,6 +45,7 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <stdint.h>
+#include <type_traits>
 
 #include "mma.cuh"
 #include "paged.cuh"
@@ -929,47 +930,62 @@ __device__ void scores_wgmma_group(const DsaParams& p) {
     // The lane's scores: its query's (c) of keys g and g + 8 of the warp's 16.
     float* score_row = p.scores + (size_t)(t0 + c) * p.score_stride;
     int* bins_mine = sh.bins[c];
-    uint32_t a[KSTEPS][4];
+    // A fragments in two halves of the k steps, each half's wgmma its own commit group: the next tile's first
+    // half converts and goes out once this tile's first half is done, its second half once this tile's is, so
+    // the tensor cores always hold a queued half (with one group a tile, the next tile's conversion waited for
+    // the whole tile's wgmma).
+    uint32_t a_lo[KSTEPS / 2][4], a_hi[KSTEPS / 2][4];
     // Two sets of accumulators in turn (see the decode kernel).
     float d0[GROUP_COLUMNS * 2], d1[GROUP_COLUMNS * 2];
     // B's descriptor at k = 0; the other k steps' are offsets from it (no descriptor rebuilt per wgmma).
     const uint64_t q_desc0 = wgmma_desc(smem_addr(sh.q_b), 16, 1024);
     const auto wait_tile = [&](int i) { mbarrier_wait(&sh.full[i % STAGES], (i / STAGES) & 1); };
     const uint32_t a_piece = key_a_piece(key0, g, c);
-    // In two halves of the k steps: the first half's wgmma go out while the second half converts. Also reads
-    // the scales of the lane's keys (g, g + 8): the stage is refilled before the tile's head sum.
-    const auto issue_wgmma = [&](int i, float (&d)[GROUP_COLUMNS * 2], float2& key_scales) {
+    // Half `half` of tile i's wgmma into `d`, its A fragments converted into `a`: one commit group.
+    const auto issue_half = [&](int i, int half, uint32_t (&a)[KSTEPS / 2][4], float (&d)[GROUP_COLUMNS * 2]) {
         const uint8_t* tile = sh.stages[i % STAGES];
-        key_scales = make_float2(sh.scales[i % STAGES][key0 + g], sh.scales[i % STAGES][key0 + g + 8]);
         const auto q_desc = [&](int k) {
             return wgmma_desc_advance(q_desc0, (k / 4) * GROUP_SLAB_BYTES + (k % 4) * 32);
         };
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
+        for (int j = 0; j < KSTEPS / 2; ++j) key_a_fragment(tile, a_piece, half * KSTEPS / 2 + j, a[j]);
+        wgmma_fence();
 #pragma unroll
-            for (int k = half * KSTEPS / 2; k < (half + 1) * KSTEPS / 2; ++k) key_a_fragment(tile, a_piece, k, a[k]);
-            wgmma_fence();
-#pragma unroll
-            for (int k = half * KSTEPS / 2; k < (half + 1) * KSTEPS / 2; ++k) {
-                if (k == 0) wgmma_m64n136k16_rs_f16_first(d, a[0], q_desc(0));
-                else wgmma_m64n136k16_rs_f16(d, a[k], q_desc(k), 1);
-            }
+        for (int j = 0; j < KSTEPS / 2; ++j) {
+            const int k = half * KSTEPS / 2 + j;
+            if (k == 0) wgmma_m64n136k16_rs_f16_first(d, a[0], q_desc(0));
+            else wgmma_m64n136k16_rs_f16(d, a[j], q_desc(k), 1);
         }
         wgmma_commit();
     };
+    // The scales of the lane's keys (g, g + 8) in tile i, read with its A fragments: the stage is refilled
+    // before the tile's head sum.
+    const auto tile_scales = [&](int i) {
+        return make_float2(sh.scales[i % STAGES][key0 + g], sh.scales[i % STAGES][key0 + g + 8]);
+    };
     // Tile i's scores from `d` and `key_scales` (issued an iteration ago); tile i + 1's wgmma goes out into
     // `d_next` and `key_scales_next` first.
-    const auto tile_step = [&](const int i, float (&d)[GROUP_COLUMNS * 2], float (&d_next)[GROUP_COLUMNS * 2],
-                               float2& key_scales, float2& key_scales_next) {
+    // `has_next` (compile-time: with the wait depth on a runtime branch, ptxas serialises every wgmma): tile i
+    // is not the block's last.
+    const auto tile_step = [&](auto has_next, const int i, float (&d)[GROUP_COLUMNS * 2],
+                               float (&d_next)[GROUP_COLUMNS * 2], float2& key_scales, float2& key_scales_next) {
         const int ahead = i + STAGES;  // refills tile i's stage: its A fragments were read in iteration i - 1
         if (ahead < my_tiles && warp == 0) issue_tma(ahead);
-        wgmma_wait<0>();
-        wgmma_pin(d);
-        wgmma_hold(a);
-        if (i + 1 < my_tiles) {
+        constexpr bool next = decltype(has_next)::value;
+        if constexpr (next) {
+            wgmma_wait<1>();  // tile i's first half
+            wgmma_hold(a_lo);
             wait_tile(i + 1);
-            issue_wgmma(i + 1, d_next, key_scales_next);
+            key_scales_next = tile_scales(i + 1);
+            issue_half(i + 1, 0, a_lo, d_next);
+            wgmma_wait<1>();  // tile i's second half
+        } else {
+            wgmma_wait<0>();
+            wgmma_hold(a_lo);
         }
+        wgmma_pin(d);
+        wgmma_hold(a_hi);
+        if constexpr (next) issue_half(i + 1, 1, a_hi, d_next);
         // (u . k + sum_h w[h] |S[key, h]|) / 2 over the lane's 32 heads (columns 8m + 2c + r: head 2m + r; u's
         // hi and lo at m = 16), for key g (lo) and g + 8 (hi), the head sums in four chains (by m % 2 and r) for
         // the dependent adds' latency (with two, the scores stage of a 32K prefill chunk took 2% longer).
@@ -995,13 +1011,24 @@ __device__ void scores_wgmma_group(const DsaParams& p) {
         }
         __syncthreads();  // the stage is refilled next iteration
     };
-    float2 key_scales0, key_scales1;
+    float2 key_scales1;
     wait_tile(0);
-    issue_wgmma(0, d0, key_scales0);
+    float2 key_scales0 = tile_scales(0);
+    issue_half(0, 0, a_lo, d0);
+    issue_half(0, 1, a_hi, d0);
     __syncthreads();  // every warp has read tile 0's stage before the first iteration refills it
-    for (int i = 0; i < my_tiles; i += 2) {
-        tile_step(i, d0, d1, key_scales0, key_scales1);
-        if (i + 1 < my_tiles) tile_step(i + 1, d1, d0, key_scales1, key_scales0);
+    const std::true_type more;
+    const std::false_type last;
+    int i = 0;
+    for (; i + 2 < my_tiles; i += 2) {
+        tile_step(more, i, d0, d1, key_scales0, key_scales1);
+        tile_step(more, i + 1, d1, d0, key_scales1, key_scales0);
+    }
+    if (i + 1 < my_tiles) {
+        tile_step(more, i, d0, d1, key_scales0, key_scales1);
+        tile_step(last, i + 1, d1, d0, key_scales1, key_scales0);
+    } else {
+        tile_step(last, i, d0, d1, key_scales0, key_scales1);
     }
     if (!p.cluster_topk) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
     for (int j = 0; j < queries; ++j)
