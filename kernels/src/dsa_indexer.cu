@@ -778,7 +778,7 @@ __device__ __forceinline__ void scores_mma(const DsaParams& p) {
 // where max-then-FFMA took two, u . k coming from B's two extra columns a query (u as an f16 pair hi + lo, 22
 // bits, scaled into f16's range by its own power of two). Its rounding is of the order of the per-head
 // accumulators' own (f32 sums of the same products); an exact relu zero becomes +-that rounding.
-constexpr int GROUP_TOKENS = 4, GROUP_HEADS = 32, GROUP_STAGES = 4;
+constexpr int GROUP_TOKENS = 4, GROUP_HEADS = 32, GROUP_STAGES = 5;
 constexpr int GROUP_U_PARTS = 2, GROUP_COLUMNS = GROUP_HEADS + GROUP_U_PARTS;  // B's columns a query
 constexpr int GROUP_B_ROWS = GROUP_TOKENS * GROUP_COLUMNS, GROUP_SLAB_BYTES = GROUP_B_ROWS * 128;
 struct GroupScoreShared {
@@ -796,7 +796,7 @@ struct GroupScoreShared {
 };
 // The launcher's dynamic shared memory for it (`GROUP_SHARED_BYTES` in Rust): the struct and the slack to
 // align the dynamic base to 1024 bytes.
-constexpr int GROUP_SHARED_BYTES = 104 * 1024;
+constexpr int GROUP_SHARED_BYTES = 112 * 1024;
 static_assert(sizeof(GroupScoreShared) + 1024 <= GROUP_SHARED_BYTES, "the launcher's dynamic shared memory");
 static_assert(GROUP_TOKENS * GROUP_HEADS * 128 * 2 <= sizeof(int) * GROUP_TOKENS * HIST_BINS, "Q fits in the bins");
 

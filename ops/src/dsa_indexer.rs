@@ -841,7 +841,7 @@ mod cuda {
     /// Dynamic shared memory of a cluster top-k block (`CLUSTER_SHARED_BYTES` in the .cu file).
     const CLUSTER_SHARED_BYTES: usize = 80 * 1024;
     /// Dynamic shared memory of the grouped prefill score kernel (`GROUP_SHARED_BYTES` in the .cu file).
-    const GROUP_SHARED_BYTES: usize = 104 * 1024;
+    const GROUP_SHARED_BYTES: usize = 112 * 1024;
     use super::emit_policy::{self, SEGMENT};
     use super::limits::{MMA_HEAD_DIMS, MMA_MAX_HEADS};
     use super::score_policy::{self, GROUP_TOKENS};
