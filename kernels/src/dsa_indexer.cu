@@ -953,7 +953,7 @@ __device__ void scores_wgmma_group(const DsaParams& p) {
 #pragma unroll
         for (int j = 0; j < KSTEPS / 2; ++j) {
             const int k = half * KSTEPS / 2 + j;
-            if (k == 0) wgmma_m64n136k16_rs_f16_first(d, a[0], q_desc(0));
+            if (k == 0) wgmma_m64n136k16_rs_f16_first(d, a[j], q_desc(k));
             else wgmma_m64n136k16_rs_f16(d, a[j], q_desc(k), 1);
         }
         wgmma_commit();
@@ -964,9 +964,8 @@ __device__ void scores_wgmma_group(const DsaParams& p) {
         return make_float2(sh.scales[i % STAGES][key0 + g], sh.scales[i % STAGES][key0 + g + 8]);
     };
     // Tile i's scores from `d` and `key_scales` (issued an iteration ago); tile i + 1's wgmma goes out into
-    // `d_next` and `key_scales_next` first.
-    // `has_next` (compile-time: with the wait depth on a runtime branch, ptxas serialises every wgmma): tile i
-    // is not the block's last.
+    // `d_next` and `key_scales_next` first, unless `has_next` says tile i is the block's last (a compile-time
+    // type: with the wait depth on a runtime branch, ptxas serialises every wgmma, C7514).
     const auto tile_step = [&](auto has_next, const int i, float (&d)[GROUP_COLUMNS * 2],
                                float (&d_next)[GROUP_COLUMNS * 2], float2& key_scales, float2& key_scales_next) {
         const int ahead = i + STAGES;  // refills tile i's stage: its A fragments were read in iteration i - 1
