@@ -1010,9 +1010,8 @@ __device__ void scores_wgmma_group(const DsaParams& p) {
         }
         __syncthreads();  // the stage is refilled next iteration
     };
-    float2 key_scales1;
     wait_tile(0);
-    float2 key_scales0 = tile_scales(0);
+    float2 key_scales0 = tile_scales(0), key_scales1;
     issue_half(0, 0, a_lo, d0);
     issue_half(0, 1, a_hi, d0);
     __syncthreads();  // every warp has read tile 0's stage before the first iteration refills it
