@@ -114,3 +114,79 @@ extern "C" __global__ void load_chain(const unsigned* chain, unsigned spacing, i
     out[3 * blockIdx.x + 1] = last - first;
     out[3 * blockIdx.x + 2] = i;
 }
+
+// Grid-wide meetings: every block of a grid that is resident all at once arrives and waits for all the others,
+// `rounds` times back to back after one meeting that lines the blocks up; block 0 stamps the rounds with the
+// global timer (out[0]: ns for all rounds). What an exact top-k inside one score grid would pay per exchange.
+// Before each meeting every block adds `payload` counts into a 256-bin histogram (one `red` each, its bins
+// spread over the grid) and after it reads the histogram back, as a histogram exchange would.
+//   flat:      thread 0 of every block adds 1 to the round's counter and polls it until every block has.
+//   ticket:    the same add returns the ticket; the last block sets a flag the others poll (a separate line,
+//              so the polls do not compete with the adds).
+//   cluster:   clusters of 8 meet by the cluster barrier first; one ticket a cluster; the cluster barrier again.
+enum class Meeting { Flat, Ticket, Cluster };
+
+__device__ __forceinline__ unsigned load_acquire(const unsigned* address) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(address) : "memory");
+    return v;
+}
+__device__ __forceinline__ void store_release(unsigned* address, unsigned v) {
+    asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(address), "r"(v) : "memory");
+}
+__device__ __forceinline__ unsigned add_acq_rel(unsigned* address, unsigned v) {
+    unsigned old;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(address), "r"(v) : "memory");
+    return old;
+}
+__device__ __forceinline__ void cluster_barrier() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+template <Meeting M>
+__device__ void meetings_body(unsigned* sync, int* hist, int payload, int rounds, unsigned long long* out) {
+    constexpr unsigned CLUSTER = 8;
+    unsigned rank = 0;
+    if constexpr (M == Meeting::Cluster) asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+    const unsigned members = M == Meeting::Cluster ? gridDim.x / CLUSTER : gridDim.x;
+    unsigned* counter = sync;
+    unsigned* flag = sync + 32;  // its own 128-byte line
+    unsigned long long start = 0;
+    int sink = 0;
+    for (int r = 0; r <= rounds; ++r) {
+        if (r == 1 && blockIdx.x == 0 && threadIdx.x == 0) start = global_ns();
+        int* bins = hist + (r & 1) * 256;
+        for (int i = threadIdx.x; i < payload; i += blockDim.x) atomicAdd(&bins[(i + 37 * blockIdx.x) & 255], 1);
+        if constexpr (M == Meeting::Cluster) cluster_barrier();
+        else __syncthreads();
+        if (threadIdx.x == 0 && rank == 0) {
+            const unsigned goal = members * (r + 1);
+            if constexpr (M == Meeting::Flat) {
+                add_acq_rel(counter, 1);
+                while (load_acquire(counter) < goal) {
+                }
+            } else {
+                if (add_acq_rel(counter, 1) == goal - 1) store_release(flag, r + 1);
+                while (load_acquire(flag) < (unsigned)(r + 1)) {
+                }
+            }
+        }
+        if constexpr (M == Meeting::Cluster) cluster_barrier();
+        else __syncthreads();
+        if (payload > 0) sink += bins[threadIdx.x & 255];
+    }
+    if (blockIdx.x == 0 && threadIdx.x == 0) out[0] = global_ns() - start;
+    if (sink == -1) out[1] = sink;  // keeps the reads
+}
+extern "C" __global__ void __launch_bounds__(256) meetings_flat(unsigned* sync, int* hist, int payload, int rounds,
+                                                                unsigned long long* out) {
+    meetings_body<Meeting::Flat>(sync, hist, payload, rounds, out);
+}
+extern "C" __global__ void __launch_bounds__(256) meetings_ticket(unsigned* sync, int* hist, int payload, int rounds,
+                                                                  unsigned long long* out) {
+    meetings_body<Meeting::Ticket>(sync, hist, payload, rounds, out);
+}
+extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(256)
+    meetings_cluster(unsigned* sync, int* hist, int payload, int rounds, unsigned long long* out) {
+    meetings_body<Meeting::Cluster>(sync, hist, payload, rounds, out);
+}

@@ -7,7 +7,8 @@
 //! only, `glm5-bench indexer CONTEXT BATCH [QUERIES] [KERNEL]` one indexer shape (e.g. under a profiler),
 //! KERNEL pinning its score kernel (`policy`, `per-query`, `grouped`, `mma.sync`).
 //! `glm5-bench latency` prints what one dependent global load costs at a kernel's start (L2, L2 across
-//! 2 MB pages, DRAM). `glm5-bench slice LAYERS` builds the first LAYERS layers of GLM-5 at their real sizes
+//! 2 MB pages, DRAM). `glm5-bench meetings` prints what a grid-wide meeting of all resident blocks costs
+//! (flat counter, ticket and flag, clusters of 8 first). `glm5-bench slice LAYERS` builds the first LAYERS layers of GLM-5 at their real sizes
 //! with random weights, on one GPU and split over two, and prints decode tokens/s, the bytes moved between the
 //! GPUs per token and how far the two-GPU logits are from the one-GPU ones.
 //!
@@ -397,6 +398,59 @@ fn latency_rows(device: &Device) -> Result<()> {
             "{name:<44} {:>7.0} / {:<5.0} {:>7.0} / {:<5.0}",
             first.0, first.1, link.0, link.1
         );
+    }
+    Ok(())
+}
+
+/// What a grid-wide meeting costs (bench.cu's `meetings_*`): every block of a resident grid arrives and waits
+/// for all, 200 times back to back; ns per meeting (median of 5 launches), with and without a 256-count
+/// histogram exchange around each.
+fn meeting_rows(device: &Device) -> Result<()> {
+    const ROUNDS: i32 = 200;
+    let Device::Cuda(dev) = device else {
+        glm5::candle_core::bail!("needs a CUDA device")
+    };
+    let stream = dev.cuda_stream();
+    let sms = sm_count(&stream)?;
+    let hist = stream.alloc_zeros::<i32>(512).map_err(cuda)?;
+    let out = stream.alloc_zeros::<u64>(2).map_err(cuda)?;
+    println!("grid-wide meetings ({ROUNDS} back to back; ns a meeting, median of 5 launches)");
+    println!(
+        "{:<10} {:>7} {:>12} {:>14}",
+        "kind", "blocks", "no payload", "256 counts"
+    );
+    let clusters = sms / 8 * 8;
+    for (kind, blocks) in [
+        ("flat", sms),
+        ("ticket", sms),
+        ("flat", clusters),
+        ("ticket", clusters),
+        ("cluster", clusters),
+        ("flat", 2 * sms),
+        ("ticket", 2 * sms),
+    ] {
+        let func = bench_kernel(&stream, &format!("meetings_{kind}"))?;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut row = Vec::new();
+        for payload in [0i32, 256] {
+            let mut times = Vec::new();
+            for _ in 0..5 {
+                let sync = stream.alloc_zeros::<u32>(64).map_err(cuda)?;
+                let mut launch = stream.launch_builder(&func);
+                launch.arg(&sync).arg(&hist).arg(&payload).arg(&ROUNDS).arg(&out);
+                // SAFETY: `sync` holds the counter and the flag (words 0 and 32), `hist` 2 x 256 bins, `out`
+                // two words; every block is resident at once (256 threads, no shared memory, <= 2 per SM).
+                unsafe { launch.launch(cfg) }.map_err(cuda)?;
+                stream.synchronize().map_err(cuda)?;
+                times.push(stream.clone_dtoh(&out).map_err(cuda)?[0] as f64 / ROUNDS as f64);
+            }
+            row.push(median(times));
+        }
+        println!("{kind:<10} {blocks:>7} {:>12.0} {:>14.0}", row[0], row[1]);
     }
     Ok(())
 }
@@ -854,6 +908,9 @@ fn main() -> Result<()> {
     }
     if args.first().map(String::as_str) == Some("latency") {
         return latency_rows(&device);
+    }
+    if args.first().map(String::as_str) == Some("meetings") {
+        return meeting_rows(&device);
     }
     if args.first().map(String::as_str) == Some("indexer") {
         let pinned = args.iter().skip(1).find(|a| a.parse::<usize>().is_err());
