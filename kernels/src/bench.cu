@@ -120,7 +120,7 @@ extern "C" __global__ void load_chain(const unsigned* chain, unsigned spacing, i
 // global timer (out[0]: ns for all rounds). What an exact top-k inside one score grid would pay per exchange.
 // Before each meeting every block adds `payload` counts into a 256-bin histogram (one `red` each, its bins
 // spread over the grid) and after it reads the histogram back, as a histogram exchange would.
-//   flat:      thread 0 of every block adds 1 to the round's counter and polls it until every block has.
+//   flat:      thread 0 of every block adds 1 to a counter and polls it until it reaches the round's total.
 //   ticket:    the same add returns the ticket; the last block sets a flag the others poll (a separate line,
 //              so the polls do not compete with the adds).
 //   cluster:   clusters of 8 meet by the cluster barrier first; one ticket a cluster; the cluster barrier again.

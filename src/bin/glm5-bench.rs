@@ -8,8 +8,8 @@
 //! KERNEL pinning its score kernel (`policy`, `per-query`, `grouped`, `mma.sync`).
 //! `glm5-bench latency` prints what one dependent global load costs at a kernel's start (L2, L2 across
 //! 2 MB pages, DRAM). `glm5-bench meetings` prints what a grid-wide meeting of all resident blocks costs
-//! (flat counter, ticket and flag, clusters of 8 first). `glm5-bench slice LAYERS` builds the first LAYERS layers of GLM-5 at their real sizes
-//! with random weights, on one GPU and split over two, and prints decode tokens/s, the bytes moved between the
+//! (flat counter, ticket and flag, clusters of 8 first). `glm5-bench slice LAYERS` builds the first LAYERS
+//! layers of GLM-5 at their real sizes with random weights, on one GPU and split over two, and prints decode tokens/s, the bytes moved between the
 //! GPUs per token and how far the two-GPU logits are from the one-GPU ones.
 //!
 //! "wall" is the median of several rounds, each round `n` back-to-back calls then a device sync: it includes
