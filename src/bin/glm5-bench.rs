@@ -9,8 +9,9 @@
 //! `glm5-bench latency` prints what one dependent global load costs at a kernel's start (L2, L2 across
 //! 2 MB pages, DRAM). `glm5-bench meetings` prints what a grid-wide meeting of all resident blocks costs
 //! (flat counter, ticket and flag, clusters of 8 first). `glm5-bench slice LAYERS` builds the first LAYERS
-//! layers of GLM-5 at their real sizes with random weights, on one GPU and split over two, and prints decode tokens/s, the bytes moved between the
-//! GPUs per token and how far the two-GPU logits are from the one-GPU ones.
+//! layers of GLM-5 at their real sizes with random weights, on one GPU and split over two, and prints decode
+//! tokens/s, the bytes moved between the GPUs per token and how far the two-GPU logits are from the one-GPU
+//! ones.
 //!
 //! "wall" is the median of several rounds, each round `n` back-to-back calls then a device sync: it includes
 //! the host's launch overhead, as an eager decode step pays it. "GPU" is the period of back-to-back calls
@@ -441,7 +442,12 @@ fn meeting_rows(device: &Device) -> Result<()> {
             for _ in 0..5 {
                 let sync = stream.alloc_zeros::<u32>(64).map_err(cuda)?;
                 let mut launch = stream.launch_builder(&func);
-                launch.arg(&sync).arg(&hist).arg(&payload).arg(&ROUNDS).arg(&out);
+                launch
+                    .arg(&sync)
+                    .arg(&hist)
+                    .arg(&payload)
+                    .arg(&ROUNDS)
+                    .arg(&out);
                 // SAFETY: `sync` holds the counter and the flag (words 0 and 32), `hist` 2 x 256 bins, `out`
                 // two words; every block is resident at once (256 threads, no shared memory, <= 2 per SM).
                 unsafe { launch.launch(cfg) }.map_err(cuda)?;
