@@ -139,15 +139,11 @@ __device__ __forceinline__ unsigned add_acq_rel(unsigned* address, unsigned v) {
     asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(address), "r"(v) : "memory");
     return old;
 }
-__device__ __forceinline__ void cluster_barrier() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
 
 template <Meeting M>
 __device__ void meetings_body(unsigned* sync, int* hist, int payload, int rounds, unsigned long long* out) {
     constexpr unsigned CLUSTER = 8;
-    unsigned rank = 0;
-    if constexpr (M == Meeting::Cluster) asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+    const unsigned rank = M == Meeting::Cluster ? cluster_rank() : 0;
     const unsigned members = M == Meeting::Cluster ? gridDim.x / CLUSTER : gridDim.x;
     unsigned* counter = sync;
     unsigned* flag = sync + 32;  // its own 128-byte line
@@ -157,7 +153,7 @@ __device__ void meetings_body(unsigned* sync, int* hist, int payload, int rounds
         if (r == 1 && blockIdx.x == 0 && threadIdx.x == 0) start = global_ns();
         int* bins = hist + (r & 1) * 256;
         for (int i = threadIdx.x; i < payload; i += blockDim.x) atomicAdd(&bins[(i + 37 * blockIdx.x) & 255], 1);
-        if constexpr (M == Meeting::Cluster) cluster_barrier();
+        if constexpr (M == Meeting::Cluster) cluster_sync();
         else __syncthreads();
         if (threadIdx.x == 0 && rank == 0) {
             const unsigned goal = members * (r + 1);
@@ -171,7 +167,7 @@ __device__ void meetings_body(unsigned* sync, int* hist, int payload, int rounds
                 }
             }
         }
-        if constexpr (M == Meeting::Cluster) cluster_barrier();
+        if constexpr (M == Meeting::Cluster) cluster_sync();
         else __syncthreads();
         if (payload > 0) sink += bins[threadIdx.x & 255];
     }
