@@ -39,8 +39,9 @@ enum Command {
 
 #[derive(Args)]
 struct PlanArgs {
-    /// Local model directory or Hugging Face repo id (only config.json is fetched). Default: the embedded
-    /// tiny model.
+    /// Local model directory, Hugging Face repo id (only config.json is fetched), or a GGUF file / folder of
+    /// split parts (only the headers are read; quantised tensors count at their stored size). Default: the
+    /// embedded tiny model.
     #[arg(long)]
     model: Option<String>,
     #[arg(long)]
@@ -105,9 +106,13 @@ enum AttentionArg {
 
 #[derive(Args)]
 struct GenerateArgs {
-    /// Local model directory or Hugging Face repo id (e.g. zai-org/GLM-5-FP8). Default: the embedded tiny model.
+    /// Local model directory or Hugging Face repo id (e.g. zai-org/GLM-5-FP8), a GGUF file or folder of split
+    /// parts, or a GGUF repo with --quant (or as OWNER/NAME:QUANT). Default: the embedded tiny model.
     #[arg(long)]
     model: Option<String>,
+    /// The quantisation to download from the GGUF repo given as --model (e.g. UD-Q2_K_XL): its files only.
+    #[arg(long, requires = "model")]
+    quant: Option<String>,
     /// Hub revision (branch, tag or commit).
     #[arg(long)]
     revision: Option<String>,
@@ -212,9 +217,24 @@ fn plan(args: PlanArgs) -> Result<(), Box<dyn std::error::Error>> {
     let mut hub = HubOptions::from_env();
     hub.revision = args.revision.clone().or(hub.revision);
     hub.offline |= args.offline;
-    let (config, label) = match &args.model {
-        Some(id) => (Config::from_file(resolve_config(id, &hub)?)?, id.clone()),
-        None => (
+    let gguf = match &args.model {
+        Some(path) if glm5::gguf::is_gguf(std::path::Path::new(path)) => {
+            Some(glm5::models::weights::gguf_source::GgufSource::new(
+                glm5::models::weights::gguf::GgufModel::open(path)?,
+            )?)
+        }
+        _ => None,
+    };
+    let (config, label) = match (&args.model, &gguf) {
+        (Some(path), Some(gguf)) => {
+            let note = match gguf.check_types() {
+                Ok(()) => String::new(),
+                Err(e) => format!("; cannot run yet: {e}"),
+            };
+            (gguf.config().clone(), format!("{path} (GGUF{note})"))
+        }
+        (Some(id), None) => (Config::from_file(resolve_config(id, &hub)?)?, id.clone()),
+        (None, _) => (
             Config::from_json(glm5::embedded::CONFIG_JSON)?,
             format!("{} (embedded)", glm5::embedded::NAME),
         ),
@@ -248,7 +268,12 @@ fn plan(args: PlanArgs) -> Result<(), Box<dyn std::error::Error>> {
         index_keys: index_cache(args.index_cache),
     };
     let registry = Registry::builtin();
-    match Plan::build(&config, devices, &options, &registry) {
+    // A GGUF file's tensors count at the size they are kept in (quantised matrices stay quantised).
+    let resident = |t: &glm5::models::sizes::TensorInfo| match &gguf {
+        Some(gguf) => glm5::models::TensorSource::resident_bytes(gguf, &t.name, &t.shape, t.dtype),
+        None => t.bytes(),
+    };
+    match Plan::build_sized(&config, devices, &options, &registry, &resident) {
         Ok(plan) => {
             print!("{}", render(&plan, &config, &label, &registry));
             Ok(())
@@ -350,9 +375,10 @@ fn generate(args: GenerateArgs) -> Result<(), Box<dyn std::error::Error>> {
         hub,
         ..Default::default()
     };
-    let model = match &args.model {
-        Some(id) => Glm5::from_pretrained(id, &options)?,
-        None => Glm5::embedded(&options)?,
+    let model = match (&args.model, &args.quant) {
+        (Some(id), Some(quant)) => Glm5::from_pretrained(&format!("{id}:{quant}"), &options)?,
+        (Some(id), None) => Glm5::from_pretrained(id, &options)?,
+        (None, _) => Glm5::embedded(&options)?,
     };
     eprintln!(
         "[model: {}{}]",

@@ -74,6 +74,15 @@ impl LoadOptions {
     /// The graph-build pass for `config` on the real devices, before any weight is read: the [`Plan`] the
     /// model will be loaded with (forced backends from `backends`, then `GLM5_BACKEND`).
     pub fn plan(&self, config: &Config) -> Result<Plan> {
+        self.plan_sized(config, &glm5_models::sizes::TensorInfo::bytes)
+    }
+
+    /// [`LoadOptions::plan`] with each tensor costing `resident_bytes` (see `Plan::build_sized`).
+    pub fn plan_sized(
+        &self,
+        config: &Config,
+        resident_bytes: &dyn Fn(&glm5_models::sizes::TensorInfo) -> u64,
+    ) -> Result<Plan> {
         let devices = self.devices();
         let descriptions = devices
             .iter()
@@ -92,7 +101,13 @@ impl LoadOptions {
             layer_devices: self.layer_map.clone(),
             index_keys: self.index_keys,
         };
-        Ok(Plan::build(config, descriptions, &options, &self.registry)?)
+        Ok(Plan::build_sized(
+            config,
+            descriptions,
+            &options,
+            &self.registry,
+            resident_bytes,
+        )?)
     }
 }
 
@@ -131,8 +146,50 @@ impl Glm5 {
     /// Loads a model from a local directory or a Hub repo id (`zai-org/GLM-5-FP8`), downloading what is
     /// missing into the Hugging Face cache.
     pub fn from_pretrained(id_or_dir: &str, options: &LoadOptions) -> Result<Self> {
+        if let Some((repo, quant)) = crate::hub_gguf::split_quant(id_or_dir) {
+            let first = crate::hub_gguf::fetch_quant(repo, quant, &options.hub)?;
+            return Self::from_gguf(&first, id_or_dir, options);
+        }
+        if crate::gguf::is_gguf(Path::new(id_or_dir)) {
+            return Self::from_gguf(Path::new(id_or_dir), id_or_dir, options);
+        }
         let dir = resolve_model(id_or_dir, &options.hub)?;
         Self::from_dir(&dir, id_or_dir, options)
+    }
+
+    /// Loads a llama.cpp GGUF model (`.gguf` file, one part of a split set, or a directory holding one):
+    /// config, tokenizer and chat template from its metadata, quantised matrices kept quantised.
+    pub fn from_gguf(path: &Path, label: &str, options: &LoadOptions) -> Result<Self> {
+        let (config, checkpoint) = Checkpoint::open_gguf(path)?;
+        let plan = options.plan_sized(&config, &|t| {
+            checkpoint.resident_bytes(&t.name, &t.shape, t.dtype)
+        })?;
+        let model = Glm5ForCausalLM::load_planned(&config, &checkpoint, plan, &options.devices())?;
+        let gguf = glm5_models::weights::gguf::GgufModel::open(path)
+            .map_err(glm5_models::ModelError::from)?;
+        let tokenizer = crate::gguf::tokenizer(&gguf)?;
+        let chat_template = crate::gguf::chat_template(&gguf).transpose()?;
+        let sampling = |key: &str| gguf.float(key).ok().flatten();
+        let sampling_defaults = GenerationParams {
+            temperature: sampling("general.sampling.temp").unwrap_or(0.0),
+            top_p: sampling("general.sampling.top_p").filter(|p| *p < 1.0),
+            top_k: gguf
+                .uint("general.sampling.top_k")
+                .ok()
+                .flatten()
+                .map(|k| k as usize)
+                .filter(|k| *k > 0),
+            ..GenerationParams::default()
+        };
+        Ok(Self {
+            eos_token_ids: config.eos_token_ids.clone(),
+            model,
+            tokenizer,
+            chat_template,
+            sampling_defaults,
+            label: label.to_string(),
+            dir: checkpoint.dir().map(Path::to_path_buf).unwrap_or_default(),
+        })
     }
 
     /// The tiny random-weight GLM-5-architecture model built into glm5 (works offline; its output is noise).

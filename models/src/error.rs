@@ -36,6 +36,8 @@ pub enum ModelError {
     },
     #[error("tensor `{name}` is stored as {dtype}; glm5 loads f32, bf16 and f16 checkpoints")]
     TensorDtype { name: String, dtype: String },
+    #[error(transparent)]
+    Gguf(#[from] crate::weights::gguf::GgufError),
 
     #[error(
         "token id {token} at position {position} is outside the vocabulary (size {vocab_size})"

@@ -9,6 +9,7 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use candle_core::quantized::QMatMul;
 use candle_core::{DType, Device, DeviceLocation, Module, Tensor, D};
 use candle_nn::{LayerNorm, Linear};
 use glm5_ops::registry::{DsaIndexerFn, SparseMlaFn};
@@ -18,7 +19,7 @@ use crate::cache::{KvCache, LayerCache};
 use crate::config::{Config, MlpKind, INDEX_KEY_NORM_EPS, LATENT_NORM_EPS};
 use crate::error::{ModelError, Result};
 use crate::plan::{LayerPlan, Plan, PlanOptions};
-use crate::weights::Checkpoint;
+use crate::weights::{Checkpoint, Matrix};
 
 /// Which positions each query attends to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -46,12 +47,18 @@ impl Loader<'_> {
         self.checkpoint.tensor(name, shape, DType::F32, self.device)
     }
 
-    /// A bias-free `nn.Linear` stored as `[out, in]`.
-    fn linear(&self, prefix: &str, in_dim: usize, out_dim: usize) -> Result<Linear> {
-        Ok(Linear::new(
-            self.tensor(&format!("{prefix}.weight"), &[out_dim, in_dim])?,
-            None,
-        ))
+    /// A bias-free `nn.Linear` stored as `[out, in]`, quantised if the checkpoint keeps it so.
+    fn linear(&self, prefix: &str, in_dim: usize, out_dim: usize) -> Result<Proj> {
+        let name = format!("{prefix}.weight");
+        Ok(
+            match self
+                .checkpoint
+                .matrix(&name, [out_dim, in_dim], self.dtype, self.device)?
+            {
+                Matrix::Dense(weight) => Proj::Dense(Linear::new(weight, None)),
+                Matrix::Quantized(weight) => Proj::Quantized(QMatMul::from_arc(weight)?),
+            },
+        )
     }
 
     fn rms_norm(&self, prefix: &str, dim: usize, eps: f64) -> Result<RmsNorm> {
@@ -59,6 +66,25 @@ impl Loader<'_> {
             weight: self.tensor(&format!("{prefix}.weight"), &[dim])?,
             eps,
         })
+    }
+}
+
+/// A bias-free linear layer: a dense matrix, or quantised (GGUF) blocks multiplied by candle's `QMatMul`,
+/// which runs its own kernels on the weights' device (CUDA mat-vec for a few rows, MMQ above; the CPU's
+/// vec-dot) without expanding them. Input and output are in the model dtype; `QMatMul` computes in f32.
+enum Proj {
+    Dense(Linear),
+    Quantized(QMatMul),
+}
+
+impl Module for Proj {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        match self {
+            Proj::Dense(linear) => linear.forward(x),
+            Proj::Quantized(weight) => weight
+                .forward(&x.to_dtype(DType::F32)?.contiguous()?)?
+                .to_dtype(x.dtype()),
+        }
     }
 }
 
@@ -138,10 +164,10 @@ impl Rope {
 
 /// §4 The DSA lightning indexer: scores every visible past token for each query and keeps the top-k.
 struct Indexer {
-    wq_b: Linear,
-    wk: Linear,
+    wq_b: Proj,
+    wk: Proj,
     k_norm: LayerNorm,
-    weights_proj: Linear,
+    weights_proj: Proj,
     n_heads: usize,
     head_dim: usize,
     rope_dim: usize,
@@ -231,16 +257,16 @@ impl Indexer {
 
 /// §3.3–3.4 Multi-head latent attention with the DSA restriction, computed in the absorbed form.
 struct Attention {
-    q_a_proj: Linear,
+    q_a_proj: Proj,
     q_a_layernorm: RmsNorm,
-    q_b_proj: Linear,
-    kv_a_proj_with_mqa: Linear,
+    q_b_proj: Proj,
+    kv_a_proj_with_mqa: Proj,
     kv_a_layernorm: RmsNorm,
     /// `W_UK` per head, `[heads, qk_nope_head_dim, kv_lora_rank]`: folded into the query.
     w_uk: Tensor,
     /// `W_UVᵀ` per head, `[heads, kv_lora_rank, v_head_dim]`: applied to the attended latent.
     w_uv_t: Tensor,
-    o_proj: Linear,
+    o_proj: Proj,
     indexer: Indexer,
     heads: usize,
     nope_dim: usize,
@@ -406,9 +432,9 @@ fn all_causal_positions(t: usize, start_pos: usize, device: &Device) -> Result<T
 
 /// §3.1 `down(silu(gate(x)) ⊙ up(x))`: the dense MLP, each routed expert and the shared expert.
 struct Mlp {
-    gate_proj: Linear,
-    up_proj: Linear,
-    down_proj: Linear,
+    gate_proj: Proj,
+    up_proj: Proj,
+    down_proj: Proj,
 }
 
 impl Mlp {
@@ -697,7 +723,7 @@ pub struct Glm5ForCausalLM {
     embed_tokens: Tensor,
     layers: Vec<DecoderLayer>,
     norm: RmsNorm,
-    lm_head: Linear,
+    lm_head: Proj,
     mode: AttentionMode,
     dtype: DType,
     /// Hidden-state copies between plan devices so far.
@@ -780,7 +806,10 @@ impl Glm5ForCausalLM {
             loaders[plan.embed_device].tensor("model.embed_tokens.weight", &[vocab, hidden])?;
         let head_loader = &loaders[plan.head_device];
         let lm_head = if config.tie_word_embeddings && !checkpoint.contains("lm_head.weight") {
-            Linear::new(embed_tokens.to_device(head_loader.device)?, None)
+            Proj::Dense(Linear::new(
+                embed_tokens.to_device(head_loader.device)?,
+                None,
+            ))
         } else {
             head_loader.linear("lm_head", hidden, vocab)?
         };

@@ -15,4 +15,4 @@ pub use config::{Config, MlpKind};
 pub use error::{ModelError, Result};
 pub use glm5::{AttentionMode, Glm5ForCausalLM, LayerBackends};
 pub use plan::{fmt_bytes, DeviceUsage, LayerPlan, OpPlan, Plan, PlanError, PlanOptions};
-pub use weights::Checkpoint;
+pub use weights::{Checkpoint, Format, Matrix, TensorSource};

@@ -247,6 +247,25 @@ impl Plan {
         options: &PlanOptions,
         registry: &Registry,
     ) -> Result<Plan, PlanError> {
+        Self::build_sized(
+            config,
+            devices,
+            options,
+            registry,
+            &sizes::TensorInfo::bytes,
+        )
+    }
+
+    /// [`Plan::build`] with each tensor costing `resident_bytes` (a checkpoint that keeps some tensors
+    /// quantised, e.g. GGUF: `Checkpoint::resident_bytes`) instead of its elements at `options.dtype`.
+    pub fn build_sized(
+        config: &Config,
+        devices: Vec<DeviceDesc>,
+        options: &PlanOptions,
+        registry: &Registry,
+        resident_bytes: &dyn Fn(&sizes::TensorInfo) -> u64,
+    ) -> Result<Plan, PlanError> {
+        let bytes = |t: &[sizes::TensorInfo]| t.iter().map(resident_bytes).sum::<u64>();
         if devices.is_empty() {
             return Err(PlanError::NoDevices);
         }
@@ -260,14 +279,14 @@ impl Plan {
         let layer_sizes: Vec<(u64, u64)> = (0..n)
             .map(|l| {
                 let t = sizes::layer_tensors(config, l, dtype);
-                (sizes::params(&t), sizes::bytes(&t))
+                (sizes::params(&t), bytes(&t))
             })
             .collect();
         let per_token = sizes::cache_bytes_per_token(config, dtype, options.index_keys);
         let embed = sizes::embedding_tensors(config, dtype);
         let head = sizes::head_tensors(config, dtype);
-        let (embed_params, embed_bytes) = (sizes::params(&embed), sizes::bytes(&embed));
-        let (mut head_params, mut head_bytes) = (sizes::params(&head), sizes::bytes(&head));
+        let (embed_params, embed_bytes) = (sizes::params(&embed), bytes(&embed));
+        let (mut head_params, mut head_bytes) = (sizes::params(&head), bytes(&head));
 
         let layer_cost: Vec<u64> = layer_sizes
             .iter()

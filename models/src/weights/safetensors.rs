@@ -1,12 +1,6 @@
-//! Checkpoint access: Hugging Face safetensors, one file or a sharded set named by
-//! `model.safetensors.index.json`, stored as f32, bf16 or f16.
-//!
-//! Every tensor is fetched by its checkpoint name with the shape the config implies; a missing or misshapen
-//! tensor is an error naming it. Tensors the model does not ask for (e.g. the MTP layer
-//! `model.layers.{num_hidden_layers}.*`) are never read.
-//!
-//! [`Checkpoint::random`] stands in for a checkpoint when only the shapes matter (benchmarks of real-size
-//! slices of GLM-5 without downloading 1.5 TB): every tensor the model asks for is made up on the spot.
+//! Hugging Face safetensors checkpoints (one file, or a sharded set named by `model.safetensors.index.json`,
+//! stored as f32, bf16 or f16), and made-up random weights for benchmarks of real-size slices of GLM-5
+//! without downloading 1.5 TB.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -15,22 +9,12 @@ use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
 use serde::Deserialize;
 
+use super::TensorSource;
 use crate::error::{ModelError, Result};
 
-/// The weights of one model: a directory's safetensors files, memory-mapped, or made-up random weights.
-pub struct Checkpoint {
-    source: Source,
-}
-
-enum Source {
-    Files {
-        files: MmapedSafetensors,
-        dir: PathBuf,
-    },
-    Random {
-        seed: u64,
-        std: f64,
-    },
+/// A directory's safetensors files, memory-mapped.
+pub struct SafetensorsSource {
+    files: MmapedSafetensors,
 }
 
 #[derive(Deserialize)]
@@ -38,10 +22,10 @@ struct ShardIndex {
     weight_map: std::collections::HashMap<String, String>,
 }
 
-impl Checkpoint {
+impl SafetensorsSource {
     /// Opens `model.safetensors.index.json` and its shards if present, else `model.safetensors`.
-    pub fn open(dir: impl AsRef<Path>) -> Result<Self> {
-        let dir = dir.as_ref().to_path_buf();
+    pub fn open(dir: &Path) -> Result<Self> {
+        let dir = dir.to_path_buf();
         let index_path = dir.join("model.safetensors.index.json");
         let paths: Vec<PathBuf> = if index_path.exists() {
             let text = std::fs::read_to_string(&index_path).map_err(|source| ModelError::Io {
@@ -72,54 +56,22 @@ impl Checkpoint {
                 path: dir.clone(),
                 reason: e.to_string(),
             })?;
-        Ok(Self {
-            source: Source::Files { files, dir },
-        })
+        Ok(Self { files })
+    }
+}
+
+impl TensorSource for SafetensorsSource {
+    fn contains(&self, name: &str) -> bool {
+        self.files.get(name).is_ok()
     }
 
-    /// Made-up weights of any shape asked for: norm weights 1, biases 0, everything else normal with
-    /// standard deviation `std`, a function of `seed` and the tensor's name only (so two devices, or two
-    /// loads, get the same values). On CUDA the values come from the device's generator, reseeded per
-    /// tensor (this resets the device's seed); elsewhere from a splitmix64 stream.
-    pub fn random(seed: u64, std: f64) -> Self {
-        Self {
-            source: Source::Random { seed, std },
-        }
-    }
-
-    /// The directory the checkpoint was opened from (`None` for random weights).
-    pub fn dir(&self) -> Option<&Path> {
-        match &self.source {
-            Source::Files { dir, .. } => Some(dir),
-            Source::Random { .. } => None,
-        }
-    }
-
-    /// Whether the checkpoint holds a tensor of this name (random weights hold every name).
-    pub fn contains(&self, name: &str) -> bool {
-        match &self.source {
-            Source::Files { files, .. } => files.get(name).is_ok(),
-            Source::Random { .. } => true,
-        }
-    }
-
-    /// Loads `name`, checks it has `shape`, and converts it to `dtype` on `device`.
-    pub fn tensor(
-        &self,
-        name: &str,
-        shape: &[usize],
-        dtype: DType,
-        device: &Device,
-    ) -> Result<Tensor> {
-        let files = match &self.source {
-            Source::Files { files, .. } => files,
-            &Source::Random { seed, std } => {
-                return random_tensor(name, shape, seed, std, dtype, device)
-            }
-        };
-        let view = files.get(name).map_err(|_| ModelError::MissingTensor {
-            name: name.to_string(),
-        })?;
+    fn tensor(&self, name: &str, shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
+        let view = self
+            .files
+            .get(name)
+            .map_err(|_| ModelError::MissingTensor {
+                name: name.to_string(),
+            })?;
         if view.shape() != shape {
             return Err(ModelError::TensorShape {
                 name: name.to_string(),
@@ -139,7 +91,23 @@ impl Checkpoint {
     }
 }
 
-/// A made-up tensor for [`Checkpoint::random`].
+/// Made-up weights (see [`super::Checkpoint::random`]).
+pub struct RandomSource {
+    pub seed: u64,
+    pub std: f64,
+}
+
+impl TensorSource for RandomSource {
+    fn contains(&self, _name: &str) -> bool {
+        true
+    }
+
+    fn tensor(&self, name: &str, shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
+        random_tensor(name, shape, self.seed, self.std, dtype, device)
+    }
+}
+
+/// A made-up tensor for [`RandomSource`].
 fn random_tensor(
     name: &str,
     shape: &[usize],

@@ -1,0 +1,319 @@
+//! A `glm-dsa` GGUF model as a [`TensorSource`]: Hugging Face names → llama.cpp's tensor names and layouts.
+//!
+//! Names and layouts are those of llama.cpp's converter (`convert_hf_to_gguf.py`, `DeepseekV2Model` and
+//! `GlmMoeDsaModel`; names from gguf-py's `constants.py` and `tensor_mapping.py`):
+//!
+//! * per layer `blk.{i}.`: `attn_norm`, `ffn_norm`, `attn_q_a`, `attn_q_a_norm`, `attn_q_b`, `attn_kv_a_mqa`,
+//!   `attn_kv_a_norm`, `attn_output`, `indexer.{attn_q_b, attn_k, k_norm, proj}`, `ffn_{gate,up,down}` (dense
+//!   layers), `ffn_gate_inp` (router), `exp_probs_b.bias` (`e_score_correction_bias`),
+//!   `ffn_{gate,up,down}_shexp`, and `ffn_{gate,up,down}_exps`: the routed experts stacked, torch shape
+//!   `[n_experts, out, in]`, so expert `e` is one contiguous run of blocks.
+//! * `kv_b_proj` is stored split for the absorbed form: `attn_k_b` is `W_UK` per head transposed, torch shape
+//!   `[heads, kv_lora_rank, qk_nope_head_dim]`, and `attn_v_b` is `W_UV`, `[heads, v_head_dim, kv_lora_rank]`.
+//!   [`GgufSource`] joins them back into `kv_b_proj` `[heads·(nope+v), kv_lora_rank]`.
+//! * `token_embd`, `output_norm`, `output` (absent when tied). The MTP block (`blk.{num_hidden_layers}`,
+//!   with its `nextn.*` tensors) is never read.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor};
+
+use super::gguf::{GgufError, GgufModel, GgufTensor};
+use super::gguf_config::config_from_gguf;
+use super::{Matrix, TensorSource};
+use crate::config::Config;
+use crate::error::{ModelError, Result};
+
+/// Per-layer Hugging Face suffix → GGUF suffix.
+const LAYER_NAMES: &[(&str, &str)] = &[
+    ("input_layernorm.weight", "attn_norm.weight"),
+    ("post_attention_layernorm.weight", "ffn_norm.weight"),
+    ("self_attn.q_a_proj.weight", "attn_q_a.weight"),
+    ("self_attn.q_a_layernorm.weight", "attn_q_a_norm.weight"),
+    ("self_attn.q_b_proj.weight", "attn_q_b.weight"),
+    (
+        "self_attn.kv_a_proj_with_mqa.weight",
+        "attn_kv_a_mqa.weight",
+    ),
+    ("self_attn.kv_a_layernorm.weight", "attn_kv_a_norm.weight"),
+    ("self_attn.o_proj.weight", "attn_output.weight"),
+    ("self_attn.indexer.wq_b.weight", "indexer.attn_q_b.weight"),
+    ("self_attn.indexer.wk.weight", "indexer.attn_k.weight"),
+    ("self_attn.indexer.k_norm.weight", "indexer.k_norm.weight"),
+    ("self_attn.indexer.k_norm.bias", "indexer.k_norm.bias"),
+    (
+        "self_attn.indexer.weights_proj.weight",
+        "indexer.proj.weight",
+    ),
+    ("mlp.gate_proj.weight", "ffn_gate.weight"),
+    ("mlp.up_proj.weight", "ffn_up.weight"),
+    ("mlp.down_proj.weight", "ffn_down.weight"),
+    ("mlp.gate.weight", "ffn_gate_inp.weight"),
+    ("mlp.gate.e_score_correction_bias", "exp_probs_b.bias"),
+    (
+        "mlp.shared_experts.gate_proj.weight",
+        "ffn_gate_shexp.weight",
+    ),
+    ("mlp.shared_experts.up_proj.weight", "ffn_up_shexp.weight"),
+    (
+        "mlp.shared_experts.down_proj.weight",
+        "ffn_down_shexp.weight",
+    ),
+];
+
+/// Where a Hugging Face tensor lives in the GGUF file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GgufLocation {
+    /// One GGUF tensor, same values and shape.
+    Tensor(String),
+    /// Expert `expert` of a stacked `[n_experts, out, in]` tensor.
+    Expert { name: String, expert: usize },
+    /// `kv_b_proj`, joined from `attn_k_b` and `attn_v_b`.
+    KvB { k_b: String, v_b: String },
+}
+
+/// The GGUF location of Hugging Face tensor `name`, if glm5 knows it.
+pub fn gguf_location(name: &str) -> Option<GgufLocation> {
+    match name {
+        "model.embed_tokens.weight" => {
+            return Some(GgufLocation::Tensor("token_embd.weight".into()))
+        }
+        "model.norm.weight" => return Some(GgufLocation::Tensor("output_norm.weight".into())),
+        "lm_head.weight" => return Some(GgufLocation::Tensor("output.weight".into())),
+        _ => {}
+    }
+    let rest = name.strip_prefix("model.layers.")?;
+    let (layer, rest) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let blk = format!("blk.{layer}");
+    if rest == "self_attn.kv_b_proj.weight" {
+        return Some(GgufLocation::KvB {
+            k_b: format!("{blk}.attn_k_b.weight"),
+            v_b: format!("{blk}.attn_v_b.weight"),
+        });
+    }
+    if let Some(expert) = rest.strip_prefix("mlp.experts.") {
+        let (index, proj) = expert.split_once('.')?;
+        let which = match proj {
+            "gate_proj.weight" => "gate",
+            "up_proj.weight" => "up",
+            "down_proj.weight" => "down",
+            _ => return None,
+        };
+        return Some(GgufLocation::Expert {
+            name: format!("{blk}.ffn_{which}_exps.weight"),
+            expert: index.parse().ok()?,
+        });
+    }
+    LAYER_NAMES
+        .iter()
+        .find(|(hf, _)| *hf == rest)
+        .map(|(_, gguf)| GgufLocation::Tensor(format!("{blk}.{gguf}")))
+}
+
+/// Whether the model multiplies by this tensor as a linear layer (so a quantised one stays quantised).
+fn is_linear(name: &str) -> bool {
+    name == "lm_head.weight"
+        || (name.ends_with("_proj.weight") && !name.ends_with("kv_b_proj.weight"))
+        || name.ends_with(".wq_b.weight")
+        || name.ends_with(".wk.weight")
+}
+
+/// A GGUF model opened for loading, with its config.
+pub struct GgufSource {
+    model: GgufModel,
+    config: Config,
+}
+
+impl GgufSource {
+    /// Opens the model's file(s), reads the config and checks, before any weight is read, that every tensor
+    /// the model uses has a type glm5 computes with.
+    pub fn open(path: &Path) -> Result<Self> {
+        let source = Self::new(GgufModel::open(path)?)?;
+        source.check_types()?;
+        Ok(source)
+    }
+
+    /// A model whose headers are read (the config checked, tensor types not: `glm5 plan` sizes files it
+    /// cannot run too).
+    pub fn new(model: GgufModel) -> Result<Self> {
+        let config = config_from_gguf(&model)?;
+        Ok(Self { model, config })
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    pub fn model(&self) -> &GgufModel {
+        &self.model
+    }
+
+    /// The first tensor the model reads whose type candle cannot load, as an error naming it.
+    pub fn check_types(&self) -> Result<()> {
+        for tensor in self.model.tensors.values() {
+            if self.is_mtp(&tensor.name) {
+                continue;
+            }
+            if tensor.ggml_type.candle().is_none() {
+                return Err(GgufError::UnsupportedType {
+                    tensor: tensor.name.clone(),
+                    type_name: tensor.ggml_type.name.into(),
+                }
+                .into());
+            }
+        }
+        Ok(())
+    }
+
+    /// Tensors of the MTP (NextN) blocks after the main layers, which glm5 does not run yet.
+    fn is_mtp(&self, name: &str) -> bool {
+        name.strip_prefix("blk.")
+            .and_then(|rest| rest.split_once('.'))
+            .and_then(|(layer, _)| layer.parse::<usize>().ok())
+            .is_some_and(|layer| layer >= self.config.num_hidden_layers)
+    }
+
+    fn info(&self, hf_name: &str, gguf_name: &str) -> Result<&GgufTensor> {
+        self.model
+            .tensors
+            .get(gguf_name)
+            .ok_or_else(|| ModelError::MissingTensor {
+                name: format!("{gguf_name} (for {hf_name})"),
+            })
+    }
+
+    fn shape_error(
+        hf_name: &str,
+        gguf_name: &str,
+        expected: &[usize],
+        found: Vec<usize>,
+    ) -> ModelError {
+        ModelError::TensorShape {
+            name: format!("{gguf_name} (for {hf_name})"),
+            expected: expected.to_vec(),
+            found,
+        }
+    }
+
+    /// The tensor (or expert slice) behind `location`, checked against the `[..]` shape the model expects.
+    fn locate(&self, hf_name: &str, shape: &[usize]) -> Result<(&GgufTensor, Option<usize>)> {
+        match gguf_location(hf_name) {
+            Some(GgufLocation::Tensor(g)) => {
+                let info = self.info(hf_name, &g)?;
+                if info.shape() != shape {
+                    return Err(Self::shape_error(hf_name, &g, shape, info.shape()));
+                }
+                Ok((info, None))
+            }
+            Some(GgufLocation::Expert { name, expert }) => {
+                let info = self.info(hf_name, &name)?;
+                let mut expected = vec![self.config.n_routed_experts];
+                expected.extend_from_slice(shape);
+                if info.shape() != expected {
+                    return Err(Self::shape_error(hf_name, &name, &expected, info.shape()));
+                }
+                Ok((info, Some(expert)))
+            }
+            Some(GgufLocation::KvB { .. }) | None => Err(ModelError::MissingTensor {
+                name: format!("{hf_name} (no single GGUF tensor holds it)"),
+            }),
+        }
+    }
+
+    /// `kv_b_proj` `[heads·(nope+v), lora]` from `attn_k_b` `[heads, lora, nope]` and `attn_v_b`
+    /// `[heads, v, lora]`.
+    fn kv_b(
+        &self,
+        hf_name: &str,
+        k_b: &str,
+        v_b: &str,
+        shape: &[usize],
+        device: &Device,
+    ) -> Result<Tensor> {
+        let c = &self.config;
+        let (heads, nope, v, lora) = (
+            c.num_attention_heads,
+            c.qk_nope_head_dim,
+            c.v_head_dim,
+            c.kv_lora_rank,
+        );
+        let expected = [heads * (nope + v), lora];
+        if shape != expected {
+            return Err(Self::shape_error(hf_name, k_b, &expected, shape.to_vec()));
+        }
+        let load = |name: &str, want: [usize; 3]| -> Result<Tensor> {
+            let info = self.info(hf_name, name)?;
+            if info.shape() != want {
+                return Err(Self::shape_error(hf_name, name, &want, info.shape()));
+            }
+            Ok(self.model.qtensor(info, None, device)?.dequantize(device)?)
+        };
+        let w_uk = load(k_b, [heads, lora, nope])?.transpose(1, 2)?;
+        let w_uv = load(v_b, [heads, v, lora])?;
+        Ok(Tensor::cat(&[w_uk, w_uv], 1)?.reshape((heads * (nope + v), lora))?)
+    }
+}
+
+impl TensorSource for GgufSource {
+    fn contains(&self, name: &str) -> bool {
+        match gguf_location(name) {
+            Some(GgufLocation::Tensor(g)) | Some(GgufLocation::Expert { name: g, .. }) => {
+                self.model.tensors.contains_key(&g)
+            }
+            Some(GgufLocation::KvB { k_b, v_b }) => {
+                self.model.tensors.contains_key(&k_b) && self.model.tensors.contains_key(&v_b)
+            }
+            None => false,
+        }
+    }
+
+    fn tensor(&self, name: &str, shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
+        if let Some(GgufLocation::KvB { k_b, v_b }) = gguf_location(name) {
+            return Ok(self
+                .kv_b(name, &k_b, &v_b, shape, device)?
+                .to_dtype(dtype)?);
+        }
+        let (info, slice) = self.locate(name, shape)?;
+        let q = self.model.qtensor(info, slice, device)?;
+        Ok(q.dequantize(device)?.to_dtype(dtype)?)
+    }
+
+    fn matrix(
+        &self,
+        name: &str,
+        shape: [usize; 2],
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Matrix> {
+        let (info, slice) = self.locate(name, &shape)?;
+        if info.ggml_type.is_float() {
+            let q = self.model.qtensor(info, slice, device)?;
+            return Ok(Matrix::Dense(q.dequantize(device)?.to_dtype(dtype)?));
+        }
+        Ok(Matrix::Quantized(Arc::new(
+            self.model.qtensor(info, slice, device)?,
+        )))
+    }
+
+    fn resident_bytes(&self, name: &str, shape: &[usize], dtype: DType) -> u64 {
+        let dense = shape.iter().map(|&d| d as u64).product::<u64>() * dtype.size_in_bytes() as u64;
+        if !is_linear(name) {
+            return dense;
+        }
+        match gguf_location(name) {
+            Some(GgufLocation::Tensor(g)) => match self.model.tensors.get(&g) {
+                Some(t) if !t.ggml_type.is_float() => t.bytes,
+                _ => dense,
+            },
+            Some(GgufLocation::Expert { name: g, .. }) => match self.model.tensors.get(&g) {
+                Some(t) if !t.ggml_type.is_float() => {
+                    t.bytes / (*t.dims.last().unwrap_or(&1)).max(1)
+                }
+                _ => dense,
+            },
+            _ => dense,
+        }
+    }
+}

@@ -1,0 +1,170 @@
+//! Checkpoint access behind one "give me this tensor" trait, [`TensorSource`]:
+//!
+//! * [`safetensors`]: Hugging Face safetensors, one file or a sharded set named by
+//!   `model.safetensors.index.json`, stored as f32, bf16 or f16; and made-up random weights.
+//! * [`gguf`] / [`gguf_source`]: llama.cpp GGUF files (architecture `glm-dsa`), one file or split parts, whose
+//!   quantised matrices stay quantised ([`Matrix::Quantized`], multiplied by candle's `QMatMul`).
+//!
+//! The model asks for every tensor by its Hugging Face checkpoint name with the shape the config implies; a
+//! source that stores it under another name or layout (GGUF) translates. A missing or misshapen tensor is an
+//! error naming it. Tensors the model does not ask for (the MTP layer) are never read.
+
+pub mod gguf;
+pub mod gguf_config;
+pub mod gguf_source;
+pub mod safetensors;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use candle_core::quantized::QTensor;
+use candle_core::{DType, Device, Tensor};
+
+use crate::config::Config;
+use crate::error::Result;
+
+/// A linear layer's `[out, in]` matrix as the source keeps it.
+#[derive(Debug, Clone)]
+pub enum Matrix {
+    /// Plain values in the model dtype.
+    Dense(Tensor),
+    /// Quantised blocks (GGUF), multiplied without being expanded.
+    Quantized(Arc<QTensor>),
+}
+
+/// Where weights come from: one implementation per checkpoint format.
+pub trait TensorSource: Send + Sync {
+    /// Whether the checkpoint holds `name` (a Hugging Face name).
+    fn contains(&self, name: &str) -> bool;
+
+    /// `name`, checked to have `shape`, as `dtype` on `device` (quantised tensors are expanded).
+    fn tensor(&self, name: &str, shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor>;
+
+    /// The `[out, in]` matrix of a bias-free linear layer: quantised sources keep it quantised.
+    fn matrix(
+        &self,
+        name: &str,
+        shape: [usize; 2],
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Matrix> {
+        Ok(Matrix::Dense(self.tensor(name, &shape, dtype, device)?))
+    }
+
+    /// Bytes `name` takes on the device once loaded as `dtype` (its stored size if it stays quantised).
+    fn resident_bytes(&self, name: &str, shape: &[usize], dtype: DType) -> u64 {
+        let _ = name;
+        shape.iter().map(|&d| d as u64).product::<u64>() * dtype.size_in_bytes() as u64
+    }
+}
+
+/// The checkpoint format, as `glm5 plan` and errors name it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    Safetensors,
+    Gguf,
+    Random,
+}
+
+/// The weights of one model.
+pub struct Checkpoint {
+    source: Box<dyn TensorSource>,
+    dir: Option<PathBuf>,
+    format: Format,
+}
+
+impl Checkpoint {
+    /// Opens a directory's safetensors: `model.safetensors.index.json` and its shards if present, else
+    /// `model.safetensors`.
+    pub fn open(dir: impl AsRef<Path>) -> Result<Self> {
+        let dir = dir.as_ref().to_path_buf();
+        Ok(Self {
+            source: Box::new(safetensors::SafetensorsSource::open(&dir)?),
+            dir: Some(dir),
+            format: Format::Safetensors,
+        })
+    }
+
+    /// Opens a GGUF model (a `.gguf` file, one part of a split set, or a directory holding one model) and
+    /// reads its config from the metadata. Fails before any weight is read if a tensor the model uses has a
+    /// type glm5 cannot compute with, naming the tensor and its type.
+    pub fn open_gguf(path: impl AsRef<Path>) -> Result<(Config, Self)> {
+        let path = path.as_ref();
+        let source = gguf_source::GgufSource::open(path)?;
+        let config = source.config().clone();
+        let dir = path
+            .is_dir()
+            .then(|| path.to_path_buf())
+            .or_else(|| path.parent().map(Path::to_path_buf));
+        Ok((
+            config,
+            Self {
+                source: Box::new(source),
+                dir,
+                format: Format::Gguf,
+            },
+        ))
+    }
+
+    /// Made-up weights of any shape asked for: norm weights 1, biases 0, everything else normal with
+    /// standard deviation `std`, a function of `seed` and the tensor's name only (so two devices, or two
+    /// loads, get the same values). On CUDA the values come from the device's generator, reseeded per
+    /// tensor (this resets the device's seed); elsewhere from a splitmix64 stream.
+    pub fn random(seed: u64, std: f64) -> Self {
+        Self {
+            source: Box::new(safetensors::RandomSource { seed, std }),
+            dir: None,
+            format: Format::Random,
+        }
+    }
+
+    /// Any other source.
+    pub fn from_source(source: Box<dyn TensorSource>, format: Format) -> Self {
+        Self {
+            source,
+            dir: None,
+            format,
+        }
+    }
+
+    /// The directory the checkpoint was opened from (`None` for random weights).
+    pub fn dir(&self) -> Option<&Path> {
+        self.dir.as_deref()
+    }
+
+    pub fn format(&self) -> Format {
+        self.format
+    }
+
+    /// Whether the checkpoint holds a tensor of this name (random weights hold every name).
+    pub fn contains(&self, name: &str) -> bool {
+        self.source.contains(name)
+    }
+
+    /// Loads `name`, checks it has `shape`, and converts it to `dtype` on `device`.
+    pub fn tensor(
+        &self,
+        name: &str,
+        shape: &[usize],
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Tensor> {
+        self.source.tensor(name, shape, dtype, device)
+    }
+
+    /// A linear layer's `[out, in]` matrix, quantised if the checkpoint stores it so.
+    pub fn matrix(
+        &self,
+        name: &str,
+        shape: [usize; 2],
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Matrix> {
+        self.source.matrix(name, shape, dtype, device)
+    }
+
+    /// Bytes `name` takes once loaded as `dtype`.
+    pub fn resident_bytes(&self, name: &str, shape: &[usize], dtype: DType) -> u64 {
+        self.source.resident_bytes(name, shape, dtype)
+    }
+}

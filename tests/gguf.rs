@@ -1,0 +1,971 @@
+//! GGUF checkpoints (llama.cpp architecture `glm-dsa`) made by llama.cpp's own converter and quantiser
+//! (`tests/fixtures/gguf/make_gguf_fixtures.py`), against the safetensors model and HF transformers:
+//! config, logits at F32 / Q8_0 / Q4_K, tokenizer and chat template, split files, malformed files, and the
+//! plan of GLM-5 itself at published GGUF sizes.
+
+use std::path::{Path, PathBuf};
+
+use glm5::candle_core::quantized::gguf_file::Value;
+use glm5::candle_core::quantized::GgmlDType;
+use glm5::candle_core::{DType, Device};
+use glm5::models::weights::gguf::{GgmlType, GgufError, GgufModel, GgufTensor};
+use glm5::models::weights::gguf_source::GgufSource;
+use glm5::models::{Matrix, TensorSource};
+use glm5::tokenizer::Tokenizer;
+use glm5::{AttentionMode, Checkpoint, Config, Glm5ForCausalLM, ModelError};
+
+fn repo(rel: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(rel)
+}
+
+fn fixture(name: &str) -> PathBuf {
+    repo("tests/fixtures/gguf").join(name)
+}
+
+fn tiny_dir() -> PathBuf {
+    repo("assets/tiny-glm5")
+}
+
+fn load_gguf(path: &Path) -> glm5::models::Result<Glm5ForCausalLM> {
+    let (config, checkpoint) = Checkpoint::open_gguf(path)?;
+    Glm5ForCausalLM::load(
+        &config,
+        &checkpoint,
+        DType::F32,
+        &Device::Cpu,
+        AttentionMode::Sparse,
+    )
+}
+
+fn logits(model: &Glm5ForCausalLM, ids: &[u32]) -> Vec<Vec<f32>> {
+    let mut cache = model.new_cache(ids.len()).unwrap();
+    model
+        .forward(ids, 0, &mut cache)
+        .unwrap()
+        .to_vec2()
+        .unwrap()
+}
+
+/// 40 ids spread over the tiny vocabulary: longer than index_topk (32), so the indexer really selects.
+fn tiny_ids() -> Vec<u32> {
+    (0..40u32).map(|i| (i * 37 + 11) % 800).collect()
+}
+
+fn max_abs(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    a.iter()
+        .flatten()
+        .zip(b.iter().flatten())
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+/// Largest per-position ‖got − want‖ / ‖want‖.
+fn max_relative_l2(got: &[Vec<f32>], want: &[Vec<f32>]) -> f32 {
+    got.iter()
+        .zip(want)
+        .map(|(g, w)| {
+            let diff: f32 = g.iter().zip(w).map(|(a, b)| (a - b) * (a - b)).sum();
+            diff.sqrt() / w.iter().map(|b| b * b).sum::<f32>().sqrt()
+        })
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn config_from_gguf_metadata_equals_the_hf_config() {
+    let hf = Config::from_file(tiny_dir().join("config.json")).unwrap();
+    let model = GgufModel::open(fixture("tiny-glm5-F32.gguf")).unwrap();
+    let mut from_gguf = GgufSource::new(model).unwrap().config().clone();
+    // GGUF stores the epsilon as f32.
+    assert!((from_gguf.rms_norm_eps - hf.rms_norm_eps).abs() < 1e-12);
+    from_gguf.rms_norm_eps = hf.rms_norm_eps;
+    assert_eq!(from_gguf, hf);
+}
+
+#[test]
+fn f32_gguf_logits_equal_the_safetensors_model() {
+    let ids = tiny_ids();
+    let reference =
+        Glm5ForCausalLM::from_dir(tiny_dir(), DType::F32, &Device::Cpu, AttentionMode::Sparse)
+            .unwrap();
+    let want = logits(&reference, &ids);
+    let got = logits(&load_gguf(&fixture("tiny-glm5-F32.gguf")).unwrap(), &ids);
+    let diff = max_abs(&got, &want);
+    println!("tiny F32 GGUF vs safetensors: max |Δ| = {diff:.3e}");
+    assert!(diff <= 1e-5, "F32 GGUF differs from safetensors by {diff}");
+}
+
+/// Per-position ‖got − want‖ / ‖want‖.
+fn relative_l2_rows(got: &[Vec<f32>], want: &[Vec<f32>]) -> Vec<f32> {
+    got.iter()
+        .zip(want)
+        .map(|(g, w)| max_relative_l2(std::slice::from_ref(g), std::slice::from_ref(w)))
+        .collect()
+}
+
+/// (largest error over the positions before `index_topk`, where the DSA indexer keeps every position so
+/// selection cannot flip; median error over all positions).
+fn quantisation_error(got: &[Vec<f32>], want: &[Vec<f32>], index_topk: usize) -> (f32, f32) {
+    let rows = relative_l2_rows(got, want);
+    let exact = rows[..index_topk.min(rows.len())]
+        .iter()
+        .fold(0.0f32, |m, &e| m.max(e));
+    let mut sorted = rows.clone();
+    sorted.sort_by(f32::total_cmp);
+    (exact, sorted[sorted.len() / 2])
+}
+
+/// Quantised files against their references. Both fixtures have random weights, which carry small errors
+/// far: Q8_0 changes each matrix product by ~0.8% (weights and, as in llama.cpp, activations in 8-bit
+/// blocks), ~3% at the logits; once a position's indexer selection or an expert choice flips, more.
+/// Asserted: Q8_0 within 5e-2 wherever the selection cannot flip, and every file's median error far from
+/// that of unrelated logits (~1.4). The numbers are in docs/gguf.md.
+#[test]
+fn quantised_gguf_logits_track_the_references() {
+    // tiny: the safetensors model is the reference. Its rows of 64 and 32 values are not whole Q4_K blocks
+    // of 256, so llama-quantize's Q4_K_M falls back to Q5_0/Q5_1/Q8_0 there.
+    let ids = tiny_ids();
+    let reference =
+        Glm5ForCausalLM::from_dir(tiny_dir(), DType::F32, &Device::Cpu, AttentionMode::Sparse)
+            .unwrap();
+    let topk = reference.config().index_topk;
+    let want = logits(&reference, &ids);
+    let mut results = Vec::new();
+    for file in ["tiny-glm5-Q8_0.gguf", "tiny-glm5-Q4_K_M.gguf"] {
+        let got = logits(&load_gguf(&fixture(file)).unwrap(), &ids);
+        results.push((file, quantisation_error(&got, &want, topk)));
+    }
+    // wide: HF transformers' own f32 logits are the reference; its matrices are whole Q4_K blocks.
+    let tensors =
+        glm5::candle_core::safetensors::load(fixture("wide-reference.safetensors"), &Device::Cpu)
+            .unwrap();
+    let ids: Vec<u32> = tensors["input_ids"]
+        .to_vec1::<i64>()
+        .unwrap()
+        .into_iter()
+        .map(|id| id as u32)
+        .collect();
+    let want: Vec<Vec<f32>> = tensors["logits"].to_vec2().unwrap();
+    for file in ["wide-Q8_0.gguf", "wide-Q4_K_M.gguf"] {
+        let model = load_gguf(&fixture(file)).unwrap();
+        let topk = model.config().index_topk;
+        let got = logits(&model, &ids);
+        results.push((file, quantisation_error(&got, &want, topk)));
+    }
+    for (file, (exact, median)) in &results {
+        println!(
+            "{file}: relative L2 max {exact:.3e} before index_topk, median {median:.3e} over all positions"
+        );
+    }
+    for (file, (exact, median)) in results {
+        if file.contains("Q8_0") {
+            assert!(exact <= 0.1, "{file}: {exact}");
+        }
+        assert!(median <= 0.6, "{file}: median {median}");
+    }
+}
+
+/// Every quantised projection of the Q8_0 file, run as the model runs it (candle's `QMatMul`), against the
+/// same product with the F32 file's weights: within 2e-2 (relative L2 over 40 rows).
+#[test]
+fn each_q8_0_projection_is_within_2e_2_of_the_f32_product() {
+    use glm5::candle_core::quantized::QMatMul;
+    use glm5::candle_core::{Module, Tensor};
+    let (config, q8) = Checkpoint::open_gguf(fixture("tiny-glm5-Q8_0.gguf")).unwrap();
+    let (_, f32_weights) = Checkpoint::open_gguf(fixture("tiny-glm5-F32.gguf")).unwrap();
+    let mut names = vec![(
+        "lm_head.weight".to_string(),
+        vec![config.vocab_size, config.hidden_size],
+    )];
+    for layer in 0..config.num_hidden_layers {
+        for t in glm5::models::sizes::layer_tensors(&config, layer, DType::F32) {
+            names.push((t.name, t.shape));
+        }
+    }
+    let (mut checked, mut worst) = (0, 0f32);
+    for (name, shape) in names {
+        let [out, inp] = shape[..] else { continue };
+        let Ok(Matrix::Quantized(q)) = q8.matrix(&name, [out, inp], DType::F32, &Device::Cpu)
+        else {
+            continue;
+        };
+        let w = f32_weights
+            .tensor(&name, &[out, inp], DType::F32, &Device::Cpu)
+            .unwrap();
+        let x = Tensor::randn(0f32, 1f32, (40, inp), &Device::Cpu).unwrap();
+        let want: Vec<Vec<f32>> = x.matmul(&w.t().unwrap()).unwrap().to_vec2().unwrap();
+        let got: Vec<Vec<f32>> = QMatMul::from_arc(q)
+            .unwrap()
+            .forward(&x)
+            .unwrap()
+            .to_vec2()
+            .unwrap();
+        let want_flat = [want.concat()];
+        let error = max_relative_l2(&[got.concat()], &want_flat);
+        assert!(error <= 2e-2, "{name}: {error}");
+        checked += 1;
+        worst = worst.max(error);
+    }
+    println!("{checked} Q8_0 projections, worst relative L2 {worst:.3e}");
+    assert!(checked > 40, "only {checked} quantised projections");
+}
+
+#[test]
+fn quantised_matrices_stay_quantised_and_are_sized_as_stored() {
+    let (config, checkpoint) = Checkpoint::open_gguf(fixture("wide-Q4_K_M.gguf")).unwrap();
+    let h = config.hidden_size;
+    let name = "model.layers.0.self_attn.q_a_proj.weight";
+    match checkpoint
+        .matrix(name, [config.q_lora_rank, h], DType::F32, &Device::Cpu)
+        .unwrap()
+    {
+        Matrix::Quantized(q) => {
+            assert_eq!(q.dtype(), GgmlDType::Q4K);
+            assert_eq!(q.shape().dims(), &[config.q_lora_rank, h]);
+        }
+        Matrix::Dense(_) => panic!("{name} was expanded"),
+    }
+    // 256 × 256 Q4_K: 256 blocks of 144 bytes, a quarter-and-a-bit of its f32 size.
+    assert_eq!(
+        checkpoint.resident_bytes(name, &[config.q_lora_rank, h], DType::F32),
+        (config.q_lora_rank * h / 256 * 144) as u64
+    );
+    // One expert of the stacked tensor: 1/n_experts of its bytes.
+    let expert = "model.layers.1.mlp.experts.3.up_proj.weight";
+    let shape = [config.moe_intermediate_size, h];
+    assert_eq!(
+        checkpoint.resident_bytes(expert, &shape, DType::F32),
+        (shape[0] * shape[1] / 256 * 144) as u64
+    );
+    // Norms are never quantised; the dense f32 file gives dense matrices.
+    let (_, f32_checkpoint) = Checkpoint::open_gguf(fixture("tiny-glm5-F32.gguf")).unwrap();
+    assert!(matches!(
+        f32_checkpoint
+            .matrix(
+                "model.layers.0.self_attn.q_a_proj.weight",
+                [32, 64],
+                DType::F32,
+                &Device::Cpu
+            )
+            .unwrap(),
+        Matrix::Dense(_)
+    ));
+}
+
+const TOKENIZER_TEXTS: &[&str] = &[
+    "Hello, world!",
+    "  two leading spaces and trailing  ",
+    "numbers 12345 and 3.14159, 1000000",
+    "[gMASK]<sop><|system|>be brief<|user|>hi<|assistant|><think></think>",
+    "unicode: café, naïve, 日本語, emoji 🙂",
+    "tabs\tand\nnew\n\nlines\r\n",
+    "don't you'll I'M we've THEY'RE",
+    "",
+];
+
+fn assert_same_ids(gguf: &Tokenizer, hf: &Tokenizer) {
+    for text in TOKENIZER_TEXTS {
+        assert_eq!(
+            gguf.encode(text).unwrap(),
+            hf.encode(text).unwrap(),
+            "ids of {text:?}"
+        );
+    }
+}
+
+#[test]
+fn gguf_tokenizer_equals_the_hf_tokenizer() {
+    // tiny: a GPT-2 style byte-level BPE (`tokenizer.ggml.pre = gpt-2`).
+    let tiny = GgufModel::open(fixture("tiny-glm5-F32.gguf")).unwrap();
+    let hf = Tokenizer::from_file(tiny_dir().join("tokenizer.json")).unwrap();
+    assert_same_ids(&glm5::gguf::tokenizer(&tiny).unwrap(), &hf);
+    // wide: the same vocabulary with GLM-5's own pre-tokenizer (`glm4`).
+    let wide = GgufModel::open(fixture("wide-Q8_0.gguf")).unwrap();
+    let hf = Tokenizer::from_file(fixture("wide-tokenizer.json")).unwrap();
+    assert_same_ids(&glm5::gguf::tokenizer(&wide).unwrap(), &hf);
+}
+
+#[test]
+fn gguf_chat_template_renders_like_the_model_dirs() {
+    use glm5::chat::ChatTemplate;
+    use glm5::{ChatOptions, Message};
+    let model = GgufModel::open(fixture("tiny-glm5-Q8_0.gguf")).unwrap();
+    let from_gguf = glm5::gguf::chat_template(&model)
+        .expect("tokenizer.chat_template")
+        .unwrap();
+    let from_dir = ChatTemplate::from_model_dir(tiny_dir()).unwrap();
+    let messages = [
+        Message::system("be brief"),
+        Message::user("hi"),
+        Message::assistant("hello").with_reasoning("greet back"),
+        Message::user("and now?"),
+    ];
+    let options = ChatOptions::default();
+    assert_eq!(
+        from_gguf.render(&messages, &options).unwrap(),
+        from_dir.render(&messages, &options).unwrap()
+    );
+}
+
+#[test]
+fn runtime_loads_a_gguf_file_with_its_tokenizer_and_template() {
+    let path = fixture("tiny-glm5-Q8_0.gguf");
+    let model =
+        glm5::Glm5::from_pretrained(path.to_str().unwrap(), &glm5::LoadOptions::default()).unwrap();
+    assert_eq!(model.eos_token_ids(), &[800, 807, 809]);
+    let top = model.top_next_tokens("Hello", 3).unwrap();
+    assert_eq!(top.len(), 3);
+    assert!(top[0].probability >= top[1].probability);
+    let text = model
+        .apply_chat_template(&[glm5::Message::user("hi")], &glm5::ChatOptions::default())
+        .unwrap();
+    assert!(text.contains("hi"), "{text}");
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// A GGUF writer for test files: split sets and hostile headers.
+
+fn put_string(out: &mut Vec<u8>, s: &str) {
+    out.extend((s.len() as u64).to_le_bytes());
+    out.extend(s.as_bytes());
+}
+
+fn put_value(out: &mut Vec<u8>, value: &Value) {
+    match value {
+        Value::U8(v) => out.push(*v),
+        Value::I8(v) => out.push(*v as u8),
+        Value::U16(v) => out.extend(v.to_le_bytes()),
+        Value::I16(v) => out.extend(v.to_le_bytes()),
+        Value::U32(v) => out.extend(v.to_le_bytes()),
+        Value::I32(v) => out.extend(v.to_le_bytes()),
+        Value::U64(v) => out.extend(v.to_le_bytes()),
+        Value::I64(v) => out.extend(v.to_le_bytes()),
+        Value::F32(v) => out.extend(v.to_le_bytes()),
+        Value::F64(v) => out.extend(v.to_le_bytes()),
+        Value::Bool(v) => out.push(*v as u8),
+        Value::String(s) => put_string(out, s),
+        Value::Array(items) => {
+            let item_type = items.first().map_or(4, type_id);
+            out.extend(item_type.to_le_bytes());
+            out.extend((items.len() as u64).to_le_bytes());
+            for item in items {
+                put_value(out, item);
+            }
+        }
+    }
+}
+
+fn type_id(value: &Value) -> u32 {
+    match value {
+        Value::U8(_) => 0,
+        Value::I8(_) => 1,
+        Value::U16(_) => 2,
+        Value::I16(_) => 3,
+        Value::U32(_) => 4,
+        Value::I32(_) => 5,
+        Value::F32(_) => 6,
+        Value::Bool(_) => 7,
+        Value::String(_) => 8,
+        Value::Array(_) => 9,
+        Value::U64(_) => 10,
+        Value::I64(_) => 11,
+        Value::F64(_) => 12,
+    }
+}
+
+/// A GGUF v3 file: `metadata`, then `tensors` (name, ggml dims, type id, data) 32-byte aligned.
+fn gguf_bytes(
+    metadata: &[(String, Value)],
+    tensors: &[(String, Vec<u64>, u32, Vec<u8>)],
+) -> Vec<u8> {
+    let mut out = b"GGUF".to_vec();
+    out.extend(3u32.to_le_bytes());
+    out.extend((tensors.len() as u64).to_le_bytes());
+    out.extend((metadata.len() as u64).to_le_bytes());
+    for (key, value) in metadata {
+        put_string(&mut out, key);
+        out.extend(type_id(value).to_le_bytes());
+        put_value(&mut out, value);
+    }
+    let mut offset = 0u64;
+    for (name, dims, type_id, data) in tensors {
+        put_string(&mut out, name);
+        out.extend((dims.len() as u32).to_le_bytes());
+        for d in dims {
+            out.extend(d.to_le_bytes());
+        }
+        out.extend(type_id.to_le_bytes());
+        out.extend(offset.to_le_bytes());
+        offset += (data.len() as u64).div_ceil(32) * 32;
+    }
+    out.resize(out.len().div_ceil(32) * 32, 0);
+    for (_, _, _, data) in tensors {
+        let start = out.len();
+        out.extend(data);
+        out.resize(start + data.len().div_ceil(32) * 32, 0);
+    }
+    out
+}
+
+/// Every tensor of a fixture with its raw bytes.
+fn raw_tensors(model: &GgufModel) -> Vec<(String, Vec<u64>, u32, Vec<u8>)> {
+    model
+        .tensors
+        .values()
+        .map(|t: &GgufTensor| {
+            (
+                t.name.clone(),
+                t.dims.clone(),
+                t.ggml_type.id,
+                model.read_bytes(t, 0, t.bytes).unwrap(),
+            )
+        })
+        .collect()
+}
+
+fn sorted_metadata(model: &GgufModel) -> Vec<(String, Value)> {
+    let mut metadata: Vec<(String, Value)> = model
+        .metadata
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    metadata.sort_by(|a, b| a.0.cmp(&b.0));
+    metadata
+}
+
+#[test]
+fn split_parts_load_as_one_model() {
+    let single = GgufModel::open(fixture("tiny-glm5-F32.gguf")).unwrap();
+    let tensors = raw_tensors(&single);
+    let dir = tempfile::tempdir().unwrap();
+    let parts = 3usize;
+    for part in 0..parts {
+        let mut metadata = if part == 0 {
+            sorted_metadata(&single)
+        } else {
+            Vec::new()
+        };
+        metadata.push(("split.no".into(), Value::U16(part as u16)));
+        metadata.push(("split.count".into(), Value::U16(parts as u16)));
+        metadata.push((
+            "split.tensors.count".into(),
+            Value::I32(tensors.len() as i32),
+        ));
+        let mine: Vec<_> = tensors
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| i % parts == part)
+            .map(|(_, t)| t.clone())
+            .collect();
+        std::fs::write(
+            dir.path()
+                .join(format!("tiny-{:05}-of-{parts:05}.gguf", part + 1)),
+            gguf_bytes(&metadata, &mine),
+        )
+        .unwrap();
+    }
+    let ids = tiny_ids();
+    let want = logits(&load_gguf(&fixture("tiny-glm5-F32.gguf")).unwrap(), &ids);
+    // The directory, and the first part's path, both open the whole set.
+    for path in [
+        dir.path().to_path_buf(),
+        dir.path().join(format!("tiny-00001-of-{parts:05}.gguf")),
+    ] {
+        let got = logits(&load_gguf(&path).unwrap(), &ids);
+        assert_eq!(max_abs(&got, &want), 0.0, "{}", path.display());
+    }
+    std::fs::remove_file(dir.path().join(format!("tiny-00002-of-{parts:05}.gguf"))).unwrap();
+    let err = load_gguf(dir.path()).err().expect("a part is missing");
+    assert!(
+        matches!(err, ModelError::Gguf(GgufError::Split { .. })),
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains("tiny-00002-of-00003.gguf"),
+        "{err}"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Malformed files: typed errors naming the tensor; no panic, no allocation the file does not back.
+
+fn write_temp(bytes: &[u8]) -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("model.gguf");
+    std::fs::write(&path, bytes).unwrap();
+    (dir, path)
+}
+
+/// Byte position of tensor `name`'s info (just after its name) in a GGUF file.
+fn tensor_info_at(bytes: &[u8], name: &str) -> usize {
+    let mut needle = (name.len() as u64).to_le_bytes().to_vec();
+    needle.extend(name.as_bytes());
+    bytes
+        .windows(needle.len())
+        .position(|w| w == needle.as_slice())
+        .unwrap_or_else(|| panic!("{name} in file"))
+        + needle.len()
+}
+
+/// Overwrites tensor `name`'s type id and/or offset/dims in the header.
+fn patch_tensor(
+    bytes: &mut [u8],
+    name: &str,
+    edit: impl FnOnce(&mut Vec<u64>, &mut u32, &mut u64),
+) {
+    let at = tensor_info_at(bytes, name);
+    let n = u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap()) as usize;
+    let mut dims: Vec<u64> = (0..n)
+        .map(|i| u64::from_le_bytes(bytes[at + 4 + 8 * i..at + 12 + 8 * i].try_into().unwrap()))
+        .collect();
+    let t = at + 4 + 8 * n;
+    let mut type_id = u32::from_le_bytes(bytes[t..t + 4].try_into().unwrap());
+    let mut offset = u64::from_le_bytes(bytes[t + 4..t + 12].try_into().unwrap());
+    edit(&mut dims, &mut type_id, &mut offset);
+    for (i, d) in dims.iter().enumerate() {
+        bytes[at + 4 + 8 * i..at + 12 + 8 * i].copy_from_slice(&d.to_le_bytes());
+    }
+    bytes[t..t + 4].copy_from_slice(&type_id.to_le_bytes());
+    bytes[t + 4..t + 12].copy_from_slice(&offset.to_le_bytes());
+}
+
+fn gguf_error(path: &Path) -> GgufError {
+    match Checkpoint::open_gguf(path) {
+        Err(ModelError::Gguf(e)) => e,
+        Err(other) => panic!("expected a GGUF error, got {other}"),
+        Ok(_) => panic!("a malformed file opened"),
+    }
+}
+
+#[test]
+fn malformed_files_are_typed_errors_naming_the_tensor() {
+    let good = std::fs::read(fixture("tiny-glm5-F32.gguf")).unwrap();
+
+    let mut bytes = good.clone();
+    bytes[..4].copy_from_slice(b"GGUX");
+    assert!(matches!(
+        gguf_error(&write_temp(&bytes).1),
+        GgufError::BadMagic { .. }
+    ));
+
+    for version in [1u32, 4] {
+        let mut bytes = good.clone();
+        bytes[4..8].copy_from_slice(&version.to_le_bytes());
+        let err = gguf_error(&write_temp(&bytes).1);
+        assert!(
+            matches!(err, GgufError::Version { version: v, .. } if v == version),
+            "{err}"
+        );
+    }
+
+    // Cut inside the header, then inside the tensor data.
+    let err = gguf_error(&write_temp(&good[..200]).1);
+    assert!(matches!(err, GgufError::Truncated { .. }), "{err}");
+    let err = gguf_error(&write_temp(&good[..good.len() - 1000]).1);
+    match &err {
+        GgufError::OutOfRange { tensor, .. } => assert!(err.to_string().contains(tensor.as_str())),
+        other => panic!("expected OutOfRange, got {other}"),
+    }
+
+    // A type id ggml does not have.
+    let mut bytes = good.clone();
+    patch_tensor(&mut bytes, "blk.0.attn_q_a.weight", |_, t, _| *t = 99);
+    let err = gguf_error(&write_temp(&bytes).1);
+    assert!(
+        matches!(&err, GgufError::UnknownType { tensor, type_id: 99, .. } if tensor == "blk.0.attn_q_a.weight"),
+        "{err}"
+    );
+
+    // Data placed past the end of the file.
+    let mut bytes = good.clone();
+    patch_tensor(&mut bytes, "output.weight", |_, _, offset| {
+        *offset = 1 << 40
+    });
+    let err = gguf_error(&write_temp(&bytes).1);
+    assert!(
+        matches!(&err, GgufError::OutOfRange { tensor, .. } if tensor == "output.weight"),
+        "{err}"
+    );
+
+    // A misshapen tensor: the file is sound, the model's shape check names the GGUF tensor.
+    let mut bytes = good.clone();
+    patch_tensor(&mut bytes, "blk.0.attn_q_a.weight", |dims, _, _| {
+        dims[1] = 16
+    });
+    let err = load_gguf(&write_temp(&bytes).1)
+        .err()
+        .expect("shape mismatch");
+    match &err {
+        ModelError::TensorShape {
+            name,
+            expected,
+            found,
+        } => {
+            assert!(name.contains("blk.0.attn_q_a.weight"), "{err}");
+            assert_eq!(
+                (expected.as_slice(), found.as_slice()),
+                (&[32, 64][..], &[16, 64][..])
+            );
+        }
+        other => panic!("expected TensorShape, got {other}"),
+    }
+}
+
+#[test]
+fn a_type_candle_lacks_fails_before_any_weight_is_read() {
+    // The wide Q8_0 file's token_embd has rows of 256 values: relabelled IQ4_XS (136-byte blocks of 256),
+    // its data still lies inside the file, so only the type can stop it.
+    let mut bytes = std::fs::read(fixture("wide-Q8_0.gguf")).unwrap();
+    let iq4_xs = GgmlType::from_name("IQ4_XS").unwrap();
+    patch_tensor(&mut bytes, "token_embd.weight", |_, t, _| *t = iq4_xs.id);
+    let err = gguf_error(&write_temp(&bytes).1);
+    assert!(
+        matches!(&err, GgufError::UnsupportedType { tensor, type_name } if tensor == "token_embd.weight" && type_name == "IQ4_XS"),
+        "{err}"
+    );
+    assert!(err.to_string().contains("token_embd.weight") && err.to_string().contains("IQ4_XS"));
+}
+
+#[test]
+fn hostile_headers_are_rejected_without_allocating() {
+    let header = |n_tensors: u64, n_kv: u64| {
+        let mut out = b"GGUF".to_vec();
+        out.extend(3u32.to_le_bytes());
+        out.extend(n_tensors.to_le_bytes());
+        out.extend(n_kv.to_le_bytes());
+        out
+    };
+    // Counts no file of this size can hold.
+    let err = GgufModel::open(write_temp(&header(1 << 60, 0)).1).unwrap_err();
+    assert!(matches!(err, GgufError::Truncated { .. }), "{err}");
+    let err = GgufModel::open(write_temp(&header(0, u64::MAX)).1).unwrap_err();
+    assert!(matches!(err, GgufError::Truncated { .. }), "{err}");
+    // A key of 2^62 bytes.
+    let mut bytes = header(0, 1);
+    bytes.extend((1u64 << 62).to_le_bytes());
+    bytes.extend([0u8; 64]);
+    assert!(GgufModel::open(write_temp(&bytes).1).is_err());
+    // An array of 2^40 u64 items.
+    let mut bytes = header(0, 1);
+    put_string(&mut bytes, "k");
+    bytes.extend(9u32.to_le_bytes());
+    bytes.extend(10u32.to_le_bytes());
+    bytes.extend((1u64 << 40).to_le_bytes());
+    bytes.extend([0u8; 64]);
+    let err = GgufModel::open(write_temp(&bytes).1).unwrap_err();
+    assert!(matches!(err, GgufError::Truncated { .. }), "{err}");
+    // Arrays nested past any real file.
+    let mut bytes = header(0, 1);
+    put_string(&mut bytes, "deep");
+    for _ in 0..100 {
+        bytes.extend(9u32.to_le_bytes());
+        bytes.extend(1u64.to_le_bytes());
+    }
+    bytes.extend([0u8; 64]);
+    assert!(GgufModel::open(write_temp(&bytes).1).is_err());
+    // An alignment of 0 (candle's own reader divides by it).
+    let bytes = gguf_bytes(&[("general.alignment".into(), Value::U32(0))], &[]);
+    let err = GgufModel::open(write_temp(&bytes).1).unwrap_err();
+    assert!(matches!(err, GgufError::Header { .. }), "{err}");
+    // Nine dimensions; dims whose product overflows; rows that are not whole blocks.
+    let q8_0 = GgmlType::from_name("Q8_0").unwrap().id;
+    for (dims, type_id) in [
+        (vec![1u64; 9], 0u32),
+        (vec![1 << 32, 1 << 32, 1 << 32], 0),
+        (vec![33, 2], q8_0),
+    ] {
+        let bytes = gguf_bytes(&[], &[("t".into(), dims.clone(), type_id, vec![0; 64])]);
+        let err = GgufModel::open(write_temp(&bytes).1).unwrap_err();
+        assert!(
+            matches!(&err, GgufError::BadTensor { tensor, .. } if tensor == "t"),
+            "{dims:?}: {err}"
+        );
+    }
+}
+
+/// Deterministic fuzzing of a real file's header: byte flips and truncations must give an error or a model,
+/// never a panic.
+#[test]
+fn fuzzed_gguf_headers_never_panic() {
+    let good = std::fs::read(fixture("tiny-glm5-Q8_0.gguf")).unwrap();
+    let header_len = GgufModel::open(fixture("tiny-glm5-Q8_0.gguf"))
+        .unwrap()
+        .tensors
+        .values()
+        .map(|t| t.start)
+        .min()
+        .unwrap() as usize;
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("fuzz.gguf");
+    let (mut opened, mut loaded) = (0, 0);
+    for round in 0..300 {
+        let mut bytes = good.clone();
+        if round % 10 == 9 {
+            bytes.truncate((next() as usize) % header_len);
+        } else {
+            for _ in 0..1 + next() % 4 {
+                let at = (next() as usize) % header_len;
+                bytes[at] ^= 1 << (next() % 8);
+            }
+        }
+        std::fs::write(&path, &bytes).unwrap();
+        let result = std::panic::catch_unwind(|| {
+            let opened = Checkpoint::open_gguf(&path).ok()?;
+            Some(
+                Glm5ForCausalLM::load(
+                    &opened.0,
+                    &opened.1,
+                    DType::F32,
+                    &Device::Cpu,
+                    AttentionMode::Sparse,
+                )
+                .is_ok(),
+            )
+        });
+        match result {
+            Err(_) => panic!("round {round} panicked"),
+            Ok(Some(ok)) => {
+                opened += 1;
+                loaded += ok as usize;
+            }
+            Ok(None) => {}
+        }
+    }
+    println!("fuzz: {opened} of 300 mutated files opened, {loaded} loaded");
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// `glm5 plan` on GLM-5's own GGUF headers (real shapes, published quantisation mixes; no data needed).
+
+/// GLM-5's `glm-dsa` metadata as llama.cpp's converter writes it (zai-org/GLM-5 config.json).
+fn glm5_metadata() -> Vec<(String, Value)> {
+    let u = |k: &str, v: u32| (format!("glm-dsa.{k}"), Value::U32(v));
+    vec![
+        (
+            "general.architecture".into(),
+            Value::String("glm-dsa".into()),
+        ),
+        u("block_count", 79),
+        u("nextn_predict_layers", 1),
+        u("context_length", 202_752),
+        u("embedding_length", 6144),
+        u("feed_forward_length", 12_288),
+        u("vocab_size", 154_880),
+        u("attention.head_count", 64),
+        u("attention.head_count_kv", 1),
+        u("attention.q_lora_rank", 2048),
+        u("attention.kv_lora_rank", 512),
+        u("attention.key_length", 576),
+        u("attention.value_length", 512),
+        u("attention.key_length_mla", 256),
+        u("attention.value_length_mla", 256),
+        u("rope.dimension_count", 64),
+        ("glm-dsa.rope.freq_base".into(), Value::F32(1_000_000.0)),
+        (
+            "glm-dsa.attention.layer_norm_rms_epsilon".into(),
+            Value::F32(1e-5),
+        ),
+        u("attention.indexer.head_count", 32),
+        u("attention.indexer.key_length", 128),
+        u("attention.indexer.top_k", 2048),
+        u("leading_dense_block_count", 3),
+        u("expert_count", 256),
+        u("expert_used_count", 8),
+        u("expert_shared_count", 1),
+        u("expert_feed_forward_length", 2048),
+        u("expert_group_count", 1),
+        u("expert_group_used_count", 1),
+        u("expert_gating_func", 2),
+        ("glm-dsa.expert_weights_scale".into(), Value::F32(2.5)),
+        ("glm-dsa.expert_weights_norm".into(), Value::Bool(true)),
+        ("tokenizer.ggml.eos_token_id".into(), Value::U32(154_820)),
+    ]
+}
+
+/// Every tensor of GLM-5's GGUF (79 blocks: 3 dense, 75 MoE, the MTP block) with `type_of(name)`'s type.
+fn glm5_tensors(type_of: &dyn Fn(&str) -> &'static str) -> Vec<GgufTensor> {
+    let mut tensors = Vec::new();
+    let mut add = |name: String, dims: &[u64]| {
+        let ggml_type = GgmlType::from_name(if dims.len() == 1 {
+            "F32"
+        } else {
+            type_of(&name)
+        })
+        .unwrap();
+        let elements: u64 = dims.iter().product();
+        tensors.push(GgufTensor {
+            bytes: elements / ggml_type.block * ggml_type.bytes,
+            name,
+            dims: dims.to_vec(),
+            ggml_type,
+            start: 0,
+            part: 0,
+        });
+    };
+    let (h, vocab, experts, moe, dense) = (6144u64, 154_880u64, 256u64, 2048u64, 12_288u64);
+    add("token_embd.weight".into(), &[h, vocab]);
+    add("output_norm.weight".into(), &[h]);
+    add("output.weight".into(), &[h, vocab]);
+    for b in 0..79 {
+        let p = |n: &str| format!("blk.{b}.{n}");
+        add(p("attn_norm.weight"), &[h]);
+        add(p("ffn_norm.weight"), &[h]);
+        add(p("attn_q_a.weight"), &[h, 2048]);
+        add(p("attn_q_a_norm.weight"), &[2048]);
+        add(p("attn_q_b.weight"), &[2048, 64 * 256]);
+        add(p("attn_kv_a_mqa.weight"), &[h, 576]);
+        add(p("attn_kv_a_norm.weight"), &[512]);
+        add(p("attn_k_b.weight"), &[192, 512, 64]);
+        add(p("attn_v_b.weight"), &[512, 256, 64]);
+        add(p("attn_output.weight"), &[64 * 256, h]);
+        add(p("indexer.attn_q_b.weight"), &[2048, 32 * 128]);
+        add(p("indexer.attn_k.weight"), &[h, 128]);
+        add(p("indexer.k_norm.weight"), &[128]);
+        add(p("indexer.k_norm.bias"), &[128]);
+        add(p("indexer.proj.weight"), &[h, 32]);
+        if b < 3 {
+            add(p("ffn_gate.weight"), &[h, dense]);
+            add(p("ffn_up.weight"), &[h, dense]);
+            add(p("ffn_down.weight"), &[dense, h]);
+            continue;
+        }
+        add(p("ffn_gate_inp.weight"), &[h, experts]);
+        add(p("exp_probs_b.bias"), &[experts]);
+        add(p("ffn_gate_exps.weight"), &[h, moe, experts]);
+        add(p("ffn_up_exps.weight"), &[h, moe, experts]);
+        add(p("ffn_down_exps.weight"), &[moe, h, experts]);
+        add(p("ffn_gate_shexp.weight"), &[h, moe]);
+        add(p("ffn_up_shexp.weight"), &[h, moe]);
+        add(p("ffn_down_shexp.weight"), &[moe, h]);
+        if b == 78 {
+            add(p("nextn.eh_proj.weight"), &[2 * h, h]);
+            add(p("nextn.enorm.weight"), &[h]);
+            add(p("nextn.hnorm.weight"), &[h]);
+            add(p("nextn.shared_head_norm.weight"), &[h]);
+        }
+    }
+    tensors
+}
+
+fn glm5_gguf(type_of: &dyn Fn(&str) -> &'static str) -> GgufModel {
+    GgufModel {
+        parts: vec![PathBuf::from("GLM-5.gguf")],
+        metadata: glm5_metadata().into_iter().collect(),
+        tensors: glm5_tensors(type_of)
+            .into_iter()
+            .map(|t| (t.name.clone(), t))
+            .collect(),
+    }
+}
+
+/// llama-quantize's Q4_K_M mix for this architecture: Q4_K, with Q6_K for output, the dense and shared
+/// `ffn_down` and every other layer's expert `ffn_down`, and Q8_0 where rows are not whole Q4_K blocks
+/// (`attn_k_b`, 192 wide).
+fn q4_k_m(name: &str) -> &'static str {
+    let layer: usize = name
+        .strip_prefix("blk.")
+        .and_then(|r| r.split('.').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
+    match name {
+        "output.weight" => "Q6_K",
+        n if n.ends_with("attn_k_b.weight") => "Q8_0",
+        n if n.ends_with("ffn_down.weight") || n.ends_with("ffn_down_shexp.weight") => "Q6_K",
+        n if n.ends_with("ffn_down_exps.weight") && layer % 2 == 0 => "Q6_K",
+        _ => "Q4_K",
+    }
+}
+
+/// A 2-bit mix of UD-Q2_K_XL's published size: routed experts Q2_K (gate, up) and Q3_K (down); attention,
+/// indexer, dense and shared MLPs Q4_K to Q8_0; output Q6_K.
+fn q2_k_xl(name: &str) -> &'static str {
+    match name {
+        "output.weight" => "Q6_K",
+        n if n.ends_with("ffn_gate_exps.weight") || n.ends_with("ffn_up_exps.weight") => "Q2_K",
+        n if n.ends_with("ffn_down_exps.weight") => "Q3_K",
+        n if n.ends_with("attn_k_b.weight") || n.ends_with("attn_kv_a_mqa.weight") => "Q8_0",
+        n if n.contains("shexp") || n.ends_with("ffn_down.weight") => "Q6_K",
+        _ => "Q4_K",
+    }
+}
+
+#[test]
+fn glm5_gguf_plans_fit_eight_96gb_gpus_with_context_left() {
+    use glm5::models::sizes::TensorInfo;
+    use glm5::{PlanOptions, Registry};
+    let devices = glm5::plan::parse_assumed("sm_120:96GB x8").unwrap();
+    for (label, recipe, published_gb) in [
+        ("UD-Q2_K_XL", q2_k_xl as fn(&str) -> &'static str, 281.0),
+        ("Q4_K_M", q4_k_m as fn(&str) -> &'static str, 430.0),
+    ] {
+        let gguf = glm5_gguf(&recipe);
+        let file_bytes: u64 = gguf.tensors.values().map(|t| t.bytes).sum();
+        let source = GgufSource::new(gguf).unwrap();
+        source.check_types().unwrap();
+        let config = source.config().clone();
+        assert_eq!(
+            (config.num_hidden_layers, config.qk_nope_head_dim),
+            (78, 192)
+        );
+        let options = PlanOptions::new(DType::BF16, AttentionMode::Sparse);
+        let sized = |t: &TensorInfo| source.resident_bytes(&t.name, &t.shape, t.dtype);
+        let plan = glm5::models::Plan::build_sized(
+            &config,
+            devices.clone(),
+            &options,
+            &Registry::builtin(),
+            &sized,
+        )
+        .unwrap_or_else(|e| panic!("{label}: {e}"));
+        let gb = |b: u64| b as f64 / 1e9;
+        println!(
+            "{label}: file {:.1} GB (published ~{published_gb} GB), resident {:.1} GB",
+            gb(file_bytes),
+            gb(plan.weight_bytes())
+        );
+        assert!(
+            (gb(file_bytes) / published_gb - 1.0).abs() < 0.1,
+            "{label}: the modelled file is {:.1} GB",
+            gb(file_bytes)
+        );
+        let mut least_context = u64::MAX;
+        for usage in plan.device_usage() {
+            let context = usage.max_context_tokens.unwrap();
+            println!(
+                "  device {}: layers {:?}, weights {:.1} GB, context left {context} tokens",
+                usage.device,
+                (usage.layers.first(), usage.layers.last()),
+                gb(usage.weight_bytes)
+            );
+            least_context = least_context.min(context);
+        }
+        // Every device holds its layers' KV cache for the model's whole context.
+        assert!(
+            least_context >= config.max_position_embeddings as u64,
+            "{label}: {least_context} tokens"
+        );
+    }
+}
+
+#[test]
+fn plan_cli_reads_a_gguf_file() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_glm5"))
+        .args(["plan", "--model"])
+        .arg(fixture("wide-Q4_K_M.gguf"))
+        .args(["--assume", "sm_120:96GB x8"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("GGUF"), "{stdout}");
+}
