@@ -353,6 +353,13 @@ fn generate(args: GenerateArgs) -> Result<(), Box<dyn std::error::Error>> {
     let layer_map = match &args.layer_map {
         Some(map) => {
             let config = match &args.model {
+                Some(path) if glm5::gguf::is_gguf(std::path::Path::new(path)) => {
+                    glm5::models::weights::gguf_source::GgufSource::new(
+                        glm5::models::weights::gguf::GgufModel::open(path)?,
+                    )?
+                    .config()
+                    .clone()
+                }
                 Some(id) => Config::from_file(resolve_config(id, &hub)?)?,
                 None => Config::from_json(glm5::embedded::CONFIG_JSON)?,
             };

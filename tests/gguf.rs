@@ -164,49 +164,56 @@ fn quantised_gguf_logits_track_the_references() {
     }
 }
 
-/// Every quantised projection of the Q8_0 file, run as the model runs it (candle's `QMatMul`), against the
-/// same product with the F32 file's weights: within 2e-2 (relative L2 over 40 rows).
+/// Every quantised projection run as the model runs it (candle's `QMatMul`, activations in 8-bit blocks)
+/// against a dense f32 product, relative L2 over 40 rows: the Q8_0 file's against the F32 file's weights
+/// (quantisation and kernel, within 2e-2), the Q4_K_M file's against its own weights expanded (the Q4_K and
+/// Q6_K kernels alone, within 2e-2).
 #[test]
-fn each_q8_0_projection_is_within_2e_2_of_the_f32_product() {
+fn each_quantised_projection_tracks_the_dense_product() {
     use glm5::candle_core::quantized::QMatMul;
     use glm5::candle_core::{Module, Tensor};
-    let (config, q8) = Checkpoint::open_gguf(fixture("tiny-glm5-Q8_0.gguf")).unwrap();
-    let (_, f32_weights) = Checkpoint::open_gguf(fixture("tiny-glm5-F32.gguf")).unwrap();
-    let mut names = vec![(
-        "lm_head.weight".to_string(),
-        vec![config.vocab_size, config.hidden_size],
-    )];
-    for layer in 0..config.num_hidden_layers {
-        for t in glm5::models::sizes::layer_tensors(&config, layer, DType::F32) {
-            names.push((t.name, t.shape));
+    for (file, dense_file) in [
+        ("tiny-glm5-Q8_0.gguf", "tiny-glm5-F32.gguf"),
+        ("wide-Q4_K_M.gguf", "wide-Q4_K_M.gguf"),
+    ] {
+        let (config, quantised) = Checkpoint::open_gguf(fixture(file)).unwrap();
+        let (_, dense) = Checkpoint::open_gguf(fixture(dense_file)).unwrap();
+        let mut names = vec![(
+            "lm_head.weight".to_string(),
+            vec![config.vocab_size, config.hidden_size],
+        )];
+        for layer in 0..config.num_hidden_layers {
+            for t in glm5::models::sizes::layer_tensors(&config, layer, DType::F32) {
+                names.push((t.name, t.shape));
+            }
         }
+        let (mut checked, mut worst) = (0, 0f32);
+        for (name, shape) in names {
+            let [out, inp] = shape[..] else { continue };
+            let Ok(Matrix::Quantized(q)) =
+                quantised.matrix(&name, [out, inp], DType::F32, &Device::Cpu)
+            else {
+                continue;
+            };
+            let w = dense
+                .tensor(&name, &[out, inp], DType::F32, &Device::Cpu)
+                .unwrap();
+            let x = Tensor::randn(0f32, 1f32, (40, inp), &Device::Cpu).unwrap();
+            let want: Vec<Vec<f32>> = x.matmul(&w.t().unwrap()).unwrap().to_vec2().unwrap();
+            let got: Vec<Vec<f32>> = QMatMul::from_arc(q)
+                .unwrap()
+                .forward(&x)
+                .unwrap()
+                .to_vec2()
+                .unwrap();
+            let error = max_relative_l2(&[got.concat()], &[want.concat()]);
+            assert!(error <= 2e-2, "{file} {name}: {error}");
+            checked += 1;
+            worst = worst.max(error);
+        }
+        println!("{file}: {checked} quantised projections, worst relative L2 {worst:.3e}");
+        assert!(checked > 20, "{file}: only {checked} quantised projections");
     }
-    let (mut checked, mut worst) = (0, 0f32);
-    for (name, shape) in names {
-        let [out, inp] = shape[..] else { continue };
-        let Ok(Matrix::Quantized(q)) = q8.matrix(&name, [out, inp], DType::F32, &Device::Cpu)
-        else {
-            continue;
-        };
-        let w = f32_weights
-            .tensor(&name, &[out, inp], DType::F32, &Device::Cpu)
-            .unwrap();
-        let x = Tensor::randn(0f32, 1f32, (40, inp), &Device::Cpu).unwrap();
-        let want: Vec<Vec<f32>> = x.matmul(&w.t().unwrap()).unwrap().to_vec2().unwrap();
-        let got: Vec<Vec<f32>> = QMatMul::from_arc(q)
-            .unwrap()
-            .forward(&x)
-            .unwrap()
-            .to_vec2()
-            .unwrap();
-        let want_flat = [want.concat()];
-        let error = max_relative_l2(&[got.concat()], &want_flat);
-        assert!(error <= 2e-2, "{name}: {error}");
-        checked += 1;
-        worst = worst.max(error);
-    }
-    println!("{checked} Q8_0 projections, worst relative L2 {worst:.3e}");
-    assert!(checked > 40, "only {checked} quantised projections");
 }
 
 #[test]
@@ -249,6 +256,85 @@ fn quantised_matrices_stay_quantised_and_are_sized_as_stored() {
             .unwrap(),
         Matrix::Dense(_)
     ));
+}
+
+/// Dequantised weights against gguf-py's own `quants.dequantize` (llama.cpp's Python reference) on the same
+/// file: the first values and the sum of |w| (printed by gguf-py 0.19 from llama.cpp's tree).
+#[test]
+fn dequantised_weights_equal_gguf_py() {
+    let (config, checkpoint) = Checkpoint::open_gguf(fixture("wide-Q4_K_M.gguf")).unwrap();
+    let (h, vocab, moe) = (
+        config.hidden_size,
+        config.vocab_size,
+        config.moe_intermediate_size,
+    );
+    let load = |name: &str, shape: &[usize]| -> Vec<f32> {
+        checkpoint
+            .tensor(name, shape, DType::F32, &Device::Cpu)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    };
+    let abs_sum = |v: &[f32]| v.iter().map(|x| x.abs() as f64).sum::<f64>();
+    // (HF name, shape, gguf-py's first four values, gguf-py's sum of |w|)
+    let cases: [(&str, Vec<usize>, [f32; 4], f64); 2] = [
+        (
+            "model.layers.0.self_attn.q_a_proj.weight",
+            vec![config.q_lora_rank, h],
+            [-0.021_100_76, 0.045_724_87, 0.090_275_29, 0.001_174_45],
+            3273.983_642_578_125,
+        ),
+        (
+            "lm_head.weight",
+            vec![vocab, h],
+            [-0.020_808_64, -0.086_207_21, -0.014_863_31, -0.074_316_56],
+            10642.882_812_5,
+        ),
+    ];
+    for (name, shape, first, sum) in cases {
+        let values = load(name, &shape);
+        for (got, want) in values.iter().zip(first) {
+            assert!((got - want).abs() < 1e-6, "{name}: {got} vs {want}");
+        }
+        assert!((abs_sum(&values) - sum).abs() < 1e-3 * sum, "{name}");
+    }
+    // The stacked Q4_K up and Q6_K down experts, expert by expert, add up to gguf-py's whole-tensor sums.
+    for (which, first, sum) in [
+        (
+            "up_proj",
+            [-0.003_953_7, -0.058_518_41, 0.032_422_78, 0.105_175_73],
+            13110.167_968_75,
+        ),
+        (
+            "down_proj",
+            [0.056_693_55, 0.048_594_47, 0.076_941_25, -0.036_445_86],
+            13044.188_476_562_5,
+        ),
+    ] {
+        let shape = if which == "down_proj" {
+            [h, moe]
+        } else {
+            [moe, h]
+        };
+        let experts: Vec<Vec<f32>> = (0..config.n_routed_experts)
+            .map(|e| {
+                load(
+                    &format!("model.layers.1.mlp.experts.{e}.{which}.weight"),
+                    &shape,
+                )
+            })
+            .collect();
+        for (got, want) in experts[0].iter().zip(first) {
+            assert!((got - want).abs() < 1e-6, "{which}: {got} vs {want}");
+        }
+        let total: f64 = experts.iter().map(|v| abs_sum(v)).sum();
+        assert!(
+            (total - sum).abs() < 1e-3 * sum,
+            "{which}: {total} vs {sum}"
+        );
+    }
 }
 
 const TOKENIZER_TEXTS: &[&str] = &[

@@ -38,6 +38,12 @@ pub enum ModelError {
     TensorDtype { name: String, dtype: String },
     #[error(transparent)]
     Gguf(#[from] crate::weights::gguf::GgufError),
+    #[error("tensor `{tensor}`: {source}")]
+    QuantizedMatmul {
+        tensor: String,
+        #[source]
+        source: glm5_ops::quantized_matmul::QuantizedDispatchError,
+    },
 
     #[error(
         "token id {token} at position {position} is outside the vocabulary (size {vocab_size})"

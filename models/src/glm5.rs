@@ -36,6 +36,8 @@ struct Loader<'a> {
     checkpoint: &'a Checkpoint,
     dtype: DType,
     device: &'a Device,
+    /// The plan's description of `device`: what quantised weights are dispatched on.
+    desc: &'a DeviceDesc,
 }
 
 impl Loader<'_> {
@@ -56,7 +58,16 @@ impl Loader<'_> {
                 .matrix(&name, [out_dim, in_dim], self.dtype, self.device)?
             {
                 Matrix::Dense(weight) => Proj::Dense(Linear::new(weight, None)),
-                Matrix::Quantized(weight) => Proj::Quantized(QMatMul::from_arc(weight)?),
+                Matrix::Quantized(weight) => {
+                    // The weight's format must have a quantized_matmul backend on this device.
+                    glm5_ops::quantized_matmul::dispatch(weight.dtype(), self.desc).map_err(
+                        |source| ModelError::QuantizedMatmul {
+                            tensor: name.clone(),
+                            source,
+                        },
+                    )?;
+                    Proj::Quantized(QMatMul::from_arc(weight)?)
+                }
             },
         )
     }
@@ -81,9 +92,11 @@ impl Module for Proj {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         match self {
             Proj::Dense(linear) => linear.forward(x),
-            Proj::Quantized(weight) => weight
-                .forward(&x.to_dtype(DType::F32)?.contiguous()?)?
-                .to_dtype(x.dtype()),
+            Proj::Quantized(weight) => glm5_ops::quantized_matmul::quantized_matmul(x, weight)
+                .map_err(|e| match e {
+                    glm5_ops::OpError::Candle(e) => e,
+                    other => candle_core::Error::Msg(other.to_string()),
+                }),
         }
     }
 }
@@ -795,10 +808,12 @@ impl Glm5ForCausalLM {
         let dtype = plan.dtype;
         let loaders: Vec<Loader> = devices
             .iter()
-            .map(|device| Loader {
+            .zip(&plan.devices)
+            .map(|(device, desc)| Loader {
                 checkpoint,
                 dtype,
                 device,
+                desc,
             })
             .collect();
         let (vocab, hidden) = (config.vocab_size, config.hidden_size);

@@ -11,6 +11,7 @@ pub mod device;
 pub mod dsa_indexer;
 pub mod error;
 pub mod index_keys;
+pub mod quantized_matmul;
 pub mod registry;
 pub mod sparse_mla;
 
