@@ -284,13 +284,13 @@ fn dequantised_weights_equal_gguf_py() {
             "model.layers.0.self_attn.q_a_proj.weight",
             vec![config.q_lora_rank, h],
             [-0.021_100_76, 0.045_724_87, 0.090_275_29, 0.001_174_45],
-            3273.983_642_578_125,
+            3_273.983_642_578_125,
         ),
         (
             "lm_head.weight",
             vec![vocab, h],
             [-0.020_808_64, -0.086_207_21, -0.014_863_31, -0.074_316_56],
-            10642.882_812_5,
+            10_642.882_812_5,
         ),
     ];
     for (name, shape, first, sum) in cases {
@@ -305,12 +305,12 @@ fn dequantised_weights_equal_gguf_py() {
         (
             "up_proj",
             [-0.003_953_7, -0.058_518_41, 0.032_422_78, 0.105_175_73],
-            13110.167_968_75,
+            13_110.167_968_75,
         ),
         (
             "down_proj",
             [0.056_693_55, 0.048_594_47, 0.076_941_25, -0.036_445_86],
-            13044.188_476_562_5,
+            13_044.188_476_562_5,
         ),
     ] {
         let shape = if which == "down_proj" {
@@ -562,7 +562,7 @@ fn split_parts_load_as_one_model() {
     std::fs::remove_file(dir.path().join(format!("tiny-00002-of-{parts:05}.gguf"))).unwrap();
     let err = load_gguf(dir.path()).err().expect("a part is missing");
     assert!(
-        matches!(err, ModelError::Gguf(GgufError::Split { .. })),
+        matches!(&err, ModelError::Gguf(e) if matches!(**e, GgufError::Split { .. })),
         "{err}"
     );
     assert!(
@@ -616,7 +616,7 @@ fn patch_tensor(
 
 fn gguf_error(path: &Path) -> GgufError {
     match Checkpoint::open_gguf(path) {
-        Err(ModelError::Gguf(e)) => e,
+        Err(ModelError::Gguf(e)) => *e,
         Err(other) => panic!("expected a GGUF error, got {other}"),
         Ok(_) => panic!("a malformed file opened"),
     }
@@ -963,7 +963,7 @@ fn q4_k_m(name: &str) -> &'static str {
         "output.weight" => "Q6_K",
         n if n.ends_with("attn_k_b.weight") => "Q8_0",
         n if n.ends_with("ffn_down.weight") || n.ends_with("ffn_down_shexp.weight") => "Q6_K",
-        n if n.ends_with("ffn_down_exps.weight") && layer % 2 == 0 => "Q6_K",
+        n if n.ends_with("ffn_down_exps.weight") && layer.is_multiple_of(2) => "Q6_K",
         _ => "Q4_K",
     }
 }

@@ -37,12 +37,12 @@ pub enum ModelError {
     #[error("tensor `{name}` is stored as {dtype}; glm5 loads f32, bf16 and f16 checkpoints")]
     TensorDtype { name: String, dtype: String },
     #[error(transparent)]
-    Gguf(#[from] crate::weights::gguf::GgufError),
+    Gguf(Box<crate::weights::gguf::GgufError>),
     #[error("tensor `{tensor}`: {source}")]
     QuantizedMatmul {
         tensor: String,
         #[source]
-        source: glm5_ops::quantized_matmul::QuantizedDispatchError,
+        source: Box<glm5_ops::quantized_matmul::QuantizedDispatchError>,
     },
 
     #[error(
@@ -82,6 +82,13 @@ pub enum ModelError {
 }
 
 pub type Result<T> = std::result::Result<T, ModelError>;
+
+// Boxed, as the plan error below: a GGUF error names a file, a tensor and its dims.
+impl From<crate::weights::gguf::GgufError> for ModelError {
+    fn from(error: crate::weights::gguf::GgufError) -> Self {
+        Self::Gguf(Box::new(error))
+    }
+}
 
 // Boxed: a plan error is large and rare, and `Result<_, ModelError>` should stay small on every call.
 impl From<crate::plan::PlanError> for ModelError {

@@ -63,7 +63,7 @@ impl Loader<'_> {
                     glm5_ops::quantized_matmul::dispatch(weight.dtype(), self.desc).map_err(
                         |source| ModelError::QuantizedMatmul {
                             tensor: name.clone(),
-                            source,
+                            source: Box::new(source),
                         },
                     )?;
                     Proj::Quantized(QMatMul::from_arc(weight)?)
