@@ -11,7 +11,10 @@ pub mod generate;
 pub mod hub;
 pub mod model;
 pub mod plan;
+pub mod reasoning;
+pub mod serve;
 pub mod tokenizer;
+pub mod tool_calls;
 pub mod viz;
 
 pub use candle_core;
