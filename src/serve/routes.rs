@@ -286,6 +286,14 @@ struct Delta {
     calls: Vec<ToolCall>,
 }
 
+/// What one engine event means for one choice: new output, its log-probabilities, the finish reason.
+struct Update<D> {
+    choice: usize,
+    delta: D,
+    logprobs: Option<Value>,
+    finish: Option<&'static str>,
+}
+
 /// One choice of a chat request: reasoning split, tool-call parsing, totals.
 struct ChatChoice {
     splitter: ReasoningSplitter,
@@ -518,7 +526,7 @@ fn chat_event(
     event: SeqEvent,
     usage: &mut Usage,
     first_token: &mut bool,
-) -> Result<Option<(usize, Delta, Option<Value>, Option<&'static str>)>, ApiError> {
+) -> Result<Update<Delta>, ApiError> {
     match event {
         SeqEvent::Token {
             choice,
@@ -543,7 +551,12 @@ fn chat_event(
                 }
                 _ => None,
             };
-            Ok(Some((choice, delta, lp, None)))
+            Ok(Update {
+                choice,
+                delta,
+                logprobs: lp,
+                finish: None,
+            })
         }
         SeqEvent::Finished {
             choice,
@@ -562,7 +575,12 @@ fn chat_event(
             let called = !c.calls.is_empty() || !delta.calls.is_empty();
             let reason = finish_reason(&reason, called);
             c.finish = Some(reason.to_string());
-            Ok(Some((choice, delta, None, Some(reason))))
+            Ok(Update {
+                choice,
+                delta,
+                logprobs: None,
+                finish: Some(reason),
+            })
         }
         SeqEvent::Failed { message, .. } => Err(ApiError::internal(message)),
     }
@@ -582,17 +600,16 @@ async fn chat_response(state: &Arc<AppState>, mut job: ChatJob) -> Result<Respon
         let Some(event) = job.submitted.events.recv().await else {
             return Err(ApiError::internal("the engine stopped"));
         };
-        if let Some((choice, delta, _, reason)) =
-            chat_event(state, &mut job, event, &mut usage, &mut first)?
-        {
-            let c = &mut job.choices[choice];
-            for call in delta.calls {
-                c.calls
-                    .push((call_id(&job.submitted.id, choice, c.calls.len()), call));
-            }
-            if reason.is_some() {
-                finished += 1;
-            }
+        let update = chat_event(state, &mut job, event, &mut usage, &mut first)?;
+        let c = &mut job.choices[update.choice];
+        for call in update.delta.calls {
+            c.calls.push((
+                call_id(&job.submitted.id, update.choice, c.calls.len()),
+                call,
+            ));
+        }
+        if update.finish.is_some() {
+            finished += 1;
         }
     }
     prompt_usage(&job.submitted, n, &mut usage);
@@ -746,10 +763,14 @@ impl ChatStream {
             &mut self.usage,
             &mut self.first,
         );
-        let (choice, delta, logprobs, reason) = match result {
+        let Update {
+            choice,
+            delta,
+            logprobs,
+            finish: reason,
+        } = match result {
             Err(e) => return self.fail(e),
-            Ok(None) => return,
-            Ok(Some(parts)) => parts,
+            Ok(update) => update,
         };
         if !self.started[choice] {
             self.started[choice] = true;
@@ -972,7 +993,7 @@ fn completion_event(
     event: SeqEvent,
     usage: &mut Usage,
     first_token: &mut bool,
-) -> Result<(usize, String, Option<Value>, Option<&'static str>), ApiError> {
+) -> Result<Update<String>, ApiError> {
     match event {
         SeqEvent::Token {
             choice,
@@ -1007,7 +1028,12 @@ fn completion_event(
                 }
                 _ => None,
             };
-            Ok((choice, text, lp, None))
+            Ok(Update {
+                choice,
+                delta: text,
+                logprobs: lp,
+                finish: None,
+            })
         }
         SeqEvent::Finished {
             choice,
@@ -1022,7 +1048,12 @@ fn completion_event(
             }
             let reason = finish_reason(&reason, false);
             job.choices[choice].finish = Some(reason);
-            Ok((choice, String::new(), None, Some(reason)))
+            Ok(Update {
+                choice,
+                delta: String::new(),
+                logprobs: None,
+                finish: Some(reason),
+            })
         }
         SeqEvent::Failed { message, .. } => Err(ApiError::internal(message)),
     }
@@ -1040,7 +1071,7 @@ async fn completion_response(
             return Err(ApiError::internal("the engine stopped"));
         };
         if completion_event(state, &mut job, event, &mut usage, &mut first)?
-            .3
+            .finish
             .is_some()
         {
             finished += 1;
@@ -1159,7 +1190,12 @@ fn completion_stream(
                         None,
                     );
                 }
-                Ok((choice, text, logprobs, reason)) => {
+                Ok(Update {
+                    choice,
+                    delta: text,
+                    logprobs,
+                    finish: reason,
+                }) => {
                     if !text.is_empty() || logprobs.is_some() || reason.is_some() {
                         let event = chunk(
                             &s,
