@@ -340,6 +340,9 @@ impl Engine {
                     tracing::info!(request_id = %seq.request.request_id, choice = seq.request.choice,
                         generated = seq.generated, "client gone: sequence stopped");
                     self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+                    self.metrics
+                        .generation_tokens
+                        .fetch_add(seq.generated as u64, Ordering::Relaxed);
                     seq.done = true;
                 }
                 !seq.done
