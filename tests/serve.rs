@@ -484,8 +484,8 @@ fn curl_streams_server_sent_events() {
 #[test]
 fn sigterm_finishes_running_requests_then_exits() {
     let mut server = Server::start(&["--shutdown-grace", "60"]);
-    let body = json!({"model": MODEL, "prompt": "Hello", "max_tokens": 200, "temperature": 0,
-        "stream": true, "stop_token_ids": []});
+    let body = json!({"model": MODEL, "prompt": "Hello", "max_tokens": 400, "temperature": 0,
+        "stream": true, "ignore_eos": true});
     let curl = Command::new("curl")
         .args([
             "-sS",
@@ -515,6 +515,11 @@ fn sigterm_finishes_running_requests_then_exits() {
         "the running stream must finish: {text}"
     );
     assert!(!text.contains("\"error\""), "{text}");
+    assert_eq!(
+        text.matches("\"finish_reason\":\"length\"").count(),
+        1,
+        "all 400 tokens, then a normal end: {text}"
+    );
     let deadline = Instant::now() + Duration::from_secs(30);
     let status = loop {
         if let Some(status) = server.child.try_wait().unwrap() {
