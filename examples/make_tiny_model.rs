@@ -116,8 +116,26 @@ fn build_tokenizer() -> Result<Tokenizer, Error> {
 
 /// The chat template: GLM-5's turn structure (our own text).
 const CHAT_TEMPLATE: &str = r#"{#- glm5-tiny chat template: GLM-5 turn structure. Assistant turns after the last user message keep
-    their reasoning in <think>...</think>; earlier ones get only </think>. -#}
+    their reasoning in <think>...</think>; earlier ones get only </think>. Tools are listed in a system turn,
+    assistant tool calls are written as <tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>
+    (string values as they are, others as JSON), and consecutive tool results share one <|observation|>. -#}
 [gMASK]<sop>
+{%- if tools -%}
+<|system|>
+# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{% for tool in tools %}
+{{ tool | tojson(ensure_ascii=False) }}
+{% endfor %}
+</tools>
+
+For each function call, output the function name and arguments within the following XML format:
+<tool_call>{function-name}<arg_key>{arg-key-1}</arg_key><arg_value>{arg-value-1}</arg_value><arg_key>{arg-key-2}</arg_key><arg_value>{arg-value-2}</arg_value>...</tool_call>
+{%- endif -%}
 {%- set ns = namespace(last_user=-1) -%}
 {%- for m in messages -%}
   {%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}
@@ -143,8 +161,19 @@ const CHAT_TEMPLATE: &str = r#"{#- glm5-tiny chat template: GLM-5 turn structure
 </think>
     {%- endif -%}
 {{ content.strip() }}
+    {%- for tc in m.tool_calls or [] -%}
+      {%- set f = tc.function if tc.function is defined else tc -%}
+<tool_call>{{ f.name }}
+      {%- for k, v in (f.arguments or {}).items() -%}
+<arg_key>{{ k }}</arg_key><arg_value>{{ v if v is string else v | tojson(ensure_ascii=False) }}</arg_value>
+      {%- endfor -%}
+</tool_call>
+    {%- endfor -%}
   {%- elif m.role == 'tool' -%}
-<|observation|><tool_response>{{ m.content }}</tool_response>
+    {%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}
+<|observation|>
+    {%- endif -%}
+<tool_response>{{ m.content }}</tool_response>
   {%- else -%}
 {{ raise_exception('unknown role: ' ~ m.role) }}
   {%- endif -%}

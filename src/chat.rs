@@ -225,6 +225,63 @@ impl ChatTemplate {
     }
 }
 
+impl ChatTemplate {
+    /// Renders messages given as JSON in OpenAI's shape (assistant `tool_calls` with object `arguments`,
+    /// `tool` messages), offering `tools`; `kwargs` (e.g. `enable_thinking`) are set on top of
+    /// `add_generation_prompt`, `enable_thinking` (default true), `tools` and the bos/eos strings.
+    pub fn render_json(
+        &self,
+        messages: &serde_json::Value,
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String> {
+        let template = self.env.get_template(NAME).map_err(ChatError::Render)?;
+        let mut ctx: std::collections::BTreeMap<String, Value> = [
+            ("messages", json_value(messages)),
+            ("tools", tools.map_or(Value::from(()), json_value)),
+            ("add_generation_prompt", Value::from(add_generation_prompt)),
+            ("enable_thinking", Value::from(true)),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        for (key, token) in [
+            ("bos_token", &self.bos_token),
+            ("eos_token", &self.eos_token),
+        ] {
+            if let Some(token) = token {
+                ctx.insert(key.into(), Value::from(token.as_str()));
+            }
+        }
+        for (key, value) in kwargs {
+            ctx.insert(key.clone(), json_value(value));
+        }
+        template
+            .render(Value::from_pairs(ctx))
+            .map_err(ChatError::Render)
+    }
+}
+
+/// A JSON value as a template value (objects keep their key order).
+fn json_value(value: &serde_json::Value) -> Value {
+    use serde_json::Value as Json;
+    match value {
+        Json::Null => Value::from(()),
+        Json::Bool(b) => Value::from(*b),
+        Json::Number(n) => n
+            .as_i64()
+            .map(Value::from)
+            .or_else(|| n.as_u64().map(Value::from))
+            .unwrap_or_else(|| Value::from(n.as_f64().unwrap_or(f64::NAN))),
+        Json::String(s) => Value::from(s.as_str()),
+        Json::Array(items) => items.iter().map(json_value).collect(),
+        Json::Object(map) => {
+            Value::from_pairs(map.iter().map(|(k, v)| (k.as_str(), json_value(v))))
+        }
+    }
+}
+
 /// `chat_template` as a string, or the `default` (else first) entry of a `[{name, template}]` list.
 fn template_from_config(value: &serde_json::Value) -> Option<String> {
     if let Some(text) = value.as_str() {

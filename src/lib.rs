@@ -13,7 +13,10 @@ pub mod hub;
 pub mod hub_gguf;
 pub mod model;
 pub mod plan;
+pub mod reasoning;
+pub mod serve;
 pub mod tokenizer;
+pub mod tool_calls;
 pub mod viz;
 
 pub use candle_core;

@@ -35,6 +35,8 @@ enum Command {
     Generate(GenerateArgs),
     /// Show where every layer would run and with which backends (reads config.json only).
     Plan(PlanArgs),
+    /// Serve an OpenAI-compatible HTTP API (chat and text completions, streaming) with continuous batching.
+    Serve(ServeArgs),
 }
 
 #[derive(Args)]
@@ -437,6 +439,161 @@ fn generate(args: GenerateArgs) -> Result<(), Box<dyn std::error::Error>> {
     }
 }
 
+#[derive(Args)]
+struct ServeArgs {
+    /// Local model directory or Hugging Face repo id. Default: the embedded tiny model.
+    #[arg(long)]
+    model: Option<String>,
+    /// Hub revision (branch, tag or commit).
+    #[arg(long)]
+    revision: Option<String>,
+    /// Use only the local Hugging Face cache (also HF_HUB_OFFLINE=1).
+    #[arg(long)]
+    offline: bool,
+    /// cpu or cuda:N.
+    #[arg(long, default_value = "cpu", conflicts_with = "devices")]
+    device: String,
+    /// Several devices, comma-separated (cuda:0,cuda:1,...): the layers are split over them.
+    #[arg(long)]
+    devices: Option<String>,
+    /// Per-layer device map: FIRST-LAST=DEVICE, comma-separated (DEVICE: a name from --devices or #INDEX).
+    #[arg(long, requires = "devices")]
+    layer_map: Option<String>,
+    /// Force a backend: OP=NAME (repeatable), e.g. sparse_mla=reference. Also GLM5_BACKEND.
+    #[arg(long = "backend")]
+    backends: Vec<String>,
+    /// Weights and activations dtype (default: f32 on CPU, bf16 on GPU).
+    #[arg(long, value_enum)]
+    dtype: Option<DTypeArg>,
+    #[arg(long, value_enum, default_value = "sparse")]
+    attention: AttentionArg,
+    /// How the DSA indexer's key cache stores keys.
+    #[arg(long, value_enum, default_value = "float")]
+    index_cache: IndexCacheArg,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port (0: any free port; the address is printed).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Require `Authorization: Bearer KEY` on /v1 routes (also GLM5_API_KEY).
+    #[arg(long)]
+    api_key: Option<String>,
+    /// Model name for /v1/models and the requests' `model` (default: --model, or "glm5-tiny").
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// Most sequences generated at once.
+    #[arg(long, default_value_t = 32)]
+    max_seqs: usize,
+    /// Most sequences waiting for a slot; more requests are answered 429.
+    #[arg(long, default_value_t = 256)]
+    max_queue: usize,
+    /// Context per sequence, prompt plus output (default: min(8192, the model's context)).
+    #[arg(long)]
+    max_model_len: Option<usize>,
+    /// KV cache tokens over all sequences (default: max-seqs x max-model-len).
+    #[arg(long)]
+    kv_budget: Option<usize>,
+    /// Most prompt tokens a sequence feeds per step (long prompts are chunked so decodes keep flowing).
+    #[arg(long, default_value_t = 512)]
+    prefill_chunk: usize,
+    /// Largest request body in bytes.
+    #[arg(long, default_value_t = 8 << 20)]
+    max_body_bytes: usize,
+    /// Seconds a client may take to send its request headers, and then its body.
+    #[arg(long, default_value_t = 30.0)]
+    read_timeout: f64,
+    /// Seconds running requests may take to finish after SIGTERM / ctrl-c before they are cancelled.
+    #[arg(long, default_value_t = 30.0)]
+    shutdown_grace: f64,
+}
+
+fn serve(args: ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
+    // Request logs go to stderr at info level unless -v asked for more (or RUST_LOG says otherwise).
+    let _ = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("glm5=info")),
+        )
+        .try_init();
+    let seconds = |name: &str, value: f64| {
+        (value.is_finite() && value > 0.0)
+            .then(|| std::time::Duration::from_secs_f64(value))
+            .ok_or_else(|| format!("--{name} must be a positive number of seconds, got {value}"))
+    };
+    let read_timeout = seconds("read-timeout", args.read_timeout)?;
+    let shutdown_grace = seconds("shutdown-grace", args.shutdown_grace)?;
+    let mut hub = HubOptions::from_env();
+    hub.revision = args.revision.clone().or(hub.revision);
+    hub.offline |= args.offline;
+    let devices = match &args.devices {
+        Some(list) => parse_devices(list)?,
+        None => vec![parse_device(&args.device)?],
+    };
+    let layer_map = match &args.layer_map {
+        Some(map) => {
+            let config = match &args.model {
+                Some(id) => Config::from_file(resolve_config(id, &hub)?)?,
+                None => Config::from_json(glm5::embedded::CONFIG_JSON)?,
+            };
+            Some(parse_layer_map(
+                map,
+                &device_names(&devices)?,
+                config.num_hidden_layers,
+            )?)
+        }
+        None => None,
+    };
+    let options = LoadOptions {
+        device: devices[0].clone(),
+        devices: devices.clone(),
+        backends: backend_flags(&args.backends)?,
+        dtype: args.dtype.map(dtype),
+        attention: attention(args.attention),
+        index_keys: index_cache(args.index_cache),
+        layer_map,
+        hub,
+        ..Default::default()
+    };
+    let model = match &args.model {
+        Some(id) => Glm5::from_pretrained(id, &options)?,
+        None => Glm5::embedded(&options)?,
+    };
+    let context = model.model().config().max_position_embeddings;
+    let host: std::net::IpAddr = args
+        .host
+        .parse()
+        .map_err(|_| format!("--host must be an IP address, got {:?}", args.host))?;
+    let name = args
+        .served_model_name
+        .clone()
+        .or(args.model.clone())
+        .unwrap_or_else(|| "glm5-tiny".to_string());
+    let options = glm5::serve::ServeOptions {
+        api_key: args
+            .api_key
+            .clone()
+            .or_else(|| std::env::var("GLM5_API_KEY").ok())
+            .filter(|k| !k.is_empty()),
+        max_seqs: args.max_seqs,
+        max_queue: args.max_queue,
+        max_model_len: args.max_model_len.unwrap_or(8192.min(context)),
+        kv_budget: args.kv_budget,
+        prefill_chunk: args.prefill_chunk,
+        max_body_bytes: args.max_body_bytes,
+        read_timeout,
+        shutdown_grace,
+        ..glm5::serve::ServeOptions::new((host, args.port).into(), name)
+    };
+    eprintln!("[model: {}]", model.label());
+    glm5::serve::run(model, options, |addr| {
+        eprintln!("glm5 serve: listening on http://{addr}");
+    })?;
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
@@ -467,6 +624,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Generate(args) => generate(args),
         Command::Plan(args) => plan(args),
+        Command::Serve(args) => serve(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
