@@ -11,7 +11,7 @@
 //!   `Display`, which must be one non-empty line.
 //!
 //! Iterations: each target's `ci_iterations` by default (the bounded run of `cargo test`), or
-//! `GLM5_FUZZ_ITERS` (the long run); the seed of the random generator is `GLM5_FUZZ_SEED` (default fixed,
+//! `GLM5_FUZZ_ITERS` (the long run, optionally cut off after `GLM5_FUZZ_SECONDS`); the seed of the random generator is `GLM5_FUZZ_SEED` (default fixed,
 //! so a CI failure reproduces).
 
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -60,6 +60,11 @@ pub fn fuzz(target: Target) -> Report {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(0x5eed_0f_61_6d_35u64);
+    // A wall-clock budget for long runs on a shared machine: stop early, report what ran.
+    let budget = std::env::var("GLM5_FUZZ_SECONDS")
+        .ok()
+        .and_then(|v| v.parse::<f64>().ok())
+        .map(Duration::from_secs_f64);
     let mut rng = Rng(seed ^ fnv(target.name.as_bytes()));
     let mut report = Report::default();
     let started = Instant::now();
@@ -72,6 +77,9 @@ pub fn fuzz(target: Target) -> Report {
         .take(iterations.max(target.seeds.len() as u64) as usize);
     for input in inputs {
         run_one(&target, &input, &mut report);
+        if budget.is_some_and(|b| started.elapsed() > b) {
+            break;
+        }
     }
     report.elapsed = started.elapsed();
     eprintln!(
