@@ -121,7 +121,7 @@ pub fn parse_layer_map(text: &str, device_names: &[String], layers: usize) -> Re
             invalid(
                 "--layer-map",
                 part,
-                format!("no device {device} among [{}]", device_names.join(", ")),
+                format!("no device {device:?} among [{}]", device_names.join(", ")),
             )
         })?;
         let bound = |s: &str| {

@@ -133,12 +133,46 @@ impl Tokenizer {
     }
 }
 
-/// A `tokenizer.json` text as a tokenizer. The JSON is parsed first on its own: tokenizers 0.23 panics
-/// (`expect("Helper")` in its decoder's `Deserialize`) on a syntax error inside some objects, instead of
-/// returning it; from a parsed value the same error cannot occur.
+/// A `tokenizer.json` text as a tokenizer, never a panic. tokenizers 0.23 panics on some malformed files
+/// instead of returning an error: a JSON syntax error inside the decoder (`expect("Helper")`), a BPE merge
+/// longer than every vocabulary entry (an out-of-range slice in `BpeBuilder::build`). The JSON is parsed on
+/// its own first and the merges are checked, which rules both out; anything else it panics on is caught and
+/// returned as the error.
 fn parse(text: &str) -> std::result::Result<tokenizers::Tokenizer, String> {
     let value: serde_json::Value = serde_json::from_str(text).map_err(|e| e.to_string())?;
-    serde_json::from_value(value).map_err(|e| e.to_string())
+    check_merges(&value["model"])?;
+    std::panic::catch_unwind(|| serde_json::from_value(value))
+        .map_err(|panic| {
+            let message = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default();
+            format!("the tokenizers crate failed on it: {message}")
+        })?
+        .map_err(|e| e.to_string())
+}
+
+/// Every BPE merge `a b` must not be longer than the longest vocabulary entry (tokenizers sizes a buffer by
+/// that entry and slices past it otherwise).
+fn check_merges(model: &serde_json::Value) -> std::result::Result<(), String> {
+    let (Some(vocab), Some(merges)) = (model["vocab"].as_object(), model["merges"].as_array()) else {
+        return Ok(());
+    };
+    let longest = vocab.keys().map(String::len).max().unwrap_or(0);
+    for merge in merges {
+        let len = match merge {
+            serde_json::Value::String(pair) => pair.len().saturating_sub(1),
+            serde_json::Value::Array(pair) => pair.iter().filter_map(|p| p.as_str()).map(str::len).sum(),
+            _ => continue,
+        };
+        if len > longest {
+            return Err(format!(
+                "model.merges: {merge} makes a token of {len} bytes, longer than every vocabulary entry ({longest})"
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Incremental detokeniser: feed generated ids one by one, get text as soon as it is complete.

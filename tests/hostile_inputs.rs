@@ -533,3 +533,23 @@ fn fuzz_find_tokenizer_syntax_error_inside_the_decoder() {
     std::fs::write(&path, text).unwrap();
     assert!(Tokenizer::from_file(&path).is_err());
 }
+
+#[test]
+fn fuzz_find_tokenizer_merge_longer_than_the_vocabulary() {
+    // tokenizers 0.23 sliced past its buffer (a panic) for a BPE merge longer than every vocabulary entry.
+    let text = r#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],"normalizer":null,
+"pre_tokenizer":null,"post_processor":null,"decoder":null,
+"model":{"type":"BPE","dropout":null,"unk_token":null,"continuing_subword_prefix":null,"end_of_word_suffix":null,
+"fuse_unk":false,"byte_fallback":false,"vocab":{"h":0,"e":1},"merges":["h e"]}}"#;
+    let err = Tokenizer::from_json(text).err().expect("refused");
+    assert!(err.to_string().contains("merges"), "{err}");
+    one_line(&err.to_string());
+}
+
+#[test]
+fn fuzz_find_layer_map_device_with_a_newline() {
+    // The device name of a --layer-map entry was echoed raw: a newline in it broke the one error line.
+    let names = ["cpu".to_string()];
+    let err = glm5::plan::parse_layer_map("0-1=cpu\ne-320,", &names, 4).unwrap_err();
+    one_line(&err.to_string());
+}
