@@ -156,14 +156,17 @@ fn parse(text: &str) -> std::result::Result<tokenizers::Tokenizer, String> {
 /// Every BPE merge `a b` must not be longer than the longest vocabulary entry (tokenizers sizes a buffer by
 /// that entry and slices past it otherwise).
 fn check_merges(model: &serde_json::Value) -> std::result::Result<(), String> {
-    let (Some(vocab), Some(merges)) = (model["vocab"].as_object(), model["merges"].as_array()) else {
+    let (Some(vocab), Some(merges)) = (model["vocab"].as_object(), model["merges"].as_array())
+    else {
         return Ok(());
     };
     let longest = vocab.keys().map(String::len).max().unwrap_or(0);
     for merge in merges {
         let len = match merge {
             serde_json::Value::String(pair) => pair.len().saturating_sub(1),
-            serde_json::Value::Array(pair) => pair.iter().filter_map(|p| p.as_str()).map(str::len).sum(),
+            serde_json::Value::Array(pair) => {
+                pair.iter().filter_map(|p| p.as_str()).map(str::len).sum()
+            }
             _ => continue,
         };
         if len > longest {
