@@ -335,7 +335,7 @@ impl<'a> Fetcher<'a> {
     fn download(&self, file: &str, required: bool) -> Result<Option<PathBuf>, HubError> {
         tracing::debug!(repo = %self.repo_id, file, revision = %self.revision, "resolving");
         if self.options.offline {
-            return self.from_cache(file, required);
+            return self.cached(file, required);
         }
         match self.fetch_file(file) {
             Ok(Some(fetched)) => {
@@ -352,7 +352,7 @@ impl<'a> Fetcher<'a> {
             }),
             // The Hub is unreachable: what the cache holds for this revision is used, as hf-hub does.
             Err(err @ HubError::Network { .. }) if download::is_unreachable(&err) => {
-                match self.from_cache(file, required) {
+                match self.cached(file, required) {
                     Ok(found @ Some(_)) => Ok(found),
                     Ok(None) => {
                         tracing::warn!(repo = %self.repo_id, file, "Hub unreachable, skipping optional file: {err}");
@@ -367,7 +367,7 @@ impl<'a> Fetcher<'a> {
 
     /// One file from the local cache alone (hf-hub's lookup: `refs/<revision>`, the snapshot link, the
     /// `.no_exist` marker), validated without a size to compare with.
-    fn from_cache(&self, file: &str, required: bool) -> Result<Option<PathBuf>, HubError> {
+    fn cached(&self, file: &str, required: bool) -> Result<Option<PathBuf>, HubError> {
         let result = self
             .repo
             .download_file()

@@ -25,6 +25,9 @@ pub const ALLOCATION_LIMIT: usize = 1 << 30;
 /// The most bytes a target may hold at once while it runs (beyond what it held before).
 pub const PEAK_LIMIT: usize = 2 << 30;
 
+/// The code under test: an input in, `Err` with the typed error's message.
+pub type Run = dyn Fn(&[u8]) -> Result<(), String>;
+
 /// One fuzz target: seeds to mutate, fragments to splice in, and the code under test.
 pub struct Target {
     pub name: &'static str,
@@ -32,7 +35,7 @@ pub struct Target {
     /// Hostile fragments: numbers at and past limits, path tricks, syntax of the format.
     pub dictionary: Vec<Vec<u8>>,
     /// Runs the code under test; `Err` carries the typed error's message.
-    pub run: Box<dyn Fn(&[u8]) -> Result<(), String>>,
+    pub run: Box<Run>,
     /// Iterations of the bounded run inside `cargo test`.
     pub ci_iterations: u64,
     /// The longest one input may take.
@@ -59,7 +62,7 @@ pub fn fuzz(target: Target) -> Report {
     let seed = std::env::var("GLM5_FUZZ_SEED")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(0x5eed_0f_61_6d_35u64);
+        .unwrap_or(0x5eed_0f61_6d35_u64);
     // A wall-clock budget for long runs on a shared machine: stop early, report what ran.
     let budget = std::env::var("GLM5_FUZZ_SECONDS")
         .ok()
@@ -96,6 +99,11 @@ pub fn fuzz(target: Target) -> Report {
 }
 
 fn run_one(target: &Target, input: &[u8], report: &mut Report) {
+    // GLM5_FUZZ_TRACE=DIR: each input is written to DIR/<target> before it runs, so that one that kills the
+    // process (a stack overflow) can be found again.
+    if let Ok(dir) = std::env::var("GLM5_FUZZ_TRACE") {
+        let _ = std::fs::write(std::path::Path::new(&dir).join(target.name), input);
+    }
     CURRENT.set((input.as_ptr(), input.len()));
     let base = LIVE.get();
     PEAK.set(base);
