@@ -553,3 +553,30 @@ fn fuzz_find_layer_map_device_with_a_newline() {
     let err = glm5::plan::parse_layer_map("0-1=cpu\ne-320,", &names, 4).unwrap_err();
     one_line(&err.to_string());
 }
+
+#[test]
+fn template_recursion_at_the_limit_fits_a_small_thread_stack() {
+    // Test threads and tokio workers have 2 MiB of stack: recursion up to the limit must end in an error
+    // there, not in a stack overflow (which aborts the process).
+    let sources = [
+        "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}",
+        "{% macro f(n) %}{% for x in [1, 2] %}{% if x == 1 %}{{ (f(n ~ 'x') ~ 'y') | upper | trim }}{% endif %}{% endfor %}{% endmacro %}{{ f('a') }}",
+        "{% macro f(n) %}{% set ns = namespace(v=n) %}{{ {'a': [ns.v, f(n + 1)]} | tojson }}{% endmacro %}{{ f(0) }}",
+        "{% for m in messages recursive %}{{ loop([m, m]) }}{% endfor %}",
+    ];
+    for source in sources {
+        let result = std::thread::Builder::new()
+            .stack_size(2 << 20)
+            .spawn(move || {
+                let template = ChatTemplate::new(source, None, None).unwrap();
+                template
+                    .render(&[Message::user("hi")], &ChatOptions::default())
+                    .map(|_| ())
+                    .map_err(|e| e.to_string())
+            })
+            .unwrap()
+            .join()
+            .unwrap();
+        assert!(result.is_err(), "{source}");
+    }
+}
