@@ -1,11 +1,36 @@
 //! Chat prompts: a model's Hugging Face chat template (Jinja), rendered with minijinja the way
 //! transformers renders it (`trim_blocks`, `lstrip_blocks`, loop controls, `raise_exception`, a
 //! Python-style `tojson`, and Python string/dict methods through minijinja-contrib's pycompat).
+//!
+//! A template is code from the model repo, so its work is bounded with minijinja's own controls: fuel (a
+//! budget of instructions and bytes created, [`BASE_FUEL`] plus a share per byte of the conversation), a
+//! recursion limit ([`RECURSION_LIMIT`]) and a cap on the rendered text ([`MAX_OUTPUT_BASE`] plus a multiple
+//! of the conversation). Its files are read only when regular and below [`MAX_TEMPLATE_BYTES`] /
+//! [`MAX_TOKENIZER_CONFIG_BYTES`].
 
 use std::path::{Path, PathBuf};
 
+use glm5_models::config::read_text_file;
 use minijinja::value::{Kwargs, Value, ValueKind};
-use minijinja::{Environment, ErrorKind};
+use minijinja::{Environment, ErrorKind, State};
+
+/// Bytes of template text accepted (GLM-5's template has about 5 KB).
+pub const MAX_TEMPLATE_BYTES: u64 = 4 << 20;
+/// Bytes of `tokenizer_config.json` read at most (it may embed the template and every added token).
+pub const MAX_TOKENIZER_CONFIG_BYTES: u64 = 256 << 20;
+/// Fuel of a render before the conversation's share: about a million instructions (GLM-5's template uses
+/// some thousands per message).
+pub const BASE_FUEL: u64 = 1_000_000;
+/// Fuel per byte of the conversation's text: a template may pass over each byte several times.
+pub const FUEL_PER_INPUT_BYTE: u64 = 1;
+/// Deepest macro/include recursion allowed (GLM-5's template recurses a few levels).
+pub const RECURSION_LIMIT: usize = 100;
+/// Rendered bytes allowed before the conversation's share ...
+pub const MAX_OUTPUT_BASE: usize = 16 << 20;
+/// ... plus this many per byte of the conversation.
+pub const MAX_OUTPUT_PER_INPUT_BYTE: usize = 4;
+/// Widest `tojson(indent=...)` accepted.
+pub const MAX_JSON_INDENT: usize = 64;
 
 /// Why a chat template could not be loaded or rendered.
 #[derive(Debug, thiserror::Error)]
@@ -35,10 +60,25 @@ pub enum ChatError {
         dir: PathBuf,
     },
     /// The template text is not valid Jinja.
-    #[error("chat template does not parse: {0:#}")]
-    Syntax(#[source] minijinja::Error),
-    /// Rendering failed (including `raise_exception` called by the template).
-    #[error("chat template failed to render: {0:#}")]
+    #[error("chat template {name} does not parse: {source}")]
+    Syntax {
+        /// Where the template came from (`chat_template.jinja`, `tokenizer_config.json`, ...).
+        name: String,
+        /// minijinja's error, with the line.
+        #[source]
+        source: minijinja::Error,
+    },
+    /// The template text is larger than [`MAX_TEMPLATE_BYTES`].
+    #[error("chat template {name} has {bytes} bytes, more than the limit of {MAX_TEMPLATE_BYTES}")]
+    TooLarge {
+        /// Where the template came from.
+        name: String,
+        /// Its size.
+        bytes: usize,
+    },
+    /// Rendering failed: `raise_exception` called by the template, an error in it, or one of the limits
+    /// (fuel, recursion, output size) reached, which the message names.
+    #[error("chat template failed to render: {0}")]
     Render(#[source] minijinja::Error),
 }
 
@@ -132,30 +172,39 @@ impl ChatTemplate {
     pub fn from_model_dir(dir: impl AsRef<Path>) -> Result<Self> {
         let dir = dir.as_ref();
         let config_path = dir.join("tokenizer_config.json");
-        let config: Option<serde_json::Value> = match std::fs::read_to_string(&config_path) {
-            Ok(text) => Some(
-                serde_json::from_str(&text).map_err(|source| ChatError::Json {
-                    path: config_path,
-                    source,
-                })?,
-            ),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-            Err(source) => {
-                return Err(ChatError::Io {
-                    path: config_path,
-                    source,
-                })
-            }
-        };
+        let config: Option<serde_json::Value> =
+            match read_text_file(&config_path, MAX_TOKENIZER_CONFIG_BYTES) {
+                Ok(text) => {
+                    Some(
+                        serde_json::from_str(&text).map_err(|source| ChatError::Json {
+                            path: config_path.clone(),
+                            source,
+                        })?,
+                    )
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+                Err(source) => {
+                    return Err(ChatError::Io {
+                        path: config_path,
+                        source,
+                    })
+                }
+            };
         let jinja_path = dir.join("chat_template.jinja");
-        let source = match std::fs::read_to_string(&jinja_path) {
-            Ok(text) => text,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => config
-                .as_ref()
-                .and_then(|c| template_from_config(c.get("chat_template")?))
-                .ok_or_else(|| ChatError::MissingTemplate {
-                    dir: dir.to_path_buf(),
-                })?,
+        let (name, source) = match read_text_file(&jinja_path, MAX_TEMPLATE_BYTES) {
+            Ok(text) => (jinja_path.display().to_string(), text),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                let text = config
+                    .as_ref()
+                    .and_then(|c| template_from_config(c.get("chat_template")?))
+                    .ok_or_else(|| ChatError::MissingTemplate {
+                        dir: dir.to_path_buf(),
+                    })?;
+                (
+                    format!("\"chat_template\" of {}", config_path.display()),
+                    text,
+                )
+            }
             Err(source) => {
                 return Err(ChatError::Io {
                     path: jinja_path,
@@ -164,7 +213,7 @@ impl ChatTemplate {
             }
         };
         let token = |key: &str| config.as_ref().and_then(|c| token_string(c.get(key)?));
-        Self::new(source, token("bos_token"), token("eos_token"))
+        Self::compile(&name, source, token("bos_token"), token("eos_token"))
     }
 
     /// Compiles template text; `bos_token`/`eos_token` are exposed to it under those names when given.
@@ -173,14 +222,34 @@ impl ChatTemplate {
         bos_token: Option<String>,
         eos_token: Option<String>,
     ) -> Result<Self> {
+        Self::compile("(given as text)", source.into(), bos_token, eos_token)
+    }
+
+    fn compile(
+        name: &str,
+        source: String,
+        bos_token: Option<String>,
+        eos_token: Option<String>,
+    ) -> Result<Self> {
+        if source.len() as u64 > MAX_TEMPLATE_BYTES {
+            return Err(ChatError::TooLarge {
+                name: name.to_string(),
+                bytes: source.len(),
+            });
+        }
+        let syntax = |source| ChatError::Syntax {
+            name: name.to_string(),
+            source,
+        };
         let mut env = Environment::new();
         env.set_syntax(
             minijinja::syntax::SyntaxConfig::builder()
                 .trim_blocks(true)
                 .lstrip_blocks(true)
                 .build()
-                .map_err(ChatError::Syntax)?,
+                .map_err(syntax)?,
         );
+        env.set_recursion_limit(RECURSION_LIMIT);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function(
             "raise_exception",
@@ -189,8 +258,7 @@ impl ChatTemplate {
             },
         );
         env.add_filter("tojson", tojson);
-        env.add_template_owned(NAME, source.into())
-            .map_err(ChatError::Syntax)?;
+        env.add_template_owned(NAME, source).map_err(syntax)?;
         Ok(Self {
             env,
             bos_token,
@@ -200,7 +268,6 @@ impl ChatTemplate {
 
     /// Renders `messages` into the prompt text (no tools).
     pub fn render(&self, messages: &[Message], options: &ChatOptions) -> Result<String> {
-        let template = self.env.get_template(NAME).map_err(ChatError::Render)?;
         let mut ctx = vec![
             (
                 "messages",
@@ -219,9 +286,61 @@ impl ChatTemplate {
         if let Some(eos) = &self.eos_token {
             ctx.push(("eos_token", Value::from(eos.as_str())));
         }
+        // The budget grows with the conversation, so a long but honest chat is never cut off by it.
+        let input: usize = messages
+            .iter()
+            .map(|m| {
+                m.role.len() + m.content.len() + m.reasoning_content.as_ref().map_or(0, String::len)
+            })
+            .sum();
+        let fuel = BASE_FUEL.saturating_add(FUEL_PER_INPUT_BYTE.saturating_mul(input as u64));
+        let limit = MAX_OUTPUT_BASE.saturating_add(MAX_OUTPUT_PER_INPUT_BYTE.saturating_mul(input));
+        let mut env = self.env.clone();
+        env.set_fuel(Some(fuel));
+        let template = env.get_template(NAME).map_err(ChatError::Render)?;
+        let mut out = BoundedOutput {
+            text: Vec::new(),
+            limit,
+        };
         template
-            .render(Value::from_pairs(ctx))
-            .map_err(ChatError::Render)
+            .render_captured_to(Value::from_pairs(ctx), &mut out)
+            .map_err(|e| match e.kind() {
+                ErrorKind::WriteFailure => ChatError::Render(minijinja::Error::new(
+                    ErrorKind::InvalidOperation,
+                    format!("the rendered prompt exceeds the limit of {limit} bytes ({MAX_OUTPUT_BASE} plus {MAX_OUTPUT_PER_INPUT_BYTE} per byte of the conversation)"),
+                )),
+                ErrorKind::OutOfFuel => ChatError::Render(minijinja::Error::new(
+                    ErrorKind::OutOfFuel,
+                    format!("the template used up its budget of {fuel} fuel ({BASE_FUEL} plus {FUEL_PER_INPUT_BYTE} per byte of the conversation): it loops or builds too much"),
+                )),
+                _ => ChatError::Render(e),
+            })?;
+        String::from_utf8(out.text).map_err(|e| {
+            ChatError::Render(minijinja::Error::new(
+                ErrorKind::InvalidOperation,
+                format!("the rendered prompt is not UTF-8: {e}"),
+            ))
+        })
+    }
+}
+
+/// The rendered text, refusing to grow past `limit` bytes.
+struct BoundedOutput {
+    text: Vec<u8>,
+    limit: usize,
+}
+
+impl std::io::Write for BoundedOutput {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.text.len() + buf.len() > self.limit {
+            return Err(std::io::Error::other("output limit reached"));
+        }
+        self.text.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 
@@ -306,8 +425,18 @@ fn token_string(value: &serde_json::Value) -> Option<String> {
 
 /// Python's `json.dumps` as transformers exposes it: `tojson(ensure_ascii=False, indent=None,
 /// separators=None, sort_keys=False)`, no HTML escaping.
-fn tojson(value: &Value, kwargs: Kwargs) -> std::result::Result<Value, minijinja::Error> {
+fn tojson(
+    state: &State,
+    value: &Value,
+    kwargs: Kwargs,
+) -> std::result::Result<Value, minijinja::Error> {
     let indent: Option<usize> = kwargs.get("indent")?;
+    if let Some(n) = indent.filter(|&n| n > MAX_JSON_INDENT) {
+        return Err(minijinja::Error::new(
+            ErrorKind::InvalidOperation,
+            format!("tojson indent {n} is more than the limit of {MAX_JSON_INDENT}"),
+        ));
+    }
     let ensure_ascii = kwargs.get::<Option<bool>>("ensure_ascii")?.unwrap_or(false);
     let sort_keys = kwargs.get::<Option<bool>>("sort_keys")?.unwrap_or(false);
     let separators: Option<Vec<String>> = kwargs.get("separators")?;
@@ -330,7 +459,7 @@ fn tojson(value: &Value, kwargs: Kwargs) -> std::result::Result<Value, minijinja
         sort_keys,
     };
     let mut out = String::new();
-    style.write(&mut out, value, 0)?;
+    style.write(state, &mut out, value, 0)?;
     if ensure_ascii {
         out = out.chars().fold(String::new(), |mut s, c| {
             if c.is_ascii() {
@@ -357,6 +486,27 @@ struct JsonStyle {
 impl JsonStyle {
     fn write(
         &self,
+        state: &State,
+        out: &mut String,
+        value: &Value,
+        depth: usize,
+    ) -> std::result::Result<(), minijinja::Error> {
+        // Paid as it is built (one fuel per 64 bytes, as minijinja charges), so that indentation of a
+        // deep value cannot grow without bound; a value nested past the recursion limit is refused.
+        if depth > RECURSION_LIMIT {
+            return Err(minijinja::Error::new(
+                ErrorKind::InvalidOperation,
+                format!("tojson: value nested more than {RECURSION_LIMIT} levels deep"),
+            ));
+        }
+        let before = out.len();
+        self.write_value(state, out, value, depth)?;
+        state.consume_fuel(((out.len() - before) / 64) as u64)
+    }
+
+    fn write_value(
+        &self,
+        state: &State,
         out: &mut String,
         value: &Value,
         depth: usize,
@@ -378,13 +528,13 @@ impl JsonStyle {
                 self.container(out, ('{', '}'), entries, depth, |out, (k, v)| {
                     out.push_str(&json_string(&k.to_string()));
                     out.push_str(&self.key);
-                    self.write(out, &v, depth + 1)
+                    self.write(state, out, &v, depth + 1)
                 })?;
             }
             _ => {
                 let items: Vec<Value> = value.try_iter()?.collect();
                 self.container(out, ('[', ']'), items, depth, |out, v| {
-                    self.write(out, &v, depth + 1)
+                    self.write(state, out, &v, depth + 1)
                 })?;
             }
         }

@@ -29,6 +29,17 @@ pub enum Error {
         /// Tokens the context or cache can hold.
         limit: usize,
     },
+    /// The model produced logits that are not numbers (NaN) or no finite maximum (+inf, or all -inf):
+    /// sampling from them would print garbage.
+    #[error("the model produced {what} logits at generation step {step} (position {position}); the weights or the computation are broken, so no token is sampled from them")]
+    NonFiniteLogits {
+        /// `NaN`, `+inf` or `only -inf`.
+        what: &'static str,
+        /// Tokens generated before (0: the logits of the prompt's prefill).
+        step: usize,
+        /// Position in the sequence of the token the logits are for.
+        position: usize,
+    },
     /// A model file other than config/weights/tokenizer (e.g. generation_config.json) is unusable.
     #[error("{path}: {reason}")]
     ModelFile {

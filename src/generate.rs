@@ -6,7 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use candle_core::{Tensor, D};
+use candle_core::{DType, Tensor, D};
 use candle_transformers::generation::{LogitsProcessor, Sampling};
 
 use crate::error::{Error, Result};
@@ -330,6 +330,7 @@ impl<'a> Generation<'a> {
             return self.end(FinishReason::MaxTokens);
         }
         let started = Instant::now();
+        check_logits(&logits, self.generated().len(), self.tokens.len())?;
         let id = self.sampler.sample(&logits, &self.tokens)?;
         if self.stop_ids.contains(&id) {
             self.stats.generation_time += started.elapsed();
@@ -424,6 +425,28 @@ impl Iterator for Generation<'_> {
         }
         self.step().transpose()
     }
+}
+
+/// Refuses logits `[vocab]` with a NaN or without a finite maximum (every sampler, greedy included, would
+/// pick a meaningless token from them). Two reductions on the logits' device; one scalar each comes back.
+pub fn check_logits(logits: &Tensor, step: usize, position: usize) -> Result<()> {
+    let logits = logits.to_dtype(DType::F32)?;
+    let nan = logits.ne(&logits)?.max_all()?.to_scalar::<u8>()? != 0;
+    let max = logits.max_all()?.to_scalar::<f32>()?;
+    let what = if nan {
+        "NaN"
+    } else if max == f32::INFINITY {
+        "+inf"
+    } else if max == f32::NEG_INFINITY {
+        "only -inf"
+    } else {
+        return Ok(());
+    };
+    Err(Error::NonFiniteLogits {
+        what,
+        step,
+        position,
+    })
 }
 
 /// The argmax of `logits` `[vocab]` (what greedy sampling must return).

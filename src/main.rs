@@ -142,8 +142,9 @@ struct GenerateArgs {
     /// Several devices, comma-separated (cuda:0,cuda:1,...): the layers are split over them.
     #[arg(long)]
     devices: Option<String>,
-    /// Per-layer device map: FIRST-LAST=DEVICE, comma-separated (DEVICE: a name from --devices or #INDEX).
-    #[arg(long, requires = "devices")]
+    /// Per-layer device map: FIRST-LAST=DEVICE, comma-separated (DEVICE: a name from --devices or #INDEX);
+    /// needs --devices.
+    #[arg(long)]
     layer_map: Option<String>,
     /// Force a backend: OP=NAME (repeatable), e.g. sparse_mla=reference. Also GLM5_BACKEND.
     #[arg(long = "backend")]
@@ -243,12 +244,21 @@ fn plan(args: PlanArgs) -> Result<(), Box<dyn std::error::Error>> {
     };
     let devices = match (&args.assume, &args.devices) {
         (Some(assumed), _) => parse_assumed(assumed)?,
-        (None, Some(list)) => parse_devices(list)?
+        (None, Some(list)) => nonempty_devices(list)?
             .iter()
             .map(DeviceDesc::of)
             .collect::<Result<Vec<_>, _>>()?,
         (None, None) => vec![DeviceDesc::of(&Device::Cpu)?],
     };
+    if let Some(context) = args.context {
+        check_range(
+            "--context",
+            context,
+            1,
+            config.max_position_embeddings,
+            "the model's max_position_embeddings",
+        )?;
+    }
     let any_cuda = devices.iter().any(|d| !d.is_cpu());
     let names: Vec<String> = devices.iter().map(|d| d.name.clone()).collect();
     let options = PlanOptions {
@@ -347,8 +357,13 @@ fn generate(args: GenerateArgs) -> Result<(), Box<dyn std::error::Error>> {
     let mut hub = HubOptions::from_env();
     hub.revision = args.revision.clone().or(hub.revision);
     hub.offline |= args.offline;
+    if args.layer_map.is_some() && args.devices.is_none() {
+        return Err(
+            "--layer-map needs --devices: it maps layers to the devices --devices lists".into(),
+        );
+    }
     let devices = match &args.devices {
-        Some(list) => parse_devices(list)?,
+        Some(list) => nonempty_devices(list)?,
         None => vec![parse_device(&args.device)?],
     };
     // A layer map needs the layer count: config.json alone is read (or fetched) first.
@@ -416,26 +431,51 @@ fn generate(args: GenerateArgs) -> Result<(), Box<dyn std::error::Error>> {
         return Ok(());
     }
 
-    let context = args
-        .max_context
-        .unwrap_or(8192)
-        .min(model.model().config().max_position_embeddings);
-    let mut sequence = SequenceCache::new(model.new_cache(context)?);
+    let max_positions = model.model().config().max_position_embeddings;
+    let context = match args.max_context {
+        // A turn needs one token of prompt and one of answer.
+        Some(n) => check_range(
+            "--max-context",
+            n,
+            2,
+            max_positions,
+            "the model's max_position_embeddings",
+        )?,
+        None => 8192.min(max_positions),
+    };
+    let mut sequence = Some(SequenceCache::new(model.new_cache(context)?));
     let stdin = std::io::stdin();
+    let first_turn = messages.len();
     loop {
         eprint!("> ");
         let mut line = String::new();
         if stdin.lock().read_line(&mut line)? == 0 || line.trim() == "/exit" {
             return Ok(());
         }
+        if line.trim() == "/reset" {
+            messages.truncate(first_turn);
+            sequence = None;
+            eprintln!("[conversation cleared]");
+            continue;
+        }
         messages.push(Message::user(line.trim_end()));
-        let prompt = model
-            .tokenizer()
-            .encode(&model.apply_chat_template(&messages, &chat_options)?)?;
-        let mut generation = model.generate_ids(prompt, &params, sequence)?;
-        let reply = stream(&mut generation)?;
-        sequence = generation.into_sequence();
-        messages.push(Message::assistant(&reply));
+        let turn = chat_turn(
+            &model,
+            &messages,
+            &chat_options,
+            &params,
+            context,
+            &mut sequence,
+        );
+        match turn {
+            Ok(reply) => messages.push(Message::assistant(&reply)),
+            // One turn failed (too long, the context full, a model error): the conversation goes on
+            // without it.
+            Err(e) => {
+                messages.pop();
+                eprintln!("error: {e}\n[this turn was dropped; /reset clears the conversation, /exit ends it]");
+            }
+        }
     }
 }
 
@@ -594,6 +634,72 @@ fn serve(args: ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
+/// One `--chat` turn: the conversation rendered and tokenised (the new line refused first when its bytes
+/// alone cannot fit), then the answer streamed. `sequence` keeps the KV cache across turns; a failed
+/// generation leaves it `None`, and the next turn starts a fresh one.
+fn chat_turn(
+    model: &Glm5,
+    messages: &[Message],
+    chat_options: &ChatOptions,
+    params: &GenerationParams,
+    context: usize,
+    sequence: &mut Option<SequenceCache>,
+) -> Result<String, Box<dyn std::error::Error>> {
+    let line = messages.last().map_or("", |m| m.content.as_str());
+    let tokenizer = model.tokenizer();
+    // The line alone, before the whole conversation is rendered and tokenised.
+    if line.len() > context.saturating_mul(glm5::tokenizer::MAX_BYTES_PER_TOKEN) {
+        return Err(glm5::tokenizer::TokenizerError::TooLong {
+            what: "the chat turn".into(),
+            bytes: line.len(),
+            limit: context,
+        }
+        .into());
+    }
+    let text = model.apply_chat_template(messages, chat_options)?;
+    let prompt = tokenizer.encode_bounded(&text, context, "the conversation")?;
+    if prompt.len() >= context {
+        return Err(format!(
+            "the conversation with this turn has {} tokens, but --max-context is {context} (prompt plus at least one new token)",
+            prompt.len()
+        )
+        .into());
+    }
+    let cache = match sequence.take() {
+        Some(cache) => cache,
+        None => SequenceCache::new(model.new_cache(context)?),
+    };
+    let mut generation = model.generate_ids(prompt, params, cache)?;
+    let reply = stream(&mut generation);
+    *sequence = Some(generation.into_sequence());
+    reply
+}
+
+/// `--devices`: at least one.
+fn nonempty_devices(list: &str) -> Result<Vec<Device>, Box<dyn std::error::Error>> {
+    let devices = parse_devices(list)?;
+    if devices.is_empty() {
+        return Err(format!("--devices {list:?}: no device given (e.g. cuda:0,cuda:1)").into());
+    }
+    Ok(devices)
+}
+
+/// A numeric argument within `min..=max` (`what_max` says where the upper bound comes from).
+fn check_range(
+    flag: &str,
+    value: usize,
+    min: usize,
+    max: usize,
+    what_max: &str,
+) -> Result<usize, Box<dyn std::error::Error>> {
+    if value < min || value > max {
+        return Err(
+            format!("{flag} {value}: must be in {min}..={max} ({what_max} is {max})").into(),
+        );
+    }
+    Ok(value)
+}
+
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
@@ -602,11 +708,16 @@ fn main() -> ExitCode {
             return ExitCode::SUCCESS;
         }
         Err(e) => {
+            // One line that names the argument: clap puts it on the lines after the first (e.g. the
+            // missing one), so everything before the usage is joined.
             let message = e.to_string();
-            eprintln!(
-                "{}",
-                message.lines().next().unwrap_or("error: invalid arguments")
-            );
+            let line: Vec<&str> = message
+                .lines()
+                .take_while(|l| !l.starts_with("Usage:"))
+                .map(str::trim)
+                .filter(|l| !l.is_empty())
+                .collect();
+            eprintln!("{}", line.join(" "));
             return ExitCode::from(2);
         }
     };

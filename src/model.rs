@@ -135,7 +135,8 @@ pub struct TokenProbability {
 pub struct Glm5 {
     model: Glm5ForCausalLM,
     tokenizer: Tokenizer,
-    chat_template: Option<ChatTemplate>,
+    /// The template, or why it cannot be used (kept until a chat is rendered: raw prompts work without it).
+    chat_template: std::result::Result<ChatTemplate, crate::chat::ChatError>,
     eos_token_ids: Vec<u32>,
     sampling_defaults: GenerationParams,
     label: String,
@@ -222,7 +223,7 @@ impl Glm5 {
             "model loaded"
         );
         let tokenizer = Tokenizer::from_file(dir.join("tokenizer.json"))?;
-        let chat_template = ChatTemplate::from_model_dir(dir).ok();
+        let chat_template = ChatTemplate::from_model_dir(dir);
         let generation = read_generation_config(&dir.join("generation_config.json"))?;
         let mut eos_token_ids = model.config().eos_token_ids.clone();
         for id in generation.eos_token_id.iter().flat_map(token_ids) {
@@ -353,20 +354,38 @@ impl Glm5 {
         messages: &[Message],
         options: &ChatOptions,
     ) -> Result<String> {
-        let template = self.chat_template.as_ref().ok_or_else(|| Error::ModelFile {
-            path: self.dir.clone(),
-            reason: "the model ships no chat template (chat_template.jinja or tokenizer_config.json)".into(),
-        })?;
+        let template = match &self.chat_template {
+            Ok(template) => template,
+            Err(crate::chat::ChatError::MissingTemplate { .. }) => {
+                return Err(Error::ModelFile {
+                    path: self.dir.clone(),
+                    reason: "the model ships no chat template (chat_template.jinja or tokenizer_config.json)".into(),
+                })
+            }
+            // The cause (syntax error, unreadable or oversized file, invalid tokenizer_config.json) is kept.
+            Err(e) => {
+                return Err(Error::ModelFile {
+                    path: self.dir.clone(),
+                    reason: format!("its chat template cannot be used: {e}"),
+                })
+            }
+        };
         Ok(template.render(messages, options)?)
     }
 
     /// Streams the continuation of `prompt` (text, used as is: render chats with
     /// [`Glm5::apply_chat_template`] first).
     pub fn generate(&self, prompt: &str, params: &GenerationParams) -> Result<Generation<'_>> {
-        let ids = self.tokenizer.encode(prompt)?;
         let max_positions = self.model.config().max_position_embeddings;
+        // Refused before tokenising when far too long; the count is checked below.
+        let ids = self
+            .tokenizer
+            .encode_bounded(prompt, max_positions, "the prompt")?;
         // Room for the prompt and its new tokens (at least one, which the prefill produces anyway).
-        let capacity = (ids.len() + params.max_new_tokens.max(1)).min(max_positions);
+        let capacity = ids
+            .len()
+            .saturating_add(params.max_new_tokens.max(1))
+            .min(max_positions);
         if ids.len() >= capacity {
             return Err(Error::PromptTooLong {
                 prompt_tokens: ids.len(),
@@ -408,10 +427,12 @@ fn read_generation_config(path: &Path) -> Result<GenerationConfig> {
     if !path.exists() {
         return Ok(GenerationConfig::default());
     }
-    let text = std::fs::read_to_string(path).map_err(|e| Error::ModelFile {
-        path: path.to_path_buf(),
-        reason: e.to_string(),
-    })?;
+    // Bounded, regular files only: GLM-5's generation_config.json has a few hundred bytes.
+    let text =
+        glm5_models::config::read_text_file(path, 16 << 20).map_err(|e| Error::ModelFile {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })?;
     serde_json::from_str(&text).map_err(|e| Error::ModelFile {
         path: path.to_path_buf(),
         reason: format!("invalid JSON: {e}"),

@@ -31,6 +31,9 @@ fn invalid(what: &str, text: &str, reason: impl std::fmt::Display) -> Error {
     Error::InvalidOption(format!("{what} {text:?}: {reason}"))
 }
 
+/// Most devices `--assume` may describe (a rack of 8-GPU hosts is far below).
+pub const MAX_ASSUMED_DEVICES: usize = 4096;
+
 /// Parses assumed devices (module docs).
 pub fn parse_assumed(text: &str) -> Result<Vec<DeviceDesc>> {
     let mut devices = Vec::new();
@@ -50,6 +53,14 @@ pub fn parse_assumed(text: &str) -> Result<Vec<DeviceDesc>> {
         };
         if count == 0 {
             return Err(invalid("--assume", group, "the count must be at least 1"));
+        }
+        // A plan is built per device: an absurd count would allocate and place without end.
+        if count > MAX_ASSUMED_DEVICES - devices.len() {
+            return Err(invalid(
+                "--assume",
+                group,
+                format!("more than {MAX_ASSUMED_DEVICES} devices in all"),
+            ));
         }
         for _ in 0..count {
             let device = DeviceDesc::assume(spec, ordinal)?;
@@ -110,7 +121,7 @@ pub fn parse_layer_map(text: &str, device_names: &[String], layers: usize) -> Re
             invalid(
                 "--layer-map",
                 part,
-                format!("no device {device} among [{}]", device_names.join(", ")),
+                format!("no device {device:?} among [{}]", device_names.join(", ")),
             )
         })?;
         let bound = |s: &str| {

@@ -6,6 +6,15 @@
 
 use std::path::{Path, PathBuf};
 
+use glm5_models::config::read_text_file;
+
+/// Bytes of `tokenizer.json` read at most (GLM-5's has about 20 MB).
+pub const MAX_TOKENIZER_BYTES: u64 = 256 << 20;
+/// Text longer than this many bytes per token of room is refused before it is tokenised: tokenising costs
+/// about a hundred bytes of memory per byte of text, and no tokenizer of a model glm5 runs covers more than
+/// a few dozen bytes with one token on average.
+pub const MAX_BYTES_PER_TOKEN: usize = 256;
+
 /// Why a tokenizer could not be loaded or could not encode/decode.
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizerError {
@@ -23,6 +32,17 @@ pub enum TokenizerError {
     /// The ids could not be turned back into text (e.g. an id outside the vocabulary).
     #[error("cannot decode token ids: {0}")]
     Decode(String),
+    /// The text has so many bytes that it cannot fit the room left for it ([`MAX_BYTES_PER_TOKEN`]);
+    /// refused before it is tokenised.
+    #[error("{what} has {bytes} bytes, more than {MAX_BYTES_PER_TOKEN} per token of the {limit} tokens of room")]
+    TooLong {
+        /// What was being encoded (e.g. "the chat turn").
+        what: String,
+        /// Its size in bytes.
+        bytes: usize,
+        /// Tokens of room.
+        limit: usize,
+    },
 }
 
 /// Result of tokenizer operations.
@@ -38,11 +58,22 @@ impl Tokenizer {
     /// Loads a `tokenizer.json`.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let inner = tokenizers::Tokenizer::from_file(path).map_err(|e| TokenizerError::Load {
+        let load = |reason: String| TokenizerError::Load {
             path: path.to_path_buf(),
-            reason: e.to_string(),
-        })?;
-        Ok(Self { inner })
+            reason,
+        };
+        let text = read_text_file(path, MAX_TOKENIZER_BYTES).map_err(|e| load(e.to_string()))?;
+        parse(&text).map(|inner| Self { inner }).map_err(load)
+    }
+
+    /// Parses the text of a `tokenizer.json`.
+    pub fn from_json(text: &str) -> Result<Self> {
+        parse(text)
+            .map(|inner| Self { inner })
+            .map_err(|reason| TokenizerError::Load {
+                path: PathBuf::from("tokenizer.json"),
+                reason,
+            })
     }
 
     /// Wraps an already built `tokenizers::Tokenizer`.
@@ -63,6 +94,20 @@ impl Tokenizer {
             .encode(text, false)
             .map_err(|e| TokenizerError::Encode(e.to_string()))?;
         Ok(encoding.get_ids().to_vec())
+    }
+
+    /// Token ids of `text` (as [`Tokenizer::encode`]), unless it is longer than `limit *
+    /// MAX_BYTES_PER_TOKEN` bytes: then it is refused before it is tokenised, so that a huge input costs no
+    /// memory. The caller compares the count of the result with `limit`; `what` names the text in the error.
+    pub fn encode_bounded(&self, text: &str, limit: usize, what: &str) -> Result<Vec<u32>> {
+        if text.len() > limit.saturating_mul(MAX_BYTES_PER_TOKEN) {
+            return Err(TokenizerError::TooLong {
+                what: what.to_string(),
+                bytes: text.len(),
+                limit,
+            });
+        }
+        self.encode(text)
     }
 
     /// Text of `ids`, special tokens included.
@@ -86,6 +131,51 @@ impl Tokenizer {
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }
+}
+
+/// A `tokenizer.json` text as a tokenizer, never a panic. tokenizers 0.23 panics on some malformed files
+/// instead of returning an error: a JSON syntax error inside the decoder (`expect("Helper")`), a BPE merge
+/// longer than every vocabulary entry (an out-of-range slice in `BpeBuilder::build`). The JSON is parsed on
+/// its own first and the merges are checked, which rules both out; anything else it panics on is caught and
+/// returned as the error.
+fn parse(text: &str) -> std::result::Result<tokenizers::Tokenizer, String> {
+    let value: serde_json::Value = serde_json::from_str(text).map_err(|e| e.to_string())?;
+    check_merges(&value["model"])?;
+    std::panic::catch_unwind(|| serde_json::from_value(value))
+        .map_err(|panic| {
+            let message = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default();
+            format!("the tokenizers crate failed on it: {message}")
+        })?
+        .map_err(|e| e.to_string())
+}
+
+/// Every BPE merge `a b` must not be longer than the longest vocabulary entry (tokenizers sizes a buffer by
+/// that entry and slices past it otherwise).
+fn check_merges(model: &serde_json::Value) -> std::result::Result<(), String> {
+    let (Some(vocab), Some(merges)) = (model["vocab"].as_object(), model["merges"].as_array())
+    else {
+        return Ok(());
+    };
+    let longest = vocab.keys().map(String::len).max().unwrap_or(0);
+    for merge in merges {
+        let len = match merge {
+            serde_json::Value::String(pair) => pair.len().saturating_sub(1),
+            serde_json::Value::Array(pair) => {
+                pair.iter().filter_map(|p| p.as_str()).map(str::len).sum()
+            }
+            _ => continue,
+        };
+        if len > longest {
+            return Err(format!(
+                "model.merges: {merge} makes a token of {len} bytes, longer than every vocabulary entry ({longest})"
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Incremental detokeniser: feed generated ids one by one, get text as soon as it is complete.

@@ -443,9 +443,13 @@ fn resume_interrupted_again_keeps_what_arrived() {
 }
 
 #[test]
-fn error_page_stored_as_file_is_corrupt() {
+fn error_pages_are_never_stored_and_a_corrupt_cache_is_reported() {
     let repo = repo();
     let cache = tempfile::tempdir().unwrap();
+    let snapshot = cache
+        .path()
+        .join("models--glm5-test--tiny-dense/snapshots")
+        .join(COMMIT);
     for file in ["tokenizer.json", SHARDS[2]] {
         let server = serve(
             repo.clone(),
@@ -454,42 +458,48 @@ fn error_page_stored_as_file_is_corrupt() {
                 status: 500,
             }],
         );
-        let err = resolve_model(REPO, &options(&server.url, cache.path())).unwrap_err();
-        match &err {
-            HubError::Corrupt {
+        match resolve_model(REPO, &options(&server.url, cache.path())).unwrap_err() {
+            HubError::Http {
                 repo,
                 file: got,
-                reason,
-            } => {
-                assert_eq!((repo.as_str(), got.as_str()), (REPO, file));
-                assert!(reason.contains("announced"), "{reason}");
-            }
-            other => panic!("expected Corrupt for {file}, got {other:?}"),
+                status,
+                ..
+            } => assert_eq!((repo.as_str(), got.as_str(), status), (REPO, file, 500)),
+            other => panic!("expected Http for {file}, got {other:?}"),
         }
-        assert!(err.to_string().contains("re-download"));
+        // The error page is not in the cache as if it were the file.
+        assert!(!snapshot.join(file).exists());
+    }
 
-        // The bad blob stays in the cache: offline use reports it too (format checks, no HEAD size).
+    // A blob damaged in the cache (by another tool, a disk error) is reported online and offline.
+    let server = serve(repo.clone(), vec![]);
+    let dir = resolve_model(REPO, &options(&server.url, cache.path())).unwrap();
+    for file in ["tokenizer.json", SHARDS[2]] {
+        let link = dir.join(file);
+        let blob = std::fs::canonicalize(&link).unwrap();
+        std::fs::write(&blob, "<!DOCTYPE html><h1>500</h1>").unwrap();
         let offline = HubOptions {
             offline: true,
             ..options(&dead_endpoint(), cache.path())
         };
-        assert!(matches!(
-            resolve_model(REPO, &offline),
-            Err(HubError::Corrupt { .. })
-        ));
-
-        // Following the advice (delete the cached file and its blob) and retrying against a healthy Hub heals it.
-        let link = cache
-            .path()
-            .join("models--glm5-test--tiny-dense/snapshots")
-            .join(COMMIT)
-            .join(file);
-        std::fs::remove_file(std::fs::canonicalize(&link).unwrap()).unwrap();
+        for opts in [options(&server.url, cache.path()), offline] {
+            let err = resolve_model(REPO, &opts).unwrap_err();
+            match &err {
+                HubError::Corrupt {
+                    repo, file: got, ..
+                } => {
+                    assert_eq!((repo.as_str(), got.as_str()), (REPO, file))
+                }
+                other => panic!("expected Corrupt for {file}, got {other:?}"),
+            }
+            assert!(err.to_string().contains("re-download"));
+        }
+        // Following the advice (delete the cached file and its blob) and retrying heals it.
+        std::fs::remove_file(&blob).unwrap();
         std::fs::remove_file(&link).unwrap();
+        let healed = resolve_model(REPO, &options(&server.url, cache.path())).unwrap();
+        assert_model_files(&healed, &repo);
     }
-    let server = serve(repo.clone(), vec![]);
-    let dir = resolve_model(REPO, &options(&server.url, cache.path())).unwrap();
-    assert_model_files(&dir, &repo);
 }
 
 #[test]

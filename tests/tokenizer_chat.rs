@@ -124,7 +124,7 @@ fn missing_template_is_an_error() {
     ));
     assert!(matches!(
         ChatTemplate::new("{% if %}", None, None),
-        Err(ChatError::Syntax(_))
+        Err(ChatError::Syntax { .. })
     ));
 }
 

@@ -4,6 +4,7 @@
 //! `rope_theta` is read from `rope_parameters.rope_theta` (transformers 5 form) or a top-level `rope_theta`;
 //! the MLP kind per layer from `mlp_layer_types` or, failing that, `first_k_dense_replace`.
 
+use std::io::Read;
 use std::path::Path;
 
 use serde::Deserialize;
@@ -52,6 +53,81 @@ pub struct Config {
     pub routed_scaling_factor: f64,
 }
 
+/// Upper bounds of the config's sizes, documented and enforced by [`Config::from_json`]: far above any GLM-5
+/// (its own values in brackets), low enough that every size derived from them fits `u64` with room to spare
+/// and that no field alone can ask for an absurd allocation. A value above its bound is an
+/// [`ModelError::InvalidConfig`] naming the field and the bound.
+pub mod limits {
+    /// `vocab_size` [154,880].
+    pub const VOCAB_SIZE: usize = 1 << 22;
+    /// `hidden_size` [6,144].
+    pub const HIDDEN_SIZE: usize = 1 << 16;
+    /// `num_hidden_layers` [78].
+    pub const NUM_HIDDEN_LAYERS: usize = 512;
+    /// `max_position_embeddings` [202,752].
+    pub const MAX_POSITION_EMBEDDINGS: usize = 1 << 24;
+    /// `num_attention_heads` [64], `index_n_heads` [32].
+    pub const HEADS: usize = 1024;
+    /// `q_lora_rank` [2,048], `kv_lora_rank` [512].
+    pub const LORA_RANK: usize = 1 << 16;
+    /// `qk_nope_head_dim` [192], `qk_rope_head_dim` [64], `v_head_dim` [256], `index_head_dim` [128].
+    pub const HEAD_DIM: usize = 4096;
+    /// `index_topk` [2,048]: the indexer's selection per query is `tokens x index_topk`.
+    pub const INDEX_TOPK: usize = 1 << 16;
+    /// `intermediate_size` [12,288], `moe_intermediate_size` [2,048].
+    pub const INTERMEDIATE_SIZE: usize = 1 << 20;
+    /// `n_routed_experts` [256].
+    pub const ROUTED_EXPERTS: usize = 1 << 12;
+    /// `n_shared_experts` [1].
+    pub const SHARED_EXPERTS: usize = 64;
+    /// Entries of `eos_token_id` [3].
+    pub const EOS_TOKEN_IDS: usize = 1024;
+    /// Parameters of the whole model [about 7.4e11]: 2^46, 70 trillion.
+    pub const PARAMETERS: u64 = 1 << 46;
+    /// Bytes of `config.json` [about 2 KB].
+    pub const CONFIG_FILE_BYTES: u64 = 16 << 20;
+}
+
+/// Reads a UTF-8 text file glm5 was pointed at, bounded: only a regular file is opened (a FIFO, a device
+/// such as `/dev/zero` or a directory is refused before it could block or stream without end), and one larger
+/// than `limit` bytes is refused before it is read. The error names the limit; the caller names the file.
+///
+/// # Errors
+///
+/// [`std::io::ErrorKind::InvalidInput`] for a file that is not regular or too large, the read's own errors
+/// otherwise (`InvalidData` for text that is not UTF-8).
+pub fn read_text_file(path: &Path, limit: u64) -> std::io::Result<String> {
+    use std::io::{Error, ErrorKind};
+    let too_large = |len: u64| {
+        Error::new(
+            ErrorKind::InvalidInput,
+            format!("{len} bytes, more than the limit of {limit}"),
+        )
+    };
+    let check = |meta: std::fs::Metadata| {
+        if !meta.is_file() {
+            return Err(Error::new(
+                ErrorKind::InvalidInput,
+                "not a regular file (a FIFO, device or directory is refused)",
+            ));
+        }
+        if meta.len() > limit {
+            return Err(too_large(meta.len()));
+        }
+        Ok(())
+    };
+    check(std::fs::metadata(path)?)?;
+    let file = std::fs::File::open(path)?;
+    // Again on the open file: the path may have been swapped in between.
+    check(file.metadata()?)?;
+    let mut text = String::new();
+    file.take(limit + 1).read_to_string(&mut text)?;
+    if text.len() as u64 > limit {
+        return Err(too_large(text.len() as u64));
+    }
+    Ok(text)
+}
+
 /// Epsilon of `q_a_layernorm` and `kv_a_layernorm` in HF (the module default, not `rms_norm_eps`).
 pub const LATENT_NORM_EPS: f64 = 1e-6;
 /// Epsilon of the indexer's key LayerNorm.
@@ -60,12 +136,12 @@ pub const INDEX_KEY_NORM_EPS: f64 = 1e-6;
 impl Config {
     /// Width of one query/key head: nope part then rope part.
     pub fn qk_head_dim(&self) -> usize {
-        self.qk_nope_head_dim + self.qk_rope_head_dim
+        self.qk_nope_head_dim.saturating_add(self.qk_rope_head_dim)
     }
 
     /// Width of one latent cache row: `[c (kv_lora) | k_pe (rope)]`.
     pub fn latent_dim(&self) -> usize {
-        self.kv_lora_rank + self.qk_rope_head_dim
+        self.kv_lora_rank.saturating_add(self.qk_rope_head_dim)
     }
 
     /// Softmax scale of the MLA attention, `qk_head_dim^-1/2` (GLM-5 uses no YaRN mscale).
@@ -81,10 +157,11 @@ impl Config {
     /// Reads and validates `config.json`.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let text =
+            read_text_file(path, limits::CONFIG_FILE_BYTES).map_err(|source| ModelError::Io {
+                path: path.to_path_buf(),
+                source,
+            })?;
         Self::from_json(&text)
     }
 
@@ -166,9 +243,16 @@ fn invalid(field: &'static str, reason: impl Into<String>) -> ModelError {
     }
 }
 
-fn positive(field: &'static str, value: usize) -> Result<usize> {
+/// `value` in `1..=max`.
+fn bounded(field: &'static str, value: usize, max: usize) -> Result<usize> {
     if value == 0 {
         return Err(invalid(field, "must be at least 1"));
+    }
+    if value > max {
+        return Err(invalid(
+            field,
+            format!("is {value}, more than the limit of {max}"),
+        ));
     }
     Ok(value)
 }
@@ -219,8 +303,11 @@ impl RawConfig {
             return unsupported("rope_scaling".into());
         }
 
-        let num_hidden_layers =
-            positive("num_hidden_layers", self.num_hidden_layers.unwrap_or(78))?;
+        let num_hidden_layers = bounded(
+            "num_hidden_layers",
+            self.num_hidden_layers.unwrap_or(78),
+            limits::NUM_HIDDEN_LAYERS,
+        )?;
         let q_lora_rank = match &self.q_lora_rank {
             None => 2048,
             Some(serde_json::Value::Null) => {
@@ -229,7 +316,11 @@ impl RawConfig {
                 )
             }
             Some(value) => match value.as_u64() {
-                Some(rank) => positive("q_lora_rank", rank as usize)?,
+                Some(rank) => bounded(
+                    "q_lora_rank",
+                    usize::try_from(rank).unwrap_or(usize::MAX),
+                    limits::LORA_RANK,
+                )?,
                 None => {
                     return Err(invalid(
                         "q_lora_rank",
@@ -297,50 +388,117 @@ impl RawConfig {
         }
 
         let config = Config {
-            vocab_size: positive("vocab_size", self.vocab_size.unwrap_or(154_880))?,
-            hidden_size: positive("hidden_size", self.hidden_size.unwrap_or(6144))?,
+            vocab_size: bounded(
+                "vocab_size",
+                self.vocab_size.unwrap_or(154_880),
+                limits::VOCAB_SIZE,
+            )?,
+            hidden_size: bounded(
+                "hidden_size",
+                self.hidden_size.unwrap_or(6144),
+                limits::HIDDEN_SIZE,
+            )?,
             num_hidden_layers,
             rms_norm_eps,
-            max_position_embeddings: positive(
+            max_position_embeddings: bounded(
                 "max_position_embeddings",
                 self.max_position_embeddings.unwrap_or(202_752),
+                limits::MAX_POSITION_EMBEDDINGS,
             )?,
             tie_word_embeddings: self.tie_word_embeddings.unwrap_or(false),
             eos_token_ids: match self.eos_token_id {
                 Some(OneOrMany::One(id)) => vec![id],
+                Some(OneOrMany::Many(ids)) if ids.len() > limits::EOS_TOKEN_IDS => {
+                    return Err(invalid(
+                        "eos_token_id",
+                        format!(
+                            "has {} entries, more than the limit of {}",
+                            ids.len(),
+                            limits::EOS_TOKEN_IDS
+                        ),
+                    ))
+                }
                 Some(OneOrMany::Many(ids)) => ids,
                 None => vec![],
             },
-            num_attention_heads: positive(
+            num_attention_heads: bounded(
                 "num_attention_heads",
                 self.num_attention_heads.unwrap_or(64),
+                limits::HEADS,
             )?,
             q_lora_rank,
-            kv_lora_rank: positive("kv_lora_rank", self.kv_lora_rank.unwrap_or(512))?,
-            qk_nope_head_dim: positive("qk_nope_head_dim", self.qk_nope_head_dim.unwrap_or(192))?,
-            qk_rope_head_dim: positive("qk_rope_head_dim", self.qk_rope_head_dim.unwrap_or(64))?,
-            v_head_dim: positive("v_head_dim", self.v_head_dim.unwrap_or(256))?,
+            kv_lora_rank: bounded(
+                "kv_lora_rank",
+                self.kv_lora_rank.unwrap_or(512),
+                limits::LORA_RANK,
+            )?,
+            qk_nope_head_dim: bounded(
+                "qk_nope_head_dim",
+                self.qk_nope_head_dim.unwrap_or(192),
+                limits::HEAD_DIM,
+            )?,
+            qk_rope_head_dim: bounded(
+                "qk_rope_head_dim",
+                self.qk_rope_head_dim.unwrap_or(64),
+                limits::HEAD_DIM,
+            )?,
+            v_head_dim: bounded(
+                "v_head_dim",
+                self.v_head_dim.unwrap_or(256),
+                limits::HEAD_DIM,
+            )?,
             rope_theta,
-            index_n_heads: positive("index_n_heads", self.index_n_heads.unwrap_or(32))?,
-            index_head_dim: positive("index_head_dim", self.index_head_dim.unwrap_or(128))?,
-            index_topk: positive("index_topk", self.index_topk.unwrap_or(2048))?,
+            index_n_heads: bounded(
+                "index_n_heads",
+                self.index_n_heads.unwrap_or(32),
+                limits::HEADS,
+            )?,
+            index_head_dim: bounded(
+                "index_head_dim",
+                self.index_head_dim.unwrap_or(128),
+                limits::HEAD_DIM,
+            )?,
+            index_topk: bounded(
+                "index_topk",
+                self.index_topk.unwrap_or(2048),
+                limits::INDEX_TOPK,
+            )?,
             mlp_layer_types,
-            intermediate_size: positive(
+            intermediate_size: bounded(
                 "intermediate_size",
                 self.intermediate_size.unwrap_or(12288),
+                limits::INTERMEDIATE_SIZE,
             )?,
-            moe_intermediate_size: positive(
+            moe_intermediate_size: bounded(
                 "moe_intermediate_size",
                 self.moe_intermediate_size.unwrap_or(2048),
+                limits::INTERMEDIATE_SIZE,
             )?,
-            n_routed_experts: positive("n_routed_experts", self.n_routed_experts.unwrap_or(256))?,
-            n_shared_experts: self.n_shared_experts.unwrap_or(1),
-            num_experts_per_tok: positive(
+            n_routed_experts: bounded(
+                "n_routed_experts",
+                self.n_routed_experts.unwrap_or(256),
+                limits::ROUTED_EXPERTS,
+            )?,
+            n_shared_experts: match self.n_shared_experts.unwrap_or(1) {
+                n if n > limits::SHARED_EXPERTS => {
+                    return Err(invalid(
+                        "n_shared_experts",
+                        format!("is {n}, more than the limit of {}", limits::SHARED_EXPERTS),
+                    ))
+                }
+                n => n,
+            },
+            num_experts_per_tok: bounded(
                 "num_experts_per_tok",
                 self.num_experts_per_tok.unwrap_or(8),
+                limits::ROUTED_EXPERTS,
             )?,
-            n_group: positive("n_group", self.n_group.unwrap_or(1))?,
-            topk_group: positive("topk_group", self.topk_group.unwrap_or(1))?,
+            n_group: bounded("n_group", self.n_group.unwrap_or(1), limits::ROUTED_EXPERTS)?,
+            topk_group: bounded(
+                "topk_group",
+                self.topk_group.unwrap_or(1),
+                limits::ROUTED_EXPERTS,
+            )?,
             norm_topk_prob: self.norm_topk_prob.unwrap_or(true),
             routed_scaling_factor: self.routed_scaling_factor.unwrap_or(2.5),
         };
@@ -350,6 +508,51 @@ impl RawConfig {
 }
 
 impl Config {
+    /// Parameters the checkpoint holds for what glm5 loads (as `sizes` counts them), in `u128` so that no
+    /// combination of in-bounds fields can overflow while it is checked against [`limits::PARAMETERS`].
+    pub fn parameter_count(&self) -> u128 {
+        let n = |v: usize| v as u128;
+        let (h, heads) = (n(self.hidden_size), n(self.num_attention_heads));
+        let (q, kv) = (n(self.q_lora_rank), n(self.kv_lora_rank));
+        let (ih, id) = (n(self.index_n_heads), n(self.index_head_dim));
+        let attention = 2 * h
+            + q * h
+            + q
+            + heads * n(self.qk_head_dim()) * q
+            + n(self.latent_dim()) * h
+            + kv
+            + heads * n(self.qk_nope_head_dim + self.v_head_dim) * kv
+            + h * heads * n(self.v_head_dim)
+            + ih * id * q
+            + id * h
+            + 2 * id
+            + ih * h;
+        let experts = n(self.n_routed_experts);
+        let moe_width = n(self.moe_intermediate_size);
+        let layers: u128 = self
+            .mlp_layer_types
+            .iter()
+            .map(|kind| {
+                attention
+                    + match kind {
+                        MlpKind::Dense => 3 * n(self.intermediate_size) * h,
+                        MlpKind::MoE => {
+                            3 * moe_width * h * (experts + n(self.n_shared_experts))
+                                + experts * h
+                                + experts
+                        }
+                    }
+            })
+            .sum();
+        let embeddings = n(self.vocab_size) * h;
+        let head = h + if self.tie_word_embeddings {
+            0
+        } else {
+            embeddings
+        };
+        embeddings + layers + head
+    }
+
     /// Cross-field rules: every one names the field it rejects.
     fn check_consistency(&self) -> Result<()> {
         if !self.qk_rope_head_dim.is_multiple_of(2) {
@@ -387,6 +590,16 @@ impl Config {
                 format!(
                     "({}) exceeds the {reachable} experts in topk_group groups",
                     self.num_experts_per_tok
+                ),
+            ));
+        }
+        let parameters = self.parameter_count();
+        if parameters > u128::from(limits::PARAMETERS) {
+            return Err(invalid(
+                "(all sizes together)",
+                format!(
+                    "describe {parameters} parameters, more than the limit of {}",
+                    limits::PARAMETERS
                 ),
             ));
         }

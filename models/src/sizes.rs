@@ -6,6 +6,11 @@
 //! `glm5.rs` asks the checkpoint for (the MTP layer `model.layers.{num_hidden_layers}.*` is never loaded),
 //! with the router's `gate.weight` and `e_score_correction_bias` in f32 (the model routes in f32) and every
 //! other tensor in the model dtype. `lm_head.weight` is listed unless the embeddings are tied.
+//!
+//! Every product and sum saturates instead of wrapping: a [`Config`] built by hand past
+//! [`crate::config::limits`] gets sizes of `u64::MAX` / `usize::MAX`, which fit no device, never a small
+//! number that would. (A config read by [`Config::from_json`] stays far below: its parameters are at most
+//! [`crate::config::limits::PARAMETERS`].)
 
 use candle_core::DType;
 use glm5_ops::KeyFormat;
@@ -30,21 +35,28 @@ impl TensorInfo {
     }
 
     pub fn elements(&self) -> u64 {
-        self.shape.iter().map(|&d| d as u64).product()
+        self.shape
+            .iter()
+            .fold(1u64, |n, &d| n.saturating_mul(d as u64))
     }
 
     pub fn bytes(&self) -> u64 {
-        self.elements() * self.dtype.size_in_bytes() as u64
+        self.elements()
+            .saturating_mul(self.dtype.size_in_bytes() as u64)
     }
 }
 
 /// Sums of a tensor list.
 pub fn params(tensors: &[TensorInfo]) -> u64 {
-    tensors.iter().map(TensorInfo::elements).sum()
+    tensors
+        .iter()
+        .fold(0u64, |n, t| n.saturating_add(t.elements()))
 }
 
 pub fn bytes(tensors: &[TensorInfo]) -> u64 {
-    tensors.iter().map(TensorInfo::bytes).sum()
+    tensors
+        .iter()
+        .fold(0u64, |n, t| n.saturating_add(t.bytes()))
 }
 
 /// `model.embed_tokens.weight`.
@@ -96,7 +108,10 @@ pub fn layer_tensors(config: &Config, layer: usize, dtype: DType) -> Vec<TensorI
     );
     add(
         format!("{a}.q_b_proj.weight"),
-        &[heads * config.qk_head_dim(), config.q_lora_rank],
+        &[
+            heads.saturating_mul(config.qk_head_dim()),
+            config.q_lora_rank,
+        ],
         dtype,
     );
     add(
@@ -112,21 +127,21 @@ pub fn layer_tensors(config: &Config, layer: usize, dtype: DType) -> Vec<TensorI
     add(
         format!("{a}.kv_b_proj.weight"),
         &[
-            heads * (config.qk_nope_head_dim + config.v_head_dim),
+            heads.saturating_mul(config.qk_nope_head_dim.saturating_add(config.v_head_dim)),
             config.kv_lora_rank,
         ],
         dtype,
     );
     add(
         format!("{a}.o_proj.weight"),
-        &[h, heads * config.v_head_dim],
+        &[h, heads.saturating_mul(config.v_head_dim)],
         dtype,
     );
     let i = format!("{a}.indexer");
     let (ih, id) = (config.index_n_heads, config.index_head_dim);
     add(
         format!("{i}.wq_b.weight"),
-        &[ih * id, config.q_lora_rank],
+        &[ih.saturating_mul(id), config.q_lora_rank],
         dtype,
     );
     add(format!("{i}.wk.weight"), &[id, h], dtype);
@@ -148,7 +163,9 @@ pub fn layer_tensors(config: &Config, layer: usize, dtype: DType) -> Vec<TensorI
             if config.n_shared_experts > 0 {
                 mlp(
                     &format!("{m}.shared_experts"),
-                    config.moe_intermediate_size * config.n_shared_experts,
+                    config
+                        .moe_intermediate_size
+                        .saturating_mul(config.n_shared_experts),
                 );
             }
             add(
@@ -170,6 +187,8 @@ pub fn layer_tensors(config: &Config, layer: usize, dtype: DType) -> Vec<TensorI
 /// qk_rope_head_dim`) at `cache_dtype` plus the indexer key (`index_head_dim`) in `key_format` (float:
 /// `cache_dtype`; FP8: a byte per value and an f32 scale).
 pub fn cache_bytes_per_token(config: &Config, cache_dtype: DType, key_format: KeyFormat) -> u64 {
-    let float = cache_dtype.size_in_bytes();
-    (config.latent_dim() * float + key_format.key_bytes(config.index_head_dim, float)) as u64
+    let float = cache_dtype.size_in_bytes() as u64;
+    (config.latent_dim() as u64)
+        .saturating_mul(float)
+        .saturating_add(key_format.key_bytes(config.index_head_dim, float as usize) as u64)
 }

@@ -44,6 +44,20 @@ pub enum Fault {
     IgnoreRange { file: String },
     /// Every `GET` of `file` answers `status` with an HTML error page (its `HEAD` still says 200).
     ErrorBody { file: String, status: u16 },
+    /// Every answer for `file` (`HEAD` and `GET`, found or 404) carries `name: value` in place of the
+    /// server's own header of that name: a hostile `ETag`, `X-Repo-Commit`, `X-Linked-Size`, ...
+    Header {
+        file: String,
+        name: String,
+        value: String,
+    },
+    /// Every `GET` of `file` answers `302` with `Location: location`.
+    Redirect { file: String, location: String },
+    /// Every `GET` of `file` sends `extra` bytes more than the file (and says so in its `Content-Length`).
+    Longer { file: String, extra: usize },
+    /// Every `GET` of `file` answers `200` without `Content-Length` and sends bytes until the client hangs
+    /// up (or 4 GiB, or 30 s, went by).
+    Endless { file: String },
 }
 
 /// What the server hosts and how it fails.
@@ -210,7 +224,9 @@ fn read_request(stream: &mut TcpStream) -> std::io::Result<Option<Request>> {
 
 struct Response {
     status: u16,
-    headers: Vec<(&'static str, String)>,
+    headers: Vec<(String, String)>,
+    /// Send bytes without end (no `Content-Length`) instead of `body`.
+    endless: bool,
     body: Vec<u8>,
     /// Send only this many body bytes, then close (the announced length stays `body.len()`).
     truncate: Option<usize>,
@@ -221,13 +237,19 @@ impl Response {
         Self {
             status,
             headers: Vec::new(),
+            endless: false,
             body: Vec::new(),
             truncate: None,
         }
     }
-    fn header(mut self, name: &'static str, value: impl Into<String>) -> Self {
-        self.headers.push((name, value.into()));
+    fn header(mut self, name: &str, value: impl Into<String>) -> Self {
+        self.headers.push((name.to_string(), value.into()));
         self
+    }
+    /// Replaces every header called `name` (case-insensitive).
+    fn replace_header(mut self, name: &str, value: &str) -> Self {
+        self.headers.retain(|(k, _)| !k.eq_ignore_ascii_case(name));
+        self.header(name, value)
     }
     fn body(mut self, body: impl Into<Vec<u8>>) -> Self {
         self.body = body.into();
@@ -270,6 +292,7 @@ fn handle(mut stream: TcpStream, shared: &Shared) -> std::io::Result<()> {
     let reason = match response.status {
         200 => "OK",
         206 => "Partial Content",
+        302 => "Found",
         304 => "Not Modified",
         401 => "Unauthorized",
         403 => "Forbidden",
@@ -282,10 +305,29 @@ fn handle(mut stream: TcpStream, shared: &Shared) -> std::io::Result<()> {
     for (k, v) in &response.headers {
         out.push_str(&format!("{k}: {v}\r\n"));
     }
-    out.push_str(&format!(
-        "Content-Length: {}\r\nConnection: close\r\n\r\n",
-        response.body.len()
-    ));
+    if response.endless {
+        out.push_str("Connection: close\r\n\r\n");
+        stream.write_all(out.as_bytes())?;
+        let chunk = vec![b'x'; 64 * 1024];
+        let started = Instant::now();
+        let mut sent = 0u64;
+        while sent < 4 << 30 && started.elapsed() < Duration::from_secs(30) {
+            if stream.write_all(&chunk).is_err() {
+                break;
+            }
+            sent += chunk.len() as u64;
+        }
+        let _ = stream.shutdown(Shutdown::Both);
+        return Ok(());
+    }
+    if !response
+        .headers
+        .iter()
+        .any(|(k, _)| k.eq_ignore_ascii_case("Content-Length"))
+    {
+        out.push_str(&format!("Content-Length: {}\r\n", response.body.len()));
+    }
+    out.push_str("Connection: close\r\n\r\n");
     stream.write_all(out.as_bytes())?;
     stream.write_all(&response.body[..sent])?;
     stream.flush()?;
@@ -298,6 +340,20 @@ fn handle(mut stream: TcpStream, shared: &Shared) -> std::io::Result<()> {
 }
 
 fn route(request: &Request, shared: &Shared) -> Response {
+    let response = answer(request, shared);
+    let path = request.path.split('?').next().unwrap_or_default();
+    let mut response = response;
+    for fault in &shared.config.faults {
+        if let Fault::Header { file, name, value } = fault {
+            if path.ends_with(&format!("/{file}")) {
+                response = response.replace_header(name, value);
+            }
+        }
+    }
+    response
+}
+
+fn answer(request: &Request, shared: &Shared) -> Response {
     let config = &shared.config;
     let path = request.path.split('?').next().unwrap_or_default();
     let parts: Vec<&str> = path.trim_start_matches('/').split('/').collect();
@@ -408,6 +464,20 @@ fn fault(shared: &Shared, file: &str, response: Response) -> Response {
                         ..response
                     };
                 }
+            }
+            Fault::Redirect { file: f, location } if f == file => {
+                return Response::new(302).header("Location", location.clone());
+            }
+            Fault::Longer { file: f, extra } if f == file => {
+                let mut body = response.body;
+                body.extend(std::iter::repeat_n(b'x', *extra));
+                return Response { body, ..response };
+            }
+            Fault::Endless { file: f } if f == file => {
+                return Response {
+                    endless: true,
+                    ..Response::new(200)
+                };
             }
             Fault::ErrorBody { file: f, status } if f == file => {
                 let page = format!(

@@ -17,6 +17,18 @@ pub struct SafetensorsSource {
     files: MmapedSafetensors,
 }
 
+/// Bytes of `model.safetensors.index.json` read at most (GLM-5's has about 7 MB).
+const MAX_INDEX_BYTES: u64 = 256 << 20;
+
+/// A non-empty path of plain components only.
+fn is_plain_relative(name: &str) -> bool {
+    !name.is_empty()
+        && !name.contains(['\\', ':'])
+        && Path::new(name)
+            .components()
+            .all(|c| matches!(c, std::path::Component::Normal(_)))
+}
+
 #[derive(Deserialize)]
 struct ShardIndex {
     weight_map: std::collections::HashMap<String, String>,
@@ -28,16 +40,27 @@ impl SafetensorsSource {
         let dir = dir.to_path_buf();
         let index_path = dir.join("model.safetensors.index.json");
         let paths: Vec<PathBuf> = if index_path.exists() {
-            let text = std::fs::read_to_string(&index_path).map_err(|source| ModelError::Io {
-                path: index_path.clone(),
-                source,
-            })?;
+            let text =
+                crate::config::read_text_file(&index_path, MAX_INDEX_BYTES).map_err(|source| {
+                    ModelError::Io {
+                        path: index_path.clone(),
+                        source,
+                    }
+                })?;
             let index: ShardIndex =
                 serde_json::from_str(&text).map_err(|e| ModelError::Checkpoint {
                     path: index_path.clone(),
                     reason: format!("not a valid safetensors index: {e}"),
                 })?;
             let shards: BTreeSet<&String> = index.weight_map.values().collect();
+            // The index may name only files inside the model directory: plain relative paths, as the Hub
+            // download requires of the same names (no `..`, no absolute path, no drive prefix).
+            if let Some(bad) = shards.iter().find(|name| !is_plain_relative(name)) {
+                return Err(ModelError::Checkpoint {
+                    path: index_path,
+                    reason: format!("weight_map names the shard {bad:?}, which is not a plain path inside the model directory"),
+                });
+            }
             shards.into_iter().map(|name| dir.join(name)).collect()
         } else {
             vec![dir.join("model.safetensors")]
