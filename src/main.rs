@@ -106,8 +106,9 @@ enum AttentionArg {
     Dense,
 }
 
+/// What to load and where: shared by `generate` and `serve`.
 #[derive(Args)]
-struct GenerateArgs {
+struct ModelArgs {
     /// Local model directory or Hugging Face repo id (e.g. zai-org/GLM-5-FP8), a GGUF file or folder of split
     /// parts, or a GGUF repo with --quant (or as OWNER/NAME:QUANT). Default: the embedded tiny model.
     #[arg(long)]
@@ -121,21 +122,6 @@ struct GenerateArgs {
     /// Use only the local Hugging Face cache (also HF_HUB_OFFLINE=1).
     #[arg(long)]
     offline: bool,
-    /// The user message (rendered with the chat template unless --raw).
-    #[arg(long, conflicts_with = "chat", required_unless_present = "chat")]
-    prompt: Option<String>,
-    /// Interactive chat on stdin, keeping the conversation.
-    #[arg(long)]
-    chat: bool,
-    /// System message for the conversation.
-    #[arg(long)]
-    system: Option<String>,
-    /// Feed --prompt to the model as is, without the chat template.
-    #[arg(long, requires = "prompt")]
-    raw: bool,
-    /// Turn the model's thinking off (chat template kwarg enable_thinking=false).
-    #[arg(long)]
-    no_think: bool,
     /// cpu or cuda:N.
     #[arg(long, default_value = "cpu", conflicts_with = "devices")]
     device: String,
@@ -157,6 +143,27 @@ struct GenerateArgs {
     /// How the DSA indexer's key cache stores keys.
     #[arg(long, value_enum, default_value = "float")]
     index_cache: IndexCacheArg,
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The user message (rendered with the chat template unless --raw).
+    #[arg(long, conflicts_with = "chat", required_unless_present = "chat")]
+    prompt: Option<String>,
+    /// Interactive chat on stdin, keeping the conversation.
+    #[arg(long)]
+    chat: bool,
+    /// System message for the conversation.
+    #[arg(long)]
+    system: Option<String>,
+    /// Feed --prompt to the model as is, without the chat template.
+    #[arg(long, requires = "prompt")]
+    raw: bool,
+    /// Turn the model's thinking off (chat template kwarg enable_thinking=false).
+    #[arg(long)]
+    no_think: bool,
     #[arg(long, default_value_t = 256)]
     max_new_tokens: usize,
     /// 0 = greedy. Default: the model's generation_config.json, else greedy.
@@ -353,7 +360,9 @@ fn stream(generation: &mut Generation) -> Result<String, Box<dyn std::error::Err
     Ok(text)
 }
 
-fn generate(args: GenerateArgs) -> Result<(), Box<dyn std::error::Error>> {
+/// Loads the model `--model` names (default: the embedded one) on the devices the arguments give, and
+/// says on stderr what was loaded.
+fn load_model(args: &ModelArgs) -> Result<Glm5, Box<dyn std::error::Error>> {
     let mut hub = HubOptions::from_env();
     hub.revision = args.revision.clone().or(hub.revision);
     hub.offline |= args.offline;
@@ -413,6 +422,11 @@ fn generate(args: GenerateArgs) -> Result<(), Box<dyn std::error::Error>> {
             ""
         }
     );
+    Ok(model)
+}
+
+fn generate(args: GenerateArgs) -> Result<(), Box<dyn std::error::Error>> {
+    let model = load_model(&args.model)?;
     let params = generation_params(&args, model.sampling_defaults());
     let chat_options = ChatOptions {
         add_generation_prompt: true,
@@ -481,35 +495,8 @@ fn generate(args: GenerateArgs) -> Result<(), Box<dyn std::error::Error>> {
 
 #[derive(Args)]
 struct ServeArgs {
-    /// Local model directory or Hugging Face repo id. Default: the embedded tiny model.
-    #[arg(long)]
-    model: Option<String>,
-    /// Hub revision (branch, tag or commit).
-    #[arg(long)]
-    revision: Option<String>,
-    /// Use only the local Hugging Face cache (also HF_HUB_OFFLINE=1).
-    #[arg(long)]
-    offline: bool,
-    /// cpu or cuda:N.
-    #[arg(long, default_value = "cpu", conflicts_with = "devices")]
-    device: String,
-    /// Several devices, comma-separated (cuda:0,cuda:1,...): the layers are split over them.
-    #[arg(long)]
-    devices: Option<String>,
-    /// Per-layer device map: FIRST-LAST=DEVICE, comma-separated (DEVICE: a name from --devices or #INDEX).
-    #[arg(long, requires = "devices")]
-    layer_map: Option<String>,
-    /// Force a backend: OP=NAME (repeatable), e.g. sparse_mla=reference. Also GLM5_BACKEND.
-    #[arg(long = "backend")]
-    backends: Vec<String>,
-    /// Weights and activations dtype (default: f32 on CPU, bf16 on GPU).
-    #[arg(long, value_enum)]
-    dtype: Option<DTypeArg>,
-    #[arg(long, value_enum, default_value = "sparse")]
-    attention: AttentionArg,
-    /// How the DSA indexer's key cache stores keys.
-    #[arg(long, value_enum, default_value = "float")]
-    index_cache: IndexCacheArg,
+    #[command(flatten)]
+    model: ModelArgs,
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
@@ -565,51 +552,16 @@ fn serve(args: ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
     };
     let read_timeout = seconds("read-timeout", args.read_timeout)?;
     let shutdown_grace = seconds("shutdown-grace", args.shutdown_grace)?;
-    let mut hub = HubOptions::from_env();
-    hub.revision = args.revision.clone().or(hub.revision);
-    hub.offline |= args.offline;
-    let devices = match &args.devices {
-        Some(list) => parse_devices(list)?,
-        None => vec![parse_device(&args.device)?],
-    };
-    let layer_map = match &args.layer_map {
-        Some(map) => {
-            let config = match &args.model {
-                Some(id) => Config::from_file(resolve_config(id, &hub)?)?,
-                None => Config::from_json(glm5::embedded::CONFIG_JSON)?,
-            };
-            Some(parse_layer_map(
-                map,
-                &device_names(&devices)?,
-                config.num_hidden_layers,
-            )?)
-        }
-        None => None,
-    };
-    let options = LoadOptions {
-        device: devices[0].clone(),
-        devices: devices.clone(),
-        backends: backend_flags(&args.backends)?,
-        dtype: args.dtype.map(dtype),
-        attention: attention(args.attention),
-        index_keys: index_cache(args.index_cache),
-        layer_map,
-        hub,
-        ..Default::default()
-    };
-    let model = match &args.model {
-        Some(id) => Glm5::from_pretrained(id, &options)?,
-        None => Glm5::embedded(&options)?,
-    };
-    let context = model.model().config().max_position_embeddings;
     let host: std::net::IpAddr = args
         .host
         .parse()
         .map_err(|_| format!("--host must be an IP address, got {:?}", args.host))?;
+    let model = load_model(&args.model)?;
+    let context = model.model().config().max_position_embeddings;
     let name = args
         .served_model_name
         .clone()
-        .or(args.model.clone())
+        .or(args.model.model.clone())
         .unwrap_or_else(|| "glm5-tiny".to_string());
     let options = glm5::serve::ServeOptions {
         api_key: args
@@ -627,7 +579,6 @@ fn serve(args: ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
         shutdown_grace,
         ..glm5::serve::ServeOptions::new((host, args.port).into(), name)
     };
-    eprintln!("[model: {}]", model.label());
     glm5::serve::run(model, options, |addr| {
         eprintln!("glm5 serve: listening on http://{addr}");
     })?;

@@ -169,7 +169,12 @@ impl Glm5 {
         let gguf = glm5_models::weights::gguf::GgufModel::open(path)
             .map_err(glm5_models::ModelError::from)?;
         let tokenizer = crate::gguf::tokenizer(&gguf)?;
-        let chat_template = crate::gguf::chat_template(&gguf).transpose()?;
+        // As for a model folder, a missing or broken template fails only when a chat is rendered, with its cause.
+        let chat_template = crate::gguf::chat_template(&gguf).unwrap_or_else(|| {
+            Err(crate::chat::ChatError::MissingTemplate {
+                dir: path.to_path_buf(),
+            })
+        });
         let sampling = |key: &str| gguf.float(key).ok().flatten();
         let sampling_defaults = GenerationParams {
             temperature: sampling("general.sampling.temp").unwrap_or(0.0),
