@@ -1,4 +1,4 @@
-//! The backend registry and the dispatch rule (`shared/design.md`, "The backend contract").
+//! The backend registry and the dispatch rule (`docs/architecture.md`, "Choosing a backend").
 //!
 //! # Contract
 //!
@@ -15,9 +15,9 @@
 //!   dispatch fails with every candidate's reasons. The result ([`Choice`]) carries, for every backend not
 //!   chosen, why ([`Rejection`]). Nothing here falls back to another op (dense attention is the caller's
 //!   explicit mode, never a dispatch outcome).
-//! * [`Registry::builtin`] gathers the entries each op file declares (`sparse_mla::registry_entries`,
-//!   `dsa_indexer::registry_entries`); adding a backend is adding one entry there, or
-//!   [`Registry::register`] from outside the crate.
+//! * [`Registry::builtin`] (`builtin.rs`) gathers the entries each op folder declares (`sparse_mla/entries.rs`,
+//!   `dsa_indexer/entries.rs`); adding a backend is adding one entry there, or [`Registry::register`] from
+//!   outside the crate. This file knows no op folder: they depend on it, not it on them.
 //!
 //! The model runs dispatch once per layer and op when its graph is built and keeps the chosen [`Kernel`]
 //! function: the forward pass does no selection.
@@ -58,7 +58,7 @@ impl fmt::Display for Op {
 }
 
 /// How the op reads its cache.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum CacheLayout {
     /// One `[N, D]` tensor per sequence.
     Contiguous,
@@ -76,7 +76,7 @@ impl fmt::Display for CacheLayout {
 }
 
 /// What one layer asks of one op.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct OpSpec {
     pub op: Op,
     /// dtype of the inputs and the cache.
@@ -217,9 +217,9 @@ impl fmt::Display for Reason {
     }
 }
 
-/// `sparse_mla(q, latent_cache, indices, value_dim, softmax_scale) -> (out, lse)` (contract: `sparse_mla.rs`).
+/// `sparse_mla(q, latent_cache, indices, value_dim, softmax_scale) -> (out, lse)` (contract: `sparse_mla/mod.rs`).
 pub type SparseMlaFn = fn(&Tensor, &Tensor, &Tensor, usize, f64) -> crate::Result<(Tensor, Tensor)>;
-/// `dsa_indexer(q_index, head_weights, keys, visible_keys, top_k) -> indices` (contract: `dsa_indexer.rs`).
+/// `dsa_indexer(q_index, head_weights, keys, visible_keys, top_k) -> indices` (contract: `dsa_indexer/mod.rs`).
 pub type DsaIndexerFn =
     fn(&Tensor, &Tensor, crate::IndexKeys, &[usize], usize) -> crate::Result<Tensor>;
 /// Limits that depend on the device as well as the spec (e.g. shared memory); returns every violated one.
@@ -485,19 +485,6 @@ pub struct Registry {
 impl Registry {
     pub fn empty() -> Self {
         Self::default()
-    }
-
-    /// glm5's own backends, as each op file declares them.
-    pub fn builtin() -> Self {
-        let mut registry = Self::empty();
-        for entry in crate::sparse_mla::registry_entries()
-            .into_iter()
-            .chain(crate::dsa_indexer::registry_entries())
-        {
-            // The built-in names are distinct (tested).
-            registry.entries.push(entry);
-        }
-        registry
     }
 
     /// Adds a backend; its name must be new for its op.
