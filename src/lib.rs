@@ -10,7 +10,7 @@ pub mod error;
 pub mod generate;
 pub mod hub;
 pub mod model;
-pub mod plan;
+pub mod plan_cli;
 pub mod tokenizer;
 pub mod viz;
 
