@@ -17,14 +17,17 @@
 //!   explicit mode, never a dispatch outcome).
 //! * [`Registry::builtin`] (`builtin.rs`) gathers the entries each op folder declares (`sparse_mla/entries.rs`,
 //!   `dsa_indexer/entries.rs`); adding a backend is adding one entry there, or [`Registry::register`] from
-//!   outside the crate. This file knows no op folder: they depend on it, not it on them.
+//!   outside the crate. This file knows no op folder: they depend on it, not it on them. The ops' public
+//!   functions dispatch over their own entries (`OpDispatch`).
 //!
 //! The model runs dispatch once per layer and op when its graph is built and keeps the chosen [`Kernel`]
 //! function: the forward pass does no selection.
 
+use std::collections::HashMap;
 use std::fmt;
+use std::sync::{Mutex, OnceLock};
 
-use candle_core::{DType, Tensor};
+use candle_core::{DType, DeviceLocation, Tensor};
 
 use crate::device::{DeviceDesc, DeviceFamily, DeviceKind};
 
@@ -601,5 +604,54 @@ impl Registry {
             forced: forced.is_some(),
             rejected,
         })
+    }
+}
+
+/// One op's own entries as a registry, its choices remembered per device and spec: what the op's public
+/// functions dispatch through (the model dispatches once per layer instead, when its graph is built). Nothing
+/// dispatch reads changes while a process runs, so a call pays for the device query and the dispatch once.
+pub(crate) struct OpDispatch {
+    entries: fn() -> Vec<Entry>,
+    registry: OnceLock<Registry>,
+    chosen: OnceLock<Mutex<HashMap<(DeviceLocation, OpSpec), (&'static str, Kernel)>>>,
+}
+
+impl OpDispatch {
+    pub(crate) const fn new(entries: fn() -> Vec<Entry>) -> Self {
+        Self {
+            entries,
+            registry: OnceLock::new(),
+            chosen: OnceLock::new(),
+        }
+    }
+
+    /// The backend the dispatch rule picks for `spec` on `device`: its name and function (an error naming
+    /// every candidate's reasons when none serves it).
+    pub(crate) fn choose(
+        &self,
+        spec: &OpSpec,
+        device: &candle_core::Device,
+    ) -> crate::Result<(&'static str, Kernel)> {
+        let chosen = self.chosen.get_or_init(Default::default);
+        let key = (device.location(), spec.clone());
+        if let Some(hit) = chosen.lock().ok().and_then(|c| c.get(&key).copied()) {
+            return Ok(hit);
+        }
+        let unsupported = |e: &dyn fmt::Display| crate::OpError::Unsupported(e.to_string());
+        let description = DeviceDesc::of(device).map_err(|e| unsupported(&e))?;
+        let registry = self.registry.get_or_init(|| {
+            let mut registry = Registry::empty();
+            registry.entries = (self.entries)();
+            registry
+        });
+        let entry = registry
+            .dispatch(spec, &description, None)
+            .map_err(|e| unsupported(&e))?
+            .entry;
+        let pick = (entry.name, entry.kernel);
+        if let Ok(mut chosen) = chosen.lock() {
+            chosen.insert(key, pick);
+        }
+        Ok(pick)
     }
 }

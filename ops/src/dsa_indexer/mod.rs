@@ -77,15 +77,15 @@
 //! * `reference.rs`: the plain reference (above), contiguous and paged.
 //! * `limits.rs`: what the CUDA kernels serve; `entries.rs`: the registry entries.
 //! * `policy.rs`: the launcher's choices (top-k path, emit kernel, grouped scores), pure and tested.
-//! * `cuda/`: the launcher, by stage: `scores.rs`, `top_k.rs`, `quantize.rs` (the FP8 key quantiser),
-//!   `tensor_map.rs` (TMA descriptors of the FP8 cache); kernels in `kernels/src/dsa_indexer*.cu` and
+//! * `cuda/`: the launcher, by stage: `scores.rs`, `top_k.rs`, `tensor_map.rs` (TMA descriptors of the
+//!   FP8 cache); the FP8 key quantiser's launcher is `index_keys/cuda.rs`; kernels in `kernels/src/dsa_indexer*.cu` and
 //!   `kernels/src/dsa_indexer/`.
 
 use candle_core::{DType, Tensor};
 
 use crate::error::{check_float, check_same_dtype, check_shape, OpError, Result};
 use crate::index_keys::{check_fp8, IndexKeys, KeyFormat};
-use crate::registry::{CacheLayout, Kernel, Op, OpSpec};
+use crate::registry::{CacheLayout, Kernel, Op, OpDispatch, OpSpec};
 
 mod entries;
 pub(crate) mod limits;
@@ -97,6 +97,9 @@ mod reference;
 mod cuda;
 
 pub(crate) use entries::registry_entries;
+
+/// The registry over this op's entries that its public functions dispatch through.
+static DISPATCH: OpDispatch = OpDispatch::new(registry_entries);
 pub use reference::dsa_indexer_reference;
 
 /// Upper bound on the elements of the f32 score tensor of one chunk of queries (the reference's
@@ -126,7 +129,7 @@ pub fn dsa_indexer(
     let keys = IndexKeys::Float(keys);
     check_inputs(q_index, head_weights, keys, visible_keys, top_k)?;
     let spec = spec(q_index, keys, top_k, CacheLayout::Contiguous)?;
-    match crate::builtin::choose(&spec, q_index.device())?.1 {
+    match DISPATCH.choose(&spec, q_index.device())?.1 {
         Kernel::DsaIndexer(f) => f(q_index, head_weights, keys, visible_keys, top_k),
         Kernel::SparseMla(_) => unreachable!("dispatch returns an entry of the op asked for"),
     }
@@ -160,7 +163,7 @@ fn paged_on_cuda(q_index: &Tensor, cache: &PagedIndexKeys, top_k: usize) -> Resu
         top_k,
         CacheLayout::Paged { block_size },
     )?;
-    Ok(crate::builtin::choose(&spec, q_index.device())?.0 != "reference")
+    Ok(DISPATCH.choose(&spec, q_index.device())?.0 != "reference")
 }
 
 /// [`dsa_indexer`] by glm5's CUDA kernels over contiguous float or FP8 keys `[N, D]` (the cache as
@@ -549,10 +552,4 @@ pub struct StageTimes {
 #[cfg(feature = "cuda")]
 pub fn time_stages<R>(f: impl FnOnce() -> R) -> Result<(R, StageTimes)> {
     cuda::time_stages(f)
-}
-
-/// FP8 quantisation of `[n, dim]` float keys on the GPU (contract in `index_keys`).
-#[cfg(feature = "cuda")]
-pub(crate) fn quantize_fp8_cuda(keys: &Tensor, n: usize, dim: usize) -> Result<(Tensor, Tensor)> {
-    cuda::quantize_fp8(keys, n, dim)
 }

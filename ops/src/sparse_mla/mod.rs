@@ -45,7 +45,7 @@
 use candle_core::Tensor;
 
 use crate::error::{OpError, Result};
-use crate::registry::{CacheLayout, Kernel, Op, OpSpec};
+use crate::registry::{CacheLayout, Kernel, Op, OpDispatch, OpSpec};
 
 mod entries;
 pub(crate) mod limits;
@@ -57,6 +57,9 @@ mod reference;
 mod cuda;
 
 pub(crate) use entries::registry_entries;
+
+/// The registry over this op's entries that its public functions dispatch through.
+static DISPATCH: OpDispatch = OpDispatch::new(registry_entries);
 pub use reference::sparse_mla_reference;
 
 /// A paged latent cache: rows live in fixed-size blocks, and each sequence's block table maps its logical
@@ -86,7 +89,7 @@ pub fn sparse_mla(
 ) -> Result<(Tensor, Tensor)> {
     reference::check_args(q, latent_cache, indices, value_dim)?;
     let spec = spec(q, indices, value_dim, CacheLayout::Contiguous)?;
-    match crate::builtin::choose(&spec, q.device())?.1 {
+    match DISPATCH.choose(&spec, q.device())?.1 {
         Kernel::SparseMla(f) => f(q, latent_cache, indices, value_dim, softmax_scale),
         Kernel::DsaIndexer(_) => unreachable!("dispatch returns an entry of the op asked for"),
     }
@@ -103,7 +106,7 @@ pub fn sparse_mla_paged(
     crate::error::check_float("q", q)?;
     let block_size = cache.blocks.dims().get(1).copied().unwrap_or(0);
     let spec = spec(q, indices, value_dim, CacheLayout::Paged { block_size })?;
-    match crate::builtin::choose(&spec, q.device())?.0 {
+    match DISPATCH.choose(&spec, q.device())?.0 {
         "reference" => reference::paged(q, cache, indices, value_dim, softmax_scale),
         name => sparse_mla_paged_with(
             q,

@@ -1,8 +1,7 @@
 //! Launch of `kernels/src/dsa_indexer.cu` (and `dsa_indexer_sm90.cu`): the op's glue here (parameters,
 //! workspace, chunks of queries, stage timing), the score stage in `scores.rs`, the top-k stage in
-//! `top_k.rs`, the FP8 quantiser in `quantize.rs`, the FP8 cache's TMA descriptors in `tensor_map.rs`.
+//! `top_k.rs`, the FP8 cache's TMA descriptors in `tensor_map.rs`.
 
-mod quantize;
 mod scores;
 mod tensor_map;
 mod top_k;
@@ -17,8 +16,6 @@ use candle_core::cuda_backend::cudarc::driver::{
 use candle_core::cuda_backend::{CudaDevice, CudaStorage, DeviceId};
 use candle_core::{CustomOp1, DType, Layout, Shape, Tensor};
 use glm5_kernels::params::{DsaParams, TensorMap};
-
-pub(crate) use quantize::quantize_fp8;
 
 use super::limits::{MMA_HEAD_DIMS, MMA_MAX_HEADS};
 use super::policy::emit::SEGMENT;

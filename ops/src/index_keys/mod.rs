@@ -17,6 +17,10 @@ use candle_core::{DType, Tensor};
 
 use crate::error::{check_float, check_shape, OpError, Result};
 
+/// The FP8 quantiser's launcher (its kernel is in `kernels/src/dsa_indexer/quantize.cuh`).
+#[cfg(feature = "cuda")]
+mod cuda;
+
 /// Largest finite e4m3 value.
 pub const E4M3_MAX: f32 = 448.0;
 
@@ -119,7 +123,7 @@ pub fn quantize_fp8(keys: &Tensor) -> Result<(Tensor, Tensor)> {
     check_float("keys", keys)?;
     #[cfg(feature = "cuda")]
     if keys.device().is_cuda() {
-        return crate::dsa_indexer::quantize_fp8_cuda(keys, n, dim);
+        return cuda::quantize_fp8(keys, n, dim);
     }
     let rows = keys.to_dtype(DType::F32)?.to_vec2::<f32>()?;
     let mut bytes = Vec::with_capacity(n * dim);

@@ -1,9 +1,9 @@
-//! The FP8 key quantiser (`dsa_quantize_fp8_*`): float keys to e4m3 bytes with one f32 scale per key.
+//! The FP8 key quantiser on the GPU (`dsa_quantize_fp8_*` of the indexer's module): float keys to e4m3 bytes
+//! with one f32 scale per key.
 
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::{DType, Tensor};
 
-use super::MODULE;
 use crate::cuda::{cuda_err, device_address, kernel};
 use crate::error::Result;
 
@@ -24,7 +24,7 @@ pub(crate) fn quantize_fp8(keys: &Tensor, n: usize, dim: usize) -> Result<(Tenso
     } else {
         "dsa_quantize_fp8_f32"
     };
-    let func = kernel(&dev, "dsa_indexer", MODULE, name)?;
+    let func = kernel(&dev, "dsa_indexer", glm5_kernels::DSA_INDEXER, name)?;
     let stream = dev.cuda_stream();
     let rows_per_block = 8usize;
     let cfg = LaunchConfig {
