@@ -395,7 +395,8 @@ fn equal_scores_go_to_the_lower_position() {
         token_seq: &seq,
     };
     let got = on_both_top_k_paths("all equal", |path| {
-        let visible = VisibleKeys::Host(&[n, 40]);
+        let counts = [n, 40];
+        let visible = VisibleKeys::Host(&counts);
         dsa_indexer_paged_with(&q, &w, &cache, visible, k, &path_only(path))
             .unwrap()
             .to_vec2::<i32>()
@@ -635,7 +636,8 @@ fn crowded_bin_case(device: &Device, n: usize) {
         token_seq: &seq,
     };
     let got = on_both_top_k_paths(&format!("crowded, n {n}"), |path| {
-        let visible = VisibleKeys::Host(&[n, n]);
+        let counts = [n, n];
+        let visible = VisibleKeys::Host(&counts);
         dsa_indexer_paged_with(&q, &w, &cache, visible, k, &path_only(path))
             .unwrap()
             .to_vec2::<i32>()

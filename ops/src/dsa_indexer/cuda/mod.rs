@@ -15,7 +15,7 @@ use candle_core::cuda_backend::cudarc::driver::{
 };
 use candle_core::cuda_backend::{CudaDevice, CudaStorage, DeviceId};
 use candle_core::{CustomOp1, DType, Layout, Shape, Tensor};
-use glm5_kernels::params::{DsaParams, TensorMap};
+use glm5_kernels::interface::{DsaParams, TensorMap};
 
 use super::limits::{MMA_HEAD_DIMS, MMA_MAX_HEADS};
 use super::policy::emit::SEGMENT;
@@ -55,7 +55,7 @@ pub(super) fn serves(dtype: DType, heads: usize, head_dim: usize) -> bool {
     }
 }
 
-/// The kernels' parameter struct (`glm5_kernels::params`, whose layout `kernels/build.rs` checks against
+/// The kernels' parameter struct (`glm5_kernels::interface`, whose layout `kernels/build.rs` checks against
 /// the CUDA side's), passed by value.
 #[repr(transparent)]
 #[derive(Clone, Copy, Default)]

@@ -4,7 +4,7 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 
 use candle_core::cuda_backend::cudarc::driver::sys;
-use glm5_kernels::params::TensorMap;
+use glm5_kernels::interface::TensorMap;
 
 use super::TILE_KEYS;
 

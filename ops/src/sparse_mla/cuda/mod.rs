@@ -21,7 +21,7 @@ use super::limits::{f32_shared_bytes, BF16_VALUE_DIMS, MAX_ROPE};
 use super::{Bf16Kernel, PagedLatentCache, SparseMlaLaunch};
 use crate::cuda::{cuda_err, device_address, device_info, kernel};
 use crate::error::{check_shape, OpError, Result};
-use glm5_kernels::params::SparseMlaParams;
+use glm5_kernels::interface::SparseMlaParams;
 
 const MODULE: (&str, &[u8]) = ("sparse_mla", glm5_kernels::SPARSE_MLA);
 const WGMMA_MODULE: (&str, &[u8]) = ("sparse_mla_sm90", glm5_kernels::SPARSE_MLA_SM90);
@@ -53,7 +53,7 @@ pub(super) fn serves(q: &Tensor) -> bool {
     q.device().is_cuda() && matches!(q.dtype(), DType::BF16 | DType::F32)
 }
 
-/// The kernels' parameter struct (`glm5_kernels::params`, whose layout `kernels/build.rs` checks against
+/// The kernels' parameter struct (`glm5_kernels::interface`, whose layout `kernels/build.rs` checks against
 /// the CUDA side's), passed by value.
 #[repr(transparent)]
 #[derive(Clone, Copy, Default)]
