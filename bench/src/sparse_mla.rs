@@ -107,6 +107,8 @@ pub fn sparse_mla_rows(
     only: Option<(usize, usize, usize)>,
     kernel_label: Option<&str>,
 ) -> Result<()> {
+    println!();
+    println!("sparse_mla decode, bf16, D {ROW_DIM}/{VALUE_DIM}, top-k {TOP_K}, paged (block {BLOCK_SIZE})");
     println!(
         "{:>7} {:>5} {:>4} {:>6} | {:>8} {:>7} {:>7} {:>6} {:>8} {:>7} {:>8} {:>6} {:>8} | {:>10} {:>8} {:>7}",
         "context",
