@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the CUDA test and bench binaries on this (GPU-less) machine and packs them, stripped and xz'd,
 # into .gpu/ (git-ignored) for the device machine: run there with `bash scripts/gpu-run.sh`.
-# Needs nvcc 13.0: eval "$(../shared/tools/install-cuda-toolchain.sh)" first. CUDA_COMPUTE_CAP (default 90)
+# Needs nvcc 13.0: eval "$(scripts/install-cuda-toolchain.sh)" first. CUDA_COMPUTE_CAP (default 90)
 # picks the arch of candle's own kernels; glm5's kernels are always built for sm_90 and sm_120.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,9 +17,9 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in wanted:
         print(m["target"]["name"], m["executable"])
 ' | while read -r name exe; do cp "$exe" ".gpu/$name"; done
-cargo build --release --features cuda --bin glm5-bench
-cp target/release/glm5-bench .gpu/
+cargo build --release --features cuda -p glm5-bench
+cp "${CARGO_TARGET_DIR:-target}/release/glm5-bench" .gpu/
 for f in .gpu/*; do strip "$f"; xz -T0 -6 "$f"; done
 # The kernels' fatbins (of the newest build: the out folder's own mtime does not change on rebuilds), for cuobjdump there.
-cp "$(dirname "$(ls -t target/release/build/glm5-kernels-*/out/sparse_mla.fatbin | head -1)")"/*.fatbin .gpu/
+cp "$(dirname "$(ls -t "${CARGO_TARGET_DIR:-target}"/release/build/glm5-kernels-*/out/sparse_mla.fatbin | head -1)")"/*.fatbin .gpu/
 ls -la .gpu

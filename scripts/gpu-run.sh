@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine (device tool): `bash scripts/gpu-run.sh [tests|kernel-tests|model-tests|multi-gpu|sanitize|bench|latency|profile|profile-warm|profile-detail|profile-source|variants|variant-tests|variant-bench|variant-sanitize|none]...`
-# (default: tests sanitize bench),
-# with .gpu/ carried. Logs go to $OUT (or ./gpu-out).
+# Runs on the GPU machine: `bash scripts/gpu-run.sh [tests|kernel-tests|model-tests|multi-gpu|sanitize|bench|profile|profile-warm|profile-detail|profile-source|variants|variant-tests|variant-bench|variant-sanitize|none]...`
+# (default: tests sanitize bench), with .gpu/ (from scripts/gpu-build.sh) next to it. Logs go to $OUT (or
+# ./gpu-out). scripts/README.md says what each step does.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
@@ -44,7 +44,7 @@ for step in $steps; do
     profile)
       # Kernel-only durations (no launch overhead) of a few shapes, from the hardware's own timer.
       # The indexer: its four kernels (scores, candidates, threshold, emit) of two calls.
-      for shape in "32768 8 8" "32768 128 64" "indexer 131072 1" "indexer 32768 8" "indexer 131072 8" "indexer 8192 1"; do
+      for shape in "sparse-mla 32768 8 8" "sparse-mla 32768 128 64" "indexer 131072 1" "indexer 32768 8" "indexer 131072 8" "indexer 8192 1"; do
         echo "== $shape"
         case $shape in indexer*) kernels=8 ;; *) kernels=4 ;; esac
         timeout 120 ncu --clock-control none --launch-skip 12 --launch-count $kernels --metrics gpu__time_duration.sum -k regex:"sparse_mla|dsa_[st]" \
@@ -53,7 +53,7 @@ for step in $steps; do
     profile-warm)
       # The same kernels without the L2 flush between them (--cache-control none): what back-to-back calls
       # see. Compare with `profile` (flushed) for how much of a shape's data stays in L2.
-      for shape in "32768 8 8" "32768 128 64" "indexer 131072 1" "indexer 32768 8" "indexer 32768 64" "indexer 131072 8"; do
+      for shape in "sparse-mla 32768 8 8" "sparse-mla 32768 128 64" "indexer 131072 1" "indexer 32768 8" "indexer 32768 64" "indexer 131072 8"; do
         echo "== $shape"
         case $shape in indexer*) kernels=8 ;; *) kernels=4 ;; esac
         timeout 120 ncu --cache-control none --clock-control none --launch-skip 12 --launch-count $kernels --metrics gpu__time_duration.sum -k regex:"sparse_mla|dsa_[st]" \
@@ -62,7 +62,7 @@ for step in $steps; do
     profile-detail)
       # Full ncu sections (occupancy, warp stalls, memory, source hot spots) of the kernels that limit the
       # open targets, one report each under $OUT/ncu-*.txt.
-      for shape in "indexer 131072 1" "indexer 131072 8" "32768 8 8" "32768 128 64"; do
+      for shape in "indexer 131072 1" "indexer 131072 8" "sparse-mla 32768 8 8" "sparse-mla 32768 128 64"; do
         case $shape in indexer*) filter='regex:dsa_[st]'; count=4 ;; *) filter=regex:sparse_mla; count=2 ;; esac
         timeout 300 ncu --set full --import-source no --clock-control none --launch-skip 12 --launch-count $count \
           -k "$filter" /tmp/glm5-bin/glm5-bench $shape > "$OUT/ncu-${shape// /-}.txt" 2>&1
@@ -88,7 +88,7 @@ for step in $steps; do
       done ;;
     variants|variant-tests|variant-bench)
       # Variants packed by scripts/gpu-variant.sh. variant-tests: each one's kernel tests. variant-bench:
-      # glm5-bench rows of $SHAPES (default "32768 128 64"; shapes separated by ";") for main's build and every
+      # glm5-bench rows of $SHAPES (default "sparse-mla 32768 128 64"; separated by ";") for main's build and every
       # variant, alternating, $ROUNDS times (default 2). variants: both. A bench call takes ~10 s.
       names=$(ls /tmp/glm5-bin | sed -n 's/^glm5-bench-//p')
       if [ $step != variant-bench ]; then
@@ -101,7 +101,7 @@ for step in $steps; do
         done
       fi
       if [ $step != variant-tests ]; then
-        IFS=';' read -ra shapes <<< "${SHAPES:-32768 128 64}"
+        IFS=';' read -ra shapes <<< "${SHAPES:-sparse-mla 32768 128 64}"
         for shape in "${shapes[@]}"; do
           for round in $(seq "${ROUNDS:-2}"); do
             for v in main $names; do
@@ -111,9 +111,6 @@ for step in $steps; do
           done
         done 2>&1 | tee -a "$OUT/variants.txt"
       fi ;;
-    latency)
-      # One dependent load's cost at a kernel's start (L2, L2 across 2 MB pages, after an L2 flush).
-      timeout 120 /tmp/glm5-bin/glm5-bench latency 2>&1 | tee "$OUT/latency.txt"; [ ${PIPESTATUS[0]} = 0 ] || status=1 ;;
     bench)
       timeout 400 /tmp/glm5-bin/glm5-bench 2>&1 | tee "$OUT/bench.txt"; [ ${PIPESTATUS[0]} = 0 ] || status=1
       for arch in sm_90 sm_120; do

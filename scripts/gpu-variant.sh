@@ -17,8 +17,8 @@ back=$(git symbolic-ref --short -q HEAD || git rev-parse HEAD)
 git checkout -q "$ref"
 trap 'git checkout -q "$back"' EXIT
 mkdir -p .gpu
-cargo build --release --features cuda --bin glm5-bench
-cp target/release/glm5-bench ".gpu/glm5-bench-$name"
+cargo build --release --features cuda -p glm5-bench
+cp "${CARGO_TARGET_DIR:-target}/release/glm5-bench" ".gpu/glm5-bench-$name"
 cargo test --release --features cuda -p glm5-ops $(printf -- '--test %s ' $tests) --no-run \
   --message-format=json 2>/dev/null |
   python3 -c '

@@ -2,8 +2,8 @@
 """Counts one tile's instructions in a wgmma kernel's loop: from each `WARPGROUP.DEPBAR` (the wait for a tile's
 wgmma) to the next, the count and the most frequent opcodes. Static counts: rarely taken paths (a tile-row
 lookup every 32 tiles, warp 0's copy issue) count as if always taken, so compare variants, not kernels. A check
-of a variant's per-tile work before device time is spent on it (session 26: a rough guide, not a prediction; see
-docs/perf.md). Needs cuobjdump on PATH
+of a variant's per-tile work before device time is spent on it (a rough guide, not a prediction). Needs
+cuobjdump on PATH
 (PyPI: `pip download --no-deps nvidia-cuda-cuobjdump`, then unzip its bin/ into the toolchain's).
 Usage: nvcc -gencode arch=compute_90a,code=sm_90a -O3 -std=c++17 -cubin kernels/src/dsa_indexer_sm90.cu -o /tmp/x.cubin
        python3 scripts/sass-tile.py /tmp/x.cubin dsa_scores_fp8_wgmma_g4_d128"""

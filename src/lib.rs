@@ -12,7 +12,7 @@ pub mod gguf;
 pub mod hub;
 pub mod hub_gguf;
 pub mod model;
-pub mod plan;
+pub mod plan_cli;
 pub mod reasoning;
 pub mod serve;
 pub mod tokenizer;

@@ -10,7 +10,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use glm5::candle_core::{DType, Device};
 use glm5::hub::{resolve_config, HubOptions};
 use glm5::ops::registry::parse_forced;
-use glm5::plan::{
+use glm5::plan_cli::{
     forced_backends, parse_assumed, parse_device, parse_devices, parse_layer_map, render,
     BACKEND_ENV,
 };

@@ -11,7 +11,7 @@ use crate::chat::{ChatOptions, ChatTemplate, Message};
 use crate::error::{Error, Result};
 use crate::generate::{Generation, GenerationParams, SequenceCache};
 use crate::hub::{resolve_model, HubOptions};
-use crate::plan::{forced_backends, BACKEND_ENV};
+use crate::plan_cli::{forced_backends, BACKEND_ENV};
 use crate::tokenizer::{TokenStream, Tokenizer};
 use crate::viz::SelectionMap;
 use crate::{

@@ -10,7 +10,7 @@ use glm5::candle_core::{DType, Device, Tensor};
 use glm5::models::Checkpoint;
 use glm5::ops::registry::{Kernel, Serves};
 use glm5::ops::{DeviceFamily, Entry};
-use glm5::plan::{forced_backends, parse_assumed, parse_layer_map};
+use glm5::plan_cli::{forced_backends, parse_assumed, parse_layer_map};
 use glm5::{
     AttentionMode, Config, DeviceDesc, Glm5, Glm5ForCausalLM, LoadOptions, Op, Plan, PlanOptions,
     Registry,
@@ -207,7 +207,7 @@ fn dense_mode_is_labelled_in_the_plan() {
     .unwrap();
     let plan = model.model().plan();
     assert_eq!(plan.attention, AttentionMode::Dense);
-    let text = glm5::plan::render(plan, model.model().config(), "tiny", &Registry::builtin());
+    let text = glm5::plan_cli::render(plan, model.model().config(), "tiny", &Registry::builtin());
     assert!(text.contains("DENSE attention"), "{text}");
     assert!(text.contains("skipped (dense mode)"), "{text}");
 }

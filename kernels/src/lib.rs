@@ -3,7 +3,10 @@
 //! With the `cuda` feature, `build.rs` compiles every `src/*.cu` with nvcc into one fatbin (SASS for sm_90
 //! and sm_120, compute_120 PTX for newer GPUs; `*_sm90.cu`: sm_90a only) and this crate exposes each as a
 //! `pub const` byte blob.
-//! Without the feature it is empty, so CPU builds need no CUDA toolchain.
+//! Without the feature only [`interface`] is here (the registry needs the kernels' limits on any machine),
+//! so CPU builds need no CUDA toolchain.
+
+pub mod interface;
 
 /// `sparse_mla.cu`: sparse absorbed-MLA attention over a paged latent cache (bf16 mma.sync and f32 kernels).
 #[cfg(feature = "cuda")]

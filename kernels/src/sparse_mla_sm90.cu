@@ -1,5 +1,5 @@
 // Sparse absorbed-MLA attention by warpgroup MMA (wgmma): sm_90a only (Hopper), compiled for nothing else.
-// Same contract and parameters as the mma.sync kernel in sparse_mla.cu (ops/src/sparse_mla.rs), for
+// Same contract and parameters as the mma.sync kernel in sparse_mla.cu (ops/src/sparse_mla/mod.rs), for
 // GLM-5's rows (576 = 512 value columns + 64 rope) and heads in groups of 64.
 //
 // One block of two warpgroups handles one token, 64 heads and a contiguous range of 32-key tiles (a split).
@@ -32,10 +32,10 @@
 
 namespace {
 
-constexpr int D = 576, DV = 512;            // row and value widths (GLM-5's kv_lora_rank + rope)
-constexpr int HEADS = 64;                   // heads per block: wgmma's M
-constexpr int BN = 32;                      // keys per tile
-constexpr int STAGES = 5;                   // key tiles in the ring: 3 loading, 1 in S, 1 in P V
+constexpr int D = GLM5_SPARSE_MLA_WGMMA_ROW_DIM, DV = GLM5_SPARSE_MLA_WGMMA_VALUE_DIM;            // row and value widths (GLM-5's kv_lora_rank + rope)
+constexpr int HEADS = GLM5_SPARSE_MLA_WGMMA_HEADS;                   // heads per block: wgmma's M
+constexpr int BN = GLM5_SPARSE_MLA_TILE;                      // keys per tile
+constexpr int STAGES = GLM5_SPARSE_MLA_WGMMA_STAGES;                   // key tiles in the ring: 3 loading, 1 in S, 1 in P V
 constexpr int SLABS = D / 64;               // 64-column (128-byte) slabs per row
 constexpr int PIECES = D / 8;               // 16-byte pieces per row
 constexpr int STEPS = D / 16;               // k16 steps of S

@@ -2,6 +2,10 @@
 
 use std::path::PathBuf;
 
+use glm5_ops::DispatchError;
+
+use crate::units::fmt_bytes;
+
 /// Errors from reading a config or checkpoint and from running the model.
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
@@ -69,7 +73,7 @@ pub enum ModelError {
     CacheShape(String),
 
     #[error(transparent)]
-    Plan(Box<crate::plan::PlanError>),
+    Plan(Box<PlanError>),
     #[error(transparent)]
     Device(#[from] glm5_ops::DeviceError),
     #[error("the plan does not match the model or devices: {0}")]
@@ -91,8 +95,54 @@ impl From<crate::weights::gguf::GgufError> for ModelError {
 }
 
 // Boxed: a plan error is large and rare, and `Result<_, ModelError>` should stay small on every call.
-impl From<crate::plan::PlanError> for ModelError {
-    fn from(error: crate::plan::PlanError) -> Self {
+impl From<PlanError> for ModelError {
+    fn from(error: PlanError) -> Self {
         Self::Plan(Box::new(error))
     }
+}
+
+/// Why a plan could not be made.
+#[derive(Debug, thiserror::Error)]
+pub enum PlanError {
+    #[error("a plan needs at least one device")]
+    NoDevices,
+    #[error("the layer map has {found} entries for {layers} layers")]
+    LayerMapLength { found: usize, layers: usize },
+    #[error(
+        "the layer map puts layer {layer} on device #{device}, but there are {devices} devices"
+    )]
+    LayerMapDevice {
+        layer: usize,
+        device: usize,
+        devices: usize,
+    },
+    #[error("context must be in 1..={max} tokens (max_position_embeddings), got {got}")]
+    Context { got: usize, max: usize },
+    #[error(
+        "the model does not fit: {item} ({}) has no room on {device} ({} left of {}); the plan needs {} \
+         (weights {} = {weights} B, KV cache for {context} tokens {}) and the devices hold {} = {available} B: \
+         {} = {missing} B missing",
+        fmt_bytes(*item_bytes), fmt_bytes(*device_free), fmt_bytes(*device_capacity), fmt_bytes(*needed),
+        fmt_bytes(*weights), fmt_bytes(*cache), fmt_bytes(*available), fmt_bytes(*missing)
+    )]
+    DoesNotFit {
+        device: String,
+        item: String,
+        item_bytes: u64,
+        device_free: u64,
+        device_capacity: u64,
+        needed: u64,
+        weights: u64,
+        cache: u64,
+        context: usize,
+        available: u64,
+        /// Bytes beyond what the devices hold (at least the item's shortfall on the device named).
+        missing: u64,
+    },
+    #[error("layer {layer}: {source}")]
+    Dispatch {
+        layer: usize,
+        #[source]
+        source: DispatchError,
+    },
 }

@@ -1,6 +1,5 @@
-//! The GLM-5 module graph (`GlmMoeDsaForCausalLM`), in the order of the spec
-//! (`shared/spec/glm5-architecture.md`): §3.1 block structure, §3.2 RoPE, §3.3–3.4 MLA in its absorbed
-//! form, §4 the DSA lightning indexer, §5 MoE routing.
+//! The GLM-5 module graph (`GlmMoeDsaForCausalLM`), in the order of `docs/architecture.md`: §3.1 block
+//! structure, §3.2 RoPE, §3.3–3.4 MLA in its absorbed form, §4 the DSA lightning indexer, §5 MoE routing.
 //!
 //! One sequence at a time: `forward(input_ids, start_pos, &mut cache)` runs a prompt chunk or one decode
 //! token and returns the logits of every position it was given. Attention is always the absorbed (MQA) form
@@ -18,18 +17,9 @@ use glm5_ops::{DeviceDesc, DeviceKind, Kernel, Op, Registry};
 use crate::cache::{KvCache, LayerCache};
 use crate::config::{Config, MlpKind, INDEX_KEY_NORM_EPS, LATENT_NORM_EPS};
 use crate::error::{ModelError, Result};
+pub use crate::plan::AttentionMode;
 use crate::plan::{LayerPlan, Plan, PlanOptions};
 use crate::weights::{Checkpoint, Matrix};
-
-/// Which positions each query attends to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum AttentionMode {
-    /// DeepSeek Sparse Attention: the indexer's top-`index_topk` positions (the model as trained).
-    #[default]
-    Sparse,
-    /// Every causal position, indexer skipped. Only for debugging and quality comparisons, never a fallback.
-    Dense,
-}
 
 /// Fetches tensors by checkpoint name with the shapes the config implies.
 struct Loader<'a> {
@@ -184,7 +174,8 @@ struct Indexer {
     n_heads: usize,
     head_dim: usize,
     rope_dim: usize,
-    top_k: usize,
+    /// Keys kept per query (`index_topk`).
+    index_topk: usize,
     weight_scale: f64,
     /// The backend the plan bound; `None` when the indexer does not run (dense mode).
     kernel: Option<DsaIndexerFn>,
@@ -214,7 +205,7 @@ impl Indexer {
             n_heads: heads,
             head_dim: dim,
             rope_dim: config.qk_rope_head_dim,
-            top_k: config.index_topk,
+            index_topk: config.index_topk,
             weight_scale: config.index_weight_scale(),
             kernel,
         })
@@ -263,7 +254,7 @@ impl Indexer {
             &head_weights,
             keys.view(),
             &visible,
-            self.top_k,
+            self.index_topk,
         )?)
     }
 }
@@ -474,7 +465,8 @@ struct Router {
     correction_bias: Vec<f32>,
     n_group: usize,
     topk_group: usize,
-    top_k: usize,
+    /// Experts each token is routed to (`num_experts_per_tok`).
+    experts_per_token: usize,
     norm_topk_prob: bool,
     scaling: f32,
 }
@@ -516,7 +508,7 @@ impl Router {
                 }
             })
             .collect();
-        let experts = top_indices(&allowed, self.top_k);
+        let experts = top_indices(&allowed, self.experts_per_token);
         let mut gates: Vec<f32> = experts.iter().map(|&e| scores[e]).collect();
         if self.norm_topk_prob {
             let total = gates.iter().sum::<f32>() + 1e-20;
@@ -557,7 +549,7 @@ impl MoE {
                 .to_vec1()?,
             n_group: config.n_group,
             topk_group: config.topk_group,
-            top_k: config.num_experts_per_tok,
+            experts_per_token: config.num_experts_per_tok,
             norm_topk_prob: config.norm_topk_prob,
             scaling: config.routed_scaling_factor as f32,
         };

@@ -8,11 +8,14 @@ pub mod error;
 pub mod glm5;
 pub mod plan;
 pub mod sizes;
+mod units;
 pub mod weights;
 
 pub use cache::KvCache;
 pub use config::{Config, MlpKind};
 pub use error::{ModelError, Result};
-pub use glm5::{AttentionMode, Glm5ForCausalLM, LayerBackends};
-pub use plan::{fmt_bytes, DeviceUsage, LayerPlan, OpPlan, Plan, PlanError, PlanOptions};
+pub use glm5::{Glm5ForCausalLM, LayerBackends};
+pub use plan::{
+    fmt_bytes, AttentionMode, DeviceUsage, LayerPlan, OpPlan, Plan, PlanError, PlanOptions,
+};
 pub use weights::{Checkpoint, Format, Matrix, TensorSource};

@@ -26,11 +26,22 @@ use glm5_ops::KeyFormat;
 use std::collections::BTreeMap;
 
 use candle_core::DType;
-use glm5_ops::{CacheLayout, Choice, DeviceDesc, DispatchError, Op, OpSpec, Registry};
+use glm5_ops::{CacheLayout, Choice, DeviceDesc, Op, OpSpec, Registry};
 
 use crate::config::{Config, MlpKind};
-use crate::glm5::AttentionMode;
+pub use crate::error::PlanError;
 use crate::sizes;
+pub use crate::units::fmt_bytes;
+
+/// Which positions each query attends to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AttentionMode {
+    /// DeepSeek Sparse Attention: the indexer's top-`index_topk` positions (the model as trained).
+    #[default]
+    Sparse,
+    /// Every causal position, indexer skipped. Only for debugging and quality comparisons, never a fallback.
+    Dense,
+}
 
 /// Tokens of KV cache a plan reserves per sequence when not told (clipped to the model's context).
 pub const DEFAULT_PLAN_CONTEXT: usize = 8192;
@@ -139,69 +150,6 @@ pub struct Plan {
     /// Norm and lm_head (a tied head counts here only when it is a copy on another device).
     pub head_bytes: u64,
     pub layers: Vec<LayerPlan>,
-}
-
-/// Why a plan could not be made.
-#[derive(Debug, thiserror::Error)]
-pub enum PlanError {
-    #[error("a plan needs at least one device")]
-    NoDevices,
-    #[error("the layer map has {found} entries for {layers} layers")]
-    LayerMapLength { found: usize, layers: usize },
-    #[error(
-        "the layer map puts layer {layer} on device #{device}, but there are {devices} devices"
-    )]
-    LayerMapDevice {
-        layer: usize,
-        device: usize,
-        devices: usize,
-    },
-    #[error("context must be in 1..={max} tokens (max_position_embeddings), got {got}")]
-    Context { got: usize, max: usize },
-    #[error(
-        "the model does not fit: {item} ({}) has no room on {device} ({} left of {}); the plan needs {} \
-         (weights {} = {weights} B, KV cache for {context} tokens {}) and the devices hold {} = {available} B: \
-         {} = {missing} B missing",
-        fmt_bytes(*item_bytes), fmt_bytes(*device_free), fmt_bytes(*device_capacity), fmt_bytes(*needed),
-        fmt_bytes(*weights), fmt_bytes(*cache), fmt_bytes(*available), fmt_bytes(*missing)
-    )]
-    DoesNotFit {
-        device: String,
-        item: String,
-        item_bytes: u64,
-        device_free: u64,
-        device_capacity: u64,
-        needed: u64,
-        weights: u64,
-        cache: u64,
-        context: usize,
-        available: u64,
-        /// Bytes beyond what the devices hold (at least the item's shortfall on the device named).
-        missing: u64,
-    },
-    #[error("layer {layer}: {source}")]
-    Dispatch {
-        layer: usize,
-        #[source]
-        source: DispatchError,
-    },
-}
-
-/// `1.35 TiB`, `96.00 GiB`, `1.34 MiB`: binary units, as memory sizes are given.
-pub fn fmt_bytes(bytes: u64) -> String {
-    let b = bytes as f64;
-    let k = 1024f64;
-    for (unit, scale) in [
-        ("TiB", k.powi(4)),
-        ("GiB", k.powi(3)),
-        ("MiB", k.powi(2)),
-        ("KiB", k),
-    ] {
-        if b >= scale {
-            return format!("{:.2} {unit}", b / scale);
-        }
-    }
-    format!("{bytes} B")
 }
 
 /// The spec one op of every layer asks for.

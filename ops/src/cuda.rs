@@ -12,9 +12,7 @@ use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use candle_core::cuda_backend::{CudaDevice, DeviceId};
 use candle_core::{DType, Storage, Tensor};
 
-/// Shared memory the launchers leave out of a kernel's dynamic budget (the main kernels declare no static
-/// shared memory; the margin keeps the launch valid should they declare a little).
-pub(crate) use crate::device::STATIC_SHARED_RESERVE;
+use crate::device::ComputeCapability;
 
 pub(crate) fn cuda_err(e: impl std::fmt::Display) -> candle_core::Error {
     candle_core::Error::Cuda(e.to_string().into())
@@ -46,8 +44,7 @@ pub(crate) fn device_address(tensor: &Tensor) -> candle_core::Result<(u64, CudaD
 pub(crate) struct DeviceInfo {
     pub sms: usize,
     pub max_shared_per_block: usize,
-    /// Compute capability (major, minor).
-    pub capability: (usize, usize),
+    pub capability: ComputeCapability,
 }
 
 /// Functions and their resident-block counts are keyed by device and module, then by name, so a lookup on
@@ -88,10 +85,12 @@ pub(crate) fn device_info(dev: &CudaDevice) -> candle_core::Result<DeviceInfo> {
         max_shared_per_block: attribute(
             sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
         )?,
-        capability: (
-            attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
-            attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
-        ),
+        capability: ComputeCapability {
+            major: attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?
+                as u32,
+            minor: attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?
+                as u32,
+        },
     };
     loaded.devices.insert(dev.id(), info);
     Ok(info)
@@ -99,10 +98,9 @@ pub(crate) fn device_info(dev: &CudaDevice) -> candle_core::Result<DeviceInfo> {
 
 /// Modules whose kernels prefer the largest shared-memory carveout (the rest keep the driver's choice). The
 /// indexer is a chain of programmatic dependents (Q prep, scores, candidates, threshold, emit) with different
-/// shared-memory needs; with one carveout for all of them, 32K batch 1 measured 13.7-14.8 µs GPU against
-/// 14.9-15.1 on the H200 (five same-run pairs, four lower; other shapes within their spread), likely because
-/// an SM no longer changes its L1/shared split between them before a dependent's blocks can be placed.
-/// sparse_mla measured no gain (B8/H8 +0.2 µs).
+/// shared-memory needs; with one carveout for all of them a decode step is faster on the H200, likely
+/// because an SM no longer changes its L1/shared split between them before a dependent's blocks can be
+/// placed. sparse_mla gains nothing from it.
 const MAX_SHARED_CARVEOUT: &[&str] = &["dsa_indexer"];
 
 /// Function `name` of module `module` (fatbin `image`) on `dev`. On first use the module is loaded and the
@@ -185,38 +183,6 @@ pub(crate) fn resident_blocks(
         by_name.insert(name.to_string(), blocks)
     })?;
     Ok(blocks)
-}
-
-/// The registry's description of a real CUDA device: compute capability, dynamic shared memory per block and
-/// free memory (what placement may fill).
-pub(crate) fn describe(
-    dev: &CudaDevice,
-) -> Result<crate::device::DeviceDesc, crate::device::DeviceError> {
-    use crate::device::{ComputeCapability, DeviceDesc, DeviceError, DeviceKind};
-    let context = dev.cuda_stream().context().clone();
-    let name = format!("cuda:{}", context.ordinal());
-    let query = |e: &dyn std::fmt::Display| DeviceError::Query {
-        device: name.clone(),
-        reason: e.to_string(),
-    };
-    let (major, minor) = context.compute_capability().map_err(|e| query(&e))?;
-    let info = device_info(dev).map_err(|e| query(&e))?;
-    let (free, _total) = context.mem_get_info().map_err(|e| query(&e))?;
-    Ok(DeviceDesc {
-        kind: DeviceKind::Cuda {
-            ordinal: context.ordinal(),
-            capability: ComputeCapability {
-                major: major as u32,
-                minor: minor as u32,
-            },
-            shared_memory_per_block: info
-                .max_shared_per_block
-                .saturating_sub(STATIC_SHARED_RESERVE),
-        },
-        name,
-        memory_bytes: free as u64,
-        assumed: false,
-    })
 }
 
 /// The largest thread-block cluster every cluster-capable device supports (the portable size); the

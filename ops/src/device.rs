@@ -4,7 +4,8 @@
 //! A [`DeviceDesc`] is either read from a real device ([`DeviceDesc::of`]) or *assumed* from a short
 //! description (`sm_120:96GB`, `cpu:512GB`, [`DeviceDesc::assume`]) so that a plan can be made for hardware
 //! this machine does not have. Assumed CUDA devices take the per-architecture shared-memory limit of
-//! [`known_shared_memory`]; an assumed description never loads weights.
+//! [`known_shared_memory`]; an assumed description never loads weights. This module only describes;
+//! `probe.rs` asks real devices (through `cuda.rs` for CUDA ones).
 
 use std::fmt;
 
@@ -17,6 +18,11 @@ pub const STATIC_SHARED_RESERVE: usize = 1024;
 pub struct ComputeCapability {
     pub major: u32,
     pub minor: u32,
+}
+
+impl ComputeCapability {
+    /// Hopper (H100, H200).
+    pub const SM90: Self = Self { major: 9, minor: 0 };
 }
 
 impl fmt::Display for ComputeCapability {
@@ -166,22 +172,6 @@ impl DeviceDesc {
         };
         Ok(Self::assumed_cuda(ordinal, capability, memory_bytes))
     }
-
-    /// Describes a real candle device: its compute capability, shared memory and free memory (CUDA), or the
-    /// available system memory (CPU, `MemAvailable` of /proc/meminfo; unknown elsewhere, taken as unlimited).
-    pub fn of(device: &candle_core::Device) -> Result<Self, DeviceError> {
-        match device {
-            candle_core::Device::Cpu => {
-                Ok(Self::cpu(available_system_memory().unwrap_or(u64::MAX)))
-            }
-            #[cfg(feature = "cuda")]
-            candle_core::Device::Cuda(cuda) => crate::cuda::describe(cuda),
-            other => Err(DeviceError::Query {
-                device: format!("{other:?}"),
-                reason: "glm5 places layers on the CPU and on CUDA devices only".into(),
-            }),
-        }
-    }
 }
 
 impl fmt::Display for DeviceDesc {
@@ -230,12 +220,4 @@ pub fn parse_bytes(text: &str) -> Option<u64> {
     };
     let bytes = number * scale;
     (bytes.is_finite() && bytes >= 0.0 && bytes < u64::MAX as f64).then_some(bytes.round() as u64)
-}
-
-/// `MemAvailable` of /proc/meminfo in bytes (Linux).
-fn available_system_memory() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
 }

@@ -1,4 +1,4 @@
-//! The backend registry and the dispatch rule (`shared/design.md`, "The backend contract").
+//! The backend registry and the dispatch rule (`docs/architecture.md`, "Choosing a backend").
 //!
 //! # Contract
 //!
@@ -15,16 +15,19 @@
 //!   dispatch fails with every candidate's reasons. The result ([`Choice`]) carries, for every backend not
 //!   chosen, why ([`Rejection`]). Nothing here falls back to another op (dense attention is the caller's
 //!   explicit mode, never a dispatch outcome).
-//! * [`Registry::builtin`] gathers the entries each op file declares (`sparse_mla::registry_entries`,
-//!   `dsa_indexer::registry_entries`); adding a backend is adding one entry there, or
-//!   [`Registry::register`] from outside the crate.
+//! * [`Registry::builtin`] (`builtin.rs`) gathers the entries each op folder declares (`sparse_mla/entries.rs`,
+//!   `dsa_indexer/entries.rs`); adding a backend is adding one entry there, or [`Registry::register`] from
+//!   outside the crate. This file knows no op folder: they depend on it, not it on them. The ops' public
+//!   functions dispatch over their own entries (`OpDispatch`).
 //!
 //! The model runs dispatch once per layer and op when its graph is built and keeps the chosen [`Kernel`]
 //! function: the forward pass does no selection.
 
+use std::collections::HashMap;
 use std::fmt;
+use std::sync::{Mutex, OnceLock};
 
-use candle_core::{DType, Tensor};
+use candle_core::{DType, DeviceLocation, Tensor};
 
 use crate::device::{DeviceDesc, DeviceFamily, DeviceKind};
 
@@ -58,7 +61,7 @@ impl fmt::Display for Op {
 }
 
 /// How the op reads its cache.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum CacheLayout {
     /// One `[N, D]` tensor per sequence.
     Contiguous,
@@ -76,7 +79,7 @@ impl fmt::Display for CacheLayout {
 }
 
 /// What one layer asks of one op.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct OpSpec {
     pub op: Op,
     /// dtype of the inputs and the cache.
@@ -217,9 +220,9 @@ impl fmt::Display for Reason {
     }
 }
 
-/// `sparse_mla(q, latent_cache, indices, value_dim, softmax_scale) -> (out, lse)` (contract: `sparse_mla.rs`).
+/// `sparse_mla(q, latent_cache, indices, value_dim, softmax_scale) -> (out, lse)` (contract: `sparse_mla/mod.rs`).
 pub type SparseMlaFn = fn(&Tensor, &Tensor, &Tensor, usize, f64) -> crate::Result<(Tensor, Tensor)>;
-/// `dsa_indexer(q_index, head_weights, keys, visible_keys, top_k) -> indices` (contract: `dsa_indexer.rs`).
+/// `dsa_indexer(q_index, head_weights, keys, visible_keys, top_k) -> indices` (contract: `dsa_indexer/mod.rs`).
 pub type DsaIndexerFn =
     fn(&Tensor, &Tensor, crate::IndexKeys, &[usize], usize) -> crate::Result<Tensor>;
 /// Limits that depend on the device as well as the spec (e.g. shared memory); returns every violated one.
@@ -487,19 +490,6 @@ impl Registry {
         Self::default()
     }
 
-    /// glm5's own backends, as each op file declares them.
-    pub fn builtin() -> Self {
-        let mut registry = Self::empty();
-        for entry in crate::sparse_mla::registry_entries()
-            .into_iter()
-            .chain(crate::dsa_indexer::registry_entries())
-        {
-            // The built-in names are distinct (tested).
-            registry.entries.push(entry);
-        }
-        registry
-    }
-
     /// Adds a backend; its name must be new for its op.
     pub fn register(&mut self, entry: Entry) -> Result<(), DispatchError> {
         if self.get(entry.op(), entry.name).is_some() {
@@ -614,5 +604,54 @@ impl Registry {
             forced: forced.is_some(),
             rejected,
         })
+    }
+}
+
+/// One op's own entries as a registry, its choices remembered per device and spec: what the op's public
+/// functions dispatch through (the model dispatches once per layer instead, when its graph is built). Nothing
+/// dispatch reads changes while a process runs, so a call pays for the device query and the dispatch once.
+pub(crate) struct OpDispatch {
+    entries: fn() -> Vec<Entry>,
+    registry: OnceLock<Registry>,
+    chosen: OnceLock<Mutex<HashMap<(DeviceLocation, OpSpec), (&'static str, Kernel)>>>,
+}
+
+impl OpDispatch {
+    pub(crate) const fn new(entries: fn() -> Vec<Entry>) -> Self {
+        Self {
+            entries,
+            registry: OnceLock::new(),
+            chosen: OnceLock::new(),
+        }
+    }
+
+    /// The backend the dispatch rule picks for `spec` on `device`: its name and function (an error naming
+    /// every candidate's reasons when none serves it).
+    pub(crate) fn choose(
+        &self,
+        spec: &OpSpec,
+        device: &candle_core::Device,
+    ) -> crate::Result<(&'static str, Kernel)> {
+        let chosen = self.chosen.get_or_init(Default::default);
+        let key = (device.location(), spec.clone());
+        if let Some(hit) = chosen.lock().ok().and_then(|c| c.get(&key).copied()) {
+            return Ok(hit);
+        }
+        let unsupported = |e: &dyn fmt::Display| crate::OpError::Unsupported(e.to_string());
+        let description = DeviceDesc::of(device).map_err(|e| unsupported(&e))?;
+        let registry = self.registry.get_or_init(|| {
+            let mut registry = Registry::empty();
+            registry.entries = (self.entries)();
+            registry
+        });
+        let entry = registry
+            .dispatch(spec, &description, None)
+            .map_err(|e| unsupported(&e))?
+            .entry;
+        let pick = (entry.name, entry.kernel);
+        if let Ok(mut chosen) = chosen.lock() {
+            chosen.insert(key, pick);
+        }
+        Ok(pick)
     }
 }

@@ -6,8 +6,8 @@
 
 use candle_core::{DType, Device, Tensor};
 use glm5_ops::{
-    dsa_indexer, dsa_indexer_paged, dsa_indexer_paged_device_visible, quantize_fp8,
-    set_score_kernel, set_top_k_path, IndexKeys, PagedIndexKeys, ScoreKernel, TopKPath,
+    dsa_indexer, dsa_indexer_paged, dsa_indexer_paged_device_visible, dsa_indexer_paged_with,
+    quantize_fp8, DsaIndexerLaunch, IndexKeys, PagedIndexKeys, ScoreKernel, TopKPath, VisibleKeys,
 };
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -239,12 +239,9 @@ impl OnDevice {
 }
 
 /// `f` once per top-k path; both must give the same rows (each is exact), which are returned.
-fn on_both_top_k_paths(label: &str, f: impl Fn() -> Vec<Vec<i32>>) -> Vec<Vec<i32>> {
-    set_top_k_path(TopKPath::Chain);
-    let chain = f();
-    set_top_k_path(TopKPath::Cluster);
-    let cluster = f();
-    set_top_k_path(TopKPath::Policy);
+fn on_both_top_k_paths(label: &str, f: impl Fn(TopKPath) -> Vec<Vec<i32>>) -> Vec<Vec<i32>> {
+    let chain = f(TopKPath::Chain);
+    let cluster = f(TopKPath::Cluster);
     for (t, (a, b)) in chain.iter().zip(&cluster).enumerate() {
         assert_eq!(
             a, b,
@@ -256,8 +253,8 @@ fn on_both_top_k_paths(label: &str, f: impl Fn() -> Vec<Vec<i32>>) -> Vec<Vec<i3
 
 /// `f` once per score kernel `p` can run on (on Hopper the policy's choice and the pinned mma.sync kernel,
 /// and where the block table has one row, the grouped kernel's promise, the per-query wgmma and the grouped
-/// kernels pinned too; elsewhere mma.sync each time), the kernel named in its label.
-fn on_every_score_kernel(p: &Problem, mut f: impl FnMut(&str)) {
+/// kernels pinned too; elsewhere mma.sync each time), with the pin and its label.
+fn on_every_score_kernel(p: &Problem, mut f: impl FnMut(ScoreKernel, &str)) {
     let one_row_table = p.block_table.len() == p.max_blocks;
     let pins: &[(ScoreKernel, &str)] = if one_row_table {
         &[
@@ -273,20 +270,43 @@ fn on_every_score_kernel(p: &Problem, mut f: impl FnMut(&str)) {
         ]
     };
     for &(kernel, label) in pins {
-        set_score_kernel(kernel);
-        f(label);
+        f(kernel, label);
     }
-    set_score_kernel(ScoreKernel::Policy);
 }
 
+/// The rows of `p` on the GPU by the policy's score kernel, over both top-k paths.
 fn run(p: &Problem, fp8: bool, k: usize, device: &Device) -> Vec<Vec<i32>> {
+    run_with(p, fp8, k, device, ScoreKernel::Policy)
+}
+
+/// The rows of `p` on the GPU with the score kernel `score`, over both top-k paths.
+fn run_with(
+    p: &Problem,
+    fp8: bool,
+    k: usize,
+    device: &Device,
+    score: ScoreKernel,
+) -> Vec<Vec<i32>> {
     let inputs = OnDevice::new(p, fp8, device);
-    on_both_top_k_paths(&format!("n {} K {k} fp8 {fp8}", p.n), || {
-        dsa_indexer_paged(&inputs.q, &inputs.w, &inputs.cache(), &p.visible, k)
+    on_both_top_k_paths(&format!("n {} K {k} fp8 {fp8}", p.n), |path| {
+        let launch = DsaIndexerLaunch {
+            top_k_path: path,
+            score_kernel: score,
+        };
+        let visible = VisibleKeys::Host(&p.visible);
+        dsa_indexer_paged_with(&inputs.q, &inputs.w, &inputs.cache(), visible, k, &launch)
             .unwrap()
             .to_vec2::<i32>()
             .unwrap()
     })
+}
+
+/// `DsaIndexerLaunch` with the top-k path pinned, the policy's score kernel.
+fn path_only(path: TopKPath) -> DsaIndexerLaunch {
+    DsaIndexerLaunch {
+        top_k_path: path,
+        score_kernel: ScoreKernel::Policy,
+    }
 }
 
 #[test]
@@ -336,8 +356,8 @@ fn selected_sets_match_the_reference_over_the_grid() {
                 };
                 let scores: Vec<Vec<f32>> = (0..3).map(|t| p.scores(t, &keys)).collect();
                 for &k in &[1usize, 64, 2048] {
-                    on_every_score_kernel(&p, |kernel| {
-                        let got = run(&p, fp8, k, &device);
+                    on_every_score_kernel(&p, |score, kernel| {
+                        let got = run_with(&p, fp8, k, &device, score);
                         for t in 0..3 {
                             let label = format!(
                                 "H{heads} n{n} K{k} {} {kernel} query {t}",
@@ -374,8 +394,10 @@ fn equal_scores_go_to_the_lower_position() {
         block_table: &table,
         token_seq: &seq,
     };
-    let got = on_both_top_k_paths("all equal", || {
-        dsa_indexer_paged(&q, &w, &cache, &[n, 40], k)
+    let got = on_both_top_k_paths("all equal", |path| {
+        let counts = [n, 40];
+        let visible = VisibleKeys::Host(&counts);
+        dsa_indexer_paged_with(&q, &w, &cache, visible, k, &path_only(path))
             .unwrap()
             .to_vec2::<i32>()
             .unwrap()
@@ -504,8 +526,8 @@ fn a_prefill_chunk_selects_exactly_on_every_row() {
             bf16_round(&p.keys)
         };
         let scores: Vec<Vec<f32>> = (0..queries).map(|t| p.scores(t, &keys)).collect();
-        on_every_score_kernel(&p, |kernel| {
-            let got = run(&p, fp8, k, &device);
+        on_every_score_kernel(&p, |score, kernel| {
+            let got = run_with(&p, fp8, k, &device, score);
             for (t, row) in got.iter().enumerate() {
                 let label = format!("prefill n{n} fp8 {fp8} {kernel} query {t}");
                 check_row(&label, row, &scores[t], k);
@@ -526,8 +548,8 @@ fn a_prefill_chunk_with_short_rows_a_foreign_query_and_a_partial_group() {
     let foreign = 30;
     p.token_seq[foreign] = 1;
     let keys = dequantized_fp8(&p.keys);
-    on_every_score_kernel(&p, |kernel| {
-        let got = run(&p, true, k, &device);
+    on_every_score_kernel(&p, |score, kernel| {
+        let got = run_with(&p, true, k, &device, score);
         for (t, row) in got.iter().enumerate() {
             let label = format!("short prefill {kernel} query {t}");
             if t == foreign {
@@ -613,8 +635,10 @@ fn crowded_bin_case(device: &Device, n: usize) {
         block_table: &table,
         token_seq: &seq,
     };
-    let got = on_both_top_k_paths(&format!("crowded, n {n}"), || {
-        dsa_indexer_paged(&q, &w, &cache, &[n, n], k)
+    let got = on_both_top_k_paths(&format!("crowded, n {n}"), |path| {
+        let counts = [n, n];
+        let visible = VisibleKeys::Host(&counts);
+        dsa_indexer_paged_with(&q, &w, &cache, visible, k, &path_only(path))
             .unwrap()
             .to_vec2::<i32>()
             .unwrap()

@@ -5,9 +5,8 @@
 
 use candle_core::{DType, Device, Tensor};
 use glm5_ops::{
-    set_cluster_combine, set_narrow_heads, set_poison_outputs, sparse_mla, sparse_mla_cuda_wgmma,
-    sparse_mla_paged_with, Bf16Kernel, DeviceDesc, DeviceFamily, NarrowHeads, OpError,
-    PagedLatentCache,
+    sparse_mla, sparse_mla_paged, sparse_mla_paged_with, DeviceDesc, DeviceFamily, Kernel,
+    NarrowHeads, Op, OpError, PagedLatentCache, Registry, SparseMlaLaunch,
 };
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -111,24 +110,24 @@ fn has_wgmma() -> bool {
     DeviceDesc::of(&gpu()).unwrap().family() == DeviceFamily::Sm90
 }
 
-/// The bf16 kernels that serve `heads` heads of GLM-5's rows on this GPU.
-fn kernels_for(heads: usize) -> Vec<Bf16Kernel> {
+/// The bf16 backends (registry entries) that serve `heads` heads of GLM-5's rows on this GPU.
+fn kernels_for(heads: usize) -> Vec<&'static str> {
     if heads.is_multiple_of(64) && has_wgmma() {
-        vec![Bf16Kernel::MmaSync, Bf16Kernel::Wgmma]
+        vec!["cuda-bf16-mma", "cuda-bf16-wgmma"]
     } else {
-        vec![Bf16Kernel::MmaSync]
+        vec!["cuda-bf16-mma"]
     }
 }
 
-/// Runs `sparse_mla_paged_with(kernel)` on `device` with inputs rounded to `dtype`; returns f32 host
-/// (out, lse).
+/// Runs the paged op on `device` with inputs rounded to `dtype` (`launch` on the GPU, the registry's choice
+/// elsewhere); returns f32 host (out, lse).
 fn run(
     p: &Problem,
     dtype: DType,
     dv: usize,
     scale: f64,
     device: &Device,
-    kernel: Bf16Kernel,
+    launch: &SparseMlaLaunch,
 ) -> (Vec<f32>, Vec<f32>) {
     let f = |data: &[f32], shape: &[usize]| {
         Tensor::from_slice(data, shape, device)
@@ -149,7 +148,11 @@ fn run(
         seq_lens: &seq_lens,
         token_seq: &token_seq,
     };
-    let (out, lse) = sparse_mla_paged_with(&q, &cache, &indices, dv, scale, kernel).unwrap();
+    let (out, lse) = if device.is_cuda() {
+        sparse_mla_paged_with(&q, &cache, &indices, dv, scale, launch).unwrap()
+    } else {
+        sparse_mla_paged(&q, &cache, &indices, dv, scale).unwrap()
+    };
     (
         out.to_dtype(DType::F32)
             .unwrap()
@@ -215,22 +218,21 @@ fn lse_error(got: &[f32], want: &[f32]) -> f32 {
 }
 
 fn check(p: &Problem, dtype: DType, dv: usize, label: &str) {
-    check_kernel(p, dtype, dv, label, Bf16Kernel::MmaSync);
+    check_kernel(p, dtype, dv, label, "cuda-bf16-mma");
 }
 
-/// `kernel` on the GPU against the CPU f32 reference; the mma.sync launcher's head-tile kernel both with its
+/// `backend` on the GPU against the CPU f32 reference, outputs poisoned; the mma.sync launcher's head-tile kernel both with its
 /// splits merged in a thread-block cluster (where its launcher picks that) and by the combine kernel, and for
 /// at most 8 heads over GLM-5's rows its narrow kernel with each block size.
-fn check_kernel(p: &Problem, dtype: DType, dv: usize, label: &str, kernel: Bf16Kernel) {
+fn check_kernel(p: &Problem, dtype: DType, dv: usize, label: &str, backend: &str) {
     let scale = (p.d as f64).powf(-0.5);
-    let reference = Bf16Kernel::Fastest; // ignored on the CPU
     let (out_ref, lse_ref) = run(
         &rounded(p, dtype),
         DType::F32,
         dv,
         scale,
         &Device::Cpu,
-        reference,
+        &SparseMlaLaunch::default(), // the CPU runs the registry's reference
     );
     let (tol_out, tol_lse) = if dtype == DType::BF16 {
         (1e-2, 1e-3)
@@ -239,7 +241,7 @@ fn check_kernel(p: &Problem, dtype: DType, dv: usize, label: &str, kernel: Bf16K
     };
     // (narrow kernel choice, cluster merge allowed): the mma.sync launcher's paths.
     let mut paths = vec![(NarrowHeads::Off, true)];
-    if kernel == Bf16Kernel::MmaSync {
+    if backend == "cuda-bf16-mma" {
         paths.push((NarrowHeads::Off, false));
         if dtype == DType::BF16 && p.h <= 8 && p.d == 576 && dv == 512 {
             for warps in [2, 4, 8] {
@@ -250,11 +252,12 @@ fn check_kernel(p: &Problem, dtype: DType, dv: usize, label: &str, kernel: Bf16K
         }
     }
     for (narrow, cluster) in paths {
-        set_narrow_heads(narrow);
-        set_cluster_combine(cluster);
-        let (out, lse) = run(p, dtype, dv, scale, &gpu(), kernel);
-        set_cluster_combine(true);
-        set_narrow_heads(NarrowHeads::Policy);
+        let launch = SparseMlaLaunch::backend(backend)
+            .unwrap()
+            .narrow_heads(narrow)
+            .cluster_combine(cluster)
+            .poison_outputs(true);
+        let (out, lse) = run(p, dtype, dv, scale, &gpu(), &launch);
         let (e_out, e_lse) = (relative_error(&out, &out_ref), lse_error(&lse, &lse_ref));
         let label = format!("{label} (narrow: {narrow:?}, cluster merge allowed: {cluster})");
         println!("{label}: out rel {e_out:.2e}, lse {e_lse:.2e}");
@@ -265,7 +268,6 @@ fn check_kernel(p: &Problem, dtype: DType, dv: usize, label: &str, kernel: Bf16K
 
 #[test]
 fn bf16_kernel_matches_the_cpu_reference_over_the_grid() {
-    set_poison_outputs(true);
     let mut rng = StdRng::seed_from_u64(0x5eed);
     let (heads, ks, batches, block_sizes): (&[usize], &[usize], &[usize], &[usize]) = if quick() {
         (&[8, 64], &[7, 300], &[1, 3], &[16])
@@ -287,7 +289,7 @@ fn bf16_kernel_matches_the_cpu_reference_over_the_grid() {
                             &p,
                             DType::BF16,
                             512,
-                            &format!("bf16 {kernel:?} H{h} K{k} B{batch} bs{bs}"),
+                            &format!("bf16 {kernel} H{h} K{k} B{batch} bs{bs}"),
                             kernel,
                         );
                     }
@@ -299,7 +301,6 @@ fn bf16_kernel_matches_the_cpu_reference_over_the_grid() {
 
 #[test]
 fn prefill_tokens_and_small_models() {
-    set_poison_outputs(true);
     let mut rng = StdRng::seed_from_u64(7);
     // Several query tokens of one sequence, each with its own index row.
     let p = problem(&mut rng, 1, 37, 16, 576, 96, 16);
@@ -314,7 +315,6 @@ fn prefill_tokens_and_small_models() {
 
 #[test]
 fn f32_kernel_matches_the_cpu_reference() {
-    set_poison_outputs(true);
     let mut rng = StdRng::seed_from_u64(11);
     for (h, k, batch, bs) in [(8, 64, 3, 16), (64, 2048, 2, 64), (1, 7, 1, 1)] {
         let p = problem(&mut rng, batch, 1, h, 576, k, bs);
@@ -336,7 +336,14 @@ fn contiguous_cache_entry_point_uses_the_kernel() {
 fn wgmma_registry_entry_over_a_contiguous_cache() {
     // The function the `cuda-bf16-wgmma` entry binds into the model graph (GLM-5's 64 heads).
     if has_wgmma() {
-        contiguous_entry_point_matches_the_cpu(64, sparse_mla_cuda_wgmma);
+        let registry = Registry::builtin();
+        let Some(Kernel::SparseMla(wgmma)) = registry
+            .get(Op::SparseMla, "cuda-bf16-wgmma")
+            .map(|e| e.kernel)
+        else {
+            panic!("the registry has a cuda-bf16-wgmma sparse_mla entry")
+        };
+        contiguous_entry_point_matches_the_cpu(64, wgmma);
     }
 }
 
@@ -344,7 +351,6 @@ type SparseMlaFn = fn(&Tensor, &Tensor, &Tensor, usize, f64) -> glm5_ops::Result
 
 /// `entry` on the GPU against `sparse_mla` on the CPU over one contiguous cache of 300 rows.
 fn contiguous_entry_point_matches_the_cpu(h: usize, entry: SparseMlaFn) {
-    set_poison_outputs(true);
     let mut rng = StdRng::seed_from_u64(3);
     let (t, d, n, k) = (5, 576, 300, 64);
     let q: Vec<f32> = (0..t * h * d).map(|_| normal(&mut rng)).collect();
@@ -383,7 +389,6 @@ fn contiguous_entry_point_matches_the_cpu(h: usize, entry: SparseMlaFn) {
 
 #[test]
 fn wgmma_kernel_prefill_and_what_it_does_not_serve() {
-    set_poison_outputs(true);
     if !has_wgmma() {
         return; // sm_120 and others: no wgmma (the CPU suite checks the registry's verdict)
     }
@@ -395,7 +400,7 @@ fn wgmma_kernel_prefill_and_what_it_does_not_serve() {
         DType::BF16,
         512,
         "wgmma prefill T42 H128",
-        Bf16Kernel::Wgmma,
+        "cuda-bf16-wgmma",
     );
     // Heads not a multiple of 64, or other row widths: a typed error naming the cause, never a wrong answer.
     for (h, d, dv) in [(16, 576, 512), (64, 288, 256)] {
@@ -422,8 +427,8 @@ fn wgmma_kernel_prefill_and_what_it_does_not_serve() {
             token_seq: &seqs,
         };
         let indices = i(&p.indices, &[1, p.k]);
-        let err =
-            sparse_mla_paged_with(&q, &cache, &indices, dv, 0.1, Bf16Kernel::Wgmma).unwrap_err();
+        let wgmma = SparseMlaLaunch::backend("cuda-bf16-wgmma").unwrap();
+        let err = sparse_mla_paged_with(&q, &cache, &indices, dv, 0.1, &wgmma).unwrap_err();
         assert!(
             matches!(&err, OpError::Unsupported(m) if m.contains("multiples of 64")),
             "{err}"

@@ -1,0 +1,141 @@
+//! `glm5-bench`: GPU benchmarks of glm5's kernels at GLM-5's shapes, against the candle-ops reference path
+//! and against the device's own ceilings (device-to-device copy bandwidth and the mma.sync bf16 rate of a
+//! register-only microkernel), all measured in the same run. Needs a GPU (built with `--features cuda`).
+//!
+//! Columns: "wall" is the median of several rounds, each round `n` back-to-back calls then a device sync:
+//! it includes the host's launch overhead, as an eager decode step pays it. "GPU" is the period of
+//! back-to-back calls replayed from CUDA graphs (as a graph-captured decode step runs them): the device's
+//! time, launch gaps included, host excluded. Throughput columns use the GPU time. "cold" times one call with
+//! the L2 emptied first (device time, CUDA events), and "%cold" is the copy-bandwidth share at that time:
+//! back-to-back calls on the same inputs keep small problems' data in L2 (50 MB on an H200), which a decode
+//! step does not. sparse_mla rows name their kernel: "mma" is the mma.sync launcher's own pick; with at most
+//! 8 heads also its head-tile kernel ("tiles") and its narrow kernel with 2, 4 and 8 warps per block ("n2",
+//! "n4", "n8"); on an sm_90 GPU also wgmma where it serves (heads a multiple of 64). "vs mma" is the "mma"
+//! row's GPU time over this row's. The indexer's "scores" and "top-k" split a call's device time by CUDA
+//! events between the two stages (`glm5::ops::time_stages`; the events keep the stages from overlapping, so
+//! they sum to a little more). Inputs are random (never zeros). `docs/performance.md` has the tables.
+
+mod ceilings;
+mod indexer;
+mod slice;
+mod sparse_mla;
+mod timing;
+
+use clap::{Parser, Subcommand, ValueEnum};
+
+/// GLM-5's top-k and paged-cache block size.
+const TOP_K: usize = 2048;
+const BLOCK_SIZE: usize = 64;
+
+#[derive(Parser)]
+#[command(
+    name = "glm5-bench",
+    about = "GPU benchmarks of glm5's kernels against the reference path and the device's ceilings"
+)]
+struct Cli {
+    /// What to measure (default: every sparse_mla row, then every indexer row).
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// sparse_mla decode rows: bf16, GLM-5's rows of 512 + 64, top-k 2048, paged (block 64).
+    SparseMla {
+        /// One shape only: CONTEXT BATCH HEADS (e.g. `32768 8 8`).
+        #[arg(num_args = 3, value_names = ["CONTEXT", "BATCH", "HEADS"])]
+        shape: Vec<usize>,
+        /// One kernel row only (mma, tiles, n2, n4, n8, wgmma), e.g. under a profiler.
+        #[arg(long)]
+        kernel: Option<String>,
+    },
+    /// dsa_indexer rows: GLM-5's FP8 key cache, 32 heads of 128, top-k 2048, decode and prefill.
+    Indexer {
+        /// One shape only: CONTEXT BATCH [QUERIES per sequence, default 1] (e.g. `32768 1`, `32768 1 4096`).
+        #[arg(num_args = 2..=3, value_names = ["CONTEXT", "BATCH", "QUERIES"])]
+        shape: Vec<usize>,
+        /// The score kernel every call runs (default: the launch policy).
+        #[arg(long, value_enum, default_value = "policy")]
+        score_kernel: ScoreKernelArg,
+    },
+    /// GLM-5's first LAYERS layers at real sizes (random weights) on one GPU and over two.
+    Slice { layers: usize },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum ScoreKernelArg {
+    Policy,
+    PerQuery,
+    Grouped,
+    MmaSync,
+}
+
+fn cuda(e: impl std::fmt::Display) -> glm5::candle_core::Error {
+    glm5::candle_core::Error::Cuda(e.to_string().into())
+}
+
+/// splitmix64: reproducible indices without a rand dependency.
+fn next(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+fn main() -> glm5::candle_core::Result<()> {
+    use glm5::candle_core::Device;
+    use glm5::ops::ScoreKernel;
+
+    let cli = Cli::parse();
+    if let Some(Command::Slice { layers }) = cli.command {
+        return slice::slice_rows(layers);
+    }
+    let device = Device::new_cuda(0)?;
+    // One stream: cross-stream event tracking would add driver calls to every launch.
+    if let Device::Cuda(dev) = &device {
+        // SAFETY: everything here runs on the device's single stream.
+        unsafe { dev.disable_event_tracking() };
+    }
+    let copy = ceilings::copy_bandwidth(&device)?;
+    let peak = ceilings::mma_peak(&device)?;
+    println!(
+        "device copy bandwidth: {:.0} GB/s   mma.sync bf16 peak: {:.0} TFLOP/s",
+        copy / 1e9,
+        peak / 1e12
+    );
+    match cli.command {
+        Some(Command::SparseMla { shape, kernel }) => {
+            let only = match shape[..] {
+                [context, batch, heads] => Some((context, batch, heads)),
+                _ => None,
+            };
+            sparse_mla::sparse_mla_rows(&device, copy, peak, only, kernel.as_deref())
+        }
+        Some(Command::Indexer {
+            shape,
+            score_kernel,
+        }) => {
+            let only = match shape[..] {
+                [context, batch] => Some((context, batch, 1)),
+                [context, batch, queries] => Some((context, batch, queries)),
+                _ => None,
+            };
+            let score_kernel = match score_kernel {
+                ScoreKernelArg::Policy => ScoreKernel::Policy,
+                ScoreKernelArg::PerQuery => ScoreKernel::PerQuery,
+                ScoreKernelArg::Grouped => ScoreKernel::Grouped,
+                ScoreKernelArg::MmaSync => ScoreKernel::MmaSync,
+            };
+            if score_kernel != ScoreKernel::Policy {
+                println!("score kernel pinned: {score_kernel:?}");
+            }
+            indexer::indexer_rows(&device, copy, peak, only, score_kernel)
+        }
+        Some(Command::Slice { .. }) => unreachable!("handled above"),
+        None => {
+            sparse_mla::sparse_mla_rows(&device, copy, peak, None, None)?;
+            indexer::indexer_rows(&device, copy, peak, None, ScoreKernel::Policy)
+        }
+    }
+}

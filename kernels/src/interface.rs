@@ -1,0 +1,269 @@
+//! The interface between glm5's Rust launchers and its CUDA kernels, in one place: the parameter structs
+//! the kernels take by value and the constants both sides must agree on.
+//!
+//! This file is the single source. The launchers (`glm5-ops`) use it as the module
+//! `glm5_kernels::interface`; `build.rs` includes it too and writes `glm5_interface.h` (into the build's
+//! output folder, on nvcc's include path) with every constant as a `GLM5_*` macro and, per struct, a
+//! `GLM5_CHECK_<Struct>()` macro of `static_assert`s on its size, alignment and every field's offset. Each
+//! `.cu` file defines its constants from those macros or asserts that its own equal them, and invokes the
+//! check after its struct's definition, so a struct or constant changed on one side only fails the build.
+
+/// A `#[repr(C)]` struct whose field layout the CUDA side checks: each field names its CUDA spelling
+/// after `=>`. Generates the struct and `FIELDS`, every field's CUDA name and byte offset in order.
+macro_rules! c_struct {
+    ($(#[$meta:meta])* pub struct $name:ident {
+        $($(#[$field_meta:meta])* pub $field:ident: $ty:ty => $cuda:ident,)*
+    }) => {
+        $(#[$meta])*
+        #[derive(Clone, Copy, Debug, Default)]
+        pub struct $name {
+            $($(#[$field_meta])* pub $field: $ty,)*
+        }
+
+        impl $name {
+            /// Every field's name in the CUDA struct and its byte offset, in declaration order.
+            pub const FIELDS: &'static [(&'static str, usize)] =
+                &[$((stringify!($cuda), core::mem::offset_of!($name, $field)),)*];
+        }
+    };
+}
+
+c_struct! {
+    /// `SparseMlaParams` of `sparse_mla.cuh` (pointers as device addresses). What the kernels read before
+    /// their first loads comes first: the first 48 bytes share a 64-byte line of the constant bank with the
+    /// memory descriptor every global access needs.
+    #[repr(C)]
+    pub struct SparseMlaParams {
+        /// `I32 [T]`.
+        pub token_seq: u64 => token_seq,
+        /// `I32 [T, K]`.
+        pub indices: u64 => indices,
+        /// `[T, H, D]`.
+        pub q: u64 => q,
+        /// `[num_blocks * block_size, D]`.
+        pub kv: u64 => kv,
+        pub k: i32 => K,
+        pub h: i32 => H,
+        pub block_size: i32 => block_size,
+        pub max_blocks: i32 => max_blocks,
+        /// `I32 [B]`.
+        pub seq_lens: u64 => seq_lens,
+        /// `I32 [B, max_blocks]`.
+        pub block_table: u64 => block_table,
+        /// `[T, H, DV]` (one split).
+        pub out: u64 => out,
+        /// `F32 [T, H]` (one split).
+        pub lse: u64 => lse,
+        /// `F32 [splits, T, H, DV]` (several splits, not merged in a cluster).
+        pub part_out: u64 => part_out,
+        /// `F32 [splits, T, H]`.
+        pub part_lse: u64 => part_lse,
+        pub tiles_per_split: i32 => tiles_per_split,
+        pub num_splits: i32 => num_splits,
+        pub t: i32 => T,
+        pub dv: i32 => DV,
+        pub d: i32 => D,
+        /// 1: a token's splits are one thread-block cluster and merge in shared memory.
+        pub cluster_combine: i32 => cluster_combine,
+        /// Softmax scale.
+        pub scale: f32 => scale,
+    }
+}
+
+/// A `CUtensorMap` (`TensorMap` of `dsa_indexer.cu`): the driver's opaque 128-byte, 64-byte aligned
+/// descriptor.
+#[repr(C, align(64))]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct TensorMap(pub [u64; 16]);
+
+c_struct! {
+    /// `DsaParams` of `dsa_indexer.cu` (pointers as device addresses).
+    #[repr(C)]
+    pub struct DsaParams {
+        /// `[T, H, D]` bf16 or f32.
+        pub q: u64 => q,
+        /// `F32 [T, H]`.
+        pub weights: u64 => weights,
+        /// `[rows, D]` bf16, f32 or e4m3 bytes.
+        pub keys: u64 => keys,
+        /// `F32 [rows]` (FP8 layout).
+        pub key_scales: u64 => key_scales,
+        pub block_table: u64 => block_table,
+        pub token_seq: u64 => token_seq,
+        pub visible: u64 => visible,
+        /// Workspace: `F32 [T, score_stride]`.
+        pub scores: u64 => scores,
+        /// Workspace: `I32 [T, HIST_STRIDE]`, zero between calls.
+        pub hist: u64 => hist,
+        /// Workspace: candidate pairs, then per segment counts, offsets and masks.
+        pub work: u64 => work,
+        /// `I32 [T, K]`.
+        pub indices: u64 => indices,
+        pub t: i32 => T,
+        pub h: i32 => H,
+        pub d: i32 => D,
+        pub k: i32 => K,
+        pub block_size: i32 => block_size,
+        pub max_blocks: i32 => max_blocks,
+        pub batch: i32 => batch,
+        pub score_stride: i32 => score_stride,
+        pub positions: i32 => positions,
+        pub segments: i32 => segments,
+        /// 1: the cluster top-k follows the score kernel.
+        pub cluster_topk: i32 => cluster_topk,
+        /// The FP8 keys as a `[rows, D]` byte tensor (TMA kernels).
+        pub key_map: TensorMap => key_map,
+    }
+}
+
+/// The constants of `sparse_mla.cu` and `sparse_mla_sm90.cu` (`GLM5_SPARSE_MLA_*` in the header).
+pub mod sparse_mla {
+    /// Keys per tile (`BN`).
+    pub const TILE: usize = 32;
+    /// bf16 of padding per shared-memory row.
+    pub const ROW_PAD: usize = 8;
+    /// Most splits of a top-k the combine merges.
+    pub const MAX_SPLITS: usize = 128;
+    /// Row width the bf16 kernel holds beyond the value columns.
+    pub const MAX_ROPE: usize = 64;
+    /// f32 stride of a partial-score row (`LDS`).
+    pub const PARTIAL_SCORE_STRIDE: usize = TILE + 8;
+    /// The block combine: warps per block and value columns per block.
+    pub const COMBINE_GROUPS: usize = 8;
+    pub const COMBINE_COLUMNS: usize = 128;
+    /// The one-wait combine: most splits and warps per block.
+    pub const COMBINE_CHUNK: usize = 16;
+    pub const COMBINE_ROW_WARPS: usize = 4;
+    /// The narrow kernel: heads per block (the mma's N) and keys per warp (its M).
+    pub const NARROW_HEADS: usize = 8;
+    pub const NARROW_KEYS: usize = 16;
+    /// The wgmma kernel: heads per block, row and value widths, key tiles in its ring.
+    pub const WGMMA_HEADS: usize = 64;
+    pub const WGMMA_ROW_DIM: usize = 576;
+    pub const WGMMA_VALUE_DIM: usize = 512;
+    pub const WGMMA_STAGES: usize = 5;
+}
+
+/// The constants of `dsa_indexer.cu` (`GLM5_DSA_INDEXER_*` in the header).
+pub mod dsa_indexer {
+    /// Keys per score tile.
+    pub const TILE_KEYS: usize = 64;
+    /// Threads of a score block (`SCORE_WARPS * 32`).
+    pub const SCORE_THREADS: usize = 128;
+    /// Per-row histogram words: 2048 bins, the top-k kernels' 4 slots, 2048 fine bins, 128 group sums.
+    pub const HIST_STRIDE: usize = 2048 + 4 + 2048 + 128;
+    /// Positions per top-k segment (`SEG`) and the threads of a segment's block (`SEG_THREADS`).
+    pub const SEGMENT: usize = 2048;
+    pub const SEGMENT_THREADS: usize = 256;
+    /// Most segments per row.
+    pub const MAX_SEGMENTS: usize = 2048;
+    /// Words per segment of a row's top-k work area after its candidate pairs: the count above the
+    /// threshold bin, the output offset and the bit mask of the selected positions.
+    pub const WORK_PER_SEGMENT: usize = 2 + SEGMENT / 32;
+    /// Threads of the threshold kernel.
+    pub const TOPK_THREADS: usize = 512;
+    /// Candidates the threshold kernel stages in shared memory (value and position each).
+    pub const STAGED_CANDIDATES: usize = 8192;
+    /// Segments a block of the warp-a-segment emit, and the selected positions above which a segment is
+    /// dense.
+    pub const EMIT_SEGMENTS: usize = 8;
+    pub const DIRECT_STORES: usize = 256;
+    /// The cluster top-k: blocks per cluster, threads per block, dynamic shared memory of a block.
+    pub const CLUSTER_BLOCKS: usize = 8;
+    pub const CLUSTER_THREADS: usize = 512;
+    pub const CLUSTER_SHARED_BYTES: usize = 80 * 1024;
+    /// The grouped prefill score kernel: queries per block, dynamic shared memory of a block.
+    pub const GROUP_TOKENS: usize = 4;
+    pub const GROUP_SHARED_BYTES: usize = 112 * 1024;
+}
+
+/// Every constant as `(header name, value)`, for `build.rs`.
+pub const CONSTANTS: &[(&str, usize)] = &[
+    ("GLM5_SPARSE_MLA_TILE", sparse_mla::TILE),
+    ("GLM5_SPARSE_MLA_ROW_PAD", sparse_mla::ROW_PAD),
+    ("GLM5_SPARSE_MLA_MAX_SPLITS", sparse_mla::MAX_SPLITS),
+    ("GLM5_SPARSE_MLA_MAX_ROPE", sparse_mla::MAX_ROPE),
+    (
+        "GLM5_SPARSE_MLA_PARTIAL_SCORE_STRIDE",
+        sparse_mla::PARTIAL_SCORE_STRIDE,
+    ),
+    ("GLM5_SPARSE_MLA_COMBINE_GROUPS", sparse_mla::COMBINE_GROUPS),
+    (
+        "GLM5_SPARSE_MLA_COMBINE_COLUMNS",
+        sparse_mla::COMBINE_COLUMNS,
+    ),
+    ("GLM5_SPARSE_MLA_COMBINE_CHUNK", sparse_mla::COMBINE_CHUNK),
+    (
+        "GLM5_SPARSE_MLA_COMBINE_ROW_WARPS",
+        sparse_mla::COMBINE_ROW_WARPS,
+    ),
+    ("GLM5_SPARSE_MLA_NARROW_HEADS", sparse_mla::NARROW_HEADS),
+    ("GLM5_SPARSE_MLA_NARROW_KEYS", sparse_mla::NARROW_KEYS),
+    ("GLM5_SPARSE_MLA_WGMMA_HEADS", sparse_mla::WGMMA_HEADS),
+    ("GLM5_SPARSE_MLA_WGMMA_ROW_DIM", sparse_mla::WGMMA_ROW_DIM),
+    (
+        "GLM5_SPARSE_MLA_WGMMA_VALUE_DIM",
+        sparse_mla::WGMMA_VALUE_DIM,
+    ),
+    ("GLM5_SPARSE_MLA_WGMMA_STAGES", sparse_mla::WGMMA_STAGES),
+    ("GLM5_DSA_INDEXER_TILE_KEYS", dsa_indexer::TILE_KEYS),
+    ("GLM5_DSA_INDEXER_SCORE_THREADS", dsa_indexer::SCORE_THREADS),
+    ("GLM5_DSA_INDEXER_HIST_STRIDE", dsa_indexer::HIST_STRIDE),
+    ("GLM5_DSA_INDEXER_SEGMENT", dsa_indexer::SEGMENT),
+    (
+        "GLM5_DSA_INDEXER_SEGMENT_THREADS",
+        dsa_indexer::SEGMENT_THREADS,
+    ),
+    ("GLM5_DSA_INDEXER_MAX_SEGMENTS", dsa_indexer::MAX_SEGMENTS),
+    (
+        "GLM5_DSA_INDEXER_WORK_PER_SEGMENT",
+        dsa_indexer::WORK_PER_SEGMENT,
+    ),
+    ("GLM5_DSA_INDEXER_TOPK_THREADS", dsa_indexer::TOPK_THREADS),
+    (
+        "GLM5_DSA_INDEXER_STAGED_CANDIDATES",
+        dsa_indexer::STAGED_CANDIDATES,
+    ),
+    ("GLM5_DSA_INDEXER_EMIT_SEGMENTS", dsa_indexer::EMIT_SEGMENTS),
+    ("GLM5_DSA_INDEXER_DIRECT_STORES", dsa_indexer::DIRECT_STORES),
+    (
+        "GLM5_DSA_INDEXER_CLUSTER_BLOCKS",
+        dsa_indexer::CLUSTER_BLOCKS,
+    ),
+    (
+        "GLM5_DSA_INDEXER_CLUSTER_THREADS",
+        dsa_indexer::CLUSTER_THREADS,
+    ),
+    (
+        "GLM5_DSA_INDEXER_CLUSTER_SHARED_BYTES",
+        dsa_indexer::CLUSTER_SHARED_BYTES,
+    ),
+    ("GLM5_DSA_INDEXER_GROUP_TOKENS", dsa_indexer::GROUP_TOKENS),
+    (
+        "GLM5_DSA_INDEXER_GROUP_SHARED_BYTES",
+        dsa_indexer::GROUP_SHARED_BYTES,
+    ),
+];
+
+/// The parameter structs as `(CUDA name, size, alignment, fields)`, for `build.rs`.
+pub const STRUCTS: &[(&str, usize, usize, &[(&str, usize)])] = &[
+    (
+        "SparseMlaParams",
+        core::mem::size_of::<SparseMlaParams>(),
+        core::mem::align_of::<SparseMlaParams>(),
+        SparseMlaParams::FIELDS,
+    ),
+    (
+        "DsaParams",
+        core::mem::size_of::<DsaParams>(),
+        core::mem::align_of::<DsaParams>(),
+        DsaParams::FIELDS,
+    ),
+];
+
+// The Rust side's own check of what the CUDA side's layout is written for: pointers 8 bytes, the tensor map
+// 128 bytes at 64-byte alignment.
+const _: () = assert!(core::mem::size_of::<TensorMap>() == 128);
+const _: () = assert!(core::mem::align_of::<TensorMap>() == 64);
+const _: () = assert!(core::mem::size_of::<SparseMlaParams>() == 128);
+const _: () = assert!(core::mem::size_of::<DsaParams>() == 320);
