@@ -78,7 +78,7 @@ fn config() -> Target {
                 }
                 assert_eq!(u128::from(params), config.parameter_count());
                 let devices =
-                    glm5::plan::parse_assumed("sm_90:141GB x8").map_err(|e| e.to_string())?;
+                    glm5::plan_cli::parse_assumed("sm_90:141GB x8").map_err(|e| e.to_string())?;
                 let options = PlanOptions::new(dtype, AttentionMode::Sparse);
                 Plan::build(&config, devices, &options, &registry).map_err(|e| e.to_string())?;
             }
@@ -376,14 +376,14 @@ fn cli_values() -> Target {
             let input = text(bytes)?;
             let (kind, value) = input.split_once('\0').unwrap_or(("assume", input));
             let result = match kind {
-                "assume" => glm5::plan::parse_assumed(value).map(|_| ()),
-                "devices" => glm5::plan::parse_devices(value).map(|_| ()),
-                "device" => glm5::plan::parse_device(value).map(|_| ()),
-                "layer-map" => glm5::plan::parse_layer_map(value, &names, 78).map(|_| ()),
+                "assume" => glm5::plan_cli::parse_assumed(value).map(|_| ()),
+                "devices" => glm5::plan_cli::parse_devices(value).map(|_| ()),
+                "device" => glm5::plan_cli::parse_device(value).map(|_| ()),
+                "layer-map" => glm5::plan_cli::parse_layer_map(value, &names, 78).map(|_| ()),
                 "backend" => glm5::ops::registry::parse_forced(value)
                     .map(|_| ())
                     .map_err(glm5::Error::from),
-                _ => glm5::plan::forced_backends(&Default::default(), Some(value)).map(|_| ()),
+                _ => glm5::plan_cli::forced_backends(&Default::default(), Some(value)).map(|_| ()),
             };
             result.map_err(|e| e.to_string())
         }),

@@ -985,7 +985,7 @@ fn q2_k_xl(name: &str) -> &'static str {
 fn glm5_gguf_plans_fit_eight_96gb_gpus_with_context_left() {
     use glm5::models::sizes::TensorInfo;
     use glm5::{PlanOptions, Registry};
-    let devices = glm5::plan::parse_assumed("sm_120:96GB x8").unwrap();
+    let devices = glm5::plan_cli::parse_assumed("sm_120:96GB x8").unwrap();
     for (label, recipe, published_gb) in [
         ("UD-Q2_K_XL", q2_k_xl as fn(&str) -> &'static str, 281.0),
         ("Q4_K_M", q4_k_m as fn(&str) -> &'static str, 430.0),

@@ -550,7 +550,7 @@ fn fuzz_find_tokenizer_merge_longer_than_the_vocabulary() {
 fn fuzz_find_layer_map_device_with_a_newline() {
     // The device name of a --layer-map entry was echoed raw: a newline in it broke the one error line.
     let names = ["cpu".to_string()];
-    let err = glm5::plan::parse_layer_map("0-1=cpu\ne-320,", &names, 4).unwrap_err();
+    let err = glm5::plan_cli::parse_layer_map("0-1=cpu\ne-320,", &names, 4).unwrap_err();
     one_line(&err.to_string());
 }
 
