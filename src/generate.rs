@@ -341,7 +341,7 @@ impl<'a> Generation<'a> {
         if let Some(text) = self.stream.push(id)? {
             self.held_text.push_str(&text);
         }
-        let text = match self.take_text_before_stop() {
+        let text = match take_text_before_stop(&mut self.held_text, &self.stop_strings) {
             Ok(text) => text,
             Err(stop) => {
                 self.stats.generation_time += started.elapsed();
@@ -371,31 +371,6 @@ impl<'a> Generation<'a> {
             text
         };
         Ok(Some(GeneratedToken { id: Some(id), text }))
-    }
-
-    /// Text safe to hand out: everything except a tail that could still grow into a stop string.
-    /// `Err((text before the stop string, stop string))` when one is complete.
-    fn take_text_before_stop(&mut self) -> std::result::Result<String, (String, String)> {
-        if let Some((at, stop)) = self
-            .stop_strings
-            .iter()
-            .filter_map(|s| self.held_text.find(s.as_str()).map(|at| (at, s.clone())))
-            .min_by_key(|(at, _)| *at)
-        {
-            let before = self.held_text[..at].to_string();
-            self.held_text.clear();
-            return Err((before, stop));
-        }
-        let keep = self
-            .stop_strings
-            .iter()
-            .flat_map(|s| s.char_indices().skip(1).map(|(i, _)| &s[..i]))
-            .filter(|prefix| self.held_text.ends_with(prefix))
-            .map(str::len)
-            .max()
-            .unwrap_or(0);
-        let ready = self.held_text.len() - keep;
-        Ok(self.held_text.drain(..ready).collect())
     }
 
     fn flush(&mut self) -> Result<String> {
@@ -447,6 +422,31 @@ pub fn check_logits(logits: &Tensor, step: usize, position: usize) -> Result<()>
         step,
         position,
     })
+}
+
+/// Text that can be handed out: everything but a tail that may still grow into a stop string.
+/// `Err((text before the stop string, the stop string))` once one is complete. Shared by [`Generation`] and
+/// the server's scheduler.
+pub(crate) fn take_text_before_stop(
+    held: &mut String,
+    stops: &[String],
+) -> std::result::Result<String, (String, String)> {
+    if let Some((at, stop)) = stops
+        .iter()
+        .filter_map(|s| held.find(s.as_str()).map(|at| (at, s.clone())))
+        .min_by_key(|(at, _)| *at)
+    {
+        return Err((held[..at].to_string(), stop));
+    }
+    let keep = stops
+        .iter()
+        .flat_map(|s| s.char_indices().skip(1).map(|(i, _)| &s[..i]))
+        .filter(|prefix| held.ends_with(prefix))
+        .map(str::len)
+        .max()
+        .unwrap_or(0);
+    let ready = held.len() - keep;
+    Ok(held.drain(..ready).collect())
 }
 
 /// The argmax of `logits` `[vocab]` (what greedy sampling must return).

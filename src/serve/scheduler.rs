@@ -23,7 +23,7 @@ use candle_core::{Tensor, D};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::error::Result;
-use crate::generate::{GenerationParams, Sampler};
+use crate::generate::{take_text_before_stop, GenerationParams, Sampler};
 use crate::tokenizer::{TokenStream, Tokenizer};
 use crate::{FinishReason, Glm5ForCausalLM, KvCache};
 
@@ -616,31 +616,6 @@ fn fail(request: &SeqRequest, message: &str) {
 
 fn shared_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
-}
-
-/// Text that can be handed out: everything but a tail that may still grow into a stop string.
-/// `Err((text before the stop string, the stop string))` once one is complete. (The same rule as
-/// `Generation`'s, which keeps it private.)
-fn take_text_before_stop(
-    held: &mut String,
-    stops: &[String],
-) -> std::result::Result<String, (String, String)> {
-    if let Some((at, stop)) = stops
-        .iter()
-        .filter_map(|s| held.find(s.as_str()).map(|at| (at, s.clone())))
-        .min_by_key(|(at, _)| *at)
-    {
-        return Err((held[..at].to_string(), stop));
-    }
-    let keep = stops
-        .iter()
-        .flat_map(|s| s.char_indices().skip(1).map(|(i, _)| &s[..i]))
-        .filter(|prefix| held.ends_with(prefix))
-        .map(str::len)
-        .max()
-        .unwrap_or(0);
-    let ready = held.len() - keep;
-    Ok(held.drain(..ready).collect())
 }
 
 /// Log-softmax of `logits` `[vocab]`, in f32.
