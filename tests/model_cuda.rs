@@ -229,3 +229,43 @@ fn fp8_index_keys_on_gpu() {
     }
     println!("{name}: FP8 index keys on the GPU: logits equal before index_topk, {} selection rows valid", fp8_selections.len());
 }
+
+/// A GGUF model kept quantised (Q8_0, Q4_K_M: llama.cpp's converter and quantiser) runs on the GPU through
+/// candle's CUDA `QMatMul` kernels and gives the CPU's logits: per position ‖Δ‖/‖CPU‖ over the first positions
+/// (before index_topk, where a flipped selection would cascade). Both sides quantise the activations, the GPU
+/// as Q8_1 and the CPU as Q8_0/Q8_K, so the rows differ by rounding, not by a wrong weight layout.
+#[test]
+fn gguf_quantised_on_gpu_matches_cpu() {
+    use glm5::Checkpoint;
+    let gpu = Device::new_cuda(0).unwrap();
+    for file in ["wide-Q8_0.gguf", "wide-Q4_K_M.gguf"] {
+        let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/gguf")
+            .join(file);
+        let (config, checkpoint) = Checkpoint::open_gguf(&path).unwrap();
+        let ids: Vec<u32> = (0..24u32)
+            .map(|i| (i * 37 + 5) % config.vocab_size as u32)
+            .collect();
+        let run = |device: &Device| {
+            let model = Glm5ForCausalLM::load(
+                &config,
+                &checkpoint,
+                DType::F32,
+                device,
+                AttentionMode::Sparse,
+            )
+            .unwrap();
+            decode_rows(&model, &ids, 8)
+        };
+        let (cpu, on_gpu) = (run(&Device::Cpu), run(&gpu));
+        let first = ids.len().min(config.index_topk);
+        let worst = (0..first)
+            .map(|p| relative_l2(&on_gpu[p], &cpu[p]))
+            .fold(0f32, f32::max);
+        println!("{file}: GPU vs CPU, positions < {first}: max ‖Δ‖/‖CPU‖ = {worst:.2e}");
+        assert!(
+            worst < 5e-2,
+            "{file}: GPU logits differ from the CPU's by {worst}"
+        );
+    }
+}
