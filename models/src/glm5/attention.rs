@@ -1,0 +1,287 @@
+//! §3.3–3.4 MLA in its absorbed form and §4 the DSA lightning indexer.
+
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::LayerNorm;
+use glm5_ops::registry::{DsaIndexerFn, SparseMlaFn};
+use glm5_ops::{Kernel, Op};
+
+use super::linear::{Loader, Proj, RmsNorm};
+use super::rope::Rope;
+use crate::cache::LayerCache;
+use crate::config::{Config, INDEX_KEY_NORM_EPS, LATENT_NORM_EPS};
+use crate::error::{ModelError, Result};
+use crate::plan::LayerPlan;
+
+/// §4 The DSA lightning indexer: scores every visible past token for each query and keeps the top-k.
+struct Indexer {
+    wq_b: Proj,
+    wk: Proj,
+    k_norm: LayerNorm,
+    weights_proj: Proj,
+    n_heads: usize,
+    head_dim: usize,
+    rope_dim: usize,
+    /// Keys kept per query (`index_topk`).
+    index_topk: usize,
+    weight_scale: f64,
+    /// The backend the plan bound; `None` when the indexer does not run (dense mode).
+    kernel: Option<DsaIndexerFn>,
+}
+
+impl Indexer {
+    pub(super) fn load(
+        config: &Config,
+        loader: &Loader,
+        prefix: &str,
+        kernel: Option<DsaIndexerFn>,
+    ) -> Result<Self> {
+        let (heads, dim) = (config.index_n_heads, config.index_head_dim);
+        Ok(Self {
+            wq_b: loader.linear(&format!("{prefix}.wq_b"), config.q_lora_rank, heads * dim)?,
+            wk: loader.linear(&format!("{prefix}.wk"), config.hidden_size, dim)?,
+            k_norm: LayerNorm::new(
+                loader.tensor(&format!("{prefix}.k_norm.weight"), &[dim])?,
+                loader.tensor(&format!("{prefix}.k_norm.bias"), &[dim])?,
+                INDEX_KEY_NORM_EPS,
+            ),
+            weights_proj: loader.linear(
+                &format!("{prefix}.weights_proj"),
+                config.hidden_size,
+                heads,
+            )?,
+            n_heads: heads,
+            head_dim: dim,
+            rope_dim: config.qk_rope_head_dim,
+            index_topk: config.index_topk,
+            weight_scale: config.index_weight_scale(),
+            kernel,
+        })
+    }
+
+    /// RoPE on the first `rope_dim` dims of `x` `[T, heads, head_dim]`; the rest pass through.
+    fn rotate_leading(&self, x: &Tensor, rope: &Rope) -> Result<Tensor> {
+        let rotated = rope.apply(&x.narrow(2, 0, self.rope_dim)?)?;
+        if self.rope_dim == self.head_dim {
+            return Ok(rotated);
+        }
+        let pass = x.narrow(2, self.rope_dim, self.head_dim - self.rope_dim)?;
+        Ok(Tensor::cat(&[rotated, pass], 2)?)
+    }
+
+    /// `hidden` `[T, hidden]` (the normed layer input), `q_lora` `[T, q_lora_rank]` (after q_a_layernorm).
+    /// Returns the selected positions `[T, index_topk]` (i32, -1 padded) and caches this chunk's keys.
+    pub(super) fn forward(
+        &self,
+        hidden: &Tensor,
+        q_lora: &Tensor,
+        start_pos: usize,
+        rope: &Rope,
+        cache: &LayerCache,
+    ) -> Result<Tensor> {
+        let t = hidden.dim(0)?;
+        let q = self
+            .wq_b
+            .forward(q_lora)?
+            .reshape((t, self.n_heads, self.head_dim))?;
+        let q = self.rotate_leading(&q, rope)?;
+        let k = self
+            .k_norm
+            .forward(&self.wk.forward(hidden)?)?
+            .unsqueeze(1)?;
+        let k = self.rotate_leading(&k, rope)?.squeeze(1)?;
+        let keys = cache.append_index_keys(&k, start_pos)?;
+        let head_weights =
+            (self.weights_proj.forward(hidden)?.to_dtype(DType::F32)? * self.weight_scale)?;
+        let visible: Vec<usize> = (1..=t).map(|i| start_pos + i).collect();
+        let kernel = self.kernel.ok_or_else(|| {
+            ModelError::PlanDevices("the plan bound no dsa_indexer backend (dense mode)".into())
+        })?;
+        Ok(kernel(
+            &q,
+            &head_weights,
+            keys.view(),
+            &visible,
+            self.index_topk,
+        )?)
+    }
+}
+
+/// §3.3–3.4 Multi-head latent attention with the DSA restriction, computed in the absorbed form.
+pub(super) struct Attention {
+    q_a_proj: Proj,
+    q_a_layernorm: RmsNorm,
+    q_b_proj: Proj,
+    kv_a_proj_with_mqa: Proj,
+    kv_a_layernorm: RmsNorm,
+    /// `W_UK` per head, `[heads, qk_nope_head_dim, kv_lora_rank]`: folded into the query.
+    w_uk: Tensor,
+    /// `W_UVᵀ` per head, `[heads, kv_lora_rank, v_head_dim]`: applied to the attended latent.
+    w_uv_t: Tensor,
+    o_proj: Proj,
+    indexer: Indexer,
+    heads: usize,
+    nope_dim: usize,
+    rope_dim: usize,
+    kv_lora_rank: usize,
+    v_head_dim: usize,
+    softmax_scale: f64,
+    /// The sparse_mla backend the plan bound.
+    sparse_mla: SparseMlaFn,
+}
+
+impl Attention {
+    pub(super) fn load(
+        config: &Config,
+        loader: &Loader,
+        prefix: &str,
+        layer: &LayerPlan,
+    ) -> Result<Self> {
+        let (sparse_mla, dsa_indexer) = bound_kernels(layer)?;
+        let heads = config.num_attention_heads;
+        let (nope, v, lora) = (
+            config.qk_nope_head_dim,
+            config.v_head_dim,
+            config.kv_lora_rank,
+        );
+        let kv_b = loader
+            .tensor(
+                &format!("{prefix}.kv_b_proj.weight"),
+                &[heads * (nope + v), lora],
+            )?
+            .reshape((heads, nope + v, lora))?;
+        Ok(Self {
+            q_a_proj: loader.linear(
+                &format!("{prefix}.q_a_proj"),
+                config.hidden_size,
+                config.q_lora_rank,
+            )?,
+            q_a_layernorm: loader.rms_norm(
+                &format!("{prefix}.q_a_layernorm"),
+                config.q_lora_rank,
+                LATENT_NORM_EPS,
+            )?,
+            q_b_proj: loader.linear(
+                &format!("{prefix}.q_b_proj"),
+                config.q_lora_rank,
+                heads * config.qk_head_dim(),
+            )?,
+            kv_a_proj_with_mqa: loader.linear(
+                &format!("{prefix}.kv_a_proj_with_mqa"),
+                config.hidden_size,
+                config.latent_dim(),
+            )?,
+            kv_a_layernorm: loader.rms_norm(
+                &format!("{prefix}.kv_a_layernorm"),
+                lora,
+                LATENT_NORM_EPS,
+            )?,
+            w_uk: kv_b.narrow(1, 0, nope)?.contiguous()?,
+            w_uv_t: kv_b.narrow(1, nope, v)?.transpose(1, 2)?.contiguous()?,
+            o_proj: loader.linear(&format!("{prefix}.o_proj"), heads * v, config.hidden_size)?,
+            indexer: Indexer::load(config, loader, &format!("{prefix}.indexer"), dsa_indexer)?,
+            heads,
+            nope_dim: nope,
+            rope_dim: config.qk_rope_head_dim,
+            kv_lora_rank: lora,
+            v_head_dim: v,
+            softmax_scale: config.softmax_scale(),
+            sparse_mla,
+        })
+    }
+
+    pub(super) fn forward(
+        &self,
+        hidden: &Tensor,
+        start_pos: usize,
+        rope: &Rope,
+        cache: &LayerCache,
+        dense: Option<&Tensor>,
+    ) -> Result<(Tensor, Tensor)> {
+        let t = hidden.dim(0)?;
+        // Queries: q_lora (shared with the indexer) → per-head [nope | rope].
+        let q_lora = self
+            .q_a_layernorm
+            .forward(&self.q_a_proj.forward(hidden)?)?;
+        let q = self.q_b_proj.forward(&q_lora)?.reshape((
+            t,
+            self.heads,
+            self.nope_dim + self.rope_dim,
+        ))?;
+        let q_nope = q.narrow(2, 0, self.nope_dim)?;
+        let q_pe = rope.apply(&q.narrow(2, self.nope_dim, self.rope_dim)?)?;
+
+        // This chunk's latent rows [c | k_pe] go into the cache; attention reads all cached rows.
+        let kv = self.kv_a_proj_with_mqa.forward(hidden)?;
+        let c = self
+            .kv_a_layernorm
+            .forward(&kv.narrow(1, 0, self.kv_lora_rank)?)?;
+        let k_pe = rope
+            .apply(
+                &kv.narrow(1, self.kv_lora_rank, self.rope_dim)?
+                    .unsqueeze(1)?,
+            )?
+            .squeeze(1)?;
+        let latent = cache.append_latent(&Tensor::cat(&[c, k_pe], 1)?, start_pos)?;
+
+        // Absorb W_UK: q̃_h = W_UK_hᵀ q_nope_h, so scores are 576-wide dots against the latent rows.
+        let q_latent = q_nope
+            .transpose(0, 1)?
+            .contiguous()?
+            .matmul(&self.w_uk)?
+            .transpose(0, 1)?;
+        let q_absorbed = Tensor::cat(&[q_latent, q_pe], 2)?.contiguous()?;
+
+        let selected = match dense {
+            None => self
+                .indexer
+                .forward(hidden, &q_lora, start_pos, rope, cache)?,
+            Some(all_positions) => all_positions.clone(),
+        };
+        let (attended, _lse) = (self.sparse_mla)(
+            &q_absorbed,
+            &latent,
+            &selected,
+            self.kv_lora_rank,
+            self.softmax_scale,
+        )?;
+
+        // Apply W_UV per head, then the output projection.
+        let per_head = attended
+            .transpose(0, 1)?
+            .contiguous()?
+            .matmul(&self.w_uv_t)?;
+        let merged = per_head
+            .transpose(0, 1)?
+            .reshape((t, self.heads * self.v_head_dim))?;
+        Ok((self.o_proj.forward(&merged)?, selected))
+    }
+}
+
+/// The functions the plan chose for a layer: sparse_mla, and dsa_indexer unless it is skipped.
+fn bound_kernels(layer: &LayerPlan) -> Result<(SparseMlaFn, Option<DsaIndexerFn>)> {
+    let mismatch = |what: &str| ModelError::PlanDevices(format!("layer {}: {what}", layer.layer));
+    let sparse_mla = match layer.op(Op::SparseMla).and_then(|o| o.choice.as_ref()) {
+        Some(choice) => match choice.entry.kernel {
+            Kernel::SparseMla(f) => f,
+            _ => return Err(mismatch("the sparse_mla entry holds another op's kernel")),
+        },
+        None => return Err(mismatch("no sparse_mla backend in the plan")),
+    };
+    let dsa_indexer = match layer.op(Op::DsaIndexer).and_then(|o| o.choice.as_ref()) {
+        Some(choice) => match choice.entry.kernel {
+            Kernel::DsaIndexer(f) => Some(f),
+            _ => return Err(mismatch("the dsa_indexer entry holds another op's kernel")),
+        },
+        None => None,
+    };
+    Ok((sparse_mla, dsa_indexer))
+}
+
+/// Dense mode's "selection": every position `0..=start_pos+i` for query `i`, -1 padded to a common width.
+pub(super) fn all_causal_positions(t: usize, start_pos: usize, device: &Device) -> Result<Tensor> {
+    let width = start_pos + t;
+    let rows: Vec<i32> = (0..t)
+        .flat_map(|i| (0..width).map(move |s| if s <= start_pos + i { s as i32 } else { -1 }))
+        .collect();
+    Ok(Tensor::from_vec(rows, (t, width), device)?)
+}

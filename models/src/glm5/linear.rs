@@ -1,0 +1,98 @@
+//! Weights as the graph reads them: the checkpoint loader, bias-free projections (dense or quantised) and
+//! RMSNorm.
+
+use candle_core::quantized::QMatMul;
+use candle_core::{DType, Device, Module, Tensor, D};
+use candle_nn::Linear;
+use glm5_ops::DeviceDesc;
+
+use crate::error::{ModelError, Result};
+use crate::weights::{Checkpoint, Matrix};
+
+/// Fetches tensors by checkpoint name with the shapes the config implies.
+pub(super) struct Loader<'a> {
+    pub(super) checkpoint: &'a Checkpoint,
+    pub(super) dtype: DType,
+    pub(super) device: &'a Device,
+    /// The plan's description of `device`: what quantised weights are dispatched on.
+    pub(super) desc: &'a DeviceDesc,
+}
+
+impl Loader<'_> {
+    pub(super) fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        self.checkpoint.tensor(name, shape, self.dtype, self.device)
+    }
+
+    pub(super) fn tensor_f32(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        self.checkpoint.tensor(name, shape, DType::F32, self.device)
+    }
+
+    /// A bias-free `nn.Linear` stored as `[out, in]`, quantised if the checkpoint keeps it so.
+    pub(super) fn linear(&self, prefix: &str, in_dim: usize, out_dim: usize) -> Result<Proj> {
+        let name = format!("{prefix}.weight");
+        Ok(
+            match self
+                .checkpoint
+                .matrix(&name, [out_dim, in_dim], self.dtype, self.device)?
+            {
+                Matrix::Dense(weight) => Proj::Dense(Linear::new(weight, None)),
+                Matrix::Quantized(weight) => {
+                    // The weight's format must have a quantized_matmul backend on this device.
+                    glm5_ops::quantized_matmul::dispatch(weight.dtype(), self.desc).map_err(
+                        |source| ModelError::QuantizedMatmul {
+                            tensor: name.clone(),
+                            source: Box::new(source),
+                        },
+                    )?;
+                    Proj::Quantized(QMatMul::from_arc(weight)?)
+                }
+            },
+        )
+    }
+
+    pub(super) fn rms_norm(&self, prefix: &str, dim: usize, eps: f64) -> Result<RmsNorm> {
+        Ok(RmsNorm {
+            weight: self.tensor(&format!("{prefix}.weight"), &[dim])?,
+            eps,
+        })
+    }
+}
+
+/// A bias-free linear layer: a dense matrix, or quantised (GGUF) blocks multiplied by candle's `QMatMul`,
+/// which runs its own kernels on the weights' device (CUDA mat-vec for a few rows, MMQ above; the CPU's
+/// vec-dot) without expanding them. Input and output are in the model dtype; `QMatMul` computes in f32.
+pub(super) enum Proj {
+    Dense(Linear),
+    Quantized(QMatMul),
+}
+
+impl Module for Proj {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        match self {
+            Proj::Dense(linear) => linear.forward(x),
+            Proj::Quantized(weight) => glm5_ops::quantized_matmul::quantized_matmul(x, weight)
+                .map_err(|e| match e {
+                    glm5_ops::OpError::Candle(e) => e,
+                    other => candle_core::Error::Msg(other.to_string()),
+                }),
+        }
+    }
+}
+
+/// §3.1 RMSNorm as HF computes it: normalise in f32, cast back, then scale.
+pub(super) struct RmsNorm {
+    weight: Tensor,
+    eps: f64,
+}
+
+impl Module for RmsNorm {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let x32 = x.to_dtype(DType::F32)?;
+        let inv_rms = (x32.sqr()?.mean_keepdim(D::Minus1)? + self.eps)?
+            .sqrt()?
+            .recip()?;
+        x32.broadcast_mul(&inv_rms)?
+            .to_dtype(x.dtype())?
+            .broadcast_mul(&self.weight)
+    }
+}

@@ -1,0 +1,441 @@
+//! The GLM-5 module graph (`GlmMoeDsaForCausalLM`), in the order of `docs/architecture.md`: §3.1 block
+//! structure, §3.2 RoPE, §3.3–3.4 MLA in its absorbed form, §4 the DSA lightning indexer, §5 MoE routing.
+//!
+//! One sequence at a time: `forward(input_ids, start_pos, &mut cache)` runs a prompt chunk or one decode
+//! token and returns the logits of every position it was given. Attention is always the absorbed (MQA) form
+//! over the latent cache: `W_UK` is folded into the query, `W_UV` applied after, so prefill and decode share
+//! one path through the `sparse_mla` op.
+
+mod attention;
+mod linear;
+mod moe;
+mod rope;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use candle_core::{DType, Device, DeviceLocation, Module, Tensor};
+use candle_nn::Linear;
+use glm5_ops::{DeviceDesc, DeviceKind, Op, Registry};
+
+use crate::cache::{KvCache, LayerCache};
+use crate::config::{Config, MlpKind};
+use crate::error::{ModelError, Result};
+pub use crate::plan::AttentionMode;
+use crate::plan::{LayerPlan, Plan, PlanOptions};
+use crate::weights::Checkpoint;
+use attention::{all_causal_positions, Attention};
+use linear::{Loader, Proj, RmsNorm};
+use moe::{Mlp, MoE};
+use rope::Rope;
+
+enum FeedForward {
+    Dense(Mlp),
+    MoE(MoE),
+}
+
+/// §3.1 one decoder block: `x += Attn(norm(x)); x += FFN(norm(x))`.
+struct DecoderLayer {
+    /// Index of its device in the plan.
+    device: usize,
+    input_layernorm: RmsNorm,
+    self_attn: Attention,
+    post_attention_layernorm: RmsNorm,
+    mlp: FeedForward,
+}
+
+impl DecoderLayer {
+    fn load(config: &Config, loader: &Loader, plan: &LayerPlan) -> Result<Self> {
+        let layer = plan.layer;
+        let prefix = format!("model.layers.{layer}");
+        let mlp = match config.mlp_layer_types[layer] {
+            MlpKind::Dense => FeedForward::Dense(Mlp::load(
+                loader,
+                &format!("{prefix}.mlp"),
+                config.hidden_size,
+                config.intermediate_size,
+            )?),
+            MlpKind::MoE => FeedForward::MoE(MoE::load(config, loader, &format!("{prefix}.mlp"))?),
+        };
+        Ok(Self {
+            device: plan.device,
+            input_layernorm: loader.rms_norm(
+                &format!("{prefix}.input_layernorm"),
+                config.hidden_size,
+                config.rms_norm_eps,
+            )?,
+            self_attn: Attention::load(config, loader, &format!("{prefix}.self_attn"), plan)?,
+            post_attention_layernorm: loader.rms_norm(
+                &format!("{prefix}.post_attention_layernorm"),
+                config.hidden_size,
+                config.rms_norm_eps,
+            )?,
+            mlp,
+        })
+    }
+
+    fn forward(
+        &self,
+        x: &Tensor,
+        start_pos: usize,
+        rope: &Rope,
+        cache: &LayerCache,
+        dense: Option<&Tensor>,
+    ) -> Result<(Tensor, Tensor)> {
+        let (attn, selected) = self.self_attn.forward(
+            &self.input_layernorm.forward(x)?,
+            start_pos,
+            rope,
+            cache,
+            dense,
+        )?;
+        let x = (x + attn)?;
+        let h = self.post_attention_layernorm.forward(&x)?;
+        let ffn = match &self.mlp {
+            FeedForward::Dense(mlp) => mlp.forward(&h)?,
+            FeedForward::MoE(moe) => moe.forward(&h)?,
+        };
+        Ok(((x + ffn)?, selected))
+    }
+}
+
+/// The implementations one decoder layer runs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerBackends {
+    pub layer: usize,
+    pub mlp: MlpKind,
+    pub attention: AttentionMode,
+    pub dsa_indexer: &'static str,
+    pub sparse_mla: &'static str,
+    pub device: String,
+    pub dtype: DType,
+}
+
+impl std::fmt::Display for LayerBackends {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "layer {:>3} | {:<6} {:?} {:?} | {:?} attention | dsa_indexer: {} | sparse_mla: {}",
+            self.layer,
+            self.device,
+            self.dtype,
+            self.mlp,
+            self.attention,
+            self.dsa_indexer,
+            self.sparse_mla
+        )
+    }
+}
+
+/// GLM-5 (`GlmMoeDsaForCausalLM`) for one sequence at a time, its layers placed and its backends bound by
+/// a [`Plan`].
+pub struct Glm5ForCausalLM {
+    config: Config,
+    plan: Plan,
+    /// The real device of every plan device.
+    devices: Vec<Device>,
+    embed_tokens: Tensor,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    lm_head: Proj,
+    mode: AttentionMode,
+    dtype: DType,
+    /// Hidden-state copies between plan devices so far.
+    transfers: AtomicUsize,
+}
+
+/// Whether `device` is the one `desc` describes.
+fn same_device(device: &Device, desc: &DeviceDesc) -> bool {
+    match (device.location(), desc.kind) {
+        (DeviceLocation::Cpu, DeviceKind::Cpu) => true,
+        (DeviceLocation::Cuda { gpu_id }, DeviceKind::Cuda { ordinal, .. }) => gpu_id == ordinal,
+        _ => false,
+    }
+}
+
+impl Glm5ForCausalLM {
+    /// Builds the graph on one device from `checkpoint`, converting weights to `dtype` (the router stays
+    /// f32): the plan is made here with the built-in registry (see [`Self::load_planned`]).
+    pub fn load(
+        config: &Config,
+        checkpoint: &Checkpoint,
+        dtype: DType,
+        device: &Device,
+        mode: AttentionMode,
+    ) -> Result<Self> {
+        let plan = Plan::build(
+            config,
+            vec![DeviceDesc::of(device)?],
+            &PlanOptions::new(dtype, mode),
+            &Registry::builtin(),
+        )?;
+        Self::load_planned(config, checkpoint, plan, std::slice::from_ref(device))
+    }
+
+    /// Builds the graph as `plan` says: every layer on its device with the backends the plan chose bound in.
+    /// `devices[i]` is the real device of `plan.devices[i]`; a plan made for assumed devices cannot be loaded.
+    pub fn load_planned(
+        config: &Config,
+        checkpoint: &Checkpoint,
+        plan: Plan,
+        devices: &[Device],
+    ) -> Result<Self> {
+        if devices.len() != plan.devices.len() {
+            return Err(ModelError::PlanDevices(format!(
+                "the plan has {} devices, {} were given",
+                plan.devices.len(),
+                devices.len()
+            )));
+        }
+        for (device, desc) in devices.iter().zip(&plan.devices) {
+            if desc.assumed {
+                return Err(ModelError::PlanDevices(format!(
+                    "{desc} was described on the command line; such a plan can be printed, not loaded"
+                )));
+            }
+            if !same_device(device, desc) {
+                return Err(ModelError::PlanDevices(format!(
+                    "the plan's {desc} was given as {device:?}"
+                )));
+            }
+        }
+        if plan.layers.len() != config.num_hidden_layers {
+            return Err(ModelError::PlanDevices(format!(
+                "the plan has {} layers, the config {}",
+                plan.layers.len(),
+                config.num_hidden_layers
+            )));
+        }
+        let dtype = plan.dtype;
+        let loaders: Vec<Loader> = devices
+            .iter()
+            .zip(&plan.devices)
+            .map(|(device, desc)| Loader {
+                checkpoint,
+                dtype,
+                device,
+                desc,
+            })
+            .collect();
+        let (vocab, hidden) = (config.vocab_size, config.hidden_size);
+        let embed_tokens =
+            loaders[plan.embed_device].tensor("model.embed_tokens.weight", &[vocab, hidden])?;
+        let head_loader = &loaders[plan.head_device];
+        let lm_head = if config.tie_word_embeddings && !checkpoint.contains("lm_head.weight") {
+            Proj::Dense(Linear::new(
+                embed_tokens.to_device(head_loader.device)?,
+                None,
+            ))
+        } else {
+            head_loader.linear("lm_head", hidden, vocab)?
+        };
+        let layers = plan
+            .layers
+            .iter()
+            .map(|layer| DecoderLayer::load(config, &loaders[layer.device], layer))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            config: config.clone(),
+            embed_tokens,
+            layers,
+            norm: head_loader.rms_norm("model.norm", hidden, config.rms_norm_eps)?,
+            lm_head,
+            mode: plan.attention,
+            dtype,
+            devices: devices.to_vec(),
+            plan,
+            transfers: AtomicUsize::new(0),
+        })
+    }
+
+    /// Reads `config.json` and the safetensors checkpoint of a model directory (one device).
+    pub fn from_dir(
+        dir: impl AsRef<std::path::Path>,
+        dtype: DType,
+        device: &Device,
+        mode: AttentionMode,
+    ) -> Result<Self> {
+        let dir = dir.as_ref();
+        let config = Config::from_file(dir.join("config.json"))?;
+        Self::load(&config, &Checkpoint::open(dir)?, dtype, device, mode)
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// Placement and backends, per layer.
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    pub fn mode(&self) -> AttentionMode {
+        self.mode
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The device of the embeddings (where `forward` starts).
+    pub fn device(&self) -> &Device {
+        &self.devices[self.plan.embed_device]
+    }
+
+    /// The device `lm_head` runs on, where `forward` returns the logits.
+    pub fn output_device(&self) -> &Device {
+        &self.devices[self.plan.head_device]
+    }
+
+    /// Hidden-state copies between devices done by the forward passes so far (one per plan boundary per
+    /// call).
+    pub fn transfers(&self) -> usize {
+        self.transfers.load(Ordering::Relaxed)
+    }
+
+    /// What runs where, per layer, as the plan bound it.
+    pub fn layer_backends(&self) -> Vec<LayerBackends> {
+        self.plan
+            .layers
+            .iter()
+            .map(|layer| LayerBackends {
+                layer: layer.layer,
+                mlp: layer.mlp,
+                attention: self.mode,
+                dsa_indexer: layer.op(Op::DsaIndexer).map_or("-", |o| o.backend()),
+                sparse_mla: layer.op(Op::SparseMla).map_or("-", |o| o.backend()),
+                device: self.plan.devices[layer.device].name.clone(),
+                dtype: layer.dtype,
+            })
+            .collect()
+    }
+
+    /// An empty cache for up to `capacity` tokens of one sequence, each layer's rows on its device.
+    pub fn new_cache(&self, capacity: usize) -> Result<KvCache> {
+        let layer_devices: Vec<&Device> = self
+            .plan
+            .layers
+            .iter()
+            .map(|l| &self.devices[l.device])
+            .collect();
+        KvCache::new(
+            &self.config,
+            capacity,
+            self.dtype,
+            self.plan.index_keys,
+            &layer_devices,
+        )
+    }
+
+    /// Runs `input_ids` at positions `start_pos..start_pos + len` (a prompt chunk or one decode token),
+    /// appending them to `cache`, and returns f32 logits `[len, vocab_size]` on [`Self::output_device`].
+    pub fn forward(
+        &self,
+        input_ids: &[u32],
+        start_pos: usize,
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
+        self.run(input_ids, start_pos, cache, None)
+    }
+
+    /// [`Self::forward`], also returning every layer's attended positions `[len, K]` (i32, -1 padded): the
+    /// DSA indexer's top-k in sparse mode, all causal positions in dense mode.
+    pub fn forward_with_selections(
+        &self,
+        input_ids: &[u32],
+        start_pos: usize,
+        cache: &mut KvCache,
+    ) -> Result<(Tensor, Vec<Tensor>)> {
+        let mut selections = Vec::with_capacity(self.layers.len());
+        let logits = self.run(input_ids, start_pos, cache, Some(&mut selections))?;
+        Ok((logits, selections))
+    }
+
+    /// Moves the hidden state to plan device `to` at a layer boundary.
+    fn transfer(&self, x: &Tensor, to: usize) -> Result<Tensor> {
+        self.transfers.fetch_add(1, Ordering::Relaxed);
+        Ok(x.to_device(&self.devices[to])?)
+    }
+
+    fn run(
+        &self,
+        input_ids: &[u32],
+        start_pos: usize,
+        cache: &mut KvCache,
+        mut selections: Option<&mut Vec<Tensor>>,
+    ) -> Result<Tensor> {
+        let t = input_ids.len();
+        if t == 0 {
+            return Err(ModelError::EmptyInput);
+        }
+        if let Some((position, &token)) = input_ids
+            .iter()
+            .enumerate()
+            .find(|(_, &id)| id as usize >= self.config.vocab_size)
+        {
+            return Err(ModelError::TokenOutOfRange {
+                token,
+                position: start_pos + position,
+                vocab_size: self.config.vocab_size,
+            });
+        }
+        let max_positions = self.config.max_position_embeddings;
+        if start_pos + t > max_positions {
+            return Err(ModelError::ContextOverflow {
+                start: start_pos,
+                end: start_pos + t,
+                max_positions,
+            });
+        }
+        if cache.layers.len() != self.layers.len() {
+            return Err(ModelError::CacheShape(format!(
+                "{} layers, model has {}",
+                cache.layers.len(),
+                self.layers.len()
+            )));
+        }
+        cache.check_append(start_pos, t)?;
+
+        let first = self.plan.embed_device;
+        let rope =
+            Rope::at_positions(&self.config, start_pos, t, self.dtype, &self.devices[first])?;
+        // Dense mode attends to every causal position in every layer: one selection for all of them.
+        let dense = match self.mode {
+            AttentionMode::Sparse => None,
+            AttentionMode::Dense => Some(all_causal_positions(t, start_pos, &self.devices[first])?),
+        };
+        // RoPE tables and the dense selection, copied once to each device the layers use.
+        let mut per_device: Vec<Option<(Rope, Option<Tensor>)>> = vec![None; self.devices.len()];
+        per_device[first] = Some((rope.clone(), dense.clone()));
+        let ids = Tensor::from_slice(input_ids, t, &self.devices[first])?;
+        let mut x = self.embed_tokens.index_select(&ids, 0)?;
+        let mut here = first;
+        for (layer, layer_cache) in self.layers.iter().zip(&cache.layers) {
+            if layer.device != here {
+                x = self.transfer(&x, layer.device)?;
+                here = layer.device;
+            }
+            if per_device[here].is_none() {
+                let device = &self.devices[here];
+                let dense_here = dense.as_ref().map(|d| d.to_device(device)).transpose()?;
+                per_device[here] = Some((rope.to_device(device)?, dense_here));
+            }
+            let (rope, dense) = per_device[here].as_ref().ok_or_else(|| {
+                ModelError::PlanDevices(format!("no RoPE tables on plan device {here}"))
+            })?;
+            let (next, selected) =
+                layer.forward(&x, start_pos, rope, layer_cache, dense.as_ref())?;
+            if let Some(selections) = selections.as_deref_mut() {
+                selections.push(selected);
+            }
+            x = next;
+        }
+        if self.plan.head_device != here {
+            x = self.transfer(&x, self.plan.head_device)?;
+        }
+        cache.advance(t);
+        Ok(self
+            .lm_head
+            .forward(&self.norm.forward(&x)?)?
+            .to_dtype(DType::F32)?)
+    }
+}

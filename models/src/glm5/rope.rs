@@ -1,0 +1,62 @@
+//! §3.2 RoPE tables for the positions of one forward call.
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::config::Config;
+use crate::error::Result;
+
+/// §3.2 interleaved RoPE at the positions of one forward call: pairs `(x[2i], x[2i+1])` rotate by
+/// `pos · θ^(-2i/R)`. Used on the MLA rope slice (last dims) and the indexer rope slice (first dims).
+#[derive(Clone)]
+pub(super) struct Rope {
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl Rope {
+    pub(super) fn at_positions(
+        config: &Config,
+        start_pos: usize,
+        len: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        let half = config.qk_rope_head_dim / 2;
+        let inv_freq: Vec<f32> = (0..half)
+            .map(|i| {
+                (1.0 / config
+                    .rope_theta
+                    .powf(2.0 * i as f64 / config.qk_rope_head_dim as f64)) as f32
+            })
+            .collect();
+        let (mut cos, mut sin) = (
+            Vec::with_capacity(len * half),
+            Vec::with_capacity(len * half),
+        );
+        for pos in start_pos..start_pos + len {
+            for f in &inv_freq {
+                let angle = pos as f32 * f;
+                cos.push(angle.cos());
+                sin.push(angle.sin());
+            }
+        }
+        let cos = Tensor::from_vec(cos, (len, half), device)?.to_dtype(dtype)?;
+        let sin = Tensor::from_vec(sin, (len, half), device)?.to_dtype(dtype)?;
+        Ok(Self { cos, sin })
+    }
+
+    /// The same tables on `device` (one copy per device the layers run on).
+    pub(super) fn to_device(&self, device: &Device) -> Result<Self> {
+        Ok(Self {
+            cos: self.cos.to_device(device)?,
+            sin: self.sin.to_device(device)?,
+        })
+    }
+
+    /// Rotates `x` of shape `[T, heads, R]`.
+    pub(super) fn apply(&self, x: &Tensor) -> Result<Tensor> {
+        let per_head = x.transpose(0, 1)?.unsqueeze(0)?.contiguous()?;
+        let rotated = candle_nn::rotary_emb::rope_i(&per_head, &self.cos, &self.sin)?;
+        Ok(rotated.squeeze(0)?.transpose(0, 1)?)
+    }
+}
