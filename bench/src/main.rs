@@ -16,6 +16,7 @@
 //! they sum to a little more). Inputs are random (never zeros). `docs/performance.md` has the tables.
 
 mod ceilings;
+mod e2e;
 mod indexer;
 mod slice;
 mod sparse_mla;
@@ -60,6 +61,24 @@ enum Command {
     },
     /// GLM-5's first LAYERS layers at real sizes (random weights) on one GPU and over two.
     Slice { layers: usize },
+    /// The whole model step on one GPU: decode and prefill of a GLM-5 slice against its weight-byte floor.
+    E2e {
+        /// Layers of GLM-5 to build (the first ones: dense, then MoE).
+        #[arg(long, default_value_t = 6)]
+        layers: usize,
+        /// Contexts to decode at (cache filled by prefill chunks first).
+        #[arg(long, value_delimiter = ',', default_value = "4096,32768")]
+        contexts: Vec<usize>,
+        /// Timed decode steps per context.
+        #[arg(long, default_value_t = 16)]
+        steps: usize,
+        /// Prefill length (and prefill chunk).
+        #[arg(long, default_value_t = 4096)]
+        prefill: usize,
+        /// HF transformers' timing script (bench/hf_e2e.py) to run on the same slice afterwards.
+        #[arg(long)]
+        hf: Option<String>,
+    },
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -90,6 +109,22 @@ fn main() -> glm5::candle_core::Result<()> {
     let cli = Cli::parse();
     if let Some(Command::Slice { layers }) = cli.command {
         return slice::slice_rows(layers);
+    }
+    if let Some(Command::E2e {
+        layers,
+        contexts,
+        steps,
+        prefill,
+        hf,
+    }) = &cli.command
+    {
+        return e2e::e2e_rows(&e2e::E2eArgs {
+            layers: *layers,
+            contexts: contexts.clone(),
+            steps: *steps,
+            prefill: *prefill,
+            hf_script: hf.clone(),
+        });
     }
     let device = Device::new_cuda(0)?;
     // One stream: cross-stream event tracking would add driver calls to every launch.
@@ -132,7 +167,7 @@ fn main() -> glm5::candle_core::Result<()> {
             }
             indexer::indexer_rows(&device, copy, peak, only, score_kernel)
         }
-        Some(Command::Slice { .. }) => unreachable!("handled above"),
+        Some(Command::Slice { .. }) | Some(Command::E2e { .. }) => unreachable!("handled above"),
         None => {
             sparse_mla::sparse_mla_rows(&device, copy, peak, None, None)?;
             indexer::indexer_rows(&device, copy, peak, None, ScoreKernel::Policy)

@@ -9,7 +9,7 @@ use glm5::candle_core::{DType, Device, Result, Tensor};
 use crate::cuda;
 
 /// GLM-5's first `layers` layers at real sizes (the spec's config.json, per-layer lists cut to `layers`).
-fn glm5_slice(layers: usize) -> Result<glm5::Config> {
+pub(crate) fn glm5_slice(layers: usize) -> Result<glm5::Config> {
     let mut json: serde_json::Value =
         serde_json::from_str(include_str!("../../tests/assets/glm5_config.json")).map_err(cuda)?;
     let full = json["num_hidden_layers"].as_u64().unwrap_or(0) as usize;

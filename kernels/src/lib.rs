@@ -27,6 +27,11 @@ pub const DSA_INDEXER: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/dsa_ind
 pub const DSA_INDEXER_SM90: &[u8] =
     include_bytes!(concat!(env!("OUT_DIR"), "/dsa_indexer_sm90.fatbin"));
 
+/// `moe.cu`: the mixture of experts on the device: routing, grouping by expert, grouped gate/up and down
+/// mat-vecs over stacked expert weights, and the per-token sum.
+#[cfg(feature = "cuda")]
+pub const MOE: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/moe.fatbin"));
+
 /// `bench.cu`: microkernels that measure the device's ceilings (the mma.sync bf16 rate).
 #[cfg(feature = "cuda")]
 pub const BENCH: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/bench.fatbin"));

@@ -7,6 +7,7 @@ pub mod config;
 pub mod error;
 pub mod glm5;
 pub mod plan;
+pub mod profile;
 pub mod sizes;
 mod units;
 pub mod weights;

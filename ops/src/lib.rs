@@ -1,7 +1,7 @@
 //! The operations GLM-5 needs beyond stock candle: the DSA lightning indexer, which picks the keys each
 //! query attends to, and sparse absorbed-MLA attention over those latent rows.
 //!
-//! Each op is a folder (`sparse_mla/`, `dsa_indexer/`): its contract and public functions in `mod.rs`,
+//! Each op is a folder (`sparse_mla/`, `dsa_indexer/`, `moe/`): its contract and public functions in `mod.rs`,
 //! the plain reference built from candle tensor ops in `reference.rs`, what its CUDA kernels serve in
 //! `limits.rs`, its registry entries in `entries.rs`, the launcher's pure policies in `policy.rs` and the
 //! CUDA launcher in `cuda/`. Every implementation of an op is an entry of the backend registry
@@ -19,6 +19,7 @@ pub mod device;
 pub mod dsa_indexer;
 pub mod error;
 pub mod index_keys;
+pub mod moe;
 mod probe;
 pub mod quantized_matmul;
 pub mod registry;

@@ -11,6 +11,7 @@ use crate::cache::LayerCache;
 use crate::config::{Config, INDEX_KEY_NORM_EPS, LATENT_NORM_EPS};
 use crate::error::{ModelError, Result};
 use crate::plan::LayerPlan;
+use crate::profile::{self, Part};
 
 /// §4 The DSA lightning indexer: scores every visible past token for each query and keeps the top-k.
 struct Indexer {
@@ -232,9 +233,10 @@ impl Attention {
         let q_absorbed = Tensor::cat(&[q_latent, q_pe], 2)?.contiguous()?;
 
         let selected = match dense {
-            None => self
-                .indexer
-                .forward(hidden, &q_lora, start_pos, rope, cache)?,
+            None => profile::time(Part::Indexer, hidden.device(), || {
+                self.indexer
+                    .forward(hidden, &q_lora, start_pos, rope, cache)
+            })?,
             Some(all_positions) => all_positions.clone(),
         };
         let (attended, _lse) = (self.sparse_mla)(

@@ -66,6 +66,16 @@ pub(super) enum Proj {
     Quantized(QMatMul),
 }
 
+impl Proj {
+    /// The `[out, in]` matrix of a dense projection.
+    pub(super) fn dense_weight(&self) -> Option<&Tensor> {
+        match self {
+            Proj::Dense(linear) => Some(linear.weight()),
+            Proj::Quantized(_) => None,
+        }
+    }
+}
+
 impl Module for Proj {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         match self {

@@ -22,6 +22,7 @@ use crate::config::{Config, MlpKind};
 use crate::error::{ModelError, Result};
 pub use crate::plan::AttentionMode;
 use crate::plan::{LayerPlan, Plan, PlanOptions};
+use crate::profile::{self, Part};
 use crate::weights::Checkpoint;
 use attention::{all_causal_positions, Attention};
 use linear::{Loader, Proj, RmsNorm};
@@ -81,18 +82,22 @@ impl DecoderLayer {
         cache: &LayerCache,
         dense: Option<&Tensor>,
     ) -> Result<(Tensor, Tensor)> {
-        let (attn, selected) = self.self_attn.forward(
-            &self.input_layernorm.forward(x)?,
-            start_pos,
-            rope,
-            cache,
-            dense,
-        )?;
+        let (attn, selected) = profile::time(Part::Attention, x.device(), || {
+            self.self_attn.forward(
+                &self.input_layernorm.forward(x)?,
+                start_pos,
+                rope,
+                cache,
+                dense,
+            )
+        })?;
         let x = (x + attn)?;
         let h = self.post_attention_layernorm.forward(&x)?;
         let ffn = match &self.mlp {
-            FeedForward::Dense(mlp) => mlp.forward(&h)?,
-            FeedForward::MoE(moe) => moe.forward(&h)?,
+            FeedForward::Dense(mlp) => {
+                profile::time(Part::DenseMlp, h.device(), || mlp.forward(&h))?
+            }
+            FeedForward::MoE(moe) => profile::time(Part::Moe, h.device(), || moe.forward(&h))?,
         };
         Ok(((x + ffn)?, selected))
     }
@@ -106,6 +111,8 @@ pub struct LayerBackends {
     pub attention: AttentionMode,
     pub dsa_indexer: &'static str,
     pub sparse_mla: &'static str,
+    /// How the routed experts run (MoE layers), `-` for dense layers.
+    pub experts: &'static str,
     pub device: String,
     pub dtype: DType,
 }
@@ -114,14 +121,15 @@ impl std::fmt::Display for LayerBackends {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "layer {:>3} | {:<6} {:?} {:?} | {:?} attention | dsa_indexer: {} | sparse_mla: {}",
+            "layer {:>3} | {:<6} {:?} {:?} | {:?} attention | dsa_indexer: {} | sparse_mla: {} | experts: {}",
             self.layer,
             self.device,
             self.dtype,
             self.mlp,
             self.attention,
             self.dsa_indexer,
-            self.sparse_mla
+            self.sparse_mla,
+            self.experts
         )
     }
 }
@@ -297,12 +305,19 @@ impl Glm5ForCausalLM {
         self.plan
             .layers
             .iter()
-            .map(|layer| LayerBackends {
+            .zip(&self.layers)
+            .map(|(layer, built)| LayerBackends {
                 layer: layer.layer,
                 mlp: layer.mlp,
                 attention: self.mode,
                 dsa_indexer: layer.op(Op::DsaIndexer).map_or("-", |o| o.backend()),
                 sparse_mla: layer.op(Op::SparseMla).map_or("-", |o| o.backend()),
+                experts: match &built.mlp {
+                    FeedForward::MoE(moe) => {
+                        moe.experts_implementation(&self.devices[layer.device])
+                    }
+                    FeedForward::Dense(_) => "-",
+                },
                 device: self.plan.devices[layer.device].name.clone(),
                 dtype: layer.dtype,
             })

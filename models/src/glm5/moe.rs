@@ -1,6 +1,7 @@
 //! §3.1 the dense MLP and §5 the mixture of experts with its sigmoid router.
 
 use candle_core::{DType, Module, Tensor};
+use glm5_ops::moe::{self, RouteRule, Routes};
 
 use super::linear::{Loader, Proj};
 use crate::config::Config;
@@ -28,6 +29,31 @@ impl Mlp {
     }
 }
 
+impl Mlp {
+    fn is_dense(&self) -> bool {
+        [&self.gate_proj, &self.up_proj, &self.down_proj]
+            .iter()
+            .all(|p| p.dense_weight().is_some())
+    }
+
+    /// `[2I, hidden]`: the gate rows, then the up rows (dense weights only).
+    fn gate_up_rows(&self) -> Result<Tensor> {
+        match (self.gate_proj.dense_weight(), self.up_proj.dense_weight()) {
+            (Some(gate), Some(up)) => Ok(Tensor::cat(&[gate, up], 0)?),
+            _ => Err(crate::error::ModelError::PlanDevices(
+                "stacking a quantised expert".into(),
+            )),
+        }
+    }
+
+    /// `[hidden, I]` (dense weights only).
+    fn down_rows(&self) -> Result<Tensor> {
+        self.down_proj.dense_weight().cloned().ok_or_else(|| {
+            crate::error::ModelError::PlanDevices("stacking a quantised expert".into())
+        })
+    }
+}
+
 impl Module for Mlp {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let gated =
@@ -38,79 +64,46 @@ impl Module for Mlp {
 
 /// §5 Sigmoid router (`noaux_tc`) in f32: the correction bias steers selection only.
 struct Router {
+    /// `F32 [E, hidden]`.
     weight: Tensor,
-    correction_bias: Vec<f32>,
-    n_group: usize,
-    topk_group: usize,
-    /// Experts each token is routed to (`num_experts_per_tok`).
-    experts_per_token: usize,
-    norm_topk_prob: bool,
-    scaling: f32,
+    /// `F32 [E]`.
+    correction_bias: Tensor,
+    rule: RouteRule,
 }
 
 impl Router {
-    /// For every token, its experts and their gate weights.
-    fn route(&self, hidden: &Tensor) -> Result<Vec<Vec<(usize, f32)>>> {
-        let scores =
-            candle_nn::ops::sigmoid(&hidden.to_dtype(DType::F32)?.matmul(&self.weight.t()?)?)?;
-        let scores: Vec<Vec<f32>> = scores.to_vec2()?;
-        Ok(scores.iter().map(|s| self.route_token(s)).collect())
-    }
-
-    fn route_token(&self, scores: &[f32]) -> Vec<(usize, f32)> {
-        let choice: Vec<f32> = scores
-            .iter()
-            .zip(&self.correction_bias)
-            .map(|(s, b)| s + b)
-            .collect();
-        // Group limiting: a group's score is the sum of its two best choice scores; keep topk_group groups.
-        let group_size = choice.len() / self.n_group;
-        let group_score = |g: usize| {
-            let mut members: Vec<f32> = choice[g * group_size..(g + 1) * group_size].to_vec();
-            members.sort_by(|a, b| b.total_cmp(a));
-            members.iter().take(2).sum::<f32>()
-        };
-        let kept_groups = top_indices(
-            &(0..self.n_group).map(group_score).collect::<Vec<_>>(),
-            self.topk_group,
-        );
-        let allowed: Vec<f32> = choice
-            .iter()
-            .enumerate()
-            .map(|(e, &c)| {
-                if kept_groups.contains(&(e / group_size)) {
-                    c
-                } else {
-                    f32::NEG_INFINITY
-                }
-            })
-            .collect();
-        let experts = top_indices(&allowed, self.experts_per_token);
-        let mut gates: Vec<f32> = experts.iter().map(|&e| scores[e]).collect();
-        if self.norm_topk_prob {
-            let total = gates.iter().sum::<f32>() + 1e-20;
-            gates.iter_mut().for_each(|g| *g /= total);
-        }
-        experts
-            .into_iter()
-            .zip(gates.into_iter().map(|g| g * self.scaling))
-            .collect()
+    /// Every token's experts and gates, on the hidden state's device (`glm5_ops::moe::route`).
+    fn route(&self, hidden: &Tensor, shared_expert: Option<u32>) -> Result<Routes> {
+        let logits = hidden.to_dtype(DType::F32)?.matmul(&self.weight.t()?)?;
+        Ok(moe::route(
+            &logits,
+            &self.correction_bias,
+            &self.rule,
+            shared_expert,
+        )?)
     }
 }
 
-/// Indices of the `k` largest values, ties toward the lower index.
-fn top_indices(values: &[f32], k: usize) -> Vec<usize> {
-    let mut order: Vec<usize> = (0..values.len()).collect();
-    order.sort_by(|&a, &b| values[b].total_cmp(&values[a]).then(a.cmp(&b)));
-    order.truncate(k);
-    order
+/// The routed experts' weights.
+enum Experts {
+    /// Dense weights stacked for `glm5_ops::moe::experts`: `gate_up` `[E', 2I, hidden]`, `down`
+    /// `[E', hidden, I]`. When the shared expert has the routed experts' width it is stacked last (id E) and
+    /// runs as one more slot of every token.
+    Stacked {
+        gate_up: Tensor,
+        down: Tensor,
+        shared_slot: Option<u32>,
+    },
+    /// Quantised experts (GGUF), multiplied one by one without being expanded.
+    PerExpert(Vec<Mlp>),
 }
 
 /// §5 Mixture of experts: routed experts weighted by the router, plus the unweighted shared expert.
 pub(super) struct MoE {
     router: Router,
-    experts: Vec<Mlp>,
-    shared_experts: Option<Mlp>,
+    experts: Experts,
+    /// The shared expert when it is not a slot of the stacked experts.
+    shared_expert: Option<Mlp>,
 }
 
 impl MoE {
@@ -118,17 +111,17 @@ impl MoE {
         let (hidden, n_experts) = (config.hidden_size, config.n_routed_experts);
         let router = Router {
             weight: loader.tensor_f32(&format!("{prefix}.gate.weight"), &[n_experts, hidden])?,
-            correction_bias: loader
-                .tensor_f32(
-                    &format!("{prefix}.gate.e_score_correction_bias"),
-                    &[n_experts],
-                )?
-                .to_vec1()?,
-            n_group: config.n_group,
-            topk_group: config.topk_group,
-            experts_per_token: config.num_experts_per_tok,
-            norm_topk_prob: config.norm_topk_prob,
-            scaling: config.routed_scaling_factor as f32,
+            correction_bias: loader.tensor_f32(
+                &format!("{prefix}.gate.e_score_correction_bias"),
+                &[n_experts],
+            )?,
+            rule: RouteRule {
+                n_group: config.n_group,
+                topk_group: config.topk_group,
+                top_k: config.num_experts_per_tok,
+                normalise: config.norm_topk_prob,
+                scaling: config.routed_scaling_factor as f32,
+            },
         };
         let experts = (0..n_experts)
             .map(|e| {
@@ -140,59 +133,119 @@ impl MoE {
                 )
             })
             .collect::<Result<Vec<_>>>()?;
-        let shared_experts = (config.n_shared_experts > 0)
+        let shared = (config.n_shared_experts > 0)
             .then(|| {
                 let width = config.moe_intermediate_size * config.n_shared_experts;
                 Mlp::load(loader, &format!("{prefix}.shared_experts"), hidden, width)
             })
             .transpose()?;
+        if !experts.iter().all(Mlp::is_dense) {
+            return Ok(Self {
+                router,
+                experts: Experts::PerExpert(experts),
+                shared_expert: shared,
+            });
+        }
+        let fold_shared = shared
+            .as_ref()
+            .is_some_and(|s| s.is_dense() && config.n_shared_experts == 1);
+        let mut stacked: Vec<&Mlp> = experts.iter().collect();
+        if fold_shared {
+            stacked.extend(shared.as_ref());
+        }
+        let gate_up = Tensor::stack(
+            &stacked
+                .iter()
+                .map(|m| m.gate_up_rows())
+                .collect::<Result<Vec<_>>>()?,
+            0,
+        )?;
+        let down = Tensor::stack(
+            &stacked
+                .iter()
+                .map(|m| m.down_rows())
+                .collect::<Result<Vec<_>>>()?,
+            0,
+        )?;
         Ok(Self {
             router,
-            experts,
-            shared_experts,
+            experts: Experts::Stacked {
+                gate_up,
+                down,
+                shared_slot: fold_shared.then_some(n_experts as u32),
+            },
+            shared_expert: if fold_shared { None } else { shared },
         })
     }
 
     pub(super) fn forward(&self, hidden: &Tensor) -> Result<Tensor> {
-        let routes = self.router.route(hidden)?;
-        let mut tokens_of_expert: Vec<Vec<(u32, f32)>> = vec![Vec::new(); self.experts.len()];
-        for (token, choices) in routes.iter().enumerate() {
-            for &(expert, gate) in choices {
-                tokens_of_expert[expert].push((token as u32, gate));
+        let mut out = match &self.experts {
+            Experts::Stacked {
+                gate_up,
+                down,
+                shared_slot,
+            } => {
+                let routes = self.router.route(hidden, *shared_slot)?;
+                moe::experts(hidden, &routes, gate_up, down)?
             }
-        }
-        // Every expert's tokens and gates go to the device in one copy each (a copy per expert costs a
-        // host-to-device transfer apiece: 16 per MoE layer at GLM-5's 8 experts per token); each expert
-        // reads its slice.
-        let assignments: Vec<&(u32, f32)> = tokens_of_expert.iter().flatten().collect();
-        let all_rows = Tensor::from_vec(
-            assignments.iter().map(|a| a.0).collect(),
-            assignments.len(),
-            hidden.device(),
-        )?;
-        let all_gates = Tensor::from_vec(
-            assignments.iter().map(|a| a.1).collect(),
-            (assignments.len(), 1),
-            hidden.device(),
-        )?
-        .to_dtype(hidden.dtype())?;
-        let mut out = hidden.zeros_like()?;
-        let mut start = 0;
-        for (expert, assigned) in self.experts.iter().zip(&tokens_of_expert) {
-            if assigned.is_empty() {
-                continue;
+            Experts::PerExpert(experts) => {
+                per_expert_forward(experts, hidden, &self.router.route(hidden, None)?)?
             }
-            let rows = all_rows.narrow(0, start, assigned.len())?;
-            let gates = all_gates.narrow(0, start, assigned.len())?;
-            start += assigned.len();
-            let y = expert
-                .forward(&hidden.index_select(&rows, 0)?)?
-                .broadcast_mul(&gates)?;
-            out = out.index_add(&rows, &y, 0)?;
-        }
-        if let Some(shared) = &self.shared_experts {
+        };
+        if let Some(shared) = &self.shared_expert {
             out = (out + shared.forward(hidden)?)?;
         }
         Ok(out)
     }
+
+    /// How the experts run on `device` (`glm5_ops::moe::experts_backend` decides per call by token count).
+    pub(super) fn experts_implementation(&self, device: &candle_core::Device) -> &'static str {
+        match (&self.experts, device.is_cuda() && cfg!(feature = "cuda")) {
+            (Experts::Stacked { .. }, true) => "moe-matvec (decode), per-expert GEMMs (prefill)",
+            (Experts::Stacked { .. }, false) => "per-expert reference",
+            (Experts::PerExpert(_), _) => "per-expert quantised",
+        }
+    }
+}
+
+/// Quantised experts: each chosen expert's chain of ops over the tokens that chose it.
+fn per_expert_forward(experts: &[Mlp], hidden: &Tensor, routes: &Routes) -> Result<Tensor> {
+    let ids: Vec<Vec<u32>> = routes.ids.to_vec2()?;
+    let gates: Vec<Vec<f32>> = routes.gates.to_vec2()?;
+    let mut tokens_of_expert: Vec<Vec<(u32, f32)>> = vec![Vec::new(); experts.len()];
+    for (token, (ids, gates)) in ids.iter().zip(&gates).enumerate() {
+        for (&expert, &gate) in ids.iter().zip(gates) {
+            if let Some(list) = tokens_of_expert.get_mut(expert as usize) {
+                list.push((token as u32, gate));
+            }
+        }
+    }
+    // Every expert's tokens and gates go to the device in one copy each; each expert reads its slice.
+    let assignments: Vec<&(u32, f32)> = tokens_of_expert.iter().flatten().collect();
+    let all_rows = Tensor::from_vec(
+        assignments.iter().map(|a| a.0).collect(),
+        assignments.len(),
+        hidden.device(),
+    )?;
+    let all_gates = Tensor::from_vec(
+        assignments.iter().map(|a| a.1).collect(),
+        (assignments.len(), 1),
+        hidden.device(),
+    )?
+    .to_dtype(hidden.dtype())?;
+    let mut out = hidden.zeros_like()?;
+    let mut start = 0;
+    for (expert, assigned) in experts.iter().zip(&tokens_of_expert) {
+        if assigned.is_empty() {
+            continue;
+        }
+        let rows = all_rows.narrow(0, start, assigned.len())?;
+        let gates = all_gates.narrow(0, start, assigned.len())?;
+        start += assigned.len();
+        let y = expert
+            .forward(&hidden.index_select(&rows, 0)?)?
+            .broadcast_mul(&gates)?;
+        out = out.index_add(&rows, &y, 0)?;
+    }
+    Ok(out)
 }

@@ -1,0 +1,284 @@
+//! `glm5-bench e2e`: the whole model step on one GPU, GLM-5's first `--layers` layers at real sizes with
+//! random bf16 weights, through the public API (`forward`, the argmax read back each step as a generation
+//! loop does). Per row: ms per step, tokens/s, the weight bytes the step must read over the copy bandwidth
+//! measured in the same run (the floor), the per-part split from a profiled pass, and, with `--hf`, HF
+//! transformers on the same slice in the same GPU call. The last line projects the full model.
+
+use std::process::Command;
+use std::time::Instant;
+
+use glm5::candle_core::{DType, Device, Result, Tensor};
+use glm5::models::profile;
+use glm5::models::sizes;
+use glm5::{AttentionMode, Checkpoint, Config, DeviceDesc, Glm5ForCausalLM, Plan, PlanOptions};
+
+use crate::cuda;
+use crate::slice::glm5_slice;
+use crate::timing::median;
+
+pub struct E2eArgs {
+    pub layers: usize,
+    pub contexts: Vec<usize>,
+    pub steps: usize,
+    pub prefill: usize,
+    /// HF transformers' timing script (`bench/hf_e2e.py`), run after glm5 in the same call.
+    pub hf_script: Option<String>,
+}
+
+/// Bytes of the tensors a batch-1 decode step reads: every non-expert weight of every layer, `top_k` routed
+/// experts and the shared expert per MoE layer, the final norm and lm_head (the embedding row is noise).
+fn decode_weight_bytes(config: &Config, dtype: DType) -> (u64, u64) {
+    let mut total = 0u64;
+    let mut head = 0u64;
+    for layer in 0..config.num_hidden_layers {
+        let tensors = sizes::layer_tensors(config, layer, dtype);
+        let (experts, rest): (Vec<_>, Vec<_>) =
+            tensors.iter().partition(|t| t.name.contains(".mlp.experts."));
+        total += rest.iter().map(|t| t.bytes()).sum::<u64>();
+        let per_expert: u64 = experts
+            .iter()
+            .filter(|t| t.name.contains(".mlp.experts.0."))
+            .map(|t| t.bytes())
+            .sum();
+        total += per_expert * config.num_experts_per_tok as u64;
+    }
+    for t in sizes::head_tensors(config, dtype) {
+        head += t.bytes();
+    }
+    (total + head, head)
+}
+
+/// Dense bf16 GEMM rate (candle's matmul, cuBLAS) in flop/s: the prefill ceiling.
+fn gemm_peak(device: &Device) -> Result<f64> {
+    let n = 8192;
+    let a = Tensor::randn(0f32, 1.0, (n, n), device)?.to_dtype(DType::BF16)?;
+    let b = Tensor::randn(0f32, 1.0, (n, n), device)?.to_dtype(DType::BF16)?;
+    let seconds = crate::timing::median_seconds(device, 5, 4, || a.matmul(&b).map(|_| ()))?;
+    Ok(2.0 * (n as f64).powi(3) / seconds)
+}
+
+fn ms(d: std::time::Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
+    let device = Device::new_cuda(0)?;
+    let copy = crate::ceilings::copy_bandwidth(&device)?;
+    let gemm = gemm_peak(&device)?;
+    let config = glm5_slice(args.layers)?;
+    let dense_layers = config
+        .mlp_layer_types
+        .iter()
+        .filter(|k| matches!(k, glm5::models::MlpKind::Dense))
+        .count();
+    let max_context = args.contexts.iter().copied().max().unwrap_or(0).max(args.prefill);
+    let mut options = PlanOptions::new(DType::BF16, AttentionMode::Sparse);
+    options.context = Some(max_context + args.steps + 8);
+    let plan = Plan::build(
+        &config,
+        vec![DeviceDesc::of(&device).map_err(cuda)?],
+        &options,
+        &glm5::Registry::builtin(),
+    )
+    .map_err(cuda)?;
+    let load_start = Instant::now();
+    let model = Glm5ForCausalLM::load_planned(
+        &config,
+        &Checkpoint::random(2026, 0.02),
+        plan,
+        std::slice::from_ref(&device),
+    )
+    .map_err(cuda)?;
+    device.synchronize()?;
+    println!(
+        "GLM-5 slice: {} layers ({dense_layers} dense + {} MoE) at real sizes, random bf16 weights, one H200-class GPU (loaded in {:.1} s)",
+        args.layers,
+        args.layers - dense_layers,
+        load_start.elapsed().as_secs_f64()
+    );
+    println!(
+        "device: copy {:.0} GB/s, bf16 GEMM (cuBLAS 8192³) {:.0} TFLOP/s",
+        copy / 1e9,
+        gemm / 1e12
+    );
+    for b in model.layer_backends() {
+        println!("  {b}");
+    }
+    let (step_bytes, head_bytes) = decode_weight_bytes(&config, DType::BF16);
+    let floor = step_bytes as f64 / copy;
+    let ids: Vec<u32> = (0..max_context + args.steps + 8)
+        .map(|i| (i * 7919 % config.vocab_size) as u32)
+        .collect();
+
+    // Prefill of `prefill` tokens from an empty cache (the second of two runs).
+    let mut prefill_ms = 0.0;
+    for _ in 0..2 {
+        let mut cache = model.new_cache(args.prefill + 1).map_err(cuda)?;
+        device.synchronize()?;
+        let start = Instant::now();
+        model
+            .forward(&ids[..args.prefill], 0, &mut cache)
+            .map_err(cuda)?
+            .argmax(1)?
+            .to_vec1::<u32>()?;
+        prefill_ms = start.elapsed().as_secs_f64() * 1e3;
+    }
+    let active_params: u64 = step_bytes / 2; // bf16: the weights one token multiplies
+    let prefill_flops = 2.0 * active_params as f64 * args.prefill as f64;
+    println!(
+        "prefill {} tokens: {prefill_ms:.1} ms, {:.0} tok/s, {:.1} TFLOP/s in the weight GEMMs = {:.1}% of the bf16 GEMM rate",
+        args.prefill,
+        args.prefill as f64 / prefill_ms * 1e3,
+        prefill_flops / prefill_ms / 1e9,
+        100.0 * prefill_flops / (prefill_ms / 1e3) / gemm
+    );
+
+    println!(
+        "decode, batch 1: weight bytes per step {:.2} GB (lm_head + norm {:.2} GB), floor {:.3} ms at {:.0} GB/s",
+        step_bytes as f64 / 1e9,
+        head_bytes as f64 / 1e9,
+        floor * 1e3,
+        copy / 1e9
+    );
+    println!("| context | batch | ms/step | tok/s | floor ms | measured/floor | attention ms | indexer ms | MoE ms | dense MLP ms | rest ms |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    let mut last_step_ms = 0.0;
+    let mut decode_ms_by_context = Vec::new();
+    let mut last_profile = None;
+    for &context in &args.contexts {
+        let mut cache = model.new_cache(context + args.steps + 8).map_err(cuda)?;
+        let mut pos = 0;
+        while pos < context {
+            let chunk = args.prefill.min(context - pos);
+            model
+                .forward(&ids[pos..pos + chunk], pos, &mut cache)
+                .map_err(cuda)?;
+            pos += chunk;
+        }
+        let mut step = |pos: usize| -> Result<()> {
+            model
+                .forward(&ids[pos..pos + 1], pos, &mut cache)
+                .map_err(cuda)?
+                .argmax(1)?
+                .to_vec1::<u32>()?;
+            Ok(())
+        };
+        for _ in 0..3 {
+            step(pos)?;
+            pos += 1;
+        }
+        let mut times = Vec::new();
+        for _ in 0..args.steps {
+            let start = Instant::now();
+            step(pos)?;
+            times.push(start.elapsed().as_secs_f64());
+            pos += 1;
+        }
+        let step_s = median(times);
+        // One profiled pass: each part synchronises around itself, so the split is of a slower step; it is
+        // scaled to the measured one.
+        profile::start();
+        let profiled_start = Instant::now();
+        let profiled_steps = 4;
+        for _ in 0..profiled_steps {
+            step(pos)?;
+            pos += 1;
+        }
+        let profiled_s = profiled_start.elapsed().as_secs_f64() / profiled_steps as f64;
+        let parts = profile::finish().unwrap_or_default();
+        let per = |d: std::time::Duration| ms(d) / profiled_steps as f64;
+        let rest = profiled_s * 1e3 - per(parts.layers());
+        println!(
+            "| {context} | 1 | {:.2} | {:.1} | {:.3} | {:.2}x | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
+            step_s * 1e3,
+            1.0 / step_s,
+            floor * 1e3,
+            step_s / floor,
+            per(parts.attention_without_indexer()),
+            per(parts.indexer),
+            per(parts.moe),
+            per(parts.dense_mlp),
+            rest
+        );
+        last_step_ms = step_s * 1e3;
+        decode_ms_by_context.push((context, last_step_ms));
+        last_profile = Some((parts, profiled_s * 1e3, profiled_steps));
+    }
+    println!("(the split is from {} profiled steps that synchronise around each part: it adds up to a slower step than the row's)", 4);
+
+    // Projection to the full model: per-layer times of the slice (dense and MoE layers from the split, scaled
+    // to the unprofiled step), times GLM-5's layer counts, plus the head.
+    if let Some((parts, profiled_ms, n)) = last_profile {
+        let full = glm5::Config::from_json(include_str!("../../tests/assets/glm5_config.json"))
+            .map_err(cuda)?;
+        let full_dense = full
+            .mlp_layer_types
+            .iter()
+            .filter(|k| matches!(k, glm5::models::MlpKind::Dense))
+            .count();
+        let full_moe = full.num_hidden_layers - full_dense;
+        let scale = last_step_ms / profiled_ms;
+        let attention_per_layer = ms(parts.attention) / n as f64 / args.layers as f64 * scale;
+        let moe_per_layer = ms(parts.moe) / n as f64 / (args.layers - dense_layers).max(1) as f64 * scale;
+        let dense_per_layer = ms(parts.dense_mlp) / n as f64 / dense_layers.max(1) as f64 * scale;
+        let rest = last_step_ms - (attention_per_layer * args.layers as f64)
+            - moe_per_layer * (args.layers - dense_layers) as f64
+            - dense_per_layer * dense_layers as f64;
+        let projected = attention_per_layer * full.num_hidden_layers as f64
+            + moe_per_layer * full_moe as f64
+            + dense_per_layer * full_dense as f64
+            + rest;
+        let (full_bytes, _) = decode_weight_bytes(&full, DType::BF16);
+        println!(
+            "projection, all {} layers, batch 1, last context: {projected:.1} ms/token ({:.1} tok/s) on one GPU's bandwidth (floor {:.1} ms for {:.0} GB of bf16); over 8 GPUs by layers the same time per token plus 7 hidden-state hops",
+            full.num_hidden_layers,
+            1e3 / projected,
+            full_bytes as f64 / copy * 1e3,
+            full_bytes as f64 / 1e9
+        );
+    }
+
+    if let Some(script) = &args.hf_script {
+        drop(model);
+        device.synchronize()?;
+        let out = Command::new("python3")
+            .arg(script)
+            .arg("--layers")
+            .arg(args.layers.to_string())
+            .arg("--context")
+            .arg(args.contexts.first().copied().unwrap_or(4096).to_string())
+            .arg("--steps")
+            .arg(args.steps.to_string())
+            .arg("--prefill")
+            .arg(args.prefill.to_string())
+            .output()
+            .map_err(cuda)?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        print!("{text}");
+        if !out.status.success() {
+            println!("HF run failed: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        // The script's last line: {"context": C, "decode_ms": D, "prefill_ms": P}.
+        let last = text.lines().last().unwrap_or("");
+        if let Ok(hf) = serde_json::from_str::<serde_json::Value>(last) {
+            let context = hf["context"].as_u64().unwrap_or(0) as usize;
+            if let (Some(hf_decode), Some((_, ours))) = (
+                hf["decode_ms"].as_f64(),
+                decode_ms_by_context.iter().find(|(c, _)| *c == context),
+            ) {
+                println!(
+                    "vs HF transformers, decode batch 1 at context {context}: HF {hf_decode:.2} ms, glm5 {ours:.2} ms: glm5 {:.2}x faster",
+                    hf_decode / ours
+                );
+            }
+            if let Some(hf_prefill) = hf["prefill_ms"].as_f64() {
+                println!(
+                    "vs HF transformers, prefill {}: HF {hf_prefill:.1} ms, glm5 {prefill_ms:.1} ms: glm5 {:.2}x faster",
+                    args.prefill,
+                    hf_prefill / prefill_ms
+                );
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,347 @@
+// Mixture of experts on the device (contract: ops/src/moe/mod.rs), a chain of five kernels with no host
+// round trip:
+//
+//   moe_route          per token, a block: sigmoid scores, + correction bias for the choice, group limit
+//                      (a group's score is the sum of its two best choices; the best `topk_group` groups
+//                      stay), the `top_k` best allowed experts (equal values go to the lower expert), gates
+//                      = the chosen experts' sigmoid scores, normalised (sum + 1e-20) and scaled, and, when
+//                      the layer has one, the shared expert as one more slot with gate 1. The same float
+//                      operations in the same order as the CPU reference, so the choice and gates agree
+//                      bit for bit.
+//   moe_align          one block: the assignments (token, slot) grouped by expert, in ascending assignment
+//                      order within an expert; each expert's offset; the list of experts with any token.
+//   moe_gate_up_*      per (active expert, 8 intermediate features): a warp per feature streams the
+//                      expert's gate and up rows once (16-byte loads) for all of the expert's tokens (8 at a
+//                      time) and writes silu(gate)·up, rounded as the model dtype rounds it.
+//   moe_down_*         per (active expert, 8 hidden rows): a warp per row, the same way, times the gate,
+//                      one f32 row per assignment.
+//   moe_combine_*      per token: the sum of its slots' rows in slot order, rounded to the model dtype.
+//
+// Decode reads each chosen expert's weights exactly once however many tokens chose it; the kernels are
+// bandwidth-bound mat-vecs, meant for a few tokens per expert (decode of 1..64 sequences).
+
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#define MOE_ROUTE_MAX_EXPERTS 1024
+#define MOE_ROUTE_MAX_GROUPS 64
+#define MOE_ROUTE_MAX_TOPK 64
+#define MOE_WARPS 8
+#define MOE_TOKENS_PER_PASS 8
+
+namespace {
+
+__device__ __forceinline__ float round_to(float v, const __nv_bfloat16*) {
+    return __bfloat162float(__float2bfloat16(v));
+}
+__device__ __forceinline__ float round_to(float v, const float*) { return v; }
+
+__device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16(v); }
+__device__ __forceinline__ void store(float* p, float v) { *p = v; }
+
+// 16 bytes of T as floats: 8 bf16 or 4 f32.
+template <typename T> struct Vec;
+template <> struct Vec<__nv_bfloat16> {
+    static constexpr int N = 8;
+    __device__ __forceinline__ static void load(const __nv_bfloat16* p, float* out) {
+        uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
+        const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            float2 f = __bfloat1622float2(pairs[i]);
+            out[2 * i] = f.x;
+            out[2 * i + 1] = f.y;
+        }
+    }
+};
+template <> struct Vec<float> {
+    static constexpr int N = 4;
+    __device__ __forceinline__ static void load(const float* p, float* out) {
+        float4 raw = __ldg(reinterpret_cast<const float4*>(p));
+        out[0] = raw.x;
+        out[1] = raw.y;
+        out[2] = raw.z;
+        out[3] = raw.w;
+    }
+};
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+    return v;
+}
+
+// (value, index) order of the reference's top-k: larger value first, then lower index; index < 0 = none.
+__device__ __forceinline__ bool better(float v1, int i1, float v2, int i2) {
+    if (i1 < 0) return false;
+    if (i2 < 0) return true;
+    return v1 > v2 || (v1 == v2 && i1 < i2);
+}
+
+}  // namespace
+
+extern "C" __global__ void moe_route(const float* __restrict__ logits, const float* __restrict__ bias,
+                                     int n_tokens, int n_experts, int n_group, int topk_group, int top_k,
+                                     int normalise, float scaling, int shared_expert,
+                                     uint32_t* __restrict__ ids, float* __restrict__ gates) {
+    __shared__ float score[MOE_ROUTE_MAX_EXPERTS];
+    __shared__ float choice[MOE_ROUTE_MAX_EXPERTS];
+    __shared__ unsigned char taken[MOE_ROUTE_MAX_EXPERTS];
+    __shared__ float group_score[MOE_ROUTE_MAX_GROUPS];
+    __shared__ unsigned char group_kept[MOE_ROUTE_MAX_GROUPS];
+    __shared__ float warp_value[32];
+    __shared__ int warp_index[32];
+    __shared__ int picked[MOE_ROUTE_MAX_TOPK];
+
+    const int t = blockIdx.x;
+    const int e = threadIdx.x;
+    const int lane = e & 31, warp = e >> 5, warps = blockDim.x >> 5;
+    if (t >= n_tokens) return;
+    if (e < n_experts) {
+        const float s = 1.0f / (1.0f + expf(-logits[(size_t)t * n_experts + e]));
+        score[e] = s;
+        choice[e] = s + bias[e];
+        taken[e] = 0;
+    }
+    __syncthreads();
+    const int group_size = n_experts / n_group;
+    if (e < n_group) {
+        float first = -INFINITY, second = -INFINITY;
+        for (int i = e * group_size; i < (e + 1) * group_size; ++i) {
+            const float v = choice[i];
+            if (v > first) {
+                second = first;
+                first = v;
+            } else if (v > second) {
+                second = v;
+            }
+        }
+        group_score[e] = group_size >= 2 ? first + second : first;
+    }
+    __syncthreads();
+    if (e == 0) {
+        for (int g = 0; g < n_group; ++g) group_kept[g] = 0;
+        for (int r = 0; r < topk_group; ++r) {
+            int best = -1;
+            for (int g = 0; g < n_group; ++g)
+                if (!group_kept[g] && (best < 0 || group_score[g] > group_score[best])) best = g;
+            if (best >= 0) group_kept[best] = 1;
+        }
+    }
+    __syncthreads();
+    const float allowed = (e < n_experts && group_kept[e / group_size]) ? choice[e] : -INFINITY;
+    for (int r = 0; r < top_k; ++r) {
+        float v = allowed;
+        int i = (e < n_experts && !taken[e]) ? e : -1;
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, v, offset);
+            const int oi = __shfl_xor_sync(0xffffffffu, i, offset);
+            if (better(ov, oi, v, i)) {
+                v = ov;
+                i = oi;
+            }
+        }
+        if (lane == 0) {
+            warp_value[warp] = v;
+            warp_index[warp] = i;
+        }
+        __syncthreads();
+        if (e == 0) {
+            float bv = warp_value[0];
+            int bi = warp_index[0];
+            for (int w = 1; w < warps; ++w)
+                if (better(warp_value[w], warp_index[w], bv, bi)) {
+                    bv = warp_value[w];
+                    bi = warp_index[w];
+                }
+            picked[r] = bi;
+            if (bi >= 0) taken[bi] = 1;
+        }
+        __syncthreads();
+    }
+    if (e == 0) {
+        const int slots = top_k + (shared_expert >= 0 ? 1 : 0);
+        float total = 0.0f;
+        for (int r = 0; r < top_k; ++r) total += score[picked[r]];
+        total += 1e-20f;
+        for (int r = 0; r < top_k; ++r) {
+            float g = score[picked[r]];
+            if (normalise) g /= total;
+            ids[(size_t)t * slots + r] = (uint32_t)picked[r];
+            gates[(size_t)t * slots + r] = g * scaling;
+        }
+        if (shared_expert >= 0) {
+            ids[(size_t)t * slots + top_k] = (uint32_t)shared_expert;
+            gates[(size_t)t * slots + top_k] = 1.0f;
+        }
+    }
+}
+
+// offsets [n_experts + 1], sorted [n_assign], active [n_experts], active_count [1]. Dynamic shared memory:
+// n_experts ints. Ids outside 0..n_experts are counted nowhere (the launcher's ids come from moe_route).
+extern "C" __global__ void moe_align(const uint32_t* __restrict__ ids, int n_assign, int n_experts,
+                                     int* __restrict__ offsets, int* __restrict__ sorted,
+                                     int* __restrict__ active, int* __restrict__ active_count) {
+    extern __shared__ int count[];
+    for (int e = threadIdx.x; e < n_experts; e += blockDim.x) count[e] = 0;
+    __syncthreads();
+    for (int a = threadIdx.x; a < n_assign; a += blockDim.x) {
+        const uint32_t e = ids[a];
+        if (e < (uint32_t)n_experts) atomicAdd(&count[e], 1);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int running = 0, n_active = 0;
+        for (int e = 0; e < n_experts; ++e) {
+            offsets[e] = running;
+            if (count[e] > 0) active[n_active++] = e;
+            running += count[e];
+            count[e] = offsets[e];  // now the expert's next free position
+        }
+        offsets[n_experts] = running;
+        *active_count = n_active;
+    }
+    __syncthreads();
+    // Each expert's assignments in ascending order: one thread per expert walks the list.
+    for (int e = threadIdx.x; e < n_experts; e += blockDim.x) {
+        int next = count[e];
+        if (next == offsets[e + 1]) continue;
+        for (int a = 0; a < n_assign; ++a)
+            if (ids[a] == (uint32_t)e) sorted[next++] = a;
+    }
+}
+
+// h[a, n] = round(round(silu(round(gate_e[n] · x[a / slots]))) · round(up_e[n] · x[a / slots])) for the
+// assignments a of expert e. weights: [n_experts, 2·inter, hidden] (gate rows then up rows).
+template <typename T>
+__device__ void gate_up(const T* __restrict__ x, const T* __restrict__ weights,
+                        const int* __restrict__ sorted, const int* __restrict__ offsets,
+                        const int* __restrict__ active, const int* __restrict__ active_count, int slots,
+                        int hidden, int inter, T* __restrict__ h) {
+    if ((int)blockIdx.x >= *active_count) return;
+    const int expert = active[blockIdx.x];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int n = blockIdx.y * MOE_WARPS + warp;
+    if (n >= inter) return;
+    constexpr int V = Vec<T>::N;
+    const T* gate_row = weights + ((size_t)expert * 2 * inter + n) * hidden;
+    const T* up_row = gate_row + (size_t)inter * hidden;
+    const int begin = offsets[expert], end = offsets[expert + 1];
+    for (int m0 = begin; m0 < end; m0 += MOE_TOKENS_PER_PASS) {
+        const int m = min(MOE_TOKENS_PER_PASS, end - m0);
+        const T* rows[MOE_TOKENS_PER_PASS];
+#pragma unroll
+        for (int j = 0; j < MOE_TOKENS_PER_PASS; ++j)
+            rows[j] = x + (size_t)(sorted[m0 + min(j, m - 1)] / slots) * hidden;
+        float acc_gate[MOE_TOKENS_PER_PASS], acc_up[MOE_TOKENS_PER_PASS];
+#pragma unroll
+        for (int j = 0; j < MOE_TOKENS_PER_PASS; ++j) acc_gate[j] = acc_up[j] = 0.0f;
+#pragma unroll 2
+        for (int k = lane * V; k < hidden; k += 32 * V) {
+            float g[V], u[V];
+            Vec<T>::load(gate_row + k, g);
+            Vec<T>::load(up_row + k, u);
+#pragma unroll
+            for (int j = 0; j < MOE_TOKENS_PER_PASS; ++j) {
+                if (j < m) {
+                    float xv[V];
+                    Vec<T>::load(rows[j] + k, xv);
+#pragma unroll
+                    for (int i = 0; i < V; ++i) {
+                        acc_gate[j] = fmaf(g[i], xv[i], acc_gate[j]);
+                        acc_up[j] = fmaf(u[i], xv[i], acc_up[j]);
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < MOE_TOKENS_PER_PASS; ++j) {
+            if (j < m) {
+                const float gate = round_to(warp_sum(acc_gate[j]), x);
+                const float up = round_to(warp_sum(acc_up[j]), x);
+                const float act = round_to(gate / (1.0f + expf(-gate)), x);
+                if (lane == 0) store(h + (size_t)sorted[m0 + j] * inter + n, act * up);
+            }
+        }
+    }
+}
+
+// y[a, r] = gate[a] · (down_e[r] · h[a]) in f32 for the assignments a of expert e. down: [n_experts,
+// hidden, inter].
+template <typename T>
+__device__ void down(const T* __restrict__ h, const T* __restrict__ weights, const float* __restrict__ gates,
+                     const int* __restrict__ sorted, const int* __restrict__ offsets,
+                     const int* __restrict__ active, const int* __restrict__ active_count, int hidden,
+                     int inter, float* __restrict__ y) {
+    if ((int)blockIdx.x >= *active_count) return;
+    const int expert = active[blockIdx.x];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int r = blockIdx.y * MOE_WARPS + warp;
+    if (r >= hidden) return;
+    constexpr int V = Vec<T>::N;
+    const T* row = weights + ((size_t)expert * hidden + r) * inter;
+    const int begin = offsets[expert], end = offsets[expert + 1];
+    for (int m0 = begin; m0 < end; m0 += MOE_TOKENS_PER_PASS) {
+        const int m = min(MOE_TOKENS_PER_PASS, end - m0);
+        const T* rows[MOE_TOKENS_PER_PASS];
+#pragma unroll
+        for (int j = 0; j < MOE_TOKENS_PER_PASS; ++j)
+            rows[j] = h + (size_t)sorted[m0 + min(j, m - 1)] * inter;
+        float acc[MOE_TOKENS_PER_PASS];
+#pragma unroll
+        for (int j = 0; j < MOE_TOKENS_PER_PASS; ++j) acc[j] = 0.0f;
+#pragma unroll 2
+        for (int k = lane * V; k < inter; k += 32 * V) {
+            float w[V];
+            Vec<T>::load(row + k, w);
+#pragma unroll
+            for (int j = 0; j < MOE_TOKENS_PER_PASS; ++j) {
+                if (j < m) {
+                    float hv[V];
+                    Vec<T>::load(rows[j] + k, hv);
+#pragma unroll
+                    for (int i = 0; i < V; ++i) acc[j] = fmaf(w[i], hv[i], acc[j]);
+                }
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < MOE_TOKENS_PER_PASS; ++j) {
+            if (j < m) {
+                const float sum = warp_sum(acc[j]);
+                const int a = sorted[m0 + j];
+                if (lane == 0) y[(size_t)a * hidden + r] = gates[a] * sum;
+            }
+        }
+    }
+}
+
+// out[t, r] = round(Σ_slot y[t·slots + slot, r]), slots in order.
+template <typename T>
+__device__ void combine(const float* __restrict__ y, int n_tokens, int slots, int hidden, T* __restrict__ out) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)n_tokens * hidden) return;
+    const size_t t = i / hidden, r = i % hidden;
+    float sum = 0.0f;
+    for (int s = 0; s < slots; ++s) sum += y[(t * slots + s) * hidden + r];
+    store(out + i, sum);
+}
+
+#define MOE_INSTANCES(SUFFIX, T)                                                                              \
+    extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_gate_up_##SUFFIX(                       \
+        const T* x, const T* w, const int* sorted, const int* offsets, const int* active,                    \
+        const int* active_count, int slots, int hidden, int inter, T* h) {                                   \
+        gate_up<T>(x, w, sorted, offsets, active, active_count, slots, hidden, inter, h);                    \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_down_##SUFFIX(                          \
+        const T* h, const T* w, const float* gates, const int* sorted, const int* offsets, const int* active, \
+        const int* active_count, int hidden, int inter, float* y) {                                          \
+        down<T>(h, w, gates, sorted, offsets, active, active_count, hidden, inter, y);                       \
+    }                                                                                                         \
+    extern "C" __global__ void moe_combine_##SUFFIX(const float* y, int n_tokens, int slots, int hidden,     \
+                                                    T* out) {                                                \
+        combine<T>(y, n_tokens, slots, hidden, out);                                                         \
+    }
+
+MOE_INSTANCES(bf16, __nv_bfloat16)
+MOE_INSTANCES(f32, float)

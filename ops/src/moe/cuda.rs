@@ -1,0 +1,205 @@
+//! The launcher of `kernels/src/moe.cu` (kernel chain in that file's header).
+
+use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::{DType, Tensor};
+
+use super::{RouteRule, Routes};
+use crate::cuda::{cuda_err, device_address, kernel};
+use crate::error::Result;
+
+/// Warps per block of the mat-vec kernels (`MOE_WARPS`): each block covers this many output rows.
+const MATVEC_WARPS: usize = 8;
+/// Threads of the grouping kernel (one block).
+const ALIGN_THREADS: u32 = 1024;
+
+fn launch_config(grid: (u32, u32, u32), threads: u32, shared: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: grid,
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: shared,
+    }
+}
+
+pub(super) fn route(
+    logits: &Tensor,
+    correction_bias: &Tensor,
+    rule: &RouteRule,
+    shared_expert: Option<u32>,
+) -> Result<Routes> {
+    let (tokens, n_experts) = logits.dims2()?;
+    let slots = rule.top_k + usize::from(shared_expert.is_some());
+    let device = logits.device();
+    let logits = logits.contiguous()?;
+    let bias = correction_bias.contiguous()?;
+    let ids = unsafe { Tensor::empty((tokens, slots), DType::U32, device)? };
+    let gates = unsafe { Tensor::empty((tokens, slots), DType::F32, device)? };
+    if tokens == 0 {
+        return Ok(Routes { ids, gates });
+    }
+    let (logits_ptr, dev) = device_address(&logits)?;
+    let (bias_ptr, _) = device_address(&bias)?;
+    let (ids_ptr, _) = device_address(&ids)?;
+    let (gates_ptr, _) = device_address(&gates)?;
+    let func = kernel(&dev, "moe", glm5_kernels::MOE, "moe_route")?;
+    let stream = dev.cuda_stream();
+    let threads = n_experts.div_ceil(32).max(1) as u32 * 32;
+    let (t, e, g, tg, k) = (
+        tokens as i32,
+        n_experts as i32,
+        rule.n_group as i32,
+        rule.topk_group as i32,
+        rule.top_k as i32,
+    );
+    let normalise = i32::from(rule.normalise);
+    let shared = shared_expert.map_or(-1, |s| s as i32);
+    let mut builder = stream.launch_builder(&func);
+    builder
+        .arg(&logits_ptr)
+        .arg(&bias_ptr)
+        .arg(&t)
+        .arg(&e)
+        .arg(&g)
+        .arg(&tg)
+        .arg(&k)
+        .arg(&normalise)
+        .arg(&rule.scaling)
+        .arg(&shared)
+        .arg(&ids_ptr)
+        .arg(&gates_ptr);
+    unsafe { builder.launch(launch_config((tokens as u32, 1, 1), threads, 0)) }
+        .map_err(cuda_err)?;
+    Ok(Routes { ids, gates })
+}
+
+pub(super) fn experts(
+    x: &Tensor,
+    routes: &Routes,
+    gate_up: &Tensor,
+    down: &Tensor,
+) -> Result<Tensor> {
+    let (tokens, hidden) = x.dims2()?;
+    let (n_experts, two_inter, _) = gate_up.dims3()?;
+    let inter = two_inter / 2;
+    let slots = routes.slots()?;
+    let n_assign = tokens * slots;
+    let device = x.device();
+    let suffix = if x.dtype() == DType::BF16 {
+        "bf16"
+    } else {
+        "f32"
+    };
+    let (x, gate_up, down) = (x.contiguous()?, gate_up.contiguous()?, down.contiguous()?);
+    let ids = routes.ids.contiguous()?;
+    let gates = routes.gates.contiguous()?;
+    let out = unsafe { Tensor::empty((tokens, hidden), x.dtype(), device)? };
+    if n_assign == 0 {
+        return Ok(out);
+    }
+    // Grouping by expert: offsets [E+1], the assignments sorted by expert, the active experts and their count.
+    let grouping = unsafe { Tensor::empty(2 * n_experts + 2 + n_assign, DType::I32, device)? };
+    let offsets = grouping.narrow(0, 0, n_experts + 1)?;
+    let sorted = grouping.narrow(0, n_experts + 1, n_assign)?;
+    let active = grouping.narrow(0, n_experts + 1 + n_assign, n_experts)?;
+    let active_count = grouping.narrow(0, 2 * n_experts + 1 + n_assign, 1)?;
+    let h = unsafe { Tensor::empty((n_assign, inter), x.dtype(), device)? };
+    let y = unsafe { Tensor::empty((n_assign, hidden), DType::F32, device)? };
+
+    let (x_ptr, dev) = device_address(&x)?;
+    let (gate_up_ptr, _) = device_address(&gate_up)?;
+    let (down_ptr, _) = device_address(&down)?;
+    let (ids_ptr, _) = device_address(&ids)?;
+    let (gates_ptr, _) = device_address(&gates)?;
+    let (offsets_ptr, _) = device_address(&offsets)?;
+    let (sorted_ptr, _) = device_address(&sorted)?;
+    let (active_ptr, _) = device_address(&active)?;
+    let (count_ptr, _) = device_address(&active_count)?;
+    let (h_ptr, _) = device_address(&h)?;
+    let (y_ptr, _) = device_address(&y)?;
+    let (out_ptr, _) = device_address(&out)?;
+    let stream = dev.cuda_stream();
+    let (n_assign_arg, n_experts_arg, slots_arg) =
+        (n_assign as i32, n_experts as i32, slots as i32);
+    let (hidden_arg, inter_arg, tokens_arg) = (hidden as i32, inter as i32, tokens as i32);
+
+    let align = kernel(&dev, "moe", glm5_kernels::MOE, "moe_align")?;
+    let mut builder = stream.launch_builder(&align);
+    builder
+        .arg(&ids_ptr)
+        .arg(&n_assign_arg)
+        .arg(&n_experts_arg)
+        .arg(&offsets_ptr)
+        .arg(&sorted_ptr)
+        .arg(&active_ptr)
+        .arg(&count_ptr);
+    unsafe {
+        builder.launch(launch_config(
+            (1, 1, 1),
+            ALIGN_THREADS,
+            (n_experts * std::mem::size_of::<i32>()) as u32,
+        ))
+    }
+    .map_err(cuda_err)?;
+
+    // At most min(E, assignments) experts are active: one block row each, idle ones return at once.
+    let expert_blocks = n_experts.min(n_assign) as u32;
+    let threads = (MATVEC_WARPS * 32) as u32;
+    let gate_up_fn = kernel(
+        &dev,
+        "moe",
+        glm5_kernels::MOE,
+        &format!("moe_gate_up_{suffix}"),
+    )?;
+    let mut builder = stream.launch_builder(&gate_up_fn);
+    builder
+        .arg(&x_ptr)
+        .arg(&gate_up_ptr)
+        .arg(&sorted_ptr)
+        .arg(&offsets_ptr)
+        .arg(&active_ptr)
+        .arg(&count_ptr)
+        .arg(&slots_arg)
+        .arg(&hidden_arg)
+        .arg(&inter_arg)
+        .arg(&h_ptr);
+    let grid = (expert_blocks, inter.div_ceil(MATVEC_WARPS) as u32, 1);
+    unsafe { builder.launch(launch_config(grid, threads, 0)) }.map_err(cuda_err)?;
+
+    let down_fn = kernel(
+        &dev,
+        "moe",
+        glm5_kernels::MOE,
+        &format!("moe_down_{suffix}"),
+    )?;
+    let mut builder = stream.launch_builder(&down_fn);
+    builder
+        .arg(&h_ptr)
+        .arg(&down_ptr)
+        .arg(&gates_ptr)
+        .arg(&sorted_ptr)
+        .arg(&offsets_ptr)
+        .arg(&active_ptr)
+        .arg(&count_ptr)
+        .arg(&hidden_arg)
+        .arg(&inter_arg)
+        .arg(&y_ptr);
+    let grid = (expert_blocks, hidden.div_ceil(MATVEC_WARPS) as u32, 1);
+    unsafe { builder.launch(launch_config(grid, threads, 0)) }.map_err(cuda_err)?;
+
+    let combine = kernel(
+        &dev,
+        "moe",
+        glm5_kernels::MOE,
+        &format!("moe_combine_{suffix}"),
+    )?;
+    let mut builder = stream.launch_builder(&combine);
+    builder
+        .arg(&y_ptr)
+        .arg(&tokens_arg)
+        .arg(&slots_arg)
+        .arg(&hidden_arg)
+        .arg(&out_ptr);
+    let elements = tokens * hidden;
+    unsafe { builder.launch(launch_config((elements.div_ceil(256) as u32, 1, 1), 256, 0)) }
+        .map_err(cuda_err)?;
+    Ok(out)
+}

@@ -1,0 +1,223 @@
+//! The MoE reference against plain per-token arithmetic written here: the router's choice (group limit,
+//! ties, normalisation, the shared slot) and the experts' weighted sum.
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use common::{rng, tensor, uniform};
+use glm5_ops::moe::{experts_reference, route_reference, RouteRule};
+
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// The choice written out differently from the reference: sort (value desc, index asc) per group and overall.
+fn expected_route(logits: &[f32], bias: &[f32], rule: &RouteRule) -> Vec<(u32, f32)> {
+    let e = logits.len();
+    let score: Vec<f32> = logits.iter().map(|&l| sigmoid(l)).collect();
+    let choice: Vec<f32> = score.iter().zip(bias).map(|(s, b)| s + b).collect();
+    let size = e / rule.n_group;
+    let mut groups: Vec<(f32, usize)> = (0..rule.n_group)
+        .map(|g| {
+            let mut m = choice[g * size..(g + 1) * size].to_vec();
+            m.sort_by(|a, b| b.partial_cmp(a).unwrap());
+            (m.iter().take(2).sum(), g)
+        })
+        .collect();
+    groups.sort_by(|a, b| b.0.partial_cmp(&a.0).unwrap().then(a.1.cmp(&b.1)));
+    let kept: Vec<usize> = groups[..rule.topk_group].iter().map(|g| g.1).collect();
+    let mut candidates: Vec<(f32, usize)> = (0..e)
+        .map(|i| {
+            let v = if kept.contains(&(i / size)) {
+                choice[i]
+            } else {
+                f32::NEG_INFINITY
+            };
+            (v, i)
+        })
+        .collect();
+    candidates.sort_by(|a, b| b.0.partial_cmp(&a.0).unwrap().then(a.1.cmp(&b.1)));
+    let chosen: Vec<usize> = candidates[..rule.top_k].iter().map(|c| c.1).collect();
+    let total: f32 = chosen.iter().map(|&i| score[i]).sum::<f32>() + 1e-20;
+    chosen
+        .iter()
+        .map(|&i| {
+            let g = if rule.normalise {
+                score[i] / total
+            } else {
+                score[i]
+            };
+            (i as u32, g * rule.scaling)
+        })
+        .collect()
+}
+
+fn check_route(
+    logits: &[f32],
+    bias: &[f32],
+    t: usize,
+    e: usize,
+    rule: RouteRule,
+    shared: Option<u32>,
+) {
+    let routes = route_reference(
+        &Tensor::from_slice(logits, (t, e), &Device::Cpu).unwrap(),
+        &Tensor::from_slice(bias, e, &Device::Cpu).unwrap(),
+        &rule,
+        shared,
+    )
+    .unwrap();
+    let ids: Vec<Vec<u32>> = routes.ids.to_vec2().unwrap();
+    let gates: Vec<Vec<f32>> = routes.gates.to_vec2().unwrap();
+    for token in 0..t {
+        let expected = expected_route(&logits[token * e..(token + 1) * e], bias, &rule);
+        for (slot, (id, gate)) in expected.iter().enumerate() {
+            assert_eq!(ids[token][slot], *id, "token {token} slot {slot}");
+            assert!((gates[token][slot] - gate).abs() <= 1e-6 * gate.abs().max(1.0));
+        }
+        if let Some(shared) = shared {
+            assert_eq!(ids[token][rule.top_k], shared);
+            assert_eq!(gates[token][rule.top_k], 1.0);
+        }
+    }
+}
+
+#[test]
+fn route_reference_matches_sorted_choice_with_groups_ties_and_shared_slot() {
+    let mut r = rng(46);
+    let (t, e) = (9, 64);
+    let bias: Vec<f32> = uniform(&mut r, e).iter().map(|b| b * 0.1).collect();
+    let rules = [
+        RouteRule {
+            n_group: 1,
+            topk_group: 1,
+            top_k: 8,
+            normalise: true,
+            scaling: 2.5,
+        },
+        RouteRule {
+            n_group: 8,
+            topk_group: 3,
+            top_k: 6,
+            normalise: true,
+            scaling: 1.0,
+        },
+        RouteRule {
+            n_group: 4,
+            topk_group: 2,
+            top_k: 5,
+            normalise: false,
+            scaling: 1.5,
+        },
+    ];
+    for rule in rules {
+        let logits: Vec<f32> = uniform(&mut r, t * e).iter().map(|x| x * 4.0).collect();
+        check_route(&logits, &bias, t, e, rule, None);
+        check_route(&logits, &bias, t, e, rule, Some(e as u32));
+        // Few distinct values and no bias: many exact ties, which go to the lower expert.
+        let tied: Vec<f32> = logits.iter().map(|x| (x * 2.0).round() / 2.0).collect();
+        check_route(&tied, &vec![0.0; e], t, e, rule, None);
+    }
+}
+
+#[test]
+fn route_rejects_rules_that_do_not_fit_the_experts() {
+    let logits = Tensor::zeros((2, 10), DType::F32, &Device::Cpu).unwrap();
+    let bias = Tensor::zeros(10, DType::F32, &Device::Cpu).unwrap();
+    for rule in [
+        RouteRule {
+            n_group: 3,
+            topk_group: 1,
+            top_k: 2,
+            normalise: true,
+            scaling: 1.0,
+        },
+        RouteRule {
+            n_group: 2,
+            topk_group: 3,
+            top_k: 2,
+            normalise: true,
+            scaling: 1.0,
+        },
+        RouteRule {
+            n_group: 1,
+            topk_group: 1,
+            top_k: 11,
+            normalise: true,
+            scaling: 1.0,
+        },
+    ] {
+        let err = route_reference(&logits, &bias, &rule, None).unwrap_err();
+        assert!(err.to_string().contains("moe route"), "{err}");
+    }
+}
+
+/// `out[t] = Σ_s gate · down(silu(gate_e x) · up_e x)` per token in f64, independent of candle.
+fn expected_experts(
+    x: &[f32],
+    ids: &[u32],
+    gates: &[f32],
+    gate_up: &[f32],
+    down: &[f32],
+    (t, slots, h, i): (usize, usize, usize, usize),
+) -> Vec<f32> {
+    let mut out = vec![0f32; t * h];
+    for token in 0..t {
+        let xt = &x[token * h..(token + 1) * h];
+        for s in 0..slots {
+            let e = ids[token * slots + s] as usize;
+            let w = &gate_up[e * 2 * i * h..(e + 1) * 2 * i * h];
+            let hidden: Vec<f64> = (0..i)
+                .map(|n| {
+                    let dot = |row: &[f32]| {
+                        row.iter()
+                            .zip(xt)
+                            .map(|(a, b)| *a as f64 * *b as f64)
+                            .sum::<f64>()
+                    };
+                    let g = dot(&w[n * h..(n + 1) * h]);
+                    let u = dot(&w[(i + n) * h..(i + n + 1) * h]);
+                    g / (1.0 + (-g).exp()) * u
+                })
+                .collect();
+            let d = &down[e * h * i..(e + 1) * h * i];
+            for r in 0..h {
+                let y: f64 = (0..i).map(|n| d[r * i + n] as f64 * hidden[n]).sum();
+                out[token * h + r] += (gates[token * slots + s] as f64 * y) as f32;
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn experts_reference_equals_per_token_arithmetic() {
+    let mut r = rng(47);
+    let (t, n_experts, slots, h, i) = (5, 6, 3, 32, 16);
+    let x = uniform(&mut r, t * h);
+    let gate_up = uniform(&mut r, n_experts * 2 * i * h);
+    let down = uniform(&mut r, n_experts * h * i);
+    let ids: Vec<u32> = (0..t * slots)
+        .map(|a| ((a * 7 + a / slots) % n_experts) as u32)
+        .collect();
+    let gates = uniform(&mut r, t * slots);
+    let routes = glm5_ops::moe::Routes {
+        ids: Tensor::from_slice(&ids, (t, slots), &Device::Cpu).unwrap(),
+        gates: Tensor::from_slice(&gates, (t, slots), &Device::Cpu).unwrap(),
+    };
+    let got = experts_reference(
+        &tensor(&x, &[t, h], DType::F32),
+        &routes,
+        &tensor(&gate_up, &[n_experts, 2 * i, h], DType::F32),
+        &tensor(&down, &[n_experts, h, i], DType::F32),
+    )
+    .unwrap()
+    .flatten_all()
+    .unwrap()
+    .to_vec1::<f32>()
+    .unwrap();
+    let expected = expected_experts(&x, &ids, &gates, &gate_up, &down, (t, slots, h, i));
+    for (a, b) in got.iter().zip(&expected) {
+        assert!((a - b).abs() <= 1e-4 * b.abs().max(1.0), "{a} vs {b}");
+    }
+}

@@ -1,0 +1,202 @@
+//! The CUDA MoE kernels (routing, grouping, grouped mat-vecs, per-token sum) against the CPU reference, on
+//! fresh random inputs, their outputs landing in memory filled with NaN just before. Needs a GPU: built with
+//! `--features cuda` and run by `scripts/gpu-run.sh` on the GPU machine.
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use common::{rng, uniform};
+use glm5_ops::moe::{
+    experts, experts_backend, experts_reference, route, route_reference, ExpertsBackend, RouteRule,
+    Routes,
+};
+
+fn gpu() -> Device {
+    Device::new_cuda(0).expect("a CUDA device")
+}
+
+/// Fills and frees a NaN buffer so the next allocations of the caching allocator start out as NaN.
+fn poison(device: &Device, bytes: usize) {
+    let nan = Tensor::full(f32::NAN, bytes / 4, device).unwrap();
+    device.synchronize().unwrap();
+    drop(nan);
+}
+
+#[test]
+fn route_on_gpu_equals_the_reference() {
+    let gpu = gpu();
+    let mut r = rng(4601);
+    // GLM-5's rule (one group, 8 of 256, scaled 2.5) and a grouped one (DeepSeek-V3's shape).
+    let cases = [
+        (
+            256,
+            RouteRule {
+                n_group: 1,
+                topk_group: 1,
+                top_k: 8,
+                normalise: true,
+                scaling: 2.5,
+            },
+        ),
+        (
+            256,
+            RouteRule {
+                n_group: 8,
+                topk_group: 4,
+                top_k: 8,
+                normalise: true,
+                scaling: 2.5,
+            },
+        ),
+        (
+            160,
+            RouteRule {
+                n_group: 16,
+                topk_group: 3,
+                top_k: 6,
+                normalise: false,
+                scaling: 1.0,
+            },
+        ),
+    ];
+    for (e, rule) in cases {
+        for t in [1, 7, 64, 300] {
+            for tied in [false, true] {
+                let mut logits: Vec<f32> = uniform(&mut r, t * e).iter().map(|x| x * 4.0).collect();
+                let mut bias: Vec<f32> = uniform(&mut r, e).iter().map(|x| x * 0.05).collect();
+                if tied {
+                    logits
+                        .iter_mut()
+                        .for_each(|x| *x = (*x * 2.0).round() / 2.0);
+                    bias.iter_mut().for_each(|b| *b = 0.0);
+                }
+                for shared in [None, Some(e as u32)] {
+                    let cpu_logits = Tensor::from_slice(&logits, (t, e), &Device::Cpu).unwrap();
+                    let cpu_bias = Tensor::from_slice(&bias, e, &Device::Cpu).unwrap();
+                    let want = route_reference(&cpu_logits, &cpu_bias, &rule, shared).unwrap();
+                    poison(&gpu, t * (rule.top_k + 1) * 8);
+                    let got = route(
+                        &cpu_logits.to_device(&gpu).unwrap(),
+                        &cpu_bias.to_device(&gpu).unwrap(),
+                        &rule,
+                        shared,
+                    )
+                    .unwrap();
+                    let (want_ids, got_ids): (Vec<Vec<u32>>, Vec<Vec<u32>>) =
+                        (want.ids.to_vec2().unwrap(), got.ids.to_vec2().unwrap());
+                    assert_eq!(got_ids, want_ids, "e={e} t={t} tied={tied} {rule:?}");
+                    let want_gates: Vec<Vec<f32>> = want.gates.to_vec2().unwrap();
+                    let got_gates: Vec<Vec<f32>> = got.gates.to_vec2().unwrap();
+                    for (w, g) in want_gates.iter().flatten().zip(got_gates.iter().flatten()) {
+                        assert!((w - g).abs() <= 1e-6 * w.abs().max(1.0), "gate {g} vs {w}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn random_routes(r: &mut rand::rngs::StdRng, t: usize, slots: usize, n_experts: usize) -> Routes {
+    use rand::Rng;
+    let ids: Vec<u32> = (0..t * slots)
+        .map(|_| r.random_range(0..n_experts as u32))
+        .collect();
+    let gates: Vec<f32> = (0..t * slots).map(|_| r.random_range(0.0..1.0)).collect();
+    Routes {
+        ids: Tensor::from_slice(&ids, (t, slots), &Device::Cpu).unwrap(),
+        gates: Tensor::from_slice(&gates, (t, slots), &Device::Cpu).unwrap(),
+    }
+}
+
+#[test]
+fn experts_on_gpu_equal_the_reference() {
+    let gpu = gpu();
+    let mut r = rng(4602);
+    // Hidden and intermediate widths that are not multiples of the blocks' 8 rows, 1..64 tokens.
+    let (n_experts, hidden, inter) = (33, 200, 120);
+    for dtype in [DType::F32, DType::BF16] {
+        for (t, slots) in [(1, 9), (5, 3), (64, 9), (17, 1)] {
+            let x = Tensor::from_vec(uniform(&mut r, t * hidden), (t, hidden), &Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let gate_up = Tensor::from_vec(
+                uniform(&mut r, n_experts * 2 * inter * hidden),
+                (n_experts, 2 * inter, hidden),
+                &Device::Cpu,
+            )
+            .unwrap()
+            .affine(0.1, 0.0)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+            let down = Tensor::from_vec(
+                uniform(&mut r, n_experts * hidden * inter),
+                (n_experts, hidden, inter),
+                &Device::Cpu,
+            )
+            .unwrap()
+            .affine(0.1, 0.0)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+            let routes = random_routes(&mut r, t, slots, n_experts);
+            // The reference in f32 on the CPU; the kernels round h and the output to bf16 like the model.
+            let want = experts_reference(
+                &x.to_dtype(DType::F32).unwrap(),
+                &routes,
+                &gate_up.to_dtype(DType::F32).unwrap(),
+                &down.to_dtype(DType::F32).unwrap(),
+            )
+            .unwrap();
+            let (gx, gw, gd) = (
+                x.to_device(&gpu).unwrap(),
+                gate_up.to_device(&gpu).unwrap(),
+                down.to_device(&gpu).unwrap(),
+            );
+            assert_eq!(experts_backend(&gx, &gw, &gd), ExpertsBackend::DeviceMatVec);
+            let groutes = Routes {
+                ids: routes.ids.to_device(&gpu).unwrap(),
+                gates: routes.gates.to_device(&gpu).unwrap(),
+            };
+            poison(&gpu, t * slots * (hidden + inter) * 8);
+            let got = experts(&gx, &groutes, &gw, &gd)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap()
+                .to_device(&Device::Cpu)
+                .unwrap();
+            let scale = want
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            let err = (got - &want)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            let bound = if dtype == DType::F32 { 1e-5 } else { 2e-2 } * scale.max(1.0);
+            println!("{dtype:?} t={t} slots={slots}: max |Δ| = {err:.2e} (scale {scale:.2})");
+            assert!(err <= bound, "{dtype:?} t={t}: {err} > {bound}");
+        }
+    }
+}
+
+#[test]
+fn many_tokens_go_to_the_reference_with_a_reason() {
+    let gpu = gpu();
+    let x = Tensor::zeros((65, 64), DType::BF16, &gpu).unwrap();
+    let gate_up = Tensor::zeros((4, 32, 64), DType::BF16, &gpu).unwrap();
+    let down = Tensor::zeros((4, 64, 16), DType::BF16, &gpu).unwrap();
+    match experts_backend(&x, &gate_up, &down) {
+        ExpertsBackend::Reference(why) => assert!(why.contains("65 tokens"), "{why}"),
+        other => panic!("{other:?}"),
+    }
+}
