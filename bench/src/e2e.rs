@@ -32,8 +32,9 @@ fn decode_weight_bytes(config: &Config, dtype: DType) -> (u64, u64) {
     let mut head = 0u64;
     for layer in 0..config.num_hidden_layers {
         let tensors = sizes::layer_tensors(config, layer, dtype);
-        let (experts, rest): (Vec<_>, Vec<_>) =
-            tensors.iter().partition(|t| t.name.contains(".mlp.experts."));
+        let (experts, rest): (Vec<_>, Vec<_>) = tensors
+            .iter()
+            .partition(|t| t.name.contains(".mlp.experts."));
         total += rest.iter().map(|t| t.bytes()).sum::<u64>();
         let per_expert: u64 = experts
             .iter()
@@ -49,7 +50,7 @@ fn decode_weight_bytes(config: &Config, dtype: DType) -> (u64, u64) {
 }
 
 /// Dense bf16 GEMM rate (candle's matmul, cuBLAS) in flop/s: the prefill ceiling.
-fn gemm_peak(device: &Device) -> Result<f64> {
+pub fn gemm_peak(device: &Device) -> Result<f64> {
     let n = 8192;
     let a = Tensor::randn(0f32, 1.0, (n, n), device)?.to_dtype(DType::BF16)?;
     let b = Tensor::randn(0f32, 1.0, (n, n), device)?.to_dtype(DType::BF16)?;
@@ -71,7 +72,13 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
         .iter()
         .filter(|k| matches!(k, glm5::models::MlpKind::Dense))
         .count();
-    let max_context = args.contexts.iter().copied().max().unwrap_or(0).max(args.prefill);
+    let max_context = args
+        .contexts
+        .iter()
+        .copied()
+        .max()
+        .unwrap_or(0)
+        .max(args.prefill);
     let mut options = PlanOptions::new(DType::BF16, AttentionMode::Sparse);
     options.context = Some(max_context + args.steps + 8);
     let plan = Plan::build(
@@ -219,9 +226,11 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
         let full_moe = full.num_hidden_layers - full_dense;
         let scale = last_step_ms / profiled_ms;
         let attention_per_layer = ms(parts.attention) / n as f64 / args.layers as f64 * scale;
-        let moe_per_layer = ms(parts.moe) / n as f64 / (args.layers - dense_layers).max(1) as f64 * scale;
+        let moe_per_layer =
+            ms(parts.moe) / n as f64 / (args.layers - dense_layers).max(1) as f64 * scale;
         let dense_per_layer = ms(parts.dense_mlp) / n as f64 / dense_layers.max(1) as f64 * scale;
-        let rest = last_step_ms - (attention_per_layer * args.layers as f64)
+        let rest = last_step_ms
+            - (attention_per_layer * args.layers as f64)
             - moe_per_layer * (args.layers - dense_layers) as f64
             - dense_per_layer * dense_layers as f64;
         let projected = attention_per_layer * full.num_hidden_layers as f64

@@ -18,6 +18,7 @@
 mod ceilings;
 mod e2e;
 mod indexer;
+mod moe;
 mod slice;
 mod sparse_mla;
 mod timing;
@@ -61,6 +62,8 @@ enum Command {
     },
     /// GLM-5's first LAYERS layers at real sizes (random weights) on one GPU and over two.
     Slice { layers: usize },
+    /// One GLM-5 MoE layer's experts by each implementation, decode and prefill sizes.
+    Moe,
     /// The whole model step on one GPU: decode and prefill of a GLM-5 slice against its weight-byte floor.
     E2e {
         /// Layers of GLM-5 to build (the first ones: dense, then MoE).
@@ -167,6 +170,7 @@ fn main() -> glm5::candle_core::Result<()> {
             }
             indexer::indexer_rows(&device, copy, peak, only, score_kernel)
         }
+        Some(Command::Moe) => moe::moe_rows(&device, copy, e2e::gemm_peak(&device)?),
         Some(Command::Slice { .. }) | Some(Command::E2e { .. }) => unreachable!("handled above"),
         None => {
             sparse_mla::sparse_mla_rows(&device, copy, peak, None, None)?;

@@ -71,6 +71,106 @@ pub(super) fn route(
     Ok(Routes { ids, gates })
 }
 
+/// The assignments grouped by expert (`moe_align`): `sorted` `U32 [n_assign]` (assignment indices, by
+/// expert, ascending within one), and in `meta` `I32`: `offsets` `[E+1]`, `active` `[E]`, `active_count`.
+struct Grouping {
+    sorted: Tensor,
+    meta: Tensor,
+    n_experts: usize,
+}
+
+impl Grouping {
+    fn offsets(&self) -> Result<Tensor> {
+        Ok(self.meta.narrow(0, 0, self.n_experts + 1)?)
+    }
+    fn active(&self) -> Result<Tensor> {
+        Ok(self.meta.narrow(0, self.n_experts + 1, self.n_experts)?)
+    }
+    fn active_count(&self) -> Result<Tensor> {
+        Ok(self.meta.narrow(0, 2 * self.n_experts + 1, 1)?)
+    }
+}
+
+fn group_by_expert(ids: &Tensor, n_experts: usize) -> Result<Grouping> {
+    let n_assign = ids.elem_count();
+    let device = ids.device();
+    // Separate allocations: candle-nn's moe_gemm reads `sorted` from its allocation's start.
+    let grouping = Grouping {
+        sorted: unsafe { Tensor::empty(n_assign, DType::U32, device)? },
+        meta: unsafe { Tensor::empty(2 * n_experts + 2, DType::I32, device)? },
+        n_experts,
+    };
+    let (ids_ptr, dev) = device_address(ids)?;
+    let (sorted_ptr, _) = device_address(&grouping.sorted)?;
+    let (offsets_ptr, _) = device_address(&grouping.offsets()?)?;
+    let (active_ptr, _) = device_address(&grouping.active()?)?;
+    let (count_ptr, _) = device_address(&grouping.active_count()?)?;
+    let (n_assign_arg, n_experts_arg) = (n_assign as i32, n_experts as i32);
+    let align = kernel(&dev, "moe", glm5_kernels::MOE, "moe_align")?;
+    let stream = dev.cuda_stream();
+    let mut builder = stream.launch_builder(&align);
+    builder
+        .arg(&ids_ptr)
+        .arg(&n_assign_arg)
+        .arg(&n_experts_arg)
+        .arg(&offsets_ptr)
+        .arg(&sorted_ptr)
+        .arg(&active_ptr)
+        .arg(&count_ptr);
+    unsafe {
+        builder.launch(launch_config(
+            (1, 1, 1),
+            ALIGN_THREADS,
+            (n_experts * std::mem::size_of::<i32>()) as u32,
+        ))
+    }
+    .map_err(cuda_err)?;
+    Ok(grouping)
+}
+
+/// The experts by candle-nn's grouped GEMM (`moe_gemm`, WMMA tensor cores), bf16/f16 only: gate and up in
+/// one GEMM over the stacked `[E', 2I, H]`, SiLU·up by candle ops, down with the gates applied, then the
+/// per-token sum of the slots in f32.
+pub(super) fn experts_moe_gemm(
+    x: &Tensor,
+    routes: &Routes,
+    gate_up: &Tensor,
+    down: &Tensor,
+) -> Result<Tensor> {
+    let (tokens, hidden) = x.dims2()?;
+    let n_experts = gate_up.dim(0)?;
+    let inter = gate_up.dim(1)? / 2;
+    let slots = routes.slots()?;
+    // moe_gemm reads every input from its allocation's start: fresh copies where a view could be offset.
+    let ids = routes.ids.flatten_all()?.copy()?;
+    let gates = routes.gates.flatten_all()?.copy()?;
+    let x = x.copy()?;
+    let grouping = group_by_expert(&ids, n_experts)?;
+    let gate_up_out = candle_nn::moe::moe_gemm(
+        &x,
+        &gate_up.contiguous()?,
+        &None,
+        &grouping.sorted,
+        &ids,
+        slots,
+        true,
+    )?;
+    let h = (gate_up_out.narrow(1, 0, inter)?.silu()? * gate_up_out.narrow(1, inter, inter)?)?;
+    let y = candle_nn::moe::moe_gemm(
+        &h,
+        &down.contiguous()?,
+        &Some(gates),
+        &grouping.sorted,
+        &ids,
+        slots,
+        true,
+    )?;
+    Ok(y.reshape((tokens, slots, hidden))?
+        .to_dtype(DType::F32)?
+        .sum(1)?
+        .to_dtype(x.dtype())?)
+}
+
 pub(super) fn experts(
     x: &Tensor,
     routes: &Routes,
@@ -95,51 +195,24 @@ pub(super) fn experts(
     if n_assign == 0 {
         return Ok(out);
     }
-    // Grouping by expert: offsets [E+1], the assignments sorted by expert, the active experts and their count.
-    let grouping = unsafe { Tensor::empty(2 * n_experts + 2 + n_assign, DType::I32, device)? };
-    let offsets = grouping.narrow(0, 0, n_experts + 1)?;
-    let sorted = grouping.narrow(0, n_experts + 1, n_assign)?;
-    let active = grouping.narrow(0, n_experts + 1 + n_assign, n_experts)?;
-    let active_count = grouping.narrow(0, 2 * n_experts + 1 + n_assign, 1)?;
+    let grouping = group_by_expert(&ids, n_experts)?;
     let h = unsafe { Tensor::empty((n_assign, inter), x.dtype(), device)? };
     let y = unsafe { Tensor::empty((n_assign, hidden), DType::F32, device)? };
 
     let (x_ptr, dev) = device_address(&x)?;
     let (gate_up_ptr, _) = device_address(&gate_up)?;
     let (down_ptr, _) = device_address(&down)?;
-    let (ids_ptr, _) = device_address(&ids)?;
     let (gates_ptr, _) = device_address(&gates)?;
-    let (offsets_ptr, _) = device_address(&offsets)?;
-    let (sorted_ptr, _) = device_address(&sorted)?;
-    let (active_ptr, _) = device_address(&active)?;
-    let (count_ptr, _) = device_address(&active_count)?;
+    let (offsets_ptr, _) = device_address(&grouping.offsets()?)?;
+    let (sorted_ptr, _) = device_address(&grouping.sorted)?;
+    let (active_ptr, _) = device_address(&grouping.active()?)?;
+    let (count_ptr, _) = device_address(&grouping.active_count()?)?;
     let (h_ptr, _) = device_address(&h)?;
     let (y_ptr, _) = device_address(&y)?;
     let (out_ptr, _) = device_address(&out)?;
     let stream = dev.cuda_stream();
-    let (n_assign_arg, n_experts_arg, slots_arg) =
-        (n_assign as i32, n_experts as i32, slots as i32);
+    let slots_arg = slots as i32;
     let (hidden_arg, inter_arg, tokens_arg) = (hidden as i32, inter as i32, tokens as i32);
-
-    let align = kernel(&dev, "moe", glm5_kernels::MOE, "moe_align")?;
-    let mut builder = stream.launch_builder(&align);
-    builder
-        .arg(&ids_ptr)
-        .arg(&n_assign_arg)
-        .arg(&n_experts_arg)
-        .arg(&offsets_ptr)
-        .arg(&sorted_ptr)
-        .arg(&active_ptr)
-        .arg(&count_ptr);
-    unsafe {
-        builder.launch(launch_config(
-            (1, 1, 1),
-            ALIGN_THREADS,
-            (n_experts * std::mem::size_of::<i32>()) as u32,
-        ))
-    }
-    .map_err(cuda_err)?;
-
     // At most min(E, assignments) experts are active: one block row each, idle ones return at once.
     let expert_blocks = n_experts.min(n_assign) as u32;
     let threads = (MATVEC_WARPS * 32) as u32;

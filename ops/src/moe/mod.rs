@@ -83,10 +83,20 @@ impl Routes {
 /// Where [`experts`] runs for given inputs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ExpertsBackend {
-    /// The device kernels (`kernels/src/moe.cu`).
+    /// The device mat-vec kernels (`kernels/src/moe.cu`).
     DeviceMatVec,
+    /// candle-nn's grouped WMMA GEMM (`moe_gemm`), bf16/f16.
+    CandleMoeGemm,
     /// One chain of candle ops per expert; the reason the device kernels do not serve the call.
     Reference(String),
+}
+
+/// An implementation of [`experts`] pinned by the caller (tests, benchmarks).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExpertsImpl {
+    DeviceMatVec,
+    CandleMoeGemm,
+    Reference,
 }
 
 fn check_rule(rule: &RouteRule, n_experts: usize) -> Result<()> {
@@ -153,7 +163,7 @@ pub fn experts_backend(x: &Tensor, gate_up: &Tensor, down: &Tensor) -> ExpertsBa
     let tokens = x.dim(0).unwrap_or(0);
     if tokens > MATVEC_MAX_TOKENS {
         return reason(&format!(
-            "{tokens} tokens: above {MATVEC_MAX_TOKENS} the experts run as GEMMs"
+            "{tokens} tokens: above {MATVEC_MAX_TOKENS} the experts run as one GEMM chain per expert"
         ));
     }
     if !matches!(x.dtype(), DType::BF16 | DType::F32) {
@@ -201,9 +211,39 @@ pub fn experts(x: &Tensor, routes: &Routes, gate_up: &Tensor, down: &Tensor) -> 
         });
     }
     match experts_backend(x, gate_up, down) {
+        ExpertsBackend::DeviceMatVec => {
+            experts_with(x, routes, gate_up, down, ExpertsImpl::DeviceMatVec)
+        }
+        ExpertsBackend::CandleMoeGemm => {
+            experts_with(x, routes, gate_up, down, ExpertsImpl::CandleMoeGemm)
+        }
+        ExpertsBackend::Reference(_) => reference::experts(x, routes, gate_up, down),
+    }
+}
+
+/// [`experts`] by the implementation `which` (an error where it cannot run these inputs).
+pub fn experts_with(
+    x: &Tensor,
+    routes: &Routes,
+    gate_up: &Tensor,
+    down: &Tensor,
+    which: ExpertsImpl,
+) -> Result<Tensor> {
+    match which {
+        ExpertsImpl::Reference => reference::experts(x, routes, gate_up, down),
         #[cfg(feature = "cuda")]
-        ExpertsBackend::DeviceMatVec => cuda::experts(x, routes, gate_up, down),
-        _ => reference::experts(x, routes, gate_up, down),
+        ExpertsImpl::DeviceMatVec if x.device().is_cuda() => {
+            cuda::experts(x, routes, gate_up, down)
+        }
+        #[cfg(feature = "cuda")]
+        ExpertsImpl::CandleMoeGemm if x.device().is_cuda() && x.dtype() == DType::BF16 => {
+            cuda::experts_moe_gemm(x, routes, gate_up, down)
+        }
+        other => Err(OpError::Unsupported(format!(
+            "moe experts: {other:?} does not run {:?} on {:?}",
+            x.dtype(),
+            x.device().location()
+        ))),
     }
 }
 

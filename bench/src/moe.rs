@@ -1,0 +1,87 @@
+//! `glm5-bench moe`: one GLM-5 MoE layer's experts (256 routed + the shared one as a slot, real sizes,
+//! random bf16 weights) by each implementation of `glm5_ops::moe::experts`, at decode batches and prefill
+//! lengths: µs per call, the bytes of the experts the routes touch over the measured copy bandwidth (the
+//! floor), and for long inputs TFLOP/s against the bf16 GEMM rate measured in the same run.
+
+use std::collections::HashSet;
+
+use glm5::candle_core::{DType, Device, Result, Tensor};
+use glm5::ops::moe::{experts_with, route, ExpertsImpl, RouteRule};
+
+use crate::cuda;
+use crate::timing::median_seconds;
+
+pub fn moe_rows(device: &Device, copy: f64, gemm: f64) -> Result<()> {
+    let config = glm5::Config::from_json(include_str!("../../tests/assets/glm5_config.json"))
+        .map_err(cuda)?;
+    let (hidden, inter, routed) = (
+        config.hidden_size,
+        config.moe_intermediate_size,
+        config.n_routed_experts,
+    );
+    let stacked = routed + 1; // the shared expert as the last slot
+    let rule = RouteRule {
+        n_group: config.n_group,
+        topk_group: config.topk_group,
+        top_k: config.num_experts_per_tok,
+        normalise: config.norm_topk_prob,
+        scaling: config.routed_scaling_factor as f32,
+    };
+    let gate_up =
+        Tensor::randn(0f32, 0.02, (stacked, 2 * inter, hidden), device)?.to_dtype(DType::BF16)?;
+    let down =
+        Tensor::randn(0f32, 0.02, (stacked, hidden, inter), device)?.to_dtype(DType::BF16)?;
+    let bias = Tensor::zeros(routed, DType::F32, device)?;
+    let expert_bytes = (3 * hidden * inter * 2) as f64;
+    println!(
+        "MoE experts, GLM-5 sizes: {routed} routed + 1 shared (a slot), hidden {hidden}, intermediate {inter}, top-{}; copy {:.0} GB/s, bf16 GEMM {:.0} TFLOP/s",
+        rule.top_k,
+        copy / 1e9,
+        gemm / 1e12
+    );
+    println!("| tokens | experts touched | floor µs | mat-vec µs | candle moe_gemm µs | per-expert chain µs | best / floor | TFLOP/s (best) |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for tokens in [1usize, 8, 32, 64, 256, 1024, 4096] {
+        let x = Tensor::randn(0f32, 1.0, (tokens, hidden), device)?.to_dtype(DType::BF16)?;
+        let logits = Tensor::randn(0f32, 1.0, (tokens, routed), device)?;
+        let routes = route(&logits, &bias, &rule, Some(routed as u32)).map_err(cuda)?;
+        let touched: HashSet<u32> = routes
+            .ids
+            .flatten_all()?
+            .to_vec1::<u32>()?
+            .into_iter()
+            .collect();
+        let floor = touched.len() as f64 * expert_bytes / copy;
+        let flops = 2.0 * (tokens * (rule.top_k + 1) * 3 * hidden * inter) as f64;
+        let time = |which: ExpertsImpl| -> Result<Option<f64>> {
+            if which == ExpertsImpl::DeviceMatVec && tokens > 1024 {
+                return Ok(None); // CUDA-core FMAs at thousands of tokens: not a contender
+            }
+            let rounds = if tokens >= 1024 { 3 } else { 5 };
+            Ok(Some(median_seconds(device, rounds, 3, || {
+                experts_with(&x, &routes, &gate_up, &down, which)
+                    .map(|_| ())
+                    .map_err(cuda)
+            })?))
+        };
+        let matvec = time(ExpertsImpl::DeviceMatVec)?;
+        let moe_gemm = time(ExpertsImpl::CandleMoeGemm)?;
+        let chain = time(ExpertsImpl::Reference)?;
+        let best = [matvec, moe_gemm, chain]
+            .into_iter()
+            .flatten()
+            .fold(f64::INFINITY, f64::min);
+        let us = |t: Option<f64>| t.map_or("-".to_string(), |t| format!("{:.0}", t * 1e6));
+        println!(
+            "| {tokens} | {} | {:.0} | {} | {} | {} | {:.2}x | {:.0} |",
+            touched.len(),
+            floor * 1e6,
+            us(matvec),
+            us(moe_gemm),
+            us(chain),
+            best / floor,
+            flops / best / 1e12
+        );
+    }
+    Ok(())
+}
