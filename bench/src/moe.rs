@@ -27,10 +27,16 @@ pub fn moe_rows(device: &Device, copy: f64, gemm: f64) -> Result<()> {
         normalise: config.norm_topk_prob,
         scaling: config.routed_scaling_factor as f32,
     };
-    let gate_up =
-        Tensor::randn(0f32, 0.02, (stacked, 2 * inter, hidden), device)?.to_dtype(DType::BF16)?;
-    let down =
-        Tensor::randn(0f32, 0.02, (stacked, hidden, inter), device)?.to_dtype(DType::BF16)?;
+    // One expert at a time: candle's element-wise kernels index with 32 bits, and a whole stacked
+    // projection has more than 2^32 elements.
+    let stack = |rows: usize, cols: usize| -> Result<Tensor> {
+        let experts = (0..stacked)
+            .map(|_| Tensor::randn(0f32, 0.02, (rows, cols), device)?.to_dtype(DType::BF16))
+            .collect::<Result<Vec<_>>>()?;
+        Tensor::stack(&experts, 0)
+    };
+    let gate_up = stack(2 * inter, hidden)?;
+    let down = stack(hidden, inter)?;
     let bias = Tensor::zeros(routed, DType::F32, device)?;
     let expert_bytes = (3 * hidden * inter * 2) as f64;
     println!(

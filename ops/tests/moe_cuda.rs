@@ -3,6 +3,7 @@
 //! `--features cuda` and run by `scripts/gpu-run.sh` on the GPU machine.
 #![cfg(feature = "cuda")]
 
+#[allow(dead_code)]
 mod common;
 
 use candle_core::{DType, Device, Tensor};
