@@ -32,6 +32,10 @@ pub const DSA_INDEXER_SM90: &[u8] =
 #[cfg(feature = "cuda")]
 pub const MOE: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/moe.fatbin"));
 
+/// `rms_norm.cu`: RMSNorm as HF computes it, one launch per call.
+#[cfg(feature = "cuda")]
+pub const RMS_NORM: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/rms_norm.fatbin"));
+
 /// `bench.cu`: microkernels that measure the device's ceilings (the mma.sync bf16 rate).
 #[cfg(feature = "cuda")]
 pub const BENCH: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/bench.fatbin"));

@@ -23,6 +23,7 @@ pub mod moe;
 mod probe;
 pub mod quantized_matmul;
 pub mod registry;
+pub mod rms_norm;
 pub mod sparse_mla;
 
 pub use device::{ComputeCapability, DeviceDesc, DeviceError, DeviceFamily, DeviceKind};

@@ -2,7 +2,7 @@
 //! RMSNorm.
 
 use candle_core::quantized::QMatMul;
-use candle_core::{DType, Device, Module, Tensor, D};
+use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::Linear;
 use glm5_ops::DeviceDesc;
 
@@ -97,18 +97,9 @@ pub(super) struct RmsNorm {
 
 impl Module for RmsNorm {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        // On CUDA, candle-nn's fused kernel (one launch instead of nine): it rounds `x · inv_rms · w` once
-        // where HF rounds `x · inv_rms` to the dtype before the weight multiply, so the two agree exactly in
-        // f32 and to one rounding step in bf16. A decode step runs four of these per layer.
-        if x.device().is_cuda() {
-            return candle_nn::ops::rms_norm(&x.contiguous()?, &self.weight, self.eps as f32);
-        }
-        let x32 = x.to_dtype(DType::F32)?;
-        let inv_rms = (x32.sqr()?.mean_keepdim(D::Minus1)? + self.eps)?
-            .sqrt()?
-            .recip()?;
-        x32.broadcast_mul(&inv_rms)?
-            .to_dtype(x.dtype())?
-            .broadcast_mul(&self.weight)
+        glm5_ops::rms_norm::rms_norm(x, &self.weight, self.eps).map_err(|e| match e {
+            glm5_ops::OpError::Candle(e) => e,
+            other => candle_core::Error::Msg(other.to_string()),
+        })
     }
 }

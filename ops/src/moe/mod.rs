@@ -53,7 +53,7 @@ pub const MAX_GROUPS: usize = 64;
 pub const MAX_TOP_K: usize = 64;
 /// Tokens per step up to which the device mat-vecs run the experts. Above it (prefill) each expert sees
 /// enough tokens that a GEMM per expert wins (see `docs/performance.md`).
-pub const MATVEC_MAX_TOKENS: usize = 64;
+pub const MATVEC_MAX_TOKENS: usize = 256;
 
 /// The router's rule (§5, `noaux_tc`).
 #[derive(Debug, Clone, Copy, PartialEq)]
