@@ -286,13 +286,18 @@ impl ChatTemplate {
         if let Some(eos) = &self.eos_token {
             ctx.push(("eos_token", Value::from(eos.as_str())));
         }
-        // The budget grows with the conversation, so a long but honest chat is never cut off by it.
         let input: usize = messages
             .iter()
             .map(|m| {
                 m.role.len() + m.content.len() + m.reasoning_content.as_ref().map_or(0, String::len)
             })
             .sum();
+        self.render_bounded(Value::from_pairs(ctx), input)
+    }
+
+    /// Renders with the template's budget: fuel, recursion and output grow with `input`, the bytes of the
+    /// conversation, so that a long but honest chat is never cut off by them.
+    fn render_bounded(&self, ctx: Value, input: usize) -> Result<String> {
         let fuel = BASE_FUEL.saturating_add(FUEL_PER_INPUT_BYTE.saturating_mul(input as u64));
         let limit = MAX_OUTPUT_BASE.saturating_add(MAX_OUTPUT_PER_INPUT_BYTE.saturating_mul(input));
         let mut env = self.env.clone();
@@ -303,7 +308,7 @@ impl ChatTemplate {
             limit,
         };
         template
-            .render_captured_to(Value::from_pairs(ctx), &mut out)
+            .render_captured_to(ctx, &mut out)
             .map_err(|e| match e.kind() {
                 ErrorKind::WriteFailure => ChatError::Render(minijinja::Error::new(
                     ErrorKind::InvalidOperation,
@@ -355,7 +360,6 @@ impl ChatTemplate {
         add_generation_prompt: bool,
         kwargs: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<String> {
-        let template = self.env.get_template(NAME).map_err(ChatError::Render)?;
         let mut ctx: std::collections::BTreeMap<String, Value> = [
             ("messages", json_value(messages)),
             ("tools", tools.map_or(Value::from(()), json_value)),
@@ -376,9 +380,11 @@ impl ChatTemplate {
         for (key, value) in kwargs {
             ctx.insert(key.clone(), json_value(value));
         }
-        template
-            .render(Value::from_pairs(ctx))
-            .map_err(ChatError::Render)
+        // The same budget as `render`, over the JSON the template is given.
+        let input = messages.to_string().len()
+            + tools.map_or(0, |t| t.to_string().len())
+            + serde_json::Value::Object(kwargs.clone()).to_string().len();
+        self.render_bounded(Value::from_pairs(ctx), input)
     }
 }
 

@@ -60,8 +60,13 @@ pub fn tokenizer(model: &GgufModel) -> Result<Tokenizer, TokenizerError> {
         "tokenizer.ggml.pre".into(),
         Value::String(candle_pre.unwrap_or("gpt2").into()),
     );
-    let mut inner =
-        tokenizers::Tokenizer::from_gguf(&content).map_err(|e| load_err(e.to_string()))?;
+    // candle attaches a backtrace to its errors when RUST_BACKTRACE is set; the user gets the one line.
+    let mut inner = tokenizers::Tokenizer::from_gguf(&content).map_err(|e| {
+        load_err(match e {
+            candle_core::Error::WithBacktrace { inner, .. } => inner.to_string(),
+            e => e.to_string(),
+        })
+    })?;
     if candle_pre.is_none() {
         // GPT-2's tokenizer.json: ByteLevel(add_prefix_space = false, trim_offsets = true, use_regex = true);
         // candle's default adds a prefix space.

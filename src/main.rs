@@ -21,7 +21,7 @@ use glm5::{
 
 #[derive(Parser)]
 #[command(name = "glm5", version, about = "Run GLM-5 (glm_moe_dsa) with candle")]
-struct Cli {
+pub(crate) struct Cli {
     #[command(subcommand)]
     command: Command,
     /// Log what glm5 does (tracing, to stderr); repeat for more.

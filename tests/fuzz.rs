@@ -12,10 +12,17 @@ use std::path::{Path, PathBuf};
 
 use glm5::candle_core::{DType, Device};
 use glm5::chat::{ChatOptions, ChatTemplate, Message};
+use glm5::models::weights::gguf::GgufModel;
 use glm5::models::{sizes, Checkpoint, Config, Plan, PlanOptions};
 use glm5::tokenizer::{TokenStream, Tokenizer};
-use glm5::{AttentionMode, Registry};
+use glm5::{AttentionMode, Glm5ForCausalLM, Registry};
 use harness::{fuzz, Target};
+
+/// The command line's clap definitions, as the `glm5` binary parses them (`Cli` is `pub(crate)` there for
+/// this).
+#[allow(dead_code)]
+#[path = "../src/main.rs"]
+mod glm5_main;
 
 #[global_allocator]
 static ALLOCATOR: harness::Limited = harness::Limited;
@@ -392,6 +399,145 @@ fn cli_values() -> Target {
     }
 }
 
+/// GGUF files (llama.cpp's `glm-dsa`): the header and metadata, the config they map to, the tensor types,
+/// every weight loaded, and the tokenizer and chat template from the metadata. Seeds: the fixtures made by
+/// llama.cpp's own converter and quantiser.
+fn gguf() -> Target {
+    let dir = scratch().join("gguf");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let le = |v: u64, bytes: usize| v.to_le_bytes()[..bytes].to_vec();
+    let mut dictionary = vec![
+        le(u64::MAX, 8),
+        le(u64::MAX / 2, 8),
+        le(1 << 40, 8),
+        le(u32::MAX as u64, 4),
+        le(0, 8),
+        le(0, 4),
+        le(1, 4),
+        // Type ids: value types past the last (12), ggml types unknown (40) or IQ (16..=23).
+        le(13, 4),
+        le(9, 4),
+        le(40, 4),
+        le(16, 4),
+        le(3, 4),
+        b"GGUF".to_vec(),
+        b"glm-dsa".to_vec(),
+        b"general.alignment".to_vec(),
+        b"glm-dsa.block_count".to_vec(),
+        b"glm-dsa.attention.indexer.top_k".to_vec(),
+        b"glm-dsa.expert_count".to_vec(),
+        b"tokenizer.ggml.tokens".to_vec(),
+        b"tokenizer.chat_template".to_vec(),
+        b"blk.0.attn_q_a.weight".to_vec(),
+        b"token_embd.weight".to_vec(),
+    ];
+    dictionary.extend(words(&["{{ messages }}", "\u{0}", "../x.gguf"]));
+    Target {
+        name: "gguf",
+        seeds: vec![
+            repo_file("tests/fixtures/gguf/tiny-glm5-Q8_0.gguf"),
+            repo_file("tests/fixtures/gguf/tiny-glm5-Q4_K_M.gguf"),
+        ],
+        dictionary,
+        run: Box::new(move |bytes| {
+            let path = dir.join("model.gguf");
+            std::fs::write(&path, bytes).map_err(|e| e.to_string())?;
+            let model = GgufModel::open(&path).map_err(|e| e.to_string())?;
+            // The metadata's tokenizer and template may fail on their own; the weights are still tried.
+            let tokenizer = glm5::gguf::tokenizer(&model).map(|t| t.vocab_size());
+            let template = glm5::gguf::chat_template(&model)
+                .map(|t| t.and_then(|t| t.render(&[Message::user("hi")], &ChatOptions::default())));
+            let (config, checkpoint) = Checkpoint::open_gguf(&path).map_err(|e| e.to_string())?;
+            Glm5ForCausalLM::load(
+                &config,
+                &checkpoint,
+                DType::F32,
+                &Device::Cpu,
+                AttentionMode::Sparse,
+            )
+            .map_err(|e| e.to_string())?;
+            tokenizer.map_err(|e| e.to_string())?;
+            if let Some(template) = template {
+                template.map_err(|e| e.to_string())?;
+            }
+            Ok(())
+        }),
+        ci_iterations: 250,
+        max_seconds: 10.0,
+    }
+}
+
+/// Whole `glm5` command lines (`generate`, `plan`, `serve`), parsed by clap as the binary parses them. An
+/// input is the arguments after `glm5`, separated by NUL bytes; they need not be UTF-8.
+fn cli_args() -> Target {
+    use clap::Parser;
+    use std::os::unix::ffi::OsStrExt;
+    Target {
+        name: "cli-args",
+        seeds: words(&[
+            "generate\x00--prompt\x00Hello\x00--max-new-tokens\x008",
+            "generate\x00--chat\x00--system\x00terse\x00--temperature\x000.7\x00--top-p\x000.9\x00--seed\x001",
+            "generate\x00--model\x00zai-org/GLM-5\x00--revision\x00main\x00--offline\x00--dtype\x00bf16\x00--prompt\x00x",
+            "generate\x00--devices\x00cuda:0,cuda:1\x00--layer-map\x000-1=cuda:0\x00--backend\x00sparse_mla=reference\x00--prompt\x00x\x00--raw",
+            "generate\x00--model\x00unsloth/GLM-5-GGUF\x00--quant\x00UD-Q2_K_XL\x00--prompt\x00x\x00--stop\x00\n\x00--no-think",
+            "plan\x00--assume\x00sm_120:96GB x8\x00--context\x00202752\x00--index-cache\x00fp8",
+            "plan\x00--model\x00x.gguf\x00--devices\x00cpu\x00--attention\x00dense\x00--layer-map\x000-3=#0\x00-v",
+            "serve\x00--port\x000\x00--host\x00::1\x00--api-key\x00k\x00--max-seqs\x004\x00--max-queue\x0016",
+            "serve\x00--max-model-len\x00512\x00--kv-budget\x004096\x00--prefill-chunk\x0064\x00--read-timeout\x000.5\x00--shutdown-grace\x001",
+        ]),
+        dictionary: words(&[
+            "\x00--prompt\x00",
+            "\x00--chat\x00",
+            "\x00--model\x00",
+            "\x00--quant\x00",
+            "\x00--devices\x00",
+            "\x00--device\x00",
+            "\x00--assume\x00",
+            "\x00--layer-map\x00",
+            "\x00--backend\x00",
+            "\x00--max-new-tokens\x00",
+            "\x00--port\x00",
+            "\x00--max-seqs\x00",
+            "\x00--read-timeout\x00",
+            "\x00--dtype\x00",
+            "\x00--help\x00",
+            "\x00--version\x00",
+            "\x00-vvvvvvvv\x00",
+            "\x00--\x00",
+            "\x00-\x00",
+            "=",
+            "\u{ff}",
+            "\u{80}",
+            "\x00generate\x00",
+            "\x00plan\x00",
+            "\x00serve\x00",
+        ]),
+        run: Box::new(move |bytes| {
+            let args = std::iter::once(std::ffi::OsStr::new("glm5"))
+                .chain(bytes.split(|&b| b == 0).map(std::ffi::OsStr::from_bytes));
+            match glm5_main::Cli::try_parse_from(args) {
+                Ok(_) => Ok(()),
+                // --help and --version are not errors of the input.
+                Err(e) if matches!(e.kind(), clap::error::ErrorKind::DisplayHelp
+                    | clap::error::ErrorKind::DisplayVersion
+                    | clap::error::ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand) => Ok(()),
+                // clap's message is a few lines (the error, usage, a hint); its first names the argument.
+                Err(e) => {
+                    let text = e.render().to_string();
+                    let first = text.lines().next().unwrap_or_default().trim();
+                    if first.is_empty() {
+                        return Err(String::new());
+                    }
+                    Err(format!("{:?}: {first}", e.kind()))
+                }
+            }
+        }),
+        ci_iterations: 5_000,
+        max_seconds: 2.0,
+    }
+}
+
 #[test]
 fn fuzz_config() {
     fuzz(config());
@@ -420,4 +566,14 @@ fn fuzz_chat_template() {
 #[test]
 fn fuzz_cli_values() {
     fuzz(cli_values());
+}
+
+#[test]
+fn fuzz_gguf() {
+    fuzz(gguf());
+}
+
+#[test]
+fn fuzz_cli_args() {
+    fuzz(cli_args());
 }

@@ -239,8 +239,7 @@ fn template_work_recursion_and_output_are_bounded() {
             "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}",
             "fuel",
         ),
-        // 1 GB of output in one expression, and a string doubled 40 times. (A list doubled the same way is
-        // not bounded by minijinja 3.1.0's fuel: docs/security.md, known gaps.)
+        // 1 GB of output in one expression, and a string doubled 40 times.
         ("{{ 'x' * 1000000000 }}", "fuel"),
         (
             "{% set ns = namespace(x='xxxxxxxx') %}{% for i in range(40) %}{% set ns.x = ns.x ~ ns.x %}{% endfor %}{{ ns.x|length }}",
@@ -273,6 +272,67 @@ fn template_work_recursion_and_output_are_bounded() {
         .render(&[Message::user(long.clone())], &ChatOptions::default())
         .unwrap();
     assert_eq!(text.len(), "user: ".len() + long.len() + 1);
+}
+
+/// The two minijinja 3.1.0 bugs patched in `third_party/minijinja` (GLM5-PATCH.md): a namespace that holds
+/// itself (printing it overflowed the stack and aborted; found by the `template` fuzz target) and a list
+/// doubled past the lazy-chain depth (copied into 2^33 items without fuel; it grew past 12 GB).
+#[test]
+fn template_cycles_and_list_doubling_are_typed_errors() {
+    let messages = [Message::user("hi")];
+    let unrolled = format!(
+        "{{% set x = [1] %}}{}{{{{ x|length }}}}",
+        "{% set x = x + x %}".repeat(40)
+    );
+    let started = Instant::now();
+    for (source, needle) in [
+        (
+            "{% set ns = namespace(x='') %}{% set ns.x = ns %}{{ ns.x ~ 1 }}",
+            "cycle",
+        ),
+        // Through a list, a map and a second namespace.
+        ("{% set ns = namespace() %}{% set ns.x = [1, [ns]] %}{{ ns }}", "cycle"),
+        ("{% set ns = namespace() %}{% set ns.x = {'a': {'b': ns}} %}{{ ns }}", "cycle"),
+        (
+            "{% set a = namespace() %}{% set b = namespace(y=a) %}{% set a.x = b %}{{ a }}",
+            "cycle",
+        ),
+        // Through a lazy list chain.
+        ("{% set ns = namespace() %}{% set ns.x = [1] + [ns] %}{{ ns }}", "cycle"),
+        (
+            "{% set ns = namespace(x=[1]) %}{% for i in range(40) %}{% set ns.x = ns.x + ns.x %}{% endfor %}{{ ns.x|length }}",
+            "fuel",
+        ),
+        // The same without a loop.
+        (unrolled.as_str(), "fuel"),
+    ] {
+        let template = ChatTemplate::new(source, None, None).unwrap();
+        let err = template
+            .render(&messages, &ChatOptions::default())
+            .unwrap_err();
+        assert!(matches!(err, ChatError::Render(_)), "{err:?}");
+        let text = err.to_string();
+        assert!(text.to_lowercase().contains(needle), "{source}: {text}");
+        one_line(&text);
+    }
+    assert!(started.elapsed() < Duration::from_secs(20));
+    // What templates do with namespaces still works: values copied between namespaces, lists grown by
+    // concatenation, a namespace holding another one (no cycle).
+    let template = ChatTemplate::new(
+        "{% set a = namespace(items=[], n=0) %}{% set b = namespace(inner=a) %}{% for m in messages %}\
+         {% set a.items = a.items + [m.content] %}{% set a.n = a.n + 1 %}{% set b.last = m %}{% endfor %}\
+         {{ b.inner.n }} {{ a.items|join(',') }} {{ b.last.role }}",
+        None,
+        None,
+    )
+    .unwrap();
+    let text = template
+        .render(
+            &[Message::user("x"), Message::assistant("y")],
+            &ChatOptions::default(),
+        )
+        .unwrap();
+    assert_eq!(text, "2 x,y assistant");
 }
 
 #[test]
@@ -579,4 +639,45 @@ fn template_recursion_at_the_limit_fits_a_small_thread_stack() {
             .unwrap();
         assert!(result.is_err(), "{source}");
     }
+}
+
+#[test]
+fn fuzz_find_gguf_tokenizer_error_carried_candles_backtrace() {
+    // With RUST_BACKTRACE set, candle attaches a backtrace to its errors, and a GGUF whose merges name a
+    // token outside the vocabulary printed it as part of the error (many lines instead of one).
+    let mut bytes = std::fs::read(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf/tiny-glm5-Q8_0.gguf"),
+    )
+    .unwrap();
+    let merges = bytes
+        .windows(21)
+        .position(|w| w == b"tokenizer.ggml.merges")
+        .unwrap();
+    let merge = merges
+        + bytes[merges..]
+            .windows(3)
+            .position(|w| w == b"h e")
+            .unwrap();
+    bytes[merge + 2] = b'Z';
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("model.gguf");
+    std::fs::write(&path, &bytes).unwrap();
+    let mut command = Command::new(env!("CARGO_BIN_EXE_glm5"));
+    command
+        .args([
+            "generate",
+            "--model",
+            path.to_str().unwrap(),
+            "--prompt",
+            "hi",
+        ])
+        .env("RUST_BACKTRACE", "1");
+    let output = command.output().unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    one_line(stderr.trim());
+    assert!(stderr.contains("Token `hZ` out of vocabulary"), "{stderr}");
+    let model = glm5::models::weights::gguf::GgufModel::open(&path).unwrap();
+    let err = glm5::gguf::tokenizer(&model).err().expect("refused");
+    assert!(matches!(err, TokenizerError::Load { .. }), "{err:?}");
 }

@@ -276,17 +276,120 @@ fn log_request(
 }
 
 // ----------------------------------------------------------------------------------------------------
-// Per-choice output processing
+// One path for both endpoints. What differs is the prompt (built by `start_chat` / `start_completion`) and
+// how a choice's text becomes JSON ([`Shape`]); event handling, usage, streaming and the response
+// envelope are shared.
 
-/// What a choice's text turned into.
-#[derive(Default)]
-struct Delta {
-    reasoning: String,
-    content: String,
-    calls: Vec<ToolCall>,
+/// What a choice needs from its request to shape its output.
+struct ChoiceContext<'a> {
+    tokenizer: &'a Tokenizer,
+    request_id: &'a str,
+    index: usize,
 }
 
-/// What one engine event means for one choice: new output, its log-probabilities, the finish reason.
+/// How one choice turns the engine's text into an endpoint's JSON: chat (reasoning, tool calls,
+/// `message` / `delta`) or text completions (`text`).
+trait Shape: Send + 'static {
+    /// The endpoint's name in logs.
+    const ENDPOINT: &'static str;
+    /// `object` of the non-streamed response.
+    const OBJECT: &'static str;
+    /// `object` of a streamed chunk.
+    const CHUNK_OBJECT: &'static str;
+    /// What one event added to the choice's output.
+    type Delta;
+
+    /// Takes a token's text, and its log-probabilities when the request asked for them; returns the new
+    /// output and the streamed chunk's `logprobs`.
+    fn token(
+        &mut self,
+        cx: &ChoiceContext,
+        text: &str,
+        logprobs: Option<(u32, &TokenLogprobs)>,
+    ) -> (Self::Delta, Option<Value>);
+    /// Flushes what the choice held back; returns it and the `finish_reason`.
+    fn finish(&mut self, cx: &ChoiceContext, reason: &FinishReason) -> (Self::Delta, &'static str);
+    /// The `choices` entries of the chunks streamed for one event, one chunk each (none: nothing to send).
+    fn chunk_choices(
+        &mut self,
+        index: usize,
+        delta: Self::Delta,
+        logprobs: Option<Value>,
+        finish: Option<&'static str>,
+    ) -> Vec<Value>;
+    /// The choice in the non-streamed response.
+    fn response_choice(&self, index: usize, logprobs: bool) -> Value;
+}
+
+/// A submitted request's choices and what it asked for.
+struct Job<S> {
+    submitted: Submitted,
+    /// Choices per prompt.
+    n: usize,
+    choices: Vec<S>,
+    logprobs: bool,
+    include_usage: bool,
+}
+
+/// A request ready to answer: its job, streamed or not.
+struct Started<S> {
+    job: Job<S>,
+    stream: bool,
+}
+
+impl<S: Shape> Started<S> {
+    /// The job of a request's submitted sequences: `n` choices per prompt, each made by `choice`.
+    fn new(
+        submitted: Submitted,
+        n: usize,
+        logprobs: bool,
+        sampling: &openai::Sampling,
+        choice: impl Fn() -> S,
+    ) -> Self {
+        let choices = submitted.prompt_tokens.iter().map(|_| choice()).collect();
+        Self {
+            job: Job {
+                submitted,
+                n,
+                choices,
+                logprobs,
+                include_usage: sampling
+                    .stream_options
+                    .as_ref()
+                    .is_some_and(|o| o.include_usage),
+            },
+            stream: sampling.stream,
+        }
+    }
+}
+
+/// Answers a started request (server-sent events or one JSON object), or its error.
+async fn answer<S: Shape>(
+    state: &Arc<AppState>,
+    started: Result<Started<S>, ApiError>,
+    id: &str,
+    arrived: Instant,
+) -> Response {
+    let response = match started {
+        Ok(Started { job, stream: true }) => Ok(sse(event_stream(state.clone(), job))),
+        Ok(Started { job, stream: false }) => respond(state, job).await,
+        Err(e) => Err(e),
+    };
+    response.unwrap_or_else(|e| {
+        log_request(state, S::ENDPOINT, id, e.status.as_u16(), arrived, None);
+        e.into_response()
+    })
+}
+
+/// Totals of a request as its events arrive.
+#[derive(Default)]
+struct Progress {
+    usage: Usage,
+    first_token: bool,
+    finished: usize,
+}
+
+/// What one engine event did to one choice.
 struct Update<D> {
     choice: usize,
     delta: D,
@@ -294,64 +397,227 @@ struct Update<D> {
     finish: Option<&'static str>,
 }
 
-/// One choice of a chat request: reasoning split, tool-call parsing, totals.
-struct ChatChoice {
-    splitter: ReasoningSplitter,
-    tools: Option<ToolCallParser>,
-    reasoning: String,
-    content: String,
-    calls: Vec<(String, ToolCall)>,
-    logprobs: Vec<Value>,
-    finish: Option<String>,
-    saw_reasoning: bool,
+/// Applies one engine event to its choice.
+fn apply_event<S: Shape>(
+    state: &AppState,
+    job: &mut Job<S>,
+    progress: &mut Progress,
+    event: SeqEvent,
+) -> Result<Update<S::Delta>, ApiError> {
+    match event {
+        SeqEvent::Token {
+            choice,
+            id,
+            text,
+            logprobs,
+        } => {
+            if id.is_some() && !progress.first_token {
+                progress.first_token = true;
+                state
+                    .metrics
+                    .ttft_seconds
+                    .observe(job.submitted.arrived.elapsed().as_secs_f64());
+            }
+            let cx = ChoiceContext {
+                tokenizer: &state.tokenizer,
+                request_id: &job.submitted.id,
+                index: choice,
+            };
+            let token = match (id, &logprobs) {
+                (Some(id), Some(lp)) if job.logprobs => Some((id, lp)),
+                _ => None,
+            };
+            let (delta, logprobs) = job.choices[choice].token(&cx, &text, token);
+            Ok(Update {
+                choice,
+                delta,
+                logprobs,
+                finish: None,
+            })
+        }
+        SeqEvent::Finished {
+            choice,
+            reason,
+            prompt_tokens: _, // counted once per prompt by `prompt_usage`
+            cached_tokens,
+            completion_tokens,
+        } => {
+            progress.usage.completion += completion_tokens;
+            // Like its prompt tokens, a prompt's cached prefix counts once, not once per choice.
+            if choice % job.n == 0 {
+                progress.usage.cached += cached_tokens;
+            }
+            let cx = ChoiceContext {
+                tokenizer: &state.tokenizer,
+                request_id: &job.submitted.id,
+                index: choice,
+            };
+            let (delta, reason) = job.choices[choice].finish(&cx, &reason);
+            progress.finished += 1;
+            Ok(Update {
+                choice,
+                delta,
+                logprobs: None,
+                finish: Some(reason),
+            })
+        }
+        SeqEvent::Failed { message, .. } => Err(ApiError::internal(message)),
+    }
 }
 
-impl ChatChoice {
-    fn new(starts_in_reasoning: bool, tools: Option<Vec<Value>>) -> Self {
-        Self {
-            splitter: ReasoningSplitter::new(starts_in_reasoning),
-            tools: tools.map(ToolCallParser::new),
-            reasoning: String::new(),
-            content: String::new(),
-            calls: Vec::new(),
-            logprobs: Vec::new(),
-            finish: None,
-            saw_reasoning: starts_in_reasoning,
+/// Counts a request's prompt tokens once per prompt (choices of one prompt share it).
+fn prompt_usage(submitted: &Submitted, n: usize, usage: &mut Usage) {
+    usage.prompt = submitted.prompt_tokens.iter().step_by(n.max(1)).sum();
+}
+
+/// The non-streamed answer: waits for every choice to finish.
+async fn respond<S: Shape>(state: &Arc<AppState>, mut job: Job<S>) -> Result<Response, ApiError> {
+    let mut progress = Progress::default();
+    while progress.finished < job.choices.len() {
+        let Some(event) = job.submitted.events.recv().await else {
+            return Err(ApiError::internal("the engine stopped"));
+        };
+        apply_event(state, &mut job, &mut progress, event)?;
+    }
+    let mut usage = progress.usage;
+    prompt_usage(&job.submitted, job.n, &mut usage);
+    let choices: Vec<Value> = job
+        .choices
+        .iter()
+        .enumerate()
+        .map(|(index, c)| c.response_choice(index, job.logprobs))
+        .collect();
+    log_request(
+        state,
+        S::ENDPOINT,
+        &job.submitted.id,
+        200,
+        job.submitted.arrived,
+        Some((usage.prompt, usage.completion)),
+    );
+    Ok(Json(json!({
+        "id": job.submitted.id,
+        "object": S::OBJECT,
+        "created": unix_now(),
+        "model": state.model_name,
+        "choices": choices,
+        "usage": usage.json(),
+    }))
+    .into_response())
+}
+
+fn sse<S>(stream: S) -> Response
+where
+    S: Stream<Item = Result<Event, Infallible>> + Send + 'static,
+{
+    Sse::new(stream)
+        .keep_alive(KeepAlive::new().interval(Duration::from_secs(10)))
+        .into_response()
+}
+
+/// State of a streamed request.
+struct EventStream<S> {
+    state: Arc<AppState>,
+    job: Job<S>,
+    progress: Progress,
+    pending: std::collections::VecDeque<Event>,
+    done: bool,
+    created: u64,
+}
+
+/// The streamed answer: one chunk per piece of output, then usage (when asked for) and `[DONE]`.
+fn event_stream<S: Shape>(
+    state: Arc<AppState>,
+    job: Job<S>,
+) -> impl Stream<Item = Result<Event, Infallible>> + Send + 'static {
+    let stream = EventStream {
+        state,
+        job,
+        progress: Progress::default(),
+        pending: Default::default(),
+        done: false,
+        created: unix_now(),
+    };
+    futures_util::stream::unfold(stream, |mut s| async move {
+        loop {
+            if let Some(event) = s.pending.pop_front() {
+                return Some((Ok(event), s));
+            }
+            if s.done {
+                return None;
+            }
+            s.next_events().await;
+        }
+    })
+}
+
+impl<S: Shape> EventStream<S> {
+    fn chunk(&self, choices: Value, usage: Option<Value>) -> Event {
+        let mut body = json!({
+            "id": self.job.submitted.id,
+            "object": S::CHUNK_OBJECT,
+            "created": self.created,
+            "model": self.state.model_name,
+            "choices": choices,
+        });
+        if self.job.include_usage {
+            body["usage"] = usage.unwrap_or(Value::Null);
+        }
+        Event::default().data(body.to_string())
+    }
+
+    async fn next_events(&mut self) {
+        let Some(event) = self.job.submitted.events.recv().await else {
+            return self.fail(ApiError::internal("the engine stopped"));
+        };
+        let update = match apply_event(&self.state, &mut self.job, &mut self.progress, event) {
+            Err(e) => return self.fail(e),
+            Ok(update) => update,
+        };
+        let entries = self.job.choices[update.choice].chunk_choices(
+            update.choice,
+            update.delta,
+            update.logprobs,
+            update.finish,
+        );
+        for entry in entries {
+            let event = self.chunk(json!([entry]), None);
+            self.pending.push_back(event);
+        }
+        if update.finish.is_some() && self.progress.finished == self.job.choices.len() {
+            let mut usage = self.progress.usage;
+            prompt_usage(&self.job.submitted, self.job.n, &mut usage);
+            if self.job.include_usage {
+                let event = self.chunk(json!([]), Some(usage.json()));
+                self.pending.push_back(event);
+            }
+            self.pending.push_back(Event::default().data("[DONE]"));
+            self.done = true;
+            log_request(
+                &self.state,
+                S::ENDPOINT,
+                &self.job.submitted.id,
+                200,
+                self.job.submitted.arrived,
+                Some((usage.prompt, usage.completion)),
+            );
         }
     }
 
-    fn push(&mut self, text: &str, last: bool) -> Delta {
-        let mut split = self.splitter.push(text);
-        if last {
-            let rest = self.splitter.finish();
-            split.reasoning.push_str(&rest.reasoning);
-            split.content.push_str(&rest.content);
-        }
-        if self.splitter.in_reasoning() || !split.reasoning.is_empty() {
-            self.saw_reasoning = true;
-        }
-        let mut delta = Delta {
-            reasoning: split.reasoning,
-            ..Default::default()
-        };
-        match &mut self.tools {
-            None => delta.content = split.content,
-            Some(parser) => {
-                let mut events = parser.push(&split.content);
-                if last {
-                    events.extend(parser.finish());
-                }
-                for event in events {
-                    match event {
-                        ToolEvent::Content(text) => delta.content.push_str(&text),
-                        ToolEvent::Call(call) => delta.calls.push(call),
-                    }
-                }
-            }
-        }
-        self.reasoning.push_str(&delta.reasoning);
-        self.content.push_str(&delta.content);
-        delta
+    /// An error after the stream started: an error event, then the end.
+    fn fail(&mut self, e: ApiError) {
+        self.pending
+            .push_back(Event::default().data(e.body().to_string()));
+        self.pending.push_back(Event::default().data("[DONE]"));
+        self.done = true;
+        log_request(
+            &self.state,
+            S::ENDPOINT,
+            &self.job.submitted.id,
+            e.status.as_u16(),
+            self.job.submitted.arrived,
+            None,
+        );
     }
 }
 
@@ -367,17 +633,6 @@ fn finish_reason(reason: &FinishReason, called_tools: bool) -> &'static str {
 
 fn token_text(tokenizer: &Tokenizer, id: u32) -> String {
     tokenizer.decode(&[id]).unwrap_or_default()
-}
-
-/// Chat `logprobs.content` entry.
-fn chat_logprob(tokenizer: &Tokenizer, id: u32, lp: &TokenLogprobs) -> Value {
-    let entry = |id: u32, logprob: f32| {
-        let token = token_text(tokenizer, id);
-        json!({"token": token, "logprob": logprob, "bytes": token.as_bytes()})
-    };
-    let mut value = entry(id, lp.logprob);
-    value["top_logprobs"] = lp.top.iter().map(|&(t, l)| entry(t, l)).collect();
-    value
 }
 
 fn usage_json(prompt: usize, completion: usize, cached: usize) -> Value {
@@ -403,6 +658,17 @@ impl Usage {
     }
 }
 
+/// `top_logprobs` (chat) or `logprobs` (text) checked against the limit.
+fn top_logprobs(param: &str, k: Option<i64>) -> Result<Option<usize>, ApiError> {
+    match k {
+        Some(k) if !(0..=openai::MAX_TOP_LOGPROBS).contains(&k) => Err(ApiError::invalid_param(
+            param,
+            format!("{param} must be between 0 and {}", openai::MAX_TOP_LOGPROBS),
+        )),
+        k => Ok(k.map(|k| k as usize)),
+    }
+}
+
 // ----------------------------------------------------------------------------------------------------
 // Chat completions
 
@@ -413,29 +679,18 @@ async fn chat_completions(
 ) -> Response {
     let arrived = Instant::now();
     let id = new_id(&state, "chatcmpl");
-    match start_chat(&state, &headers, body, id.clone(), arrived).await {
-        Ok(response) => response,
-        Err(e) => {
-            log_request(&state, "chat", &id, e.status.as_u16(), arrived, None);
-            e.into_response()
-        }
-    }
+    let started = start_chat(&state, &headers, body, id.clone(), arrived).await;
+    answer(&state, started, &id, arrived).await
 }
 
-struct ChatJob {
-    submitted: Submitted,
-    choices: Vec<ChatChoice>,
-    logprobs: bool,
-    include_usage: bool,
-}
-
+/// The chat prompt: the model's template over the messages and tools.
 async fn start_chat(
     state: &Arc<AppState>,
     headers: &HeaderMap,
     body: Body,
     id: String,
     arrived: Instant,
-) -> Result<Response, ApiError> {
+) -> Result<Started<ChatChoice>, ApiError> {
     authorize(state, headers)?;
     let request: ChatRequest = read_json(state, headers, body).await?;
     check_model(state, request.sampling.model.as_deref())?;
@@ -463,25 +718,13 @@ async fn start_chat(
         .map_err(|e| ApiError::bad_request(e.to_string()))?;
     let n = openai::choices(request.sampling.n, state.scheduler.config().max_seqs)?;
     let params = openai::sampling_params(&request.sampling, &state.defaults)?;
-    let top_logprobs = match request.top_logprobs {
-        Some(k) if !(0..=openai::MAX_TOP_LOGPROBS).contains(&k) => {
-            return Err(ApiError::invalid_param(
-                "top_logprobs",
-                format!(
-                    "top_logprobs must be between 0 and {}",
-                    openai::MAX_TOP_LOGPROBS
-                ),
-            ))
-        }
-        Some(_) if !request.logprobs => {
-            return Err(ApiError::invalid_param(
-                "top_logprobs",
-                "top_logprobs needs logprobs: true",
-            ))
-        }
-        k => k.unwrap_or(0) as usize,
-    };
-    let logprobs = request.logprobs.then_some(top_logprobs);
+    let top_logprobs = top_logprobs("top_logprobs", request.top_logprobs)?;
+    if top_logprobs.is_some() && !request.logprobs {
+        return Err(ApiError::invalid_param(
+            "top_logprobs",
+            "top_logprobs needs logprobs: true",
+        ));
+    }
     let max_tokens = request
         .max_completion_tokens
         .or(request.sampling.max_tokens);
@@ -493,183 +736,221 @@ async fn start_chat(
         SequenceSpec {
             params: &params,
             max_tokens,
-            logprobs,
+            logprobs: request.logprobs.then_some(top_logprobs.unwrap_or(0)),
             ignore_eos: request.sampling.ignore_eos,
         },
         arrived,
     )?;
     let opens_thinking = prompt_opens_thinking(&prompt);
-    let choices = (0..n)
-        .map(|_| ChatChoice::new(opens_thinking, tools.clone().filter(|_| parse_tools)))
-        .collect();
-    let job = ChatJob {
+    let tools = tools.filter(|_| parse_tools);
+    Ok(Started::new(
         submitted,
-        choices,
-        logprobs: request.logprobs,
-        include_usage: request
-            .sampling
-            .stream_options
-            .as_ref()
-            .is_some_and(|o| o.include_usage),
-    };
-    if request.sampling.stream {
-        Ok(sse(chat_stream(state.clone(), job)))
-    } else {
-        chat_response(state, job).await
-    }
+        n,
+        request.logprobs,
+        &request.sampling,
+        || ChatChoice::new(opens_thinking, tools.clone()),
+    ))
 }
 
-/// Applies one event to the job; the delta of a choice when there is something to send.
-fn chat_event(
-    state: &AppState,
-    job: &mut ChatJob,
-    event: SeqEvent,
-    usage: &mut Usage,
-    first_token: &mut bool,
-) -> Result<Update<Delta>, ApiError> {
-    match event {
-        SeqEvent::Token {
-            choice,
-            id,
-            text,
-            logprobs,
-        } => {
-            if id.is_some() && !*first_token {
-                *first_token = true;
-                state
-                    .metrics
-                    .ttft_seconds
-                    .observe(job.submitted.arrived.elapsed().as_secs_f64());
-            }
-            let c = &mut job.choices[choice];
-            let delta = c.push(&text, false);
-            let lp = match (id, &logprobs) {
-                (Some(id), Some(lp)) if job.logprobs => {
-                    let entry = chat_logprob(&state.tokenizer, id, lp);
-                    c.logprobs.push(entry.clone());
-                    Some(entry)
-                }
-                _ => None,
-            };
-            Ok(Update {
-                choice,
-                delta,
-                logprobs: lp,
-                finish: None,
-            })
+/// What a chat choice's text turned into.
+#[derive(Default)]
+struct ChatDelta {
+    reasoning: String,
+    content: String,
+    /// Indices of the tool calls it completed in [`ChatChoice::calls`].
+    calls: Vec<usize>,
+}
+
+/// One choice of a chat request: reasoning split, tool-call parsing, totals.
+struct ChatChoice {
+    splitter: ReasoningSplitter,
+    tools: Option<ToolCallParser>,
+    reasoning: String,
+    content: String,
+    /// Tool calls with their ids.
+    calls: Vec<(String, ToolCall)>,
+    logprobs: Vec<Value>,
+    finish: Option<&'static str>,
+    saw_reasoning: bool,
+    /// Whether the first streamed chunk (with the role) went out.
+    started: bool,
+}
+
+impl ChatChoice {
+    fn new(starts_in_reasoning: bool, tools: Option<Vec<Value>>) -> Self {
+        Self {
+            splitter: ReasoningSplitter::new(starts_in_reasoning),
+            tools: tools.map(ToolCallParser::new),
+            reasoning: String::new(),
+            content: String::new(),
+            calls: Vec::new(),
+            logprobs: Vec::new(),
+            finish: None,
+            saw_reasoning: starts_in_reasoning,
+            started: false,
         }
-        SeqEvent::Finished {
-            choice,
-            reason,
-            prompt_tokens,
-            cached_tokens,
-            completion_tokens,
-        } => {
-            let _ = prompt_tokens; // counted once per prompt by `prompt_usage`
-            usage.completion += completion_tokens;
-            if choice == 0 {
-                usage.cached = cached_tokens;
-            }
-            let c = &mut job.choices[choice];
-            let delta = c.push("", true);
-            let called = !c.calls.is_empty() || !delta.calls.is_empty();
-            let reason = finish_reason(&reason, called);
-            c.finish = Some(reason.to_string());
-            Ok(Update {
-                choice,
-                delta,
-                logprobs: None,
-                finish: Some(reason),
-            })
-        }
-        SeqEvent::Failed { message, .. } => Err(ApiError::internal(message)),
     }
-}
 
-/// Counts a request's prompt tokens once per prompt (choices of one prompt share it).
-fn prompt_usage(submitted: &Submitted, n: usize, usage: &mut Usage) {
-    usage.prompt = submitted.prompt_tokens.iter().step_by(n.max(1)).sum();
-}
-
-async fn chat_response(state: &Arc<AppState>, mut job: ChatJob) -> Result<Response, ApiError> {
-    let mut usage = Usage::default();
-    let mut first = false;
-    let n = job.choices.len();
-    let mut finished = 0;
-    while finished < n {
-        let Some(event) = job.submitted.events.recv().await else {
-            return Err(ApiError::internal("the engine stopped"));
+    fn push(&mut self, cx: &ChoiceContext, text: &str, last: bool) -> ChatDelta {
+        let mut split = self.splitter.push(text);
+        if last {
+            let rest = self.splitter.finish();
+            split.reasoning.push_str(&rest.reasoning);
+            split.content.push_str(&rest.content);
+        }
+        if self.splitter.in_reasoning() || !split.reasoning.is_empty() {
+            self.saw_reasoning = true;
+        }
+        let mut delta = ChatDelta {
+            reasoning: split.reasoning,
+            ..Default::default()
         };
-        let update = chat_event(state, &mut job, event, &mut usage, &mut first)?;
-        let c = &mut job.choices[update.choice];
-        for call in update.delta.calls {
-            c.calls.push((
-                call_id(&job.submitted.id, update.choice, c.calls.len()),
-                call,
-            ));
+        match &mut self.tools {
+            None => delta.content = split.content,
+            Some(parser) => {
+                let mut events = parser.push(&split.content);
+                if last {
+                    events.extend(parser.finish());
+                }
+                for event in events {
+                    match event {
+                        ToolEvent::Content(text) => delta.content.push_str(&text),
+                        ToolEvent::Call(call) => {
+                            let index = self.calls.len();
+                            let id = call_id(cx.request_id, cx.index, index);
+                            self.calls.push((id, call));
+                            delta.calls.push(index);
+                        }
+                    }
+                }
+            }
         }
-        if update.finish.is_some() {
-            finished += 1;
-        }
+        self.reasoning.push_str(&delta.reasoning);
+        self.content.push_str(&delta.content);
+        delta
     }
-    prompt_usage(&job.submitted, n, &mut usage);
-    let choices: Vec<Value> = job
-        .choices
-        .iter()
-        .enumerate()
-        .map(|(index, c)| {
-            let mut message = Map::new();
-            message.insert("role".into(), "assistant".into());
-            let content = if c.calls.is_empty() {
-                Value::from(c.content.clone())
-            } else {
-                Some(c.content.trim())
-                    .filter(|t| !t.is_empty())
-                    .map_or(Value::Null, Value::from)
-            };
-            message.insert("content".into(), content);
-            if c.saw_reasoning {
-                message.insert("reasoning_content".into(), c.reasoning.clone().into());
-            }
-            if !c.calls.is_empty() {
-                message.insert(
-                    "tool_calls".into(),
-                    c.calls
-                        .iter()
-                        .map(|(id, call)| tool_call_json(id, call))
-                        .collect(),
-                );
-            }
-            let logprobs = if job.logprobs {
-                json!({"content": c.logprobs})
-            } else {
-                Value::Null
-            };
-            json!({
+}
+
+impl Shape for ChatChoice {
+    const ENDPOINT: &'static str = "chat";
+    const OBJECT: &'static str = "chat.completion";
+    const CHUNK_OBJECT: &'static str = "chat.completion.chunk";
+    type Delta = ChatDelta;
+
+    fn token(
+        &mut self,
+        cx: &ChoiceContext,
+        text: &str,
+        logprobs: Option<(u32, &TokenLogprobs)>,
+    ) -> (ChatDelta, Option<Value>) {
+        let delta = self.push(cx, text, false);
+        let logprobs = logprobs.map(|(id, lp)| {
+            let entry = chat_logprob(cx.tokenizer, id, lp);
+            self.logprobs.push(entry.clone());
+            json!({"content": [entry]})
+        });
+        (delta, logprobs)
+    }
+
+    fn finish(&mut self, cx: &ChoiceContext, reason: &FinishReason) -> (ChatDelta, &'static str) {
+        let delta = self.push(cx, "", true);
+        let reason = finish_reason(reason, !self.calls.is_empty());
+        self.finish = Some(reason);
+        (delta, reason)
+    }
+
+    fn chunk_choices(
+        &mut self,
+        index: usize,
+        delta: ChatDelta,
+        logprobs: Option<Value>,
+        finish: Option<&'static str>,
+    ) -> Vec<Value> {
+        let mut entries = Vec::new();
+        if !self.started {
+            self.started = true;
+            entries.push(
+                json!({"index": index, "delta": {"role": "assistant", "content": ""},
+                "logprobs": null, "finish_reason": null}),
+            );
+        }
+        let mut d = Map::new();
+        if !delta.reasoning.is_empty() {
+            d.insert("reasoning_content".into(), delta.reasoning.into());
+        }
+        if !delta.content.is_empty() {
+            d.insert("content".into(), delta.content.into());
+        }
+        if !delta.calls.is_empty() {
+            let calls: Vec<Value> = delta
+                .calls
+                .iter()
+                .map(|&i| {
+                    let (id, call) = &self.calls[i];
+                    let mut value = tool_call_json(id, call);
+                    value["index"] = i.into();
+                    value
+                })
+                .collect();
+            d.insert("tool_calls".into(), calls.into());
+        }
+        if !d.is_empty() || logprobs.is_some() || finish.is_some() {
+            entries.push(json!({
                 "index": index,
-                "message": message,
+                "delta": d,
                 "logprobs": logprobs,
-                "finish_reason": c.finish,
-            })
+                "finish_reason": finish,
+            }));
+        }
+        entries
+    }
+
+    fn response_choice(&self, index: usize, logprobs: bool) -> Value {
+        let mut message = Map::new();
+        message.insert("role".into(), "assistant".into());
+        let content = if self.calls.is_empty() {
+            Value::from(self.content.clone())
+        } else {
+            Some(self.content.trim())
+                .filter(|t| !t.is_empty())
+                .map_or(Value::Null, Value::from)
+        };
+        message.insert("content".into(), content);
+        if self.saw_reasoning {
+            message.insert("reasoning_content".into(), self.reasoning.clone().into());
+        }
+        if !self.calls.is_empty() {
+            message.insert(
+                "tool_calls".into(),
+                self.calls
+                    .iter()
+                    .map(|(id, call)| tool_call_json(id, call))
+                    .collect(),
+            );
+        }
+        let logprobs = if logprobs {
+            json!({"content": self.logprobs})
+        } else {
+            Value::Null
+        };
+        json!({
+            "index": index,
+            "message": message,
+            "logprobs": logprobs,
+            "finish_reason": self.finish,
         })
-        .collect();
-    log_request(
-        state,
-        "chat",
-        &job.submitted.id,
-        200,
-        job.submitted.arrived,
-        Some((usage.prompt, usage.completion)),
-    );
-    Ok(Json(json!({
-        "id": job.submitted.id,
-        "object": "chat.completion",
-        "created": unix_now(),
-        "model": state.model_name,
-        "choices": choices,
-        "usage": usage.json(),
-    }))
-    .into_response())
+    }
+}
+
+/// Chat `logprobs.content` entry.
+fn chat_logprob(tokenizer: &Tokenizer, id: u32, lp: &TokenLogprobs) -> Value {
+    let entry = |id: u32, logprob: f32| {
+        let token = token_text(tokenizer, id);
+        json!({"token": token, "logprob": logprob, "bytes": token.as_bytes()})
+    };
+    let mut value = entry(id, lp.logprob);
+    value["top_logprobs"] = lp.top.iter().map(|&(t, l)| entry(t, l)).collect();
+    value
 }
 
 fn call_id(request_id: &str, choice: usize, index: usize) -> String {
@@ -683,171 +964,6 @@ fn tool_call_json(id: &str, call: &ToolCall) -> Value {
     json!({"id": id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}})
 }
 
-fn sse<S>(stream: S) -> Response
-where
-    S: Stream<Item = Result<Event, Infallible>> + Send + 'static,
-{
-    Sse::new(stream)
-        .keep_alive(KeepAlive::new().interval(Duration::from_secs(10)))
-        .into_response()
-}
-
-/// State of a streamed chat request.
-struct ChatStream {
-    state: Arc<AppState>,
-    job: ChatJob,
-    pending: std::collections::VecDeque<Event>,
-    usage: Usage,
-    first: bool,
-    finished: usize,
-    done: bool,
-    created: u64,
-    /// Whether a choice's first chunk (with the role) went out.
-    started: Vec<bool>,
-}
-
-fn chat_stream(
-    state: Arc<AppState>,
-    job: ChatJob,
-) -> impl Stream<Item = Result<Event, Infallible>> + Send + 'static {
-    let n = job.choices.len();
-    let stream = ChatStream {
-        state,
-        job,
-        pending: Default::default(),
-        usage: Usage::default(),
-        first: false,
-        finished: 0,
-        done: false,
-        created: unix_now(),
-        started: vec![false; n],
-    };
-    futures_util::stream::unfold(stream, |mut s| async move {
-        loop {
-            if let Some(event) = s.pending.pop_front() {
-                return Some((Ok(event), s));
-            }
-            if s.done {
-                return None;
-            }
-            s.next_events().await;
-        }
-    })
-}
-
-impl ChatStream {
-    fn chunk(&self, choices: Value, usage: Option<Value>) -> Event {
-        let mut body = json!({
-            "id": self.job.submitted.id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.state.model_name,
-            "choices": choices,
-        });
-        if self.job.include_usage {
-            body["usage"] = usage.unwrap_or(Value::Null);
-        }
-        Event::default().data(body.to_string())
-    }
-
-    async fn next_events(&mut self) {
-        let n = self.job.choices.len();
-        let Some(event) = self.job.submitted.events.recv().await else {
-            self.fail(ApiError::internal("the engine stopped"));
-            return;
-        };
-        let result = chat_event(
-            &self.state,
-            &mut self.job,
-            event,
-            &mut self.usage,
-            &mut self.first,
-        );
-        let Update {
-            choice,
-            delta,
-            logprobs,
-            finish: reason,
-        } = match result {
-            Err(e) => return self.fail(e),
-            Ok(update) => update,
-        };
-        if !self.started[choice] {
-            self.started[choice] = true;
-            let role = json!([{"index": choice, "delta": {"role": "assistant", "content": ""},
-                "logprobs": null, "finish_reason": null}]);
-            let event = self.chunk(role, None);
-            self.pending.push_back(event);
-        }
-        let mut d = Map::new();
-        if !delta.reasoning.is_empty() {
-            d.insert("reasoning_content".into(), delta.reasoning.into());
-        }
-        if !delta.content.is_empty() {
-            d.insert("content".into(), delta.content.into());
-        }
-        if !delta.calls.is_empty() {
-            let c = &mut self.job.choices[choice];
-            let mut calls = Vec::new();
-            for call in delta.calls {
-                let index = c.calls.len();
-                let id = call_id(&self.job.submitted.id, choice, index);
-                let mut value = tool_call_json(&id, &call);
-                value["index"] = index.into();
-                calls.push(value);
-                c.calls.push((id, call));
-            }
-            d.insert("tool_calls".into(), calls.into());
-        }
-        if !d.is_empty() || logprobs.is_some() || reason.is_some() {
-            let choices = json!([{
-                "index": choice,
-                "delta": d,
-                "logprobs": logprobs.map(|lp| json!({"content": [lp]})),
-                "finish_reason": reason,
-            }]);
-            let event = self.chunk(choices, None);
-            self.pending.push_back(event);
-        }
-        if reason.is_some() {
-            self.finished += 1;
-            if self.finished == n {
-                prompt_usage(&self.job.submitted, n, &mut self.usage);
-                if self.job.include_usage {
-                    let event = self.chunk(json!([]), Some(self.usage.json()));
-                    self.pending.push_back(event);
-                }
-                self.pending.push_back(Event::default().data("[DONE]"));
-                self.done = true;
-                log_request(
-                    &self.state,
-                    "chat",
-                    &self.job.submitted.id,
-                    200,
-                    self.job.submitted.arrived,
-                    Some((self.usage.prompt, self.usage.completion)),
-                );
-            }
-        }
-    }
-
-    /// An error after the stream started: an error event, then the end.
-    fn fail(&mut self, e: ApiError) {
-        self.pending
-            .push_back(Event::default().data(e.body().to_string()));
-        self.pending.push_back(Event::default().data("[DONE]"));
-        self.done = true;
-        log_request(
-            &self.state,
-            "chat",
-            &self.job.submitted.id,
-            e.status.as_u16(),
-            self.job.submitted.arrived,
-            None,
-        );
-    }
-}
-
 // ----------------------------------------------------------------------------------------------------
 // Text completions
 
@@ -858,39 +974,18 @@ async fn completions(
 ) -> Response {
     let arrived = Instant::now();
     let id = new_id(&state, "cmpl");
-    match start_completion(&state, &headers, body, id.clone(), arrived).await {
-        Ok(response) => response,
-        Err(e) => {
-            log_request(&state, "completions", &id, e.status.as_u16(), arrived, None);
-            e.into_response()
-        }
-    }
+    let started = start_completion(&state, &headers, body, id.clone(), arrived).await;
+    answer(&state, started, &id, arrived).await
 }
 
-struct CompletionChoice {
-    text: String,
-    finish: Option<&'static str>,
-    tokens: Vec<String>,
-    token_logprobs: Vec<f32>,
-    top_logprobs: Vec<Value>,
-    text_offset: Vec<usize>,
-}
-
-struct CompletionJob {
-    submitted: Submitted,
-    n: usize,
-    choices: Vec<CompletionChoice>,
-    logprobs: bool,
-    include_usage: bool,
-}
-
+/// The text prompts: strings tokenized, or token ids as given.
 async fn start_completion(
     state: &Arc<AppState>,
     headers: &HeaderMap,
     body: Body,
     id: String,
     arrived: Instant,
-) -> Result<Response, ApiError> {
+) -> Result<Started<TextChoice>, ApiError> {
     authorize(state, headers)?;
     let request: CompletionRequest = read_json(state, headers, body).await?;
     check_model(state, request.sampling.model.as_deref())?;
@@ -933,19 +1028,7 @@ async fn start_completion(
         ));
     }
     let params = openai::sampling_params(&request.sampling, &state.defaults)?;
-    let logprobs = match request.logprobs {
-        Some(k) if !(0..=openai::MAX_TOP_LOGPROBS).contains(&k) => {
-            return Err(ApiError::invalid_param(
-                "logprobs",
-                format!(
-                    "logprobs must be between 0 and {}",
-                    openai::MAX_TOP_LOGPROBS
-                ),
-            ))
-        }
-        k => k.map(|k| k as usize),
-    };
-    let count = prompts.len() * n;
+    let logprobs = top_logprobs("logprobs", request.logprobs)?;
     let submitted = submit(
         state,
         id,
@@ -959,276 +1042,88 @@ async fn start_completion(
         },
         arrived,
     )?;
-    let job = CompletionJob {
+    Ok(Started::new(
         submitted,
         n,
-        choices: (0..count)
-            .map(|_| CompletionChoice {
-                text: String::new(),
-                finish: None,
-                tokens: Vec::new(),
-                token_logprobs: Vec::new(),
-                top_logprobs: Vec::new(),
-                text_offset: Vec::new(),
-            })
-            .collect(),
-        logprobs: logprobs.is_some(),
-        include_usage: request
-            .sampling
-            .stream_options
-            .as_ref()
-            .is_some_and(|o| o.include_usage),
-    };
-    if request.sampling.stream {
-        Ok(sse(completion_stream(state.clone(), job)))
-    } else {
-        completion_response(state, job).await
-    }
+        logprobs.is_some(),
+        &request.sampling,
+        TextChoice::default,
+    ))
 }
 
-/// Applies one event; returns `(choice, new text, logprobs of this token, finish reason)`.
-fn completion_event(
-    state: &AppState,
-    job: &mut CompletionJob,
-    event: SeqEvent,
-    usage: &mut Usage,
-    first_token: &mut bool,
-) -> Result<Update<String>, ApiError> {
-    match event {
-        SeqEvent::Token {
-            choice,
-            id,
-            text,
-            logprobs,
-        } => {
-            if id.is_some() && !*first_token {
-                *first_token = true;
-                state
-                    .metrics
-                    .ttft_seconds
-                    .observe(job.submitted.arrived.elapsed().as_secs_f64());
-            }
-            let c = &mut job.choices[choice];
-            let offset = c.text.len();
-            c.text.push_str(&text);
-            let lp = match (id, logprobs) {
-                (Some(id), Some(lp)) if job.logprobs => {
-                    let token = token_text(&state.tokenizer, id);
-                    let top: Map<String, Value> = lp
-                        .top
-                        .iter()
-                        .map(|&(t, l)| (token_text(&state.tokenizer, t), Value::from(l)))
-                        .collect();
-                    c.tokens.push(token.clone());
-                    c.token_logprobs.push(lp.logprob);
-                    c.top_logprobs.push(Value::Object(top.clone()));
-                    c.text_offset.push(offset);
-                    Some(json!({"tokens": [token], "token_logprobs": [lp.logprob],
-                        "top_logprobs": [top], "text_offset": [offset]}))
-                }
-                _ => None,
-            };
-            Ok(Update {
-                choice,
-                delta: text,
-                logprobs: lp,
-                finish: None,
-            })
-        }
-        SeqEvent::Finished {
-            choice,
-            reason,
-            prompt_tokens: _,
-            cached_tokens,
-            completion_tokens,
-        } => {
-            usage.completion += completion_tokens;
-            if choice % job.n == 0 {
-                usage.cached += cached_tokens;
-            }
-            let reason = finish_reason(&reason, false);
-            job.choices[choice].finish = Some(reason);
-            Ok(Update {
-                choice,
-                delta: String::new(),
-                logprobs: None,
-                finish: Some(reason),
-            })
-        }
-        SeqEvent::Failed { message, .. } => Err(ApiError::internal(message)),
-    }
+/// One choice of a text completion: its text and, when asked for, each token's log-probabilities.
+#[derive(Default)]
+struct TextChoice {
+    text: String,
+    finish: Option<&'static str>,
+    tokens: Vec<String>,
+    token_logprobs: Vec<f32>,
+    top_logprobs: Vec<Value>,
+    text_offset: Vec<usize>,
 }
 
-async fn completion_response(
-    state: &Arc<AppState>,
-    mut job: CompletionJob,
-) -> Result<Response, ApiError> {
-    let mut usage = Usage::default();
-    let mut first = false;
-    let mut finished = 0;
-    while finished < job.choices.len() {
-        let Some(event) = job.submitted.events.recv().await else {
-            return Err(ApiError::internal("the engine stopped"));
+impl Shape for TextChoice {
+    const ENDPOINT: &'static str = "completions";
+    const OBJECT: &'static str = "text_completion";
+    const CHUNK_OBJECT: &'static str = "text_completion";
+    type Delta = String;
+
+    fn token(
+        &mut self,
+        cx: &ChoiceContext,
+        text: &str,
+        logprobs: Option<(u32, &TokenLogprobs)>,
+    ) -> (String, Option<Value>) {
+        let offset = self.text.len();
+        self.text.push_str(text);
+        let logprobs = logprobs.map(|(id, lp)| {
+            let token = token_text(cx.tokenizer, id);
+            let top: Map<String, Value> = lp
+                .top
+                .iter()
+                .map(|&(t, l)| (token_text(cx.tokenizer, t), Value::from(l)))
+                .collect();
+            self.tokens.push(token.clone());
+            self.token_logprobs.push(lp.logprob);
+            self.top_logprobs.push(Value::Object(top.clone()));
+            self.text_offset.push(offset);
+            json!({"tokens": [token], "token_logprobs": [lp.logprob],
+                "top_logprobs": [top], "text_offset": [offset]})
+        });
+        (text.to_string(), logprobs)
+    }
+
+    fn finish(&mut self, _cx: &ChoiceContext, reason: &FinishReason) -> (String, &'static str) {
+        let reason = finish_reason(reason, false);
+        self.finish = Some(reason);
+        (String::new(), reason)
+    }
+
+    fn chunk_choices(
+        &mut self,
+        index: usize,
+        text: String,
+        logprobs: Option<Value>,
+        finish: Option<&'static str>,
+    ) -> Vec<Value> {
+        if text.is_empty() && logprobs.is_none() && finish.is_none() {
+            return Vec::new();
+        }
+        vec![json!({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish})]
+    }
+
+    fn response_choice(&self, index: usize, logprobs: bool) -> Value {
+        let logprobs = if logprobs {
+            json!({"tokens": self.tokens, "token_logprobs": self.token_logprobs,
+                "top_logprobs": self.top_logprobs, "text_offset": self.text_offset})
+        } else {
+            Value::Null
         };
-        if completion_event(state, &mut job, event, &mut usage, &mut first)?
-            .finish
-            .is_some()
-        {
-            finished += 1;
-        }
-    }
-    prompt_usage(&job.submitted, job.n, &mut usage);
-    let choices: Vec<Value> = job
-        .choices
-        .iter()
-        .enumerate()
-        .map(|(index, c)| {
-            let logprobs = if job.logprobs {
-                json!({"tokens": c.tokens, "token_logprobs": c.token_logprobs,
-                    "top_logprobs": c.top_logprobs, "text_offset": c.text_offset})
-            } else {
-                Value::Null
-            };
-            json!({
-                "index": index,
-                "text": c.text,
-                "logprobs": logprobs,
-                "finish_reason": c.finish,
-            })
+        json!({
+            "index": index,
+            "text": self.text,
+            "logprobs": logprobs,
+            "finish_reason": self.finish,
         })
-        .collect();
-    log_request(
-        state,
-        "completions",
-        &job.submitted.id,
-        200,
-        job.submitted.arrived,
-        Some((usage.prompt, usage.completion)),
-    );
-    Ok(Json(json!({
-        "id": job.submitted.id,
-        "object": "text_completion",
-        "created": unix_now(),
-        "model": state.model_name,
-        "choices": choices,
-        "usage": usage.json(),
-    }))
-    .into_response())
-}
-
-fn completion_stream(
-    state: Arc<AppState>,
-    job: CompletionJob,
-) -> impl Stream<Item = Result<Event, Infallible>> + Send + 'static {
-    struct S {
-        state: Arc<AppState>,
-        job: CompletionJob,
-        usage: Usage,
-        first: bool,
-        finished: usize,
-        pending: std::collections::VecDeque<Event>,
-        done: bool,
-        created: u64,
     }
-    let s = S {
-        state,
-        job,
-        usage: Usage::default(),
-        first: false,
-        finished: 0,
-        pending: Default::default(),
-        done: false,
-        created: unix_now(),
-    };
-    futures_util::stream::unfold(s, |mut s| async move {
-        loop {
-            if let Some(event) = s.pending.pop_front() {
-                return Some((Ok(event), s));
-            }
-            if s.done {
-                return None;
-            }
-            let chunk = |s: &S, choices: Value, usage: Option<Value>| {
-                let mut body = json!({
-                    "id": s.job.submitted.id,
-                    "object": "text_completion",
-                    "created": s.created,
-                    "model": s.state.model_name,
-                    "choices": choices,
-                });
-                if s.job.include_usage {
-                    body["usage"] = usage.unwrap_or(Value::Null);
-                }
-                Event::default().data(body.to_string())
-            };
-            let Some(event) = s.job.submitted.events.recv().await else {
-                s.pending.push_back(
-                    Event::default()
-                        .data(ApiError::internal("the engine stopped").body().to_string()),
-                );
-                s.pending.push_back(Event::default().data("[DONE]"));
-                s.done = true;
-                continue;
-            };
-            let (mut state_usage, mut first) = (s.usage, s.first);
-            let result =
-                completion_event(&s.state, &mut s.job, event, &mut state_usage, &mut first);
-            s.usage = state_usage;
-            s.first = first;
-            match result {
-                Err(e) => {
-                    s.pending
-                        .push_back(Event::default().data(e.body().to_string()));
-                    s.pending.push_back(Event::default().data("[DONE]"));
-                    s.done = true;
-                    log_request(
-                        &s.state,
-                        "completions",
-                        &s.job.submitted.id,
-                        e.status.as_u16(),
-                        s.job.submitted.arrived,
-                        None,
-                    );
-                }
-                Ok(Update {
-                    choice,
-                    delta: text,
-                    logprobs,
-                    finish: reason,
-                }) => {
-                    if !text.is_empty() || logprobs.is_some() || reason.is_some() {
-                        let event = chunk(
-                            &s,
-                            json!([{"index": choice, "text": text, "logprobs": logprobs,
-                                "finish_reason": reason}]),
-                            None,
-                        );
-                        s.pending.push_back(event);
-                    }
-                    if reason.is_some() {
-                        s.finished += 1;
-                        if s.finished == s.job.choices.len() {
-                            let mut usage = s.usage;
-                            prompt_usage(&s.job.submitted, s.job.n, &mut usage);
-                            s.usage = usage;
-                            if s.job.include_usage {
-                                let event = chunk(&s, json!([]), Some(s.usage.json()));
-                                s.pending.push_back(event);
-                            }
-                            s.pending.push_back(Event::default().data("[DONE]"));
-                            s.done = true;
-                            log_request(
-                                &s.state,
-                                "completions",
-                                &s.job.submitted.id,
-                                200,
-                                s.job.submitted.arrived,
-                                Some((s.usage.prompt, s.usage.completion)),
-                            );
-                        }
-                    }
-                }
-            }
-        }
-    })
 }
