@@ -13,9 +13,9 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use glm5::candle_core::{Device, Tensor};
-use glm5::serve::scheduler::StepInput;
+use glm5::models::{PagedCacheOptions, PagedKvCache, SeqChunk};
 use glm5::serve::{ModelInfo, ServeOptions, StepModel};
-use glm5::{ChatOptions, FinishReason, GenerationParams, Glm5, KvCache, LoadOptions, Message};
+use glm5::{ChatOptions, FinishReason, GenerationParams, Glm5, LoadOptions, Message};
 use serde_json::{json, Value};
 
 const MODEL: &str = "glm5-tiny";
@@ -190,28 +190,32 @@ struct Scripted {
 }
 
 impl StepModel for Scripted {
-    fn forward_batch(&self, inputs: &mut [StepInput<'_>]) -> Vec<glm5::Result<Tensor>> {
-        let vocab = self.inner.model().config().vocab_size;
-        inputs
-            .iter_mut()
-            .map(|input| {
-                self.inner
-                    .forward(input.tokens, input.start_pos, input.cache)?;
-                let end = input.start_pos + input.tokens.len();
-                let next = end
-                    .checked_sub(self.prompt_len)
-                    .and_then(|k| self.script.get(k))
-                    .copied()
-                    .unwrap_or(self.eos);
-                let mut logits = vec![0f32; vocab];
-                logits[next as usize] = 10.0;
-                Ok(Tensor::new(logits, &Device::Cpu)?)
-            })
-            .collect()
+    fn new_pool(&self, options: PagedCacheOptions) -> glm5::Result<PagedKvCache> {
+        self.inner.new_pool(options)
     }
 
-    fn new_cache(&self, capacity: usize) -> glm5::Result<KvCache> {
-        self.inner.new_cache(capacity)
+    fn forward_batch(
+        &self,
+        batch: &[SeqChunk<'_>],
+        pool: &mut PagedKvCache,
+    ) -> glm5::Result<Tensor> {
+        let vocab = self.inner.model().config().vocab_size;
+        self.inner.model().forward_batch(batch, pool)?;
+        let mut logits = vec![0f32; batch.len() * vocab];
+        for (row, entry) in batch.iter().enumerate() {
+            let end = entry.start_pos + entry.tokens.len();
+            let next = end
+                .checked_sub(self.prompt_len)
+                .and_then(|k| self.script.get(k))
+                .copied()
+                .unwrap_or(self.eos);
+            logits[row * vocab + next as usize] = 10.0;
+        }
+        Ok(Tensor::from_vec(
+            logits,
+            (batch.len(), vocab),
+            &Device::Cpu,
+        )?)
     }
 }
 
