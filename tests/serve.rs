@@ -566,3 +566,79 @@ fn load_on_loopback_loses_and_corrupts_nothing() {
     println!("{out}");
     assert!(out.contains("lost 0, corrupted 0"), "{out}");
 }
+
+/// A pool too small for the requests running at once: sequences are preempted (their blocks freed) and
+/// recomputed later, yet every reply equals the library's solo greedy reply and nothing fails.
+#[test]
+fn preempted_sequences_resume_with_their_solo_tokens() {
+    let model = model();
+    let max_tokens = 90;
+    // Prompts whose greedy reply runs to max_tokens, so every sequence grows into a second block.
+    let expects: Vec<(String, Value)> = (0..40)
+        .map(|i| format!("Item {i}: the story so far"))
+        .map(|p| {
+            let expect = reference(&model, &p, max_tokens, &[]);
+            (p, expect)
+        })
+        .filter(|(_, e)| e["finish_reason"] == "length")
+        .take(4)
+        .collect();
+    assert_eq!(
+        expects.len(),
+        4,
+        "prompts whose greedy reply reaches max_tokens"
+    );
+    // Three blocks of 64 tokens: each sequence needs two by its end, so they cannot all keep theirs.
+    let server = Server::start(&["--kv-budget", "192", "--max-seqs", "4"]);
+    let threads: Vec<_> = expects
+        .iter()
+        .map(|(prompt, _)| {
+            let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0});
+            let url = format!("{}/v1/completions", server.url);
+            std::thread::spawn(move || {
+                let out = Command::new("curl")
+                    .args(["-sS", "--max-time", "120", "-H", "content-type: application/json", "-d"])
+                    .arg(body.to_string())
+                    .arg(url)
+                    .output()
+                    .expect("curl is needed for this test");
+                serde_json::from_slice::<Value>(&out.stdout).unwrap()
+            })
+        })
+        .collect();
+    for ((prompt, expect), thread) in expects.iter().zip(threads) {
+        let value = thread.join().unwrap();
+        assert_eq!(
+            value["choices"][0]["text"], expect["text"],
+            "{prompt}: {value}"
+        );
+        assert_eq!(
+            value["usage"]["completion_tokens"], expect["completion_tokens"],
+            "{prompt}"
+        );
+    }
+    let metrics = Command::new("curl")
+        .args(["-sS", "--max-time", "10"])
+        .arg(format!("{}/metrics", server.url))
+        .output()
+        .unwrap();
+    let metrics = String::from_utf8(metrics.stdout).unwrap();
+    let preemptions: u64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("glm5_preemptions_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no glm5_preemptions_total in /metrics:\n{metrics}"));
+    println!("preemptions: {preemptions}");
+    assert!(
+        preemptions >= 1,
+        "the pool was too small not to preempt:\n{metrics}"
+    );
+    for line in [
+        "glm5_kv_blocks_in_use 0",
+        "glm5_kv_blocks_total 3",
+        "glm5_kv_block_tokens 64",
+    ] {
+        assert!(metrics.contains(line), "{line} missing:\n{metrics}");
+    }
+    assert!(server.log().contains("preempted"), "{}", server.log());
+}
