@@ -13,9 +13,9 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use glm5::candle_core::{Device, Tensor};
-use glm5::serve::scheduler::StepInput;
+use glm5::models::{PagedCacheOptions, PagedKvCache, SeqChunk};
 use glm5::serve::{ModelInfo, ServeOptions, StepModel};
-use glm5::{ChatOptions, FinishReason, GenerationParams, Glm5, KvCache, LoadOptions, Message};
+use glm5::{ChatOptions, FinishReason, GenerationParams, Glm5, LoadOptions, Message};
 use serde_json::{json, Value};
 
 const MODEL: &str = "glm5-tiny";
@@ -190,28 +190,32 @@ struct Scripted {
 }
 
 impl StepModel for Scripted {
-    fn forward_batch(&self, inputs: &mut [StepInput<'_>]) -> Vec<glm5::Result<Tensor>> {
-        let vocab = self.inner.model().config().vocab_size;
-        inputs
-            .iter_mut()
-            .map(|input| {
-                self.inner
-                    .forward(input.tokens, input.start_pos, input.cache)?;
-                let end = input.start_pos + input.tokens.len();
-                let next = end
-                    .checked_sub(self.prompt_len)
-                    .and_then(|k| self.script.get(k))
-                    .copied()
-                    .unwrap_or(self.eos);
-                let mut logits = vec![0f32; vocab];
-                logits[next as usize] = 10.0;
-                Ok(Tensor::new(logits, &Device::Cpu)?)
-            })
-            .collect()
+    fn new_pool(&self, options: PagedCacheOptions) -> glm5::Result<PagedKvCache> {
+        self.inner.new_pool(options)
     }
 
-    fn new_cache(&self, capacity: usize) -> glm5::Result<KvCache> {
-        self.inner.new_cache(capacity)
+    fn forward_batch(
+        &self,
+        batch: &[SeqChunk<'_>],
+        pool: &mut PagedKvCache,
+    ) -> glm5::Result<Tensor> {
+        let vocab = self.inner.model().config().vocab_size;
+        self.inner.model().forward_batch(batch, pool)?;
+        let mut logits = vec![0f32; batch.len() * vocab];
+        for (row, entry) in batch.iter().enumerate() {
+            let end = entry.start_pos + entry.tokens.len();
+            let next = end
+                .checked_sub(self.prompt_len)
+                .and_then(|k| self.script.get(k))
+                .copied()
+                .unwrap_or(self.eos);
+            logits[row * vocab + next as usize] = 10.0;
+        }
+        Ok(Tensor::from_vec(
+            logits,
+            (batch.len(), vocab),
+            &Device::Cpu,
+        )?)
     }
 }
 
@@ -561,4 +565,80 @@ fn load_on_loopback_loses_and_corrupts_nothing() {
     let out = run_python("serve_load.py", &config);
     println!("{out}");
     assert!(out.contains("lost 0, corrupted 0"), "{out}");
+}
+
+/// A pool too small for the requests running at once: sequences are preempted (their blocks freed) and
+/// recomputed later, yet every reply equals the library's solo greedy reply and nothing fails.
+#[test]
+fn preempted_sequences_resume_with_their_solo_tokens() {
+    let model = model();
+    let max_tokens = 90;
+    // Prompts whose greedy reply runs to max_tokens, so every sequence grows into a second block.
+    let expects: Vec<(String, Value)> = (0..40)
+        .map(|i| format!("Item {i}: the story so far"))
+        .map(|p| {
+            let expect = reference(&model, &p, max_tokens, &[]);
+            (p, expect)
+        })
+        .filter(|(_, e)| e["finish_reason"] == "length")
+        .take(4)
+        .collect();
+    assert_eq!(
+        expects.len(),
+        4,
+        "prompts whose greedy reply reaches max_tokens"
+    );
+    // Three blocks of 64 tokens: each sequence needs two by its end, so they cannot all keep theirs.
+    let server = Server::start(&["--kv-budget", "192", "--max-seqs", "4"]);
+    let threads: Vec<_> = expects
+        .iter()
+        .map(|(prompt, _)| {
+            let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0});
+            let url = format!("{}/v1/completions", server.url);
+            std::thread::spawn(move || {
+                let out = Command::new("curl")
+                    .args(["-sS", "--max-time", "120", "-H", "content-type: application/json", "-d"])
+                    .arg(body.to_string())
+                    .arg(url)
+                    .output()
+                    .expect("curl is needed for this test");
+                serde_json::from_slice::<Value>(&out.stdout).unwrap()
+            })
+        })
+        .collect();
+    for ((prompt, expect), thread) in expects.iter().zip(threads) {
+        let value = thread.join().unwrap();
+        assert_eq!(
+            value["choices"][0]["text"], expect["text"],
+            "{prompt}: {value}"
+        );
+        assert_eq!(
+            value["usage"]["completion_tokens"], expect["completion_tokens"],
+            "{prompt}"
+        );
+    }
+    let metrics = Command::new("curl")
+        .args(["-sS", "--max-time", "10"])
+        .arg(format!("{}/metrics", server.url))
+        .output()
+        .unwrap();
+    let metrics = String::from_utf8(metrics.stdout).unwrap();
+    let preemptions: u64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("glm5_preemptions_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no glm5_preemptions_total in /metrics:\n{metrics}"));
+    println!("preemptions: {preemptions}");
+    assert!(
+        preemptions >= 1,
+        "the pool was too small not to preempt:\n{metrics}"
+    );
+    for line in [
+        "glm5_kv_blocks_in_use 0",
+        "glm5_kv_blocks_total 3",
+        "glm5_kv_block_tokens 64",
+    ] {
+        assert!(metrics.contains(line), "{line} missing:\n{metrics}");
+    }
+    assert!(server.log().contains("preempted"), "{}", server.log());
 }

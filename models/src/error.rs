@@ -71,6 +71,26 @@ pub enum ModelError {
     CacheMismatch { start_pos: usize, cached: usize },
     #[error("KV cache was built for a different model: {0}")]
     CacheShape(String),
+    #[error("paged KV pool: {0}")]
+    PagedCache(String),
+    #[error("sequence #{seq} is not in the KV pool (never added, or already freed)")]
+    UnknownSequence { seq: u64 },
+    #[error("sequence #{seq} appears more than once in one batch")]
+    DuplicateSequence { seq: u64 },
+    #[error("sequence #{seq}: start_pos {start_pos} does not continue its {cached} cached tokens")]
+    SequenceMismatch {
+        seq: u64,
+        start_pos: usize,
+        cached: usize,
+    },
+    #[error(
+        "KV pool exhausted: the batch needs {needed} more blocks of {block_size} tokens, {free} are free"
+    )]
+    PoolExhausted {
+        needed: usize,
+        free: usize,
+        block_size: usize,
+    },
 
     #[error(transparent)]
     Plan(Box<PlanError>),

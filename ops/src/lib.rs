@@ -28,8 +28,9 @@ pub mod sparse_mla;
 
 pub use device::{ComputeCapability, DeviceDesc, DeviceError, DeviceFamily, DeviceKind};
 pub use dsa_indexer::{
-    dsa_indexer, dsa_indexer_paged, dsa_indexer_paged_device_visible, dsa_indexer_paged_with,
-    dsa_indexer_reference, DsaIndexerLaunch, PagedIndexKeys, ScoreKernel, TopKPath, VisibleKeys,
+    dsa_indexer, dsa_indexer_paged, dsa_indexer_paged_device_visible, dsa_indexer_paged_reference,
+    dsa_indexer_paged_with, dsa_indexer_reference, DsaIndexerLaunch, PagedIndexKeys, ScoreKernel,
+    TopKPath, VisibleKeys,
 };
 #[cfg(feature = "cuda")]
 pub use dsa_indexer::{time_stages, StageTimes};
@@ -40,6 +41,6 @@ pub use registry::{
     Rejection, Serves, Verdict,
 };
 pub use sparse_mla::{
-    sparse_mla, sparse_mla_paged, sparse_mla_paged_with, sparse_mla_reference, NarrowHeads,
-    PagedLatentCache, SparseMlaLaunch,
+    sparse_mla, sparse_mla_paged, sparse_mla_paged_reference, sparse_mla_paged_with,
+    sparse_mla_reference, NarrowHeads, PagedLatentCache, SparseMlaLaunch,
 };

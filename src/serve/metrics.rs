@@ -5,8 +5,6 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use super::scheduler::KV_BLOCK;
-
 /// A histogram over fixed bucket bounds (seconds).
 pub struct Histogram {
     bounds: &'static [f64],
@@ -73,14 +71,18 @@ pub struct Metrics {
     pub waiting: AtomicUsize,
     /// Sequences running.
     pub running: AtomicUsize,
-    /// KV tokens reserved by running sequences.
-    pub kv_tokens_reserved: AtomicUsize,
-    /// KV tokens holding rows of running sequences.
+    /// KV blocks held by running sequences.
+    pub kv_blocks_in_use: AtomicUsize,
+    /// KV rows written by running sequences.
     pub kv_tokens_used: AtomicUsize,
-    /// KV tokens kept from finished sequences for prefix reuse.
-    pub kv_tokens_cached: AtomicUsize,
-    /// The KV budget.
-    pub kv_budget: usize,
+    /// KV blocks kept from finished sequences for prefix reuse.
+    pub kv_blocks_cached: AtomicUsize,
+    /// Blocks of the KV pool.
+    pub kv_blocks_total: usize,
+    /// Tokens per KV block.
+    pub kv_block_tokens: usize,
+    /// Running sequences whose blocks were freed to make room (to be recomputed).
+    pub preemptions: AtomicU64,
     /// Engine step durations.
     pub step_seconds: Histogram,
     /// Time from a request's arrival to its first token.
@@ -90,8 +92,8 @@ pub struct Metrics {
 }
 
 impl Metrics {
-    /// Zeroed metrics for a server with `kv_budget` tokens of KV.
-    pub fn new(kv_budget: usize) -> Self {
+    /// Zeroed metrics for a server whose KV pool has `kv_blocks_total` blocks of `kv_block_tokens` tokens.
+    pub fn new(kv_blocks_total: usize, kv_block_tokens: usize) -> Self {
         Self {
             requests: Default::default(),
             prompt_tokens: AtomicU64::new(0),
@@ -99,10 +101,12 @@ impl Metrics {
             cancelled: AtomicU64::new(0),
             waiting: AtomicUsize::new(0),
             running: AtomicUsize::new(0),
-            kv_tokens_reserved: AtomicUsize::new(0),
+            kv_blocks_in_use: AtomicUsize::new(0),
             kv_tokens_used: AtomicUsize::new(0),
-            kv_tokens_cached: AtomicUsize::new(0),
-            kv_budget,
+            kv_blocks_cached: AtomicUsize::new(0),
+            kv_blocks_total,
+            kv_block_tokens,
+            preemptions: AtomicU64::new(0),
             step_seconds: Histogram::new(LATENCY_BUCKETS),
             ttft_seconds: Histogram::new(LATENCY_BUCKETS),
             request_seconds: Histogram::new(LATENCY_BUCKETS),
@@ -158,6 +162,11 @@ impl Metrics {
                 "Sequences stopped because their client disconnected.",
                 load(&self.cancelled),
             ),
+            (
+                "glm5_preemptions_total",
+                "Running sequences whose KV blocks were freed to make room, to be recomputed.",
+                load(&self.preemptions),
+            ),
         ];
         for (name, help, value) in counters {
             let _ = writeln!(
@@ -166,11 +175,10 @@ impl Metrics {
             );
         }
         let get = |a: &AtomicUsize| a.load(Ordering::Relaxed);
-        let blocks = |tokens: usize| tokens.div_ceil(KV_BLOCK);
         let gauges = [
             (
                 "glm5_queue_length",
-                "Sequences waiting for admission.",
+                "Sequences waiting for admission (preempted ones included).",
                 get(&self.waiting),
             ),
             (
@@ -180,20 +188,24 @@ impl Metrics {
             ),
             (
                 "glm5_kv_blocks_in_use",
-                "KV blocks reserved by running sequences.",
-                blocks(get(&self.kv_tokens_reserved)),
+                "KV blocks held by running sequences.",
+                get(&self.kv_blocks_in_use),
             ),
             (
                 "glm5_kv_blocks_cached",
                 "KV blocks kept from finished sequences for prefix reuse.",
-                blocks(get(&self.kv_tokens_cached)),
+                get(&self.kv_blocks_cached),
             ),
             (
                 "glm5_kv_blocks_total",
-                "KV blocks of the budget.",
-                blocks(self.kv_budget),
+                "KV blocks of the pool.",
+                self.kv_blocks_total,
             ),
-            ("glm5_kv_block_tokens", "Tokens per KV block.", KV_BLOCK),
+            (
+                "glm5_kv_block_tokens",
+                "Tokens per KV block.",
+                self.kv_block_tokens,
+            ),
             (
                 "glm5_kv_tokens_in_use",
                 "KV rows written by running sequences.",

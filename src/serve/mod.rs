@@ -4,7 +4,8 @@
 //!   `GET /v1/models`, `/health`, `/metrics`; OpenAI's error shape ([`error`]).
 //! - [`openai`]: the request fields and their checks.
 //! - [`scheduler`]: the engine thread that owns the model and runs the admitted sequences step by step
-//!   (continuous batching, KV budget, prefix reuse, cancellation of disconnected clients).
+//!   in one batched forward over a paged KV pool (continuous batching, chunked prefill, preemption when
+//!   blocks run out, prefix reuse, cancellation of disconnected clients).
 //! - [`metrics`]: Prometheus counters.
 //!
 //! Connections are served by hyper directly (through axum's router) so that a client that sends its
@@ -29,6 +30,7 @@ use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
 
 use crate::chat::ChatTemplate;
+use crate::models::PagedCacheOptions;
 use crate::tokenizer::Tokenizer;
 use crate::{GenerationParams, Glm5};
 use metrics::Metrics;
@@ -51,7 +53,8 @@ pub struct ServeOptions {
     pub max_queue: usize,
     /// Tokens of context per sequence.
     pub max_model_len: usize,
-    /// KV cache tokens over all sequences (`None`: `max_seqs * max_model_len`).
+    /// KV cache tokens over all sequences, the size of the paged pool allocated at start (`None`:
+    /// `max_seqs * max_model_len`).
     pub kv_budget: Option<usize>,
     /// Most prompt tokens one sequence feeds per step.
     pub prefill_chunk: usize,
@@ -97,6 +100,9 @@ pub enum ServeError {
         #[source]
         source: std::io::Error,
     },
+    /// The KV pool could not be allocated (too large for the devices, or a backend that cannot read it).
+    #[error("cannot allocate the KV cache pool: {0}")]
+    Pool(#[source] crate::Error),
     /// The async runtime could not start.
     #[error("cannot start the async runtime: {0}")]
     Runtime(#[source] std::io::Error),
@@ -205,7 +211,15 @@ pub async fn serve_model<M: StepModel + Send + 'static>(
             scheduler::KV_BLOCK
         )));
     }
-    let metrics = Arc::new(Metrics::new(kv_budget));
+    // The KV pool: the budget in whole blocks, allocated once.
+    let pool = model
+        .new_pool(PagedCacheOptions {
+            num_blocks: kv_budget.div_ceil(scheduler::KV_BLOCK),
+            block_size: scheduler::KV_BLOCK,
+        })
+        .map_err(ServeError::Pool)?;
+    let kv_budget = pool.num_blocks() * pool.block_size();
+    let metrics = Arc::new(Metrics::new(pool.num_blocks(), pool.block_size()));
     let ModelInfo {
         tokenizer,
         chat_template: template,
@@ -221,7 +235,8 @@ pub async fn serve_model<M: StepModel + Send + 'static>(
         prefill_chunk: options.prefill_chunk,
         eos_token_ids,
     };
-    let (scheduler, _engine) = Scheduler::start(model, tokenizer.clone(), config, metrics.clone());
+    let (scheduler, _engine) =
+        Scheduler::start(model, pool, tokenizer.clone(), config, metrics.clone());
     let state = Arc::new(AppState {
         scheduler: scheduler.clone(),
         tokenizer,

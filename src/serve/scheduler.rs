@@ -1,18 +1,23 @@
-//! The engine: one thread owns the model and runs every admitted sequence, step by step.
+//! The engine: one thread owns the model and a paged KV pool, and runs every admitted sequence in one
+//! batched forward per step (continuous batching).
 //!
-//! A step gives every running sequence one model call: the next chunk of its prompt (at most
-//! `prefill_chunk` tokens, so one long prompt does not stall the decodes around it) or its last sampled
-//! token. New requests are admitted between steps, while the number of running sequences is under
-//! `max_seqs` and their KV reservations fit the KV budget; the rest wait in a FIFO queue. A sequence whose
-//! client went away (its event channel closed) is stopped and its cache freed before the next step.
+//! A step is one [`StepModel::forward_batch`] call over every running sequence: the next chunk of its prompt
+//! (at most `prefill_chunk` tokens, so one long prompt does not stall the decodes around it) or its last
+//! sampled token, all flattened into one pass over the pool. New requests are admitted between steps, so they
+//! join the next one, while fewer than `max_seqs` run and the pool has the blocks their prompts need beyond
+//! what the running prefills still need; the rest wait in a FIFO queue. A sequence whose client went away
+//! (its event channel closed) is stopped and its blocks freed before the next step.
 //!
-//! KV caches are reserved in blocks of [`KV_BLOCK`] tokens (prompt plus `max_tokens`, rounded up, at most the
-//! context). A finished sequence's cache is kept, with the tokens it holds, while the budget allows: a new
-//! prompt that starts with those tokens reuses their KV rows (prefix caching, e.g. the next turn of a chat).
+//! Blocks are taken as sequences grow. When a step needs more than are free, blocks kept for prefix reuse are
+//! dropped first (oldest first), then the most recently admitted running sequence is preempted: its blocks are
+//! freed, it goes back to the head of the queue with its tokens, sampler and stream state, and when it is
+//! admitted again its prompt and generated tokens are recomputed (prefilled) before it continues, so its
+//! client sees one uninterrupted stream. Nothing fails for lack of blocks: a request that could never fit
+//! the pool is refused with 400 before it is queued.
 //!
-//! The model is reached only through [`StepModel::forward_batch`], one call per step with every sequence's
-//! input. Today it runs the sequences one after another (one `forward` each); a batched forward over a
-//! paged cache replaces that one function without touching the scheduler.
+//! A finished sequence's blocks are kept, with the tokens they hold, until the blocks are needed: a new
+//! prompt that starts with those tokens takes the sequence over (prefix caching, e.g. the next turn of a
+//! chat) and only the rest is prefilled.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -24,58 +29,43 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use crate::error::Result;
 use crate::generate::{take_text_before_stop, GenerationParams, Sampler};
+use crate::models::{PagedCacheOptions, PagedKvCache, SeqChunk, SeqId, DEFAULT_BLOCK_SIZE};
 use crate::tokenizer::{TokenStream, Tokenizer};
-use crate::{FinishReason, Glm5ForCausalLM, KvCache};
+use crate::{FinishReason, Glm5ForCausalLM};
 
 use super::metrics::Metrics;
 
-/// Tokens per KV block: the unit of reservation and of the `kv_blocks` metrics.
-pub const KV_BLOCK: usize = 64;
+/// Tokens per KV block of the server's pool: the unit of reservation and of the `kv_blocks` metrics.
+pub const KV_BLOCK: usize = DEFAULT_BLOCK_SIZE;
 
-/// One sequence's part of a step: `tokens` to append to `cache` at `start_pos`.
-pub struct StepInput<'a> {
-    /// New tokens (a prompt chunk, or the last sampled token).
-    pub tokens: &'a [u32],
-    /// Position of the first of them (the cache's length).
-    pub start_pos: usize,
-    /// The sequence's KV cache.
-    pub cache: &'a mut KvCache,
-}
-
-/// What the scheduler needs of a model: logits after a step of several sequences.
+/// What the scheduler needs of a model: a paged KV pool, and steps of several sequences over it.
 pub trait StepModel {
-    /// Logits `[vocab]` after the last token of every input, in input order. A sequence whose forward
-    /// failed gets its error without failing the others.
-    fn forward_batch(&self, inputs: &mut [StepInput<'_>]) -> Vec<Result<Tensor>>;
+    /// An empty pool of `options.num_blocks` blocks of `options.block_size` tokens.
+    fn new_pool(&self, options: PagedCacheOptions) -> Result<PagedKvCache>;
 
-    /// An empty KV cache for `capacity` tokens.
-    fn new_cache(&self, capacity: usize) -> Result<KvCache>;
+    /// One step: every entry's tokens appended to its sequence in `pool`, in one forward. Returns the
+    /// logits `[batch.len(), vocab]` after each entry's last token, in batch order. On error nothing has
+    /// changed in the pool.
+    fn forward_batch(&self, batch: &[SeqChunk<'_>], pool: &mut PagedKvCache) -> Result<Tensor>;
 }
 
 impl StepModel for Glm5ForCausalLM {
-    // One forward per sequence until the batched forward over a paged cache exists.
-    fn forward_batch(&self, inputs: &mut [StepInput<'_>]) -> Vec<Result<Tensor>> {
-        inputs
-            .iter_mut()
-            .map(|input| {
-                let logits = self.forward(input.tokens, input.start_pos, input.cache)?;
-                Ok(logits.get(logits.dim(0)? - 1)?)
-            })
-            .collect()
+    fn new_pool(&self, options: PagedCacheOptions) -> Result<PagedKvCache> {
+        Ok(self.new_paged_cache(options)?)
     }
 
-    fn new_cache(&self, capacity: usize) -> Result<KvCache> {
-        Ok(Glm5ForCausalLM::new_cache(self, capacity)?)
+    fn forward_batch(&self, batch: &[SeqChunk<'_>], pool: &mut PagedKvCache) -> Result<Tensor> {
+        Ok(Glm5ForCausalLM::forward_batch(self, batch, pool)?)
     }
 }
 
 impl StepModel for crate::Glm5 {
-    fn forward_batch(&self, inputs: &mut [StepInput<'_>]) -> Vec<Result<Tensor>> {
-        self.model().forward_batch(inputs)
+    fn new_pool(&self, options: PagedCacheOptions) -> Result<PagedKvCache> {
+        self.model().new_pool(options)
     }
 
-    fn new_cache(&self, capacity: usize) -> Result<KvCache> {
-        crate::Glm5::new_cache(self, capacity)
+    fn forward_batch(&self, batch: &[SeqChunk<'_>], pool: &mut PagedKvCache) -> Result<Tensor> {
+        StepModel::forward_batch(self.model(), batch, pool)
     }
 }
 
@@ -142,13 +132,6 @@ pub struct SeqRequest {
     pub events: UnboundedSender<SeqEvent>,
 }
 
-impl SeqRequest {
-    /// Tokens of KV cache the sequence may need.
-    fn kv_needed(&self, max_model_len: usize) -> usize {
-        kv_reservation(self.prompt.len(), self.params.max_new_tokens, max_model_len)
-    }
-}
-
 /// KV tokens reserved for a prompt of `prompt_len` tokens and up to `max_new` new ones: whole blocks, at
 /// most the context.
 pub fn kv_reservation(prompt_len: usize, max_new: usize, max_model_len: usize) -> usize {
@@ -168,7 +151,8 @@ pub struct SchedulerConfig {
     pub max_queue: usize,
     /// Tokens of context per sequence (prompt plus output).
     pub max_model_len: usize,
-    /// KV cache tokens over all sequences, running and kept for prefix reuse.
+    /// KV cache tokens of the pool (its blocks times their size), over all sequences: running, and kept for
+    /// prefix reuse.
     pub kv_budget: usize,
     /// Most prompt tokens one sequence feeds in one step.
     pub prefill_chunk: usize,
@@ -200,9 +184,11 @@ pub struct Scheduler {
 }
 
 impl Scheduler {
-    /// Starts the engine thread over `model`; it runs until every handle is dropped.
+    /// Starts the engine thread over `model` and its KV `pool` (from [`StepModel::new_pool`]); it runs
+    /// until every handle is dropped.
     pub fn start<M: StepModel + Send + 'static>(
         model: M,
+        pool: PagedKvCache,
         tokenizer: Tokenizer,
         config: SchedulerConfig,
         metrics: Arc<Metrics>,
@@ -217,7 +203,7 @@ impl Scheduler {
         };
         let thread = std::thread::Builder::new()
             .name("glm5-engine".into())
-            .spawn(move || engine.run(&model, &tokenizer, receiver))
+            .spawn(move || engine.run(&model, pool, &tokenizer, receiver))
             .expect("spawn the engine thread");
         (
             Self {
@@ -274,21 +260,23 @@ struct Engine {
     queued: Arc<AtomicUsize>,
 }
 
-/// A KV cache and the tokens whose rows it holds.
-struct CachedSequence {
-    cache: KvCache,
+/// A finished sequence whose blocks are kept for prefix reuse, and the tokens they hold.
+struct Idle {
+    seq: SeqId,
     tokens: Vec<u32>,
 }
 
 struct Running<'t> {
     request: SeqRequest,
-    cache: KvCache,
-    /// Prompt then generated tokens.
+    /// Its sequence in the pool.
+    seq: SeqId,
+    /// Prompt then generated tokens. The pool holds the KV of a prefix of them; each step feeds the next
+    /// ones (a prompt chunk, a recomputation after preemption, or the last sampled token).
     tokens: Vec<u32>,
     prompt_len: usize,
     cached_tokens: usize,
-    /// What the next step feeds.
-    input: Vec<u32>,
+    /// Order of first admission: the latest is preempted first, and preempted sequences resume in it.
+    admitted: u64,
     sampler: Sampler,
     stream: TokenStream<'t>,
     stop_ids: Vec<u32>,
@@ -297,26 +285,102 @@ struct Running<'t> {
     done: bool,
 }
 
+/// The engine's sequences, in the pool and out of it.
+struct State<'t> {
+    pool: PagedKvCache,
+    waiting: VecDeque<SeqRequest>,
+    /// Preempted sequences (holding no blocks), in admission order; resumed before new requests.
+    preempted: VecDeque<Running<'t>>,
+    running: Vec<Running<'t>>,
+    /// Finished sequences kept for prefix reuse, least recently finished first.
+    idle: VecDeque<Idle>,
+    admissions: u64,
+}
+
+impl State<'_> {
+    /// Frees a sequence's blocks (every id here came from this pool and is freed once).
+    fn free(&mut self, seq: SeqId) {
+        let _ = self.pool.free_sequence(seq);
+    }
+
+    /// Frees the oldest idle sequence other than `keep`; false when there is none.
+    fn drop_oldest_idle(&mut self, keep: Option<SeqId>) -> bool {
+        match self.idle.iter().position(|i| Some(i.seq) != keep) {
+            Some(at) => {
+                let idle = self.idle.remove(at).expect("position is in range");
+                self.free(idle.seq);
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn blocks_of(&self, seq: SeqId) -> usize {
+        self.pool.seq_blocks(seq).unwrap_or(0)
+    }
+
+    /// Blocks the running sequences still need to hold all their tokens (unfinished prefills).
+    fn running_shortfall(&self) -> usize {
+        self.running
+            .iter()
+            .map(|r| {
+                let held = self.pool.seq_len(r.seq).unwrap_or(0);
+                self.pool
+                    .blocks_to_append(r.seq, r.tokens.len().saturating_sub(held))
+                    .unwrap_or(0)
+            })
+            .sum()
+    }
+
+    /// Frees idle blocks (oldest first, never `keep`'s) until `need` blocks plus what the running prefills
+    /// still need are free; false, with nothing freed, when even all of them would not be enough.
+    fn reserve(&mut self, need: usize, keep: Option<SeqId>) -> bool {
+        let want = need + self.running_shortfall();
+        let evictable: usize = self
+            .idle
+            .iter()
+            .filter(|i| Some(i.seq) != keep)
+            .map(|i| self.blocks_of(i.seq))
+            .sum();
+        if self.pool.free_blocks() + evictable < want {
+            return false;
+        }
+        while self.pool.free_blocks() < want && self.drop_oldest_idle(keep) {}
+        true
+    }
+}
+
 impl Engine {
-    fn run(self, model: &dyn StepModel, tokenizer: &Tokenizer, receiver: mpsc::Receiver<Message>) {
-        let mut waiting: VecDeque<SeqRequest> = VecDeque::new();
-        let mut running: Vec<Running> = Vec::new();
-        let mut idle: Vec<CachedSequence> = Vec::new(); // least recently used first
+    fn run(
+        self,
+        model: &dyn StepModel,
+        pool: PagedKvCache,
+        tokenizer: &Tokenizer,
+        receiver: mpsc::Receiver<Message>,
+    ) {
+        let mut state = State {
+            pool,
+            waiting: VecDeque::new(),
+            preempted: VecDeque::new(),
+            running: Vec::new(),
+            idle: VecDeque::new(),
+            admissions: 0,
+        };
         let mut disconnected = false;
         loop {
             // Take new requests; block only when there is nothing else to do.
-            if running.is_empty() && waiting.is_empty() {
+            if state.running.is_empty() && state.waiting.is_empty() && state.preempted.is_empty() {
                 if disconnected {
                     return;
                 }
                 match receiver.recv() {
-                    Ok(message) => self.handle(message, &mut waiting, &mut running),
+                    Ok(message) => self.handle(message, &mut state),
                     Err(_) => return, // every handle is gone
                 }
             }
             loop {
                 match receiver.try_recv() {
-                    Ok(message) => self.handle(message, &mut waiting, &mut running),
+                    Ok(message) => self.handle(message, &mut state),
                     Err(mpsc::TryRecvError::Empty) => break,
                     Err(mpsc::TryRecvError::Disconnected) => {
                         disconnected = true;
@@ -324,221 +388,292 @@ impl Engine {
                     }
                 }
             }
-
-            // Forget requests whose client left while they waited.
-            waiting.retain(|request| {
-                let gone = request.events.is_closed();
-                if gone {
-                    self.queued.fetch_sub(1, Ordering::SeqCst);
-                    self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
-                }
-                !gone
-            });
-            // Stop sequences whose client left.
-            running.retain_mut(|seq| {
-                if seq.request.events.is_closed() {
-                    tracing::info!(request_id = %seq.request.request_id, choice = seq.request.choice,
-                        generated = seq.generated, "client gone: sequence stopped");
-                    self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
-                    self.metrics
-                        .generation_tokens
-                        .fetch_add(seq.generated as u64, Ordering::Relaxed);
-                    seq.done = true;
-                }
-                !seq.done
-            });
-            self.admit(model, tokenizer, &mut waiting, &mut running, &mut idle);
-            self.publish(&waiting, &running, &idle);
-            if running.is_empty() {
-                if !waiting.is_empty() {
-                    // Cannot happen with a budget that fits one sequence; avoid a busy loop regardless.
+            self.drop_disconnected(&mut state);
+            self.admit(tokenizer, &mut state);
+            self.publish(&state);
+            if state.running.is_empty() {
+                if !state.waiting.is_empty() || !state.preempted.is_empty() {
+                    // Cannot happen with a pool that holds one sequence; avoid a busy loop regardless.
                     std::thread::sleep(Duration::from_millis(1));
                 }
                 continue;
             }
 
             let started = Instant::now();
-            let mut inputs: Vec<StepInput> = running
-                .iter_mut()
-                .map(|seq| StepInput {
-                    start_pos: seq.cache.len(),
-                    tokens: &seq.input,
-                    cache: &mut seq.cache,
-                })
-                .collect();
-            let outputs = model.forward_batch(&mut inputs);
-            drop(inputs);
-            for (seq, logits) in running.iter_mut().zip(outputs) {
-                if let Err(e) = logits.and_then(|logits| seq.advance(logits, &self.config)) {
-                    tracing::warn!(request_id = %seq.request.request_id, error = %e, "sequence failed");
-                    fail(&seq.request, &e.to_string());
-                    seq.done = true;
-                }
-            }
-            let step = started.elapsed();
-            self.metrics.observe_step(step);
+            self.make_room(&mut state);
+            self.step(model, &mut state);
+            self.metrics.observe_step(started.elapsed());
+
             let mut kept = Vec::new();
-            for seq in running.drain(..) {
-                if seq.done {
-                    self.metrics
-                        .generation_tokens
-                        .fetch_add(seq.generated as u64, Ordering::Relaxed);
-                    let tokens = seq.tokens[..seq.cache.len()].to_vec();
-                    idle.push(CachedSequence {
-                        cache: seq.cache,
-                        tokens,
-                    });
-                } else {
+            for seq in std::mem::take(&mut state.running) {
+                if !seq.done {
                     kept.push(seq);
+                    continue;
                 }
+                self.metrics
+                    .generation_tokens
+                    .fetch_add(seq.generated as u64, Ordering::Relaxed);
+                let held = state.pool.seq_len(seq.seq).unwrap_or(0);
+                state.idle.push_back(Idle {
+                    seq: seq.seq,
+                    tokens: seq.tokens[..held.min(seq.tokens.len())].to_vec(),
+                });
             }
-            running = kept;
-            // Idle caches beyond what running sequences leave free are dropped, oldest first.
-            let in_use: usize = running.iter().map(|s| s.cache.capacity()).sum();
-            let mut idle_total: usize = idle.iter().map(|c| c.cache.capacity()).sum();
-            while !idle.is_empty()
-                && (in_use + idle_total > self.config.kv_budget
-                    || idle.len() > self.config.max_seqs)
-            {
-                idle_total -= idle.remove(0).cache.capacity();
-            }
-            self.publish(&waiting, &running, &idle);
+            state.running = kept;
+            while state.idle.len() > self.config.max_seqs && state.drop_oldest_idle(None) {}
+            self.publish(&state);
         }
     }
 
-    fn handle(
-        &self,
-        message: Message,
-        waiting: &mut VecDeque<SeqRequest>,
-        running: &mut Vec<Running>,
-    ) {
+    fn handle(&self, message: Message, state: &mut State) {
         match message {
-            Message::Submit(sequences) => waiting.extend(sequences),
+            Message::Submit(sequences) => state.waiting.extend(sequences),
             Message::CancelAll => {
-                for request in waiting.drain(..) {
+                for request in std::mem::take(&mut state.waiting) {
                     self.queued.fetch_sub(1, Ordering::SeqCst);
                     fail(&request, "the server is shutting down");
                 }
-                for seq in running.drain(..) {
+                let running = std::mem::take(&mut state.running);
+                let preempted = std::mem::take(&mut state.preempted);
+                for seq in running.into_iter().chain(preempted) {
                     fail(&seq.request, "the server is shutting down");
+                    state.free(seq.seq);
                 }
             }
         }
     }
 
-    /// Moves waiting requests into `running` while sequence slots and KV budget allow (FIFO).
-    fn admit<'t>(
-        &self,
-        model: &dyn StepModel,
-        tokenizer: &'t Tokenizer,
-        waiting: &mut VecDeque<SeqRequest>,
-        running: &mut Vec<Running<'t>>,
-        idle: &mut Vec<CachedSequence>,
-    ) {
-        while running.len() < self.config.max_seqs {
-            let Some(request) = waiting.front() else {
+    /// Forgets waiting requests, and stops sequences, whose client left (freeing their blocks).
+    fn drop_disconnected(&self, state: &mut State) {
+        state.waiting.retain(|request| {
+            let gone = request.events.is_closed();
+            if gone {
+                self.queued.fetch_sub(1, Ordering::SeqCst);
+                self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+            }
+            !gone
+        });
+        let connected = |seq: &Running| !seq.request.events.is_closed();
+        let (running, mut gone): (Vec<_>, Vec<_>) = std::mem::take(&mut state.running)
+            .into_iter()
+            .partition(connected);
+        let (preempted, gone_preempted): (VecDeque<_>, VecDeque<_>) =
+            std::mem::take(&mut state.preempted)
+                .into_iter()
+                .partition(connected);
+        state.running = running;
+        state.preempted = preempted;
+        gone.extend(gone_preempted);
+        for seq in gone {
+            tracing::info!(request_id = %seq.request.request_id, choice = seq.request.choice,
+                generated = seq.generated, "client gone: sequence stopped");
+            self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+            self.metrics
+                .generation_tokens
+                .fetch_add(seq.generated as u64, Ordering::Relaxed);
+            state.free(seq.seq);
+        }
+    }
+
+    /// Moves preempted sequences, then waiting requests, into `running` (FIFO) while sequence slots allow
+    /// and the pool has the blocks their tokens need beyond what the running prefills still need.
+    fn admit<'t>(&self, tokenizer: &'t Tokenizer, state: &mut State<'t>) {
+        while state.running.len() < self.config.max_seqs {
+            if let Some(seq) = state.preempted.front() {
+                let need = state.pool.blocks_for_tokens(seq.tokens.len());
+                if !state.reserve(need, None) {
+                    return;
+                }
+                let seq = state.preempted.pop_front().expect("front exists");
+                tracing::debug!(request_id = %seq.request.request_id, choice = seq.request.choice,
+                    tokens = seq.tokens.len(), "resumed after preemption: recomputing its KV");
+                state.running.push(seq);
+                continue;
+            }
+            let Some(request) = state.waiting.front() else {
                 return;
             };
-            let needed = request.kv_needed(self.config.max_model_len);
-            // Best idle cache: big enough, longest shared prefix.
-            let best = idle
+            // The idle sequence sharing the longest prefix with the prompt (the most recent on ties); at
+            // least the last prompt token is always computed, for its logits.
+            let reuse = state
+                .idle
                 .iter()
-                .enumerate()
-                .filter(|(_, c)| c.cache.capacity() >= needed)
-                .map(|(i, c)| (i, shared_prefix(&c.tokens, &request.prompt)))
-                .max_by_key(|&(i, shared)| (shared, std::cmp::Reverse(idle[i].cache.capacity())));
-            let in_use: usize = running.iter().map(|s| s.cache.capacity()).sum();
-            let (cache, reuse) = match best {
-                Some((i, shared)) => {
-                    let CachedSequence { mut cache, .. } = idle.remove(i);
-                    let reuse = shared.min(cache.len()).min(request.prompt.len() - 1);
-                    cache.truncate(reuse);
-                    (cache, reuse)
+                .map(|idle| (idle.seq, shared_prefix(&idle.tokens, &request.prompt)))
+                .filter(|&(_, shared)| shared > 0)
+                .max_by_key(|&(_, shared)| shared)
+                .map(|(seq, shared)| (seq, shared.min(request.prompt.len() - 1)));
+            let pool = &state.pool;
+            let need = pool
+                .blocks_for_tokens(request.prompt.len())
+                .saturating_sub(reuse.map_or(0, |(_, n)| pool.blocks_for_tokens(n)));
+            if !state.reserve(need, reuse.map(|(seq, _)| seq)) {
+                return; // wait for running sequences to finish
+            }
+            let (seq, reused) = match reuse {
+                Some((seq, reused)) => {
+                    state.idle.retain(|idle| idle.seq != seq);
+                    let _ = state.pool.truncate_sequence(seq, reused);
+                    (seq, reused)
                 }
-                _ => {
-                    // Make room by dropping idle caches, oldest first.
-                    let mut idle_total: usize = idle.iter().map(|c| c.cache.capacity()).sum();
-                    while in_use + idle_total + needed > self.config.kv_budget && !idle.is_empty() {
-                        idle_total -= idle.remove(0).cache.capacity();
-                    }
-                    if in_use + needed > self.config.kv_budget {
-                        return; // wait for running sequences to finish
-                    }
-                    match model.new_cache(needed) {
-                        Ok(cache) => (cache, 0),
-                        Err(e) => {
-                            let request = waiting.pop_front().expect("front exists");
-                            self.queued.fetch_sub(1, Ordering::SeqCst);
-                            fail(&request, &format!("cannot allocate the KV cache: {e}"));
-                            continue;
-                        }
-                    }
-                }
+                None => (state.pool.add_sequence(), 0),
             };
-            let request = waiting.pop_front().expect("front exists");
+            let request = state.waiting.pop_front().expect("front exists");
             self.queued.fetch_sub(1, Ordering::SeqCst);
             self.metrics
                 .prompt_tokens
                 .fetch_add(request.prompt.len() as u64, Ordering::Relaxed);
             tracing::debug!(request_id = %request.request_id, choice = request.choice,
-                prompt_tokens = request.prompt.len(), reused = reuse, kv = cache.capacity(), "admitted");
+                prompt_tokens = request.prompt.len(), reused, "admitted");
             let mut stop_ids = if request.ignore_eos {
                 Vec::new()
             } else {
                 self.config.eos_token_ids.clone()
             };
             stop_ids.extend(&request.params.stop_token_ids);
-            running.push(Running {
+            state.admissions += 1;
+            state.running.push(Running {
                 sampler: Sampler::new(&request.params),
                 stream: TokenStream::new(tokenizer),
                 tokens: request.prompt.clone(),
                 prompt_len: request.prompt.len(),
-                cached_tokens: reuse,
-                input: request.prompt[reuse..].to_vec(),
+                cached_tokens: reused,
+                admitted: state.admissions,
                 stop_ids,
                 held_text: String::new(),
                 generated: 0,
                 done: false,
-                cache,
+                seq,
                 request,
             });
-            // The first chunk only: the rest of a long prompt is fed step by step.
-            let seq = running.last_mut().expect("just pushed");
-            seq.input.truncate(self.config.prefill_chunk);
         }
     }
 
-    fn publish(
-        &self,
-        waiting: &VecDeque<SeqRequest>,
-        running: &[Running],
-        idle: &[CachedSequence],
-    ) {
+    /// Frees blocks until every running sequence's next input fits: idle sequences first (oldest first),
+    /// then the most recently admitted running sequence is preempted (its blocks freed, itself queued to
+    /// resume first). A lone sequence always fits: a request that could not is refused before it is queued.
+    fn make_room(&self, state: &mut State) {
+        loop {
+            let needed: usize = state
+                .running
+                .iter()
+                .map(|seq| {
+                    let (_, n) = seq.next_input(&state.pool, self.config.prefill_chunk);
+                    state.pool.blocks_to_append(seq.seq, n).unwrap_or(0)
+                })
+                .sum();
+            if needed <= state.pool.free_blocks() {
+                return;
+            }
+            if state.drop_oldest_idle(None) {
+                continue;
+            }
+            if state.running.len() <= 1 {
+                return;
+            }
+            let latest = (0..state.running.len())
+                .max_by_key(|&i| state.running[i].admitted)
+                .expect("at least two run");
+            let mut seq = state.running.remove(latest);
+            state.free(seq.seq);
+            seq.seq = state.pool.add_sequence();
+            tracing::info!(request_id = %seq.request.request_id, choice = seq.request.choice,
+                tokens = seq.tokens.len(), "preempted: KV blocks ran out; it will be recomputed");
+            self.metrics.preemptions.fetch_add(1, Ordering::Relaxed);
+            let at = state
+                .preempted
+                .iter()
+                .position(|p| p.admitted > seq.admitted)
+                .unwrap_or(state.preempted.len());
+            state.preempted.insert(at, seq);
+        }
+    }
+
+    /// One batched forward over every running sequence's next input, then sampling where a sequence's
+    /// tokens are all computed. A step that fails is retried one sequence at a time, so that only the
+    /// sequence at fault fails (a failed forward changes nothing in the pool).
+    fn step(&self, model: &dyn StepModel, state: &mut State) {
+        let State { pool, running, .. } = state;
+        let chunk = self.config.prefill_chunk;
+        let inputs: Vec<(usize, usize)> =
+            running.iter().map(|s| s.next_input(pool, chunk)).collect();
+        let batch: Vec<SeqChunk> = running
+            .iter()
+            .zip(&inputs)
+            .map(|(seq, &(start, n))| SeqChunk {
+                seq: seq.seq,
+                tokens: &seq.tokens[start..start + n],
+                start_pos: start,
+            })
+            .collect();
+        let outputs: Vec<Result<Tensor>> = match model.forward_batch(&batch, pool) {
+            Ok(logits) => (0..batch.len()).map(|i| Ok(logits.get(i)?)).collect(),
+            Err(e) => {
+                tracing::warn!(error = %e, sequences = batch.len(),
+                    "batched step failed: running its sequences one at a time");
+                batch
+                    .iter()
+                    .map(|one| {
+                        Ok(model
+                            .forward_batch(std::slice::from_ref(one), pool)?
+                            .get(0)?)
+                    })
+                    .collect()
+            }
+        };
+        drop(batch);
+        for (seq, logits) in running.iter_mut().zip(outputs) {
+            if let Err(e) = logits.and_then(|logits| seq.advance(logits, pool, &self.config)) {
+                tracing::warn!(request_id = %seq.request.request_id, error = %e, "sequence failed");
+                fail(&seq.request, &e.to_string());
+                seq.done = true;
+            }
+        }
+    }
+
+    fn publish(&self, state: &State) {
         let m = &self.metrics;
-        m.waiting.store(waiting.len(), Ordering::Relaxed);
-        m.running.store(running.len(), Ordering::Relaxed);
-        m.kv_tokens_reserved.store(
-            running.iter().map(|s| s.cache.capacity()).sum(),
+        let pool = &state.pool;
+        m.waiting.store(
+            state.waiting.len() + state.preempted.len(),
+            Ordering::Relaxed,
+        );
+        m.running.store(state.running.len(), Ordering::Relaxed);
+        m.kv_blocks_in_use.store(
+            state.running.iter().map(|s| state.blocks_of(s.seq)).sum(),
             Ordering::Relaxed,
         );
         m.kv_tokens_used.store(
-            running.iter().map(|s| s.cache.len()).sum(),
+            state
+                .running
+                .iter()
+                .map(|s| pool.seq_len(s.seq).unwrap_or(0))
+                .sum(),
             Ordering::Relaxed,
         );
-        m.kv_tokens_cached.store(
-            idle.iter().map(|c| c.cache.capacity()).sum(),
+        m.kv_blocks_cached.store(
+            state.idle.iter().map(|i| state.blocks_of(i.seq)).sum(),
             Ordering::Relaxed,
         );
     }
 }
 
 impl Running<'_> {
-    /// After a step that fed `fed` tokens: continue the prefill, or sample, report and stop when due.
-    fn advance(&mut self, logits: Tensor, config: &SchedulerConfig) -> Result<()> {
-        let computed = self.cache.len();
-        if computed < self.prompt_len {
-            let end = (computed + config.prefill_chunk).min(self.prompt_len);
-            self.input = self.tokens[computed..end].to_vec();
+    /// Where the next step starts for this sequence and how many tokens it feeds: the tokens the pool
+    /// does not hold yet, at most `chunk` of them.
+    fn next_input(&self, pool: &PagedKvCache, chunk: usize) -> (usize, usize) {
+        let computed = pool.seq_len(self.seq).unwrap_or(0).min(self.tokens.len());
+        (computed, (self.tokens.len() - computed).min(chunk))
+    }
+
+    /// After a step: nothing more while tokens remain to be computed (a prompt, or a recomputation after
+    /// preemption); otherwise sample from `logits`, report, and stop when due.
+    fn advance(
+        &mut self,
+        logits: Tensor,
+        pool: &PagedKvCache,
+        config: &SchedulerConfig,
+    ) -> Result<()> {
+        if pool.seq_len(self.seq)? < self.tokens.len() {
             return Ok(());
         }
         let log_softmax = match self.request.logprobs {
@@ -569,10 +704,10 @@ impl Running<'_> {
         if self.generated >= self.request.params.max_new_tokens {
             return self.finish(FinishReason::MaxTokens);
         }
-        if self.cache.len() + 1 > self.cache.capacity() {
+        // The new token is fed at position `tokens.len() - 1`, which must be within the context.
+        if self.tokens.len() > config.max_model_len {
             return self.finish(FinishReason::ContextFull);
         }
-        self.input = vec![id];
         Ok(())
     }
 

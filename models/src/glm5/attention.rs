@@ -3,15 +3,56 @@
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::LayerNorm;
 use glm5_ops::registry::{DsaIndexerFn, SparseMlaFn};
-use glm5_ops::{Kernel, Op};
+use glm5_ops::{
+    dsa_indexer_paged_reference, dsa_indexer_paged_with, sparse_mla_paged_reference,
+    sparse_mla_paged_with, DsaIndexerLaunch, Kernel, Op, PagedIndexKeys, PagedLatentCache,
+    SparseMlaLaunch, VisibleKeys,
+};
 
 use super::linear::{Loader, Proj, RmsNorm};
 use super::rope::Rope;
 use crate::cache::LayerCache;
 use crate::config::{Config, INDEX_KEY_NORM_EPS, LATENT_NORM_EPS};
 use crate::error::{ModelError, Result};
+use crate::paged_cache::PagedLayer;
 use crate::plan::LayerPlan;
 use crate::profile::{self, Part};
+
+/// Where a layer's KV lives during one forward call, and what each query sees.
+#[derive(Clone, Copy)]
+pub(super) enum LayerKv<'a> {
+    /// One sequence's contiguous cache; the call's tokens are positions `start_pos..`.
+    Contiguous {
+        cache: &'a LayerCache,
+        start_pos: usize,
+    },
+    /// The paged pool's blocks of this layer, and the batch's layout on this layer's device.
+    Paged {
+        cache: &'a PagedLayer,
+        step: &'a PagedStep,
+    },
+}
+
+/// The latent rows attention reads: a contiguous cache's rows up to this call's last token, or a paged
+/// layer's blocks and the batch's layout.
+enum CachedLatent<'a> {
+    Rows(Tensor),
+    Paged(&'a PagedLayer, &'a PagedStep),
+}
+
+/// A batch's paged layout as tensors on one device (built once per device per forward).
+pub(super) struct PagedStep {
+    /// `I32 [B, max_blocks]`.
+    pub block_table: Tensor,
+    /// `I32 [B]`: tokens per sequence after this step.
+    pub seq_lens: Tensor,
+    /// `I32 [T]`: each token's batch entry.
+    pub token_seq: Tensor,
+    /// `U32 [T]`: the flattened-block row each token's KV is written to.
+    pub write_rows: Tensor,
+    /// Per token: the keys its query sees (its position + 1).
+    pub visible: Vec<usize>,
+}
 
 /// §4 The DSA lightning indexer: scores every visible past token for each query and keeps the top-k.
 struct Indexer {
@@ -25,8 +66,9 @@ struct Indexer {
     /// Keys kept per query (`index_topk`).
     index_topk: usize,
     weight_scale: f64,
-    /// The backend the plan bound; `None` when the indexer does not run (dense mode).
-    kernel: Option<DsaIndexerFn>,
+    /// The backend the plan bound, and its name (the paged call picks its form by it); `None` when the
+    /// indexer does not run (dense mode).
+    kernel: Option<(DsaIndexerFn, &'static str)>,
 }
 
 impl Indexer {
@@ -34,7 +76,7 @@ impl Indexer {
         config: &Config,
         loader: &Loader,
         prefix: &str,
-        kernel: Option<DsaIndexerFn>,
+        kernel: Option<(DsaIndexerFn, &'static str)>,
     ) -> Result<Self> {
         let (heads, dim) = (config.index_n_heads, config.index_head_dim);
         Ok(Self {
@@ -70,14 +112,13 @@ impl Indexer {
     }
 
     /// `hidden` `[T, hidden]` (the normed layer input), `q_lora` `[T, q_lora_rank]` (after q_a_layernorm).
-    /// Returns the selected positions `[T, index_topk]` (i32, -1 padded) and caches this chunk's keys.
+    /// Returns the selected positions `[T, index_topk]` (i32, -1 padded) and caches this call's keys.
     pub(super) fn forward(
         &self,
         hidden: &Tensor,
         q_lora: &Tensor,
-        start_pos: usize,
         rope: &Rope,
-        cache: &LayerCache,
+        kv: LayerKv<'_>,
     ) -> Result<Tensor> {
         let t = hidden.dim(0)?;
         let q = self
@@ -90,20 +131,51 @@ impl Indexer {
             .forward(&self.wk.forward(hidden)?)?
             .unsqueeze(1)?;
         let k = self.rotate_leading(&k, rope)?.squeeze(1)?;
-        let keys = cache.append_index_keys(&k, start_pos)?;
         let head_weights =
             (self.weights_proj.forward(hidden)?.to_dtype(DType::F32)? * self.weight_scale)?;
-        let visible: Vec<usize> = (1..=t).map(|i| start_pos + i).collect();
-        let kernel = self.kernel.ok_or_else(|| {
+        let (kernel, backend) = self.kernel.ok_or_else(|| {
             ModelError::PlanDevices("the plan bound no dsa_indexer backend (dense mode)".into())
         })?;
-        Ok(kernel(
-            &q,
-            &head_weights,
-            keys.view(),
-            &visible,
-            self.index_topk,
-        )?)
+        match kv {
+            LayerKv::Contiguous { cache, start_pos } => {
+                let keys = cache.append_index_keys(&k, start_pos)?;
+                let visible: Vec<usize> = (1..=t).map(|i| start_pos + i).collect();
+                Ok(kernel(
+                    &q,
+                    &head_weights,
+                    keys.view(),
+                    &visible,
+                    self.index_topk,
+                )?)
+            }
+            LayerKv::Paged { cache, step } => {
+                cache.write_index_keys(&k, &step.write_rows)?;
+                let paged = PagedIndexKeys {
+                    keys: cache.index_keys(),
+                    block_table: &step.block_table,
+                    token_seq: &step.token_seq,
+                };
+                // The reference where the plan bound it, else glm5's CUDA launcher.
+                Ok(if backend == "reference" {
+                    dsa_indexer_paged_reference(
+                        &q,
+                        &head_weights,
+                        &paged,
+                        &step.visible,
+                        self.index_topk,
+                    )?
+                } else {
+                    dsa_indexer_paged_with(
+                        &q,
+                        &head_weights,
+                        &paged,
+                        VisibleKeys::Host(&step.visible),
+                        self.index_topk,
+                        &DsaIndexerLaunch::default(),
+                    )?
+                })
+            }
+        }
     }
 }
 
@@ -126,8 +198,8 @@ pub(super) struct Attention {
     kv_lora_rank: usize,
     v_head_dim: usize,
     softmax_scale: f64,
-    /// The sparse_mla backend the plan bound.
-    sparse_mla: SparseMlaFn,
+    /// The sparse_mla backend the plan bound, and its name (the paged call picks its form by it).
+    sparse_mla: (SparseMlaFn, &'static str),
 }
 
 impl Attention {
@@ -190,12 +262,13 @@ impl Attention {
         })
     }
 
+    /// Attention over this call's tokens and the cached ones: writes the tokens' latent rows (and the
+    /// indexer's keys) into `kv`, returns the output `[T, hidden]` and the attended positions `[T, K]`.
     pub(super) fn forward(
         &self,
         hidden: &Tensor,
-        start_pos: usize,
         rope: &Rope,
-        cache: &LayerCache,
+        kv: LayerKv<'_>,
         dense: Option<&Tensor>,
     ) -> Result<(Tensor, Tensor)> {
         let t = hidden.dim(0)?;
@@ -211,18 +284,28 @@ impl Attention {
         let q_nope = q.narrow(2, 0, self.nope_dim)?;
         let q_pe = rope.apply(&q.narrow(2, self.nope_dim, self.rope_dim)?)?;
 
-        // This chunk's latent rows [c | k_pe] go into the cache; attention reads all cached rows.
-        let kv = self.kv_a_proj_with_mqa.forward(hidden)?;
+        // This call's latent rows [c | k_pe] go into the cache; attention reads all cached rows.
+        let kv_a = self.kv_a_proj_with_mqa.forward(hidden)?;
         let c = self
             .kv_a_layernorm
-            .forward(&kv.narrow(1, 0, self.kv_lora_rank)?)?;
+            .forward(&kv_a.narrow(1, 0, self.kv_lora_rank)?)?;
         let k_pe = rope
             .apply(
-                &kv.narrow(1, self.kv_lora_rank, self.rope_dim)?
+                &kv_a
+                    .narrow(1, self.kv_lora_rank, self.rope_dim)?
                     .unsqueeze(1)?,
             )?
             .squeeze(1)?;
-        let latent = cache.append_latent(&Tensor::cat(&[c, k_pe], 1)?, start_pos)?;
+        let rows = Tensor::cat(&[c, k_pe], 1)?;
+        let latent = match kv {
+            LayerKv::Contiguous { cache, start_pos } => {
+                CachedLatent::Rows(cache.append_latent(&rows, start_pos)?)
+            }
+            LayerKv::Paged { cache, step } => {
+                cache.write_latent(&rows, &step.write_rows)?;
+                CachedLatent::Paged(cache, step)
+            }
+        };
 
         // Absorb W_UK: q̃_h = W_UK_hᵀ q_nope_h, so scores are 576-wide dots against the latent rows.
         let q_latent = q_nope
@@ -234,18 +317,47 @@ impl Attention {
 
         let selected = match dense {
             None => profile::time(Part::Indexer, hidden.device(), || {
-                self.indexer
-                    .forward(hidden, &q_lora, start_pos, rope, cache)
+                self.indexer.forward(hidden, &q_lora, rope, kv)
             })?,
             Some(all_positions) => all_positions.clone(),
         };
-        let (attended, _lse) = (self.sparse_mla)(
-            &q_absorbed,
-            &latent,
-            &selected,
-            self.kv_lora_rank,
-            self.softmax_scale,
-        )?;
+        let (sparse_mla, backend) = self.sparse_mla;
+        let (attended, _lse) = match latent {
+            CachedLatent::Paged(cache, step) => {
+                let paged = PagedLatentCache {
+                    blocks: cache.latent(),
+                    block_table: &step.block_table,
+                    seq_lens: &step.seq_lens,
+                    token_seq: &step.token_seq,
+                };
+                // The reference where the plan bound it, else glm5's CUDA launcher for that backend.
+                if backend == "reference" {
+                    sparse_mla_paged_reference(
+                        &q_absorbed,
+                        &paged,
+                        &selected,
+                        self.kv_lora_rank,
+                        self.softmax_scale,
+                    )?
+                } else {
+                    sparse_mla_paged_with(
+                        &q_absorbed,
+                        &paged,
+                        &selected,
+                        self.kv_lora_rank,
+                        self.softmax_scale,
+                        &SparseMlaLaunch::backend(backend)?,
+                    )?
+                }
+            }
+            CachedLatent::Rows(latent) => sparse_mla(
+                &q_absorbed,
+                &latent,
+                &selected,
+                self.kv_lora_rank,
+                self.softmax_scale,
+            )?,
+        };
 
         // Apply W_UV per head, then the output projection.
         let per_head = attended
@@ -260,18 +372,24 @@ impl Attention {
 }
 
 /// The functions the plan chose for a layer: sparse_mla, and dsa_indexer unless it is skipped.
-fn bound_kernels(layer: &LayerPlan) -> Result<(SparseMlaFn, Option<DsaIndexerFn>)> {
+#[allow(clippy::type_complexity)]
+fn bound_kernels(
+    layer: &LayerPlan,
+) -> Result<(
+    (SparseMlaFn, &'static str),
+    Option<(DsaIndexerFn, &'static str)>,
+)> {
     let mismatch = |what: &str| ModelError::PlanDevices(format!("layer {}: {what}", layer.layer));
     let sparse_mla = match layer.op(Op::SparseMla).and_then(|o| o.choice.as_ref()) {
         Some(choice) => match choice.entry.kernel {
-            Kernel::SparseMla(f) => f,
+            Kernel::SparseMla(f) => (f, choice.entry.name),
             _ => return Err(mismatch("the sparse_mla entry holds another op's kernel")),
         },
         None => return Err(mismatch("no sparse_mla backend in the plan")),
     };
     let dsa_indexer = match layer.op(Op::DsaIndexer).and_then(|o| o.choice.as_ref()) {
         Some(choice) => match choice.entry.kernel {
-            Kernel::DsaIndexer(f) => Some(f),
+            Kernel::DsaIndexer(f) => Some((f, choice.entry.name)),
             _ => return Err(mismatch("the dsa_indexer entry holds another op's kernel")),
         },
         None => None,
@@ -281,9 +399,17 @@ fn bound_kernels(layer: &LayerPlan) -> Result<(SparseMlaFn, Option<DsaIndexerFn>
 
 /// Dense mode's "selection": every position `0..=start_pos+i` for query `i`, -1 padded to a common width.
 pub(super) fn all_causal_positions(t: usize, start_pos: usize, device: &Device) -> Result<Tensor> {
-    let width = start_pos + t;
-    let rows: Vec<i32> = (0..t)
-        .flat_map(|i| (0..width).map(move |s| if s <= start_pos + i { s as i32 } else { -1 }))
+    let positions: Vec<usize> = (start_pos..start_pos + t).collect();
+    causal_positions_of(&positions, device)
+}
+
+/// Dense mode's "selection" for tokens at `positions` (each in its own sequence): positions `0..=p` for a
+/// token at `p`, -1 padded to a common width.
+pub(super) fn causal_positions_of(positions: &[usize], device: &Device) -> Result<Tensor> {
+    let width = positions.iter().max().map_or(0, |&p| p + 1);
+    let rows: Vec<i32> = positions
+        .iter()
+        .flat_map(|&p| (0..width).map(move |s| if s <= p { s as i32 } else { -1 }))
         .collect();
-    Ok(Tensor::from_vec(rows, (t, width), device)?)
+    Ok(Tensor::from_vec(rows, (positions.len(), width), device)?)
 }

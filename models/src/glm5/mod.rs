@@ -1,10 +1,13 @@
 //! The GLM-5 module graph (`GlmMoeDsaForCausalLM`), in the order of `docs/architecture.md`: §3.1 block
 //! structure, §3.2 RoPE, §3.3–3.4 MLA in its absorbed form, §4 the DSA lightning indexer, §5 MoE routing.
 //!
-//! One sequence at a time: `forward(input_ids, start_pos, &mut cache)` runs a prompt chunk or one decode
-//! token and returns the logits of every position it was given. Attention is always the absorbed (MQA) form
-//! over the latent cache: `W_UK` is folded into the query, `W_UV` applied after, so prefill and decode share
-//! one path through the `sparse_mla` op.
+//! One sequence: `forward(input_ids, start_pos, &mut cache)` runs a prompt chunk or one decode token over a
+//! contiguous [`KvCache`] and returns the logits of every position it was given. Several sequences:
+//! `forward_batch(batch, &mut pool)` runs every entry's new tokens (prompt chunks and decode tokens mixed)
+//! as one `[T_total, hidden]` pass over the paged pool ([`PagedKvCache`]), attention and indexer reading each
+//! token's own sequence through its block table. Attention is always the absorbed (MQA) form over the latent
+//! cache: `W_UK` is folded into the query, `W_UV` applied after, so prefill and decode share one path through
+//! the `sparse_mla` op.
 
 mod attention;
 mod linear;
@@ -17,14 +20,15 @@ use candle_core::{DType, Device, DeviceLocation, Module, Tensor};
 use candle_nn::Linear;
 use glm5_ops::{DeviceDesc, DeviceKind, Op, Registry};
 
-use crate::cache::{KvCache, LayerCache};
+use crate::cache::KvCache;
 use crate::config::{Config, MlpKind};
 use crate::error::{ModelError, Result};
+use crate::paged_cache::{PagedCacheOptions, PagedKvCache, SeqChunk, StepLayout};
 pub use crate::plan::AttentionMode;
-use crate::plan::{LayerPlan, Plan, PlanOptions};
+use crate::plan::{op_spec, LayerPlan, Plan, PlanOptions};
 use crate::profile::{self, Part};
 use crate::weights::Checkpoint;
-use attention::{all_causal_positions, Attention};
+use attention::{all_causal_positions, causal_positions_of, Attention, LayerKv, PagedStep};
 use linear::{Loader, Proj, RmsNorm};
 use moe::{Mlp, MoE};
 use rope::Rope;
@@ -77,19 +81,13 @@ impl DecoderLayer {
     fn forward(
         &self,
         x: &Tensor,
-        start_pos: usize,
         rope: &Rope,
-        cache: &LayerCache,
+        kv: LayerKv<'_>,
         dense: Option<&Tensor>,
     ) -> Result<(Tensor, Tensor)> {
         let (attn, selected) = profile::time(Part::Attention, x.device(), || {
-            self.self_attn.forward(
-                &self.input_layernorm.forward(x)?,
-                start_pos,
-                rope,
-                cache,
-                dense,
-            )
+            self.self_attn
+                .forward(&self.input_layernorm.forward(x)?, rope, kv, dense)
         })?;
         let x = (x + attn)?;
         let h = self.post_attention_layernorm.forward(&x)?;
@@ -134,8 +132,9 @@ impl std::fmt::Display for LayerBackends {
     }
 }
 
-/// GLM-5 (`GlmMoeDsaForCausalLM`) for one sequence at a time, its layers placed and its backends bound by
-/// a [`Plan`].
+/// GLM-5 (`GlmMoeDsaForCausalLM`), its layers placed and its backends bound by a [`Plan`]: one sequence
+/// over a [`KvCache`] ([`Self::forward`]), or a batch of sequences over a [`PagedKvCache`]
+/// ([`Self::forward_batch`]).
 pub struct Glm5ForCausalLM {
     config: Config,
     plan: Plan,
@@ -341,6 +340,98 @@ impl Glm5ForCausalLM {
         )
     }
 
+    /// An empty paged pool of `options.num_blocks` blocks of `options.block_size` tokens for batched forwards
+    /// ([`Self::forward_batch`]), each layer's blocks on its device. Fails with a typed error when a backend
+    /// the plan bound cannot read blocks of that size, or when the blocks of a device would not fit its
+    /// memory.
+    pub fn new_paged_cache(&self, options: PagedCacheOptions) -> Result<PagedKvCache> {
+        let per_token =
+            crate::sizes::cache_bytes_per_token(&self.config, self.dtype, self.plan.index_keys);
+        let block_tokens = options.num_blocks.saturating_mul(options.block_size) as u64;
+        for (index, desc) in self.plan.devices.iter().enumerate() {
+            let layers = self
+                .plan
+                .layers
+                .iter()
+                .filter(|l| l.device == index)
+                .count() as u64;
+            let bytes = block_tokens
+                .saturating_mul(per_token)
+                .saturating_mul(layers);
+            if bytes > desc.memory_bytes {
+                return Err(ModelError::PagedCache(format!(
+                    "{} blocks of {} tokens take {} on {desc} ({layers} layers), which has {}",
+                    options.num_blocks,
+                    options.block_size,
+                    crate::plan::fmt_bytes(bytes),
+                    crate::plan::fmt_bytes(desc.memory_bytes)
+                )));
+            }
+        }
+        // The backends bound at load time must also read a paged cache of these blocks.
+        let layout = glm5_ops::CacheLayout::Paged {
+            block_size: options.block_size,
+        };
+        for layer in &self.plan.layers {
+            for op in &layer.ops {
+                let Some(choice) = &op.choice else { continue };
+                let mut spec = op_spec(
+                    &self.config,
+                    op.op,
+                    layer.dtype,
+                    self.mode,
+                    self.plan.index_keys,
+                );
+                spec.layout = layout;
+                if let Err(reasons) = choice
+                    .entry
+                    .validate(&spec, &self.plan.devices[layer.device])
+                {
+                    let reasons: Vec<String> = reasons.iter().map(ToString::to_string).collect();
+                    return Err(ModelError::PagedCache(format!(
+                        "layer {}: the {} backend {} cannot read blocks of {} tokens: {}",
+                        layer.layer,
+                        op.op,
+                        choice.entry.name,
+                        options.block_size,
+                        reasons.join("; ")
+                    )));
+                }
+            }
+        }
+        let layer_devices: Vec<&Device> = self
+            .plan
+            .layers
+            .iter()
+            .map(|l| &self.devices[l.device])
+            .collect();
+        PagedKvCache::new(
+            &self.config,
+            options,
+            self.dtype,
+            self.plan.index_keys,
+            &layer_devices,
+        )
+    }
+
+    /// One step of several sequences: every entry's tokens (a prompt chunk or one decode token, at its
+    /// sequence's next position) run as one `[T_total, hidden]` pass over `pool`, their KV appended to their
+    /// sequences. Returns f32 logits `[batch.len(), vocab_size]` of each entry's last token, in batch order,
+    /// on [`Self::output_device`].
+    ///
+    /// Typed errors, with nothing changed in the pool: an empty batch or entry, an unknown or repeated
+    /// sequence, a `start_pos` that does not continue its sequence, a token outside the vocabulary, positions
+    /// past the context, more new blocks than the pool has free ([`ModelError::PoolExhausted`]).
+    pub fn forward_batch(&self, batch: &[SeqChunk], pool: &mut PagedKvCache) -> Result<Tensor> {
+        self.run_batch(batch, pool, false)
+    }
+
+    /// [`Self::forward_batch`] returning the logits of every token, `[T_total, vocab_size]`: each entry's
+    /// tokens in order, the entries in batch order.
+    pub fn forward_batch_all(&self, batch: &[SeqChunk], pool: &mut PagedKvCache) -> Result<Tensor> {
+        self.run_batch(batch, pool, true)
+    }
+
     /// Runs `input_ids` at positions `start_pos..start_pos + len` (a prompt chunk or one decode token),
     /// appending them to `cache`, and returns f32 logits `[len, vocab_size]` on [`Self::output_device`].
     pub fn forward(
@@ -369,6 +460,145 @@ impl Glm5ForCausalLM {
     fn transfer(&self, x: &Tensor, to: usize) -> Result<Tensor> {
         self.transfers.fetch_add(1, Ordering::Relaxed);
         Ok(x.to_device(&self.devices[to])?)
+    }
+
+    /// Checks the entries' tokens and positions against the model, and `pool` against the model's layers.
+    fn check_batch(&self, batch: &[SeqChunk], pool: &PagedKvCache) -> Result<()> {
+        if pool.layers.len() != self.layers.len() {
+            return Err(ModelError::CacheShape(format!(
+                "{} layers in the pool, model has {}",
+                pool.layers.len(),
+                self.layers.len()
+            )));
+        }
+        for (l, (layer, blocks)) in self.plan.layers.iter().zip(&pool.layers).enumerate() {
+            let latent = blocks.latent();
+            if latent.dim(2)? != self.config.latent_dim()
+                || latent.dtype() != self.dtype
+                || !same_device(latent.device(), &self.plan.devices[layer.device])
+            {
+                return Err(ModelError::CacheShape(format!(
+                    "layer {l}: the pool's blocks are {:?} rows of {} on {:?}",
+                    latent.dtype(),
+                    latent.dim(2)?,
+                    latent.device().location()
+                )));
+            }
+        }
+        let max_positions = self.config.max_position_embeddings;
+        for entry in batch {
+            if let Some((i, &token)) = entry
+                .tokens
+                .iter()
+                .enumerate()
+                .find(|(_, &id)| id as usize >= self.config.vocab_size)
+            {
+                return Err(ModelError::TokenOutOfRange {
+                    token,
+                    position: entry.start_pos + i,
+                    vocab_size: self.config.vocab_size,
+                });
+            }
+            let end = entry.start_pos.saturating_add(entry.tokens.len());
+            if end > max_positions {
+                return Err(ModelError::ContextOverflow {
+                    start: entry.start_pos,
+                    end,
+                    max_positions,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn run_batch(
+        &self,
+        batch: &[SeqChunk],
+        pool: &mut PagedKvCache,
+        all_logits: bool,
+    ) -> Result<Tensor> {
+        self.check_batch(batch, pool)?;
+        let step = pool.begin_step(batch)?;
+        match self.run_step(batch, &step, pool, all_logits) {
+            Ok(logits) => {
+                pool.commit(&step);
+                Ok(logits)
+            }
+            Err(e) => {
+                pool.rollback(&step);
+                Err(e)
+            }
+        }
+    }
+
+    /// The batch's layout as tensors on plan device `device`: RoPE tables, dense selection, block tables.
+    fn device_step(
+        &self,
+        step: &StepLayout,
+        device: usize,
+    ) -> Result<(Rope, Option<Tensor>, PagedStep)> {
+        let device = &self.devices[device];
+        let (batch, tokens) = (step.batch, step.positions.len());
+        let rope = Rope::at(&self.config, &step.positions, self.dtype, device)?;
+        let dense = match self.mode {
+            AttentionMode::Sparse => None,
+            AttentionMode::Dense => Some(causal_positions_of(&step.positions, device)?),
+        };
+        let paged = PagedStep {
+            block_table: Tensor::from_slice(&step.block_table, (batch, step.max_blocks), device)?,
+            seq_lens: Tensor::from_slice(&step.seq_lens, batch, device)?,
+            token_seq: Tensor::from_slice(&step.token_seq, tokens, device)?,
+            write_rows: Tensor::from_slice(&step.write_rows, tokens, device)?,
+            visible: step.positions.iter().map(|p| p + 1).collect(),
+        };
+        Ok((rope, dense, paged))
+    }
+
+    fn run_step(
+        &self,
+        batch: &[SeqChunk],
+        step: &StepLayout,
+        pool: &PagedKvCache,
+        all_logits: bool,
+    ) -> Result<Tensor> {
+        let ids: Vec<u32> = batch
+            .iter()
+            .flat_map(|e| e.tokens.iter().copied())
+            .collect();
+        let first = self.plan.embed_device;
+        let mut per_device: Vec<Option<(Rope, Option<Tensor>, PagedStep)>> =
+            (0..self.devices.len()).map(|_| None).collect();
+        let ids = Tensor::from_vec(ids, step.positions.len(), &self.devices[first])?;
+        let mut x = self.embed_tokens.index_select(&ids, 0)?;
+        let mut here = first;
+        for (layer, blocks) in self.layers.iter().zip(&pool.layers) {
+            if layer.device != here {
+                x = self.transfer(&x, layer.device)?;
+                here = layer.device;
+            }
+            if per_device[here].is_none() {
+                per_device[here] = Some(self.device_step(step, here)?);
+            }
+            let (rope, dense, paged) = per_device[here].as_ref().ok_or_else(|| {
+                ModelError::PlanDevices(format!("no step layout on plan device {here}"))
+            })?;
+            let kv = LayerKv::Paged {
+                cache: blocks,
+                step: paged,
+            };
+            x = layer.forward(&x, rope, kv, dense.as_ref())?.0;
+        }
+        if self.plan.head_device != here {
+            x = self.transfer(&x, self.plan.head_device)?;
+        }
+        if !all_logits {
+            let last = Tensor::from_slice(&step.last_tokens, step.batch, x.device())?;
+            x = x.index_select(&last, 0)?;
+        }
+        Ok(self
+            .lm_head
+            .forward(&self.norm.forward(&x)?)?
+            .to_dtype(DType::F32)?)
     }
 
     fn run(
@@ -437,8 +667,11 @@ impl Glm5ForCausalLM {
             let (rope, dense) = per_device[here].as_ref().ok_or_else(|| {
                 ModelError::PlanDevices(format!("no RoPE tables on plan device {here}"))
             })?;
-            let (next, selected) =
-                layer.forward(&x, start_pos, rope, layer_cache, dense.as_ref())?;
+            let kv = LayerKv::Contiguous {
+                cache: layer_cache,
+                start_pos,
+            };
+            let (next, selected) = layer.forward(&x, rope, kv, dense.as_ref())?;
             if let Some(selections) = selections.as_deref_mut() {
                 selections.push(selected);
             }

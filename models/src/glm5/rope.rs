@@ -1,4 +1,4 @@
-//! §3.2 RoPE tables for the positions of one forward call.
+//! §3.2 RoPE tables for the positions of one forward call (one sequence's run, or a batch's tokens).
 
 use candle_core::{DType, Device, Tensor};
 
@@ -21,6 +21,18 @@ impl Rope {
         dtype: DType,
         device: &Device,
     ) -> Result<Self> {
+        let positions: Vec<usize> = (start_pos..start_pos + len).collect();
+        Self::at(config, &positions, dtype, device)
+    }
+
+    /// The tables of any positions, one row per token (a batch of several sequences' tokens).
+    pub(super) fn at(
+        config: &Config,
+        positions: &[usize],
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        let len = positions.len();
         let half = config.qk_rope_head_dim / 2;
         let inv_freq: Vec<f32> = (0..half)
             .map(|i| {
@@ -33,7 +45,7 @@ impl Rope {
             Vec::with_capacity(len * half),
             Vec::with_capacity(len * half),
         );
-        for pos in start_pos..start_pos + len {
+        for &pos in positions {
             for f in &inv_freq {
                 let angle = pos as f32 * f;
                 cos.push(angle.cos());

@@ -339,6 +339,33 @@ pub fn dsa_indexer_paged(
         let launch = DsaIndexerLaunch::default();
         return dsa_indexer_paged_with(q_index, head_weights, cache, visible, top_k, &launch);
     }
+    paged_reference_checked(q_index, head_weights, cache, visible_keys, top_k, batch)
+}
+
+/// [`dsa_indexer_paged`] by the candle-ops reference on any device, whatever the registry would choose (a
+/// sequence index outside the block table is an `IndexOutOfRange` error). What a plan that bound the
+/// reference runs.
+pub fn dsa_indexer_paged_reference(
+    q_index: &Tensor,
+    head_weights: &Tensor,
+    cache: &PagedIndexKeys,
+    visible_keys: &[usize],
+    top_k: usize,
+) -> Result<Tensor> {
+    let [t_len, _, batch, capacity] = check_paged(q_index, head_weights, cache)?;
+    check_request(t_len, visible_keys, capacity, top_k)?;
+    paged_reference_checked(q_index, head_weights, cache, visible_keys, top_k, batch)
+}
+
+/// The paged reference after the shape checks: validates the sequence of every query, then scores.
+fn paged_reference_checked(
+    q_index: &Tensor,
+    head_weights: &Tensor,
+    cache: &PagedIndexKeys,
+    visible_keys: &[usize],
+    top_k: usize,
+    batch: usize,
+) -> Result<Tensor> {
     let token_seq = cache.token_seq.to_vec1::<i32>()?;
     if let Some((row, &seq)) = token_seq
         .iter()

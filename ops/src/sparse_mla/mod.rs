@@ -119,6 +119,20 @@ pub fn sparse_mla_paged(
     }
 }
 
+/// [`sparse_mla_paged`] by the candle-ops reference on any device, whatever the registry would choose: logical
+/// positions translated to physical rows on the host (out-of-range sequences, positions and blocks are
+/// `IndexOutOfRange` errors), then [`sparse_mla_reference`]. What a plan that bound the reference runs.
+pub fn sparse_mla_paged_reference(
+    q: &Tensor,
+    cache: &PagedLatentCache,
+    indices: &Tensor,
+    value_dim: usize,
+    softmax_scale: f64,
+) -> Result<(Tensor, Tensor)> {
+    crate::error::check_float("q", q)?;
+    reference::paged(q, cache, indices, value_dim, softmax_scale)
+}
+
 /// What a sparse_mla call asks of the registry.
 fn spec(q: &Tensor, indices: &Tensor, value_dim: usize, layout: CacheLayout) -> Result<OpSpec> {
     let [_, heads, head_dim] =
