@@ -10,6 +10,7 @@ use std::time::Instant;
 use glm5::candle_core::{DType, Device, Result, Tensor};
 use glm5::models::profile;
 use glm5::models::sizes;
+use glm5::models::{PagedCacheOptions, SeqChunk, SeqId, DEFAULT_BLOCK_SIZE};
 use glm5::{AttentionMode, Checkpoint, Config, DeviceDesc, Glm5ForCausalLM, Plan, PlanOptions};
 
 use crate::cuda;
@@ -21,6 +22,8 @@ pub struct E2eArgs {
     pub contexts: Vec<usize>,
     pub steps: usize,
     pub prefill: usize,
+    /// Sequences per batched decode step (at the first context).
+    pub batches: Vec<usize>,
     /// HF transformers' timing script (`bench/hf_e2e.py`), run after glm5 in the same call.
     pub hf_script: Option<String>,
 }
@@ -212,6 +215,81 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
         last_profile = Some((parts, profiled_s * 1e3, profiled_steps));
     }
     println!("(the split is from {} profiled steps that synchronise around each part: it adds up to a slower step than the row's)", 4);
+
+    // Batched decode over the paged pool: `batch` sequences of `context` tokens, one token each per step.
+    let context = args.contexts.first().copied().unwrap_or(4096);
+    let n_moe = (args.layers - dense_layers) as f64;
+    let per_expert = (3 * config.hidden_size * config.moe_intermediate_size * 2) as f64;
+    let (e, k) = (
+        config.n_routed_experts as f64,
+        config.num_experts_per_tok as f64,
+    );
+    for &batch in &args.batches {
+        let mut pool = model
+            .new_paged_cache(PagedCacheOptions::for_tokens(
+                batch * (context + args.steps + 8),
+            ))
+            .map_err(cuda)?;
+        let seqs: Vec<SeqId> = (0..batch).map(|_| pool.add_sequence()).collect();
+        for &seq in &seqs {
+            let mut pos = 0;
+            while pos < context {
+                let chunk = args.prefill.min(context - pos);
+                model
+                    .forward_batch(
+                        &[SeqChunk {
+                            seq,
+                            tokens: &ids[pos..pos + chunk],
+                            start_pos: pos,
+                        }],
+                        &mut pool,
+                    )
+                    .map_err(cuda)?;
+                pos += chunk;
+            }
+        }
+        let mut pos = context;
+        let mut step = |pos: usize| -> Result<()> {
+            let chunks: Vec<SeqChunk> = seqs
+                .iter()
+                .map(|&seq| SeqChunk {
+                    seq,
+                    tokens: &ids[pos..pos + 1],
+                    start_pos: pos,
+                })
+                .collect();
+            model
+                .forward_batch(&chunks, &mut pool)
+                .map_err(cuda)?
+                .argmax(1)?
+                .to_vec1::<u32>()?;
+            Ok(())
+        };
+        for _ in 0..3 {
+            step(pos)?;
+            pos += 1;
+        }
+        let mut times = Vec::new();
+        for _ in 0..args.steps {
+            let start = Instant::now();
+            step(pos)?;
+            times.push(start.elapsed().as_secs_f64());
+            pos += 1;
+        }
+        let step_s = median(times);
+        // Experts touched: expected under uniform routing (random weights route near-uniformly).
+        let touched = e * (1.0 - (1.0 - k / e).powf(batch as f64));
+        let bytes = step_bytes as f64 + n_moe * per_expert * (touched - k);
+        let floor_b = bytes / copy;
+        println!(
+            "| {context} | {batch} | {:.2} | {:.0} | {:.3} | {:.2}x | | | | | |",
+            step_s * 1e3,
+            batch as f64 / step_s,
+            floor_b * 1e3,
+            step_s / floor_b
+        );
+    }
+    println!("(batched rows: paged pool, blocks of {DEFAULT_BLOCK_SIZE}; tok/s counts every sequence's token; the floor takes the experts a uniform router touches in expectation)");
 
     // Projection to the full model: per-layer times of the slice (dense and MoE layers from the split, scaled
     // to the unprofiled step), times GLM-5's layer counts, plus the head.

@@ -78,6 +78,9 @@ enum Command {
         /// Prefill length (and prefill chunk).
         #[arg(long, default_value_t = 4096)]
         prefill: usize,
+        /// Batched decode: sequences per step (at the first context), over the paged pool.
+        #[arg(long, value_delimiter = ',', default_value = "8,32,64")]
+        batches: Vec<usize>,
         /// HF transformers' timing script (bench/hf_e2e.py) to run on the same slice afterwards.
         #[arg(long)]
         hf: Option<String>,
@@ -118,6 +121,7 @@ fn main() -> glm5::candle_core::Result<()> {
         contexts,
         steps,
         prefill,
+        batches,
         hf,
     }) = &cli.command
     {
@@ -126,6 +130,7 @@ fn main() -> glm5::candle_core::Result<()> {
             contexts: contexts.clone(),
             steps: *steps,
             prefill: *prefill,
+            batches: batches.clone(),
             hf_script: hf.clone(),
         });
     }
