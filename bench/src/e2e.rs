@@ -226,9 +226,10 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
     );
     for &batch in &args.batches {
         let mut pool = model
-            .new_paged_cache(PagedCacheOptions::for_tokens(
-                batch * (context + args.steps + 8),
-            ))
+            .new_paged_cache(PagedCacheOptions {
+                num_blocks: batch * (context + args.steps + 8).div_ceil(DEFAULT_BLOCK_SIZE),
+                block_size: DEFAULT_BLOCK_SIZE,
+            })
             .map_err(cuda)?;
         let seqs: Vec<SeqId> = (0..batch).map(|_| pool.add_sequence()).collect();
         for &seq in &seqs {
