@@ -27,6 +27,11 @@ pub const DSA_INDEXER: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/dsa_ind
 pub const DSA_INDEXER_SM90: &[u8] =
     include_bytes!(concat!(env!("OUT_DIR"), "/dsa_indexer_sm90.fatbin"));
 
+/// `weight_only_matmul.cu`: the W8A16 (block-scaled FP8) and W4A16 (NVFP4) mat-vec and dequantise kernels.
+#[cfg(feature = "cuda")]
+pub const WEIGHT_ONLY_MATMUL: &[u8] =
+    include_bytes!(concat!(env!("OUT_DIR"), "/weight_only_matmul.fatbin"));
+
 /// `bench.cu`: microkernels that measure the device's ceilings (the mma.sync bf16 rate).
 #[cfg(feature = "cuda")]
 pub const BENCH: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/bench.fatbin"));

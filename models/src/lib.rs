@@ -7,6 +7,7 @@ pub mod config;
 pub mod error;
 pub mod glm5;
 pub mod plan;
+pub mod quantization;
 pub mod sizes;
 mod units;
 pub mod weights;
@@ -18,4 +19,5 @@ pub use glm5::{Glm5ForCausalLM, LayerBackends};
 pub use plan::{
     fmt_bytes, AttentionMode, DeviceUsage, LayerPlan, OpPlan, Plan, PlanError, PlanOptions,
 };
+pub use quantization::Quantization;
 pub use weights::{Checkpoint, Format, Matrix, TensorSource};
