@@ -32,12 +32,18 @@ fn check_case(case: &str, tolerance: f32) {
     let quantized = logits(&case_dir(case));
     let dequantized = logits(&case_dir(case).join("dequantized"));
     let err = max_abs_diff(&quantized, &dequantized);
-    assert!(err < tolerance, "{case}: max |quantised - dequantised f32| = {err}");
+    assert!(
+        err < tolerance,
+        "{case}: max |quantised - dequantised f32| = {err}"
+    );
     // The quantisation is real: the dequantised model is not the original one.
     let (_, original) = reference("dense_equiv");
     let original: Vec<Vec<f32>> = original.to_vec2().unwrap();
     let moved = max_abs_diff(&dequantized, &original);
-    assert!(moved > 10.0 * tolerance, "{case}: quantisation moved the logits by only {moved}");
+    assert!(
+        moved > 10.0 * tolerance,
+        "{case}: quantisation moved the logits by only {moved}"
+    );
     eprintln!("{case}: max |quantised - dequantised| = {err:.3e}, quantisation moved logits by {moved:.3e}");
 }
 
@@ -67,24 +73,51 @@ fn dequantisation_matches_ml_dtypes_exactly() {
     ] {
         let dir = case_dir(case);
         let checkpoint = Checkpoint::open(&dir).unwrap();
-        let stored = glm5::candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap();
-        let expected =
-            glm5::candle_core::safetensors::load(dir.join("dequantized/model.safetensors"), &Device::Cpu).unwrap();
+        let stored =
+            glm5::candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu)
+                .unwrap();
+        let expected = glm5::candle_core::safetensors::load(
+            dir.join("dequantized/model.safetensors"),
+            &Device::Cpu,
+        )
+        .unwrap();
         let mut quantized = 0;
         for name in stored.keys().filter(|n| n.ends_with(marker)) {
-            let weight = format!("{}.weight", name.trim_end_matches(marker).trim_end_matches(".weight"));
+            let weight = format!(
+                "{}.weight",
+                name.trim_end_matches(marker).trim_end_matches(".weight")
+            );
             let want = &expected[&weight];
             let (out, inp) = want.dims2().unwrap();
-            let got = match checkpoint.matrix(&weight, [out, inp], DType::F32, &Device::Cpu).unwrap() {
+            let got = match checkpoint
+                .matrix(&weight, [out, inp], DType::F32, &Device::Cpu)
+                .unwrap()
+            {
                 Matrix::Fp8Block(w) => glm5::ops::fp8_matmul::reference::dequantize(&w).unwrap(),
                 Matrix::Nvfp4(w) => glm5::ops::nvfp4_matmul::reference::dequantize(&w).unwrap(),
                 _ => panic!("{case}: {weight} did not load quantised"),
             };
-            let diff: f32 = (got - want).unwrap().abs().unwrap().max_all().unwrap().to_scalar().unwrap();
+            let diff: f32 = (got - want)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar()
+                .unwrap();
             assert_eq!(diff, 0.0, "{case}: {weight}");
             // Asked for whole (as attention's kv_b_proj is), the same values.
-            let whole = checkpoint.tensor(&weight, &[out, inp], DType::F32, &Device::Cpu).unwrap();
-            let diff: f32 = (whole - want).unwrap().abs().unwrap().max_all().unwrap().to_scalar().unwrap();
+            let whole = checkpoint
+                .tensor(&weight, &[out, inp], DType::F32, &Device::Cpu)
+                .unwrap();
+            let diff: f32 = (whole - want)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar()
+                .unwrap();
             assert_eq!(diff, 0.0, "{case}: {weight} expanded");
             quantized += 1;
         }
@@ -109,7 +142,8 @@ fn edited(case: &str, edit: impl FnOnce(&mut HashMap<String, Tensor>)) -> tempfi
             std::fs::copy(from.join(file), dir.path().join(file)).unwrap();
         }
     }
-    let mut tensors = glm5::candle_core::safetensors::load(from.join("model.safetensors"), &Device::Cpu).unwrap();
+    let mut tensors =
+        glm5::candle_core::safetensors::load(from.join("model.safetensors"), &Device::Cpu).unwrap();
     edit(&mut tensors);
     glm5::candle_core::safetensors::save(&tensors, dir.path().join("model.safetensors")).unwrap();
     dir
@@ -134,7 +168,12 @@ fn malformed_fp8_scales_are_errors_naming_the_tensor() {
     });
     let (tensor, problem) = scale_problem(dir.path());
     assert_eq!(tensor, FP8_WEIGHT);
-    assert_eq!(problem, ScaleProblem::Missing { scale: scale.clone() });
+    assert_eq!(
+        problem,
+        ScaleProblem::Missing {
+            scale: scale.clone()
+        }
+    );
 
     // 24 rows of 16-row blocks: 2 scale rows (the second block partial), not 1.
     let dir = edited("fp8_block16", |t| {
@@ -154,7 +193,10 @@ fn malformed_fp8_scales_are_errors_naming_the_tensor() {
     });
     let (tensor, problem) = scale_problem(dir.path());
     assert_eq!(tensor, FP8_WEIGHT);
-    assert!(matches!(&problem, ScaleProblem::Dtype { found, .. } if found == "BF16"), "{problem}");
+    assert!(
+        matches!(&problem, ScaleProblem::Dtype { found, .. } if found == "BF16"),
+        "{problem}"
+    );
 
     let dir = edited("fp8_block16", |t| {
         let s = (t[&scale].zeros_like().unwrap() - 1.0).unwrap();
@@ -171,7 +213,10 @@ fn malformed_fp8_scales_are_errors_naming_the_tensor() {
     });
     let (tensor, problem) = scale_problem(dir.path());
     assert_eq!(tensor, FP8_WEIGHT);
-    assert!(matches!(problem, ScaleProblem::WeightDtype { .. }), "{problem}");
+    assert!(
+        matches!(problem, ScaleProblem::WeightDtype { .. }),
+        "{problem}"
+    );
 }
 
 #[test]
@@ -186,12 +231,25 @@ fn malformed_nvfp4_scales_are_errors_naming_the_tensor() {
     });
     let (tensor, problem) = scale_problem(dir.path());
     assert_eq!(tensor, weight);
-    assert_eq!(problem, ScaleProblem::Missing { scale: global.clone() });
+    assert_eq!(
+        problem,
+        ScaleProblem::Missing {
+            scale: global.clone()
+        }
+    );
 
     let dir = edited("nvfp4", |t| {
         t.remove(&scale);
     });
-    assert_eq!(scale_problem(dir.path()), (weight.clone(), ScaleProblem::Missing { scale: scale.clone() }));
+    assert_eq!(
+        scale_problem(dir.path()),
+        (
+            weight.clone(),
+            ScaleProblem::Missing {
+                scale: scale.clone()
+            }
+        )
+    );
 
     let dir = edited("nvfp4", |t| {
         let s = t[&scale].to_dtype(DType::F32).unwrap();
@@ -199,7 +257,10 @@ fn malformed_nvfp4_scales_are_errors_naming_the_tensor() {
     });
     let (tensor, problem) = scale_problem(dir.path());
     assert_eq!(tensor, weight);
-    assert!(matches!(&problem, ScaleProblem::Dtype { found, .. } if found == "F32"), "{problem}");
+    assert!(
+        matches!(&problem, ScaleProblem::Dtype { found, .. } if found == "F32"),
+        "{problem}"
+    );
 
     let dir = edited("nvfp4", |t| {
         let s = t[&scale].narrow(1, 0, 1).unwrap();
@@ -223,9 +284,21 @@ fn unsupported_quantisation_configs_name_the_field() {
     let dir = edited("fp8_block16", |_| {});
     let config = std::fs::read_to_string(dir.path().join("config.json")).unwrap();
     for (from, to, field) in [
-        ("\"quant_method\": \"fp8\"", "\"quant_method\": \"gptq\"", "quantization_config.quant_method"),
-        ("\"fmt\": \"e4m3\"", "\"fmt\": \"e5m2\"", "quantization_config.fmt"),
-        ("\"activation_scheme\": \"dynamic\"", "\"activation_scheme\": \"static\"", "quantization_config.activation_scheme"),
+        (
+            "\"quant_method\": \"fp8\"",
+            "\"quant_method\": \"gptq\"",
+            "quantization_config.quant_method",
+        ),
+        (
+            "\"fmt\": \"e4m3\"",
+            "\"fmt\": \"e5m2\"",
+            "quantization_config.fmt",
+        ),
+        (
+            "\"activation_scheme\": \"dynamic\"",
+            "\"activation_scheme\": \"static\"",
+            "quantization_config.activation_scheme",
+        ),
     ] {
         assert!(config.contains(from), "{from}");
         std::fs::write(dir.path().join("config.json"), config.replace(from, to)).unwrap();
@@ -269,7 +342,10 @@ fn generate_runs_an_fp8_checkpoint_directory() {
     )
     .unwrap();
     let prompt = model
-        .apply_chat_template(&[glm5::Message::user("Hello there")], &glm5::ChatOptions::default())
+        .apply_chat_template(
+            &[glm5::Message::user("Hello there")],
+            &glm5::ChatOptions::default(),
+        )
         .unwrap();
     let params = glm5::GenerationParams {
         max_new_tokens: 8,
@@ -281,7 +357,10 @@ fn generate_runs_an_fp8_checkpoint_directory() {
         .map(|t| t.unwrap().text)
         .collect();
     assert!(!expected.is_empty());
-    assert_eq!(String::from_utf8(out.stdout).unwrap(), format!("{expected}\n"));
+    assert_eq!(
+        String::from_utf8(out.stdout).unwrap(),
+        format!("{expected}\n")
+    );
 }
 
 fn assumed(spec: &str, count: usize) -> Vec<glm5::DeviceDesc> {
@@ -291,7 +370,9 @@ fn assumed(spec: &str, count: usize) -> Vec<glm5::DeviceDesc> {
 }
 
 fn asset(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/assets").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/assets")
+        .join(name)
 }
 
 /// GLM-5-FP8 (the published config with its quantization_config) on 8 x H200 and the NVFP4 export on
@@ -321,7 +402,10 @@ fn glm5_fp8_fits_8_h200_and_nvfp4_fits_8_rtx_pro_6000_with_context_left() {
             bf16_bytes as f64 / 1e9
         );
         // The published checkpoints: GLM-5-FP8 ~750 GB, NVFP4 exports ~410-440 GB.
-        assert!((low..high).contains(&weights), "{dir}: {weights} bytes of weights");
+        assert!(
+            (low..high).contains(&weights),
+            "{dir}: {weights} bytes of weights"
+        );
         for usage in plan.device_usage() {
             let context = usage.max_context_tokens.unwrap_or(0);
             println!(
@@ -331,8 +415,16 @@ fn glm5_fp8_fits_8_h200_and_nvfp4_fits_8_rtx_pro_6000_with_context_left() {
                 usage.weight_bytes as f64 / 1e9,
                 usage.free_bytes as f64 / 1e9
             );
-            assert!(usage.free_bytes > 0, "{dir}: device {} is full", usage.device);
-            assert!(context >= 100_000, "{dir}: device {} holds only {context} tokens", usage.device);
+            assert!(
+                usage.free_bytes > 0,
+                "{dir}: device {} is full",
+                usage.device
+            );
+            assert!(
+                context >= 100_000,
+                "{dir}: device {} holds only {context} tokens",
+                usage.device
+            );
         }
         // The CLI plans the same directory.
         let out = glm5_cli(&[
@@ -342,7 +434,11 @@ fn glm5_fp8_fits_8_h200_and_nvfp4_fits_8_rtx_pro_6000_with_context_left() {
             "--assume",
             &format!("{device} x{count}"),
         ]);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
     // The bf16 model does not fit 8 x 141 GB; its FP8 checkpoint does.
     assert!(Plan::build(&bf16, assumed("sm_90:141GB", 8), &options, &registry).is_err());

@@ -49,10 +49,32 @@ fn seed() -> u64 {
 }
 
 fn relative_error(got: &Tensor, want: &Tensor) -> f32 {
-    let got = got.to_dtype(DType::F32).unwrap().to_device(&Device::Cpu).unwrap();
-    let diff = (got - want).unwrap().sqr().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap().sqrt();
-    let norm = want.sqr().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap().sqrt();
-    assert!(diff.is_finite(), "non-finite output (an element not written?)");
+    let got = got
+        .to_dtype(DType::F32)
+        .unwrap()
+        .to_device(&Device::Cpu)
+        .unwrap();
+    let diff = (got - want)
+        .unwrap()
+        .sqr()
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+        .sqrt();
+    let norm = want
+        .sqr()
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+        .sqrt();
+    assert!(
+        diff.is_finite(),
+        "non-finite output (an element not written?)"
+    );
     diff / norm
 }
 
@@ -95,8 +117,11 @@ fn fp8_kernels_match_the_cpu_reference() {
             let x = activations(&mut rng, m, k);
             for (dtype, tolerance) in [(DType::F32, 1e-5), (DType::BF16, 1e-2)] {
                 let x_dtype = x.to_dtype(dtype).unwrap();
-                let want = fp8_matmul::reference::fp8_matmul(&x_dtype.to_dtype(DType::F32).unwrap(), &cpu).unwrap();
-                let got = fp8_matmul::fp8_matmul(&x_dtype.to_device(&gpu).unwrap(), &on_gpu).unwrap();
+                let want =
+                    fp8_matmul::reference::fp8_matmul(&x_dtype.to_dtype(DType::F32).unwrap(), &cpu)
+                        .unwrap();
+                let got =
+                    fp8_matmul::fp8_matmul(&x_dtype.to_device(&gpu).unwrap(), &on_gpu).unwrap();
                 assert_eq!(got.dtype(), dtype);
                 let err = relative_error(&got, &want);
                 println!("fp8 [{n}, {k}] block {block:?} x [{m}, {k}] {dtype:?}: relative error {err:.2e}");
@@ -118,7 +143,8 @@ fn nvfp4_kernels_match_the_cpu_reference() {
         let packed: Vec<u8> = (0..n * k / 2).map(|_| rng.next() as u8).collect();
         let cpu = Nvfp4Weight {
             packed: Tensor::from_vec(packed, (n, k / 2), &Device::Cpu).unwrap(),
-            scales: Tensor::from_vec(rng.e4m3(n * k / 16, true), (n, k / 16), &Device::Cpu).unwrap(),
+            scales: Tensor::from_vec(rng.e4m3(n * k / 16, true), (n, k / 16), &Device::Cpu)
+                .unwrap(),
             global_scale: 1e-4 + rng.uniform() * 1e-3,
         };
         let on_gpu = Nvfp4Weight {
@@ -130,9 +156,13 @@ fn nvfp4_kernels_match_the_cpu_reference() {
             let x = activations(&mut rng, m, k);
             for (dtype, tolerance) in [(DType::F32, 1e-5), (DType::BF16, 1e-2)] {
                 let x_dtype = x.to_dtype(dtype).unwrap();
-                let want =
-                    nvfp4_matmul::reference::nvfp4_matmul(&x_dtype.to_dtype(DType::F32).unwrap(), &cpu).unwrap();
-                let got = nvfp4_matmul::nvfp4_matmul(&x_dtype.to_device(&gpu).unwrap(), &on_gpu).unwrap();
+                let want = nvfp4_matmul::reference::nvfp4_matmul(
+                    &x_dtype.to_dtype(DType::F32).unwrap(),
+                    &cpu,
+                )
+                .unwrap();
+                let got =
+                    nvfp4_matmul::nvfp4_matmul(&x_dtype.to_device(&gpu).unwrap(), &on_gpu).unwrap();
                 assert_eq!(got.dtype(), dtype);
                 let err = relative_error(&got, &want);
                 println!("nvfp4 [{n}, {k}] x [{m}, {k}] {dtype:?}: relative error {err:.2e}");
@@ -149,7 +179,11 @@ fn matvec_bandwidth_is_reported() {
     let gpu = Device::new_cuda(0).unwrap();
     let (n, k) = (16384, 6144);
     let mut rng = Stream(seed());
-    let x = activations(&mut rng, 1, k).to_dtype(DType::BF16).unwrap().to_device(&gpu).unwrap();
+    let x = activations(&mut rng, 1, k)
+        .to_dtype(DType::BF16)
+        .unwrap()
+        .to_device(&gpu)
+        .unwrap();
     let fp8 = Fp8BlockWeight {
         weight: Tensor::from_vec(rng.e4m3(n * k, false), (n, k), &gpu).unwrap(),
         scale_inv: Tensor::ones((n / 128, k / 128), DType::F32, &gpu).unwrap(),
@@ -171,7 +205,11 @@ fn matvec_bandwidth_is_reported() {
         start.elapsed().as_secs_f64() / 50.0
     };
     let t = time(&|| fp8_matmul::fp8_matmul(&x, &fp8).unwrap());
-    println!("fp8 mat-vec [{n}, {k}]: {:.1} us, {:.0} GB/s of weight bytes", t * 1e6, (n * k) as f64 / t / 1e9);
+    println!(
+        "fp8 mat-vec [{n}, {k}]: {:.1} us, {:.0} GB/s of weight bytes",
+        t * 1e6,
+        (n * k) as f64 / t / 1e9
+    );
     let t = time(&|| nvfp4_matmul::nvfp4_matmul(&x, &nvfp4).unwrap());
     println!(
         "nvfp4 mat-vec [{n}, {k}]: {:.1} us, {:.0} GB/s of weight bytes",
@@ -189,20 +227,31 @@ fn quantised_fixtures_on_gpu_match_the_dequantised_model() {
     for case in ["fp8_block128", "fp8_block16", "nvfp4"] {
         let dir = fixture_dir("quantized").join(case);
         let want = decode_rows(
-            &Glm5ForCausalLM::from_dir(dir.join("dequantized"), DType::F32, &Device::Cpu, AttentionMode::Sparse)
-                .unwrap(),
+            &Glm5ForCausalLM::from_dir(
+                dir.join("dequantized"),
+                DType::F32,
+                &Device::Cpu,
+                AttentionMode::Sparse,
+            )
+            .unwrap(),
             &ids,
             ids.len() / 2,
         );
-        let model = Glm5ForCausalLM::from_dir(&dir, DType::F32, &gpu, AttentionMode::Sparse).unwrap();
+        let model =
+            Glm5ForCausalLM::from_dir(&dir, DType::F32, &gpu, AttentionMode::Sparse).unwrap();
         let err = max_abs_diff(&decode_rows(&model, &ids, ids.len() / 2), &want);
         println!("{case} f32 on GPU: max |Δ| = {err:.2e}");
         assert!(err < 2e-3, "{case} f32: {err}");
         // bf16 activations: per position ‖Δ‖/‖f32‖, as model_cuda measures bf16 (these tiny models drift a
         // few per cent in bf16 where the indexer keeps every token, as here).
-        let model = Glm5ForCausalLM::from_dir(&dir, DType::BF16, &gpu, AttentionMode::Sparse).unwrap();
+        let model =
+            Glm5ForCausalLM::from_dir(&dir, DType::BF16, &gpu, AttentionMode::Sparse).unwrap();
         let got = decode_rows(&model, &ids, ids.len() / 2);
-        let worst = got.iter().zip(&want).map(|(a, b)| relative_l2(a, b)).fold(0.0, f32::max);
+        let worst = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| relative_l2(a, b))
+            .fold(0.0, f32::max);
         println!("{case} bf16 on GPU: worst relative L2 per position {worst:.3}");
         assert!(worst < 0.1, "{case} bf16: {worst}");
     }

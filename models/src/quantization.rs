@@ -44,7 +44,11 @@ fn invalid(field: &str, reason: impl Into<String>) -> ModelError {
     }
 }
 
-fn string_list(object: &serde_json::Map<String, Value>, key: &str, field: &str) -> Result<Vec<String>> {
+fn string_list(
+    object: &serde_json::Map<String, Value>,
+    key: &str,
+    field: &str,
+) -> Result<Vec<String>> {
     match object.get(key) {
         None | Some(Value::Null) => Ok(vec![]),
         Some(Value::Array(items)) => items
@@ -55,7 +59,10 @@ fn string_list(object: &serde_json::Map<String, Value>, key: &str, field: &str) 
                     .ok_or_else(|| invalid(field, format!("must be a list of strings, has {v}")))
             })
             .collect(),
-        Some(other) => Err(invalid(field, format!("must be a list of strings, got {other}"))),
+        Some(other) => Err(invalid(
+            field,
+            format!("must be a list of strings, got {other}"),
+        )),
     }
 }
 
@@ -65,11 +72,12 @@ impl Quantization {
     pub fn from_dir(dir: &Path) -> Result<Option<Self>> {
         let config = dir.join("config.json");
         if config.is_file() {
-            let text = crate::config::read_text_file(&config, crate::config::limits::CONFIG_FILE_BYTES)
-                .map_err(|source| ModelError::Io {
-                    path: config.clone(),
-                    source,
-                })?;
+            let text =
+                crate::config::read_text_file(&config, crate::config::limits::CONFIG_FILE_BYTES)
+                    .map_err(|source| ModelError::Io {
+                        path: config.clone(),
+                        source,
+                    })?;
             let value: Value = serde_json::from_str(&text)?;
             if let Some(q) = value.get("quantization_config").filter(|v| !v.is_null()) {
                 return Self::from_quantization_config(q).map(Some);
@@ -84,12 +92,13 @@ impl Quantization {
         if !path.is_file() {
             return Ok(None);
         }
-        let text = crate::config::read_text_file(&path, MAX_QUANT_CONFIG_BYTES).map_err(|source| {
-            ModelError::Io {
-                path: path.clone(),
-                source,
-            }
-        })?;
+        let text =
+            crate::config::read_text_file(&path, MAX_QUANT_CONFIG_BYTES).map_err(|source| {
+                ModelError::Io {
+                    path: path.clone(),
+                    source,
+                }
+            })?;
         let value: Value = serde_json::from_str(&text)?;
         let quantization = value
             .get("quantization")
@@ -224,13 +233,11 @@ impl Quantization {
     pub fn matrix_bytes(&self, out: usize, inp: usize) -> u64 {
         let (out, inp) = (out as u64, inp as u64);
         match self {
-            Quantization::Fp8Block { block, .. } => out
-                .saturating_mul(inp)
-                .saturating_add(
-                    out.div_ceil(block[0] as u64)
-                        .saturating_mul(inp.div_ceil(block[1] as u64))
-                        .saturating_mul(4),
-                ),
+            Quantization::Fp8Block { block, .. } => out.saturating_mul(inp).saturating_add(
+                out.div_ceil(block[0] as u64)
+                    .saturating_mul(inp.div_ceil(block[1] as u64))
+                    .saturating_mul(4),
+            ),
             Quantization::Nvfp4 { group_size, .. } => {
                 let values = out.saturating_mul(inp);
                 values / 2 + values / *group_size as u64 + 4
@@ -277,10 +284,22 @@ mod tests {
     #[test]
     fn patterns_match_as_modelopt_and_transformers_write_them() {
         assert!(module_matches("lm_head", "lm_head"));
-        assert!(module_matches("*self_attn*", "model.layers.3.self_attn.q_a_proj"));
-        assert!(module_matches("model.layers.*.mlp.gate", "model.layers.7.mlp.gate"));
-        assert!(!module_matches("model.layers.*.mlp.gate", "model.layers.7.mlp.gate_proj"));
-        assert!(module_matches("indexer", "model.layers.0.self_attn.indexer.wk"));
+        assert!(module_matches(
+            "*self_attn*",
+            "model.layers.3.self_attn.q_a_proj"
+        ));
+        assert!(module_matches(
+            "model.layers.*.mlp.gate",
+            "model.layers.7.mlp.gate"
+        ));
+        assert!(!module_matches(
+            "model.layers.*.mlp.gate",
+            "model.layers.7.mlp.gate_proj"
+        ));
+        assert!(module_matches(
+            "indexer",
+            "model.layers.0.self_attn.indexer.wk"
+        ));
         assert!(!module_matches("gate", "model.layers.0.mlp.gate_proj"));
     }
 
@@ -292,15 +311,22 @@ mod tests {
                 .to_string()
         };
         assert!(err(r#"{"quant_method":"gptq"}"#).contains("quantization_config.quant_method"));
-        assert!(err(r#"{"quant_method":"fp8","fmt":"e5m2","weight_block_size":[128,128]}"#)
-            .contains("quantization_config.fmt"));
-        assert!(err(r#"{"quant_method":"fp8","activation_scheme":"static","weight_block_size":[128,128]}"#)
-            .contains("quantization_config.activation_scheme"));
+        assert!(
+            err(r#"{"quant_method":"fp8","fmt":"e5m2","weight_block_size":[128,128]}"#)
+                .contains("quantization_config.fmt")
+        );
+        assert!(err(
+            r#"{"quant_method":"fp8","activation_scheme":"static","weight_block_size":[128,128]}"#
+        )
+        .contains("quantization_config.activation_scheme"));
         assert!(err(r#"{"quant_method":"fp8"}"#).contains("weight_block_size"));
-        assert!(err(r#"{"quant_method":"fp8","weight_block_size":[0,128]}"#).contains("weight_block_size"));
+        assert!(err(r#"{"quant_method":"fp8","weight_block_size":[0,128]}"#)
+            .contains("weight_block_size"));
         assert!(err(r#"{"quant_method":"modelopt","quant_algo":"FP8"}"#).contains("quant_algo"));
-        assert!(err(r#"{"quant_method":"modelopt","quant_algo":"NVFP4","group_size":32}"#)
-            .contains("group_size"));
+        assert!(
+            err(r#"{"quant_method":"modelopt","quant_algo":"NVFP4","group_size":32}"#)
+                .contains("group_size")
+        );
     }
 
     #[test]

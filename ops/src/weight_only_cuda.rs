@@ -42,7 +42,12 @@ pub(crate) fn matvec(
     let y = Tensor::full(f32::NAN, (m, n), x.device())?.to_dtype(x.dtype())?;
     let (x_ptr, dev) = device_address(x)?;
     let (y_ptr, _) = device_address(&y)?;
-    let func = kernel(&dev, MODULE, glm5_kernels::WEIGHT_ONLY_MATMUL, &kernel_name(stem, x.dtype())?)?;
+    let func = kernel(
+        &dev,
+        MODULE,
+        glm5_kernels::WEIGHT_ONLY_MATMUL,
+        &kernel_name(stem, x.dtype())?,
+    )?;
     let stream = dev.cuda_stream();
     let cfg = LaunchConfig {
         grid_dim: (n.div_ceil(WARPS) as u32, 1, 1),
@@ -86,7 +91,12 @@ pub(crate) fn dequantize(
 ) -> Result<Tensor> {
     let out = Tensor::full(f32::NAN, (n, k), like.device())?.to_dtype(dtype)?;
     let (out_ptr, dev) = device_address(&out)?;
-    let func = kernel(&dev, MODULE, glm5_kernels::WEIGHT_ONLY_MATMUL, &kernel_name(stem, dtype)?)?;
+    let func = kernel(
+        &dev,
+        MODULE,
+        glm5_kernels::WEIGHT_ONLY_MATMUL,
+        &kernel_name(stem, dtype)?,
+    )?;
     let stream = dev.cuda_stream();
     let blocks = (n * k).div_ceil(DEQUANTIZE_THREADS).clamp(1, 65535 * 8);
     let cfg = LaunchConfig {

@@ -105,7 +105,9 @@ impl Module for Proj {
                 glm5_ops::quantized_matmul::quantized_matmul(x, weight).map_err(op_error)
             }
             Proj::Fp8Block(weight) => glm5_ops::fp8_matmul::fp8_matmul(x, weight).map_err(op_error),
-            Proj::Nvfp4(weight) => glm5_ops::nvfp4_matmul::nvfp4_matmul(x, weight).map_err(op_error),
+            Proj::Nvfp4(weight) => {
+                glm5_ops::nvfp4_matmul::nvfp4_matmul(x, weight).map_err(op_error)
+            }
         }
     }
 }

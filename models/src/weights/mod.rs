@@ -86,9 +86,10 @@ impl Checkpoint {
     pub fn open(dir: impl AsRef<Path>) -> Result<Self> {
         let dir = dir.as_ref().to_path_buf();
         Ok(Self {
-            source: Box::new(safetensors::SafetensorsSource::open(&dir)?.with_quantization(
-                crate::quantization::Quantization::from_dir(&dir)?,
-            )),
+            source: Box::new(
+                safetensors::SafetensorsSource::open(&dir)?
+                    .with_quantization(crate::quantization::Quantization::from_dir(&dir)?),
+            ),
             dir: Some(dir),
             format: Format::Safetensors,
         })

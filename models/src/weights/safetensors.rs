@@ -104,11 +104,9 @@ impl SafetensorsSource {
     }
 
     fn view(&self, name: &str) -> Result<safetensors::tensor::TensorView<'_>> {
-        self.files
-            .get(name)
-            .map_err(|_| ModelError::MissingTensor {
-                name: name.to_string(),
-            })
+        self.files.get(name).map_err(|_| ModelError::MissingTensor {
+            name: name.to_string(),
+        })
     }
 
     /// `name`'s quantised form if the checkpoint stores it quantised (`None`: a plain tensor), checked.
@@ -142,7 +140,12 @@ impl SafetensorsSource {
                     }));
                 }
                 check_shape(name, &view, &shape)?;
-                let scale_inv = self.scale_f32(name, &scale, &[out.div_ceil(block[0]), inp.div_ceil(block[1])], device)?;
+                let scale_inv = self.scale_f32(
+                    name,
+                    &scale,
+                    &[out.div_ceil(block[0]), inp.div_ceil(block[1])],
+                    device,
+                )?;
                 let weight = Tensor::from_raw_buffer(view.data(), DType::U8, &shape, device)?;
                 Ok(Some(Matrix::Fp8Block(Fp8BlockWeight {
                     weight,
@@ -211,10 +214,11 @@ impl SafetensorsSource {
                         found: format!("{:?}", global_view.dtype()),
                     }));
                 }
-                let global_scale: f32 = candle_core::safetensors::Load::load(&global_view, &Device::Cpu)?
-                    .to_dtype(DType::F32)?
-                    .flatten_all()?
-                    .to_vec1::<f32>()?[0];
+                let global_scale: f32 =
+                    candle_core::safetensors::Load::load(&global_view, &Device::Cpu)?
+                        .to_dtype(DType::F32)?
+                        .flatten_all()?
+                        .to_vec1::<f32>()?[0];
                 if !(global_scale.is_finite() && global_scale > 0.0) {
                     return Err(problem(ScaleProblem::Value {
                         scale: global,
@@ -222,8 +226,18 @@ impl SafetensorsSource {
                     }));
                 }
                 Ok(Some(Matrix::Nvfp4(Nvfp4Weight {
-                    packed: Tensor::from_raw_buffer(view.data(), DType::U8, &[out, inp / 2], device)?,
-                    scales: Tensor::from_raw_buffer(scales.data(), DType::U8, &[out, inp / group], device)?,
+                    packed: Tensor::from_raw_buffer(
+                        view.data(),
+                        DType::U8,
+                        &[out, inp / 2],
+                        device,
+                    )?,
+                    scales: Tensor::from_raw_buffer(
+                        scales.data(),
+                        DType::U8,
+                        &[out, inp / group],
+                        device,
+                    )?,
                     global_scale,
                 })))
             }
@@ -231,7 +245,13 @@ impl SafetensorsSource {
     }
 
     /// The F32 scale tensor `scale` of weight `name`, checked to have `shape` and finite positive values.
-    fn scale_f32(&self, name: &str, scale: &str, shape: &[usize], device: &Device) -> Result<Tensor> {
+    fn scale_f32(
+        &self,
+        name: &str,
+        scale: &str,
+        shape: &[usize],
+        device: &Device,
+    ) -> Result<Tensor> {
         let problem = |problem| ModelError::QuantizedTensor {
             tensor: name.to_string(),
             problem,
@@ -269,7 +289,11 @@ impl SafetensorsSource {
 
 use safetensors::Dtype as St;
 
-fn check_shape(name: &str, view: &safetensors::tensor::TensorView<'_>, shape: &[usize]) -> Result<()> {
+fn check_shape(
+    name: &str,
+    view: &safetensors::tensor::TensorView<'_>,
+    shape: &[usize],
+) -> Result<()> {
     if view.shape() != shape {
         return Err(ModelError::TensorShape {
             name: name.to_string(),
@@ -320,7 +344,13 @@ impl TensorSource for SafetensorsSource {
         Ok(tensor.to_dtype(dtype)?)
     }
 
-    fn matrix(&self, name: &str, shape: [usize; 2], dtype: DType, device: &Device) -> Result<Matrix> {
+    fn matrix(
+        &self,
+        name: &str,
+        shape: [usize; 2],
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Matrix> {
         match self.quantized(name, shape, device)? {
             Some(matrix) => Ok(matrix),
             None => Ok(Matrix::Dense(self.tensor(name, &shape, dtype, device)?)),

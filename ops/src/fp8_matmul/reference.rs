@@ -37,7 +37,5 @@ pub fn dequantize(w: &Fp8BlockWeight) -> Result<Tensor> {
 
 /// `x · Wᵀ` for `x` `[rows, in]`, in f32.
 pub fn fp8_matmul(x: &Tensor, w: &Fp8BlockWeight) -> Result<Tensor> {
-    Ok(x
-        .to_dtype(DType::F32)?
-        .matmul(&dequantize(w)?.t()?)?)
+    Ok(x.to_dtype(DType::F32)?.matmul(&dequantize(w)?.t()?)?)
 }

@@ -64,7 +64,10 @@ impl Nvfp4Weight {
         if !inp.is_multiple_of(GROUP) || self.scales.dims() != [out, inp / GROUP] {
             return Err(OpError::Shape {
                 arg: "scales",
-                expected: format!("U8 [{out}, {}] (in = {inp} a multiple of {GROUP})", inp / GROUP),
+                expected: format!(
+                    "U8 [{out}, {}] (in = {inp} a multiple of {GROUP})",
+                    inp / GROUP
+                ),
                 found: self.scales.dims().to_vec(),
             });
         }

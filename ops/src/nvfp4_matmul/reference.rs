@@ -32,7 +32,5 @@ pub fn dequantize(w: &Nvfp4Weight) -> Result<Tensor> {
 
 /// `x · Wᵀ` for `x` `[rows, in]`, in f32.
 pub fn nvfp4_matmul(x: &Tensor, w: &Nvfp4Weight) -> Result<Tensor> {
-    Ok(x
-        .to_dtype(DType::F32)?
-        .matmul(&dequantize(w)?.t()?)?)
+    Ok(x.to_dtype(DType::F32)?.matmul(&dequantize(w)?.t()?)?)
 }
