@@ -249,6 +249,10 @@ fn plan(args: PlanArgs) -> Result<(), Box<dyn std::error::Error>> {
             format!("{} (embedded)", glm5::embedded::NAME),
         ),
     };
+    let label = match &config.quantization {
+        Some(q) => format!("{label} ({})", q.describe()),
+        None => label,
+    };
     let devices = match (&args.assume, &args.devices) {
         (Some(assumed), _) => parse_assumed(assumed)?,
         (None, Some(list)) => nonempty_devices(list)?
@@ -287,10 +291,11 @@ fn plan(args: PlanArgs) -> Result<(), Box<dyn std::error::Error>> {
         index_keys: index_cache(args.index_cache),
     };
     let registry = Registry::builtin();
-    // A GGUF file's tensors count at the size they are kept in (quantised matrices stay quantised).
+    // A GGUF file's tensors count at the size they are kept in (quantised matrices stay quantised), as do
+    // those of an FP8 / NVFP4 checkpoint (from its config's quantisation).
     let resident = |t: &glm5::models::sizes::TensorInfo| match &gguf {
         Some(gguf) => glm5::models::TensorSource::resident_bytes(gguf, &t.name, &t.shape, t.dtype),
-        None => t.bytes(),
+        None => glm5::models::sizes::resident_bytes(&config, t),
     };
     match Plan::build_sized(&config, devices, &options, &registry, &resident) {
         Ok(plan) => {
@@ -314,7 +319,7 @@ fn plan(args: PlanArgs) -> Result<(), Box<dyn std::error::Error>> {
                 })
                 .sum::<u64>();
             Err(format!(
-                "{e}\nhint: the model has {params} parameters, {} at 1 byte each ({params} B: an FP8 checkpoint, which glm5 cannot load yet); more or larger devices, or a smaller --context, are the other ways out",
+                "{e}\nhint: the model has {params} parameters, {} at 1 byte each ({params} B: an FP8 checkpoint); more or larger devices, or a smaller --context, are the other ways out",
                 glm5::models::fmt_bytes(params)
             )
             .into())

@@ -74,7 +74,7 @@ impl LoadOptions {
     /// The graph-build pass for `config` on the real devices, before any weight is read: the [`Plan`] the
     /// model will be loaded with (forced backends from `backends`, then `GLM5_BACKEND`).
     pub fn plan(&self, config: &Config) -> Result<Plan> {
-        self.plan_sized(config, &glm5_models::sizes::TensorInfo::bytes)
+        self.plan_sized(config, &|t| glm5_models::sizes::resident_bytes(config, t))
     }
 
     /// [`LoadOptions::plan`] with each tensor costing `resident_bytes` (see `Plan::build_sized`).

@@ -248,7 +248,7 @@ fn quantised_matrices_stay_quantised_and_are_sized_as_stored() {
             assert_eq!(q.dtype(), GgmlDType::Q4K);
             assert_eq!(q.shape().dims(), &[config.q_lora_rank, h]);
         }
-        Matrix::Dense(_) => panic!("{name} was expanded"),
+        _ => panic!("{name} was expanded"),
     }
     // 256 × 256 Q4_K: 256 blocks of 144 bytes, a quarter-and-a-bit of its f32 size.
     assert_eq!(

@@ -177,6 +177,17 @@ pub mod dsa_indexer {
     pub const GROUP_SHARED_BYTES: usize = 112 * 1024;
 }
 
+/// The constants of `weight_only_matmul.cu` (`GLM5_WEIGHT_ONLY_*` in the header): the FP8 (W8A16) and NVFP4
+/// (W4A16) mat-vec kernels.
+pub mod weight_only {
+    /// Most activation rows one mat-vec launch takes (each warp keeps one f32 sum per row).
+    pub const MAX_ROWS: usize = 16;
+    /// Warps per block; each computes one output column.
+    pub const WARPS: usize = 4;
+    /// Threads of the dequantise kernel's blocks.
+    pub const DEQUANTIZE_THREADS: usize = 256;
+}
+
 /// Every constant as `(header name, value)`, for `build.rs`.
 pub const CONSTANTS: &[(&str, usize)] = &[
     ("GLM5_SPARSE_MLA_TILE", sparse_mla::TILE),
@@ -242,6 +253,12 @@ pub const CONSTANTS: &[(&str, usize)] = &[
     (
         "GLM5_DSA_INDEXER_GROUP_SHARED_BYTES",
         dsa_indexer::GROUP_SHARED_BYTES,
+    ),
+    ("GLM5_WEIGHT_ONLY_MAX_ROWS", weight_only::MAX_ROWS),
+    ("GLM5_WEIGHT_ONLY_WARPS", weight_only::WARPS),
+    (
+        "GLM5_WEIGHT_ONLY_DEQUANTIZE_THREADS",
+        weight_only::DEQUANTIZE_THREADS,
     ),
 ];
 

@@ -36,6 +36,11 @@ pub const MOE: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/moe.fatbin"));
 #[cfg(feature = "cuda")]
 pub const RMS_NORM: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/rms_norm.fatbin"));
 
+/// `weight_only_matmul.cu`: the W8A16 (block-scaled FP8) and W4A16 (NVFP4) mat-vec and dequantise kernels.
+#[cfg(feature = "cuda")]
+pub const WEIGHT_ONLY_MATMUL: &[u8] =
+    include_bytes!(concat!(env!("OUT_DIR"), "/weight_only_matmul.fatbin"));
+
 /// `bench.cu`: microkernels that measure the device's ceilings (the mma.sync bf16 rate).
 #[cfg(feature = "cuda")]
 pub const BENCH: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/bench.fatbin"));

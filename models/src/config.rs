@@ -51,6 +51,9 @@ pub struct Config {
     pub topk_group: usize,
     pub norm_topk_prob: bool,
     pub routed_scaling_factor: f64,
+    /// How the checkpoint stores its linear layers, if quantised (`quantization_config`, or the
+    /// `hf_quant_config.json` beside `config.json`).
+    pub quantization: Option<crate::quantization::Quantization>,
 }
 
 /// Upper bounds of the config's sizes, documented and enforced by [`Config::from_json`]: far above any GLM-5
@@ -154,7 +157,8 @@ impl Config {
         ((self.index_n_heads * self.index_head_dim) as f64).powf(-0.5)
     }
 
-    /// Reads and validates `config.json`.
+    /// Reads and validates `config.json`; without a `quantization_config` there, the quantisation of a
+    /// ModelOpt `hf_quant_config.json` beside it.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
         let text =
@@ -162,7 +166,13 @@ impl Config {
                 path: path.to_path_buf(),
                 source,
             })?;
-        Self::from_json(&text)
+        let mut config = Self::from_json(&text)?;
+        if config.quantization.is_none() {
+            if let Some(dir) = path.parent() {
+                config.quantization = crate::quantization::Quantization::from_hf_quant_config(dir)?;
+            }
+        }
+        Ok(config)
     }
 
     /// Parses and validates the text of a `config.json`.
@@ -227,6 +237,7 @@ struct RawConfig {
     routed_scaling_factor: Option<f64>,
     scoring_func: Option<String>,
     topk_method: Option<String>,
+    quantization_config: Option<serde_json::Value>,
 }
 
 /// `Some(value)` whenever the key is present, `null` included (plain `Option` maps `null` to `None`).
@@ -501,6 +512,12 @@ impl RawConfig {
             )?,
             norm_topk_prob: self.norm_topk_prob.unwrap_or(true),
             routed_scaling_factor: self.routed_scaling_factor.unwrap_or(2.5),
+            quantization: self
+                .quantization_config
+                .as_ref()
+                .filter(|q| !q.is_null())
+                .map(crate::quantization::Quantization::from_quantization_config)
+                .transpose()?,
         };
         config.check_consistency()?;
         Ok(config)

@@ -27,6 +27,13 @@ pub enum ModelError {
     InvalidConfig { field: &'static str, reason: String },
     #[error("config.json: {what} is not supported by glm5 yet")]
     Unsupported { what: String },
+    #[error("quantisation config: `{field}` {reason}")]
+    QuantizationConfig { field: String, reason: String },
+    #[error("tensor `{tensor}`: {problem}")]
+    QuantizedTensor {
+        tensor: String,
+        problem: ScaleProblem,
+    },
 
     #[error("checkpoint {path}: {reason}")]
     Checkpoint { path: PathBuf, reason: String },
@@ -42,6 +49,12 @@ pub enum ModelError {
     TensorDtype { name: String, dtype: String },
     #[error(transparent)]
     Gguf(Box<crate::weights::gguf::GgufError>),
+    #[error("tensor `{tensor}`: {source}")]
+    WeightOnlyMatmul {
+        tensor: String,
+        #[source]
+        source: Box<glm5_ops::weight_only::WeightOnlyDispatchError>,
+    },
     #[error("tensor `{tensor}`: {source}")]
     QuantizedMatmul {
         tensor: String,
@@ -106,6 +119,35 @@ pub enum ModelError {
 }
 
 pub type Result<T> = std::result::Result<T, ModelError>;
+
+/// What is wrong with a quantised weight's scales (or the weight itself) in an FP8 or NVFP4 checkpoint.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ScaleProblem {
+    #[error("its scale `{scale}` is missing")]
+    Missing { scale: String },
+    #[error("its scale `{scale}` has shape {found:?}, expected {expected:?}")]
+    Shape {
+        scale: String,
+        expected: Vec<usize>,
+        found: Vec<usize>,
+    },
+    #[error("its scale `{scale}` is stored as {found}, expected {expected}")]
+    Dtype {
+        scale: String,
+        expected: &'static str,
+        found: String,
+    },
+    #[error("its scale `{scale}` holds {value}, not a finite positive number")]
+    Value { scale: String, value: f32 },
+    #[error("the weight is stored as {found}, expected {expected} for {format}")]
+    WeightDtype {
+        format: &'static str,
+        expected: &'static str,
+        found: String,
+    },
+    #[error("in = {in_dim} is not a multiple of the group size {group}")]
+    Group { in_dim: usize, group: usize },
+}
 
 // Boxed, as the plan error below: a GGUF error names a file, a tensor and its dims.
 impl From<crate::weights::gguf::GgufError> for ModelError {

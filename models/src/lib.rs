@@ -9,6 +9,7 @@ pub mod glm5;
 pub mod paged_cache;
 pub mod plan;
 pub mod profile;
+pub mod quantization;
 pub mod sizes;
 mod units;
 pub mod weights;
@@ -21,4 +22,5 @@ pub use paged_cache::{PagedCacheOptions, PagedKvCache, SeqChunk, SeqId, DEFAULT_
 pub use plan::{
     fmt_bytes, AttentionMode, DeviceUsage, LayerPlan, OpPlan, Plan, PlanError, PlanOptions,
 };
+pub use quantization::Quantization;
 pub use weights::{Checkpoint, Format, Matrix, TensorSource};

@@ -195,17 +195,14 @@ impl Plan {
         options: &PlanOptions,
         registry: &Registry,
     ) -> Result<Plan, PlanError> {
-        Self::build_sized(
-            config,
-            devices,
-            options,
-            registry,
-            &sizes::TensorInfo::bytes,
-        )
+        Self::build_sized(config, devices, options, registry, &|t| {
+            sizes::resident_bytes(config, t)
+        })
     }
 
     /// [`Plan::build`] with each tensor costing `resident_bytes` (a checkpoint that keeps some tensors
-    /// quantised, e.g. GGUF: `Checkpoint::resident_bytes`) instead of its elements at `options.dtype`.
+    /// quantised, e.g. GGUF: `Checkpoint::resident_bytes`) instead of [`sizes::resident_bytes`] (its elements
+    /// at `options.dtype`, or the config's quantised format).
     pub fn build_sized(
         config: &Config,
         devices: Vec<DeviceDesc>,

@@ -183,6 +183,19 @@ pub fn layer_tensors(config: &Config, layer: usize, dtype: DType) -> Vec<TensorI
     t
 }
 
+/// Bytes `t` takes on the device once loaded: its elements at its dtype, or, in a quantised checkpoint, the
+/// quantised bytes and scales of a matrix the format's recipe quantises
+/// ([`crate::quantization::Quantization::quantizes`]). Attention's `kv_b_proj` counts at its dtype: the
+/// loader expands it to split it per head.
+pub fn resident_bytes(config: &Config, t: &TensorInfo) -> u64 {
+    match (&config.quantization, t.shape.as_slice()) {
+        (Some(q), &[out, inp]) if q.quantizes(&t.name) && !t.name.ends_with("kv_b_proj.weight") => {
+            q.matrix_bytes(out, inp)
+        }
+        _ => t.bytes(),
+    }
+}
+
 /// KV-cache bytes one token takes in one layer: the latent row `[c | k_pe]` (`kv_lora_rank +
 /// qk_rope_head_dim`) at `cache_dtype` plus the indexer key (`index_head_dim`) in `key_format` (float:
 /// `cache_dtype`; FP8: a byte per value and an f32 scale).

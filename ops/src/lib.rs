@@ -9,6 +9,10 @@
 //! device, and the model picks one per layer and op when its graph is built, from the device's description
 //! (`device.rs`, read from hardware by `probe.rs`).
 //!
+//! The weight-only quantised matmuls (`fp8_matmul`: W8A16, `nvfp4_matmul`: W4A16) and GGUF's
+//! `quantized_matmul` have their own small backend lists (`weight_only.rs`, `quantized_matmul/entries.rs`):
+//! they are chosen per weight when the graph is built.
+//!
 //! Module dependencies run one way: `device` <- `cuda` (driver) <- `probe`; `registry` <- op folders <-
 //! `builtin`.
 
@@ -18,13 +22,18 @@ mod cuda;
 pub mod device;
 pub mod dsa_indexer;
 pub mod error;
+pub mod fp8_matmul;
 pub mod index_keys;
 pub mod moe;
+pub mod nvfp4_matmul;
 mod probe;
 pub mod quantized_matmul;
 pub mod registry;
 pub mod rms_norm;
 pub mod sparse_mla;
+pub mod weight_only;
+#[cfg(feature = "cuda")]
+mod weight_only_cuda;
 
 pub use device::{ComputeCapability, DeviceDesc, DeviceError, DeviceFamily, DeviceKind};
 pub use dsa_indexer::{

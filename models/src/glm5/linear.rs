@@ -46,6 +46,16 @@ impl Loader<'_> {
                     )?;
                     Proj::Quantized(QMatMul::from_arc(weight)?)
                 }
+                Matrix::Fp8Block(weight) => {
+                    glm5_ops::fp8_matmul::dispatch(&weight, self.desc)
+                        .map_err(|source| weight_only_error(&name, source))?;
+                    Proj::Fp8Block(weight)
+                }
+                Matrix::Nvfp4(weight) => {
+                    glm5_ops::nvfp4_matmul::dispatch(&weight, self.desc)
+                        .map_err(|source| weight_only_error(&name, source))?;
+                    Proj::Nvfp4(weight)
+                }
             },
         )
     }
@@ -58,12 +68,33 @@ impl Loader<'_> {
     }
 }
 
-/// A bias-free linear layer: a dense matrix, or quantised (GGUF) blocks multiplied by candle's `QMatMul`,
+fn weight_only_error(
+    tensor: &str,
+    source: glm5_ops::weight_only::WeightOnlyDispatchError,
+) -> ModelError {
+    ModelError::WeightOnlyMatmul {
+        tensor: tensor.to_string(),
+        source: Box::new(source),
+    }
+}
+
+/// A bias-free linear layer: a dense matrix, quantised (GGUF) blocks multiplied by candle's `QMatMul`,
 /// which runs its own kernels on the weights' device (CUDA mat-vec for a few rows, MMQ above; the CPU's
-/// vec-dot) without expanding them. Input and output are in the model dtype; `QMatMul` computes in f32.
+/// vec-dot) without expanding them, or a block-scaled FP8 / NVFP4 weight multiplied by glm5's weight-only
+/// ops (W8A16 / W4A16: dequantised in the kernel, f32 accumulation). Input and output are in the model
+/// dtype; the quantised kinds compute in f32.
 pub(super) enum Proj {
     Dense(Linear),
     Quantized(QMatMul),
+    Fp8Block(glm5_ops::fp8_matmul::Fp8BlockWeight),
+    Nvfp4(glm5_ops::nvfp4_matmul::Nvfp4Weight),
+}
+
+fn op_error(e: glm5_ops::OpError) -> candle_core::Error {
+    match e {
+        glm5_ops::OpError::Candle(e) => e,
+        other => candle_core::Error::Msg(other.to_string()),
+    }
 }
 
 impl Proj {
@@ -71,7 +102,7 @@ impl Proj {
     pub(super) fn dense_weight(&self) -> Option<&Tensor> {
         match self {
             Proj::Dense(linear) => Some(linear.weight()),
-            Proj::Quantized(_) => None,
+            _ => None,
         }
     }
 }
@@ -80,11 +111,13 @@ impl Module for Proj {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         match self {
             Proj::Dense(linear) => linear.forward(x),
-            Proj::Quantized(weight) => glm5_ops::quantized_matmul::quantized_matmul(x, weight)
-                .map_err(|e| match e {
-                    glm5_ops::OpError::Candle(e) => e,
-                    other => candle_core::Error::Msg(other.to_string()),
-                }),
+            Proj::Quantized(weight) => {
+                glm5_ops::quantized_matmul::quantized_matmul(x, weight).map_err(op_error)
+            }
+            Proj::Fp8Block(weight) => glm5_ops::fp8_matmul::fp8_matmul(x, weight).map_err(op_error),
+            Proj::Nvfp4(weight) => {
+                glm5_ops::nvfp4_matmul::nvfp4_matmul(x, weight).map_err(op_error)
+            }
         }
     }
 }

@@ -1,7 +1,9 @@
 //! Checkpoint access behind one "give me this tensor" trait, [`TensorSource`]:
 //!
 //! * [`safetensors`]: Hugging Face safetensors, one file or a sharded set named by
-//!   `model.safetensors.index.json`, stored as f32, bf16 or f16; and made-up random weights.
+//!   `model.safetensors.index.json`, stored as f32, bf16 or f16, or quantised as block-scaled FP8 or NVFP4
+//!   ([`crate::quantization`]; those matrices stay quantised: [`Matrix::Fp8Block`], [`Matrix::Nvfp4`]); and
+//!   made-up random weights.
 //! * [`gguf`] / [`gguf_source`]: llama.cpp GGUF files (architecture `glm-dsa`), one file or split parts, whose
 //!   quantised matrices stay quantised ([`Matrix::Quantized`], multiplied by candle's `QMatMul`).
 //!
@@ -30,6 +32,10 @@ pub enum Matrix {
     Dense(Tensor),
     /// Quantised blocks (GGUF), multiplied without being expanded.
     Quantized(Arc<QTensor>),
+    /// Block-scaled FP8 (`weight_scale_inv`), multiplied by `glm5_ops::fp8_matmul`.
+    Fp8Block(glm5_ops::fp8_matmul::Fp8BlockWeight),
+    /// NVFP4 (ModelOpt), multiplied by `glm5_ops::nvfp4_matmul`.
+    Nvfp4(glm5_ops::nvfp4_matmul::Nvfp4Weight),
 }
 
 /// Where weights come from: one implementation per checkpoint format.
@@ -75,11 +81,15 @@ pub struct Checkpoint {
 
 impl Checkpoint {
     /// Opens a directory's safetensors: `model.safetensors.index.json` and its shards if present, else
-    /// `model.safetensors`.
+    /// `model.safetensors`; quantised as the directory's `config.json` `quantization_config` (or
+    /// `hf_quant_config.json`) says.
     pub fn open(dir: impl AsRef<Path>) -> Result<Self> {
         let dir = dir.as_ref().to_path_buf();
         Ok(Self {
-            source: Box::new(safetensors::SafetensorsSource::open(&dir)?),
+            source: Box::new(
+                safetensors::SafetensorsSource::open(&dir)?
+                    .with_quantization(crate::quantization::Quantization::from_dir(&dir)?),
+            ),
             dir: Some(dir),
             format: Format::Safetensors,
         })

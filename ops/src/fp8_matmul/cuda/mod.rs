@@ -1,0 +1,41 @@
+//! `fp8_matmul` on CUDA: the mat-vec kernel for up to `MAX_ROWS` rows, dequantise-then-matmul above
+//! (kernels in `kernels/src/weight_only_matmul.cu`).
+
+use candle_core::Tensor;
+
+use super::{Fp8BlockWeight, MAX_ROWS};
+use crate::cuda::device_address;
+use crate::error::{OpError, Result};
+use crate::weight_only_cuda::{dequantize, matvec, WeightArgs};
+
+/// `x` `[m, k]` (f32 or bf16, contiguous, on the weight's device) times `Wᵀ`, in `x`'s dtype.
+pub(crate) fn fp8_matmul(x: &Tensor, w: &Fp8BlockWeight) -> Result<Tensor> {
+    w.check()?;
+    let (n, k) = w.dims()?;
+    if !k.is_multiple_of(16) || !w.block[1].is_multiple_of(16) {
+        return Err(OpError::Unsupported(format!(
+            "fp8_matmul on CUDA: in ({k}) and weight_block_size[1] ({}) must be multiples of 16",
+            w.block[1]
+        )));
+    }
+    let weight = w.weight.contiguous()?;
+    let scales = w.scale_inv.contiguous()?;
+    let pointers = [device_address(&weight)?.0, device_address(&scales)?.0];
+    let args = WeightArgs {
+        pointers: &pointers,
+        scalar: None,
+    };
+    let (bn, bk) = (w.block[0] as i32, w.block[1] as i32);
+    if x.dim(0)? <= MAX_ROWS {
+        return matvec("fp8_matvec", x, n, &args, &[bn, bk]);
+    }
+    let dense = dequantize(
+        "fp8_dequantize",
+        x.dtype(),
+        x,
+        (n, k),
+        &args,
+        &[n as i32, k as i32, bn, bk],
+    )?;
+    Ok(x.matmul(&dense.t()?)?)
+}

@@ -1,0 +1,132 @@
+//! What the weight-only quantised matmuls (`fp8_matmul`: W8A16, `nvfp4_matmul`: W4A16) share: their
+//! backends' declarations and the dispatch rule, the registry's contract (`registry.rs`) with the weight's
+//! shape and block sizes in place of the attention ops' shapes. Each backend declares the devices it runs
+//! on and checks the weight's shape ([`WeightOnlyBackend::validate`] answers with every reason it cannot
+//! serve it); [`dispatch`] takes the first valid backend in the device family's priority order. The model
+//! dispatches once per weight when its graph is built, so an unservable weight fails the build naming the
+//! tensor; nothing falls back to expanding the weight silently.
+
+use crate::device::{DeviceDesc, DeviceFamily, DeviceKind};
+use crate::registry::{DeviceMatch, Reason};
+
+/// The shape facts of one quantised weight a backend may limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WeightShape {
+    /// Rows of `[out, in]`.
+    pub out_dim: usize,
+    /// Columns of `[out, in]` (the reduction).
+    pub in_dim: usize,
+    /// Values sharing one scale along `in` (FP8: `weight_block_size[1]`; NVFP4: the group size).
+    pub block_in: usize,
+}
+
+/// One implementation of a weight-only matmul.
+#[derive(Debug, Clone)]
+pub struct WeightOnlyBackend {
+    pub name: &'static str,
+    pub description: &'static str,
+    pub devices: DeviceMatch,
+    /// Rank per device family, lower first; a family not listed does not use it.
+    pub priority: Vec<(DeviceFamily, u32)>,
+    /// Every reason the backend cannot multiply by a weight of this shape (empty: it can).
+    pub shape_reasons: fn(&WeightShape) -> Vec<Reason>,
+}
+
+impl WeightOnlyBackend {
+    /// `Ok` if this backend multiplies by a weight of `shape` on `device`, else every reason it does not.
+    pub fn validate(&self, shape: &WeightShape, device: &DeviceDesc) -> Result<(), Vec<Reason>> {
+        let mut reasons = device_reasons(&self.devices, device);
+        reasons.extend((self.shape_reasons)(shape));
+        if reasons.is_empty() {
+            Ok(())
+        } else {
+            Err(reasons)
+        }
+    }
+}
+
+/// Why `devices` does not include `device` (empty if it does).
+pub(crate) fn device_reasons(devices: &DeviceMatch, device: &DeviceDesc) -> Vec<Reason> {
+    match (devices, device.kind) {
+        (DeviceMatch::Any, _) | (DeviceMatch::Cpu, DeviceKind::Cpu) => vec![],
+        (DeviceMatch::Cpu, DeviceKind::Cuda { .. }) => {
+            vec![Reason::new("device", "cpu", &device.name)]
+        }
+        (DeviceMatch::Cuda(archs), DeviceKind::Cuda { capability, .. }) => {
+            if archs.iter().any(|a| {
+                a.major == capability.major && a.minor.is_none_or(|m| m == capability.minor)
+            }) {
+                vec![]
+            } else {
+                let list: Vec<String> = archs.iter().map(ToString::to_string).collect();
+                vec![Reason::new(
+                    "compute capability",
+                    format!("∈ {{{}}}", list.join(",")),
+                    format!("{}.{}", capability.major, capability.minor),
+                )]
+            }
+        }
+        (DeviceMatch::Cuda(_), DeviceKind::Cpu) => vec![Reason::new("device", "CUDA", "cpu")],
+    }
+}
+
+/// Why no backend of an op multiplies by a weight: every backend's reasons.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("no {op} backend for a [{}, {}] weight (block {} along in) on {device}: {}",
+    .shape.out_dim, .shape.in_dim, .shape.block_in, reasons_text(.rejections))]
+pub struct WeightOnlyDispatchError {
+    pub op: &'static str,
+    pub shape: WeightShape,
+    pub device: String,
+    pub rejections: Vec<(&'static str, Vec<Reason>)>,
+}
+
+fn reasons_text(rejections: &[(&'static str, Vec<Reason>)]) -> String {
+    rejections
+        .iter()
+        .map(|(name, reasons)| {
+            let list: Vec<String> = reasons.iter().map(ToString::to_string).collect();
+            format!("{name}: {}", list.join("; "))
+        })
+        .collect::<Vec<_>>()
+        .join(" | ")
+}
+
+/// The backend of `op` (one of `backends`) for a weight of `shape` on `device`: the first valid one in the
+/// family's priority order.
+pub fn dispatch(
+    op: &'static str,
+    mut backends: Vec<WeightOnlyBackend>,
+    shape: &WeightShape,
+    device: &DeviceDesc,
+) -> Result<WeightOnlyBackend, WeightOnlyDispatchError> {
+    let family = device.family();
+    let rank = |b: &WeightOnlyBackend| {
+        b.priority
+            .iter()
+            .find(|(f, _)| *f == family)
+            .map(|&(_, rank)| rank)
+    };
+    backends.sort_by_key(|b| rank(b).unwrap_or(u32::MAX));
+    let mut rejections = Vec::new();
+    for backend in backends {
+        match (backend.validate(shape, device), rank(&backend)) {
+            (Ok(()), Some(_)) => return Ok(backend),
+            (Ok(()), None) => rejections.push((
+                backend.name,
+                vec![Reason::new(
+                    "device family",
+                    "listed in its priority",
+                    format!("{family:?}"),
+                )],
+            )),
+            (Err(reasons), _) => rejections.push((backend.name, reasons)),
+        }
+    }
+    Err(WeightOnlyDispatchError {
+        op,
+        shape: *shape,
+        device: device.name.clone(),
+        rejections,
+    })
+}

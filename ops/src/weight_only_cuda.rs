@@ -1,0 +1,116 @@
+//! The launchers of `weight_only_matmul.cu` shared by `fp8_matmul` and `nvfp4_matmul` on CUDA.
+
+use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::{DType, Tensor};
+use glm5_kernels::interface::weight_only::{DEQUANTIZE_THREADS, MAX_ROWS, WARPS};
+
+use crate::cuda::{cuda_err, device_address, kernel};
+use crate::error::{OpError, Result};
+
+const MODULE: &str = "weight_only_matmul";
+
+/// `name_{f32,bf16}` for `x`'s dtype.
+fn kernel_name(stem: &str, dtype: DType) -> Result<String> {
+    match dtype {
+        DType::F32 => Ok(format!("{stem}_f32")),
+        DType::BF16 => Ok(format!("{stem}_bf16")),
+        other => Err(OpError::NotFloat {
+            arg: "x",
+            found: other,
+        }),
+    }
+}
+
+/// The weight's kernel arguments: its device pointers, then an optional f32 (NVFP4's global scale).
+pub(crate) struct WeightArgs<'a> {
+    pub pointers: &'a [u64],
+    pub scalar: Option<&'a f32>,
+}
+
+/// Runs the mat-vec kernel `stem` for `x` `[m, k]` (`m <= MAX_ROWS`) into a new `[m, n]` tensor:
+/// `(x, weight..., y, m, n, k, tail...)`.
+pub(crate) fn matvec(
+    stem: &str,
+    x: &Tensor,
+    n: usize,
+    weight: &WeightArgs,
+    tail: &[i32],
+) -> Result<Tensor> {
+    let (m, k) = x.dims2()?;
+    debug_assert!(m <= MAX_ROWS);
+    // NaN until written: an output the kernel missed shows in any comparison.
+    let y = Tensor::full(f32::NAN, (m, n), x.device())?.to_dtype(x.dtype())?;
+    let (x_ptr, dev) = device_address(x)?;
+    let (y_ptr, _) = device_address(&y)?;
+    let func = kernel(
+        &dev,
+        MODULE,
+        glm5_kernels::WEIGHT_ONLY_MATMUL,
+        &kernel_name(stem, x.dtype())?,
+    )?;
+    let stream = dev.cuda_stream();
+    let cfg = LaunchConfig {
+        grid_dim: (n.div_ceil(WARPS) as u32, 1, 1),
+        block_dim: ((WARPS * 32) as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (m_arg, n_arg, k_arg) = (m as i32, n as i32, k as i32);
+    let mut builder = stream.launch_builder(&func);
+    builder.arg(&x_ptr);
+    push_weight(&mut builder, weight);
+    builder.arg(&y_ptr).arg(&m_arg).arg(&n_arg).arg(&k_arg);
+    for value in tail {
+        builder.arg(value);
+    }
+    // SAFETY: the arguments match the kernel's signature; every pointer is a live device allocation of the
+    // size the kernel reads or writes (checked by the callers: x [m, k], the weight's parts, y [m, n]).
+    unsafe { builder.launch(cfg) }.map_err(cuda_err)?;
+    Ok(y)
+}
+
+fn push_weight<'a>(
+    builder: &mut candle_core::cuda_backend::cudarc::driver::LaunchArgs<'a>,
+    weight: &WeightArgs<'a>,
+) {
+    for pointer in weight.pointers {
+        builder.arg(pointer);
+    }
+    if let Some(scalar) = weight.scalar {
+        builder.arg(scalar);
+    }
+}
+
+/// Runs the dequantise kernel `stem` into a new `[n, k]` tensor of `dtype`: `(weight..., out, tail...)`.
+pub(crate) fn dequantize(
+    stem: &str,
+    dtype: DType,
+    like: &Tensor,
+    (n, k): (usize, usize),
+    weight: &WeightArgs,
+    tail: &[i32],
+) -> Result<Tensor> {
+    let out = Tensor::full(f32::NAN, (n, k), like.device())?.to_dtype(dtype)?;
+    let (out_ptr, dev) = device_address(&out)?;
+    let func = kernel(
+        &dev,
+        MODULE,
+        glm5_kernels::WEIGHT_ONLY_MATMUL,
+        &kernel_name(stem, dtype)?,
+    )?;
+    let stream = dev.cuda_stream();
+    let blocks = (n * k).div_ceil(DEQUANTIZE_THREADS).clamp(1, 65535 * 8);
+    let cfg = LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (DEQUANTIZE_THREADS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut builder = stream.launch_builder(&func);
+    push_weight(&mut builder, weight);
+    builder.arg(&out_ptr);
+    for value in tail {
+        builder.arg(value);
+    }
+    // SAFETY: as in `matvec`: the arguments match the kernel, `out` is [n, k] of `dtype`.
+    unsafe { builder.launch(cfg) }.map_err(cuda_err)?;
+    Ok(out)
+}
