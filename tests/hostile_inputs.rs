@@ -708,3 +708,25 @@ fn fuzz_find_gguf_key_swallowing_binary_data() {
         "{text}"
     );
 }
+
+#[test]
+fn fuzz_find_gguf_tokenizer_error_on_two_lines() {
+    // candle's error for a GGUF tokenizer without merges put its context on a second line.
+    let mut bytes = std::fs::read(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf/tiny-glm5-Q8_0.gguf"),
+    )
+    .unwrap();
+    let key = bytes
+        .windows(21)
+        .position(|w| w == b"tokenizer.ggml.merges")
+        .unwrap();
+    bytes[key + 20] = b'x';
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("model.gguf");
+    std::fs::write(&path, &bytes).unwrap();
+    let model = glm5::models::weights::gguf::GgufModel::open(&path).unwrap();
+    let err = glm5::gguf::tokenizer(&model).err().expect("refused");
+    let text = err.to_string();
+    one_line(&text);
+    assert!(text.contains("tokenizer.ggml.merges"), "{text}");
+}
