@@ -60,12 +60,20 @@ pub fn tokenizer(model: &GgufModel) -> Result<Tokenizer, TokenizerError> {
         "tokenizer.ggml.pre".into(),
         Value::String(candle_pre.unwrap_or("gpt2").into()),
     );
-    // candle attaches a backtrace to its errors when RUST_BACKTRACE is set; the user gets the one line.
+    // candle attaches a backtrace to its errors when RUST_BACKTRACE is set, and puts context on lines of its
+    // own; the user gets one line.
     let mut inner = tokenizers::Tokenizer::from_gguf(&content).map_err(|e| {
-        load_err(match e {
+        let text = match e {
             candle_core::Error::WithBacktrace { inner, .. } => inner.to_string(),
             e => e.to_string(),
-        })
+        };
+        load_err(
+            text.lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty())
+                .collect::<Vec<_>>()
+                .join(": "),
+        )
     })?;
     if candle_pre.is_none() {
         // GPT-2's tokenizer.json: ByteLevel(add_prefix_space = false, trim_offsets = true, use_regex = true);

@@ -681,3 +681,52 @@ fn fuzz_find_gguf_tokenizer_error_carried_candles_backtrace() {
     let err = glm5::gguf::tokenizer(&model).err().expect("refused");
     assert!(matches!(err, TokenizerError::Load { .. }), "{err:?}");
 }
+
+#[test]
+fn fuzz_find_gguf_key_swallowing_binary_data() {
+    // A metadata key whose length covers the binary data after it was quoted whole in the error: kilobytes
+    // with newlines. Keys and tensor names with control characters (or past 1 KiB) are refused, quoted short.
+    let mut bytes = std::fs::read(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf/tiny-glm5-Q8_0.gguf"),
+    )
+    .unwrap();
+    let key = bytes
+        .windows(21)
+        .position(|w| w == b"tokenizer.ggml.merges")
+        .unwrap();
+    bytes[key - 8..key].copy_from_slice(&300u64.to_le_bytes());
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("model.gguf");
+    std::fs::write(&path, &bytes).unwrap();
+    let Err(err) = glm5::models::weights::gguf::GgufModel::open(&path) else {
+        panic!("a key with control characters was accepted");
+    };
+    let text = err.to_string();
+    one_line(&text);
+    assert!(
+        text.contains("is not a name") && text.len() < 1000,
+        "{text}"
+    );
+}
+
+#[test]
+fn fuzz_find_gguf_tokenizer_error_on_two_lines() {
+    // candle's error for a GGUF tokenizer without merges put its context on a second line.
+    let mut bytes = std::fs::read(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf/tiny-glm5-Q8_0.gguf"),
+    )
+    .unwrap();
+    let key = bytes
+        .windows(21)
+        .position(|w| w == b"tokenizer.ggml.merges")
+        .unwrap();
+    bytes[key + 20] = b'x';
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("model.gguf");
+    std::fs::write(&path, &bytes).unwrap();
+    let model = glm5::models::weights::gguf::GgufModel::open(&path).unwrap();
+    let err = glm5::gguf::tokenizer(&model).err().expect("refused");
+    let text = err.to_string();
+    one_line(&text);
+    assert!(text.contains("tokenizer.ggml.merges"), "{text}");
+}

@@ -219,6 +219,9 @@ const MAX_METADATA_ITEMS: u64 = 1 << 24;
 const MAX_TENSORS: u64 = 1 << 20;
 /// Arrays of arrays are legal; deeper than this is an attack on the stack.
 const MAX_DEPTH: usize = 8;
+/// Longest metadata key or tensor name accepted (GLM-5's are under 100 bytes; llama.cpp's tensor names
+/// under 64): errors quote them.
+const MAX_NAME_BYTES: usize = 1024;
 
 struct Cursor<R> {
     inner: R,
@@ -280,6 +283,20 @@ impl<R: Read> Cursor<R> {
         }
         let bytes = self.bytes(len, what)?;
         String::from_utf8(bytes).map_err(|_| self.header(format!("{}: not UTF-8", what())))
+    }
+
+    /// A metadata key or tensor name: text that errors can quote on one line.
+    fn name(&mut self, what: &dyn Fn() -> String) -> Result<String> {
+        let name = self.string(what)?;
+        if name.len() > MAX_NAME_BYTES || name.chars().any(char::is_control) {
+            let preview: String = name.chars().take(64).collect();
+            return Err(self.header(format!(
+                "{} is not a name (control characters, or more than {MAX_NAME_BYTES} bytes): \"{}\"...",
+                what(),
+                preview.escape_debug()
+            )));
+        }
+        Ok(name)
     }
 
     fn header(&self, reason: String) -> GgufError {
@@ -397,7 +414,7 @@ impl GgufHeader {
         }
         let mut metadata = HashMap::new();
         for i in 0..n_kv {
-            let key = c.string(&|| format!("metadata key #{i}"))?;
+            let key = c.name(&|| format!("metadata key #{i}"))?;
             let type_id = c.u32(&|| format!("the type of `{key}`"))?;
             let value = c.value(type_id, 0, &key)?;
             if metadata.insert(key.clone(), value).is_some() {
@@ -422,7 +439,7 @@ impl GgufHeader {
         let mut infos = Vec::with_capacity(n_tensors.min(4096) as usize);
         let mut names = std::collections::HashSet::new();
         for i in 0..n_tensors {
-            let name = c.string(&|| format!("the name of tensor #{i}"))?;
+            let name = c.name(&|| format!("the name of tensor #{i}"))?;
             let what = || format!("the info of tensor `{name}`");
             let n_dims = c.u32(&what)?;
             if n_dims == 0 || n_dims > MAX_DIMS {
