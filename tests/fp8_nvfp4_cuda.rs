@@ -172,29 +172,15 @@ fn nvfp4_kernels_match_the_cpu_reference() {
     }
 }
 
-/// Decode-shaped timing of the mat-vec kernels (batch 1, bf16), printed for the record: the bytes they
-/// must stream over the time they take. Not an assertion (the bandwidth target belongs to the benchmark).
+/// Decode-shaped timing of the mat-vec kernels (batch 1, bf16) at GLM-5's projection shapes, printed for
+/// the record: the bytes each must stream over its time, against a device copy measured here (read + write
+/// over time, as the benchmarks measure it). Not an assertion: the bandwidth target belongs to
+/// `glm5-bench e2e --weights fp8|nvfp4`.
 #[test]
 fn matvec_bandwidth_is_reported() {
     let gpu = Device::new_cuda(0).unwrap();
-    let (n, k) = (16384, 6144);
     let mut rng = Stream(seed());
-    let x = activations(&mut rng, 1, k)
-        .to_dtype(DType::BF16)
-        .unwrap()
-        .to_device(&gpu)
-        .unwrap();
-    let fp8 = Fp8BlockWeight {
-        weight: Tensor::from_vec(rng.e4m3(n * k, false), (n, k), &gpu).unwrap(),
-        scale_inv: Tensor::ones((n / 128, k / 128), DType::F32, &gpu).unwrap(),
-        block: [128, 128],
-    };
-    let nvfp4 = Nvfp4Weight {
-        packed: Tensor::zeros((n, k / 2), DType::U8, &gpu).unwrap(),
-        scales: Tensor::from_vec(rng.e4m3(n * k / 16, true), (n, k / 16), &gpu).unwrap(),
-        global_scale: 1.0,
-    };
-    let time = |f: &dyn Fn() -> Tensor| {
+    let time = |f: &dyn Fn()| {
         f();
         gpu.synchronize().unwrap();
         let start = std::time::Instant::now();
@@ -204,18 +190,44 @@ fn matvec_bandwidth_is_reported() {
         gpu.synchronize().unwrap();
         start.elapsed().as_secs_f64() / 50.0
     };
-    let t = time(&|| fp8_matmul::fp8_matmul(&x, &fp8).unwrap());
-    println!(
-        "fp8 mat-vec [{n}, {k}]: {:.1} us, {:.0} GB/s of weight bytes",
-        t * 1e6,
-        (n * k) as f64 / t / 1e9
-    );
-    let t = time(&|| nvfp4_matmul::nvfp4_matmul(&x, &nvfp4).unwrap());
-    println!(
-        "nvfp4 mat-vec [{n}, {k}]: {:.1} us, {:.0} GB/s of weight bytes",
-        t * 1e6,
-        (n * k / 2 + n * k / 16) as f64 / t / 1e9
-    );
+    let src = Tensor::zeros(512usize << 20, DType::U8, &gpu).unwrap();
+    let copy = 2.0 * (512u64 << 20) as f64 / time(&|| drop(src.copy().unwrap()));
+    println!("device copy: {:.0} GB/s", copy / 1e9);
+    // q_b_proj, o_proj, an expert's gate_up (2I rows) and down.
+    for (n, k) in [(16384, 2048), (6144, 16384), (4096, 6144), (6144, 2048)] {
+        let x = activations(&mut rng, 1, k)
+            .to_dtype(DType::BF16)
+            .unwrap()
+            .to_device(&gpu)
+            .unwrap();
+        let fp8 = Fp8BlockWeight {
+            weight: Tensor::from_vec(rng.e4m3(n * k, false), (n, k), &gpu).unwrap(),
+            scale_inv: Tensor::ones((n / 128, k / 128), DType::F32, &gpu).unwrap(),
+            block: [128, 128],
+        };
+        let packed: Vec<u8> = (0..n * k / 2).map(|_| rng.next() as u8).collect();
+        let nvfp4 = Nvfp4Weight {
+            packed: Tensor::from_vec(packed, (n, k / 2), &gpu).unwrap(),
+            scales: Tensor::from_vec(rng.e4m3(n * k / 16, true), (n, k / 16), &gpu).unwrap(),
+            global_scale: 1.0,
+        };
+        let fp8_bytes = (n * k + (n / 128) * (k / 128) * 4) as f64;
+        let t = time(&|| drop(fp8_matmul::fp8_matmul(&x, &fp8).unwrap()));
+        println!(
+            "fp8 mat-vec [{n}, {k}]: {:.1} us, {:.0} GB/s = {:.0}% of copy",
+            t * 1e6,
+            fp8_bytes / t / 1e9,
+            100.0 * fp8_bytes / t / copy
+        );
+        let nvfp4_bytes = (n * k / 2 + n * k / 16) as f64;
+        let t = time(&|| drop(nvfp4_matmul::nvfp4_matmul(&x, &nvfp4).unwrap()));
+        println!(
+            "nvfp4 mat-vec [{n}, {k}]: {:.1} us, {:.0} GB/s = {:.0}% of copy",
+            t * 1e6,
+            nvfp4_bytes / t / 1e9,
+            100.0 * nvfp4_bytes / t / copy
+        );
+    }
 }
 
 /// The quantised fixtures on the GPU (bf16 and f32 activations) against their dequantised f32 copies on the
@@ -242,17 +254,36 @@ fn quantised_fixtures_on_gpu_match_the_dequantised_model() {
         let err = max_abs_diff(&decode_rows(&model, &ids, ids.len() / 2), &want);
         println!("{case} f32 on GPU: max |Δ| = {err:.2e}");
         assert!(err < 2e-3, "{case} f32: {err}");
-        // bf16 activations: per position ‖Δ‖/‖f32‖, as model_cuda measures bf16 (these tiny models drift a
-        // few per cent in bf16 where the indexer keeps every token, as here).
-        let model =
-            Glm5ForCausalLM::from_dir(&dir, DType::BF16, &gpu, AttentionMode::Sparse).unwrap();
-        let got = decode_rows(&model, &ids, ids.len() / 2);
-        let worst = got
-            .iter()
-            .zip(&want)
-            .map(|(a, b)| relative_l2(a, b))
-            .fold(0.0, f32::max);
-        println!("{case} bf16 on GPU: worst relative L2 per position {worst:.3}");
-        assert!(worst < 0.1, "{case} bf16: {worst}");
+        // bf16 activations, per position ‖Δ‖/‖f32‖ as model_cuda measures bf16. These tiny models use large
+        // weights and drift a few per cent in bf16, more where the routers' choices flip, so the bound is
+        // relative to what bf16 does to the same weights unquantised: the dequantised model run in bf16 on
+        // the GPU (dense kernels). The quantised kernels must not drift further than that, beyond a margin.
+        let worst_vs_f32 = |model: &Glm5ForCausalLM| {
+            decode_rows(model, &ids, ids.len() / 2)
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| relative_l2(a, b))
+                .fold(0.0, f32::max)
+        };
+        let quantized = worst_vs_f32(
+            &Glm5ForCausalLM::from_dir(&dir, DType::BF16, &gpu, AttentionMode::Sparse).unwrap(),
+        );
+        let dense = worst_vs_f32(
+            &Glm5ForCausalLM::from_dir(
+                dir.join("dequantized"),
+                DType::BF16,
+                &gpu,
+                AttentionMode::Sparse,
+            )
+            .unwrap(),
+        );
+        println!(
+            "{case} bf16 on GPU, worst relative L2 per position against f32: quantised {quantized:.3}, \
+             the dequantised weights in bf16 {dense:.3}"
+        );
+        assert!(
+            quantized <= 1.25 * dense + 0.02,
+            "{case} bf16: quantised {quantized} vs dense bf16 {dense}"
+        );
     }
 }

@@ -52,11 +52,21 @@ fn sm_count(stream: &CudaStream) -> Result<usize> {
 
 /// mma.sync bf16 rate in flop/s from the `mma_bf16_peak` microkernel.
 pub fn mma_peak(device: &Device) -> Result<f64> {
+    mma_loop_peak(device, "mma_bf16_peak", 16.0)
+}
+
+/// The mma.sync e4m3 (FP8) rate (`mma_e4m3_peak` of bench.cu), flop/s.
+pub fn mma_e4m3_peak(device: &Device) -> Result<f64> {
+    mma_loop_peak(device, "mma_e4m3_peak", 32.0)
+}
+
+/// A register-only MMA loop of bench.cu: 8 MMAs of m16n8k`k` per warp and iteration.
+fn mma_loop_peak(device: &Device, kernel: &str, k: f64) -> Result<f64> {
     let Device::Cuda(dev) = device else {
         glm5::candle_core::bail!("needs a CUDA device")
     };
     let stream = dev.cuda_stream();
-    let func = bench_kernel(&stream, "mma_bf16_peak")?;
+    let func = bench_kernel(&stream, kernel)?;
     let (blocks, threads, iters) = (132 * 16, 256u32, 4096i32);
     let out = stream
         .alloc_zeros::<f32>(blocks * threads as usize)
@@ -72,7 +82,7 @@ pub fn mma_peak(device: &Device) -> Result<f64> {
         unsafe { launch.launch(cfg) }.map(|_| ()).map_err(cuda)
     })?;
     let flops =
-        blocks as f64 * (threads / 32) as f64 * iters as f64 * 8.0 * (2.0 * 16.0 * 8.0 * 16.0);
+        blocks as f64 * (threads / 32) as f64 * iters as f64 * 8.0 * (2.0 * 16.0 * 8.0 * k);
     Ok(flops / seconds)
 }
 

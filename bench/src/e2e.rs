@@ -1,5 +1,6 @@
 //! `glm5-bench e2e`: the whole model step on one GPU, GLM-5's first `--layers` layers at real sizes with
-//! random bf16 weights, through the public API (`forward`, the argmax read back each step as a generation
+//! random weights (bf16, or `--weights fp8|nvfp4`: the matrices the published checkpoints quantise kept
+//! in that format), through the public API (`forward`, the argmax read back each step as a generation
 //! loop does). Per row: ms per step, tokens/s, the weight bytes the step must read over the copy bandwidth
 //! measured in the same run (the floor), the per-part split from a profiled pass, and, with `--hf`, HF
 //! transformers on the same slice in the same GPU call. The last line projects the full model.
@@ -26,30 +27,82 @@ pub struct E2eArgs {
     pub batches: Vec<usize>,
     /// HF transformers' timing script (`bench/hf_e2e.py`), run after glm5 in the same call.
     pub hf_script: Option<String>,
+    pub weights: WeightFormat,
 }
 
-/// Bytes of the tensors a batch-1 decode step reads: every non-expert weight of every layer, `top_k` routed
-/// experts and the shared expert per MoE layer, the final norm and lm_head (the embedding row is noise).
-fn decode_weight_bytes(config: &Config, dtype: DType) -> (u64, u64) {
-    let mut total = 0u64;
-    let mut head = 0u64;
+/// The format of the slice's random weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightFormat {
+    Bf16,
+    /// Block-scaled FP8 as `zai-org/GLM-5-FP8` (128x128 blocks).
+    Fp8,
+    /// NVFP4 as ModelOpt exports it (groups of 16).
+    Nvfp4,
+}
+
+impl std::str::FromStr for WeightFormat {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "bf16" => Ok(Self::Bf16),
+            "fp8" => Ok(Self::Fp8),
+            "nvfp4" => Ok(Self::Nvfp4),
+            other => Err(format!("--weights {other}: expected bf16, fp8 or nvfp4")),
+        }
+    }
+}
+
+impl WeightFormat {
+    /// The published recipe's quantisation (`None`: bf16).
+    fn quantization(self) -> Option<glm5::models::Quantization> {
+        match self {
+            Self::Bf16 => None,
+            Self::Fp8 => Some(glm5::models::Quantization::Fp8Block {
+                block: [128, 128],
+                modules_to_not_convert: vec![],
+            }),
+            Self::Nvfp4 => Some(glm5::models::Quantization::Nvfp4 {
+                group_size: 16,
+                exclude_modules: vec![],
+            }),
+        }
+    }
+
+    /// Random weights in this format.
+    pub fn random_checkpoint(self) -> Checkpoint {
+        match self.quantization() {
+            None => Checkpoint::random(2026, 0.02),
+            Some(q) => Checkpoint::random_quantized(2026, 0.02, q),
+        }
+    }
+}
+
+/// Bytes of the tensors a batch-1 decode step reads, as they are resident (quantised where
+/// `config.quantization` says so): every non-expert weight of every layer, `top_k` routed experts and the
+/// shared expert per MoE layer, the final norm and lm_head (the embedding row is noise). Returns (bytes,
+/// head bytes, parameters multiplied, bytes of one routed expert).
+fn decode_weight_bytes(config: &Config, dtype: DType) -> (u64, u64, u64, u64) {
+    let (mut total, mut head, mut params, mut expert_bytes) = (0u64, 0u64, 0u64, 0u64);
     for layer in 0..config.num_hidden_layers {
         let tensors = sizes::layer_tensors(config, layer, dtype);
         let (experts, rest): (Vec<_>, Vec<_>) = tensors
             .iter()
             .partition(|t| t.name.contains(".mlp.experts."));
-        total += rest.iter().map(|t| t.bytes()).sum::<u64>();
-        let per_expert: u64 = experts
+        total += rest.iter().map(|t| sizes::resident_bytes(config, t)).sum::<u64>();
+        params += rest.iter().map(|t| t.elements()).sum::<u64>();
+        let first: Vec<_> = experts
             .iter()
             .filter(|t| t.name.contains(".mlp.experts.0."))
-            .map(|t| t.bytes())
-            .sum();
-        total += per_expert * config.num_experts_per_tok as u64;
+            .collect();
+        expert_bytes = first.iter().map(|t| sizes::resident_bytes(config, t)).sum();
+        total += expert_bytes * config.num_experts_per_tok as u64;
+        params += first.iter().map(|t| t.elements()).sum::<u64>() * config.num_experts_per_tok as u64;
     }
     for t in sizes::head_tensors(config, dtype) {
-        head += t.bytes();
+        head += sizes::resident_bytes(config, &t);
+        params += t.elements();
     }
-    (total + head, head)
+    (total + head, head, params, expert_bytes)
 }
 
 /// Dense bf16 GEMM rate (candle's matmul, cuBLAS) in flop/s: the prefill ceiling.
@@ -69,7 +122,8 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
     let device = Device::new_cuda(0)?;
     let copy = crate::ceilings::copy_bandwidth(&device)?;
     let gemm = gemm_peak(&device)?;
-    let config = glm5_slice(args.layers)?;
+    let mut config = glm5_slice(args.layers)?;
+    config.quantization = args.weights.quantization();
     let dense_layers = config
         .mlp_layer_types
         .iter()
@@ -94,16 +148,21 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
     let load_start = Instant::now();
     let model = Glm5ForCausalLM::load_planned(
         &config,
-        &Checkpoint::random(2026, 0.02),
+        &args.weights.random_checkpoint(),
         plan,
         std::slice::from_ref(&device),
     )
     .map_err(cuda)?;
     device.synchronize()?;
     println!(
-        "GLM-5 slice: {} layers ({dense_layers} dense + {} MoE) at real sizes, random bf16 weights, one H200-class GPU (loaded in {:.1} s)",
+        "GLM-5 slice: {} layers ({dense_layers} dense + {} MoE) at real sizes, random {} weights, one H200-class GPU (loaded in {:.1} s)",
         args.layers,
         args.layers - dense_layers,
+        match args.weights {
+            WeightFormat::Bf16 => "bf16",
+            WeightFormat::Fp8 => "FP8 (128x128 blocks; embeddings, norms, router, indexer weights_proj, kv_b and lm_head bf16)",
+            WeightFormat::Nvfp4 => "NVFP4 (embeddings, norms, router, indexer weights_proj, kv_b and lm_head bf16)",
+        },
         load_start.elapsed().as_secs_f64()
     );
     println!(
@@ -114,7 +173,18 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
     for b in model.layer_backends() {
         println!("  {b}");
     }
-    let (step_bytes, head_bytes) = decode_weight_bytes(&config, DType::BF16);
+    let (step_bytes, head_bytes, active_params, expert_bytes) =
+        decode_weight_bytes(&config, DType::BF16);
+    let fp8_peak = if args.weights == WeightFormat::Fp8 {
+        let peak = crate::ceilings::mma_e4m3_peak(&device)?;
+        println!(
+            "device: mma.sync e4m3 (FP8) {:.0} TFLOP/s (the legacy tensor-core path; Hopper's wgmma FP8 rate is higher)",
+            peak / 1e12
+        );
+        Some(peak)
+    } else {
+        None
+    };
     let floor = step_bytes as f64 / copy;
     let ids: Vec<u32> = (0..max_context + args.steps + 8)
         .map(|i| (i * 7919 % config.vocab_size) as u32)
@@ -133,7 +203,6 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
             .to_vec1::<u32>()?;
         prefill_ms = start.elapsed().as_secs_f64() * 1e3;
     }
-    let active_params: u64 = step_bytes / 2; // bf16: the weights one token multiplies
     let prefill_flops = 2.0 * active_params as f64 * args.prefill as f64;
     println!(
         "prefill {} tokens: {prefill_ms:.1} ms, {:.0} tok/s, {:.1} TFLOP/s in the weight GEMMs = {:.1}% of the bf16 GEMM rate",
@@ -142,9 +211,15 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
         prefill_flops / prefill_ms / 1e9,
         100.0 * prefill_flops / (prefill_ms / 1e3) / gemm
     );
+    if let Some(peak) = fp8_peak {
+        println!(
+            "prefill with FP8 weights: {:.1}% of the mma.sync e4m3 rate (FP8 weights are dequantised to bf16 per projection and multiplied by cuBLAS; FP8 tensor cores are not used)",
+            100.0 * prefill_flops / (prefill_ms / 1e3) / peak
+        );
+    }
 
     println!(
-        "decode, batch 1: weight bytes per step {:.2} GB (lm_head + norm {:.2} GB), floor {:.3} ms at {:.0} GB/s",
+        "decode, batch 1: weight bytes per step {:.2} GB as stored (lm_head + norm {:.2} GB), floor {:.3} ms at {:.0} GB/s",
         step_bytes as f64 / 1e9,
         head_bytes as f64 / 1e9,
         floor * 1e3,
@@ -219,7 +294,7 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
     // Batched decode over the paged pool: `batch` sequences of `context` tokens, one token each per step.
     let context = args.contexts.first().copied().unwrap_or(4096);
     let n_moe = (args.layers - dense_layers) as f64;
-    let per_expert = (3 * config.hidden_size * config.moe_intermediate_size * 2) as f64;
+    let per_expert = expert_bytes as f64;
     let (e, k) = (
         config.n_routed_experts as f64,
         config.num_experts_per_tok as f64,
@@ -316,9 +391,11 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
             + moe_per_layer * full_moe as f64
             + dense_per_layer * full_dense as f64
             + rest;
-        let (full_bytes, _) = decode_weight_bytes(&full, DType::BF16);
+        let mut full = full;
+        full.quantization = config.quantization.clone();
+        let (full_bytes, _, _, _) = decode_weight_bytes(&full, DType::BF16);
         println!(
-            "projection, all {} layers, batch 1, last context: {projected:.1} ms/token ({:.1} tok/s) on one GPU's bandwidth (floor {:.1} ms for {:.0} GB of bf16); over 8 GPUs by layers the same time per token plus 7 hidden-state hops",
+            "projection, all {} layers, batch 1, last context: {projected:.1} ms/token ({:.1} tok/s) on one GPU's bandwidth (floor {:.1} ms for {:.0} GB of weights read); over 8 GPUs by layers the same time per token plus 7 hidden-state hops",
             full.num_hidden_layers,
             1e3 / projected,
             full_bytes as f64 / copy * 1e3,

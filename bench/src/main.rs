@@ -84,6 +84,10 @@ enum Command {
         /// HF transformers' timing script (bench/hf_e2e.py) to run on the same slice afterwards.
         #[arg(long)]
         hf: Option<String>,
+        /// The random weights' format: bf16, or fp8 / nvfp4 (the matrices the published checkpoints
+        /// quantise kept in that format; the rest bf16).
+        #[arg(long, default_value = "bf16")]
+        weights: e2e::WeightFormat,
     },
 }
 
@@ -123,6 +127,7 @@ fn main() -> glm5::candle_core::Result<()> {
         prefill,
         batches,
         hf,
+        weights,
     }) = &cli.command
     {
         return e2e::e2e_rows(&e2e::E2eArgs {
@@ -132,6 +137,7 @@ fn main() -> glm5::candle_core::Result<()> {
             prefill: *prefill,
             batches: batches.clone(),
             hf_script: hf.clone(),
+            weights: *weights,
         });
     }
     let device = Device::new_cuda(0)?;

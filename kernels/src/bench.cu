@@ -22,6 +22,29 @@ extern "C" __global__ void mma_bf16_peak(float* out, int iters) {
     out[blockIdx.x * blockDim.x + threadIdx.x] = sum;
 }
 
+// The same loop with mma.sync.m16n8k32 e4m3 (FP8, sm_89+): the legacy tensor-core FP8 rate. Each warp does
+// `iters` x 8 MMAs of 2*16*8*32 flops. (Hopper's full FP8 rate needs wgmma; this is the mma.sync path.)
+extern "C" __global__ void mma_e4m3_peak(float* out, int iters) {
+    const uint32_t lane = threadIdx.x % 32;
+    const uint32_t a0 = 0x38383838u ^ lane, a1 = 0x38383838u, a2 = 0x30303030u, a3 = 0x38383838u;
+    const uint32_t b0 = 0x30303030u ^ (lane << 3), b1 = 0x38383838u;
+    float c[8][4] = {};
+    for (int i = 0; i < iters; ++i) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            asm volatile(
+                "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                "{%0,%1,%2,%3};\n"
+                : "+f"(c[j][0]), "+f"(c[j][1]), "+f"(c[j][2]), "+f"(c[j][3])
+                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+        }
+    }
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) sum += c[j][0] + c[j][1] + c[j][2] + c[j][3];
+    out[blockIdx.x * blockDim.x + threadIdx.x] = sum;
+}
+
 // The row gather alone: what sparse_mla's memory side can at best reach. Block (split, token) of 256 threads
 // streams `per_block` of the token's `k` rows of 1152 bytes (GLM-5's 576 bf16) through a ring of STAGES tiles
 // of 32 rows, eight threads per row, exactly as the wgmma kernel copies them, and does nothing with them but

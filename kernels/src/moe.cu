@@ -17,11 +17,18 @@
 //                      one f32 row per assignment.
 //   moe_combine_*      per token: the sum of its slots' rows in slot order, rounded to the model dtype.
 //
+//   moe_{gate_up,down}_{fp8,nvfp4}_*  the same two mat-vecs over experts kept quantised (block-scaled FP8,
+//                      NVFP4), dequantised in registers (decoders in weight_formats.cuh); each projection is
+//                      stacked [E', rows, k] with its scales, its rows in `parts` separately quantised parts
+//                      (gate_up: the gate rows, then the up rows).
+//
 // Decode reads each chosen expert's weights exactly once however many tokens chose it; the kernels are
 // bandwidth-bound mat-vecs, meant for a few tokens per expert (decode of 1..64 sequences).
 
 #include <cuda_bf16.h>
 #include <stdint.h>
+
+#include "weight_formats.cuh"
 
 #define MOE_ROUTE_MAX_EXPERTS 1024
 #define MOE_ROUTE_MAX_GROUPS 64
@@ -345,3 +352,218 @@ __device__ void combine(const float* __restrict__ y, int n_tokens, int slots, in
 
 MOE_INSTANCES(bf16, __nv_bfloat16)
 MOE_INSTANCES(f32, float)
+
+// ---- Experts kept quantised -------------------------------------------------------------------------------
+
+namespace {
+
+// One row of a stacked quantised projection, read in chunks of 16 weights sharing one scale: `load` issues
+// the chunk's loads, `decode` turns them into floats and the chunk's scale; `row_scale` multiplies the
+// row's finished sum. Row `row` of expert `expert` lies in part row / (rows / parts).
+struct Fp8Row {
+    struct Chunk {
+        uint4 bytes;
+        float scale;
+    };
+    static constexpr int UNROLL = 2;
+    const uint4* bytes;
+    const float* scales;
+    int block_k;
+    float row_scale;
+
+    __device__ Fp8Row(const uint8_t* w, const float* scale_inv, int block_n, int block_k_, int expert, int rows,
+                      int parts, int row, int k) {
+        const int part_rows = rows / parts, part = row / part_rows, r = row % part_rows;
+        const int scale_rows = (part_rows + block_n - 1) / block_n, scale_cols = (k + block_k_ - 1) / block_k_;
+        bytes = reinterpret_cast<const uint4*>(w + ((size_t)expert * rows + row) * k);
+        scales = scale_inv + (((size_t)expert * parts + part) * scale_rows + r / block_n) * scale_cols;
+        block_k = block_k_;
+        row_scale = 1.0f;
+    }
+    __device__ __forceinline__ Chunk load(int c) const { return {__ldg(bytes + c), __ldg(scales + c * 16 / block_k)}; }
+    __device__ __forceinline__ float decode(const Chunk& chunk, float (&w)[16]) const {
+        glm5::fp8x16_to_float(chunk.bytes, w);
+        return chunk.scale;
+    }
+};
+
+struct Nvfp4Row {
+    struct Chunk {
+        uint2 bytes;
+        uint8_t scale;
+    };
+    static constexpr int UNROLL = 4;
+    const uint2* bytes;
+    const uint8_t* scales;
+    float row_scale;
+
+    __device__ Nvfp4Row(const uint8_t* packed, const uint8_t* scale_bytes, const float* global, int expert,
+                        int rows, int parts, int row, int k) {
+        const int part = row / (rows / parts);
+        bytes = reinterpret_cast<const uint2*>(packed + ((size_t)expert * rows + row) * (k / 2));
+        scales = scale_bytes + ((size_t)expert * rows + row) * (k / 16);
+        row_scale = global[(size_t)expert * parts + part];
+    }
+    __device__ __forceinline__ Chunk load(int c) const { return {__ldg(bytes + c), __ldg(scales + c)}; }
+    // As the reference, (e2m1 · scale) · global: the decoded values carry 2^-14, their scale 2^14.
+    __device__ __forceinline__ float decode(const Chunk& chunk, float (&w)[16]) const {
+        glm5::e2m1x16_to_float(chunk.bytes, w);
+        return glm5::e4m3_to_float(chunk.scale) * glm5::E2M1_HALF_BIAS;
+    }
+};
+
+// gate_up over quantised weights: h as in `gate_up` (k = hidden).
+template <typename T, typename Row>
+__device__ void gate_up_quantized(const T* __restrict__ x, const Row& gate_row, const Row& up_row, int expert,
+                                  const int* __restrict__ sorted, const int* __restrict__ offsets, int slots,
+                                  int hidden, int inter, int n, T* __restrict__ h) {
+    const int lane = threadIdx.x & 31;
+    constexpr int U = Row::UNROLL;
+    const int chunks = hidden / 16;
+    const int begin = offsets[expert], end = offsets[expert + 1];
+    for (int m0 = begin; m0 < end; m0 += MOE_TOKENS_PER_PASS) {
+        const int m = min(MOE_TOKENS_PER_PASS, end - m0);
+        const T* rows[MOE_TOKENS_PER_PASS];
+#pragma unroll
+        for (int j = 0; j < MOE_TOKENS_PER_PASS; ++j)
+            rows[j] = x + (size_t)(sorted[m0 + min(j, m - 1)] / slots) * hidden;
+        float acc_gate[MOE_TOKENS_PER_PASS], acc_up[MOE_TOKENS_PER_PASS];
+#pragma unroll
+        for (int j = 0; j < MOE_TOKENS_PER_PASS; ++j) acc_gate[j] = acc_up[j] = 0.0f;
+        for (int c0 = lane; c0 < chunks; c0 += 32 * U) {
+            typename Row::Chunk g[U], u[U];
+#pragma unroll
+            for (int i = 0; i < U; ++i) {
+                if (c0 + 32 * i < chunks) {
+                    g[i] = gate_row.load(c0 + 32 * i);
+                    u[i] = up_row.load(c0 + 32 * i);
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < U; ++i) {
+                const int c = c0 + 32 * i;
+                if (c < chunks) {
+                    float wg[16], wu[16];
+                    const float sg = gate_row.decode(g[i], wg), su = up_row.decode(u[i], wu);
+#pragma unroll
+                    for (int j = 0; j < MOE_TOKENS_PER_PASS; ++j) {
+                        if (j < m) {
+                            float xv[16];
+                            glm5::load16(rows[j] + c * 16, xv);
+                            acc_gate[j] = fmaf(glm5::dot16(wg, xv), sg, acc_gate[j]);
+                            acc_up[j] = fmaf(glm5::dot16(wu, xv), su, acc_up[j]);
+                        }
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < MOE_TOKENS_PER_PASS; ++j) {
+            if (j < m) {
+                const float gate = round_to(warp_sum(acc_gate[j]) * gate_row.row_scale, x);
+                const float up = round_to(warp_sum(acc_up[j]) * up_row.row_scale, x);
+                const float act = round_to(gate / (1.0f + expf(-gate)), x);
+                if (lane == 0) store(h + (size_t)sorted[m0 + j] * inter + n, act * up);
+            }
+        }
+    }
+}
+
+// down over quantised weights: y as in `down` (k = inter).
+template <typename T, typename Row>
+__device__ void down_quantized(const T* __restrict__ h, const Row& row, int expert, const float* __restrict__ gates,
+                               const int* __restrict__ sorted, const int* __restrict__ offsets, int hidden,
+                               int inter, int r, float* __restrict__ y) {
+    const int lane = threadIdx.x & 31;
+    constexpr int U = Row::UNROLL;
+    const int chunks = inter / 16;
+    const int begin = offsets[expert], end = offsets[expert + 1];
+    for (int m0 = begin; m0 < end; m0 += MOE_TOKENS_PER_PASS) {
+        const int m = min(MOE_TOKENS_PER_PASS, end - m0);
+        const T* rows[MOE_TOKENS_PER_PASS];
+#pragma unroll
+        for (int j = 0; j < MOE_TOKENS_PER_PASS; ++j)
+            rows[j] = h + (size_t)sorted[m0 + min(j, m - 1)] * inter;
+        float acc[MOE_TOKENS_PER_PASS];
+#pragma unroll
+        for (int j = 0; j < MOE_TOKENS_PER_PASS; ++j) acc[j] = 0.0f;
+        for (int c0 = lane; c0 < chunks; c0 += 32 * U) {
+            typename Row::Chunk w[U];
+#pragma unroll
+            for (int i = 0; i < U; ++i)
+                if (c0 + 32 * i < chunks) w[i] = row.load(c0 + 32 * i);
+#pragma unroll
+            for (int i = 0; i < U; ++i) {
+                const int c = c0 + 32 * i;
+                if (c < chunks) {
+                    float wv[16];
+                    const float s = row.decode(w[i], wv);
+#pragma unroll
+                    for (int j = 0; j < MOE_TOKENS_PER_PASS; ++j) {
+                        if (j < m) {
+                            float hv[16];
+                            glm5::load16(rows[j] + c * 16, hv);
+                            acc[j] = fmaf(glm5::dot16(wv, hv), s, acc[j]);
+                        }
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < MOE_TOKENS_PER_PASS; ++j) {
+            if (j < m) {
+                const float sum = warp_sum(acc[j]) * row.row_scale;
+                const int a = sorted[m0 + j];
+                if (lane == 0) y[(size_t)a * hidden + r] = gates[a] * sum;
+            }
+        }
+    }
+}
+
+}  // namespace
+
+// The grid as the dense kernels': (active expert, 8 output rows per block); idle blocks return at once.
+#define MOE_QUANTIZED_PROLOGUE(OUT_ROWS)                                                                      \
+    if ((int)blockIdx.x >= *active_count) return;                                                           \
+    const int expert = active[blockIdx.x];                                                                  \
+    const int out_row = blockIdx.y * MOE_WARPS + (threadIdx.x >> 5);                                        \
+    if (out_row >= (OUT_ROWS)) return;
+
+#define MOE_QUANTIZED_INSTANCES(SUFFIX, T)                                                                    \
+    extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_gate_up_fp8_##SUFFIX(                   \
+        const T* x, const uint8_t* w, const float* scale_inv, int block_n, int block_k, const int* sorted,   \
+        const int* offsets, const int* active, const int* active_count, int slots, int hidden, int inter,    \
+        T* h) {                                                                                              \
+        MOE_QUANTIZED_PROLOGUE(inter)                                                                        \
+        const Fp8Row gate_row(w, scale_inv, block_n, block_k, expert, 2 * inter, 2, out_row, hidden);        \
+        const Fp8Row up_row(w, scale_inv, block_n, block_k, expert, 2 * inter, 2, inter + out_row, hidden);  \
+        gate_up_quantized<T>(x, gate_row, up_row, expert, sorted, offsets, slots, hidden, inter, out_row, h); \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_down_fp8_##SUFFIX(                      \
+        const T* h, const uint8_t* w, const float* scale_inv, int block_n, int block_k, const float* gates,  \
+        const int* sorted, const int* offsets, const int* active, const int* active_count, int hidden,       \
+        int inter, float* y) {                                                                               \
+        MOE_QUANTIZED_PROLOGUE(hidden)                                                                       \
+        const Fp8Row row(w, scale_inv, block_n, block_k, expert, hidden, 1, out_row, inter);                 \
+        down_quantized<T>(h, row, expert, gates, sorted, offsets, hidden, inter, out_row, y);                \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_gate_up_nvfp4_##SUFFIX(                 \
+        const T* x, const uint8_t* packed, const uint8_t* scales, const float* global, const int* sorted,    \
+        const int* offsets, const int* active, const int* active_count, int slots, int hidden, int inter,    \
+        T* h) {                                                                                              \
+        MOE_QUANTIZED_PROLOGUE(inter)                                                                        \
+        const Nvfp4Row gate_row(packed, scales, global, expert, 2 * inter, 2, out_row, hidden);              \
+        const Nvfp4Row up_row(packed, scales, global, expert, 2 * inter, 2, inter + out_row, hidden);        \
+        gate_up_quantized<T>(x, gate_row, up_row, expert, sorted, offsets, slots, hidden, inter, out_row, h); \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_down_nvfp4_##SUFFIX(                    \
+        const T* h, const uint8_t* packed, const uint8_t* scales, const float* global, const float* gates,   \
+        const int* sorted, const int* offsets, const int* active, const int* active_count, int hidden,       \
+        int inter, float* y) {                                                                               \
+        MOE_QUANTIZED_PROLOGUE(hidden)                                                                       \
+        const Nvfp4Row row(packed, scales, global, expert, hidden, 1, out_row, inter);                       \
+        down_quantized<T>(h, row, expert, gates, sorted, offsets, hidden, inter, out_row, y);                \
+    }
+
+MOE_QUANTIZED_INSTANCES(bf16, __nv_bfloat16)
+MOE_QUANTIZED_INSTANCES(f32, float)

@@ -7,46 +7,31 @@
 //   *_dequantize_*  the whole W in the activations' dtype, for the many-row (prefill) path's matmul.
 //
 // Mat-vec: one warp per output column n, all m <= MAX_ROWS activation rows at once, so every weight byte is
-// read once per launch. A lane takes 16 consecutive weights per step (one 16-byte FP8 load or one 8-byte
+// read once per launch. A lane takes 16 consecutive weights per chunk (one 16-byte FP8 load or one 8-byte
 // NVFP4 group with its scale), which lie in one scale block (the launcher checks K % 16 == 0 and, for FP8,
-// bk % 16 == 0); the 32 lanes of a warp read 512 consecutive weights, coalesced. x is read through the
-// cache (it is small and every warp reads all of it).
+// bk % 16 == 0); the 32 lanes of a warp read 512 consecutive weights, coalesced, and each lane loads several
+// chunks before multiplying any. x is read in 16-byte vectors through the cache (it is small and every
+// warp reads all of it). The decoders are in weight_formats.cuh.
 
 #include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_fp8.h>
 #include <stdint.h>
 
 #include "glm5_interface.h"
+#include "weight_formats.cuh"
+
+using namespace glm5;
 
 constexpr int MAX_ROWS = GLM5_WEIGHT_ONLY_MAX_ROWS;
 constexpr int WARPS = GLM5_WEIGHT_ONLY_WARPS;
 constexpr int DEQUANTIZE_THREADS = GLM5_WEIGHT_ONLY_DEQUANTIZE_THREADS;
+// 16-weight chunks a lane loads before it multiplies any: 64 bytes of weights in flight per lane, which is
+// what keeps HBM busy (one load at a time per lane reaches ~20% of the copy bandwidth).
+constexpr int FP8_UNROLL = 4;
+constexpr int NVFP4_UNROLL = 8;
 
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 template <typename T> __device__ __forceinline__ T from_float(float v);
 template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
-
-/// Two e4m3 bytes (low byte first) as floats.
-__device__ __forceinline__ float2 e4m3x2_to_float2(uint16_t pair) {
-    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pair), __NV_E4M3);
-    return __half22float2(__half2(h));
-}
-
-__device__ __forceinline__ float e4m3_to_float(uint8_t b) {
-    const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(b), __NV_E4M3);
-    return __half2float(__half(h));
-}
-
-/// e2m1 code (sign bit 3, exponent bits 2-1 with bias 1, mantissa bit 0) to float: 0, 0.5, 1, 1.5, 2, 3, 4, 6.
-__device__ __forceinline__ float e2m1_to_float(uint32_t code) {
-    const uint32_t exponent = (code >> 1) & 3, mantissa = code & 1;
-    const float magnitude =
-        exponent ? __uint_as_float(((exponent + 126u) << 23) | (mantissa << 22)) : 0.5f * static_cast<float>(mantissa);
-    return (code & 8) ? -magnitude : magnitude;
-}
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -54,18 +39,16 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
-/// Sum over 16 weights `w` of w[j] * x[r, k0 + j] for every row r < m, added to acc[r] times `scale`.
+/// acc[r] += scale · Σ_j w[j] · x[r, k0 + j] for every row r < m.
 template <typename T>
 __device__ __forceinline__ void accumulate(float (&acc)[MAX_ROWS], const float (&w)[16], float scale, const T* x,
                                            int m, int k, int k0) {
 #pragma unroll
     for (int r = 0; r < MAX_ROWS; ++r) {
         if (r < m) {
-            const T* xr = x + static_cast<size_t>(r) * k + k0;
-            float dot = 0.0f;
-#pragma unroll
-            for (int j = 0; j < 16; ++j) dot = fmaf(w[j], to_float(xr[j]), dot);
-            acc[r] = fmaf(dot, scale, acc[r]);
+            float xv[16];
+            load16(x + static_cast<size_t>(r) * k + k0, xv);
+            acc[r] = fmaf(dot16(w, xv), scale, acc[r]);
         }
     }
 }
@@ -91,24 +74,31 @@ __device__ __forceinline__ void fp8_matvec(const T* __restrict__ x, const uint8_
     if (col >= n) return;
     const int scale_cols = (k + block_k - 1) / block_k;
     const float* scales = scale_inv + static_cast<size_t>(col / block_n) * scale_cols;
-    const uint8_t* row = w + static_cast<size_t>(col) * k;
+    const uint4* row = reinterpret_cast<const uint4*>(w + static_cast<size_t>(col) * k);
+    const int chunks = k / 16;
     float acc[MAX_ROWS];
 #pragma unroll
     for (int r = 0; r < MAX_ROWS; ++r) acc[r] = 0.0f;
-    for (int k0 = lane * 16; k0 < k; k0 += 32 * 16) {
-        const uint4 bytes = __ldg(reinterpret_cast<const uint4*>(row + k0));
-        const uint32_t words[4] = {bytes.x, bytes.y, bytes.z, bytes.w};
-        float wv[16];
+    for (int c0 = lane; c0 < chunks; c0 += 32 * FP8_UNROLL) {
+        uint4 raw[FP8_UNROLL];
+        float scale[FP8_UNROLL];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const float2 lo = e4m3x2_to_float2(static_cast<uint16_t>(words[i] & 0xffff));
-            const float2 hi = e4m3x2_to_float2(static_cast<uint16_t>(words[i] >> 16));
-            wv[4 * i] = lo.x;
-            wv[4 * i + 1] = lo.y;
-            wv[4 * i + 2] = hi.x;
-            wv[4 * i + 3] = hi.y;
+        for (int u = 0; u < FP8_UNROLL; ++u) {
+            const int c = c0 + 32 * u;
+            if (c < chunks) {
+                raw[u] = __ldg(row + c);
+                scale[u] = __ldg(scales + c * 16 / block_k);
+            }
         }
-        accumulate(acc, wv, __ldg(scales + k0 / block_k), x, m, k, k0);
+#pragma unroll
+        for (int u = 0; u < FP8_UNROLL; ++u) {
+            const int c = c0 + 32 * u;
+            if (c < chunks) {
+                float wv[16];
+                fp8x16_to_float(raw[u], wv);
+                accumulate(acc, wv, scale[u], x, m, k, c * 16);
+            }
+        }
     }
     store_rows(acc, y, m, n, col);
 }
@@ -120,22 +110,33 @@ __device__ __forceinline__ void nvfp4_matvec(const T* __restrict__ x, const uint
     const int col = blockIdx.x * WARPS + threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     if (col >= n) return;
-    const uint8_t* row = packed + static_cast<size_t>(col) * (k / 2);
+    const uint2* row = reinterpret_cast<const uint2*>(packed + static_cast<size_t>(col) * (k / 2));
     const uint8_t* row_scales = scales + static_cast<size_t>(col) * (k / 16);
+    const int chunks = k / 16;
     float acc[MAX_ROWS];
 #pragma unroll
     for (int r = 0; r < MAX_ROWS; ++r) acc[r] = 0.0f;
-    for (int k0 = lane * 16; k0 < k; k0 += 32 * 16) {
-        const uint2 bytes = __ldg(reinterpret_cast<const uint2*>(row + k0 / 2));
-        const uint32_t words[2] = {bytes.x, bytes.y};
-        float wv[16];
+    for (int c0 = lane; c0 < chunks; c0 += 32 * NVFP4_UNROLL) {
+        uint2 raw[NVFP4_UNROLL];
+        uint8_t scale[NVFP4_UNROLL];
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-#pragma unroll
-            for (int j = 0; j < 8; ++j) wv[8 * i + j] = e2m1_to_float((words[i] >> (4 * j)) & 0xf);
+        for (int u = 0; u < NVFP4_UNROLL; ++u) {
+            const int c = c0 + 32 * u;
+            if (c < chunks) {
+                raw[u] = __ldg(row + c);
+                scale[u] = __ldg(row_scales + c);
+            }
         }
-        // As the reference: (e2m1 * scale) * global, the first product exact in f32.
-        accumulate(acc, wv, e4m3_to_float(__ldg(row_scales + k0 / 16)), x, m, k, k0);
+#pragma unroll
+        for (int u = 0; u < NVFP4_UNROLL; ++u) {
+            const int c = c0 + 32 * u;
+            if (c < chunks) {
+                float wv[16];
+                e2m1x16_to_float(raw[u], wv);
+                // As the reference: (e2m1 · scale) · global, the first product exact in f32.
+                accumulate(acc, wv, e4m3_to_float(scale[u]) * E2M1_HALF_BIAS, x, m, k, c * 16);
+            }
+        }
     }
 #pragma unroll
     for (int r = 0; r < MAX_ROWS; ++r) acc[r] *= global_scale;

@@ -221,3 +221,57 @@ fn experts_reference_equals_per_token_arithmetic() {
         assert!((a - b).abs() <= 1e-4 * b.abs().max(1.0), "{a} vs {b}");
     }
 }
+
+/// Experts kept in FP8 (partial edge blocks included) or NVFP4, stacked, on the CPU: the per-expert chain
+/// over the quantised projections equals the per-token arithmetic over the dequantised weights.
+#[test]
+fn quantized_experts_reference_equals_per_token_arithmetic_on_the_dequantised_weights() {
+    use common::quantized::{experts, Format};
+    let mut r = rng(4901);
+    let (t, n_experts, slots, h, i) = (6, 5, 3, 80, 48);
+    for format in [
+        Format::Fp8 { block: [128, 128] },
+        Format::Fp8 { block: [16, 32] },
+        Format::Nvfp4,
+    ] {
+        let (weights, gate_up, down) = experts(&mut r, &format, (n_experts, h, i), &Device::Cpu);
+        let x = uniform(&mut r, t * h);
+        let ids: Vec<u32> = (0..t * slots)
+            .map(|a| ((a * 7 + a / slots) % n_experts) as u32)
+            .collect();
+        let gates = uniform(&mut r, t * slots);
+        let routes = glm5_ops::moe::Routes {
+            ids: Tensor::from_slice(&ids, (t, slots), &Device::Cpu).unwrap(),
+            gates: Tensor::from_slice(&gates, (t, slots), &Device::Cpu).unwrap(),
+        };
+        assert!(matches!(
+            glm5_ops::moe::quantized_experts_backend(&tensor(&x, &[t, h], DType::F32), &weights),
+            glm5_ops::moe::ExpertsBackend::Reference(_)
+        ));
+        let got = glm5_ops::moe::quantized_experts(&tensor(&x, &[t, h], DType::F32), &routes, &weights)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let flat = |w: &Tensor| w.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let expected = expected_experts(&x, &ids, &gates, &flat(&gate_up), &flat(&down), (t, slots, h, i));
+        let scale = expected.iter().fold(0f32, |m, v| m.max(v.abs()));
+        for (a, b) in got.iter().zip(&expected) {
+            assert!((a - b).abs() <= 1e-5 * scale, "{a} vs {b} (scale {scale})");
+        }
+    }
+}
+
+/// Stacking refuses parts of different shapes, naming the part.
+#[test]
+fn stacking_quantized_experts_of_different_shapes_is_an_error() {
+    use common::quantized::{fp8, nvfp4};
+    let mut r = rng(4902);
+    let (a, b) = (fp8(&mut r, 32, 64, [16, 16]), fp8(&mut r, 16, 64, [16, 16]));
+    let err = glm5_ops::moe::StackedFp8::stack(&[vec![&a], vec![&b]]).unwrap_err();
+    assert!(err.to_string().contains("every FP8 part"), "{err}");
+    let (a, b) = (nvfp4(&mut r, 32, 64), nvfp4(&mut r, 32, 32));
+    let err = glm5_ops::moe::StackedNvfp4::stack(&[vec![&a], vec![&b]]).unwrap_err();
+    assert!(err.to_string().contains("every NVFP4 part"), "{err}");
+}

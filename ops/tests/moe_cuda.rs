@@ -201,3 +201,67 @@ fn many_tokens_go_to_the_reference_with_a_reason() {
         other => panic!("{other:?}"),
     }
 }
+
+/// The grouped FP8 / NVFP4 expert kernels against the dense reference on the dequantised weights (CPU,
+/// f32), 1..64 tokens, widths whose chunk counts are not multiples of a warp, FP8 with partial edge blocks.
+#[test]
+fn quantized_experts_on_gpu_equal_the_reference() {
+    use common::quantized::{experts as quantized, Format};
+    use glm5_ops::moe::{quantized_experts, quantized_experts_backend};
+    let gpu = gpu();
+    let mut r = rng(4903);
+    let (n_experts, hidden, inter) = (13, 272, 48);
+    for format in [
+        Format::Fp8 { block: [128, 128] },
+        Format::Fp8 { block: [16, 32] },
+        Format::Nvfp4,
+    ] {
+        let (weights, gate_up, down) = quantized(&mut r, &format, (n_experts, hidden, inter), &gpu);
+        for dtype in [DType::F32, DType::BF16] {
+            for (t, slots) in [(1, 9), (5, 3), (64, 9), (17, 1)] {
+                let x = Tensor::from_vec(uniform(&mut r, t * hidden), (t, hidden), &Device::Cpu)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap();
+                let routes = random_routes(&mut r, t, slots, n_experts);
+                let want = experts_reference(
+                    &x.to_dtype(DType::F32).unwrap(),
+                    &routes,
+                    &gate_up,
+                    &down,
+                )
+                .unwrap();
+                let gx = x.to_device(&gpu).unwrap();
+                assert_eq!(
+                    quantized_experts_backend(&gx, &weights),
+                    ExpertsBackend::DeviceMatVec
+                );
+                let groutes = Routes {
+                    ids: routes.ids.to_device(&gpu).unwrap(),
+                    gates: routes.gates.to_device(&gpu).unwrap(),
+                };
+                poison(&gpu, t * slots * (hidden + inter) * 8);
+                let got = quantized_experts(&gx, &groutes, &weights)
+                    .unwrap()
+                    .to_dtype(DType::F32)
+                    .unwrap()
+                    .to_device(&Device::Cpu)
+                    .unwrap();
+                let scale = want.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+                let err = (got - &want)
+                    .unwrap()
+                    .abs()
+                    .unwrap()
+                    .max_all()
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap();
+                let bound = if dtype == DType::F32 { 1e-5 } else { 2e-2 } * scale.max(1e-3);
+                println!(
+                    "quantized {dtype:?} t={t} slots={slots}: max |Δ| = {err:.2e} (scale {scale:.2e})"
+                );
+                assert!(err <= bound, "{dtype:?} t={t}: {err} > {bound}");
+            }
+        }
+    }
+}

@@ -54,6 +54,48 @@ impl Mlp {
     }
 }
 
+/// Stacks the experts (`mlps`, the shared expert last where it is a slot) kept in one quantised format:
+/// `None` when they are not all FP8 or all NVFP4, or their parts do not share one shape.
+fn stack_quantized(mlps: &[&Mlp]) -> Option<moe::QuantizedExperts> {
+    fn fp8(p: &Proj) -> Option<&glm5_ops::fp8_matmul::Fp8BlockWeight> {
+        match p {
+            Proj::Fp8Block(w) => Some(w),
+            _ => None,
+        }
+    }
+    fn nvfp4(p: &Proj) -> Option<&glm5_ops::nvfp4_matmul::Nvfp4Weight> {
+        match p {
+            Proj::Nvfp4(w) => Some(w),
+            _ => None,
+        }
+    }
+    fn parts<'a>(mlp: &&'a Mlp) -> [&'a Proj; 3] {
+        [&mlp.gate_proj, &mlp.up_proj, &mlp.down_proj]
+    }
+    if let Some(all) = mlps
+        .iter()
+        .map(|m| parts(m).map(fp8).into_iter().collect::<Option<Vec<_>>>())
+        .collect::<Option<Vec<_>>>()
+    {
+        let gate_up: Vec<Vec<_>> = all.iter().map(|p| vec![p[0], p[1]]).collect();
+        let down: Vec<Vec<_>> = all.iter().map(|p| vec![p[2]]).collect();
+        return Some(moe::QuantizedExperts::Fp8 {
+            gate_up: moe::StackedFp8::stack(&gate_up).ok()?,
+            down: moe::StackedFp8::stack(&down).ok()?,
+        });
+    }
+    let all = mlps
+        .iter()
+        .map(|m| parts(m).map(nvfp4).into_iter().collect::<Option<Vec<_>>>())
+        .collect::<Option<Vec<_>>>()?;
+    let gate_up: Vec<Vec<_>> = all.iter().map(|p| vec![p[0], p[1]]).collect();
+    let down: Vec<Vec<_>> = all.iter().map(|p| vec![p[2]]).collect();
+    Some(moe::QuantizedExperts::Nvfp4 {
+        gate_up: moe::StackedNvfp4::stack(&gate_up).ok()?,
+        down: moe::StackedNvfp4::stack(&down).ok()?,
+    })
+}
+
 impl Module for Mlp {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let gated =
@@ -92,6 +134,11 @@ enum Experts {
     Stacked {
         gate_up: Tensor,
         down: Tensor,
+        shared_slot: Option<u32>,
+    },
+    /// Experts kept in block-scaled FP8 or NVFP4, stacked the same way (`glm5_ops::moe::quantized_experts`).
+    Quantized {
+        weights: moe::QuantizedExperts,
         shared_slot: Option<u32>,
     },
     /// Quantised experts (GGUF), multiplied one by one without being expanded.
@@ -140,6 +187,32 @@ impl MoE {
             })
             .transpose()?;
         if !experts.iter().all(Mlp::is_dense) {
+            // One format for every expert: stacked, the shared expert as a slot when it is stacked with
+            // them (same format and width), else on its own.
+            let routed: Vec<&Mlp> = experts.iter().collect();
+            if let Some(shared_mlp) = shared.as_ref().filter(|_| config.n_shared_experts == 1) {
+                let with_shared: Vec<&Mlp> = routed.iter().copied().chain([shared_mlp]).collect();
+                if let Some(weights) = stack_quantized(&with_shared) {
+                    return Ok(Self {
+                        router,
+                        experts: Experts::Quantized {
+                            weights,
+                            shared_slot: Some(n_experts as u32),
+                        },
+                        shared_expert: None,
+                    });
+                }
+            }
+            if let Some(weights) = stack_quantized(&routed) {
+                return Ok(Self {
+                    router,
+                    experts: Experts::Quantized {
+                        weights,
+                        shared_slot: None,
+                    },
+                    shared_expert: shared,
+                });
+            }
             return Ok(Self {
                 router,
                 experts: Experts::PerExpert(experts),
@@ -188,6 +261,13 @@ impl MoE {
                 let routes = self.router.route(hidden, *shared_slot)?;
                 moe::experts(hidden, &routes, gate_up, down)?
             }
+            Experts::Quantized {
+                weights,
+                shared_slot,
+            } => {
+                let routes = self.router.route(hidden, *shared_slot)?;
+                moe::quantized_experts(hidden, &routes, weights)?
+            }
             Experts::PerExpert(experts) => {
                 per_expert_forward(experts, hidden, &self.router.route(hidden, None)?)?
             }
@@ -203,6 +283,18 @@ impl MoE {
         match (&self.experts, device.is_cuda() && cfg!(feature = "cuda")) {
             (Experts::Stacked { .. }, true) => "moe-matvec (decode), per-expert GEMMs (prefill)",
             (Experts::Stacked { .. }, false) => "per-expert reference",
+            (Experts::Quantized { weights, .. }, true) => match weights {
+                moe::QuantizedExperts::Fp8 { .. } => {
+                    "moe-matvec fp8 (decode), per-expert dequantise + GEMM (prefill)"
+                }
+                moe::QuantizedExperts::Nvfp4 { .. } => {
+                    "moe-matvec nvfp4 (decode), per-expert dequantise + GEMM (prefill)"
+                }
+            },
+            (Experts::Quantized { weights, .. }, false) => match weights {
+                moe::QuantizedExperts::Fp8 { .. } => "per-expert fp8 reference",
+                moe::QuantizedExperts::Nvfp4 { .. } => "per-expert nvfp4 reference",
+            },
             (Experts::PerExpert(_), _) => "per-expert quantised",
         }
     }

@@ -14,6 +14,7 @@
 pub mod gguf;
 pub mod gguf_config;
 pub mod gguf_source;
+pub mod random_quantized;
 pub mod safetensors;
 
 use std::path::{Path, PathBuf};
@@ -123,6 +124,24 @@ impl Checkpoint {
     pub fn random(seed: u64, std: f64) -> Self {
         Self {
             source: Box::new(safetensors::RandomSource { seed, std }),
+            dir: None,
+            format: Format::Random,
+        }
+    }
+
+    /// Made-up weights as [`Checkpoint::random`] makes them, except that the matrices `quantization`'s
+    /// published recipe quantises are random FP8 or NVFP4 weights ([`random_quantized`]).
+    pub fn random_quantized(
+        seed: u64,
+        std: f64,
+        quantization: crate::quantization::Quantization,
+    ) -> Self {
+        Self {
+            source: Box::new(random_quantized::RandomQuantizedSource {
+                seed,
+                std,
+                quantization,
+            }),
             dir: None,
             format: Format::Random,
         }

@@ -394,7 +394,7 @@ impl TensorSource for RandomSource {
 }
 
 /// A made-up tensor for [`RandomSource`].
-fn random_tensor(
+pub(super) fn random_tensor(
     name: &str,
     shape: &[usize],
     seed: u64,

@@ -3,6 +3,7 @@
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::{DType, Tensor};
 
+use super::quantized::{QuantizedExperts, StackedFp8, StackedNvfp4};
 use super::{RouteRule, Routes};
 use crate::cuda::{cuda_err, device_address, kernel};
 use crate::error::Result;
@@ -171,15 +172,36 @@ pub(super) fn experts_moe_gemm(
         .to_dtype(x.dtype())?)
 }
 
-pub(super) fn experts(
+/// One argument of a kernel launch: a device pointer or an `int`.
+#[derive(Clone, Copy)]
+enum Arg {
+    Ptr(u64),
+    Int(i32),
+}
+
+fn push_args<'a>(
+    builder: &mut candle_core::cuda_backend::cudarc::driver::LaunchArgs<'a>,
+    args: &'a [Arg],
+) {
+    for arg in args {
+        match arg {
+            Arg::Ptr(p) => builder.arg(p),
+            Arg::Int(v) => builder.arg(v),
+        };
+    }
+}
+
+/// The experts' kernels `moe_gate_up_{stem}{suffix}` and `moe_down_{stem}{suffix}`, whose weight arguments
+/// (`gate_up_args`, `down_args`) follow the activations, then routing, grouping and the per-token sum.
+fn grouped_experts(
     x: &Tensor,
     routes: &Routes,
-    gate_up: &Tensor,
-    down: &Tensor,
+    (n_experts, hidden, inter): (usize, usize, usize),
+    stem: &str,
+    gate_up_args: &[Arg],
+    down_args: &[Arg],
 ) -> Result<Tensor> {
-    let (tokens, hidden) = x.dims2()?;
-    let (n_experts, two_inter, _) = gate_up.dims3()?;
-    let inter = two_inter / 2;
+    let tokens = x.dim(0)?;
     let slots = routes.slots()?;
     let n_assign = tokens * slots;
     let device = x.device();
@@ -188,7 +210,7 @@ pub(super) fn experts(
     } else {
         "f32"
     };
-    let (x, gate_up, down) = (x.contiguous()?, gate_up.contiguous()?, down.contiguous()?);
+    let x = x.contiguous()?;
     let ids = routes.ids.contiguous()?;
     let gates = routes.gates.contiguous()?;
     let out = unsafe { Tensor::empty((tokens, hidden), x.dtype(), device)? };
@@ -200,13 +222,13 @@ pub(super) fn experts(
     let y = unsafe { Tensor::empty((n_assign, hidden), DType::F32, device)? };
 
     let (x_ptr, dev) = device_address(&x)?;
-    let (gate_up_ptr, _) = device_address(&gate_up)?;
-    let (down_ptr, _) = device_address(&down)?;
+    let grouping_args = [
+        Arg::Ptr(device_address(&grouping.sorted)?.0),
+        Arg::Ptr(device_address(&grouping.offsets()?)?.0),
+        Arg::Ptr(device_address(&grouping.active()?)?.0),
+        Arg::Ptr(device_address(&grouping.active_count()?)?.0),
+    ];
     let (gates_ptr, _) = device_address(&gates)?;
-    let (offsets_ptr, _) = device_address(&grouping.offsets()?)?;
-    let (sorted_ptr, _) = device_address(&grouping.sorted)?;
-    let (active_ptr, _) = device_address(&grouping.active()?)?;
-    let (count_ptr, _) = device_address(&grouping.active_count()?)?;
     let (h_ptr, _) = device_address(&h)?;
     let (y_ptr, _) = device_address(&y)?;
     let (out_ptr, _) = device_address(&out)?;
@@ -220,42 +242,36 @@ pub(super) fn experts(
         &dev,
         "moe",
         glm5_kernels::MOE,
-        &format!("moe_gate_up_{suffix}"),
+        &format!("moe_gate_up_{stem}{suffix}"),
     )?;
     let mut builder = stream.launch_builder(&gate_up_fn);
+    builder.arg(&x_ptr);
+    push_args(&mut builder, gate_up_args);
+    push_args(&mut builder, &grouping_args);
     builder
-        .arg(&x_ptr)
-        .arg(&gate_up_ptr)
-        .arg(&sorted_ptr)
-        .arg(&offsets_ptr)
-        .arg(&active_ptr)
-        .arg(&count_ptr)
         .arg(&slots_arg)
         .arg(&hidden_arg)
         .arg(&inter_arg)
         .arg(&h_ptr);
     let grid = (expert_blocks, inter.div_ceil(MATVEC_WARPS) as u32, 1);
+    // SAFETY: the arguments match the kernel's signature (moe.cu); x [T, H], h [T·slots, I], the weights
+    // and the grouping are live device allocations of the sizes the kernel reads (checked by the callers).
     unsafe { builder.launch(launch_config(grid, threads, 0)) }.map_err(cuda_err)?;
 
     let down_fn = kernel(
         &dev,
         "moe",
         glm5_kernels::MOE,
-        &format!("moe_down_{suffix}"),
+        &format!("moe_down_{stem}{suffix}"),
     )?;
     let mut builder = stream.launch_builder(&down_fn);
-    builder
-        .arg(&h_ptr)
-        .arg(&down_ptr)
-        .arg(&gates_ptr)
-        .arg(&sorted_ptr)
-        .arg(&offsets_ptr)
-        .arg(&active_ptr)
-        .arg(&count_ptr)
-        .arg(&hidden_arg)
-        .arg(&inter_arg)
-        .arg(&y_ptr);
+    builder.arg(&h_ptr);
+    push_args(&mut builder, down_args);
+    builder.arg(&gates_ptr);
+    push_args(&mut builder, &grouping_args);
+    builder.arg(&hidden_arg).arg(&inter_arg).arg(&y_ptr);
     let grid = (expert_blocks, hidden.div_ceil(MATVEC_WARPS) as u32, 1);
+    // SAFETY: as above; y is [T·slots, H] f32.
     unsafe { builder.launch(launch_config(grid, threads, 0)) }.map_err(cuda_err)?;
 
     let combine = kernel(
@@ -272,7 +288,59 @@ pub(super) fn experts(
         .arg(&hidden_arg)
         .arg(&out_ptr);
     let elements = tokens * hidden;
+    // SAFETY: y [T·slots, H] f32 in, out [T, H] in x's dtype.
     unsafe { builder.launch(launch_config((elements.div_ceil(256) as u32, 1, 1), 256, 0)) }
         .map_err(cuda_err)?;
     Ok(out)
+}
+
+pub(super) fn experts(
+    x: &Tensor,
+    routes: &Routes,
+    gate_up: &Tensor,
+    down: &Tensor,
+) -> Result<Tensor> {
+    let (_, hidden) = x.dims2()?;
+    let (n_experts, two_inter, _) = gate_up.dims3()?;
+    let (gate_up, down) = (gate_up.contiguous()?, down.contiguous()?);
+    grouped_experts(
+        x,
+        routes,
+        (n_experts, hidden, two_inter / 2),
+        "",
+        &[Arg::Ptr(device_address(&gate_up)?.0)],
+        &[Arg::Ptr(device_address(&down)?.0)],
+    )
+}
+
+/// The stacked quantised experts (`super::quantized`), checked by the caller: `dims` = (E', H, I).
+pub(super) fn quantized_experts(
+    x: &Tensor,
+    routes: &Routes,
+    weights: &QuantizedExperts,
+    dims: (usize, usize, usize),
+) -> Result<Tensor> {
+    match weights {
+        QuantizedExperts::Fp8 { gate_up, down } => {
+            let args = |w: &StackedFp8| -> Result<Vec<Arg>> {
+                Ok(vec![
+                    Arg::Ptr(device_address(&w.weight)?.0),
+                    Arg::Ptr(device_address(&w.scale_inv)?.0),
+                    Arg::Int(w.block[0] as i32),
+                    Arg::Int(w.block[1] as i32),
+                ])
+            };
+            grouped_experts(x, routes, dims, "fp8_", &args(gate_up)?, &args(down)?)
+        }
+        QuantizedExperts::Nvfp4 { gate_up, down } => {
+            let args = |w: &StackedNvfp4| -> Result<Vec<Arg>> {
+                Ok(vec![
+                    Arg::Ptr(device_address(&w.packed)?.0),
+                    Arg::Ptr(device_address(&w.scales)?.0),
+                    Arg::Ptr(device_address(&w.global_scales)?.0),
+                ])
+            };
+            grouped_experts(x, routes, dims, "nvfp4_", &args(gate_up)?, &args(down)?)
+        }
+    }
 }

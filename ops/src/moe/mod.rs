@@ -43,7 +43,13 @@ use crate::error::{OpError, Result};
 
 #[cfg(feature = "cuda")]
 mod cuda;
+pub mod quantized;
 mod reference;
+
+pub use quantized::{
+    quantized_experts, quantized_experts_backend, quantized_experts_with, QuantizedExperts, StackedFp8,
+    StackedNvfp4,
+};
 
 /// Experts the routing kernel handles (one thread each).
 pub const MAX_EXPERTS: usize = 1024;

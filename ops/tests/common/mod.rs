@@ -19,3 +19,127 @@ pub fn tensor(data: &[f32], shape: &[usize], dtype: DType) -> Tensor {
         .and_then(|t| t.to_dtype(dtype))
         .expect("test tensor")
 }
+
+/// Random experts kept quantised, stacked, with their dequantised f32 copies (`gate_up` `[E, 2I, H]`,
+/// `down` `[E, H, I]`), built on the CPU from random codes: FP8 e4m3 bytes (never the NaN codes 0x7f /
+/// 0xff) under random block multipliers, or NVFP4 codes under random e4m3 group scales (exponents 5-8) and a
+/// random global scale per part.
+pub mod quantized {
+    use super::*;
+    use glm5_ops::fp8_matmul::{self, Fp8BlockWeight};
+    use glm5_ops::moe::{QuantizedExperts, StackedFp8, StackedNvfp4};
+    use glm5_ops::nvfp4_matmul::{self, Nvfp4Weight};
+
+    pub enum Format {
+        Fp8 { block: [usize; 2] },
+        Nvfp4,
+    }
+
+    pub fn fp8(rng: &mut StdRng, out: usize, inp: usize, block: [usize; 2]) -> Fp8BlockWeight {
+        let bytes: Vec<u8> = (0..out * inp)
+            .map(|_| rng.random_range(0u8..0x7f) | if rng.random() { 0x80 } else { 0 })
+            .collect();
+        let blocks = (out.div_ceil(block[0]), inp.div_ceil(block[1]));
+        let scales: Vec<f32> = (0..blocks.0 * blocks.1)
+            .map(|_| rng.random_range(0.5..1.5) * 0.01)
+            .collect();
+        Fp8BlockWeight {
+            weight: Tensor::from_vec(bytes, (out, inp), &Device::Cpu).unwrap(),
+            scale_inv: Tensor::from_vec(scales, blocks, &Device::Cpu).unwrap(),
+            block,
+        }
+    }
+
+    pub fn nvfp4(rng: &mut StdRng, out: usize, inp: usize) -> Nvfp4Weight {
+        let packed: Vec<u8> = (0..out * inp / 2).map(|_| rng.random()).collect();
+        // e4m3 exponent field 5..=8: scales 2^-2 .. 2^1.9.
+        let scales: Vec<u8> = (0..out * inp / 16)
+            .map(|_| (rng.random_range(5u8..=8) << 3) | rng.random_range(0u8..8))
+            .collect();
+        Nvfp4Weight {
+            packed: Tensor::from_vec(packed, (out, inp / 2), &Device::Cpu).unwrap(),
+            scales: Tensor::from_vec(scales, (out, inp / 16), &Device::Cpu).unwrap(),
+            global_scale: rng.random_range(0.5..1.5) * 0.01,
+        }
+    }
+
+    /// `(stacked on `device`, dense f32 gate_up, dense f32 down)` for `n_experts` experts.
+    pub fn experts(
+        rng: &mut StdRng,
+        format: &Format,
+        (n_experts, hidden, inter): (usize, usize, usize),
+        device: &Device,
+    ) -> (QuantizedExperts, Tensor, Tensor) {
+        let cat = |a: Tensor, b: Tensor| Tensor::cat(&[a, b], 0).unwrap();
+        let stack = |v: Vec<Tensor>| Tensor::stack(&v, 0).unwrap();
+        match format {
+            Format::Fp8 { block } => {
+                let parts: Vec<[Fp8BlockWeight; 3]> = (0..n_experts)
+                    .map(|_| {
+                        [
+                            fp8(rng, inter, hidden, *block),
+                            fp8(rng, inter, hidden, *block),
+                            fp8(rng, hidden, inter, *block),
+                        ]
+                    })
+                    .collect();
+                let dense = |w: &Fp8BlockWeight| fp8_matmul::reference::dequantize(w).unwrap();
+                let gate_up = stack(parts.iter().map(|p| cat(dense(&p[0]), dense(&p[1]))).collect());
+                let down = stack(parts.iter().map(|p| dense(&p[2])).collect());
+                let moved: Vec<Vec<Fp8BlockWeight>> = parts
+                    .iter()
+                    .map(|p| {
+                        p.iter()
+                            .map(|w| Fp8BlockWeight {
+                                weight: w.weight.to_device(device).unwrap(),
+                                scale_inv: w.scale_inv.to_device(device).unwrap(),
+                                block: w.block,
+                            })
+                            .collect()
+                    })
+                    .collect();
+                let gu: Vec<Vec<&Fp8BlockWeight>> =
+                    moved.iter().map(|p| vec![&p[0], &p[1]]).collect();
+                let dn: Vec<Vec<&Fp8BlockWeight>> = moved.iter().map(|p| vec![&p[2]]).collect();
+                let weights = QuantizedExperts::Fp8 {
+                    gate_up: StackedFp8::stack(&gu).unwrap(),
+                    down: StackedFp8::stack(&dn).unwrap(),
+                };
+                (weights, gate_up, down)
+            }
+            Format::Nvfp4 => {
+                let parts: Vec<[Nvfp4Weight; 3]> = (0..n_experts)
+                    .map(|_| {
+                        [
+                            nvfp4(rng, inter, hidden),
+                            nvfp4(rng, inter, hidden),
+                            nvfp4(rng, hidden, inter),
+                        ]
+                    })
+                    .collect();
+                let dense = |w: &Nvfp4Weight| nvfp4_matmul::reference::dequantize(w).unwrap();
+                let gate_up = stack(parts.iter().map(|p| cat(dense(&p[0]), dense(&p[1]))).collect());
+                let down = stack(parts.iter().map(|p| dense(&p[2])).collect());
+                let moved: Vec<Vec<Nvfp4Weight>> = parts
+                    .iter()
+                    .map(|p| {
+                        p.iter()
+                            .map(|w| Nvfp4Weight {
+                                packed: w.packed.to_device(device).unwrap(),
+                                scales: w.scales.to_device(device).unwrap(),
+                                global_scale: w.global_scale,
+                            })
+                            .collect()
+                    })
+                    .collect();
+                let gu: Vec<Vec<&Nvfp4Weight>> = moved.iter().map(|p| vec![&p[0], &p[1]]).collect();
+                let dn: Vec<Vec<&Nvfp4Weight>> = moved.iter().map(|p| vec![&p[2]]).collect();
+                let weights = QuantizedExperts::Nvfp4 {
+                    gate_up: StackedNvfp4::stack(&gu).unwrap(),
+                    down: StackedNvfp4::stack(&dn).unwrap(),
+                };
+                (weights, gate_up, down)
+            }
+        }
+    }
+}

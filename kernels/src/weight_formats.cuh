@@ -1,0 +1,107 @@
+// Decoding the quantised weight formats in registers, shared by the weight-only mat-vecs
+// (weight_only_matmul.cu) and the grouped expert mat-vecs (moe.cu). Every decoder turns one vector load
+// into 16 consecutive weights of a row, as f32, which all share one scale.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <stdint.h>
+
+namespace glm5 {
+
+/// Two e4m3 bytes (low byte first) as floats (one hardware conversion on sm_89+).
+__device__ __forceinline__ float2 e4m3x2_to_float2(uint32_t pair) {
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pair & 0xffff), __NV_E4M3);
+    return __half22float2(__half2(h));
+}
+
+__device__ __forceinline__ float e4m3_to_float(uint8_t b) {
+    const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(b), __NV_E4M3);
+    return __half2float(__half(h));
+}
+
+/// One e2m1 code (sign bit 3, exponent bits 2-1 with bias 1, mantissa bit 0) as a float: 0, 0.5, 1, 1.5, 2, 3,
+/// 4, 6 and their negatives.
+__device__ __forceinline__ float e2m1_to_float(uint32_t code) {
+    const uint32_t exponent = (code >> 1) & 3, mantissa = code & 1;
+    const float magnitude =
+        exponent ? __uint_as_float(((exponent + 126u) << 23) | (mantissa << 22)) : 0.5f * static_cast<float>(mantissa);
+    return (code & 8) ? -magnitude : magnitude;
+}
+
+/// 16 e4m3 weights of one 16-byte load, in order.
+__device__ __forceinline__ void fp8x16_to_float(const uint4& bytes, float (&w)[16]) {
+    const uint32_t words[4] = {bytes.x, bytes.y, bytes.z, bytes.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 lo = e4m3x2_to_float2(words[i]);
+        const float2 hi = e4m3x2_to_float2(words[i] >> 16);
+        w[4 * i] = lo.x;
+        w[4 * i + 1] = lo.y;
+        w[4 * i + 2] = hi.x;
+        w[4 * i + 3] = hi.y;
+    }
+}
+
+/// What `e2m1x16_to_float` leaves out: its values are the e2m1 values times 2^-14, so the scale they are
+/// multiplied by must be multiplied by 2^14 (exact in f32).
+constexpr float E2M1_HALF_BIAS = 16384.0f;
+
+/// 16 e2m1 codes of one 8-byte load (the even column in the low nibble) as their values times 2^-14.
+/// A code s·e1e0·m placed at a half's sign bit and at its exponent's two low bits and mantissa's top bit is
+/// the half 2^(e-15)·(1 + m/2) (e = 0: the subnormal m·2^-15), i.e. the e2m1 value 2^(e-1)·(1 + m/2) (e = 0:
+/// m/2) times 2^-14: a few bit operations per pair instead of a decode per value.
+__device__ __forceinline__ void e2m1x16_to_float(const uint2& bytes, float (&w)[16]) {
+    const uint32_t words[2] = {bytes.x, bytes.y};
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const uint32_t byte = (words[i] >> (8 * j)) & 0xff;
+            // Low nibble to bits 0-3, high nibble to bits 16-19: one code per half of a half2.
+            const uint32_t spread = (byte | (byte << 12)) & 0x000f000f;
+            const uint32_t bits = ((spread & 0x00070007) << 9) | ((spread & 0x00080008) << 12);
+            const float2 pair = __half22float2(*reinterpret_cast<const __half2*>(&bits));
+            w[8 * i + 2 * j] = pair.x;
+            w[8 * i + 2 * j + 1] = pair.y;
+        }
+    }
+}
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+/// 16 consecutive activations (32-byte aligned for bf16, 64 for f32) as floats, in vector loads.
+__device__ __forceinline__ void load16(const __nv_bfloat16* p, float (&v)[16]) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p) + half);
+        const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float2 f = __bfloat1622float2(pairs[i]);
+            v[8 * half + 2 * i] = f.x;
+            v[8 * half + 2 * i + 1] = f.y;
+        }
+    }
+}
+__device__ __forceinline__ void load16(const float* p, float (&v)[16]) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        const float4 raw = __ldg(reinterpret_cast<const float4*>(p) + q);
+        v[4 * q] = raw.x;
+        v[4 * q + 1] = raw.y;
+        v[4 * q + 2] = raw.z;
+        v[4 * q + 3] = raw.w;
+    }
+}
+
+__device__ __forceinline__ float dot16(const float (&w)[16], const float (&x)[16]) {
+    float d = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) d = fmaf(w[j], x[j], d);
+    return d;
+}
+
+}  // namespace glm5
