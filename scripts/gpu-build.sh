@@ -11,13 +11,13 @@ cargo test --release --features cuda --workspace --no-run  # shows any compile e
 cargo test --release --features cuda --workspace --no-run --message-format=json 2>/dev/null |
   python3 -c '
 import json, sys
-wanted = {"sparse_mla_cuda", "dsa_indexer_cuda", "moe_cuda", "rms_norm_cuda", "model_cuda", "multi_gpu"}
+wanted = {"sparse_mla_cuda", "dsa_indexer_cuda", "moe_cuda", "rms_norm_cuda", "model_cuda", "multi_gpu", "fp8_nvfp4_cuda"}
 for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in wanted:
         print(m["target"]["name"], m["executable"])
 ' | while read -r name exe; do cp "$exe" ".gpu/$name"; done
-cargo build --release --features cuda -p glm5-bench
+cargo build --release --features cuda --workspace --bins
 cp "${CARGO_TARGET_DIR:-target}/release/glm5-bench" .gpu/
 for f in .gpu/*; do strip "$f"; xz -T0 -6 "$f"; done
 # The kernels' fatbins (of the newest build: the out folder's own mtime does not change on rebuilds), for cuobjdump there.

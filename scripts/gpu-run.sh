@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine: `bash scripts/gpu-run.sh [tests|kernel-tests|model-tests|multi-gpu|sanitize|bench|profile|profile-warm|profile-detail|profile-source|variants|variant-tests|variant-bench|variant-sanitize|none]...`
+# Runs on the GPU machine: `bash scripts/gpu-run.sh [tests|kernel-tests|model-tests|multi-gpu|sanitize|bench|e2e|profile|profile-warm|profile-detail|profile-source|variants|variant-tests|variant-bench|variant-sanitize|none]...`
 # (default: tests sanitize bench), with .gpu/ (from scripts/gpu-build.sh) next to it. Logs go to $OUT (or
 # ./gpu-out). scripts/README.md says what each step does.
 set -uo pipefail
@@ -15,7 +15,11 @@ status=0
 for step in $steps; do
   case $step in
     tests|kernel-tests|model-tests)
-      case $step in kernel-tests) names="sparse_mla_cuda dsa_indexer_cuda" ;; model-tests) names=model_cuda ;; *) names="sparse_mla_cuda dsa_indexer_cuda model_cuda" ;; esac
+      case $step in
+        kernel-tests) names="sparse_mla_cuda dsa_indexer_cuda moe_cuda rms_norm_cuda" ;;
+        model-tests) names="model_cuda fp8_nvfp4_cuda" ;;
+        *) names="sparse_mla_cuda dsa_indexer_cuda moe_cuda rms_norm_cuda model_cuda fp8_nvfp4_cuda" ;;
+      esac
       for t in $names; do
         timeout 400 /tmp/glm5-bin/$t --test-threads=1 --nocapture > "$OUT/test-$t.log" 2>&1; rc=$?  # a hung kernel: rc 124
         echo "test $t: rc=$rc ($(grep -E 'test result' "$OUT/test-$t.log" | tail -1))"; [ $rc = 0 ] || status=1
@@ -32,7 +36,8 @@ for step in $steps; do
       for v in $names; do
         suffix=""; [ $v = main ] || suffix=-$v
         for tool in memcheck racecheck; do
-          for t in "sparse_mla_cuda bf16_kernel prefill_tokens wgmma_kernel" "dsa_indexer_cuda selected_sets equal_scores f32_kernel fp8_quantisation crowded repeated"; do
+          for t in "sparse_mla_cuda bf16_kernel prefill_tokens wgmma_kernel" "dsa_indexer_cuda selected_sets equal_scores f32_kernel fp8_quantisation crowded repeated" \
+            "moe_cuda" "rms_norm_cuda" "fp8_nvfp4_cuda kernels_match"; do
             set -- $t; bin=$1$suffix; shift
             [ -x /tmp/glm5-bin/$bin ] || continue  # a variant packed without it
             GLM5_QUICK=1 timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 /tmp/glm5-bin/$bin \
@@ -111,6 +116,13 @@ for step in $steps; do
           done
         done 2>&1 | tee -a "$OUT/variants.txt"
       fi ;;
+    e2e)
+      # The whole model step (docs/performance.md): bf16 with HF transformers in the same call, then the
+      # quantised formats.
+      timeout 500 /tmp/glm5-bin/glm5-bench e2e --hf bench/hf_e2e.py 2>&1 | tee "$OUT/e2e-bf16.txt"; [ ${PIPESTATUS[0]} = 0 ] || status=1
+      for w in fp8 nvfp4; do
+        timeout 300 /tmp/glm5-bin/glm5-bench e2e --weights $w --contexts 4096 --batches 8,64 2>&1 | tee "$OUT/e2e-$w.txt"; [ ${PIPESTATUS[0]} = 0 ] || status=1
+      done ;;
     bench)
       timeout 400 /tmp/glm5-bin/glm5-bench 2>&1 | tee "$OUT/bench.txt"; [ ${PIPESTATUS[0]} = 0 ] || status=1
       for arch in sm_90 sm_120; do

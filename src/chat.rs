@@ -78,8 +78,24 @@ pub enum ChatError {
     },
     /// Rendering failed: `raise_exception` called by the template, an error in it, or one of the limits
     /// (fuel, recursion, output size) reached, which the message names.
-    #[error("chat template failed to render: {0}")]
+    #[error("chat template failed to render: {}", one_line(.0))]
     Render(#[source] minijinja::Error),
+}
+
+/// minijinja's message on one line: its detail can hold a template's own `raise_exception` text or quoted
+/// template source, line breaks included, so control characters are escaped.
+fn one_line(e: &minijinja::Error) -> String {
+    e.to_string()
+        .chars()
+        .flat_map(|c| {
+            let escaped: Vec<char> = if c.is_control() {
+                c.escape_default().collect()
+            } else {
+                vec![c]
+            };
+            escaped
+        })
+        .collect()
 }
 
 /// Result of chat-template operations.

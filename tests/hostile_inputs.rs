@@ -615,6 +615,21 @@ fn fuzz_find_layer_map_device_with_a_newline() {
 }
 
 #[test]
+fn fuzz_find_template_error_text_with_line_breaks() {
+    // A template's own error text (here raise_exception's; the fuzzer's came from a string literal cut
+    // across lines) was printed as is: its line breaks made the error several lines.
+    let template =
+        ChatTemplate::new("{{ raise_exception('unknown role\nin two lines') }}", None, None)
+            .unwrap();
+    let err = template
+        .render(&[Message::user("hi")], &ChatOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("unknown role"), "{err}");
+    one_line(&err);
+}
+
+#[test]
 fn template_recursion_at_the_limit_fits_a_small_thread_stack() {
     // Test threads and tokio workers have 2 MiB of stack: recursion up to the limit must end in an error
     // there, not in a stack overflow (which aborts the process).
