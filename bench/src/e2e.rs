@@ -229,6 +229,7 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
     println!("|---|---|---|---|---|---|---|---|---|---|---|");
     let mut last_step_ms = 0.0;
     let mut decode_ms_by_context = Vec::new();
+    let mut issue_ms_by_context = Vec::new();
     let mut last_profile = None;
     for &context in &args.contexts {
         let mut cache = model.new_cache(context + args.steps + 8).map_err(cuda)?;
@@ -271,6 +272,20 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
         }
         let profiled_s = profiled_start.elapsed().as_secs_f64() / profiled_steps as f64;
         let parts = profile::finish().unwrap_or_default();
+        // How long the host takes to issue a step (forward returns before the GPU is done; the argmax read
+        // back waits for it): close to the step time means the step is bound by issuing its launches.
+        let mut issue = Vec::new();
+        for _ in 0..args.steps.min(8) {
+            device.synchronize()?;
+            let start = Instant::now();
+            let logits = model
+                .forward(&ids[pos..pos + 1], pos, &mut cache)
+                .map_err(cuda)?;
+            issue.push(start.elapsed().as_secs_f64());
+            logits.argmax(1)?.to_vec1::<u32>()?;
+            pos += 1;
+        }
+        let issue_s = median(issue);
         let per = |d: std::time::Duration| ms(d) / profiled_steps as f64;
         let rest = profiled_s * 1e3 - per(parts.layers());
         println!(
@@ -285,11 +300,15 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
             per(parts.dense_mlp),
             rest
         );
+        issue_ms_by_context.push((context, issue_s * 1e3, step_s * 1e3));
         last_step_ms = step_s * 1e3;
         decode_ms_by_context.push((context, last_step_ms));
         last_profile = Some((parts, profiled_s * 1e3, profiled_steps));
     }
     println!("(the split is from {} profiled steps that synchronise around each part: it adds up to a slower step than the row's)", 4);
+    for (context, issue, step) in issue_ms_by_context {
+        println!("(context {context}: the host issues a batch-1 step's launches in {issue:.2} ms of its {step:.2} ms)");
+    }
 
     // Batched decode over the paged pool: `batch` sequences of `context` tokens, one token each per step.
     let context = args.contexts.first().copied().unwrap_or(4096);
