@@ -6,7 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use glm5::candle_core::{Device, Result};
+use glm5::candle_core::{Device, Result, Tensor};
 use glm5::serve::ModelInfo;
 use glm5::{GenerationParams, Glm5ForCausalLM};
 use glm5_bench::serve_load::{
@@ -43,21 +43,19 @@ fn direct_decode_step(
     let mut step = Duration::ZERO;
     for _ in 0..2 {
         let mut cache = model.new_cache(prompt.len() + max_tokens).map_err(cuda)?;
-        let argmax = model
-            .forward(prompt, 0, &mut cache)
-            .map_err(cuda)?
-            .argmax(1)?
-            .to_vec1::<u32>()?;
-        let mut next = argmax.last().copied().unwrap_or(0);
+        // The argmax of the last position's logits, read back.
+        let last_argmax = |logits: Tensor| -> Result<u32> {
+            let ids = logits.argmax(1)?.to_vec1::<u32>()?;
+            ids.last()
+                .copied()
+                .ok_or_else(|| cuda("forward returned no logits"))
+        };
+        let mut next = last_argmax(model.forward(prompt, 0, &mut cache).map_err(cuda)?)?;
         device.synchronize()?;
         let mut times = Vec::with_capacity(max_tokens);
         for pos in prompt.len()..prompt.len() + max_tokens.saturating_sub(1) {
             let start = Instant::now();
-            next = model
-                .forward(&[next], pos, &mut cache)
-                .map_err(cuda)?
-                .argmax(1)?
-                .to_vec1::<u32>()?[0];
+            next = last_argmax(model.forward(&[next], pos, &mut cache).map_err(cuda)?)?;
             times.push(start.elapsed().as_secs_f64());
         }
         if !times.is_empty() {
