@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine: `bash scripts/gpu-run.sh [tests|kernel-tests|model-tests|multi-gpu|sanitize|bench|e2e|profile|profile-warm|profile-detail|profile-source|variants|variant-tests|variant-bench|variant-sanitize|none]...`
+# Runs on the GPU machine: `bash scripts/gpu-run.sh [tests|kernel-tests|model-tests|multi-gpu|sanitize|bench|e2e|serve|profile|profile-warm|profile-detail|profile-source|variants|variant-tests|variant-bench|variant-sanitize|none]...`
 # (default: tests sanitize bench), with .gpu/ (from scripts/gpu-build.sh) next to it. Logs go to $OUT (or
 # ./gpu-out). scripts/README.md says what each step does.
 set -uo pipefail
@@ -130,6 +130,9 @@ for step in $steps; do
       done | tee "$OUT/sass.txt"
       echo "sm_90a: HGMMA (wgmma) instructions in sparse_mla_sm90.fatbin: $(cuobjdump --dump-sass .gpu/sparse_mla_sm90.fatbin 2>&1 | grep -c HGMMA)" | tee -a "$OUT/sass.txt"
       cuobjdump --list-elf --list-ptx .gpu/sparse_mla.fatbin | tee -a "$OUT/sass.txt" ;;
+    serve)
+      # `glm5 serve` in-process on a 6-layer GLM-5 slice under 1, 8, 32 and 64 streaming clients.
+      timeout 500 /tmp/glm5-bin/glm5-bench serve 2>&1 | tee "$OUT/serve.txt"; [ ${PIPESTATUS[0]} = 0 ] || status=1 ;;
   esac
 done
 exit $status

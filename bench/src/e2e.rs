@@ -114,6 +114,32 @@ pub fn gemm_peak(device: &Device) -> Result<f64> {
     Ok(2.0 * (n as f64).powi(3) / seconds)
 }
 
+/// `config` (a GLM-5 slice) with `weights` on `device`, sparse attention, planned for `context` tokens: the
+/// model of `glm5-bench e2e` and `glm5-bench serve`.
+pub fn load_slice(
+    config: &Config,
+    weights: &Checkpoint,
+    device: &Device,
+    context: usize,
+) -> Result<Glm5ForCausalLM> {
+    let mut options = PlanOptions::new(DType::BF16, AttentionMode::Sparse);
+    options.context = Some(context);
+    let plan = Plan::build(
+        config,
+        vec![DeviceDesc::of(device).map_err(cuda)?],
+        &options,
+        &glm5::Registry::builtin(),
+    )
+    .map_err(cuda)?;
+    Glm5ForCausalLM::load_planned(
+        config,
+        weights,
+        plan,
+        std::slice::from_ref(device),
+    )
+    .map_err(cuda)
+}
+
 fn ms(d: std::time::Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
@@ -136,23 +162,13 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
         .max()
         .unwrap_or(0)
         .max(args.prefill);
-    let mut options = PlanOptions::new(DType::BF16, AttentionMode::Sparse);
-    options.context = Some(max_context + args.steps + 8);
-    let plan = Plan::build(
-        &config,
-        vec![DeviceDesc::of(&device).map_err(cuda)?],
-        &options,
-        &glm5::Registry::builtin(),
-    )
-    .map_err(cuda)?;
     let load_start = Instant::now();
-    let model = Glm5ForCausalLM::load_planned(
+    let model = load_slice(
         &config,
         &args.weights.random_checkpoint(),
-        plan,
-        std::slice::from_ref(&device),
-    )
-    .map_err(cuda)?;
+        &device,
+        max_context + args.steps + 8,
+    )?;
     device.synchronize()?;
     println!(
         "GLM-5 slice: {} layers ({dense_layers} dense + {} MoE) at real sizes, random {} weights, one H200-class GPU (loaded in {:.1} s)",

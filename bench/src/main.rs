@@ -19,6 +19,7 @@ mod ceilings;
 mod e2e;
 mod indexer;
 mod moe;
+mod serve;
 mod slice;
 mod sparse_mla;
 mod timing;
@@ -89,6 +90,28 @@ enum Command {
         #[arg(long, default_value = "bf16")]
         weights: e2e::WeightFormat,
     },
+    /// `glm5 serve` in-process on e2e's GLM-5 slice, driven over loopback HTTP by concurrent streaming
+    /// clients: tokens/s, time to first token and inter-token latency per stream count.
+    Serve {
+        /// Layers of GLM-5 to build (the first ones: dense, then MoE).
+        #[arg(long, default_value_t = 6)]
+        layers: usize,
+        /// Concurrent clients of each level.
+        #[arg(long, value_delimiter = ',', default_value = "1,8,32,64")]
+        streams: Vec<usize>,
+        /// Prompt length of every request (random token ids).
+        #[arg(long, default_value_t = 256)]
+        prompt_tokens: usize,
+        /// Tokens every request generates (greedy, end-of-sequence ignored).
+        #[arg(long, default_value_t = 128)]
+        max_tokens: usize,
+        /// Requests each client sends, one after another.
+        #[arg(long, default_value_t = 2)]
+        requests: usize,
+        /// The server's --prefill-chunk.
+        #[arg(long, default_value_t = 512)]
+        prefill_chunk: usize,
+    },
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -140,6 +163,24 @@ fn main() -> glm5::candle_core::Result<()> {
             weights: *weights,
         });
     }
+    if let Some(Command::Serve {
+        layers,
+        streams,
+        prompt_tokens,
+        max_tokens,
+        requests,
+        prefill_chunk,
+    }) = &cli.command
+    {
+        return serve::serve_rows(&serve::ServeArgs {
+            layers: *layers,
+            streams: streams.clone(),
+            prompt_tokens: *prompt_tokens,
+            max_tokens: *max_tokens,
+            requests: *requests,
+            prefill_chunk: *prefill_chunk,
+        });
+    }
     let device = Device::new_cuda(0)?;
     // One stream: cross-stream event tracking would add driver calls to every launch.
     if let Device::Cuda(dev) = &device {
@@ -182,7 +223,9 @@ fn main() -> glm5::candle_core::Result<()> {
             indexer::indexer_rows(&device, copy, peak, only, score_kernel)
         }
         Some(Command::Moe) => moe::moe_rows(&device, copy, e2e::gemm_peak(&device)?),
-        Some(Command::Slice { .. }) | Some(Command::E2e { .. }) => unreachable!("handled above"),
+        Some(Command::Slice { .. }) | Some(Command::E2e { .. }) | Some(Command::Serve { .. }) => {
+            unreachable!("handled above")
+        }
         None => {
             sparse_mla::sparse_mla_rows(&device, copy, peak, None, None)?;
             indexer::indexer_rows(&device, copy, peak, None, ScoreKernel::Policy)
