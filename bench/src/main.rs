@@ -64,8 +64,13 @@ enum Command {
     Slice { layers: usize },
     /// One GLM-5 MoE layer's experts by each implementation, decode and prefill sizes.
     Moe,
+    /// One GLM-5 MoE layer's experts as stacked Q4_K blocks by each of candle-nn's GGUF MoE kernels.
+    MoeGguf,
     /// The whole model step on one GPU: decode and prefill of a GLM-5 slice against its weight-byte floor.
     E2e {
+        /// Weights: bf16, or q4k (random Q4_K blocks for every linear layer a Q4_K_M file quantises).
+        #[arg(long, default_value = "bf16")]
+        weights: e2e::WeightFormat,
         /// Layers of GLM-5 to build (the first ones: dense, then MoE).
         #[arg(long, default_value_t = 6)]
         layers: usize,
@@ -117,6 +122,7 @@ fn main() -> glm5::candle_core::Result<()> {
         return slice::slice_rows(layers);
     }
     if let Some(Command::E2e {
+        weights,
         layers,
         contexts,
         steps,
@@ -126,6 +132,7 @@ fn main() -> glm5::candle_core::Result<()> {
     }) = &cli.command
     {
         return e2e::e2e_rows(&e2e::E2eArgs {
+            weights: *weights,
             layers: *layers,
             contexts: contexts.clone(),
             steps: *steps,
@@ -176,6 +183,7 @@ fn main() -> glm5::candle_core::Result<()> {
             indexer::indexer_rows(&device, copy, peak, only, score_kernel)
         }
         Some(Command::Moe) => moe::moe_rows(&device, copy, e2e::gemm_peak(&device)?),
+        Some(Command::MoeGguf) => moe::moe_gguf_rows(&device, copy),
         Some(Command::Slice { .. }) | Some(Command::E2e { .. }) => unreachable!("handled above"),
         None => {
             sparse_mla::sparse_mla_rows(&device, copy, peak, None, None)?;

@@ -1,11 +1,12 @@
 //! §3.1 the dense MLP and §5 the mixture of experts with its sigmoid router.
 
+use candle_core::quantized::QTensor;
 use candle_core::{DType, Module, Tensor};
 use glm5_ops::moe::{self, RouteRule, Routes};
 
 use super::linear::{Loader, Proj};
 use crate::config::Config;
-use crate::error::Result;
+use crate::error::{ModelError, Result};
 
 /// §3.1 `down(silu(gate(x)) ⊙ up(x))`: the dense MLP, each routed expert and the shared expert.
 pub(super) struct Mlp {
@@ -94,8 +95,71 @@ enum Experts {
         down: Tensor,
         shared_slot: Option<u32>,
     },
-    /// Quantised experts (GGUF), multiplied one by one without being expanded.
-    PerExpert(Vec<Mlp>),
+    /// Quantised experts (GGUF), multiplied one by one without being expanded (`per_expert_forward`): the CPU
+    /// path, and CUDA's where candle-nn's GGUF MoE kernels do not take the experts (`why`).
+    PerExpert { experts: Vec<Mlp>, why: &'static str },
+    /// Quantised experts as GGUF stores them, one `QTensor` per projection: `gate`, `up` `[E, I, hidden]`,
+    /// `down` `[E, hidden, I]`, run by `glm5_ops::moe::experts_gguf` on CUDA (routes and grouping on the
+    /// device, no host round trip).
+    StackedGguf {
+        gate: QTensor,
+        up: QTensor,
+        down: QTensor,
+    },
+}
+
+/// Why quantised experts run one by one (`experts_implementation`).
+const PER_EXPERT_CPU: &str = "per-expert quantised";
+const PER_EXPERT_UNSUPPORTED: &str = "per-expert quantised (block type or row width not taken by candle-nn's GGUF MoE kernels: Q8_0, Q2_K-Q6_K)";
+
+/// The stacked GGUF experts of the MoE block `prefix` on a CUDA device: `Ok(None)` where the checkpoint does
+/// not store them stacked and quantised (safetensors, float GGUF) or not on CUDA; `Err(why)` inside when
+/// candle-nn's kernels do not take them (checked from the headers, before any expert is read).
+#[allow(clippy::type_complexity)]
+fn load_stacked_gguf(
+    config: &Config,
+    loader: &Loader,
+    prefix: &str,
+) -> Result<Option<std::result::Result<Experts, &'static str>>> {
+    if !(loader.device.is_cuda() && cfg!(feature = "cuda")) {
+        return Ok(None);
+    }
+    let (e, hidden, inter) = (
+        config.n_routed_experts,
+        config.hidden_size,
+        config.moe_intermediate_size,
+    );
+    let projections = [
+        ("gate_proj", [e, inter, hidden]),
+        ("up_proj", [e, inter, hidden]),
+        ("down_proj", [e, hidden, inter]),
+    ];
+    let mut formats = Vec::with_capacity(projections.len());
+    for (proj, shape) in projections {
+        match loader
+            .checkpoint
+            .stacked_experts_format(prefix, proj, shape)?
+        {
+            Some(format) => formats.push(format),
+            None => return Ok(None),
+        }
+    }
+    if moe::gguf_experts_support([formats[0], formats[1], formats[2]], hidden, inter).is_err() {
+        return Ok(Some(Err(PER_EXPERT_UNSUPPORTED)));
+    }
+    let load = |(proj, shape): (&str, [usize; 3])| -> Result<QTensor> {
+        loader
+            .checkpoint
+            .stacked_experts(prefix, proj, shape, loader.device)?
+            .ok_or_else(|| ModelError::MissingTensor {
+                name: format!("{prefix}.experts.*.{proj}.weight (stacked)"),
+            })
+    };
+    Ok(Some(Ok(Experts::StackedGguf {
+        gate: load(projections[0])?,
+        up: load(projections[1])?,
+        down: load(projections[2])?,
+    })))
 }
 
 /// §5 Mixture of experts: routed experts weighted by the router, plus the unweighted shared expert.
@@ -123,6 +187,24 @@ impl MoE {
                 scaling: config.routed_scaling_factor as f32,
             },
         };
+        let shared = (config.n_shared_experts > 0)
+            .then(|| {
+                let width = config.moe_intermediate_size * config.n_shared_experts;
+                Mlp::load(loader, &format!("{prefix}.shared_experts"), hidden, width)
+            })
+            .transpose()?;
+        let mut why = PER_EXPERT_CPU;
+        match load_stacked_gguf(config, loader, prefix)? {
+            Some(Ok(experts)) => {
+                return Ok(Self {
+                    router,
+                    experts,
+                    shared_expert: shared,
+                })
+            }
+            Some(Err(reason)) => why = reason,
+            None => {}
+        }
         let experts = (0..n_experts)
             .map(|e| {
                 Mlp::load(
@@ -133,16 +215,10 @@ impl MoE {
                 )
             })
             .collect::<Result<Vec<_>>>()?;
-        let shared = (config.n_shared_experts > 0)
-            .then(|| {
-                let width = config.moe_intermediate_size * config.n_shared_experts;
-                Mlp::load(loader, &format!("{prefix}.shared_experts"), hidden, width)
-            })
-            .transpose()?;
         if !experts.iter().all(Mlp::is_dense) {
             return Ok(Self {
                 router,
-                experts: Experts::PerExpert(experts),
+                experts: Experts::PerExpert { experts, why },
                 shared_expert: shared,
             });
         }
@@ -188,8 +264,12 @@ impl MoE {
                 let routes = self.router.route(hidden, *shared_slot)?;
                 moe::experts(hidden, &routes, gate_up, down)?
             }
-            Experts::PerExpert(experts) => {
+            Experts::PerExpert { experts, .. } => {
                 per_expert_forward(experts, hidden, &self.router.route(hidden, None)?)?
+            }
+            Experts::StackedGguf { gate, up, down } => {
+                let routes = self.router.route(hidden, None)?;
+                moe::experts_gguf(hidden, &routes, gate, up, down)?
             }
         };
         if let Some(shared) = &self.shared_expert {
@@ -203,7 +283,10 @@ impl MoE {
         match (&self.experts, device.is_cuda() && cfg!(feature = "cuda")) {
             (Experts::Stacked { .. }, true) => "moe-matvec (decode), per-expert GEMMs (prefill)",
             (Experts::Stacked { .. }, false) => "per-expert reference",
-            (Experts::PerExpert(_), _) => "per-expert quantised",
+            (Experts::PerExpert { why, .. }, _) => why,
+            (Experts::StackedGguf { .. }, _) => {
+                "candle-nn GGUF MoE: mat-vec (decode, <= 8 tokens), WMMA (prefill)"
+            }
         }
     }
 }
