@@ -109,20 +109,23 @@ enum Experts {
 }
 
 /// Why quantised experts run one by one (`experts_implementation`).
-const PER_EXPERT_CPU: &str = "per-expert quantised";
+const PER_EXPERT: &str = "per-expert quantised";
 const PER_EXPERT_UNSUPPORTED: &str = "per-expert quantised (block type or row width not taken by candle-nn's GGUF MoE kernels: Q8_0, Q2_K-Q6_K)";
 
-/// The stacked GGUF experts of the MoE block `prefix` on a CUDA device: `Ok(None)` where the checkpoint does
-/// not store them stacked and quantised (safetensors, float GGUF) or not on CUDA; `Err(why)` inside when
-/// candle-nn's kernels do not take them (checked from the headers, before any expert is read).
-#[allow(clippy::type_complexity)]
-fn load_stacked_gguf(
-    config: &Config,
-    loader: &Loader,
-    prefix: &str,
-) -> Result<Option<std::result::Result<Experts, &'static str>>> {
+/// What [`load_stacked_gguf`] found.
+enum StackedGguf {
+    Loaded(Experts),
+    /// Stored stacked and quantised, but not in a form candle-nn's kernels take: why.
+    Unsupported(&'static str),
+    /// Not on CUDA, or not stored stacked and quantised (safetensors, float GGUF).
+    NotStacked,
+}
+
+/// The stacked GGUF experts of the MoE block `prefix` on a CUDA device (formats checked from the headers,
+/// before any expert is read).
+fn load_stacked_gguf(config: &Config, loader: &Loader, prefix: &str) -> Result<StackedGguf> {
     if !(loader.device.is_cuda() && cfg!(feature = "cuda")) {
-        return Ok(None);
+        return Ok(StackedGguf::NotStacked);
     }
     let (e, hidden, inter) = (
         config.n_routed_experts,
@@ -141,11 +144,21 @@ fn load_stacked_gguf(
             .stacked_experts_format(prefix, proj, shape)?
         {
             Some(format) => formats.push(format),
-            None => return Ok(None),
+            None => return Ok(StackedGguf::NotStacked),
         }
     }
     if moe::gguf_experts_support([formats[0], formats[1], formats[2]], hidden, inter).is_err() {
-        return Ok(Some(Err(PER_EXPERT_UNSUPPORTED)));
+        return Ok(StackedGguf::Unsupported(PER_EXPERT_UNSUPPORTED));
+    }
+    // The device must serve these formats at all (quantized_matmul's entries: compute capability, formats),
+    // as each expert's QMatMul would have to.
+    for ((proj, _), format) in projections.iter().zip(&formats) {
+        glm5_ops::quantized_matmul::dispatch(*format, loader.desc).map_err(|source| {
+            ModelError::QuantizedMatmul {
+                tensor: format!("{prefix}.experts.*.{proj}.weight"),
+                source: Box::new(source),
+            }
+        })?;
     }
     let load = |(proj, shape): (&str, [usize; 3])| -> Result<QTensor> {
         loader
@@ -155,11 +168,11 @@ fn load_stacked_gguf(
                 name: format!("{prefix}.experts.*.{proj}.weight (stacked)"),
             })
     };
-    Ok(Some(Ok(Experts::StackedGguf {
+    Ok(StackedGguf::Loaded(Experts::StackedGguf {
         gate: load(projections[0])?,
         up: load(projections[1])?,
         down: load(projections[2])?,
-    })))
+    }))
 }
 
 /// §5 Mixture of experts: routed experts weighted by the router, plus the unweighted shared expert.
@@ -193,18 +206,17 @@ impl MoE {
                 Mlp::load(loader, &format!("{prefix}.shared_experts"), hidden, width)
             })
             .transpose()?;
-        let mut why = PER_EXPERT_CPU;
-        match load_stacked_gguf(config, loader, prefix)? {
-            Some(Ok(experts)) => {
+        let why = match load_stacked_gguf(config, loader, prefix)? {
+            StackedGguf::Loaded(experts) => {
                 return Ok(Self {
                     router,
                     experts,
                     shared_expert: shared,
                 })
             }
-            Some(Err(reason)) => why = reason,
-            None => {}
-        }
+            StackedGguf::Unsupported(why) => why,
+            StackedGguf::NotStacked => PER_EXPERT,
+        };
         let experts = (0..n_experts)
             .map(|e| {
                 Mlp::load(
