@@ -125,7 +125,9 @@ fn each_gguf_moe_kernel_matches_the_dequantised_experts() {
                     .zip(&want)
                     .map(|(g, w)| relative_l2(g, w))
                     .fold(0f32, f32::max);
-                println!("{file}: {which:?}, {tokens} tokens: max ‖Δ‖/‖f32 reference‖ = {worst:.2e}");
+                println!(
+                    "{file}: {which:?}, {tokens} tokens: max ‖Δ‖/‖f32 reference‖ = {worst:.2e}"
+                );
                 assert!(
                     worst < 2e-2,
                     "{file}: {which:?} at {tokens} tokens is {worst} from the reference"
@@ -157,7 +159,10 @@ fn stacked_gguf_experts_on_gpu_match_the_cpu_per_expert_path() {
             .unwrap()
         };
         let (cpu, on_gpu) = (load(&Device::Cpu), load(&gpu));
-        for (model, expected) in [(&cpu, "per-expert quantised"), (&on_gpu, "candle-nn GGUF MoE")] {
+        for (model, expected) in [
+            (&cpu, "per-expert quantised"),
+            (&on_gpu, "candle-nn GGUF MoE"),
+        ] {
             for layer in model.layer_backends() {
                 if layer.mlp == MlpKind::MoE {
                     assert!(
@@ -174,7 +179,10 @@ fn stacked_gguf_experts_on_gpu_match_the_cpu_per_expert_path() {
             .collect();
         let first = ids.len().min(config.index_topk);
         for (what, split) in [("decode", 1), ("prefill", ids.len())] {
-            let (want, got) = (decode_rows(&cpu, &ids, split), decode_rows(&on_gpu, &ids, split));
+            let (want, got) = (
+                decode_rows(&cpu, &ids, split),
+                decode_rows(&on_gpu, &ids, split),
+            );
             let worst = (0..first)
                 .map(|p| relative_l2(&got[p], &want[p]))
                 .fold(0f32, f32::max);

@@ -144,13 +144,9 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
     .map_err(cuda)?;
     let load_start = Instant::now();
     let checkpoint = random_checkpoint(args.weights);
-    let model = Glm5ForCausalLM::load_planned(
-        &config,
-        &checkpoint,
-        plan,
-        std::slice::from_ref(&device),
-    )
-    .map_err(cuda)?;
+    let model =
+        Glm5ForCausalLM::load_planned(&config, &checkpoint, plan, std::slice::from_ref(&device))
+            .map_err(cuda)?;
     device.synchronize()?;
     let weights = match args.weights {
         WeightFormat::Bf16 => "random bf16 weights".to_string(),

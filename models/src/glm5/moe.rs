@@ -97,15 +97,21 @@ enum Experts {
     },
     /// Quantised experts (GGUF), multiplied one by one without being expanded (`per_expert_forward`): the CPU
     /// path, and CUDA's where candle-nn's GGUF MoE kernels do not take the experts (`why`).
-    PerExpert { experts: Vec<Mlp>, why: &'static str },
+    PerExpert {
+        experts: Vec<Mlp>,
+        why: &'static str,
+    },
     /// Quantised experts as GGUF stores them, one `QTensor` per projection: `gate`, `up` `[E, I, hidden]`,
     /// `down` `[E, hidden, I]`, run by `glm5_ops::moe::experts_gguf` on CUDA (routes and grouping on the
     /// device, no host round trip).
-    StackedGguf {
-        gate: QTensor,
-        up: QTensor,
-        down: QTensor,
-    },
+    StackedGguf(Box<GgufExperts>),
+}
+
+/// See [`Experts::StackedGguf`] (boxed: three `QTensor`s would make every `Experts` large).
+struct GgufExperts {
+    gate: QTensor,
+    up: QTensor,
+    down: QTensor,
 }
 
 /// Why quantised experts run one by one (`experts_implementation`).
@@ -168,11 +174,13 @@ fn load_stacked_gguf(config: &Config, loader: &Loader, prefix: &str) -> Result<S
                 name: format!("{prefix}.experts.*.{proj}.weight (stacked)"),
             })
     };
-    Ok(StackedGguf::Loaded(Experts::StackedGguf {
-        gate: load(projections[0])?,
-        up: load(projections[1])?,
-        down: load(projections[2])?,
-    }))
+    Ok(StackedGguf::Loaded(Experts::StackedGguf(Box::new(
+        GgufExperts {
+            gate: load(projections[0])?,
+            up: load(projections[1])?,
+            down: load(projections[2])?,
+        },
+    ))))
 }
 
 /// §5 Mixture of experts: routed experts weighted by the router, plus the unweighted shared expert.
@@ -279,8 +287,9 @@ impl MoE {
             Experts::PerExpert { experts, .. } => {
                 per_expert_forward(experts, hidden, &self.router.route(hidden, None)?)?
             }
-            Experts::StackedGguf { gate, up, down } => {
+            Experts::StackedGguf(experts) => {
                 let routes = self.router.route(hidden, None)?;
+                let GgufExperts { gate, up, down } = experts.as_ref();
                 moe::experts_gguf(hidden, &routes, gate, up, down)?
             }
         };
@@ -296,7 +305,7 @@ impl MoE {
             (Experts::Stacked { .. }, true) => "moe-matvec (decode), per-expert GEMMs (prefill)",
             (Experts::Stacked { .. }, false) => "per-expert reference",
             (Experts::PerExpert { why, .. }, _) => why,
-            (Experts::StackedGguf { .. }, _) => {
+            (Experts::StackedGguf(_), _) => {
                 "candle-nn GGUF MoE: mat-vec (decode, <= 8 tokens), WMMA (prefill)"
             }
         }

@@ -82,10 +82,21 @@ fn q4k_blocks(name: &str, seed: u64, std: f64, blocks: usize, out: &mut Vec<u8>)
 }
 
 /// One matrix `[out, in]` of random Q4_K blocks.
-fn q4k_matrix(name: &str, seed: u64, std: f64, shape: [usize; 2], device: &Device) -> Result<QTensor> {
+fn q4k_matrix(
+    name: &str,
+    seed: u64,
+    std: f64,
+    shape: [usize; 2],
+    device: &Device,
+) -> Result<QTensor> {
     let mut bytes = Vec::new();
     q4k_blocks(name, seed, std, shape[0] * shape[1] / QK_K, &mut bytes);
-    Ok(qtensor_from_ggml(GgmlDType::Q4K, &bytes, shape.to_vec(), device)?)
+    Ok(qtensor_from_ggml(
+        GgmlDType::Q4K,
+        &bytes,
+        shape.to_vec(),
+        device,
+    )?)
 }
 
 impl TensorSource for RandomQ4kSource {
@@ -104,7 +115,7 @@ impl TensorSource for RandomQ4kSource {
         dtype: DType,
         device: &Device,
     ) -> Result<Matrix> {
-        if !quantised_in_q4k(name) || shape[1] % QK_K != 0 {
+        if !quantised_in_q4k(name) || !shape[1].is_multiple_of(QK_K) {
             return self.dense.matrix(name, shape, dtype, device);
         }
         Ok(Matrix::Quantized(Arc::new(q4k_matrix(
@@ -119,7 +130,7 @@ impl TensorSource for RandomQ4kSource {
     fn resident_bytes(&self, name: &str, shape: &[usize], dtype: DType) -> u64 {
         let elements = shape.iter().map(|&d| d as u64).product::<u64>();
         let row = shape.last().copied().unwrap_or(0);
-        if is_linear(name) && quantised_in_q4k(name) && row % QK_K == 0 {
+        if is_linear(name) && quantised_in_q4k(name) && row.is_multiple_of(QK_K) {
             q4k_bytes(elements)
         } else {
             elements * dtype.size_in_bytes() as u64
@@ -132,7 +143,7 @@ impl TensorSource for RandomQ4kSource {
         _proj: &str,
         shape: [usize; 3],
     ) -> Result<Option<GgmlDType>> {
-        Ok((shape[2] % QK_K == 0).then_some(GgmlDType::Q4K))
+        Ok(shape[2].is_multiple_of(QK_K).then_some(GgmlDType::Q4K))
     }
 
     fn stacked_experts(
@@ -142,7 +153,7 @@ impl TensorSource for RandomQ4kSource {
         shape: [usize; 3],
         device: &Device,
     ) -> Result<Option<QTensor>> {
-        if shape[2] % QK_K != 0 {
+        if !shape[2].is_multiple_of(QK_K) {
             return Ok(None);
         }
         let [experts, out, inp] = shape;

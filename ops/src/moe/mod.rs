@@ -336,8 +336,12 @@ pub fn gguf_experts_support(
         }
     }
     // (k, its format): gate and up read rows of `hidden`, down rows of `intermediate`.
-    for (k, format) in [(hidden, formats[0]), (hidden, formats[1]), (intermediate, formats[2])] {
-        if k % 8 != 0 || k % format.block_size() != 0 {
+    for (k, format) in [
+        (hidden, formats[0]),
+        (hidden, formats[1]),
+        (intermediate, formats[2]),
+    ] {
+        if !k.is_multiple_of(8) || !k.is_multiple_of(format.block_size()) {
             return Err(format!(
                 "rows of {k} values: the kernels need whole {:?} blocks and a multiple of 8",
                 format
@@ -433,7 +437,8 @@ pub fn experts_gguf_with(
         && [gate.dtype(), up.dtype(), down.dtype()].contains(&GgmlDType::Q8_0)
     {
         return Err(OpError::Unsupported(
-            "moe experts_gguf: indexed_moe_forward strides Q8_0 experts wrongly (256-value blocks)".into(),
+            "moe experts_gguf: indexed_moe_forward strides Q8_0 experts wrongly (256-value blocks)"
+                .into(),
         ));
     }
     #[cfg(feature = "cuda")]
@@ -459,5 +464,8 @@ pub fn experts_gguf_reference(
     let device = x.device();
     let gate_up = Tensor::cat(&[gate.dequantize(device)?, up.dequantize(device)?], 1)?;
     let down = down.dequantize(device)?;
-    Ok(reference::experts(&x.to_dtype(DType::F32)?, routes, &gate_up, &down)?.to_dtype(x.dtype())?)
+    Ok(
+        reference::experts(&x.to_dtype(DType::F32)?, routes, &gate_up, &down)?
+            .to_dtype(x.dtype())?,
+    )
 }
