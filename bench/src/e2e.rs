@@ -1,8 +1,9 @@
 //! `glm5-bench e2e`: the whole model step on one GPU, GLM-5's first `--layers` layers at real sizes with
-//! random weights (`--weights`: bf16, or Q4_K blocks where a Q4_K_M file quantises), through the public API (`forward`, the argmax read back each step as a generation
-//! loop does). Per row: ms per step, tokens/s, the weight bytes the step must read over the copy bandwidth
-//! measured in the same run (the floor), the per-part split from a profiled pass, and, with `--hf`, HF
-//! transformers on the same slice in the same GPU call. The last line projects the full model.
+//! random weights (`--weights`: bf16, or Q4_K blocks where a Q4_K_M file quantises), through the public API
+//! (`forward`, the argmax read back each step as a generation loop does). Per row: ms per step, tokens/s,
+//! the weight bytes the step must read over the copy bandwidth measured in the same run (the floor), the
+//! per-part split from a profiled pass, and, with `--hf`, HF transformers on the same slice in the same GPU
+//! call. The last line projects the full model.
 
 use std::process::Command;
 use std::time::Instant;
