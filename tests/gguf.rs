@@ -1074,3 +1074,111 @@ fn plan_cli_reads_a_gguf_file() {
     );
     assert!(stdout.contains("GGUF"), "{stdout}");
 }
+
+/// The random Q4_K source of `glm5-bench e2e --weights q4k`: its blocks dequantise to finite values of about
+/// the asked standard deviation and mean 0, the stacked experts hold each expert's own matrix, the sizes are
+/// Q4_K's 144 bytes per 256 values, and the matrices llama-quantize keeps unquantised stay dense.
+#[test]
+fn random_q4k_source_builds_valid_blocks() {
+    use glm5::models::weights::random_q4k::{q4k_bytes, RandomQ4kSource};
+    let std = 0.02;
+    let source = RandomQ4kSource::new(7, std);
+    let (experts, out, inp) = (3, 32, 512);
+    let stacked = source
+        .stacked_experts(
+            "model.layers.3.mlp",
+            "gate_proj",
+            [experts, out, inp],
+            &Device::Cpu,
+        )
+        .unwrap()
+        .unwrap();
+    assert_eq!(stacked.dtype(), GgmlDType::Q4K);
+    let all = stacked.dequantize(&Device::Cpu).unwrap();
+    let values: Vec<f32> = all.flatten_all().unwrap().to_vec1().unwrap();
+    assert!(values.iter().all(|v| v.is_finite()));
+    let mean = values.iter().sum::<f32>() / values.len() as f32;
+    let sd =
+        (values.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / values.len() as f32).sqrt();
+    println!("random Q4_K: mean {mean:.2e}, standard deviation {sd:.3e} (asked {std})");
+    assert!(mean.abs() < 0.1 * std as f32, "mean {mean}");
+    assert!(
+        (sd / std as f32 - 1.0).abs() < 0.3,
+        "standard deviation {sd}"
+    );
+    for e in 0..experts {
+        let name = format!("model.layers.3.mlp.experts.{e}.gate_proj.weight");
+        let Matrix::Quantized(one) = source
+            .matrix(&name, [out, inp], DType::BF16, &Device::Cpu)
+            .unwrap()
+        else {
+            panic!("{name} is not quantised")
+        };
+        let one = one.dequantize(&Device::Cpu).unwrap();
+        let slice = all.get(e).unwrap();
+        assert_eq!(
+            max_abs(&one.to_vec2().unwrap(), &slice.to_vec2().unwrap()),
+            0.0
+        );
+        assert_eq!(
+            source.resident_bytes(&name, &[out, inp], DType::BF16),
+            q4k_bytes((out * inp) as u64)
+        );
+    }
+    assert_eq!(q4k_bytes(256), 144);
+    for (name, shape) in [
+        ("lm_head.weight", [64usize, 512]),
+        ("model.layers.0.self_attn.q_a_proj.weight", [32, 100]), // not whole blocks
+    ] {
+        assert!(matches!(
+            source
+                .matrix(name, shape, DType::BF16, &Device::Cpu)
+                .unwrap(),
+            Matrix::Dense(_)
+        ));
+        assert_eq!(
+            source.resident_bytes(name, &shape, DType::BF16),
+            (shape[0] * shape[1] * 2) as u64
+        );
+    }
+}
+
+/// candle-nn's GGUF MoE kernels are CUDA only: on the CPU `experts_gguf` is a typed error, not a panic.
+#[test]
+fn gguf_experts_on_the_cpu_are_a_typed_error() {
+    use glm5::ops::moe::{experts_gguf, Routes};
+    use glm5::ops::OpError;
+    let (config, checkpoint) = Checkpoint::open_gguf(fixture("wide-Q4_K_M.gguf")).unwrap();
+    let (e, h, i, k) = (
+        config.n_routed_experts,
+        config.hidden_size,
+        config.moe_intermediate_size,
+        config.num_experts_per_tok,
+    );
+    let load = |proj: &str, shape: [usize; 3]| {
+        checkpoint
+            .stacked_experts("model.layers.1.mlp", proj, shape, &Device::Cpu)
+            .unwrap()
+            .unwrap()
+    };
+    let (gate, up, down) = (
+        load("gate_proj", [e, i, h]),
+        load("up_proj", [e, i, h]),
+        load("down_proj", [e, h, i]),
+    );
+    let x = glm5::candle_core::Tensor::zeros((2, h), DType::F32, &Device::Cpu).unwrap();
+    let routes = Routes {
+        ids: glm5::candle_core::Tensor::zeros((2, k), DType::U32, &Device::Cpu).unwrap(),
+        gates: glm5::candle_core::Tensor::ones((2, k), DType::F32, &Device::Cpu).unwrap(),
+    };
+    assert!(matches!(
+        experts_gguf(&x, &routes, &gate, &up, &down),
+        Err(OpError::Unsupported(_))
+    ));
+    // A width that disagrees with the weights is a shape error naming them.
+    let wide_x = glm5::candle_core::Tensor::zeros((2, h + 8), DType::F32, &Device::Cpu).unwrap();
+    assert!(matches!(
+        experts_gguf(&wide_x, &routes, &gate, &up, &down),
+        Err(OpError::Shape { arg: "gate", .. })
+    ));
+}

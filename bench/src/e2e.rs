@@ -1,16 +1,19 @@
 //! `glm5-bench e2e`: the whole model step on one GPU, GLM-5's first `--layers` layers at real sizes with
-//! random weights (bf16, or `--weights fp8|nvfp4`: the matrices the published checkpoints quantise kept
-//! in that format), through the public API (`forward`, the argmax read back each step as a generation
-//! loop does). Per row: ms per step, tokens/s, the weight bytes the step must read over the copy bandwidth
-//! measured in the same run (the floor), the per-part split from a profiled pass, and, with `--hf`, HF
-//! transformers on the same slice in the same GPU call. The last line projects the full model.
+//! random weights (`--weights`: bf16; fp8 / nvfp4 where the published GLM-5-FP8 / NVFP4 checkpoints
+//! quantise; or Q4_K blocks where a Q4_K_M file quantises), through the public API
+//! (`forward`, the argmax read back each step as a generation loop does). Per row: ms per step, tokens/s,
+//! the weight bytes the step must read over the copy bandwidth measured in the same run (the floor), the
+//! per-part split from a profiled pass, and, with `--hf`, HF transformers on the same slice in the same GPU
+//! call. The last line projects the full model.
 
 use std::process::Command;
 use std::time::Instant;
 
 use glm5::candle_core::{DType, Device, Result, Tensor};
 use glm5::models::profile;
-use glm5::models::sizes;
+use glm5::models::sizes::{self, TensorInfo};
+use glm5::models::weights::random_q4k::RandomQ4kSource;
+use glm5::models::weights::Format;
 use glm5::models::{PagedCacheOptions, SeqChunk, SeqId, DEFAULT_BLOCK_SIZE};
 use glm5::{AttentionMode, Checkpoint, Config, DeviceDesc, Glm5ForCausalLM, Plan, PlanOptions};
 
@@ -18,45 +21,50 @@ use crate::cuda;
 use crate::slice::glm5_slice;
 use crate::timing::median;
 
-pub struct E2eArgs {
-    pub layers: usize,
-    pub contexts: Vec<usize>,
-    pub steps: usize,
-    pub prefill: usize,
-    /// Sequences per batched decode step (at the first context).
-    pub batches: Vec<usize>,
-    /// HF transformers' timing script (`bench/hf_e2e.py`), run after glm5 in the same call.
-    pub hf_script: Option<String>,
-    pub weights: WeightFormat,
-}
-
-/// The format of the slice's random weights.
+/// The weights the random slice is built with (`--weights`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WeightFormat {
     Bf16,
-    /// Block-scaled FP8 as `zai-org/GLM-5-FP8` (128x128 blocks).
+    /// Every linear layer a llama.cpp Q4_K_M file quantises as random Q4_K blocks, lm_head in bf16
+    /// (`glm5::models::weights::random_quantized`).
+    Q4K,
+    /// Block-scaled FP8 as `zai-org/GLM-5-FP8` (128x128 blocks) where that recipe quantises.
     Fp8,
-    /// NVFP4 as ModelOpt exports it (groups of 16).
+    /// NVFP4 as ModelOpt exports it (groups of 16) where that recipe quantises.
     Nvfp4,
 }
 
 impl std::str::FromStr for WeightFormat {
     type Err = String;
+
     fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s {
+        match s.to_ascii_lowercase().as_str() {
             "bf16" => Ok(Self::Bf16),
+            "q4k" | "q4_k" => Ok(Self::Q4K),
             "fp8" => Ok(Self::Fp8),
             "nvfp4" => Ok(Self::Nvfp4),
-            other => Err(format!("--weights {other}: expected bf16, fp8 or nvfp4")),
+            other => Err(format!(
+                "unknown weight format {other:?} (bf16, q4k, fp8, nvfp4)"
+            )),
         }
     }
 }
 
 impl WeightFormat {
-    /// The published recipe's quantisation (`None`: bf16).
+    /// As the output names the weights.
+    fn label(self) -> &'static str {
+        match self {
+            Self::Bf16 => "bf16",
+            Self::Q4K => "Q4_K",
+            Self::Fp8 => "FP8 (128x128 blocks)",
+            Self::Nvfp4 => "NVFP4",
+        }
+    }
+
+    /// The published safetensors recipe's quantisation (FP8, NVFP4; `None` otherwise).
     fn quantization(self) -> Option<glm5::models::Quantization> {
         match self {
-            Self::Bf16 => None,
+            Self::Bf16 | Self::Q4K => None,
             Self::Fp8 => Some(glm5::models::Quantization::Fp8Block {
                 block: [128, 128],
                 modules_to_not_convert: vec![],
@@ -67,42 +75,64 @@ impl WeightFormat {
             }),
         }
     }
+}
 
-    /// Random weights in this format.
-    pub fn random_checkpoint(self) -> Checkpoint {
-        match self.quantization() {
-            None => Checkpoint::random(2026, 0.02),
-            Some(q) => Checkpoint::random_quantized(2026, 0.02, q),
+/// The random GLM-5 weights in `format` (the same seed and scale for every format).
+pub fn random_checkpoint(format: WeightFormat) -> Checkpoint {
+    let (seed, std) = (2026, 0.02);
+    match format {
+        WeightFormat::Bf16 => Checkpoint::random(seed, std),
+        WeightFormat::Q4K => {
+            Checkpoint::from_source(Box::new(RandomQ4kSource::new(seed, std)), Format::Random)
         }
+        WeightFormat::Fp8 | WeightFormat::Nvfp4 => Checkpoint::random_quantized(
+            seed,
+            std,
+            format.quantization().expect("a safetensors quantisation"),
+        ),
     }
 }
 
-/// Bytes of the tensors a batch-1 decode step reads, as they are resident (quantised where
-/// `config.quantization` says so): every non-expert weight of every layer, `top_k` routed experts and the
-/// shared expert per MoE layer, the final norm and lm_head (the embedding row is noise). Returns (bytes,
-/// head bytes, parameters multiplied, bytes of one routed expert).
-fn decode_weight_bytes(config: &Config, dtype: DType) -> (u64, u64, u64, u64) {
-    let (mut total, mut head, mut params, mut expert_bytes) = (0u64, 0u64, 0u64, 0u64);
+pub struct E2eArgs {
+    pub weights: WeightFormat,
+    pub layers: usize,
+    pub contexts: Vec<usize>,
+    pub steps: usize,
+    pub prefill: usize,
+    /// Sequences per batched decode step (at the first context).
+    pub batches: Vec<usize>,
+    /// HF transformers' timing script (`bench/hf_e2e.py`), run after glm5 in the same call.
+    pub hf_script: Option<String>,
+}
+
+/// Bytes of the tensors a batch-1 decode step reads: every non-expert weight of every layer, `top_k` routed
+/// experts and the shared expert per MoE layer, the final norm and lm_head (the embedding row is noise), each
+/// at its size in `checkpoint` (quantised sizes for quantised matrices).
+fn decode_weight_bytes(config: &Config, dtype: DType, checkpoint: &Checkpoint) -> (u64, u64) {
+    let bytes = |t: &TensorInfo| checkpoint.resident_bytes(&t.name, &t.shape, t.dtype);
+    let mut total = 0u64;
+    let mut head = 0u64;
     for layer in 0..config.num_hidden_layers {
         let tensors = sizes::layer_tensors(config, layer, dtype);
         let (experts, rest): (Vec<_>, Vec<_>) = tensors
             .iter()
             .partition(|t| t.name.contains(".mlp.experts."));
-        total += rest.iter().map(|t| sizes::resident_bytes(config, t)).sum::<u64>();
-        params += rest.iter().map(|t| t.elements()).sum::<u64>();
-        let first: Vec<_> = experts
-            .iter()
-            .filter(|t| t.name.contains(".mlp.experts.0."))
-            .collect();
-        expert_bytes = first.iter().map(|t| sizes::resident_bytes(config, t)).sum();
-        total += expert_bytes * config.num_experts_per_tok as u64;
-        params += first.iter().map(|t| t.elements()).sum::<u64>() * config.num_experts_per_tok as u64;
+        total += rest.iter().map(|t| bytes(t)).sum::<u64>();
+        total += expert_bytes(&experts, &bytes) * config.num_experts_per_tok as u64;
     }
     for t in sizes::head_tensors(config, dtype) {
-        head += sizes::resident_bytes(config, &t);
-        params += t.elements();
+        head += bytes(&t);
     }
-    (total + head, head, params, expert_bytes)
+    (total + head, head)
+}
+
+/// Bytes of one routed expert (expert 0's projections among `tensors`).
+fn expert_bytes(tensors: &[&TensorInfo], bytes: &dyn Fn(&TensorInfo) -> u64) -> u64 {
+    tensors
+        .iter()
+        .filter(|t| t.name.contains(".mlp.experts.0."))
+        .map(|t| bytes(t))
+        .sum()
 }
 
 /// Dense bf16 GEMM rate (candle's matmul, cuBLAS) in flop/s: the prefill ceiling.
@@ -163,22 +193,24 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
         .unwrap_or(0)
         .max(args.prefill);
     let load_start = Instant::now();
-    let model = load_slice(
-        &config,
-        &args.weights.random_checkpoint(),
-        &device,
-        max_context + args.steps + 8,
-    )?;
+    let checkpoint = random_checkpoint(args.weights);
+    let model = load_slice(&config, &checkpoint, &device, max_context + args.steps + 8)?;
     device.synchronize()?;
+    let weights = match args.weights {
+        WeightFormat::Bf16 => "random bf16 weights".to_string(),
+        WeightFormat::Q4K => format!(
+            "random weights: linear layers {} as a llama.cpp Q4_K_M file quantises them, lm_head / embeddings / kv_b bf16, router f32",
+            args.weights.label()
+        ),
+        WeightFormat::Fp8 | WeightFormat::Nvfp4 => format!(
+            "random weights: linear layers {} as the published checkpoints quantise them, embeddings / norms / router / indexer weights_proj / kv_b / lm_head bf16",
+            args.weights.label()
+        ),
+    };
     println!(
-        "GLM-5 slice: {} layers ({dense_layers} dense + {} MoE) at real sizes, random {} weights, one H200-class GPU (loaded in {:.1} s)",
+        "GLM-5 slice: {} layers ({dense_layers} dense + {} MoE) at real sizes, {weights}, one H200-class GPU (loaded in {:.1} s)",
         args.layers,
         args.layers - dense_layers,
-        match args.weights {
-            WeightFormat::Bf16 => "bf16",
-            WeightFormat::Fp8 => "FP8 (128x128 blocks; embeddings, norms, router, indexer weights_proj, kv_b and lm_head bf16)",
-            WeightFormat::Nvfp4 => "NVFP4 (embeddings, norms, router, indexer weights_proj, kv_b and lm_head bf16)",
-        },
         load_start.elapsed().as_secs_f64()
     );
     println!(
@@ -189,8 +221,11 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
     for b in model.layer_backends() {
         println!("  {b}");
     }
-    let (step_bytes, head_bytes, active_params, expert_bytes) =
-        decode_weight_bytes(&config, DType::BF16);
+    let (step_bytes, head_bytes) = decode_weight_bytes(&config, DType::BF16, &checkpoint);
+    // The weights one token multiplies, counted at bf16's 2 bytes a parameter.
+    let (bf16_step_bytes, _) =
+        decode_weight_bytes(&config, DType::BF16, &random_checkpoint(WeightFormat::Bf16));
+    let floor = step_bytes as f64 / copy;
     let fp8_peak = if args.weights == WeightFormat::Fp8 {
         let peak = crate::ceilings::mma_e4m3_peak(&device)?;
         println!(
@@ -201,7 +236,15 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
     } else {
         None
     };
-    let floor = step_bytes as f64 / copy;
+    // Quantised formats: a last column, the weight bytes per step over the step time as % of copy.
+    let quantised = args.weights != WeightFormat::Bf16;
+    let percent_of_copy = |step_s: f64, floor_s: f64| {
+        if quantised {
+            format!(" {:.1}% |", 100.0 * floor_s / step_s)
+        } else {
+            String::new()
+        }
+    };
     let ids: Vec<u32> = (0..max_context + args.steps + 8)
         .map(|i| (i * 7919 % config.vocab_size) as u32)
         .collect();
@@ -219,6 +262,7 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
             .to_vec1::<u32>()?;
         prefill_ms = start.elapsed().as_secs_f64() * 1e3;
     }
+    let active_params: u64 = bf16_step_bytes / 2;
     let prefill_flops = 2.0 * active_params as f64 * args.prefill as f64;
     println!(
         "prefill {} tokens: {prefill_ms:.1} ms, {:.0} tok/s, {:.1} TFLOP/s in the weight GEMMs = {:.1}% of the bf16 GEMM rate",
@@ -241,8 +285,13 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
         floor * 1e3,
         copy / 1e9
     );
-    println!("| context | batch | ms/step | tok/s | floor ms | measured/floor | attention ms | indexer ms | MoE ms | dense MLP ms | rest ms |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    let (extra_head, extra_rule) = if quantised {
+        (" weight bytes / step time, % of copy |", "---|")
+    } else {
+        ("", "")
+    };
+    println!("| context | batch | ms/step | tok/s | floor ms | measured/floor | attention ms | indexer ms | MoE ms | dense MLP ms | rest ms |{extra_head}");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|{extra_rule}");
     let mut last_step_ms = 0.0;
     let mut decode_ms_by_context = Vec::new();
     let mut issue_ms_by_context = Vec::new();
@@ -305,7 +354,7 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
         let per = |d: std::time::Duration| ms(d) / profiled_steps as f64;
         let rest = profiled_s * 1e3 - per(parts.layers());
         println!(
-            "| {context} | 1 | {:.2} | {:.1} | {:.3} | {:.2}x | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
+            "| {context} | 1 | {:.2} | {:.1} | {:.3} | {:.2}x | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |{}",
             step_s * 1e3,
             1.0 / step_s,
             floor * 1e3,
@@ -314,7 +363,8 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
             per(parts.indexer),
             per(parts.moe),
             per(parts.dense_mlp),
-            rest
+            rest,
+            percent_of_copy(step_s, floor)
         );
         issue_ms_by_context.push((context, issue_s * 1e3, step_s * 1e3));
         last_step_ms = step_s * 1e3;
@@ -329,7 +379,18 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
     // Batched decode over the paged pool: `batch` sequences of `context` tokens, one token each per step.
     let context = args.contexts.first().copied().unwrap_or(4096);
     let n_moe = (args.layers - dense_layers) as f64;
-    let per_expert = expert_bytes as f64;
+    let per_expert = {
+        let moe_layer = config
+            .mlp_layer_types
+            .iter()
+            .position(|k| matches!(k, glm5::models::MlpKind::MoE))
+            .unwrap_or(0);
+        let tensors = sizes::layer_tensors(&config, moe_layer, DType::BF16);
+        let refs: Vec<&TensorInfo> = tensors.iter().collect();
+        expert_bytes(&refs, &|t: &TensorInfo| {
+            checkpoint.resident_bytes(&t.name, &t.shape, t.dtype)
+        }) as f64
+    };
     let (e, k) = (
         config.n_routed_experts as f64,
         config.num_experts_per_tok as f64,
@@ -393,11 +454,12 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
         let bytes = step_bytes as f64 + n_moe * per_expert * (touched - k);
         let floor_b = bytes / copy;
         println!(
-            "| {context} | {batch} | {:.2} | {:.0} | {:.3} | {:.2}x | | | | | |",
+            "| {context} | {batch} | {:.2} | {:.0} | {:.3} | {:.2}x | | | | | |{}",
             step_s * 1e3,
             batch as f64 / step_s,
             floor_b * 1e3,
-            step_s / floor_b
+            step_s / floor_b,
+            percent_of_copy(step_s, floor_b)
         );
     }
     println!("(batched rows: paged pool, blocks of {DEFAULT_BLOCK_SIZE}; tok/s counts every sequence's token; the floor takes the experts a uniform router touches in expectation)");
@@ -426,15 +488,14 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
             + moe_per_layer * full_moe as f64
             + dense_per_layer * full_dense as f64
             + rest;
-        let mut full = full;
-        full.quantization = config.quantization.clone();
-        let (full_bytes, _, _, _) = decode_weight_bytes(&full, DType::BF16);
+        let (full_bytes, _) = decode_weight_bytes(&full, DType::BF16, &checkpoint);
         println!(
-            "projection, all {} layers, batch 1, last context: {projected:.1} ms/token ({:.1} tok/s) on one GPU's bandwidth (floor {:.1} ms for {:.0} GB of weights read); over 8 GPUs by layers the same time per token plus 7 hidden-state hops",
+            "projection, all {} layers, batch 1, last context: {projected:.1} ms/token ({:.1} tok/s) on one GPU's bandwidth (floor {:.1} ms for {:.0} GB of {}); over 8 GPUs by layers the same time per token plus 7 hidden-state hops",
             full.num_hidden_layers,
             1e3 / projected,
             full_bytes as f64 / copy * 1e3,
-            full_bytes as f64 / 1e9
+            full_bytes as f64 / 1e9,
+            args.weights.label()
         );
     }
 

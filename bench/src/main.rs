@@ -65,8 +65,14 @@ enum Command {
     Slice { layers: usize },
     /// One GLM-5 MoE layer's experts by each implementation, decode and prefill sizes.
     Moe,
+    /// One GLM-5 MoE layer's experts as stacked Q4_K blocks by each of candle-nn's GGUF MoE kernels.
+    MoeGguf,
     /// The whole model step on one GPU: decode and prefill of a GLM-5 slice against its weight-byte floor.
     E2e {
+        /// Weights: bf16; q4k (random Q4_K blocks for every linear layer a Q4_K_M file quantises); fp8 or
+        /// nvfp4 (the matrices the published GLM-5-FP8 / NVFP4 checkpoints quantise, in that format).
+        #[arg(long, default_value = "bf16")]
+        weights: e2e::WeightFormat,
         /// Layers of GLM-5 to build (the first ones: dense, then MoE).
         #[arg(long, default_value_t = 6)]
         layers: usize,
@@ -85,10 +91,6 @@ enum Command {
         /// HF transformers' timing script (bench/hf_e2e.py) to run on the same slice afterwards.
         #[arg(long)]
         hf: Option<String>,
-        /// The random weights' format: bf16, or fp8 / nvfp4 (the matrices the published checkpoints
-        /// quantise kept in that format; the rest bf16).
-        #[arg(long, default_value = "bf16")]
-        weights: e2e::WeightFormat,
     },
     /// `glm5 serve` in-process on e2e's GLM-5 slice, driven over loopback HTTP by concurrent streaming
     /// clients: tokens/s, time to first token and inter-token latency per stream count.
@@ -144,23 +146,23 @@ fn main() -> glm5::candle_core::Result<()> {
         return slice::slice_rows(layers);
     }
     if let Some(Command::E2e {
+        weights,
         layers,
         contexts,
         steps,
         prefill,
         batches,
         hf,
-        weights,
     }) = &cli.command
     {
         return e2e::e2e_rows(&e2e::E2eArgs {
+            weights: *weights,
             layers: *layers,
             contexts: contexts.clone(),
             steps: *steps,
             prefill: *prefill,
             batches: batches.clone(),
             hf_script: hf.clone(),
-            weights: *weights,
         });
     }
     if let Some(Command::Serve {
@@ -223,6 +225,7 @@ fn main() -> glm5::candle_core::Result<()> {
             indexer::indexer_rows(&device, copy, peak, only, score_kernel)
         }
         Some(Command::Moe) => moe::moe_rows(&device, copy, e2e::gemm_peak(&device)?),
+        Some(Command::MoeGguf) => moe::moe_gguf_rows(&device, copy),
         Some(Command::Slice { .. }) | Some(Command::E2e { .. }) | Some(Command::Serve { .. }) => {
             unreachable!("handled above")
         }

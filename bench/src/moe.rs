@@ -91,3 +91,88 @@ pub fn moe_rows(device: &Device, copy: f64, gemm: f64) -> Result<()> {
     }
     Ok(())
 }
+
+/// `glm5-bench moe-gguf`: one GLM-5 MoE layer's 256 routed experts as random Q4_K blocks stacked as GGUF
+/// stores them (`glm5::models::weights::random_quantized`), by each of candle-nn's GGUF MoE kernels
+/// (`glm5_ops::moe::experts_gguf_with`): µs per call against the floor of the Q4_K bytes of the experts the
+/// routes touch. The shared expert is not in it (the model runs it as its own `QMatMul` chain).
+pub fn moe_gguf_rows(device: &Device, copy: f64) -> Result<()> {
+    use glm5::models::weights::random_q4k::{q4k_bytes, RandomQ4kSource};
+    use glm5::models::TensorSource;
+    use glm5::ops::moe::{experts_gguf_with, GgufExpertsImpl, GGUF_MATVEC_MAX_TOKENS};
+
+    let config = glm5::Config::from_json(include_str!("../../tests/assets/glm5_config.json"))
+        .map_err(cuda)?;
+    let (hidden, inter, routed) = (
+        config.hidden_size,
+        config.moe_intermediate_size,
+        config.n_routed_experts,
+    );
+    let rule = RouteRule {
+        n_group: config.n_group,
+        topk_group: config.topk_group,
+        top_k: config.num_experts_per_tok,
+        normalise: config.norm_topk_prob,
+        scaling: config.routed_scaling_factor as f32,
+    };
+    let source = RandomQ4kSource::new(2026, 0.02);
+    let load = |proj: &str, shape: [usize; 3]| -> Result<_> {
+        source
+            .stacked_experts("model.layers.3.mlp", proj, shape, device)
+            .map_err(cuda)?
+            .ok_or_else(|| cuda("rows are not whole Q4_K blocks"))
+    };
+    let gate = load("gate_proj", [routed, inter, hidden])?;
+    let up = load("up_proj", [routed, inter, hidden])?;
+    let down = load("down_proj", [routed, hidden, inter])?;
+    let bias = Tensor::zeros(routed, DType::F32, device)?;
+    let expert_bytes = q4k_bytes(3 * (hidden * inter) as u64) as f64;
+    println!(
+        "MoE experts, Q4_K, GLM-5 sizes: {routed} routed (no shared slot), hidden {hidden}, intermediate {inter}, top-{}; copy {:.0} GB/s; experts_gguf picks mat-vec up to {GGUF_MATVEC_MAX_TOKENS} tokens",
+        rule.top_k,
+        copy / 1e9
+    );
+    println!("| tokens | experts touched | floor µs | mat-vec µs | WMMA µs | indexed µs | best / floor |");
+    println!("|---|---|---|---|---|---|---|");
+    for tokens in [1usize, 4, 8, 16, 32, 64, 256, 1024, 4096] {
+        let x = Tensor::randn(0f32, 1.0, (tokens, hidden), device)?.to_dtype(DType::BF16)?;
+        let logits = Tensor::randn(0f32, 1.0, (tokens, routed), device)?;
+        let routes = route(&logits, &bias, &rule, None).map_err(cuda)?;
+        let touched: HashSet<u32> = routes
+            .ids
+            .flatten_all()?
+            .to_vec1::<u32>()?
+            .into_iter()
+            .collect();
+        let floor = touched.len() as f64 * expert_bytes / copy;
+        let time = |which: GgufExpertsImpl| -> Result<Option<f64>> {
+            if which != GgufExpertsImpl::Wmma && tokens > 1024 {
+                return Ok(None); // a mat-vec per assignment re-reads the weights: not a contender
+            }
+            let rounds = if tokens >= 1024 { 3 } else { 5 };
+            Ok(Some(median_seconds(device, rounds, 3, || {
+                experts_gguf_with(&x, &routes, &gate, &up, &down, which)
+                    .map(|_| ())
+                    .map_err(cuda)
+            })?))
+        };
+        let matvec = time(GgufExpertsImpl::MatVec)?;
+        let wmma = time(GgufExpertsImpl::Wmma)?;
+        let indexed = time(GgufExpertsImpl::Indexed)?;
+        let best = [matvec, wmma, indexed]
+            .into_iter()
+            .flatten()
+            .fold(f64::INFINITY, f64::min);
+        let us = |t: Option<f64>| t.map_or("-".to_string(), |t| format!("{:.0}", t * 1e6));
+        println!(
+            "| {tokens} | {} | {:.0} | {} | {} | {} | {:.2}x |",
+            touched.len(),
+            floor * 1e6,
+            us(matvec),
+            us(wmma),
+            us(indexed),
+            best / floor
+        );
+    }
+    Ok(())
+}

@@ -1,11 +1,12 @@
 //! §3.1 the dense MLP and §5 the mixture of experts with its sigmoid router.
 
+use candle_core::quantized::QTensor;
 use candle_core::{DType, Module, Tensor};
 use glm5_ops::moe::{self, RouteRule, Routes};
 
 use super::linear::{Loader, Proj};
 use crate::config::Config;
-use crate::error::Result;
+use crate::error::{ModelError, Result};
 
 /// §3.1 `down(silu(gate(x)) ⊙ up(x))`: the dense MLP, each routed expert and the shared expert.
 pub(super) struct Mlp {
@@ -141,8 +142,92 @@ enum Experts {
         weights: moe::QuantizedExperts,
         shared_slot: Option<u32>,
     },
-    /// Quantised experts (GGUF), multiplied one by one without being expanded.
-    PerExpert(Vec<Mlp>),
+    /// Quantised experts (GGUF), multiplied one by one without being expanded (`per_expert_forward`): the CPU
+    /// path, and CUDA's where candle-nn's GGUF MoE kernels do not take the experts (`why`).
+    PerExpert {
+        experts: Vec<Mlp>,
+        why: &'static str,
+    },
+    /// Quantised experts as GGUF stores them, one `QTensor` per projection: `gate`, `up` `[E, I, hidden]`,
+    /// `down` `[E, hidden, I]`, run by `glm5_ops::moe::experts_gguf` on CUDA (routes and grouping on the
+    /// device, no host round trip).
+    StackedGguf(Box<GgufExperts>),
+}
+
+/// See [`Experts::StackedGguf`] (boxed: three `QTensor`s would make every `Experts` large).
+struct GgufExperts {
+    gate: QTensor,
+    up: QTensor,
+    down: QTensor,
+}
+
+/// Why quantised experts run one by one (`experts_implementation`).
+const PER_EXPERT: &str = "per-expert quantised";
+const PER_EXPERT_UNSUPPORTED: &str = "per-expert quantised (block type or row width not taken by candle-nn's GGUF MoE kernels: Q8_0, Q2_K-Q6_K)";
+
+/// What [`load_stacked_gguf`] found.
+enum StackedGguf {
+    Loaded(Experts),
+    /// Stored stacked and quantised, but not in a form candle-nn's kernels take: why.
+    Unsupported(&'static str),
+    /// Not on CUDA, or not stored stacked and quantised (safetensors, float GGUF).
+    NotStacked,
+}
+
+/// The stacked GGUF experts of the MoE block `prefix` on a CUDA device (formats checked from the headers,
+/// before any expert is read).
+fn load_stacked_gguf(config: &Config, loader: &Loader, prefix: &str) -> Result<StackedGguf> {
+    if !(loader.device.is_cuda() && cfg!(feature = "cuda")) {
+        return Ok(StackedGguf::NotStacked);
+    }
+    let (e, hidden, inter) = (
+        config.n_routed_experts,
+        config.hidden_size,
+        config.moe_intermediate_size,
+    );
+    let projections = [
+        ("gate_proj", [e, inter, hidden]),
+        ("up_proj", [e, inter, hidden]),
+        ("down_proj", [e, hidden, inter]),
+    ];
+    let mut formats = Vec::with_capacity(projections.len());
+    for (proj, shape) in projections {
+        match loader
+            .checkpoint
+            .stacked_experts_format(prefix, proj, shape)?
+        {
+            Some(format) => formats.push(format),
+            None => return Ok(StackedGguf::NotStacked),
+        }
+    }
+    if moe::gguf_experts_support([formats[0], formats[1], formats[2]], hidden, inter).is_err() {
+        return Ok(StackedGguf::Unsupported(PER_EXPERT_UNSUPPORTED));
+    }
+    // The device must serve these formats at all (quantized_matmul's entries: compute capability, formats),
+    // as each expert's QMatMul would have to.
+    for ((proj, _), format) in projections.iter().zip(&formats) {
+        glm5_ops::quantized_matmul::dispatch(*format, loader.desc).map_err(|source| {
+            ModelError::QuantizedMatmul {
+                tensor: format!("{prefix}.experts.*.{proj}.weight"),
+                source: Box::new(source),
+            }
+        })?;
+    }
+    let load = |(proj, shape): (&str, [usize; 3])| -> Result<QTensor> {
+        loader
+            .checkpoint
+            .stacked_experts(prefix, proj, shape, loader.device)?
+            .ok_or_else(|| ModelError::MissingTensor {
+                name: format!("{prefix}.experts.*.{proj}.weight (stacked)"),
+            })
+    };
+    Ok(StackedGguf::Loaded(Experts::StackedGguf(Box::new(
+        GgufExperts {
+            gate: load(projections[0])?,
+            up: load(projections[1])?,
+            down: load(projections[2])?,
+        },
+    ))))
 }
 
 /// §5 Mixture of experts: routed experts weighted by the router, plus the unweighted shared expert.
@@ -170,6 +255,23 @@ impl MoE {
                 scaling: config.routed_scaling_factor as f32,
             },
         };
+        let shared = (config.n_shared_experts > 0)
+            .then(|| {
+                let width = config.moe_intermediate_size * config.n_shared_experts;
+                Mlp::load(loader, &format!("{prefix}.shared_experts"), hidden, width)
+            })
+            .transpose()?;
+        let why = match load_stacked_gguf(config, loader, prefix)? {
+            StackedGguf::Loaded(experts) => {
+                return Ok(Self {
+                    router,
+                    experts,
+                    shared_expert: shared,
+                })
+            }
+            StackedGguf::Unsupported(why) => why,
+            StackedGguf::NotStacked => PER_EXPERT,
+        };
         let experts = (0..n_experts)
             .map(|e| {
                 Mlp::load(
@@ -180,12 +282,6 @@ impl MoE {
                 )
             })
             .collect::<Result<Vec<_>>>()?;
-        let shared = (config.n_shared_experts > 0)
-            .then(|| {
-                let width = config.moe_intermediate_size * config.n_shared_experts;
-                Mlp::load(loader, &format!("{prefix}.shared_experts"), hidden, width)
-            })
-            .transpose()?;
         if !experts.iter().all(Mlp::is_dense) {
             // One format for every expert: stacked, the shared expert as a slot when it is stacked with
             // them (same format and width), else on its own.
@@ -215,7 +311,7 @@ impl MoE {
             }
             return Ok(Self {
                 router,
-                experts: Experts::PerExpert(experts),
+                experts: Experts::PerExpert { experts, why },
                 shared_expert: shared,
             });
         }
@@ -268,8 +364,13 @@ impl MoE {
                 let routes = self.router.route(hidden, *shared_slot)?;
                 moe::quantized_experts(hidden, &routes, weights)?
             }
-            Experts::PerExpert(experts) => {
+            Experts::PerExpert { experts, .. } => {
                 per_expert_forward(experts, hidden, &self.router.route(hidden, None)?)?
+            }
+            Experts::StackedGguf(experts) => {
+                let routes = self.router.route(hidden, None)?;
+                let GgufExperts { gate, up, down } = experts.as_ref();
+                moe::experts_gguf(hidden, &routes, gate, up, down)?
             }
         };
         if let Some(shared) = &self.shared_expert {
@@ -295,7 +396,10 @@ impl MoE {
                 moe::QuantizedExperts::Fp8 { .. } => "per-expert fp8 reference",
                 moe::QuantizedExperts::Nvfp4 { .. } => "per-expert nvfp4 reference",
             },
-            (Experts::PerExpert(_), _) => "per-expert quantised",
+            (Experts::PerExpert { why, .. }, _) => why,
+            (Experts::StackedGguf(_), _) => {
+                "candle-nn GGUF MoE: mat-vec (decode, <= 8 tokens), WMMA (prefill)"
+            }
         }
     }
 }

@@ -17,6 +17,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 
 use super::gguf::{GgufError, GgufModel, GgufTensor};
@@ -113,7 +114,7 @@ pub fn gguf_location(name: &str) -> Option<GgufLocation> {
 }
 
 /// Whether the model multiplies by this tensor as a linear layer (so a quantised one stays quantised).
-fn is_linear(name: &str) -> bool {
+pub(crate) fn is_linear(name: &str) -> bool {
     name == "lm_head.weight"
         || (name.ends_with("_proj.weight") && !name.ends_with("kv_b_proj.weight"))
         || name.ends_with(".wq_b.weight")
@@ -222,6 +223,27 @@ impl GgufSource {
         }
     }
 
+    /// The stacked `ffn_{gate,up,down}_exps` tensor behind `prefix.experts.*.proj`, checked to be
+    /// `shape` `[n_experts, out, in]`; `None` when it is stored as floats (the model expands those).
+    fn stacked_info(
+        &self,
+        prefix: &str,
+        proj: &str,
+        shape: [usize; 3],
+    ) -> Result<Option<&GgufTensor>> {
+        let hf_name = format!("{prefix}.experts.0.{proj}.weight");
+        let Some(GgufLocation::Expert { name, .. }) = gguf_location(&hf_name) else {
+            return Err(ModelError::MissingTensor {
+                name: format!("{hf_name} (not a routed expert's projection)"),
+            });
+        };
+        let info = self.info(&hf_name, &name)?;
+        if info.shape() != shape {
+            return Err(Self::shape_error(&hf_name, &name, &shape, info.shape()));
+        }
+        Ok((!info.ggml_type.is_float()).then_some(info))
+    }
+
     /// `kv_b_proj` `[heads·(nope+v), lora]` from `attn_k_b` `[heads, lora, nope]` and `attn_v_b`
     /// `[heads, v, lora]`.
     fn kv_b(
@@ -295,6 +317,30 @@ impl TensorSource for GgufSource {
         Ok(Matrix::Quantized(Arc::new(
             self.model.qtensor(info, slice, device)?,
         )))
+    }
+
+    fn stacked_experts_format(
+        &self,
+        prefix: &str,
+        proj: &str,
+        shape: [usize; 3],
+    ) -> Result<Option<GgmlDType>> {
+        Ok(self
+            .stacked_info(prefix, proj, shape)?
+            .and_then(|info| info.ggml_type.candle()))
+    }
+
+    fn stacked_experts(
+        &self,
+        prefix: &str,
+        proj: &str,
+        shape: [usize; 3],
+        device: &Device,
+    ) -> Result<Option<QTensor>> {
+        match self.stacked_info(prefix, proj, shape)? {
+            Some(info) => Ok(Some(self.model.qtensor(info, None, device)?)),
+            None => Ok(None),
+        }
     }
 
     fn resident_bytes(&self, name: &str, shape: &[usize], dtype: DType) -> u64 {

@@ -3,7 +3,8 @@
 //! * [`safetensors`]: Hugging Face safetensors, one file or a sharded set named by
 //!   `model.safetensors.index.json`, stored as f32, bf16 or f16, or quantised as block-scaled FP8 or NVFP4
 //!   ([`crate::quantization`]; those matrices stay quantised: [`Matrix::Fp8Block`], [`Matrix::Nvfp4`]); and
-//!   made-up random weights.
+//!   made-up random weights (bf16; [`random_q4k`]: random Q4_K blocks for the linear layers; [`random_quantized`]:
+//!   random FP8 or NVFP4 weights).
 //! * [`gguf`] / [`gguf_source`]: llama.cpp GGUF files (architecture `glm-dsa`), one file or split parts, whose
 //!   quantised matrices stay quantised ([`Matrix::Quantized`], multiplied by candle's `QMatMul`).
 //!
@@ -14,13 +15,14 @@
 pub mod gguf;
 pub mod gguf_config;
 pub mod gguf_source;
+pub mod random_q4k;
 pub mod random_quantized;
 pub mod safetensors;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use candle_core::quantized::QTensor;
+use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 
 use crate::config::Config;
@@ -62,6 +64,32 @@ pub trait TensorSource: Send + Sync {
     fn resident_bytes(&self, name: &str, shape: &[usize], dtype: DType) -> u64 {
         let _ = name;
         shape.iter().map(|&d| d as u64).product::<u64>() * dtype.size_in_bytes() as u64
+    }
+
+    /// The block type of the routed experts' projection `proj` (`gate_proj`, `up_proj`, `down_proj`) of the
+    /// MoE block `prefix` (`model.layers.{i}.mlp`) when the source stores all experts as one quantised
+    /// `[n_experts, out, in]` tensor (`shape`), as GGUF's `ffn_{gate,up,down}_exps` do; `None` otherwise.
+    /// Reads headers only.
+    fn stacked_experts_format(
+        &self,
+        prefix: &str,
+        proj: &str,
+        shape: [usize; 3],
+    ) -> Result<Option<GgmlDType>> {
+        let _ = (prefix, proj, shape);
+        Ok(None)
+    }
+
+    /// That stacked tensor, kept quantised on `device` (`None` where [`Self::stacked_experts_format`] is).
+    fn stacked_experts(
+        &self,
+        prefix: &str,
+        proj: &str,
+        shape: [usize; 3],
+        device: &Device,
+    ) -> Result<Option<QTensor>> {
+        let _ = (prefix, proj, shape, device);
+        Ok(None)
     }
 }
 
@@ -195,5 +223,26 @@ impl Checkpoint {
     /// Bytes `name` takes once loaded as `dtype`.
     pub fn resident_bytes(&self, name: &str, shape: &[usize], dtype: DType) -> u64 {
         self.source.resident_bytes(name, shape, dtype)
+    }
+
+    /// See [`TensorSource::stacked_experts_format`].
+    pub fn stacked_experts_format(
+        &self,
+        prefix: &str,
+        proj: &str,
+        shape: [usize; 3],
+    ) -> Result<Option<GgmlDType>> {
+        self.source.stacked_experts_format(prefix, proj, shape)
+    }
+
+    /// See [`TensorSource::stacked_experts`].
+    pub fn stacked_experts(
+        &self,
+        prefix: &str,
+        proj: &str,
+        shape: [usize; 3],
+        device: &Device,
+    ) -> Result<Option<QTensor>> {
+        self.source.stacked_experts(prefix, proj, shape, device)
     }
 }

@@ -74,8 +74,8 @@ pub(super) fn route(
 
 /// The assignments grouped by expert (`moe_align`): `sorted` `U32 [n_assign]` (assignment indices, by
 /// expert, ascending within one), and in `meta` `I32`: `offsets` `[E+1]`, `active` `[E]`, `active_count`.
-struct Grouping {
-    sorted: Tensor,
+pub(super) struct Grouping {
+    pub(super) sorted: Tensor,
     meta: Tensor,
     n_experts: usize,
 }
@@ -92,7 +92,7 @@ impl Grouping {
     }
 }
 
-fn group_by_expert(ids: &Tensor, n_experts: usize) -> Result<Grouping> {
+pub(super) fn group_by_expert(ids: &Tensor, n_experts: usize) -> Result<Grouping> {
     let n_assign = ids.elem_count();
     let device = ids.device();
     // Separate allocations: candle-nn's moe_gemm reads `sorted` from its allocation's start.
@@ -142,10 +142,11 @@ pub(super) fn experts_moe_gemm(
     let n_experts = gate_up.dim(0)?;
     let inter = gate_up.dim(1)? / 2;
     let slots = routes.slots()?;
-    // moe_gemm reads every input from its allocation's start: fresh copies where a view could be offset.
-    let ids = routes.ids.flatten_all()?.copy()?;
-    let gates = routes.gates.flatten_all()?.copy()?;
-    let x = x.copy()?;
+    // moe_gemm reads every input from its allocation's start: fresh allocations where a view could be
+    // offset (`Tensor::copy` keeps a view's offset; `force_contiguous` does not).
+    let ids = routes.ids.flatten_all()?.force_contiguous()?;
+    let gates = routes.gates.flatten_all()?.force_contiguous()?;
+    let x = x.force_contiguous()?;
     let grouping = group_by_expert(&ids, n_experts)?;
     let gate_up_out = candle_nn::moe::moe_gemm(
         &x,

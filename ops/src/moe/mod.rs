@@ -36,13 +36,38 @@
 //!   mat-vecs and the per-token sum, five kernels and no host round trip. Each chosen expert's weights are
 //!   read once per step however many tokens chose it. The mat-vecs are built for a few tokens per expert
 //!   (decode); [`experts_backend`] says which implementation a call gets and why.
+//!
+//! **[`experts_gguf`]**: the same experts with their weights kept in ggml blocks, one [`QTensor`] per
+//! projection stacked as GGUF stores them: `gate` and `up` `[E, I, H]`, `down` `[E, H, I]`. `x` `[T, H]` in any
+//! float dtype; returns `[T, H]` in `x`'s dtype. Computed in f32 from the dequantised weights, the activations
+//! rounded as the kernel says (below):
+//!
+//! ```text
+//! h(t, s)   = silu(gate_e · x_t) ⊙ (up_e · x_t)                                   e = ids[t, s]
+//! out[t]    = Σ_s gates[t, s] · (down_e · h(t, s))                                 (f32, then x's dtype)
+//! ```
+//!
+//! Implementations ([`GgufExpertsImpl`], `cuda_gguf.rs`), all candle-nn 0.11's GGUF MoE kernels, for the
+//! block types in [`GGUF_EXPERT_FORMATS`] (Q8_0, Q2_K..Q6_K):
+//! * `MatVec`: `candle_nn::moe::moe_gemm_gguf` with `is_prefill = false`: activations quantised to Q8_1, one
+//!   warp per output row and assignment (the mat-vec `QMatMul` uses below 9 rows).
+//! * `Wmma`: the same with `is_prefill = true`: activations and dequantised weights in bf16 on tensor cores,
+//!   each expert's assignments in tiles of 32 rows.
+//! * `Indexed`: `QTensor::indexed_moe_forward` (Q8_1 activations, no grouping); K-quants only, because that
+//!   kernel strides between experts by 256-value blocks, which is wrong for Q8_0's blocks of 32.
+//!
+//! [`experts_gguf_reference`] dequantises the stacked weights to f32 and runs [`experts_reference`]: the
+//! independent reference, on any device.
 
+use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Tensor};
 
 use crate::error::{OpError, Result};
 
 #[cfg(feature = "cuda")]
 mod cuda;
+#[cfg(feature = "cuda")]
+mod cuda_gguf;
 pub mod quantized;
 mod reference;
 
@@ -272,4 +297,181 @@ pub fn experts_reference(
     down: &Tensor,
 ) -> Result<Tensor> {
     reference::experts(x, routes, gate_up, down)
+}
+
+/// Block types candle-nn 0.11's GGUF MoE kernels (`moe_gemm_gguf`, its prefill variant) take.
+pub const GGUF_EXPERT_FORMATS: [GgmlDType; 6] = [
+    GgmlDType::Q8_0,
+    GgmlDType::Q2K,
+    GgmlDType::Q3K,
+    GgmlDType::Q4K,
+    GgmlDType::Q5K,
+    GgmlDType::Q6K,
+];
+
+/// Tokens per call up to which [`experts_gguf`] runs the mat-vec kernel; above, the WMMA one. 8 mirrors
+/// candle's own `QMatMul` switch from mat-vec to MMQ; not measured for the MoE kernels (`glm5-bench moe`
+/// times both).
+pub const GGUF_MATVEC_MAX_TOKENS: usize = 8;
+
+/// Dynamic shared memory a block of candle-nn's GGUF mat-vec MoE kernel may use without opting in (it stages
+/// four weight rows, and does not opt in).
+const GGUF_MATVEC_SHARED_LIMIT: usize = 48 * 1024;
+
+/// An implementation of [`experts_gguf`] (module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GgufExpertsImpl {
+    MatVec,
+    Wmma,
+    Indexed,
+}
+
+/// Whether candle-nn's GGUF MoE kernels can run experts stored as `formats` (gate, up, down) of `hidden` and
+/// `intermediate` widths; the reason when they cannot. The model keeps such experts one `QMatMul` per
+/// expert.
+pub fn gguf_experts_support(
+    formats: [GgmlDType; 3],
+    hidden: usize,
+    intermediate: usize,
+) -> std::result::Result<(), String> {
+    for (name, format) in ["gate", "up", "down"].iter().zip(formats) {
+        if !GGUF_EXPERT_FORMATS.contains(&format) {
+            return Err(format!(
+                "{name} experts are {format:?}: candle-nn's GGUF MoE kernels take Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K"
+            ));
+        }
+    }
+    // (k, its format): gate and up read rows of `hidden`, down rows of `intermediate`.
+    for (k, format) in [
+        (hidden, formats[0]),
+        (hidden, formats[1]),
+        (intermediate, formats[2]),
+    ] {
+        if !k.is_multiple_of(8) || !k.is_multiple_of(format.block_size()) {
+            return Err(format!(
+                "rows of {k} values: the kernels need whole {:?} blocks and a multiple of 8",
+                format
+            ));
+        }
+        let shared = k / format.block_size() * format.type_size() * 4 + 1024;
+        if shared > GGUF_MATVEC_SHARED_LIMIT {
+            return Err(format!(
+                "rows of {k} {format:?} values: the mat-vec kernel would need {shared} bytes of shared memory (limit {GGUF_MATVEC_SHARED_LIMIT})"
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn check_gguf_experts(
+    x: &Tensor,
+    routes: &Routes,
+    gate: &QTensor,
+    up: &QTensor,
+    down: &QTensor,
+) -> Result<(usize, usize, usize)> {
+    let (tokens, hidden) = x.dims2()?;
+    let (n_experts, inter, gate_hidden) = gate.shape().dims3()?;
+    if gate_hidden != hidden {
+        return Err(OpError::Shape {
+            arg: "gate",
+            expected: format!("[E, I, {hidden}]"),
+            found: gate.shape().dims().to_vec(),
+        });
+    }
+    if up.shape().dims() != [n_experts, inter, hidden] {
+        return Err(OpError::Shape {
+            arg: "up",
+            expected: format!("[{n_experts}, {inter}, {hidden}]"),
+            found: up.shape().dims().to_vec(),
+        });
+    }
+    if down.shape().dims() != [n_experts, hidden, inter] {
+        return Err(OpError::Shape {
+            arg: "down",
+            expected: format!("[{n_experts}, {hidden}, {inter}]"),
+            found: down.shape().dims().to_vec(),
+        });
+    }
+    if routes.ids.dim(0)? != tokens || routes.gates.dims() != routes.ids.dims() {
+        return Err(OpError::Shape {
+            arg: "routes",
+            expected: format!("ids and gates [{tokens}, slots]"),
+            found: routes.ids.dims().to_vec(),
+        });
+    }
+    if !x.dtype().is_float() {
+        return Err(OpError::NotFloat {
+            arg: "x",
+            found: x.dtype(),
+        });
+    }
+    Ok((tokens, hidden, inter))
+}
+
+/// The routed experts' output from GGUF-stacked weights (contract in the module docs): the mat-vec kernel up
+/// to [`GGUF_MATVEC_MAX_TOKENS`] tokens, the WMMA kernel above. CUDA only (elsewhere the model runs each
+/// expert's `QMatMul`); an error naming the reason where the kernels cannot run these weights.
+pub fn experts_gguf(
+    x: &Tensor,
+    routes: &Routes,
+    gate: &QTensor,
+    up: &QTensor,
+    down: &QTensor,
+) -> Result<Tensor> {
+    let which = if x.dim(0)? <= GGUF_MATVEC_MAX_TOKENS {
+        GgufExpertsImpl::MatVec
+    } else {
+        GgufExpertsImpl::Wmma
+    };
+    experts_gguf_with(x, routes, gate, up, down, which)
+}
+
+/// [`experts_gguf`] by the implementation `which`.
+pub fn experts_gguf_with(
+    x: &Tensor,
+    routes: &Routes,
+    gate: &QTensor,
+    up: &QTensor,
+    down: &QTensor,
+    which: GgufExpertsImpl,
+) -> Result<Tensor> {
+    let (_, hidden, inter) = check_gguf_experts(x, routes, gate, up, down)?;
+    gguf_experts_support([gate.dtype(), up.dtype(), down.dtype()], hidden, inter)
+        .map_err(|why| OpError::Unsupported(format!("moe experts_gguf: {why}")))?;
+    if which == GgufExpertsImpl::Indexed
+        && [gate.dtype(), up.dtype(), down.dtype()].contains(&GgmlDType::Q8_0)
+    {
+        return Err(OpError::Unsupported(
+            "moe experts_gguf: indexed_moe_forward strides Q8_0 experts wrongly (256-value blocks)"
+                .into(),
+        ));
+    }
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        return cuda_gguf::experts(x, routes, gate, up, down, which);
+    }
+    Err(OpError::Unsupported(format!(
+        "moe experts_gguf: candle-nn's GGUF MoE kernels run on CUDA only, not {:?}",
+        x.device().location()
+    )))
+}
+
+/// The independent reference of [`experts_gguf`]: the stacked weights dequantised to f32 on `x`'s device,
+/// then [`experts_reference`] in f32 (no activation rounding), cast to `x`'s dtype.
+pub fn experts_gguf_reference(
+    x: &Tensor,
+    routes: &Routes,
+    gate: &QTensor,
+    up: &QTensor,
+    down: &QTensor,
+) -> Result<Tensor> {
+    check_gguf_experts(x, routes, gate, up, down)?;
+    let device = x.device();
+    let gate_up = Tensor::cat(&[gate.dequantize(device)?, up.dequantize(device)?], 1)?;
+    let down = down.dequantize(device)?;
+    Ok(
+        reference::experts(&x.to_dtype(DType::F32)?, routes, &gate_up, &down)?
+            .to_dtype(x.dtype())?,
+    )
 }

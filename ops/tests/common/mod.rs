@@ -24,6 +24,7 @@ pub fn tensor(data: &[f32], shape: &[usize], dtype: DType) -> Tensor {
 /// `down` `[E, H, I]`), built on the CPU from random codes: FP8 e4m3 bytes (never the NaN codes 0x7f /
 /// 0xff) under random block multipliers, or NVFP4 codes under random e4m3 group scales (exponents 5-8) and a
 /// random global scale per part.
+#[allow(dead_code)] // each test binary uses part of it
 pub mod quantized {
     use super::*;
     use glm5_ops::fp8_matmul::{self, Fp8BlockWeight};
