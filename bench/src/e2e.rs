@@ -192,9 +192,10 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
         .max()
         .unwrap_or(0)
         .max(args.prefill);
+    // Each context's decode takes 3 warm-up, `steps` timed, 4 profiled and up to 8 issue-timed steps.
     let load_start = Instant::now();
     let checkpoint = random_checkpoint(args.weights);
-    let model = load_slice(&config, &checkpoint, &device, max_context + args.steps + 8)?;
+    let model = load_slice(&config, &checkpoint, &device, max_context + 2 * args.steps + 16)?;
     device.synchronize()?;
     let weights = match args.weights {
         WeightFormat::Bf16 => "random bf16 weights".to_string(),
@@ -245,7 +246,7 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
             String::new()
         }
     };
-    let ids: Vec<u32> = (0..max_context + args.steps + 8)
+    let ids: Vec<u32> = (0..max_context + 2 * args.steps + 16)
         .map(|i| (i * 7919 % config.vocab_size) as u32)
         .collect();
 
@@ -297,7 +298,7 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
     let mut issue_ms_by_context = Vec::new();
     let mut last_profile = None;
     for &context in &args.contexts {
-        let mut cache = model.new_cache(context + args.steps + 8).map_err(cuda)?;
+        let mut cache = model.new_cache(context + 2 * args.steps + 16).map_err(cuda)?;
         let mut pos = 0;
         while pos < context {
             let chunk = args.prefill.min(context - pos);
@@ -398,7 +399,7 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
     for &batch in &args.batches {
         let mut pool = model
             .new_paged_cache(PagedCacheOptions {
-                num_blocks: batch * (context + args.steps + 8).div_ceil(DEFAULT_BLOCK_SIZE),
+                num_blocks: batch * (context + 2 * args.steps + 16).div_ceil(DEFAULT_BLOCK_SIZE),
                 block_size: DEFAULT_BLOCK_SIZE,
             })
             .map_err(cuda)?;
