@@ -30,10 +30,18 @@ fn logits(dir: &Path) -> Vec<Vec<f32>> {
 
 fn check_case(case: &str, tolerance: f32) {
     // The experts are stacked in their format (the path the GPU kernels take), not run one by one.
-    let format = if case.starts_with("fp8") { "fp8" } else { "nvfp4" };
+    let format = if case.starts_with("fp8") {
+        "fp8"
+    } else {
+        "nvfp4"
+    };
     for layer in load(&case_dir(case)).unwrap().layer_backends() {
         if layer.experts != "-" {
-            assert_eq!(layer.experts, format!("per-expert {format} reference"), "{case}");
+            assert_eq!(
+                layer.experts,
+                format!("per-expert {format} reference"),
+                "{case}"
+            );
         }
     }
     let quantized = logits(&case_dir(case));

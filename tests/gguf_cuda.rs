@@ -183,9 +183,7 @@ fn stacked_gguf_experts_on_gpu_match_the_cpu_per_expert_path() {
                 decode_rows(&cpu, &ids, split),
                 decode_rows(&on_gpu, &ids, split),
             );
-            let per: Vec<f32> = (0..first)
-                .map(|p| relative_l2(&got[p], &want[p]))
-                .collect();
+            let per: Vec<f32> = (0..first).map(|p| relative_l2(&got[p], &want[p])).collect();
             let mut sorted = per.clone();
             sorted.sort_by(|a, b| b.total_cmp(a));
             println!("{file} {what}: GPU stacked vs CPU per-expert, positions < {first}: ‖Δ‖/‖CPU‖ {per:.3?}");

@@ -618,9 +618,12 @@ fn fuzz_find_layer_map_device_with_a_newline() {
 fn fuzz_find_template_error_text_with_line_breaks() {
     // A template's own error text (here raise_exception's; the fuzzer's came from a string literal cut
     // across lines) was printed as is: its line breaks made the error several lines.
-    let template =
-        ChatTemplate::new("{{ raise_exception('unknown role\nin two lines') }}", None, None)
-            .unwrap();
+    let template = ChatTemplate::new(
+        "{{ raise_exception('unknown role\nin two lines') }}",
+        None,
+        None,
+    )
+    .unwrap();
     let err = template
         .render(&[Message::user("hi")], &ChatOptions::default())
         .unwrap_err()

@@ -81,8 +81,7 @@ fn mma_loop_peak(device: &Device, kernel: &str, k: f64) -> Result<f64> {
         launch.arg(&out).arg(&iters);
         unsafe { launch.launch(cfg) }.map(|_| ()).map_err(cuda)
     })?;
-    let flops =
-        blocks as f64 * (threads / 32) as f64 * iters as f64 * 8.0 * (2.0 * 16.0 * 8.0 * k);
+    let flops = blocks as f64 * (threads / 32) as f64 * iters as f64 * 8.0 * (2.0 * 16.0 * 8.0 * k);
     Ok(flops / seconds)
 }
 

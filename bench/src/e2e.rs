@@ -26,7 +26,7 @@ use crate::timing::median;
 pub enum WeightFormat {
     Bf16,
     /// Every linear layer a llama.cpp Q4_K_M file quantises as random Q4_K blocks, lm_head in bf16
-    /// (`glm5::models::weights::random_quantized`).
+    /// (`glm5::models::weights::random_q4k`).
     Q4K,
     /// Block-scaled FP8 as `zai-org/GLM-5-FP8` (128x128 blocks) where that recipe quantises.
     Fp8,
@@ -161,13 +161,7 @@ pub fn load_slice(
         &glm5::Registry::builtin(),
     )
     .map_err(cuda)?;
-    Glm5ForCausalLM::load_planned(
-        config,
-        weights,
-        plan,
-        std::slice::from_ref(device),
-    )
-    .map_err(cuda)
+    Glm5ForCausalLM::load_planned(config, weights, plan, std::slice::from_ref(device)).map_err(cuda)
 }
 
 fn ms(d: std::time::Duration) -> f64 {
@@ -195,7 +189,12 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
     // Each context's decode takes 3 warm-up, `steps` timed, 4 profiled and up to 8 issue-timed steps.
     let load_start = Instant::now();
     let checkpoint = random_checkpoint(args.weights);
-    let model = load_slice(&config, &checkpoint, &device, max_context + 2 * args.steps + 16)?;
+    let model = load_slice(
+        &config,
+        &checkpoint,
+        &device,
+        max_context + 2 * args.steps + 16,
+    )?;
     device.synchronize()?;
     let weights = match args.weights {
         WeightFormat::Bf16 => "random bf16 weights".to_string(),
@@ -298,7 +297,9 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
     let mut issue_ms_by_context = Vec::new();
     let mut last_profile = None;
     for &context in &args.contexts {
-        let mut cache = model.new_cache(context + 2 * args.steps + 16).map_err(cuda)?;
+        let mut cache = model
+            .new_cache(context + 2 * args.steps + 16)
+            .map_err(cuda)?;
         let mut pos = 0;
         while pos < context {
             let chunk = args.prefill.min(context - pos);

@@ -79,7 +79,12 @@ pub fn serve_rows(args: &ServeArgs) -> Result<()> {
     let config = glm5_slice(args.layers)?;
     let context = args.prompt_tokens + args.max_tokens;
     let load_start = Instant::now();
-    let model = load_slice(&config, &glm5::Checkpoint::random(2026, 0.02), &device, context)?;
+    let model = load_slice(
+        &config,
+        &glm5::Checkpoint::random(2026, 0.02),
+        &device,
+        context,
+    )?;
     device.synchronize()?;
     println!(
         "GLM-5 slice: {} layers at real sizes, random bf16 weights, one GPU (loaded in {:.1} s); \

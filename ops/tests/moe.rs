@@ -248,14 +248,22 @@ fn quantized_experts_reference_equals_per_token_arithmetic_on_the_dequantised_we
             glm5_ops::moe::quantized_experts_backend(&tensor(&x, &[t, h], DType::F32), &weights),
             glm5_ops::moe::ExpertsBackend::Reference(_)
         ));
-        let got = glm5_ops::moe::quantized_experts(&tensor(&x, &[t, h], DType::F32), &routes, &weights)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap();
+        let got =
+            glm5_ops::moe::quantized_experts(&tensor(&x, &[t, h], DType::F32), &routes, &weights)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
         let flat = |w: &Tensor| w.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        let expected = expected_experts(&x, &ids, &gates, &flat(&gate_up), &flat(&down), (t, slots, h, i));
+        let expected = expected_experts(
+            &x,
+            &ids,
+            &gates,
+            &flat(&gate_up),
+            &flat(&down),
+            (t, slots, h, i),
+        );
         let scale = expected.iter().fold(0f32, |m, v| m.max(v.abs()));
         for (a, b) in got.iter().zip(&expected) {
             assert!((a - b).abs() <= 1e-5 * scale, "{a} vs {b} (scale {scale})");

@@ -224,13 +224,9 @@ fn quantized_experts_on_gpu_equal_the_reference() {
                     .to_dtype(dtype)
                     .unwrap();
                 let routes = random_routes(&mut r, t, slots, n_experts);
-                let want = experts_reference(
-                    &x.to_dtype(DType::F32).unwrap(),
-                    &routes,
-                    &gate_up,
-                    &down,
-                )
-                .unwrap();
+                let want =
+                    experts_reference(&x.to_dtype(DType::F32).unwrap(), &routes, &gate_up, &down)
+                        .unwrap();
                 let gx = x.to_device(&gpu).unwrap();
                 assert_eq!(
                     quantized_experts_backend(&gx, &weights),
@@ -247,7 +243,13 @@ fn quantized_experts_on_gpu_equal_the_reference() {
                     .unwrap()
                     .to_device(&Device::Cpu)
                     .unwrap();
-                let scale = want.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+                let scale = want
+                    .abs()
+                    .unwrap()
+                    .max_all()
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap();
                 let err = (got - &want)
                     .unwrap()
                     .abs()

@@ -25,10 +25,11 @@ pub struct RandomQuantizedSource {
 
 /// Uniform integers `offset .. offset + count` as f32, `shape`, from the device's generator.
 fn uniform_codes(shape: &[usize], count: f64, offset: f64, device: &Device) -> Result<Tensor> {
-    Ok(
-        (Tensor::rand(0f32, 1.0, shape, device)?.affine(count, 0.0)?.floor()? + offset)?
-            .clamp(offset, offset + count - 1.0)?,
-    )
+    Ok((Tensor::rand(0f32, 1.0, shape, device)?
+        .affine(count, 0.0)?
+        .floor()?
+        + offset)?
+        .clamp(offset, offset + count - 1.0)?)
 }
 
 impl RandomQuantizedSource {
@@ -58,7 +59,12 @@ impl TensorSource for RandomQuantizedSource {
         device: &Device,
     ) -> Result<Matrix> {
         if !self.quantization.quantizes(name) {
-            return Ok(Matrix::Dense(self.tensor(name, &[out, inp], dtype, device)?));
+            return Ok(Matrix::Dense(self.tensor(
+                name,
+                &[out, inp],
+                dtype,
+                device,
+            )?));
         }
         self.seed_for(name, device)?;
         match &self.quantization {
@@ -75,7 +81,8 @@ impl TensorSource for RandomQuantizedSource {
                 }))
             }
             Quantization::Nvfp4 { group_size, .. } => {
-                let packed = uniform_codes(&[out, inp / 2], 256.0, 0.0, device)?.to_dtype(DType::U8)?;
+                let packed =
+                    uniform_codes(&[out, inp / 2], 256.0, 0.0, device)?.to_dtype(DType::U8)?;
                 let scales = uniform_codes(&[out, inp / group_size], 8.0, 48.0, device)?
                     .to_dtype(DType::U8)?;
                 Ok(Matrix::Nvfp4(Nvfp4Weight {

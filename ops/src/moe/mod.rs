@@ -72,8 +72,8 @@ pub mod quantized;
 mod reference;
 
 pub use quantized::{
-    quantized_experts, quantized_experts_backend, quantized_experts_with, QuantizedExperts, StackedFp8,
-    StackedNvfp4,
+    quantized_experts, quantized_experts_backend, quantized_experts_with, QuantizedExperts,
+    StackedFp8, StackedNvfp4,
 };
 
 /// Experts the routing kernel handles (one thread each).
@@ -132,7 +132,7 @@ pub enum ExpertsImpl {
 
 fn check_rule(rule: &RouteRule, n_experts: usize) -> Result<()> {
     let bad = |what: String| Err(OpError::Unsupported(format!("moe route: {what}")));
-    if rule.n_group == 0 || n_experts % rule.n_group != 0 {
+    if rule.n_group == 0 || !n_experts.is_multiple_of(rule.n_group) {
         return bad(format!(
             "{n_experts} experts do not split into n_group = {} groups",
             rule.n_group

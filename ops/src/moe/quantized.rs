@@ -51,8 +51,14 @@ pub struct StackedNvfp4 {
 /// Both projections of the stacked experts in one format.
 #[derive(Debug, Clone)]
 pub enum QuantizedExperts {
-    Fp8 { gate_up: StackedFp8, down: StackedFp8 },
-    Nvfp4 { gate_up: StackedNvfp4, down: StackedNvfp4 },
+    Fp8 {
+        gate_up: StackedFp8,
+        down: StackedFp8,
+    },
+    Nvfp4 {
+        gate_up: StackedNvfp4,
+        down: StackedNvfp4,
+    },
 }
 
 fn mismatch(what: &str, expected: String, found: &[usize]) -> OpError {
@@ -320,7 +326,11 @@ pub fn quantized_experts_backend(x: &Tensor, weights: &QuantizedExperts) -> Expe
 }
 
 /// The routed experts' output for every token (module contract).
-pub fn quantized_experts(x: &Tensor, routes: &Routes, weights: &QuantizedExperts) -> Result<Tensor> {
+pub fn quantized_experts(
+    x: &Tensor,
+    routes: &Routes,
+    weights: &QuantizedExperts,
+) -> Result<Tensor> {
     let which = match quantized_experts_backend(x, weights) {
         ExpertsBackend::DeviceMatVec => ExpertsImpl::DeviceMatVec,
         _ => ExpertsImpl::Reference,

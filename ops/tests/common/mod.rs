@@ -85,7 +85,12 @@ pub mod quantized {
                     })
                     .collect();
                 let dense = |w: &Fp8BlockWeight| fp8_matmul::reference::dequantize(w).unwrap();
-                let gate_up = stack(parts.iter().map(|p| cat(dense(&p[0]), dense(&p[1]))).collect());
+                let gate_up = stack(
+                    parts
+                        .iter()
+                        .map(|p| cat(dense(&p[0]), dense(&p[1])))
+                        .collect(),
+                );
                 let down = stack(parts.iter().map(|p| dense(&p[2])).collect());
                 let moved: Vec<Vec<Fp8BlockWeight>> = parts
                     .iter()
@@ -119,7 +124,12 @@ pub mod quantized {
                     })
                     .collect();
                 let dense = |w: &Nvfp4Weight| nvfp4_matmul::reference::dequantize(w).unwrap();
-                let gate_up = stack(parts.iter().map(|p| cat(dense(&p[0]), dense(&p[1]))).collect());
+                let gate_up = stack(
+                    parts
+                        .iter()
+                        .map(|p| cat(dense(&p[0]), dense(&p[1])))
+                        .collect(),
+                );
                 let down = stack(parts.iter().map(|p| dense(&p[2])).collect());
                 let moved: Vec<Vec<Nvfp4Weight>> = parts
                     .iter()
