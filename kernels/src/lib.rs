@@ -7,6 +7,7 @@
 //! so CPU builds need no CUDA toolchain.
 
 pub mod interface;
+pub mod iq_grids;
 
 /// `sparse_mla.cu`: sparse absorbed-MLA attention over a paged latent cache (bf16 mma.sync and f32 kernels).
 #[cfg(feature = "cuda")]
@@ -40,6 +41,10 @@ pub const RMS_NORM: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/rms_norm.f
 #[cfg(feature = "cuda")]
 pub const WEIGHT_ONLY_MATMUL: &[u8] =
     include_bytes!(concat!(env!("OUT_DIR"), "/weight_only_matmul.fatbin"));
+
+/// `iq_matmul.cu`: mat-vec and dequantise kernels over llama.cpp's i-quant GGUF blocks (IQ1_S ... IQ4_XS).
+#[cfg(feature = "cuda")]
+pub const IQ_MATMUL: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/iq_matmul.fatbin"));
 
 /// `bench.cu`: microkernels that measure the device's ceilings (the mma.sync bf16 rate).
 #[cfg(feature = "cuda")]

@@ -9,8 +9,8 @@
 //! device, and the model picks one per layer and op when its graph is built, from the device's description
 //! (`device.rs`, read from hardware by `probe.rs`).
 //!
-//! The weight-only quantised matmuls (`fp8_matmul`: W8A16, `nvfp4_matmul`: W4A16) and GGUF's
-//! `quantized_matmul` have their own small backend lists (`weight_only.rs`, `quantized_matmul/entries.rs`):
+//! The weight-only quantised matmuls (`fp8_matmul`: W8A16, `nvfp4_matmul`: W4A16, `iq_matmul`: GGUF's
+//! i-quants) and GGUF's `quantized_matmul` (candle's `QMatMul`) have their own small backend lists (`weight_only.rs`, `quantized_matmul/entries.rs`):
 //! they are chosen per weight when the graph is built.
 //!
 //! Module dependencies run one way: `device` <- `cuda` (driver) <- `probe`; `registry` <- op folders <-
@@ -24,6 +24,7 @@ pub mod dsa_indexer;
 pub mod error;
 pub mod fp8_matmul;
 pub mod index_keys;
+pub mod iq_matmul;
 pub mod moe;
 pub mod nvfp4_matmul;
 mod probe;

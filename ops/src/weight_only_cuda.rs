@@ -1,4 +1,5 @@
-//! The launchers of `weight_only_matmul.cu` shared by `fp8_matmul` and `nvfp4_matmul` on CUDA.
+//! The launchers of the weight-only mat-vec and dequantise kernels, shared by `fp8_matmul` and `nvfp4_matmul`
+//! (`weight_only_matmul.cu`) and `iq_matmul` (`iq_matmul.cu`) on CUDA.
 
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::{DType, Tensor};
@@ -7,7 +8,17 @@ use glm5_kernels::interface::weight_only::{DEQUANTIZE_THREADS, MAX_ROWS, WARPS};
 use crate::cuda::{cuda_err, device_address, kernel};
 use crate::error::{OpError, Result};
 
-const MODULE: &str = "weight_only_matmul";
+/// A kernel file: its module name and fatbin.
+pub(crate) struct KernelFile {
+    pub module: &'static str,
+    pub fatbin: &'static [u8],
+}
+
+/// `weight_only_matmul.cu`.
+pub(crate) const WEIGHT_ONLY: KernelFile = KernelFile {
+    module: "weight_only_matmul",
+    fatbin: glm5_kernels::WEIGHT_ONLY_MATMUL,
+};
 
 /// `name_{f32,bf16}` for `x`'s dtype.
 fn kernel_name(stem: &str, dtype: DType) -> Result<String> {
@@ -27,9 +38,10 @@ pub(crate) struct WeightArgs<'a> {
     pub scalar: Option<&'a f32>,
 }
 
-/// Runs the mat-vec kernel `stem` for `x` `[m, k]` (`m <= MAX_ROWS`) into a new `[m, n]` tensor:
+/// Runs the mat-vec kernel `stem` of `file` for `x` `[m, k]` (`m <= MAX_ROWS`) into a new `[m, n]` tensor:
 /// `(x, weight..., y, m, n, k, tail...)`.
 pub(crate) fn matvec(
+    file: &KernelFile,
     stem: &str,
     x: &Tensor,
     n: usize,
@@ -52,8 +64,8 @@ pub(crate) fn matvec(
     let (y_ptr, _) = device_address(&y)?;
     let func = kernel(
         &dev,
-        MODULE,
-        glm5_kernels::WEIGHT_ONLY_MATMUL,
+        file.module,
+        file.fatbin,
         &kernel_name(stem, x.dtype())?,
     )?;
     let stream = dev.cuda_stream();
@@ -88,25 +100,24 @@ fn push_weight<'a>(
     }
 }
 
-/// Runs the dequantise kernel `stem` into a new `[n, k]` tensor of `dtype`: `(weight..., out, tail...)`.
+/// Runs the dequantise kernel `stem` of `file` into a new `[n, k]` tensor of `dtype`, one thread per work
+/// item (`items`: values or sub-blocks, as the kernel takes them): `(weight..., out, tail...)`.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn dequantize(
+    file: &KernelFile,
     stem: &str,
     dtype: DType,
     like: &Tensor,
     (n, k): (usize, usize),
+    items: usize,
     weight: &WeightArgs,
     tail: &[i32],
 ) -> Result<Tensor> {
     let out = Tensor::full(f32::NAN, (n, k), like.device())?.to_dtype(dtype)?;
     let (out_ptr, dev) = device_address(&out)?;
-    let func = kernel(
-        &dev,
-        MODULE,
-        glm5_kernels::WEIGHT_ONLY_MATMUL,
-        &kernel_name(stem, dtype)?,
-    )?;
+    let func = kernel(&dev, file.module, file.fatbin, &kernel_name(stem, dtype)?)?;
     let stream = dev.cuda_stream();
-    let blocks = (n * k).div_ceil(DEQUANTIZE_THREADS).clamp(1, 65535 * 8);
+    let blocks = items.div_ceil(DEQUANTIZE_THREADS).clamp(1, 65535 * 8);
     let cfg = LaunchConfig {
         grid_dim: (blocks as u32, 1, 1),
         block_dim: (DEQUANTIZE_THREADS as u32, 1, 1),

@@ -6,7 +6,7 @@ use candle_core::Tensor;
 use super::{Fp8BlockWeight, MAX_ROWS};
 use crate::cuda::device_address;
 use crate::error::{OpError, Result};
-use crate::weight_only_cuda::{dequantize, matvec, WeightArgs};
+use crate::weight_only_cuda::{dequantize, matvec, WeightArgs, WEIGHT_ONLY};
 
 /// `x` `[m, k]` (f32 or bf16, contiguous, on the weight's device) times `Wᵀ`, in `x`'s dtype.
 pub(crate) fn fp8_matmul(x: &Tensor, w: &Fp8BlockWeight) -> Result<Tensor> {
@@ -27,13 +27,15 @@ pub(crate) fn fp8_matmul(x: &Tensor, w: &Fp8BlockWeight) -> Result<Tensor> {
     };
     let (bn, bk) = (w.block[0] as i32, w.block[1] as i32);
     if x.dim(0)? <= MAX_ROWS {
-        return matvec("fp8_matvec", x, n, &args, &[bn, bk]);
+        return matvec(&WEIGHT_ONLY, "fp8_matvec", x, n, &args, &[bn, bk]);
     }
     let dense = dequantize(
+        &WEIGHT_ONLY,
         "fp8_dequantize",
         x.dtype(),
         x,
         (n, k),
+        n * k,
         &args,
         &[n as i32, k as i32, bn, bk],
     )?;

@@ -6,7 +6,7 @@ use candle_core::Tensor;
 use super::{Nvfp4Weight, MAX_ROWS};
 use crate::cuda::device_address;
 use crate::error::Result;
-use crate::weight_only_cuda::{dequantize, matvec, WeightArgs};
+use crate::weight_only_cuda::{dequantize, matvec, WeightArgs, WEIGHT_ONLY};
 
 /// `x` `[m, k]` (f32 or bf16, contiguous, on the weight's device) times `Wᵀ`, in `x`'s dtype.
 pub(crate) fn nvfp4_matmul(x: &Tensor, w: &Nvfp4Weight) -> Result<Tensor> {
@@ -20,13 +20,15 @@ pub(crate) fn nvfp4_matmul(x: &Tensor, w: &Nvfp4Weight) -> Result<Tensor> {
         scalar: Some(&w.global_scale),
     };
     if x.dim(0)? <= MAX_ROWS {
-        return matvec("nvfp4_matvec", x, n, &args, &[]);
+        return matvec(&WEIGHT_ONLY, "nvfp4_matvec", x, n, &args, &[]);
     }
     let dense = dequantize(
+        &WEIGHT_ONLY,
         "nvfp4_dequantize",
         x.dtype(),
         x,
         (n, k),
+        n * k,
         &args,
         &[n as i32, k as i32],
     )?;

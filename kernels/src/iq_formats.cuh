@@ -1,0 +1,194 @@
+// Decoders of llama.cpp's i-quant GGUF formats: one 32-value sub-block of a block into floats, in ggml's f32
+// order (`dequantize_row_iq*`), so every value equals the CPU reference's (glm5-ops iq_matmul/reference.rs,
+// which has the layout table). The lookup tables are generated from kernels/src/iq_grids.rs.
+//
+// Blocks are 2-byte aligned at best (66, 74, ... bytes), so wider fields are read as u16 pairs.
+
+#pragma once
+
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#include "glm5_iq_grids.h"
+
+namespace glm5 {
+namespace iq {
+
+enum Format { IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M, IQ4_NL, IQ4_XS };
+
+constexpr float IQ1_DELTA = 0.125f;
+
+template <Format F> struct Traits {
+    static constexpr int VALUES = 256;
+};
+template <> struct Traits<IQ4_NL> {
+    static constexpr int VALUES = 32;
+};
+#define GLM5_IQ_BYTES(F, B) \
+    template <> struct Bytes<F> { static constexpr int value = B; };
+template <Format F> struct Bytes;
+GLM5_IQ_BYTES(IQ2_XXS, 66)
+GLM5_IQ_BYTES(IQ2_XS, 74)
+GLM5_IQ_BYTES(IQ2_S, 82)
+GLM5_IQ_BYTES(IQ3_XXS, 98)
+GLM5_IQ_BYTES(IQ3_S, 110)
+GLM5_IQ_BYTES(IQ1_S, 50)
+GLM5_IQ_BYTES(IQ1_M, 56)
+GLM5_IQ_BYTES(IQ4_NL, 18)
+GLM5_IQ_BYTES(IQ4_XS, 136)
+#undef GLM5_IQ_BYTES
+
+__device__ __forceinline__ uint16_t u16_at(const uint8_t* b, int at) {
+    return static_cast<uint16_t>(__ldg(b + at)) | (static_cast<uint16_t>(__ldg(b + at + 1)) << 8);
+}
+__device__ __forceinline__ uint32_t u32_at(const uint8_t* b, int at) {
+    return static_cast<uint32_t>(u16_at(b, at)) | (static_cast<uint32_t>(u16_at(b, at + 2)) << 16);
+}
+__device__ __forceinline__ float f16_at(const uint8_t* b, int at) {
+    return __half2float(__ushort_as_half(u16_at(b, at)));
+}
+__device__ __forceinline__ uint32_t byte_of(uint64_t entry, int j) {
+    return static_cast<uint32_t>(entry >> (8 * j)) & 0xff;
+}
+__device__ __forceinline__ float signed_byte_of(uint64_t entry, int j) {
+    return static_cast<float>(static_cast<int8_t>(byte_of(entry, j)));
+}
+__device__ __forceinline__ float sign_of(uint32_t bits, int j) { return (bits >> j) & 1 ? -1.0f : 1.0f; }
+
+/// Sub-block `ib` (0..7; IQ4_NL: 0) of the block at `b` into `w`.
+template <Format F> __device__ __forceinline__ void decode(const uint8_t* b, int ib, float (&w)[32]);
+
+template <> __device__ __forceinline__ void decode<IQ2_XXS>(const uint8_t* b, int ib, float (&w)[32]) {
+    const float d = f16_at(b, 0);
+    const uint8_t* q = b + 2 + 8 * ib;
+    const uint32_t aux = u32_at(q, 4);
+    const float db = d * (0.5f + static_cast<float>(aux >> 28)) * 0.25f;
+#pragma unroll
+    for (int l = 0; l < 4; ++l) {
+        const uint64_t grid = GLM5_IQ2XXS_GRID[__ldg(q + l)];
+        const uint32_t signs = GLM5_KSIGNS_IQ2XS[(aux >> (7 * l)) & 127];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) w[8 * l + j] = db * static_cast<float>(byte_of(grid, j)) * sign_of(signs, j);
+    }
+}
+
+template <> __device__ __forceinline__ void decode<IQ2_XS>(const uint8_t* b, int ib, float (&w)[32]) {
+    const float d = f16_at(b, 0);
+    const uint32_t scales = __ldg(b + 66 + ib);
+#pragma unroll
+    for (int l = 0; l < 4; ++l) {
+        const uint32_t q = u16_at(b, 2 + 2 * (4 * ib + l));
+        const float db = d * (0.5f + static_cast<float>((scales >> (4 * (l / 2))) & 0xf)) * 0.25f;
+        const uint64_t grid = GLM5_IQ2XS_GRID[q & 511];
+        const uint32_t signs = GLM5_KSIGNS_IQ2XS[q >> 9];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) w[8 * l + j] = db * static_cast<float>(byte_of(grid, j)) * sign_of(signs, j);
+    }
+}
+
+template <> __device__ __forceinline__ void decode<IQ2_S>(const uint8_t* b, int ib, float (&w)[32]) {
+    const float d = f16_at(b, 0);
+    const uint32_t qh = __ldg(b + 66 + ib);
+    const uint32_t scales = __ldg(b + 74 + ib);
+#pragma unroll
+    for (int l = 0; l < 4; ++l) {
+        const float db = d * (0.5f + static_cast<float>((scales >> (4 * (l / 2))) & 0xf)) * 0.25f;
+        const uint32_t index = __ldg(b + 2 + 4 * ib + l) | (((qh >> (2 * l)) & 3) << 8);
+        const uint64_t grid = GLM5_IQ2S_GRID[index];
+        const uint32_t signs = __ldg(b + 34 + 4 * ib + l);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) w[8 * l + j] = db * static_cast<float>(byte_of(grid, j)) * sign_of(signs, j);
+    }
+}
+
+template <> __device__ __forceinline__ void decode<IQ3_XXS>(const uint8_t* b, int ib, float (&w)[32]) {
+    const float d = f16_at(b, 0);
+    const uint32_t aux = u32_at(b, 66 + 4 * ib);
+    const float db = d * (0.5f + static_cast<float>(aux >> 28)) * 0.5f;
+#pragma unroll
+    for (int l = 0; l < 4; ++l) {
+        const uint32_t signs = GLM5_KSIGNS_IQ2XS[(aux >> (7 * l)) & 127];
+        const uint64_t g1 = GLM5_IQ3XXS_GRID[__ldg(b + 2 + 8 * ib + 2 * l)];
+        const uint64_t g2 = GLM5_IQ3XXS_GRID[__ldg(b + 2 + 8 * ib + 2 * l + 1)];
+        const uint64_t grid = g1 | (g2 << 32);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) w[8 * l + j] = db * static_cast<float>(byte_of(grid, j)) * sign_of(signs, j);
+    }
+}
+
+template <> __device__ __forceinline__ void decode<IQ3_S>(const uint8_t* b, int ib, float (&w)[32]) {
+    const float d = f16_at(b, 0);
+    const uint32_t s = (__ldg(b + 106 + ib / 2) >> (4 * (ib % 2))) & 0xf;
+    const float db = d * static_cast<float>(1 + 2 * s);
+    const uint32_t qh = __ldg(b + 66 + ib);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        const uint32_t index = __ldg(b + 2 + 8 * ib + k) | (((qh >> k) & 1) << 8);
+        const uint32_t grid = GLM5_IQ3S_GRID[index];
+        const uint32_t signs = __ldg(b + 74 + 4 * ib + k / 2) >> (4 * (k % 2));
+#pragma unroll
+        for (int j = 0; j < 4; ++j) w[4 * k + j] = db * static_cast<float>(byte_of(grid, j)) * sign_of(signs, j);
+    }
+}
+
+template <> __device__ __forceinline__ void decode<IQ1_S>(const uint8_t* b, int ib, float (&w)[32]) {
+    const float d = f16_at(b, 0);
+    const uint32_t qh = u16_at(b, 34 + 2 * ib);
+    const float dl = d * static_cast<float>(2 * ((qh >> 12) & 7) + 1);
+    const float delta = (qh & 0x8000) ? -IQ1_DELTA : IQ1_DELTA;
+#pragma unroll
+    for (int l = 0; l < 4; ++l) {
+        const uint64_t grid = GLM5_IQ1S_GRID[__ldg(b + 2 + 4 * ib + l) | (((qh >> (3 * l)) & 7) << 8)];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) w[8 * l + j] = dl * (signed_byte_of(grid, j) + delta);
+    }
+}
+
+template <> __device__ __forceinline__ void decode<IQ1_M>(const uint8_t* b, int ib, float (&w)[32]) {
+    uint32_t sc[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) sc[i] = u16_at(b, 48 + 2 * i);
+    const uint16_t d_bits = static_cast<uint16_t>((sc[0] >> 12) | ((sc[1] >> 8) & 0x00f0) |
+                                                  ((sc[2] >> 4) & 0x0f00) | (sc[3] & 0xf000));
+    const float d = __half2float(__ushort_as_half(d_bits));
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int s = 2 * ib + h;
+        const float dl = d * static_cast<float>(2 * ((sc[s / 4] >> (3 * (s % 4))) & 7) + 1);
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+            const int i = 4 * ib + 2 * h + q;
+            const uint32_t nibble = (__ldg(b + 32 + i / 2) >> (4 * (i % 2))) & 0xf;
+            const float delta = (nibble & 8) ? -IQ1_DELTA : IQ1_DELTA;
+            const uint64_t grid = GLM5_IQ1S_GRID[__ldg(b + i) | ((nibble & 7) << 8)];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) w[16 * h + 8 * q + j] = dl * (signed_byte_of(grid, j) + delta);
+        }
+    }
+}
+
+template <> __device__ __forceinline__ void decode<IQ4_NL>(const uint8_t* b, int, float (&w)[32]) {
+    const float d = f16_at(b, 0);
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        const uint32_t q = __ldg(b + 2 + j);
+        w[j] = d * static_cast<float>(GLM5_KVALUES_IQ4NL[q & 0xf]);
+        w[j + 16] = d * static_cast<float>(GLM5_KVALUES_IQ4NL[q >> 4]);
+    }
+}
+
+template <> __device__ __forceinline__ void decode<IQ4_XS>(const uint8_t* b, int ib, float (&w)[32]) {
+    const float d = f16_at(b, 0);
+    const uint32_t scales_h = u16_at(b, 2);
+    const uint32_t ls = ((__ldg(b + 4 + ib / 2) >> (4 * (ib % 2))) & 0xf) | (((scales_h >> (2 * ib)) & 3) << 4);
+    const float dl = d * static_cast<float>(static_cast<int>(ls) - 32);
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        const uint32_t q = __ldg(b + 8 + 16 * ib + j);
+        w[j] = dl * static_cast<float>(GLM5_KVALUES_IQ4NL[q & 0xf]);
+        w[j + 16] = dl * static_cast<float>(GLM5_KVALUES_IQ4NL[q >> 4]);
+    }
+}
+
+}  // namespace iq
+}  // namespace glm5

@@ -1,0 +1,58 @@
+//! The backends of `iq_matmul` (contract in `mod.rs`, dispatch rule in `weight_only.rs`).
+
+use super::{IqWeight, SUB_BLOCK};
+use crate::device::{DeviceDesc, DeviceFamily};
+use crate::registry::{Arch, DeviceMatch, Reason};
+use crate::weight_only::{self, WeightOnlyBackend, WeightOnlyDispatchError, WeightShape};
+
+/// `iq_matmul`'s backends: glm5's CUDA kernels (sm_90 and sm_120 SASS) and the CPU reference.
+pub fn backends() -> Vec<WeightOnlyBackend> {
+    vec![
+        WeightOnlyBackend {
+            name: "iq-w16-cuda",
+            description: "glm5's i-quant kernels: a mat-vec decoding the GGUF blocks in registers (f32 \
+                          accumulation) up to MAX_ROWS rows; above, dequantise to the activations' dtype and \
+                          use candle's matmul",
+            devices: DeviceMatch::Cuda(
+                [9, 12]
+                    .into_iter()
+                    .map(|major| Arch { major, minor: None })
+                    .collect(),
+            ),
+            priority: vec![(DeviceFamily::Sm120, 0), (DeviceFamily::Sm90, 0)],
+            // One lane decodes one 32-value sub-block; a row is whole blocks.
+            shape_reasons: |shape| {
+                if shape.in_dim.is_multiple_of(shape.block_in) && shape.block_in.is_multiple_of(SUB_BLOCK) {
+                    vec![]
+                } else {
+                    vec![Reason::new(
+                        "in",
+                        format!("a multiple of the block ({})", shape.block_in),
+                        shape.in_dim.to_string(),
+                    )]
+                }
+            },
+        },
+        WeightOnlyBackend {
+            name: "iq-reference-cpu",
+            description: "the reference: decode to f32 as ggml does, then candle's matmul",
+            devices: DeviceMatch::Cpu,
+            priority: vec![(DeviceFamily::Cpu, 0)],
+            shape_reasons: |_| vec![],
+        },
+    ]
+}
+
+/// The backend for `w` on `device`.
+pub fn dispatch(
+    w: &IqWeight,
+    device: &DeviceDesc,
+) -> Result<WeightOnlyBackend, WeightOnlyDispatchError> {
+    let (out_dim, in_dim) = w.dims().unwrap_or((0, 0));
+    let shape = WeightShape {
+        out_dim,
+        in_dim,
+        block_in: w.format.block_values(),
+    };
+    weight_only::dispatch("iq_matmul", backends(), &shape, device)
+}

@@ -1,0 +1,250 @@
+//! `iq_matmul(x, w) -> y`: a linear layer whose weight stays in one of llama.cpp's i-quant GGUF formats
+//! (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ4_NL, IQ4_XS), multiplied with the weight
+//! dequantised in the kernel (weight-only: activations are not quantised).
+//!
+//! candle 0.11 has no i-quant types (`GgmlDType` cannot hold them), and the published GLM-5 GGUFs use them
+//! (unsloth's `UD-IQ*` files, IQ4_XS / IQ3_S / IQ2_S expert mixes), so glm5 keeps their blocks as raw bytes
+//! and decodes them itself.
+//!
+//! # Contract
+//!
+//! * `w` is [`IqWeight`]: `blocks` `U8 [out, in / block_values · block_bytes]`, each row the ggml blocks of
+//!   one output row exactly as the GGUF file stores them, and its [`IqFormat`]. `in` is a multiple of the
+//!   format's block (256 values; IQ4_NL: 32).
+//! * The weight stands for the values ggml's own dequantisation gives (`dequantize_row_iq*` in ggml-quants.c;
+//!   the formats in [`reference`], the lookup tables in `glm5_kernels::iq_grids`), computed in f32 in ggml's
+//!   order, so they equal gguf-py's `quants.dequantize` bit for bit.
+//! * `x` is `[.., in]`, f32 or bf16 (f16 is converted to f32 first); `y = x · Wᵀ`, `[.., out]`, in `x`'s dtype,
+//!   accumulated in f32.
+//! * CPU: the reference ([`reference::dequantize`] to f32, then a matmul). CUDA: rows `<= MAX_ROWS` run the
+//!   mat-vec kernel (each weight byte read once, decoded in registers); more rows dequantise the matrix to
+//!   `x`'s dtype in a transient buffer and use candle's matmul.
+//! * Which implementation runs is checked per weight when the graph is built ([`dispatch`]).
+
+mod entries;
+pub mod reference;
+
+#[cfg(feature = "cuda")]
+mod cuda;
+
+pub use entries::{backends, dispatch};
+
+use candle_core::{DType, Tensor};
+
+use crate::error::{OpError, Result};
+
+/// Rows of `x` the CUDA mat-vec kernel takes in one launch.
+pub const MAX_ROWS: usize = glm5_kernels::interface::weight_only::MAX_ROWS;
+
+/// Values sharing one scale (and decoded together) inside a block: the kernels' unit of work.
+pub const SUB_BLOCK: usize = 32;
+
+/// One of ggml's i-quant formats: its name, ggml type id and block geometry (ggml-common.h's `block_iq*`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum IqFormat {
+    Iq2Xxs,
+    Iq2Xs,
+    Iq3Xxs,
+    Iq1S,
+    Iq4Nl,
+    Iq3S,
+    Iq2S,
+    Iq4Xs,
+    Iq1M,
+}
+
+impl IqFormat {
+    pub const ALL: [IqFormat; 9] = [
+        IqFormat::Iq2Xxs,
+        IqFormat::Iq2Xs,
+        IqFormat::Iq3Xxs,
+        IqFormat::Iq1S,
+        IqFormat::Iq4Nl,
+        IqFormat::Iq3S,
+        IqFormat::Iq2S,
+        IqFormat::Iq4Xs,
+        IqFormat::Iq1M,
+    ];
+
+    /// The format of ggml type id `id`, if it is an i-quant.
+    pub fn from_ggml_id(id: u32) -> Option<Self> {
+        Self::ALL.into_iter().find(|f| f.ggml_id() == id)
+    }
+
+    /// `GGMLQuantizationType` id.
+    pub fn ggml_id(self) -> u32 {
+        match self {
+            IqFormat::Iq2Xxs => 16,
+            IqFormat::Iq2Xs => 17,
+            IqFormat::Iq3Xxs => 18,
+            IqFormat::Iq1S => 19,
+            IqFormat::Iq4Nl => 20,
+            IqFormat::Iq3S => 21,
+            IqFormat::Iq2S => 22,
+            IqFormat::Iq4Xs => 23,
+            IqFormat::Iq1M => 29,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            IqFormat::Iq2Xxs => "IQ2_XXS",
+            IqFormat::Iq2Xs => "IQ2_XS",
+            IqFormat::Iq3Xxs => "IQ3_XXS",
+            IqFormat::Iq1S => "IQ1_S",
+            IqFormat::Iq4Nl => "IQ4_NL",
+            IqFormat::Iq3S => "IQ3_S",
+            IqFormat::Iq2S => "IQ2_S",
+            IqFormat::Iq4Xs => "IQ4_XS",
+            IqFormat::Iq1M => "IQ1_M",
+        }
+    }
+
+    /// Values per block.
+    pub fn block_values(self) -> usize {
+        match self {
+            IqFormat::Iq4Nl => 32,
+            _ => 256,
+        }
+    }
+
+    /// Bytes per block.
+    pub fn block_bytes(self) -> usize {
+        match self {
+            IqFormat::Iq2Xxs => 66,
+            IqFormat::Iq2Xs => 74,
+            IqFormat::Iq3Xxs => 98,
+            IqFormat::Iq1S => 50,
+            IqFormat::Iq4Nl => 18,
+            IqFormat::Iq3S => 110,
+            IqFormat::Iq2S => 82,
+            IqFormat::Iq4Xs => 136,
+            IqFormat::Iq1M => 56,
+        }
+    }
+
+    /// Bytes of one row of `in_dim` values (`None` unless `in_dim` is a whole number of blocks).
+    pub fn row_bytes(self, in_dim: usize) -> Option<usize> {
+        in_dim
+            .is_multiple_of(self.block_values())
+            .then(|| in_dim / self.block_values() * self.block_bytes())
+    }
+}
+
+impl std::fmt::Display for IqFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// An i-quant weight (module contract).
+#[derive(Debug, Clone)]
+pub struct IqWeight {
+    pub format: IqFormat,
+    /// `U8 [out, row_bytes(in)]`.
+    pub blocks: Tensor,
+    /// `in`: values per row.
+    pub in_dim: usize,
+}
+
+impl IqWeight {
+    /// Checks the bytes hold `[out, in_dim]` values of `format`.
+    pub fn new(format: IqFormat, blocks: Tensor, in_dim: usize) -> Result<Self> {
+        let w = Self {
+            format,
+            blocks,
+            in_dim,
+        };
+        w.check()?;
+        Ok(w)
+    }
+
+    /// `(out, in)`.
+    pub fn dims(&self) -> Result<(usize, usize)> {
+        Ok((self.blocks.dims2()?.0, self.in_dim))
+    }
+
+    /// Checks the parts agree with each other.
+    pub fn check(&self) -> Result<()> {
+        if self.blocks.dtype() != DType::U8 {
+            return Err(OpError::Unsupported(format!(
+                "iq_matmul: {} blocks must be U8, found {:?}",
+                self.format,
+                self.blocks.dtype()
+            )));
+        }
+        let out = self.blocks.dims2()?.0;
+        match self.format.row_bytes(self.in_dim) {
+            Some(row) if self.blocks.dims() == [out, row] => Ok(()),
+            row => Err(OpError::Shape {
+                arg: "blocks",
+                expected: match row {
+                    Some(row) => format!(
+                        "U8 [{out}, {row}] ({} values of {} per row)",
+                        self.in_dim, self.format
+                    ),
+                    None => format!(
+                        "in = {} a multiple of {} ({}'s block)",
+                        self.in_dim,
+                        self.format.block_values(),
+                        self.format
+                    ),
+                },
+                found: self.blocks.dims().to_vec(),
+            }),
+        }
+    }
+}
+
+/// `x · Wᵀ` in `x`'s dtype (see the module contract).
+pub fn iq_matmul(x: &Tensor, w: &IqWeight) -> Result<Tensor> {
+    let (out, inp) = w.dims()?;
+    let dims = x.dims().to_vec();
+    if dims.last() != Some(&inp) {
+        return Err(OpError::Shape {
+            arg: "x",
+            expected: format!("[.., {inp}]"),
+            found: dims,
+        });
+    }
+    let rows = dims[..dims.len() - 1].iter().product::<usize>();
+    let x2 = match x.dtype() {
+        DType::F32 | DType::BF16 => x.reshape((rows, inp))?,
+        DType::F16 => x.reshape((rows, inp))?.to_dtype(DType::F32)?,
+        other => {
+            return Err(OpError::NotFloat {
+                arg: "x",
+                found: other,
+            })
+        }
+    };
+    let y = if x.device().is_cuda() {
+        #[cfg(feature = "cuda")]
+        {
+            cuda::iq_matmul(&x2.contiguous()?, w)?
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            return Err(OpError::Unsupported(
+                "iq_matmul on CUDA needs the `cuda` feature".into(),
+            ));
+        }
+    } else {
+        reference::iq_matmul(&x2, w)?
+    };
+    let mut out_dims = dims;
+    *out_dims.last_mut().expect("x has a last dim") = out;
+    Ok(y.reshape(out_dims)?.to_dtype(x.dtype())?)
+}
+
+/// The whole weight as `dtype` on its device (the reference's f32 values, rounded once to `dtype`).
+pub fn dequantize(w: &IqWeight, dtype: DType) -> Result<Tensor> {
+    w.check()?;
+    if w.blocks.device().is_cuda() {
+        #[cfg(feature = "cuda")]
+        {
+            return cuda::dequantize(w, dtype);
+        }
+    }
+    Ok(reference::dequantize(w)?.to_dtype(dtype)?)
+}

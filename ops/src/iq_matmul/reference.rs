@@ -1,0 +1,249 @@
+//! The i-quant formats, decoded on the CPU: ggml's block layouts (`block_iq*` in ggml-common.h) and its
+//! dequantisation (`dequantize_row_iq*`), computed in f32 in the same order, so every value equals ggml's
+//! and gguf-py's. A block of 256 values is 8 sub-blocks of 32 (IQ4_NL: one block of 32); each sub-block has
+//! its own scale:
+//!
+//! | format | block bytes | layout (after the f16 super-scale `d`, except IQ1_M) | value |
+//! |---|---|---|---|
+//! | IQ2_XXS | 66 | per sub-block 8 bytes: 4 grid indices, then a u32 of 4 × 7 sign bits and a 4-bit scale `s` | `d·(0.5+s)/4 · grid · sign` |
+//! | IQ2_XS | 74 | 32 u16: 9-bit grid index + 7 sign bits; 8 bytes of two 4-bit scales (one per 16 values) | as IQ2_XXS |
+//! | IQ2_S | 82 | 32 index bytes, 32 sign bytes, 8 bytes of 2 high index bits ×4, 8 bytes of scale pairs | as IQ2_XXS |
+//! | IQ3_XXS | 98 | 64 grid indices (4 values each), then per sub-block a u32 of signs and scale | `d·(0.5+s)/2 · grid · sign` |
+//! | IQ3_S | 110 | 64 index bytes, 8 bytes of 9th index bits, 32 sign bytes, 4 bytes of scale pairs | `d·(1+2s) · grid · sign` |
+//! | IQ1_S | 50 | 32 index bytes; per sub-block a u16: 3 high index bits ×4, 3-bit scale, delta sign | `d·(2s+1) · (grid ± 1/8)` |
+//! | IQ1_M | 56 | 32 index bytes, 16 bytes of (3 high bits + delta sign) per index, 4 u16 of 3-bit scales whose top nibbles hold `d` | as IQ1_S, a scale per 16 values |
+//! | IQ4_NL | 18 (32 values) | 16 bytes of 4-bit indices into 16 non-linear values | `d · kvalues[q]` |
+//! | IQ4_XS | 136 | u16 of 2 high scale bits ×8, 4 bytes of low scale nibbles, 128 bytes of 4-bit indices | `d·(ls−32) · kvalues[q]` |
+//!
+//! Sign bits: IQ2_XXS, IQ2_XS and IQ3_XXS store 7 per 8 values (`KSIGNS_IQ2XS` supplies the 8th: the count of
+//! negatives is even); IQ2_S and IQ3_S store all 8.
+
+use candle_core::{DType, Device, Tensor};
+use glm5_kernels::iq_grids::{
+    IQ1S_GRID, IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS,
+    KVALUES_IQ4NL,
+};
+
+use super::{IqFormat, IqWeight};
+use crate::error::Result;
+
+/// IQ1_S / IQ1_M's offset of every grid value, its sign stored per group.
+const IQ1_DELTA: f32 = 0.125;
+
+fn f16_at(b: &[u8], at: usize) -> f32 {
+    half::f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32()
+}
+
+fn u16_at(b: &[u8], at: usize) -> u16 {
+    u16::from_le_bytes([b[at], b[at + 1]])
+}
+
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+
+/// Byte `j` of a packed grid entry.
+fn grid_byte(entry: u64, j: usize) -> u8 {
+    (entry >> (8 * j)) as u8
+}
+
+fn sign(bits: u32, j: usize) -> f32 {
+    if bits >> j & 1 == 1 {
+        -1.0
+    } else {
+        1.0
+    }
+}
+
+/// Decodes one block of `format` (`format.block_bytes()` bytes) into `out` (`format.block_values()`).
+pub fn decode_block(format: IqFormat, b: &[u8], out: &mut [f32]) {
+    debug_assert_eq!(b.len(), format.block_bytes());
+    debug_assert_eq!(out.len(), format.block_values());
+    match format {
+        IqFormat::Iq2Xxs => {
+            let d = f16_at(b, 0);
+            for ib in 0..8 {
+                let q = &b[2 + 8 * ib..2 + 8 * ib + 8];
+                let aux = u32_at(q, 4);
+                let db = d * (0.5 + (aux >> 28) as f32) * 0.25;
+                for l in 0..4 {
+                    let grid = IQ2XXS_GRID[q[l] as usize];
+                    let signs = KSIGNS_IQ2XS[(aux >> (7 * l) & 127) as usize] as u32;
+                    for j in 0..8 {
+                        out[32 * ib + 8 * l + j] = db * grid_byte(grid, j) as f32 * sign(signs, j);
+                    }
+                }
+            }
+        }
+        IqFormat::Iq2Xs => {
+            let d = f16_at(b, 0);
+            let scales = &b[66..74];
+            for ib in 0..8 {
+                for l in 0..4 {
+                    let q = u16_at(b, 2 + 2 * (4 * ib + l)) as u32;
+                    let s = (scales[ib] >> (4 * (l / 2)) & 0xf) as f32;
+                    let db = d * (0.5 + s) * 0.25;
+                    let grid = IQ2XS_GRID[(q & 511) as usize];
+                    let signs = KSIGNS_IQ2XS[(q >> 9) as usize] as u32;
+                    for j in 0..8 {
+                        out[32 * ib + 8 * l + j] = db * grid_byte(grid, j) as f32 * sign(signs, j);
+                    }
+                }
+            }
+        }
+        IqFormat::Iq2S => {
+            let d = f16_at(b, 0);
+            let (qs, signs, qh, scales) = (&b[2..34], &b[34..66], &b[66..74], &b[74..82]);
+            for ib in 0..8 {
+                for l in 0..4 {
+                    let s = (scales[ib] >> (4 * (l / 2)) & 0xf) as f32;
+                    let db = d * (0.5 + s) * 0.25;
+                    let index = qs[4 * ib + l] as usize | ((qh[ib] as usize >> (2 * l)) & 3) << 8;
+                    let grid = IQ2S_GRID[index];
+                    let bits = signs[4 * ib + l] as u32;
+                    for j in 0..8 {
+                        out[32 * ib + 8 * l + j] = db * grid_byte(grid, j) as f32 * sign(bits, j);
+                    }
+                }
+            }
+        }
+        IqFormat::Iq3Xxs => {
+            let d = f16_at(b, 0);
+            let qs = &b[2..66];
+            for ib in 0..8 {
+                let aux = u32_at(b, 66 + 4 * ib);
+                let db = d * (0.5 + (aux >> 28) as f32) * 0.5;
+                for l in 0..4 {
+                    let signs = KSIGNS_IQ2XS[(aux >> (7 * l) & 127) as usize] as u32;
+                    let g1 = IQ3XXS_GRID[qs[8 * ib + 2 * l] as usize] as u64;
+                    let g2 = IQ3XXS_GRID[qs[8 * ib + 2 * l + 1] as usize] as u64;
+                    for j in 0..8 {
+                        let g = if j < 4 {
+                            grid_byte(g1, j)
+                        } else {
+                            grid_byte(g2, j - 4)
+                        };
+                        out[32 * ib + 8 * l + j] = db * g as f32 * sign(signs, j);
+                    }
+                }
+            }
+        }
+        IqFormat::Iq3S => {
+            let d = f16_at(b, 0);
+            let (qs, qh, signs, scales) = (&b[2..66], &b[66..74], &b[74..106], &b[106..110]);
+            for ib in 0..8 {
+                let s = (scales[ib / 2] >> (4 * (ib % 2)) & 0xf) as u32;
+                let db = d * (1 + 2 * s) as f32;
+                for k in 0..8 {
+                    let index = qs[8 * ib + k] as usize | ((qh[ib] as usize >> k) & 1) << 8;
+                    let grid = IQ3S_GRID[index] as u64;
+                    for j in 0..4 {
+                        let v = 32 * ib + 4 * k + j;
+                        out[v] = db * grid_byte(grid, j) as f32 * sign(signs[v / 8] as u32, v % 8);
+                    }
+                }
+            }
+        }
+        IqFormat::Iq1S => {
+            let d = f16_at(b, 0);
+            let qs = &b[2..34];
+            for ib in 0..8 {
+                let qh = u16_at(b, 34 + 2 * ib) as usize;
+                let dl = d * (2 * ((qh >> 12) & 7) + 1) as f32;
+                let delta = if qh & 0x8000 != 0 {
+                    -IQ1_DELTA
+                } else {
+                    IQ1_DELTA
+                };
+                for l in 0..4 {
+                    let grid = IQ1S_GRID[qs[4 * ib + l] as usize | ((qh >> (3 * l)) & 7) << 8];
+                    for j in 0..8 {
+                        out[32 * ib + 8 * l + j] = dl * (grid_byte(grid, j) as i8 as f32 + delta);
+                    }
+                }
+            }
+        }
+        IqFormat::Iq1M => {
+            let (qs, qh) = (&b[0..32], &b[32..48]);
+            let sc = [u16_at(b, 48), u16_at(b, 50), u16_at(b, 52), u16_at(b, 54)];
+            let d_bits = (sc[0] >> 12)
+                | ((sc[1] >> 8) & 0x00f0)
+                | ((sc[2] >> 4) & 0x0f00)
+                | (sc[3] & 0xf000);
+            let d = half::f16::from_bits(d_bits).to_f32();
+            for ib in 0..8 {
+                for h in 0..2 {
+                    let s = 2 * ib + h;
+                    let dl = d * (2 * ((sc[s / 4] >> (3 * (s % 4))) & 7) + 1) as f32;
+                    for q in 0..2 {
+                        let i = 4 * ib + 2 * h + q;
+                        let nibble = (qh[i / 2] >> (4 * (i % 2))) & 0xf;
+                        let delta = if nibble & 8 != 0 {
+                            -IQ1_DELTA
+                        } else {
+                            IQ1_DELTA
+                        };
+                        let grid = IQ1S_GRID[qs[i] as usize | ((nibble & 7) as usize) << 8];
+                        for j in 0..8 {
+                            out[8 * i + j] = dl * (grid_byte(grid, j) as i8 as f32 + delta);
+                        }
+                    }
+                }
+            }
+        }
+        IqFormat::Iq4Nl => {
+            let d = f16_at(b, 0);
+            for j in 0..16 {
+                out[j] = d * KVALUES_IQ4NL[(b[2 + j] & 0xf) as usize] as f32;
+                out[j + 16] = d * KVALUES_IQ4NL[(b[2 + j] >> 4) as usize] as f32;
+            }
+        }
+        IqFormat::Iq4Xs => {
+            let d = f16_at(b, 0);
+            let scales_h = u16_at(b, 2) as u32;
+            let (scales_l, qs) = (&b[4..8], &b[8..136]);
+            for ib in 0..8 {
+                let ls = (scales_l[ib / 2] as u32 >> (4 * (ib % 2)) & 0xf)
+                    | ((scales_h >> (2 * ib)) & 3) << 4;
+                let dl = d * (ls as i32 - 32) as f32;
+                for j in 0..16 {
+                    out[32 * ib + j] = dl * KVALUES_IQ4NL[(qs[16 * ib + j] & 0xf) as usize] as f32;
+                    out[32 * ib + j + 16] =
+                        dl * KVALUES_IQ4NL[(qs[16 * ib + j] >> 4) as usize] as f32;
+                }
+            }
+        }
+    }
+}
+
+/// Decodes `bytes` (whole blocks of `format`) into f32 values.
+pub fn dequantize_bytes(format: IqFormat, bytes: &[u8]) -> Vec<f32> {
+    let (bb, bv) = (format.block_bytes(), format.block_values());
+    let mut out = vec![0f32; bytes.len() / bb * bv];
+    for (block, values) in bytes.chunks_exact(bb).zip(out.chunks_exact_mut(bv)) {
+        decode_block(format, block, values);
+    }
+    out
+}
+
+/// The whole weight in f32, `[out, in]`, on the CPU.
+pub fn dequantize(w: &IqWeight) -> Result<Tensor> {
+    w.check()?;
+    let (out, inp) = w.dims()?;
+    let bytes = w
+        .blocks
+        .to_device(&Device::Cpu)?
+        .flatten_all()?
+        .to_vec1::<u8>()?;
+    Ok(Tensor::from_vec(
+        dequantize_bytes(w.format, &bytes),
+        (out, inp),
+        &Device::Cpu,
+    )?)
+}
+
+/// `x` `[m, in]` times `Wᵀ` in f32 on the CPU.
+pub fn iq_matmul(x: &Tensor, w: &IqWeight) -> Result<Tensor> {
+    let dense = dequantize(w)?.to_device(x.device())?;
+    Ok(x.to_dtype(DType::F32)?.matmul(&dense.t()?)?)
+}
