@@ -718,18 +718,18 @@ fn malformed_files_are_typed_errors_naming_the_tensor() {
 }
 
 #[test]
-fn a_type_candle_lacks_fails_before_any_weight_is_read() {
-    // The wide Q8_0 file's token_embd has rows of 256 values: relabelled IQ4_XS (136-byte blocks of 256),
-    // its data still lies inside the file, so only the type can stop it.
+fn a_type_glm5_lacks_fails_before_any_weight_is_read() {
+    // The wide Q8_0 file's token_embd has rows of 256 values: relabelled TQ2_0 (ternary, 66-byte blocks of
+    // 256, which glm5 has no kernels for), its data still lies inside the file, so only the type can stop it.
     let mut bytes = std::fs::read(fixture("wide-Q8_0.gguf")).unwrap();
-    let iq4_xs = GgmlType::from_name("IQ4_XS").unwrap();
-    patch_tensor(&mut bytes, "token_embd.weight", |_, t, _| *t = iq4_xs.id);
+    let tq2_0 = GgmlType::from_name("TQ2_0").unwrap();
+    patch_tensor(&mut bytes, "token_embd.weight", |_, t, _| *t = tq2_0.id);
     let err = gguf_error(&write_temp(&bytes).1);
     assert!(
-        matches!(&err, GgufError::UnsupportedType { tensor, type_name } if tensor == "token_embd.weight" && type_name == "IQ4_XS"),
+        matches!(&err, GgufError::UnsupportedType { tensor, type_name } if tensor == "token_embd.weight" && type_name == "TQ2_0"),
         "{err}"
     );
-    assert!(err.to_string().contains("token_embd.weight") && err.to_string().contains("IQ4_XS"));
+    assert!(err.to_string().contains("token_embd.weight") && err.to_string().contains("TQ2_0"));
 }
 
 #[test]
@@ -1183,4 +1183,60 @@ fn gguf_experts_on_the_cpu_are_a_typed_error() {
         experts_gguf(&wide_x, &routes, &gate, &up, &down),
         Err(OpError::Shape { arg: "gate", .. })
     ));
+}
+
+/// The Python that has gguf-py (`$PYTHON`, as in .ci/run, else python3).
+fn python() -> String {
+    std::env::var("PYTHON").unwrap_or_else(|_| "python3".into())
+}
+
+#[test]
+fn i_quant_gguf_logits_equal_the_model_dequantised_by_gguf_py() {
+    // wide-IQ.gguf holds every i-quant format in the roles a published mix gives them (dense projections,
+    // stacked experts, shared expert, attn_v_b of kv_b, token_embd, output); gguf-py writes it back with
+    // those tensors dequantised to F32, which glm5 reads through its plain F32 path.
+    let dir = tempfile::tempdir().unwrap();
+    let reference = dir.path().join("wide-IQ-dequantized.gguf");
+    let status = std::process::Command::new(python())
+        .arg(fixture("dequantize_gguf.py"))
+        .arg(fixture("wide-IQ.gguf"))
+        .arg(&reference)
+        .status();
+    assert!(
+        matches!(status, Ok(s) if s.success()),
+        "tests/fixtures/gguf/dequantize_gguf.py failed ({status:?}): it needs `{}` with gguf-py \
+         (`python3 -m pip install gguf`; CI's .ci/run installs it)",
+        python()
+    );
+    let types: std::collections::BTreeSet<&str> = GgufModel::open(fixture("wide-IQ.gguf"))
+        .unwrap()
+        .tensors
+        .values()
+        .map(|t| t.ggml_type.name)
+        .filter(|name| name.starts_with("IQ"))
+        .collect();
+    assert_eq!(
+        types.len(),
+        9,
+        "every i-quant format in the fixture: {types:?}"
+    );
+
+    let iq = load_gguf(&fixture("wide-IQ.gguf")).unwrap();
+    let dequantized = load_gguf(&reference).unwrap();
+    // The i-quant projections stay quantised; the experts run one iq_matmul per chosen expert.
+    let backends: Vec<String> = iq
+        .layer_backends()
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    let backends = backends.join("\n");
+    assert!(backends.contains("per-expert i-quant"), "{backends}");
+    let ids: Vec<u32> = (0..24u32).map(|i| (i * 53 + 7) % 800).collect();
+    let want = logits(&dequantized, &ids);
+    let got = logits(&iq, &ids);
+    let worst = max_relative_l2(&got, &want);
+    println!("wide i-quant GGUF vs gguf-py's dequantised weights: worst per-position relative L2 {worst:.3e}");
+    // Same f32 weights, same f32 arithmetic: only the order of the matmul's sums may differ.
+    assert!(worst <= 1e-5, "{worst}");
+    assert!(want.iter().flatten().all(|v| v.is_finite()));
 }

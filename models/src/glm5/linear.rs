@@ -56,6 +56,11 @@ impl Loader<'_> {
                         .map_err(|source| weight_only_error(&name, source))?;
                     Proj::Nvfp4(weight)
                 }
+                Matrix::Iq(weight) => {
+                    glm5_ops::iq_matmul::dispatch(&weight, self.desc)
+                        .map_err(|source| weight_only_error(&name, source))?;
+                    Proj::Iq(weight)
+                }
             },
         )
     }
@@ -80,14 +85,15 @@ fn weight_only_error(
 
 /// A bias-free linear layer: a dense matrix, quantised (GGUF) blocks multiplied by candle's `QMatMul`,
 /// which runs its own kernels on the weights' device (CUDA mat-vec for a few rows, MMQ above; the CPU's
-/// vec-dot) without expanding them, or a block-scaled FP8 / NVFP4 weight multiplied by glm5's weight-only
-/// ops (W8A16 / W4A16: dequantised in the kernel, f32 accumulation). Input and output are in the model
+/// vec-dot) without expanding them, or a block-scaled FP8 / NVFP4 / GGUF i-quant weight multiplied by
+/// glm5's weight-only ops (W8A16 / W4A16 / i-quants: dequantised in the kernel, f32 accumulation). Input and output are in the model
 /// dtype; the quantised kinds compute in f32.
 pub(super) enum Proj {
     Dense(Linear),
     Quantized(QMatMul),
     Fp8Block(glm5_ops::fp8_matmul::Fp8BlockWeight),
     Nvfp4(glm5_ops::nvfp4_matmul::Nvfp4Weight),
+    Iq(glm5_ops::iq_matmul::IqWeight),
 }
 
 fn op_error(e: glm5_ops::OpError) -> candle_core::Error {
@@ -118,6 +124,7 @@ impl Module for Proj {
             Proj::Nvfp4(weight) => {
                 glm5_ops::nvfp4_matmul::nvfp4_matmul(x, weight).map_err(op_error)
             }
+            Proj::Iq(weight) => glm5_ops::iq_matmul::iq_matmul(x, weight).map_err(op_error),
         }
     }
 }

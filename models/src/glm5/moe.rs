@@ -163,6 +163,8 @@ struct GgufExperts {
 
 /// Why quantised experts run one by one (`experts_implementation`).
 const PER_EXPERT: &str = "per-expert quantised";
+const PER_EXPERT_IQ: &str =
+    "per-expert i-quant (no grouped kernel takes GGUF i-quant experts yet: one iq_matmul per chosen expert)";
 const PER_EXPERT_UNSUPPORTED: &str = "per-expert quantised (block type or row width not taken by candle-nn's GGUF MoE kernels: Q8_0, Q2_K-Q6_K)";
 
 /// What [`load_stacked_gguf`] found.
@@ -309,6 +311,15 @@ impl MoE {
                     shared_expert: shared,
                 });
             }
+            let why = if experts.iter().any(|m| {
+                [&m.gate_proj, &m.up_proj, &m.down_proj]
+                    .iter()
+                    .any(|p| matches!(p, Proj::Iq(_)))
+            }) {
+                PER_EXPERT_IQ
+            } else {
+                why
+            };
             return Ok(Self {
                 router,
                 experts: Experts::PerExpert { experts, why },

@@ -46,9 +46,9 @@ pub enum GgufError {
         type_id: u32,
     },
     #[error(
-        "tensor `{tensor}` is stored as {type_name}, which glm5 cannot compute with yet (candle has no \
-         kernels for it); glm5 reads F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K \
-         and Q6_K (see docs/gguf.md for which published files load)"
+        "tensor `{tensor}` is stored as {type_name}, which glm5 cannot compute with yet; glm5 reads F32, \
+         F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ1_S, IQ1_M, IQ2_XXS, \
+         IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ4_NL and IQ4_XS (see docs/gguf.md for which published files load)"
     )]
     UnsupportedType { tensor: String, type_name: String },
     #[error(
@@ -690,6 +690,11 @@ impl GgufModel {
     }
 
     /// Reads `bytes` bytes of `tensor`'s data starting `skip` bytes in.
+    /// The file (split part) holding `tensor`.
+    pub fn part_path(&self, tensor: &GgufTensor) -> &Path {
+        &self.parts[tensor.part]
+    }
+
     pub fn read_bytes(&self, tensor: &GgufTensor, skip: u64, bytes: u64) -> Result<Vec<u8>> {
         let path = &self.parts[tensor.part];
         let io = |source| GgufError::Io {

@@ -20,6 +20,8 @@ use std::sync::Arc;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 
+use glm5_ops::iq_matmul::{self, IqFormat, IqWeight};
+
 use super::gguf::{GgufError, GgufModel, GgufTensor};
 use super::gguf_config::config_from_gguf;
 use super::{Matrix, TensorSource};
@@ -151,13 +153,16 @@ impl GgufSource {
         &self.model
     }
 
-    /// The first tensor the model reads whose type candle cannot load, as an error naming it.
+    /// The first tensor the model reads whose type glm5 cannot compute with (candle's types and the
+    /// i-quants), as an error naming it.
     pub fn check_types(&self) -> Result<()> {
         for tensor in self.model.tensors.values() {
             if self.is_mtp(&tensor.name) {
                 continue;
             }
-            if tensor.ggml_type.candle().is_none() {
+            if tensor.ggml_type.candle().is_none()
+                && IqFormat::from_ggml_id(tensor.ggml_type.id).is_none()
+            {
                 return Err(GgufError::UnsupportedType {
                     tensor: tensor.name.clone(),
                     type_name: tensor.ggml_type.name.into(),
@@ -270,11 +275,79 @@ impl GgufSource {
             if info.shape() != want {
                 return Err(Self::shape_error(hf_name, name, &want, info.shape()));
             }
-            Ok(self.model.qtensor(info, None, device)?.dequantize(device)?)
+            self.dense_f32(info, None, device)
         };
         let w_uk = load(k_b, [heads, lora, nope])?.transpose(1, 2)?;
         let w_uv = load(v_b, [heads, v, lora])?;
         Ok(Tensor::cat(&[w_uk, w_uv], 1)?.reshape((heads * (nope + v), lora))?)
+    }
+}
+
+impl GgufSource {
+    /// The i-quant blocks of `info` (or of its item `slice`), `[rows, row bytes]` on `device`.
+    fn iq_weight(
+        &self,
+        info: &GgufTensor,
+        format: IqFormat,
+        slice: Option<usize>,
+        device: &Device,
+    ) -> Result<IqWeight> {
+        let in_dim = *info.dims.first().unwrap_or(&0) as usize;
+        let row_bytes = format
+            .row_bytes(in_dim)
+            .ok_or_else(|| GgufError::BadTensor {
+                path: self.model.part_path(info).to_path_buf(),
+                tensor: info.name.clone(),
+                reason: format!("rows of {in_dim} values are not whole {format} blocks"),
+            })?;
+        let (skip, bytes) = match slice {
+            None => (0, info.bytes),
+            Some(i) => {
+                let outer = *info.dims.last().unwrap_or(&1);
+                if info.dims.len() < 2 || i as u64 >= outer {
+                    return Err(GgufError::BadTensor {
+                        path: self.model.part_path(info).to_path_buf(),
+                        tensor: info.name.clone(),
+                        reason: format!("no item {i} in dims {:?}", info.dims),
+                    }
+                    .into());
+                }
+                let each = info.bytes / outer;
+                (each * i as u64, each)
+            }
+        };
+        let data = self.model.read_bytes(info, skip, bytes)?;
+        let rows = data.len() / row_bytes;
+        let blocks = Tensor::from_vec(data, (rows, row_bytes), &Device::Cpu)?.to_device(device)?;
+        Ok(
+            IqWeight::new(format, blocks, in_dim).map_err(|e| GgufError::BadTensor {
+                path: self.model.part_path(info).to_path_buf(),
+                tensor: info.name.clone(),
+                reason: e.to_string(),
+            })?,
+        )
+    }
+
+    /// `info` (or its item `slice`) expanded to f32 on `device`, whatever its type.
+    fn dense_f32(
+        &self,
+        info: &GgufTensor,
+        slice: Option<usize>,
+        device: &Device,
+    ) -> Result<Tensor> {
+        if let Some(format) = IqFormat::from_ggml_id(info.ggml_type.id) {
+            let w = self.iq_weight(info, format, slice, &Device::Cpu)?;
+            let mut shape = info.shape();
+            if slice.is_some() {
+                shape.remove(0);
+            }
+            let values = iq_matmul::reference::dequantize(&w)?;
+            return Ok(values.reshape(shape)?.to_device(device)?);
+        }
+        Ok(self
+            .model
+            .qtensor(info, slice, device)?
+            .dequantize(device)?)
     }
 }
 
@@ -298,8 +371,7 @@ impl TensorSource for GgufSource {
                 .to_dtype(dtype)?);
         }
         let (info, slice) = self.locate(name, shape)?;
-        let q = self.model.qtensor(info, slice, device)?;
-        Ok(q.dequantize(device)?.to_dtype(dtype)?)
+        Ok(self.dense_f32(info, slice, device)?.to_dtype(dtype)?)
     }
 
     fn matrix(
@@ -310,6 +382,9 @@ impl TensorSource for GgufSource {
         device: &Device,
     ) -> Result<Matrix> {
         let (info, slice) = self.locate(name, &shape)?;
+        if let Some(format) = IqFormat::from_ggml_id(info.ggml_type.id) {
+            return Ok(Matrix::Iq(self.iq_weight(info, format, slice, device)?));
+        }
         if info.ggml_type.is_float() {
             let q = self.model.qtensor(info, slice, device)?;
             return Ok(Matrix::Dense(q.dequantize(device)?.to_dtype(dtype)?));

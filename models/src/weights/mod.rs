@@ -6,7 +6,8 @@
 //!   made-up random weights (bf16; [`random_q4k`]: random Q4_K blocks for the linear layers; [`random_quantized`]:
 //!   random FP8 or NVFP4 weights).
 //! * [`gguf`] / [`gguf_source`]: llama.cpp GGUF files (architecture `glm-dsa`), one file or split parts, whose
-//!   quantised matrices stay quantised ([`Matrix::Quantized`], multiplied by candle's `QMatMul`).
+//!   quantised matrices stay quantised ([`Matrix::Quantized`], multiplied by candle's `QMatMul`; the i-quants,
+//!   which candle lacks, as [`Matrix::Iq`], multiplied by `glm5_ops::iq_matmul`).
 //!
 //! The model asks for every tensor by its Hugging Face checkpoint name with the shape the config implies; a
 //! source that stores it under another name or layout (GGUF) translates. A missing or misshapen tensor is an
@@ -39,6 +40,9 @@ pub enum Matrix {
     Fp8Block(glm5_ops::fp8_matmul::Fp8BlockWeight),
     /// NVFP4 (ModelOpt), multiplied by `glm5_ops::nvfp4_matmul`.
     Nvfp4(glm5_ops::nvfp4_matmul::Nvfp4Weight),
+    /// llama.cpp's i-quant blocks (GGUF IQ1_S ... IQ4_XS, which candle cannot hold), multiplied by
+    /// `glm5_ops::iq_matmul`.
+    Iq(glm5_ops::iq_matmul::IqWeight),
 }
 
 /// Where weights come from: one implementation per checkpoint format.
