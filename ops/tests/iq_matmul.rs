@@ -145,3 +145,25 @@ fn formats_round_trip_through_their_ggml_ids() {
     }
     assert_eq!(IqFormat::from_ggml_id(8), None); // Q8_0
 }
+
+#[test]
+fn dispatch_names_the_backend_per_device_with_reasons() {
+    let bytes = Tensor::zeros((4, 136), DType::U8, &Device::Cpu).unwrap();
+    let w = IqWeight::new(IqFormat::Iq4Xs, bytes, 256).unwrap();
+    for arch in ["sm_90", "sm_120"] {
+        let device = DeviceDesc::assume(&format!("{arch}:96GB"), 0).unwrap();
+        assert_eq!(
+            iq_matmul::dispatch(&w, &device).unwrap().name,
+            "iq-w16-cuda",
+            "{arch}"
+        );
+    }
+    // No kernel is built for sm_80: the error names every backend and why.
+    let err = iq_matmul::dispatch(&w, &DeviceDesc::assume("sm_80:80GB", 0).unwrap()).unwrap_err();
+    let text = err.to_string();
+    assert!(
+        text.contains("iq-w16-cuda") && text.contains("compute capability"),
+        "{text}"
+    );
+    assert!(text.contains("iq-reference-cpu"), "{text}");
+}
