@@ -16,9 +16,9 @@ for step in $steps; do
   case $step in
     tests|kernel-tests|model-tests)
       case $step in
-        kernel-tests) names="sparse_mla_cuda dsa_indexer_cuda moe_cuda rms_norm_cuda" ;;
-        model-tests) names="model_cuda fp8_nvfp4_cuda" ;;
-        *) names="sparse_mla_cuda dsa_indexer_cuda moe_cuda rms_norm_cuda model_cuda fp8_nvfp4_cuda" ;;
+        kernel-tests) names="sparse_mla_cuda dsa_indexer_cuda moe_cuda rms_norm_cuda iq_matmul_cuda" ;;
+        model-tests) names="model_cuda fp8_nvfp4_cuda gguf_cuda" ;;
+        *) names="sparse_mla_cuda dsa_indexer_cuda moe_cuda rms_norm_cuda iq_matmul_cuda model_cuda fp8_nvfp4_cuda gguf_cuda" ;;
       esac
       for t in $names; do
         timeout 400 /tmp/glm5-bin/$t --test-threads=1 --nocapture > "$OUT/test-$t.log" 2>&1; rc=$?  # a hung kernel: rc 124
@@ -37,7 +37,7 @@ for step in $steps; do
         suffix=""; [ $v = main ] || suffix=-$v
         for tool in memcheck racecheck; do
           for t in "sparse_mla_cuda bf16_kernel prefill_tokens wgmma_kernel" "dsa_indexer_cuda selected_sets equal_scores f32_kernel fp8_quantisation crowded repeated" \
-            "moe_cuda" "rms_norm_cuda" "fp8_nvfp4_cuda kernels_match"; do
+            "moe_cuda" "rms_norm_cuda" "fp8_nvfp4_cuda kernels_match" "iq_matmul_cuda every_format"; do
             set -- $t; bin=$1$suffix; shift
             [ -x /tmp/glm5-bin/$bin ] || continue  # a variant packed without it
             GLM5_QUICK=1 timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 /tmp/glm5-bin/$bin \

@@ -197,3 +197,37 @@ fn stacked_gguf_experts_on_gpu_match_the_cpu_per_expert_path() {
         }
     }
 }
+
+/// llama.cpp's i-quant formats (every one in wide-IQ.gguf, whose CPU logits equal gguf-py's dequantised
+/// model exactly: tests/gguf.rs) on the GPU through glm5's own kernels: the same weights in f32, so the GPU
+/// logits equal the CPU's up to the order of f32 sums (decode: the mat-vec kernel; prefill of 24 tokens:
+/// dequantise + matmul).
+#[test]
+fn i_quant_gguf_on_gpu_matches_the_cpu() {
+    let gpu = Device::new_cuda(0).unwrap();
+    let (config, checkpoint) = Checkpoint::open_gguf(fixture("wide-IQ.gguf")).unwrap();
+    let load = |device: &Device| {
+        Glm5ForCausalLM::load(
+            &config,
+            &checkpoint,
+            DType::F32,
+            device,
+            AttentionMode::Sparse,
+        )
+        .unwrap()
+    };
+    let (cpu, on_gpu) = (load(&Device::Cpu), load(&gpu));
+    let ids: Vec<u32> = (0..24u32)
+        .map(|i| (i * 53 + 7) % config.vocab_size as u32)
+        .collect();
+    let first = ids.len().min(config.index_topk);
+    for (what, split) in [("decode", 1), ("prefill", ids.len())] {
+        let (want, got) = (
+            decode_rows(&cpu, &ids, split),
+            decode_rows(&on_gpu, &ids, split),
+        );
+        let per: Vec<f32> = (0..first).map(|p| relative_l2(&got[p], &want[p])).collect();
+        println!("wide-IQ {what}: GPU vs CPU, positions < {first}: ‖Δ‖/‖CPU‖ {per:.3?}");
+        assert!(per.iter().all(|&e| e < 1e-4), "wide-IQ {what}: {per:?}");
+    }
+}
