@@ -120,8 +120,12 @@ for step in $steps; do
       # The whole model step (docs/performance.md): bf16 with HF transformers in the same call, then the
       # quantised formats.
       timeout 500 /tmp/glm5-bin/glm5-bench e2e --hf bench/hf_e2e.py 2>&1 | tee "$OUT/e2e-bf16.txt"; [ ${PIPESTATUS[0]} = 0 ] || status=1
-      for w in fp8 nvfp4; do
+      for w in fp8 nvfp4 q4k; do
         timeout 300 /tmp/glm5-bin/glm5-bench e2e --weights $w --contexts 4096 --batches 8,64 2>&1 | tee "$OUT/e2e-$w.txt"; [ ${PIPESTATUS[0]} = 0 ] || status=1
+      done
+      # i-quant GGUF mixes (IQ4_XS and IQ2_S experts as published): decode only, their experts run per expert.
+      for w in iq4_xs iq2_s; do
+        timeout 300 /tmp/glm5-bin/glm5-bench e2e --weights $w --contexts 4096 --batches 8 2>&1 | tee "$OUT/e2e-$w.txt"; [ ${PIPESTATUS[0]} = 0 ] || status=1
       done ;;
     bench)
       timeout 400 /tmp/glm5-bin/glm5-bench 2>&1 | tee "$OUT/bench.txt"; [ ${PIPESTATUS[0]} = 0 ] || status=1

@@ -1240,3 +1240,48 @@ fn i_quant_gguf_logits_equal_the_model_dequantised_by_gguf_py() {
     assert!(worst <= 1e-5, "{worst}");
     assert!(want.iter().flatten().all(|v| v.is_finite()));
 }
+
+#[test]
+fn random_iq_source_builds_blocks_at_the_requested_scale() {
+    use glm5::models::weights::random_iq::RandomIqSource;
+    use glm5::ops::iq_matmul::{self, IqFormat};
+    let std = 0.02;
+    for format in IqFormat::ALL {
+        let source = RandomIqSource::new(7, std, format);
+        let name = "model.layers.3.mlp.experts.1.gate_proj.weight";
+        let (out, inp) = (32, 512);
+        let Matrix::Iq(w) = source
+            .matrix(name, [out, inp], DType::BF16, &Device::Cpu)
+            .unwrap()
+        else {
+            panic!("{format}: {name} is not an i-quant matrix")
+        };
+        assert_eq!(w.format, format);
+        let values: Vec<f32> = iq_matmul::reference::dequantize(&w)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let rms = (values.iter().map(|v| v * v).sum::<f32>() / values.len() as f32).sqrt();
+        println!("random {format}: RMS {rms:.3e} (asked {std})");
+        assert!(values.iter().all(|v| v.is_finite()));
+        assert!((rms / std as f32 - 1.0).abs() < 0.3, "{format}: RMS {rms}");
+        assert_eq!(
+            source.resident_bytes(name, &[out, inp], DType::BF16),
+            (out * inp / format.block_values() * format.block_bytes()) as u64
+        );
+        // lm_head and rows that are not whole blocks stay dense, as llama-quantize leaves them.
+        for (dense, shape) in [
+            ("lm_head.weight", [64usize, 512]),
+            ("model.layers.0.self_attn.q_a_proj.weight", [32, 100]),
+        ] {
+            assert!(matches!(
+                source
+                    .matrix(dense, shape, DType::BF16, &Device::Cpu)
+                    .unwrap(),
+                Matrix::Dense(_)
+            ));
+        }
+    }
+}

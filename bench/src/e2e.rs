@@ -12,9 +12,11 @@ use std::time::Instant;
 use glm5::candle_core::{DType, Device, Result, Tensor};
 use glm5::models::profile;
 use glm5::models::sizes::{self, TensorInfo};
+use glm5::models::weights::random_iq::RandomIqSource;
 use glm5::models::weights::random_q4k::RandomQ4kSource;
 use glm5::models::weights::Format;
 use glm5::models::{PagedCacheOptions, SeqChunk, SeqId, DEFAULT_BLOCK_SIZE};
+use glm5::ops::iq_matmul::IqFormat;
 use glm5::{AttentionMode, Checkpoint, Config, DeviceDesc, Glm5ForCausalLM, Plan, PlanOptions};
 
 use crate::cuda;
@@ -32,6 +34,9 @@ pub enum WeightFormat {
     Fp8,
     /// NVFP4 as ModelOpt exports it (groups of 16) where that recipe quantises.
     Nvfp4,
+    /// One of llama.cpp's i-quant formats for every linear layer Q4_K covers
+    /// (`glm5::models::weights::random_iq`).
+    Iq(IqFormat),
 }
 
 impl std::str::FromStr for WeightFormat {
@@ -43,9 +48,16 @@ impl std::str::FromStr for WeightFormat {
             "q4k" | "q4_k" => Ok(Self::Q4K),
             "fp8" => Ok(Self::Fp8),
             "nvfp4" => Ok(Self::Nvfp4),
-            other => Err(format!(
-                "unknown weight format {other:?} (bf16, q4k, fp8, nvfp4)"
-            )),
+            other => IqFormat::ALL
+                .into_iter()
+                .find(|f| f.name().eq_ignore_ascii_case(other))
+                .map(Self::Iq)
+                .ok_or_else(|| {
+                    format!(
+                        "unknown weight format {other:?} (bf16, q4k, fp8, nvfp4, or an i-quant: iq1_s, iq1_m, \
+                         iq2_xxs, iq2_xs, iq2_s, iq3_xxs, iq3_s, iq4_nl, iq4_xs)"
+                    )
+                }),
         }
     }
 }
@@ -58,13 +70,14 @@ impl WeightFormat {
             Self::Q4K => "Q4_K",
             Self::Fp8 => "FP8 (128x128 blocks)",
             Self::Nvfp4 => "NVFP4",
+            Self::Iq(format) => format.name(),
         }
     }
 
     /// The published safetensors recipe's quantisation (FP8, NVFP4; `None` otherwise).
     fn quantization(self) -> Option<glm5::models::Quantization> {
         match self {
-            Self::Bf16 | Self::Q4K => None,
+            Self::Bf16 | Self::Q4K | Self::Iq(_) => None,
             Self::Fp8 => Some(glm5::models::Quantization::Fp8Block {
                 block: [128, 128],
                 modules_to_not_convert: vec![],
@@ -84,6 +97,9 @@ pub fn random_checkpoint(format: WeightFormat) -> Checkpoint {
         WeightFormat::Bf16 => Checkpoint::random(seed, std),
         WeightFormat::Q4K => {
             Checkpoint::from_source(Box::new(RandomQ4kSource::new(seed, std)), Format::Random)
+        }
+        WeightFormat::Iq(iq) => {
+            Checkpoint::from_source(Box::new(RandomIqSource::new(seed, std, iq)), Format::Random)
         }
         WeightFormat::Fp8 | WeightFormat::Nvfp4 => Checkpoint::random_quantized(
             seed,
@@ -198,7 +214,7 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
     device.synchronize()?;
     let weights = match args.weights {
         WeightFormat::Bf16 => "random bf16 weights".to_string(),
-        WeightFormat::Q4K => format!(
+        WeightFormat::Q4K | WeightFormat::Iq(_) => format!(
             "random weights: linear layers {} as a llama.cpp Q4_K_M file quantises them, lm_head / embeddings / kv_b bf16, router f32",
             args.weights.label()
         ),

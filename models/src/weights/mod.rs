@@ -3,8 +3,8 @@
 //! * [`safetensors`]: Hugging Face safetensors, one file or a sharded set named by
 //!   `model.safetensors.index.json`, stored as f32, bf16 or f16, or quantised as block-scaled FP8 or NVFP4
 //!   ([`crate::quantization`]; those matrices stay quantised: [`Matrix::Fp8Block`], [`Matrix::Nvfp4`]); and
-//!   made-up random weights (bf16; [`random_q4k`]: random Q4_K blocks for the linear layers; [`random_quantized`]:
-//!   random FP8 or NVFP4 weights).
+//!   made-up random weights (bf16; [`random_q4k`]: random Q4_K blocks for the linear layers; [`random_iq`]:
+//!   random i-quant blocks; [`random_quantized`]: random FP8 or NVFP4 weights).
 //! * [`gguf`] / [`gguf_source`]: llama.cpp GGUF files (architecture `glm-dsa`), one file or split parts, whose
 //!   quantised matrices stay quantised ([`Matrix::Quantized`], multiplied by candle's `QMatMul`; the i-quants,
 //!   which candle lacks, as [`Matrix::Iq`], multiplied by `glm5_ops::iq_matmul`).
@@ -16,6 +16,7 @@
 pub mod gguf;
 pub mod gguf_config;
 pub mod gguf_source;
+pub mod random_iq;
 pub mod random_q4k;
 pub mod random_quantized;
 pub mod safetensors;

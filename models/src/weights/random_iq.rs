@@ -1,0 +1,126 @@
+//! Made-up weights in one of llama.cpp's i-quant formats, for timing i-quant GGUF files without one:
+//! [`RandomIqSource`] is [`RandomSource`] with every matrix a llama.cpp quantisation stores quantised (the rule
+//! of [`super::random_q4k`]: every linear layer but `lm_head`, rows of whole blocks) returned as random i-quant
+//! blocks ([`Matrix::Iq`]). The routed experts are per-expert matrices (no grouped kernel takes i-quant
+//! experts yet).
+//!
+//! The blocks are random bytes with each block's f16 scale set so the values have about the source's standard
+//! deviation (the format's value spread with a unit scale is measured once on random blocks). A function of the
+//! seed and the tensor name.
+
+use candle_core::{DType, Device, Tensor};
+use glm5_ops::iq_matmul::{reference, IqFormat, IqWeight};
+
+use super::gguf_source::is_linear;
+use super::random_q4k::quantised_in_q4k;
+use super::safetensors::RandomSource;
+use super::{Matrix, TensorSource};
+use crate::error::Result;
+
+/// Random weights, linear layers as i-quant blocks of one format (module docs).
+pub struct RandomIqSource {
+    pub dense: RandomSource,
+    pub format: IqFormat,
+    /// The f16 scale that gives values of about `dense.std`.
+    scale: half::f16,
+}
+
+fn splitmix(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// Writes the f16 super-scale `d` into one block (byte 0, or IQ1_M's four sub-scale words' top nibbles).
+fn set_scale(format: IqFormat, block: &mut [u8], d: half::f16) {
+    let bits = d.to_bits();
+    if format == IqFormat::Iq1M {
+        for i in 0..4 {
+            let at = 48 + 2 * i;
+            let word = u16::from_le_bytes([block[at], block[at + 1]]);
+            let word = (word & 0x0fff) | (((bits >> (4 * i)) & 0xf) << 12);
+            block[at..at + 2].copy_from_slice(&word.to_le_bytes());
+        }
+    } else {
+        block[..2].copy_from_slice(&bits.to_le_bytes());
+    }
+}
+
+/// `blocks` random blocks of `format` with scale `d`, for the tensor `name`.
+fn random_blocks(format: IqFormat, name: &str, seed: u64, d: half::f16, blocks: usize) -> Vec<u8> {
+    let name_hash = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    });
+    let mut state = seed ^ name_hash;
+    let mut bytes = vec![0u8; blocks * format.block_bytes()];
+    for chunk in bytes.chunks_mut(8) {
+        let word = splitmix(&mut state).to_le_bytes();
+        chunk.copy_from_slice(&word[..chunk.len()]);
+    }
+    for block in bytes.chunks_exact_mut(format.block_bytes()) {
+        set_scale(format, block, d);
+    }
+    bytes
+}
+
+impl RandomIqSource {
+    pub fn new(seed: u64, std: f64, format: IqFormat) -> Self {
+        // The values' RMS with a unit scale, over 64 random blocks.
+        let unit = reference::dequantize_bytes(
+            format,
+            &random_blocks(format, "unit", seed, half::f16::ONE, 64),
+        );
+        let rms =
+            (unit.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / unit.len() as f64).sqrt();
+        Self {
+            dense: RandomSource { seed, std },
+            format,
+            scale: half::f16::from_f64(std / rms.max(f64::MIN_POSITIVE)),
+        }
+    }
+
+    fn quantised(&self, name: &str, in_dim: usize) -> bool {
+        is_linear(name)
+            && quantised_in_q4k(name)
+            && in_dim.is_multiple_of(self.format.block_values())
+    }
+}
+
+impl TensorSource for RandomIqSource {
+    fn contains(&self, name: &str) -> bool {
+        self.dense.contains(name)
+    }
+
+    fn tensor(&self, name: &str, shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
+        self.dense.tensor(name, shape, dtype, device)
+    }
+
+    fn matrix(
+        &self,
+        name: &str,
+        shape: [usize; 2],
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Matrix> {
+        if !self.quantised(name, shape[1]) {
+            return self.dense.matrix(name, shape, dtype, device);
+        }
+        let blocks = shape[0] * shape[1] / self.format.block_values();
+        let bytes = random_blocks(self.format, name, self.dense.seed, self.scale, blocks);
+        let row = self.format.row_bytes(shape[1]).expect("whole blocks");
+        let tensor = Tensor::from_vec(bytes, (shape[0], row), &Device::Cpu)?.to_device(device)?;
+        Ok(Matrix::Iq(IqWeight::new(self.format, tensor, shape[1])?))
+    }
+
+    fn resident_bytes(&self, name: &str, shape: &[usize], dtype: DType) -> u64 {
+        let elements = shape.iter().map(|&d| d as u64).product::<u64>();
+        let row = shape.last().copied().unwrap_or(0);
+        if self.quantised(name, row) {
+            elements / self.format.block_values() as u64 * self.format.block_bytes() as u64
+        } else {
+            elements * dtype.size_in_bytes() as u64
+        }
+    }
+}
