@@ -1002,6 +1002,16 @@ fn q2_k_xl(name: &str) -> &'static str {
     }
 }
 
+/// An i-quant mix as published for GLM-5.1 (same architecture; AesSedai's `IQ4_XS`, 336.61 GiB): Q8_0
+/// everywhere but the routed experts, IQ3_S gate and up, IQ4_XS down.
+fn iq4_xs_mix(name: &str) -> &'static str {
+    match name {
+        n if n.ends_with("ffn_gate_exps.weight") || n.ends_with("ffn_up_exps.weight") => "IQ3_S",
+        n if n.ends_with("ffn_down_exps.weight") => "IQ4_XS",
+        _ => "Q8_0",
+    }
+}
+
 #[test]
 fn glm5_gguf_plans_fit_eight_96gb_gpus_with_context_left() {
     use glm5::models::sizes::TensorInfo;
@@ -1010,6 +1020,11 @@ fn glm5_gguf_plans_fit_eight_96gb_gpus_with_context_left() {
     for (label, recipe, published_gb) in [
         ("UD-Q2_K_XL", q2_k_xl as fn(&str) -> &'static str, 281.0),
         ("Q4_K_M", q4_k_m as fn(&str) -> &'static str, 430.0),
+        (
+            "IQ4_XS mix",
+            iq4_xs_mix as fn(&str) -> &'static str,
+            336.61 * 1.073_741_824,
+        ),
     ] {
         let gguf = glm5_gguf(&recipe);
         let file_bytes: u64 = gguf.tensors.values().map(|t| t.bytes).sum();
@@ -1032,7 +1047,7 @@ fn glm5_gguf_plans_fit_eight_96gb_gpus_with_context_left() {
         .unwrap_or_else(|e| panic!("{label}: {e}"));
         let gb = |b: u64| b as f64 / 1e9;
         println!(
-            "{label}: file {:.1} GB (published ~{published_gb} GB), resident {:.1} GB",
+            "{label}: file {:.1} GB (published ~{published_gb:.0} GB), resident {:.1} GB",
             gb(file_bytes),
             gb(plan.weight_bytes())
         );
