@@ -6,7 +6,10 @@
 //! dispatches once per weight when its graph is built, so an unservable weight fails the build naming the
 //! tensor; nothing falls back to expanding the weight silently.
 
+use candle_core::{DType, Tensor};
+
 use crate::device::{DeviceDesc, DeviceFamily, DeviceKind};
+use crate::error::OpError;
 use crate::registry::{DeviceMatch, Reason};
 
 /// The shape facts of one quantised weight a backend may limit.
@@ -129,4 +132,43 @@ pub fn dispatch(
         device: device.name.clone(),
         rejections,
     })
+}
+
+/// What every weight-only matmul's public function does around its kernels: checks `x` is `[.., in]` for a
+/// weight `[out, in]`, flattens it to `[rows, in]` in f32 or bf16 (f16 goes through f32), runs `product` on
+/// that (which picks the device's kernels or the CPU reference) and gives `[.., out]` back in `x`'s dtype.
+pub(crate) fn apply(
+    op: &'static str,
+    x: &Tensor,
+    (out, inp): (usize, usize),
+    product: impl FnOnce(&Tensor) -> crate::Result<Tensor>,
+) -> crate::Result<Tensor> {
+    let dims = x.dims().to_vec();
+    if dims.last() != Some(&inp) {
+        return Err(OpError::Shape {
+            arg: "x",
+            expected: format!("[.., {inp}]"),
+            found: dims,
+        });
+    }
+    if x.device().is_cuda() && !cfg!(feature = "cuda") {
+        return Err(OpError::Unsupported(format!(
+            "{op} on CUDA needs the `cuda` feature"
+        )));
+    }
+    let rows = dims[..dims.len() - 1].iter().product::<usize>();
+    let x2 = match x.dtype() {
+        DType::F32 | DType::BF16 => x.reshape((rows, inp))?,
+        DType::F16 => x.reshape((rows, inp))?.to_dtype(DType::F32)?,
+        other => {
+            return Err(OpError::NotFloat {
+                arg: "x",
+                found: other,
+            })
+        }
+    };
+    let y = product(&x2)?;
+    let mut out_dims = dims;
+    *out_dims.last_mut().expect("x has a last dim") = out;
+    Ok(y.reshape(out_dims)?.to_dtype(x.dtype())?)
 }

@@ -12,7 +12,7 @@ use candle_core::{DType, Device, Tensor};
 use glm5_ops::iq_matmul::{reference, IqFormat, IqWeight};
 
 use super::gguf_source::is_linear;
-use super::random_q4k::quantised_in_q4k;
+use super::random_q4k::{name_stream, quantised_in_q4k, splitmix};
 use super::safetensors::RandomSource;
 use super::{Matrix, TensorSource};
 use crate::error::Result;
@@ -23,14 +23,6 @@ pub struct RandomIqSource {
     pub format: IqFormat,
     /// The f16 scale that gives values of about `dense.std`.
     scale: half::f16,
-}
-
-fn splitmix(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
 }
 
 /// Writes the f16 super-scale `d` into one block (byte 0, or IQ1_M's four sub-scale words' top nibbles).
@@ -50,10 +42,7 @@ fn set_scale(format: IqFormat, block: &mut [u8], d: half::f16) {
 
 /// `blocks` random blocks of `format` with scale `d`, for the tensor `name`.
 fn random_blocks(format: IqFormat, name: &str, seed: u64, d: half::f16, blocks: usize) -> Vec<u8> {
-    let name_hash = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
-    });
-    let mut state = seed ^ name_hash;
+    let mut state = name_stream(seed, name);
     let mut bytes = vec![0u8; blocks * format.block_bytes()];
     for chunk in bytes.chunks_mut(8) {
         let word = splitmix(&mut state).to_le_bytes();

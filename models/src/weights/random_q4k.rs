@@ -51,7 +51,8 @@ pub fn q4k_bytes(elements: u64) -> u64 {
     elements / QK_K as u64 * Q4K_BLOCK_BYTES as u64
 }
 
-fn splitmix(state: &mut u64) -> u64 {
+/// The next value of a SplitMix64 stream (the random sources' generator: fast, and a function of the seed).
+pub(crate) fn splitmix(state: &mut u64) -> u64 {
     *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
     let mut z = *state;
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
@@ -59,12 +60,17 @@ fn splitmix(state: &mut u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// `blocks` random Q4_K blocks for the tensor `name`, appended to `out`.
-fn q4k_blocks(name: &str, seed: u64, std: f64, blocks: usize, out: &mut Vec<u8>) {
+/// The random stream of tensor `name`: `seed` mixed with the name's FNV-1a hash.
+pub(crate) fn name_stream(seed: u64, name: &str) -> u64 {
     let name_hash = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
         (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
     });
-    let mut state = seed ^ name_hash;
+    seed ^ name_hash
+}
+
+/// `blocks` random Q4_K blocks for the tensor `name`, appended to `out`.
+fn q4k_blocks(name: &str, seed: u64, std: f64, blocks: usize, out: &mut Vec<u8>) {
+    let mut state = name_stream(seed, name);
     let base = std / 258.0;
     out.reserve(blocks * Q4K_BLOCK_BYTES);
     for _ in 0..blocks {

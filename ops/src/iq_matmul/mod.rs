@@ -198,43 +198,13 @@ impl IqWeight {
 
 /// `x · Wᵀ` in `x`'s dtype (see the module contract).
 pub fn iq_matmul(x: &Tensor, w: &IqWeight) -> Result<Tensor> {
-    let (out, inp) = w.dims()?;
-    let dims = x.dims().to_vec();
-    if dims.last() != Some(&inp) {
-        return Err(OpError::Shape {
-            arg: "x",
-            expected: format!("[.., {inp}]"),
-            found: dims,
-        });
-    }
-    let rows = dims[..dims.len() - 1].iter().product::<usize>();
-    let x2 = match x.dtype() {
-        DType::F32 | DType::BF16 => x.reshape((rows, inp))?,
-        DType::F16 => x.reshape((rows, inp))?.to_dtype(DType::F32)?,
-        other => {
-            return Err(OpError::NotFloat {
-                arg: "x",
-                found: other,
-            })
-        }
-    };
-    let y = if x.device().is_cuda() {
+    crate::weight_only::apply("iq_matmul", x, w.dims()?, |x2| {
         #[cfg(feature = "cuda")]
-        {
-            cuda::iq_matmul(&x2.contiguous()?, w)?
+        if x2.device().is_cuda() {
+            return cuda::iq_matmul(&x2.contiguous()?, w);
         }
-        #[cfg(not(feature = "cuda"))]
-        {
-            return Err(OpError::Unsupported(
-                "iq_matmul on CUDA needs the `cuda` feature".into(),
-            ));
-        }
-    } else {
-        reference::iq_matmul(&x2, w)?
-    };
-    let mut out_dims = dims;
-    *out_dims.last_mut().expect("x has a last dim") = out;
-    Ok(y.reshape(out_dims)?.to_dtype(x.dtype())?)
+        reference::iq_matmul(x2, w)
+    })
 }
 
 /// The whole weight as `dtype` on its device (the reference's f32 values, rounded once to `dtype`).
