@@ -200,8 +200,8 @@ fn stacked_gguf_experts_on_gpu_match_the_cpu_per_expert_path() {
 
 /// llama.cpp's i-quant formats (every one in wide-IQ.gguf, whose CPU logits equal gguf-py's dequantised
 /// model exactly: tests/gguf.rs) on the GPU through glm5's own kernels: the same weights in f32, so the GPU
-/// logits equal the CPU's up to the order of f32 sums (decode: the mat-vec kernel; prefill of 24 tokens:
-/// dequantise + matmul).
+/// logits equal the CPU's up to the order of f32 sums (decode: the mat-vec kernels, the experts' grouped;
+/// prefill of 24 tokens: dequantise + matmul).
 #[test]
 fn i_quant_gguf_on_gpu_matches_the_cpu() {
     let gpu = Device::new_cuda(0).unwrap();
@@ -217,6 +217,16 @@ fn i_quant_gguf_on_gpu_matches_the_cpu() {
         .unwrap()
     };
     let (cpu, on_gpu) = (load(&Device::Cpu), load(&gpu));
+    // Gate and up share a format (IQ3_S, down IQ4_XS, as published mixes): the grouped kernels run them.
+    for layer in on_gpu.layer_backends() {
+        if layer.mlp == MlpKind::MoE {
+            assert!(
+                layer.experts.starts_with("moe-matvec i-quant"),
+                "{:?}",
+                layer.experts
+            );
+        }
+    }
     let ids: Vec<u32> = (0..24u32)
         .map(|i| (i * 53 + 7) % config.vocab_size as u32)
         .collect();

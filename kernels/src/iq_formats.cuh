@@ -55,139 +55,157 @@ __device__ __forceinline__ float signed_byte_of(uint64_t entry, int j) {
 }
 __device__ __forceinline__ float sign_of(uint32_t bits, int j) { return (bits >> j) & 1 ? -1.0f : 1.0f; }
 
-/// Sub-block `ib` (0..7; IQ4_NL: 0) of the block at `b` into `w`.
-template <Format F> __device__ __forceinline__ void decode(const uint8_t* b, int ib, float (&w)[32]);
+/// Half `h` (values 16h .. 16h + 15) of sub-block `ib` (0..7; IQ4_NL: 0) of the block at `b` into `w`.
+template <Format F> __device__ __forceinline__ void decode_half(const uint8_t* b, int ib, int h, float (&w)[16]);
 
-template <> __device__ __forceinline__ void decode<IQ2_XXS>(const uint8_t* b, int ib, float (&w)[32]) {
+template <> __device__ __forceinline__ void decode_half<IQ2_XXS>(const uint8_t* b, int ib, int h, float (&w)[16]) {
     const float d = f16_at(b, 0);
     const uint8_t* q = b + 2 + 8 * ib;
     const uint32_t aux = u32_at(q, 4);
     const float db = d * (0.5f + static_cast<float>(aux >> 28)) * 0.25f;
 #pragma unroll
-    for (int l = 0; l < 4; ++l) {
+    for (int g = 0; g < 2; ++g) {
+        const int l = 2 * h + g;
         const uint64_t grid = GLM5_IQ2XXS_GRID[__ldg(q + l)];
         const uint32_t signs = GLM5_KSIGNS_IQ2XS[(aux >> (7 * l)) & 127];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) w[8 * l + j] = db * static_cast<float>(byte_of(grid, j)) * sign_of(signs, j);
+        for (int j = 0; j < 8; ++j) w[8 * g + j] = db * static_cast<float>(byte_of(grid, j)) * sign_of(signs, j);
     }
 }
 
-template <> __device__ __forceinline__ void decode<IQ2_XS>(const uint8_t* b, int ib, float (&w)[32]) {
+template <> __device__ __forceinline__ void decode_half<IQ2_XS>(const uint8_t* b, int ib, int h, float (&w)[16]) {
     const float d = f16_at(b, 0);
-    const uint32_t scales = __ldg(b + 66 + ib);
+    // One 4-bit scale per 16 values: the half's.
+    const float db = d * (0.5f + static_cast<float>((__ldg(b + 66 + ib) >> (4 * h)) & 0xf)) * 0.25f;
 #pragma unroll
-    for (int l = 0; l < 4; ++l) {
-        const uint32_t q = u16_at(b, 2 + 2 * (4 * ib + l));
-        const float db = d * (0.5f + static_cast<float>((scales >> (4 * (l / 2))) & 0xf)) * 0.25f;
+    for (int g = 0; g < 2; ++g) {
+        const uint32_t q = u16_at(b, 2 + 2 * (4 * ib + 2 * h + g));
         const uint64_t grid = GLM5_IQ2XS_GRID[q & 511];
         const uint32_t signs = GLM5_KSIGNS_IQ2XS[q >> 9];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) w[8 * l + j] = db * static_cast<float>(byte_of(grid, j)) * sign_of(signs, j);
+        for (int j = 0; j < 8; ++j) w[8 * g + j] = db * static_cast<float>(byte_of(grid, j)) * sign_of(signs, j);
     }
 }
 
-template <> __device__ __forceinline__ void decode<IQ2_S>(const uint8_t* b, int ib, float (&w)[32]) {
+template <> __device__ __forceinline__ void decode_half<IQ2_S>(const uint8_t* b, int ib, int h, float (&w)[16]) {
     const float d = f16_at(b, 0);
     const uint32_t qh = __ldg(b + 66 + ib);
-    const uint32_t scales = __ldg(b + 74 + ib);
+    const float db = d * (0.5f + static_cast<float>((__ldg(b + 74 + ib) >> (4 * h)) & 0xf)) * 0.25f;
 #pragma unroll
-    for (int l = 0; l < 4; ++l) {
-        const float db = d * (0.5f + static_cast<float>((scales >> (4 * (l / 2))) & 0xf)) * 0.25f;
+    for (int g = 0; g < 2; ++g) {
+        const int l = 2 * h + g;
         const uint32_t index = __ldg(b + 2 + 4 * ib + l) | (((qh >> (2 * l)) & 3) << 8);
         const uint64_t grid = GLM5_IQ2S_GRID[index];
         const uint32_t signs = __ldg(b + 34 + 4 * ib + l);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) w[8 * l + j] = db * static_cast<float>(byte_of(grid, j)) * sign_of(signs, j);
+        for (int j = 0; j < 8; ++j) w[8 * g + j] = db * static_cast<float>(byte_of(grid, j)) * sign_of(signs, j);
     }
 }
 
-template <> __device__ __forceinline__ void decode<IQ3_XXS>(const uint8_t* b, int ib, float (&w)[32]) {
+template <> __device__ __forceinline__ void decode_half<IQ3_XXS>(const uint8_t* b, int ib, int h, float (&w)[16]) {
     const float d = f16_at(b, 0);
     const uint32_t aux = u32_at(b, 66 + 4 * ib);
     const float db = d * (0.5f + static_cast<float>(aux >> 28)) * 0.5f;
 #pragma unroll
-    for (int l = 0; l < 4; ++l) {
+    for (int g = 0; g < 2; ++g) {
+        const int l = 2 * h + g;
         const uint32_t signs = GLM5_KSIGNS_IQ2XS[(aux >> (7 * l)) & 127];
         const uint64_t g1 = GLM5_IQ3XXS_GRID[__ldg(b + 2 + 8 * ib + 2 * l)];
         const uint64_t g2 = GLM5_IQ3XXS_GRID[__ldg(b + 2 + 8 * ib + 2 * l + 1)];
         const uint64_t grid = g1 | (g2 << 32);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) w[8 * l + j] = db * static_cast<float>(byte_of(grid, j)) * sign_of(signs, j);
+        for (int j = 0; j < 8; ++j) w[8 * g + j] = db * static_cast<float>(byte_of(grid, j)) * sign_of(signs, j);
     }
 }
 
-template <> __device__ __forceinline__ void decode<IQ3_S>(const uint8_t* b, int ib, float (&w)[32]) {
+template <> __device__ __forceinline__ void decode_half<IQ3_S>(const uint8_t* b, int ib, int h, float (&w)[16]) {
     const float d = f16_at(b, 0);
     const uint32_t s = (__ldg(b + 106 + ib / 2) >> (4 * (ib % 2))) & 0xf;
     const float db = d * static_cast<float>(1 + 2 * s);
     const uint32_t qh = __ldg(b + 66 + ib);
 #pragma unroll
-    for (int k = 0; k < 8; ++k) {
+    for (int g = 0; g < 4; ++g) {
+        const int k = 4 * h + g;
         const uint32_t index = __ldg(b + 2 + 8 * ib + k) | (((qh >> k) & 1) << 8);
         const uint32_t grid = GLM5_IQ3S_GRID[index];
         const uint32_t signs = __ldg(b + 74 + 4 * ib + k / 2) >> (4 * (k % 2));
 #pragma unroll
-        for (int j = 0; j < 4; ++j) w[4 * k + j] = db * static_cast<float>(byte_of(grid, j)) * sign_of(signs, j);
+        for (int j = 0; j < 4; ++j) w[4 * g + j] = db * static_cast<float>(byte_of(grid, j)) * sign_of(signs, j);
     }
 }
 
-template <> __device__ __forceinline__ void decode<IQ1_S>(const uint8_t* b, int ib, float (&w)[32]) {
+template <> __device__ __forceinline__ void decode_half<IQ1_S>(const uint8_t* b, int ib, int h, float (&w)[16]) {
     const float d = f16_at(b, 0);
     const uint32_t qh = u16_at(b, 34 + 2 * ib);
     const float dl = d * static_cast<float>(2 * ((qh >> 12) & 7) + 1);
     const float delta = (qh & 0x8000) ? -IQ1_DELTA : IQ1_DELTA;
 #pragma unroll
-    for (int l = 0; l < 4; ++l) {
+    for (int g = 0; g < 2; ++g) {
+        const int l = 2 * h + g;
         const uint64_t grid = GLM5_IQ1S_GRID[__ldg(b + 2 + 4 * ib + l) | (((qh >> (3 * l)) & 7) << 8)];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) w[8 * l + j] = dl * (signed_byte_of(grid, j) + delta);
+        for (int j = 0; j < 8; ++j) w[8 * g + j] = dl * (signed_byte_of(grid, j) + delta);
     }
 }
 
-template <> __device__ __forceinline__ void decode<IQ1_M>(const uint8_t* b, int ib, float (&w)[32]) {
+template <> __device__ __forceinline__ void decode_half<IQ1_M>(const uint8_t* b, int ib, int h, float (&w)[16]) {
     uint32_t sc[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) sc[i] = u16_at(b, 48 + 2 * i);
     const uint16_t d_bits = static_cast<uint16_t>((sc[0] >> 12) | ((sc[1] >> 8) & 0x00f0) |
                                                   ((sc[2] >> 4) & 0x0f00) | (sc[3] & 0xf000));
     const float d = __half2float(__ushort_as_half(d_bits));
+    const int s = 2 * ib + h;
+    const float dl = d * static_cast<float>(2 * ((sc[s / 4] >> (3 * (s % 4))) & 7) + 1);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int s = 2 * ib + h;
-        const float dl = d * static_cast<float>(2 * ((sc[s / 4] >> (3 * (s % 4))) & 7) + 1);
+    for (int q = 0; q < 2; ++q) {
+        const int i = 4 * ib + 2 * h + q;
+        const uint32_t nibble = (__ldg(b + 32 + i / 2) >> (4 * (i % 2))) & 0xf;
+        const float delta = (nibble & 8) ? -IQ1_DELTA : IQ1_DELTA;
+        const uint64_t grid = GLM5_IQ1S_GRID[__ldg(b + i) | ((nibble & 7) << 8)];
 #pragma unroll
-        for (int q = 0; q < 2; ++q) {
-            const int i = 4 * ib + 2 * h + q;
-            const uint32_t nibble = (__ldg(b + 32 + i / 2) >> (4 * (i % 2))) & 0xf;
-            const float delta = (nibble & 8) ? -IQ1_DELTA : IQ1_DELTA;
-            const uint64_t grid = GLM5_IQ1S_GRID[__ldg(b + i) | ((nibble & 7) << 8)];
-#pragma unroll
-            for (int j = 0; j < 8; ++j) w[16 * h + 8 * q + j] = dl * (signed_byte_of(grid, j) + delta);
-        }
+        for (int j = 0; j < 8; ++j) w[8 * q + j] = dl * (signed_byte_of(grid, j) + delta);
     }
 }
 
-template <> __device__ __forceinline__ void decode<IQ4_NL>(const uint8_t* b, int, float (&w)[32]) {
+// IQ4: the first half is the 16 bytes' low nibbles, the second their high nibbles.
+template <> __device__ __forceinline__ void decode_half<IQ4_NL>(const uint8_t* b, int, int h, float (&w)[16]) {
     const float d = f16_at(b, 0);
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-        const uint32_t q = __ldg(b + 2 + j);
-        w[j] = d * static_cast<float>(GLM5_KVALUES_IQ4NL[q & 0xf]);
-        w[j + 16] = d * static_cast<float>(GLM5_KVALUES_IQ4NL[q >> 4]);
-    }
+    for (int j = 0; j < 16; ++j) w[j] = d * static_cast<float>(GLM5_KVALUES_IQ4NL[(__ldg(b + 2 + j) >> (4 * h)) & 0xf]);
 }
 
-template <> __device__ __forceinline__ void decode<IQ4_XS>(const uint8_t* b, int ib, float (&w)[32]) {
+template <> __device__ __forceinline__ void decode_half<IQ4_XS>(const uint8_t* b, int ib, int h, float (&w)[16]) {
     const float d = f16_at(b, 0);
     const uint32_t scales_h = u16_at(b, 2);
     const uint32_t ls = ((__ldg(b + 4 + ib / 2) >> (4 * (ib % 2))) & 0xf) | (((scales_h >> (2 * ib)) & 3) << 4);
     const float dl = d * static_cast<float>(static_cast<int>(ls) - 32);
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-        const uint32_t q = __ldg(b + 8 + 16 * ib + j);
-        w[j] = dl * static_cast<float>(GLM5_KVALUES_IQ4NL[q & 0xf]);
-        w[j + 16] = dl * static_cast<float>(GLM5_KVALUES_IQ4NL[q >> 4]);
+    for (int j = 0; j < 16; ++j)
+        w[j] = dl * static_cast<float>(GLM5_KVALUES_IQ4NL[(__ldg(b + 8 + 16 * ib + j) >> (4 * h)) & 0xf]);
+}
+
+/// Sub-block `ib` (0..7; IQ4_NL: 0) of the block at `b` into `w`.
+template <Format F> __device__ __forceinline__ void decode(const uint8_t* b, int ib, float (&w)[32]) {
+    float half_values[16];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        decode_half<F>(b, ib, h, half_values);
+#pragma unroll
+        for (int j = 0; j < 16; ++j) w[16 * h + j] = half_values[j];
     }
+}
+
+/// Bytes of a row of `k` values.
+template <Format F> __device__ __forceinline__ size_t row_bytes(int k) {
+    return static_cast<size_t>(k / Traits<F>::VALUES) * Bytes<F>::value;
+}
+
+/// The block holding sub-block `sb` of a row, and the sub-block's index in it.
+template <Format F> __device__ __forceinline__ const uint8_t* block_of(const uint8_t* row, int sb, int& ib) {
+    constexpr int SUBS = Traits<F>::VALUES / 32;
+    ib = sb % SUBS;
+    return row + static_cast<size_t>(sb / SUBS) * Bytes<F>::value;
 }
 
 }  // namespace iq

@@ -26,21 +26,13 @@ template <typename T> __device__ __forceinline__ T from_float(float v);
 template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
 
-/// The block holding sub-block `sb` of a row of `F` blocks, and the sub-block's index in it.
-template <Format F> __device__ __forceinline__ const uint8_t* block_of(const uint8_t* row, int sb, int& ib) {
-    constexpr int SUBS = Traits<F>::VALUES / 32;
-    ib = sb % SUBS;
-    return row + static_cast<size_t>(sb / SUBS) * Bytes<F>::value;
-}
-
 template <Format F, typename T>
 __device__ __forceinline__ void iq_matvec(const T* __restrict__ x, const uint8_t* __restrict__ w, T* __restrict__ y,
                                           int m, int n, int k) {
     const int col = blockIdx.x * WARPS + threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     if (col >= n) return;
-    const size_t row_bytes = static_cast<size_t>(k / Traits<F>::VALUES) * Bytes<F>::value;
-    const uint8_t* row = w + static_cast<size_t>(col) * row_bytes;
+    const uint8_t* row = w + static_cast<size_t>(col) * row_bytes<F>(k);
     const int subs = k / 32;
     float acc[MAX_ROWS];
 #pragma unroll
@@ -79,14 +71,13 @@ __device__ __forceinline__ void iq_matvec(const T* __restrict__ x, const uint8_t
 
 template <Format F, typename T>
 __device__ __forceinline__ void iq_dequantize(const uint8_t* __restrict__ w, T* __restrict__ out, int n, int k) {
-    const size_t row_bytes = static_cast<size_t>(k / Traits<F>::VALUES) * Bytes<F>::value;
     const int subs = k / 32;
     const size_t total = static_cast<size_t>(n) * subs;
     for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < total;
          i += static_cast<size_t>(gridDim.x) * blockDim.x) {
         const int r = static_cast<int>(i / subs), sb = static_cast<int>(i % subs);
         int ib;
-        const uint8_t* block = block_of<F>(w + static_cast<size_t>(r) * row_bytes, sb, ib);
+        const uint8_t* block = block_of<F>(w + static_cast<size_t>(r) * row_bytes<F>(k), sb, ib);
         float wv[32];
         decode<F>(block, ib, wv);
         T* o = out + static_cast<size_t>(r) * k + 32 * sb;

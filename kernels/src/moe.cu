@@ -21,6 +21,9 @@
 //                      NVFP4), dequantised in registers (decoders in weight_formats.cuh); each projection is
 //                      stacked [E', rows, k] with its scales, its rows in `parts` separately quantised parts
 //                      (gate_up: the gate rows, then the up rows).
+//   moe_{gate_up,down}_<i-quant>_*  the same over GGUF i-quant experts as the file stacks them, [E, rows,
+//                      row bytes] per projection (gate and up two tensors of one format; decoders in
+//                      iq_formats.cuh).
 //
 // Decode reads each chosen expert's weights exactly once however many tokens chose it; the kernels are
 // bandwidth-bound mat-vecs, meant for a few tokens per expert (decode of 1..64 sequences).
@@ -28,6 +31,7 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include "iq_formats.cuh"
 #include "weight_formats.cuh"
 
 #define MOE_ROUTE_MAX_EXPERTS 1024
@@ -412,6 +416,30 @@ struct Nvfp4Row {
     }
 };
 
+// A row of a stacked GGUF i-quant projection [E, rows, row bytes], in chunks of 16 values (half a 32-value
+// sub-block, whose scale is inside the block): the loads happen in `decode`, byte by byte.
+template <glm5::iq::Format F>
+struct IqRow {
+    struct Chunk {
+        int c;
+    };
+    static constexpr int UNROLL = 2;
+    const uint8_t* row;
+    float row_scale;
+
+    __device__ IqRow(const uint8_t* blocks, int expert, int rows, int r, int k) {
+        row = blocks + ((size_t)expert * rows + r) * glm5::iq::row_bytes<F>(k);
+        row_scale = 1.0f;
+    }
+    __device__ __forceinline__ Chunk load(int c) const { return {c}; }
+    __device__ __forceinline__ float decode(const Chunk& chunk, float (&w)[16]) const {
+        int ib;
+        const uint8_t* block = glm5::iq::block_of<F>(row, chunk.c / 2, ib);
+        glm5::iq::decode_half<F>(block, ib, chunk.c % 2, w);
+        return 1.0f;
+    }
+};
+
 // gate_up over quantised weights: h as in `gate_up` (k = hidden).
 template <typename T, typename Row>
 __device__ void gate_up_quantized(const T* __restrict__ x, const Row& gate_row, const Row& up_row, int expert,
@@ -567,3 +595,34 @@ __device__ void down_quantized(const T* __restrict__ h, const Row& row, int expe
 
 MOE_QUANTIZED_INSTANCES(bf16, __nv_bfloat16)
 MOE_QUANTIZED_INSTANCES(f32, float)
+
+#define MOE_IQ_INSTANCES(NAME, F, SUFFIX, T)                                                                  \
+    extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_gate_up_##NAME##_##SUFFIX(              \
+        const T* x, const uint8_t* gate, const uint8_t* up, const int* sorted, const int* offsets,           \
+        const int* active, const int* active_count, int slots, int hidden, int inter, T* h) {                \
+        MOE_QUANTIZED_PROLOGUE(inter)                                                                        \
+        const IqRow<glm5::iq::F> gate_row(gate, expert, inter, out_row, hidden);                             \
+        const IqRow<glm5::iq::F> up_row(up, expert, inter, out_row, hidden);                                 \
+        gate_up_quantized<T>(x, gate_row, up_row, expert, sorted, offsets, slots, hidden, inter, out_row, h); \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_down_##NAME##_##SUFFIX(                 \
+        const T* h, const uint8_t* down, const float* gates, const int* sorted, const int* offsets,          \
+        const int* active, const int* active_count, int hidden, int inter, float* y) {                       \
+        MOE_QUANTIZED_PROLOGUE(hidden)                                                                       \
+        const IqRow<glm5::iq::F> row(down, expert, hidden, out_row, inter);                                  \
+        down_quantized<T>(h, row, expert, gates, sorted, offsets, hidden, inter, out_row, y);                \
+    }
+
+#define MOE_IQ_FORMAT(NAME, F)                          \
+    MOE_IQ_INSTANCES(NAME, F, bf16, __nv_bfloat16)      \
+    MOE_IQ_INSTANCES(NAME, F, f32, float)
+
+MOE_IQ_FORMAT(iq2_xxs, IQ2_XXS)
+MOE_IQ_FORMAT(iq2_xs, IQ2_XS)
+MOE_IQ_FORMAT(iq2_s, IQ2_S)
+MOE_IQ_FORMAT(iq3_xxs, IQ3_XXS)
+MOE_IQ_FORMAT(iq3_s, IQ3_S)
+MOE_IQ_FORMAT(iq1_s, IQ1_S)
+MOE_IQ_FORMAT(iq1_m, IQ1_M)
+MOE_IQ_FORMAT(iq4_nl, IQ4_NL)
+MOE_IQ_FORMAT(iq4_xs, IQ4_XS)

@@ -227,12 +227,34 @@ fn experts_reference_equals_per_token_arithmetic() {
 #[test]
 fn quantized_experts_reference_equals_per_token_arithmetic_on_the_dequantised_weights() {
     use common::quantized::{experts, Format};
+    use glm5_ops::iq_matmul::IqFormat;
     let mut r = rng(4901);
-    let (t, n_experts, slots, h, i) = (6, 5, 3, 80, 48);
-    for format in [
-        Format::Fp8 { block: [128, 128] },
-        Format::Fp8 { block: [16, 32] },
-        Format::Nvfp4,
+    let (t, n_experts, slots) = (6, 5, 3);
+    for (format, (h, i)) in [
+        (Format::Fp8 { block: [128, 128] }, (80, 48)),
+        (Format::Fp8 { block: [16, 32] }, (80, 48)),
+        (Format::Nvfp4, (80, 48)),
+        (
+            Format::Iq {
+                gate_up: IqFormat::Iq3S,
+                down: IqFormat::Iq4Xs,
+            },
+            (512, 256),
+        ),
+        (
+            Format::Iq {
+                gate_up: IqFormat::Iq2Xxs,
+                down: IqFormat::Iq1M,
+            },
+            (256, 512),
+        ),
+        (
+            Format::Iq {
+                gate_up: IqFormat::Iq4Nl,
+                down: IqFormat::Iq4Nl,
+            },
+            (96, 64),
+        ),
     ] {
         let (weights, gate_up, down) = experts(&mut r, &format, (n_experts, h, i), &Device::Cpu);
         let x = uniform(&mut r, t * h);

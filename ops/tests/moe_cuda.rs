@@ -202,19 +202,27 @@ fn many_tokens_go_to_the_reference_with_a_reason() {
     }
 }
 
-/// The grouped FP8 / NVFP4 expert kernels against the dense reference on the dequantised weights (CPU,
-/// f32), 1..64 tokens, widths whose chunk counts are not multiples of a warp, FP8 with partial edge blocks.
+/// The grouped FP8 / NVFP4 / i-quant expert kernels against the dense reference on the dequantised weights
+/// (CPU, f32), 1..64 tokens, widths whose chunk counts are not multiples of a warp, FP8 with partial edge
+/// blocks, i-quants with gate/up and down in different formats.
 #[test]
 fn quantized_experts_on_gpu_equal_the_reference() {
     use common::quantized::{experts as quantized, Format};
+    use glm5_ops::iq_matmul::IqFormat;
     use glm5_ops::moe::{quantized_experts, quantized_experts_backend};
     let gpu = gpu();
     let mut r = rng(4903);
-    let (n_experts, hidden, inter) = (13, 272, 48);
-    for format in [
-        Format::Fp8 { block: [128, 128] },
-        Format::Fp8 { block: [16, 32] },
-        Format::Nvfp4,
+    let n_experts = 13;
+    let iq = |gate_up, down| Format::Iq { gate_up, down };
+    for (format, (hidden, inter)) in [
+        (Format::Fp8 { block: [128, 128] }, (272, 48)),
+        (Format::Fp8 { block: [16, 32] }, (272, 48)),
+        (Format::Nvfp4, (272, 48)),
+        (iq(IqFormat::Iq3S, IqFormat::Iq4Xs), (768, 256)),
+        (iq(IqFormat::Iq2Xxs, IqFormat::Iq2S), (256, 512)),
+        (iq(IqFormat::Iq2Xs, IqFormat::Iq3Xxs), (256, 256)),
+        (iq(IqFormat::Iq1S, IqFormat::Iq1M), (512, 256)),
+        (iq(IqFormat::Iq4Nl, IqFormat::Iq4Nl), (96, 160)),
     ] {
         let (weights, gate_up, down) = quantized(&mut r, &format, (n_experts, hidden, inter), &gpu);
         for dtype in [DType::F32, DType::BF16] {

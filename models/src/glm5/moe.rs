@@ -164,7 +164,48 @@ struct GgufExperts {
 /// Why quantised experts run one by one (`experts_implementation`).
 const PER_EXPERT: &str = "per-expert quantised";
 const PER_EXPERT_IQ: &str =
-    "per-expert i-quant (no grouped kernel takes GGUF i-quant experts yet: one iq_matmul per chosen expert)";
+    "per-expert i-quant (the grouped kernels take gate and up in one i-quant format: one iq_matmul per chosen expert)";
+
+/// The routed experts as the source stacks them in GGUF i-quant formats, when gate and up share a format
+/// (the grouped kernels' rule; published mixes do); `None` otherwise.
+fn load_stacked_iq(
+    config: &Config,
+    loader: &Loader,
+    prefix: &str,
+) -> Result<Option<moe::QuantizedExperts>> {
+    let (e, hidden, inter) = (
+        config.n_routed_experts,
+        config.hidden_size,
+        config.moe_intermediate_size,
+    );
+    let load = |proj: &str, shape: [usize; 3]| {
+        loader
+            .checkpoint
+            .stacked_iq_experts(prefix, proj, shape, loader.device)
+    };
+    let Some(gate) = load("gate_proj", [e, inter, hidden])? else {
+        return Ok(None);
+    };
+    let Some(up) = load("up_proj", [e, inter, hidden])?.filter(|up| up.format == gate.format)
+    else {
+        return Ok(None);
+    };
+    let Some(down) = load("down_proj", [e, hidden, inter])? else {
+        return Ok(None);
+    };
+    // Each projection must have an iq_matmul backend on this device, as each expert's would.
+    for (proj, stacked) in [("gate_proj", &gate), ("up_proj", &up), ("down_proj", &down)] {
+        let expert =
+            glm5_ops::iq_matmul::IqWeight::new(stacked.format, stacked.blocks.get(0)?, stacked.k)?;
+        glm5_ops::iq_matmul::dispatch(&expert, loader.desc).map_err(|source| {
+            ModelError::WeightOnlyMatmul {
+                tensor: format!("{prefix}.experts.*.{proj}.weight"),
+                source: Box::new(source),
+            }
+        })?;
+    }
+    Ok(Some(moe::QuantizedExperts::Iq { gate, up, down }))
+}
 const PER_EXPERT_UNSUPPORTED: &str = "per-expert quantised (block type or row width not taken by candle-nn's GGUF MoE kernels: Q8_0, Q2_K-Q6_K)";
 
 /// What [`load_stacked_gguf`] found.
@@ -263,6 +304,16 @@ impl MoE {
                 Mlp::load(loader, &format!("{prefix}.shared_experts"), hidden, width)
             })
             .transpose()?;
+        if let Some(weights) = load_stacked_iq(config, loader, prefix)? {
+            return Ok(Self {
+                router,
+                experts: Experts::Quantized {
+                    weights,
+                    shared_slot: None,
+                },
+                shared_expert: shared,
+            });
+        }
         let why = match load_stacked_gguf(config, loader, prefix)? {
             StackedGguf::Loaded(experts) => {
                 return Ok(Self {
@@ -402,10 +453,14 @@ impl MoE {
                 moe::QuantizedExperts::Nvfp4 { .. } => {
                     "moe-matvec nvfp4 (decode), per-expert dequantise + GEMM (prefill)"
                 }
+                moe::QuantizedExperts::Iq { .. } => {
+                    "moe-matvec i-quant (decode), per-expert dequantise + GEMM (prefill)"
+                }
             },
             (Experts::Quantized { weights, .. }, false) => match weights {
                 moe::QuantizedExperts::Fp8 { .. } => "per-expert fp8 reference",
                 moe::QuantizedExperts::Nvfp4 { .. } => "per-expert nvfp4 reference",
+                moe::QuantizedExperts::Iq { .. } => "per-expert i-quant reference",
             },
             (Experts::PerExpert { why, .. }, _) => why,
             (Experts::StackedGguf(_), _) => {

@@ -418,6 +418,26 @@ impl TensorSource for GgufSource {
         }
     }
 
+    fn stacked_iq_experts(
+        &self,
+        prefix: &str,
+        proj: &str,
+        shape: [usize; 3],
+        device: &Device,
+    ) -> Result<Option<glm5_ops::moe::StackedIq>> {
+        let Some(info) = self.stacked_info(prefix, proj, shape)? else {
+            return Ok(None);
+        };
+        let Some(format) = IqFormat::from_ggml_id(info.ggml_type.id) else {
+            return Ok(None);
+        };
+        let [experts, rows, k] = shape;
+        let w = self.iq_weight(info, format, None, device)?;
+        let row_bytes = w.blocks.dim(1)?;
+        let blocks = w.blocks.reshape((experts, rows, row_bytes))?;
+        Ok(Some(glm5_ops::moe::StackedIq::new(format, blocks, k)?))
+    }
+
     fn resident_bytes(&self, name: &str, shape: &[usize], dtype: DType) -> u64 {
         let dense = shape.iter().map(|&d| d as u64).product::<u64>() * dtype.size_in_bytes() as u64;
         if !is_linear(name) {

@@ -85,6 +85,20 @@ pub trait TensorSource: Send + Sync {
         Ok(None)
     }
 
+    /// The routed experts' projection `proj` of the MoE block `prefix` when the source stores all experts as one
+    /// `[n_experts, out, in]` tensor in a GGUF i-quant format (which candle cannot hold), kept as its blocks on
+    /// `device`; `None` otherwise.
+    fn stacked_iq_experts(
+        &self,
+        prefix: &str,
+        proj: &str,
+        shape: [usize; 3],
+        device: &Device,
+    ) -> Result<Option<glm5_ops::moe::StackedIq>> {
+        let _ = (prefix, proj, shape, device);
+        Ok(None)
+    }
+
     /// That stacked tensor, kept quantised on `device` (`None` where [`Self::stacked_experts_format`] is).
     fn stacked_experts(
         &self,
@@ -249,5 +263,16 @@ impl Checkpoint {
         device: &Device,
     ) -> Result<Option<QTensor>> {
         self.source.stacked_experts(prefix, proj, shape, device)
+    }
+
+    /// [`TensorSource::stacked_iq_experts`].
+    pub fn stacked_iq_experts(
+        &self,
+        prefix: &str,
+        proj: &str,
+        shape: [usize; 3],
+        device: &Device,
+    ) -> Result<Option<glm5_ops::moe::StackedIq>> {
+        self.source.stacked_iq_experts(prefix, proj, shape, device)
     }
 }

@@ -197,8 +197,20 @@ fn push_args<'a>(
 fn grouped_experts(
     x: &Tensor,
     routes: &Routes,
-    (n_experts, hidden, inter): (usize, usize, usize),
+    dims: (usize, usize, usize),
     stem: &str,
+    gate_up_args: &[Arg],
+    down_args: &[Arg],
+) -> Result<Tensor> {
+    grouped_experts_named(x, routes, dims, (stem, stem), gate_up_args, down_args)
+}
+
+/// [`grouped_experts`] with the gate/up and down kernels' stems apart.
+fn grouped_experts_named(
+    x: &Tensor,
+    routes: &Routes,
+    (n_experts, hidden, inter): (usize, usize, usize),
+    (gate_up_stem, down_stem): (&str, &str),
     gate_up_args: &[Arg],
     down_args: &[Arg],
 ) -> Result<Tensor> {
@@ -243,7 +255,7 @@ fn grouped_experts(
         &dev,
         "moe",
         glm5_kernels::MOE,
-        &format!("moe_gate_up_{stem}{suffix}"),
+        &format!("moe_gate_up_{gate_up_stem}{suffix}"),
     )?;
     let mut builder = stream.launch_builder(&gate_up_fn);
     builder.arg(&x_ptr);
@@ -263,7 +275,7 @@ fn grouped_experts(
         &dev,
         "moe",
         glm5_kernels::MOE,
-        &format!("moe_down_{stem}{suffix}"),
+        &format!("moe_down_{down_stem}{suffix}"),
     )?;
     let mut builder = stream.launch_builder(&down_fn);
     builder.arg(&h_ptr);
@@ -342,6 +354,28 @@ pub(super) fn quantized_experts(
                 ])
             };
             grouped_experts(x, routes, dims, "nvfp4_", &args(gate_up)?, &args(down)?)
+        }
+        QuantizedExperts::Iq { gate, up, down } => {
+            // One kernel name per format pair: gate/up's format for moe_gate_up_*, down's for moe_down_*.
+            let (gate_blocks, up_blocks, down_blocks) = (
+                gate.blocks.contiguous()?,
+                up.blocks.contiguous()?,
+                down.blocks.contiguous()?,
+            );
+            grouped_experts_named(
+                x,
+                routes,
+                dims,
+                (
+                    &format!("{}_", gate.format.name().to_ascii_lowercase()),
+                    &format!("{}_", down.format.name().to_ascii_lowercase()),
+                ),
+                &[
+                    Arg::Ptr(device_address(&gate_blocks)?.0),
+                    Arg::Ptr(device_address(&up_blocks)?.0),
+                ],
+                &[Arg::Ptr(device_address(&down_blocks)?.0)],
+            )
         }
     }
 }

@@ -73,7 +73,7 @@ mod reference;
 
 pub use quantized::{
     quantized_experts, quantized_experts_backend, quantized_experts_with, QuantizedExperts,
-    StackedFp8, StackedNvfp4,
+    StackedFp8, StackedIq, StackedNvfp4,
 };
 
 /// Experts the routing kernel handles (one thread each).

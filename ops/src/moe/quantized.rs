@@ -13,20 +13,25 @@
 //!   `F32 [E', parts, ceil(rows/parts / block_out), ceil(k / block_in)]`.
 //! * [`StackedNvfp4`]: `packed` `U8 [E', rows, k/2]`, `scales` `U8 [E', rows, k/16]` (e4m3),
 //!   `global_scales` `F32 [E', parts]`.
+//! * [`StackedIq`]: GGUF i-quant experts as the file stacks them, `blocks` `U8 [E, rows, row bytes]` (scales
+//!   inside the blocks), one tensor per projection: [`QuantizedExperts::Iq`] keeps gate and up apart (two
+//!   tensors of one format; down may have another).
 //!
 //! # Implementations
 //!
 //! * Reference (any device): the tokens of each chosen expert gathered on the host as in
 //!   `reference::experts`, each projection by `fp8_matmul` / `nvfp4_matmul` on a view of the expert's part
 //!   (so prefill on the GPU dequantises only the chosen experts, one at a time, and multiplies with cuBLAS).
-//! * CUDA (`kernels/src/moe.cu`, `moe_{gate_up,down}_{fp8,nvfp4}_*`): the routing, grouping and combine
-//!   kernels of the dense experts, with the grouped mat-vecs dequantising in registers; no host round trip.
+//! * CUDA (`kernels/src/moe.cu`, `moe_{gate_up,down}_{fp8,nvfp4,<i-quant>}_*`): the routing, grouping and
+//!   combine kernels of the dense experts, with the grouped mat-vecs dequantising in registers; no host round
+//!   trip.
 
 use candle_core::{DType, Tensor};
 
 use super::{ExpertsBackend, ExpertsImpl, Routes, MATVEC_MAX_TOKENS};
 use crate::error::{OpError, Result};
 use crate::fp8_matmul::{fp8_matmul, Fp8BlockWeight};
+use crate::iq_matmul::{iq_matmul, IqFormat, IqWeight};
 use crate::nvfp4_matmul::{nvfp4_matmul, Nvfp4Weight, GROUP};
 
 /// A stacked block-scaled FP8 projection (module contract).
@@ -48,6 +53,48 @@ pub struct StackedNvfp4 {
     pub global_on_host: Vec<Vec<f32>>,
 }
 
+/// One projection of GGUF i-quant experts, stacked as the file stores it (module contract).
+#[derive(Debug, Clone)]
+pub struct StackedIq {
+    pub format: IqFormat,
+    /// `U8 [E, rows, row_bytes(k)]`.
+    pub blocks: Tensor,
+    /// Values per row.
+    pub k: usize,
+}
+
+impl StackedIq {
+    /// Checks the bytes hold `[E, rows, k]` values of `format`.
+    pub fn new(format: IqFormat, blocks: Tensor, k: usize) -> Result<Self> {
+        let stacked = Self { format, blocks, k };
+        stacked.dims()?;
+        Ok(stacked)
+    }
+
+    /// `(E, rows, k)`.
+    pub fn dims(&self) -> Result<(usize, usize, usize)> {
+        let (e, rows, bytes) = self.blocks.dims3()?;
+        if self.blocks.dtype() != DType::U8 || self.format.row_bytes(self.k) != Some(bytes) {
+            return Err(mismatch(
+                "i-quant experts",
+                format!(
+                    "U8 [E, rows, {:?}] ({} values of {} per row)",
+                    self.format.row_bytes(self.k),
+                    self.k,
+                    self.format
+                ),
+                self.blocks.dims(),
+            ));
+        }
+        Ok((e, rows, self.k))
+    }
+
+    /// Expert `e`'s matrix as a weight of its own (a view).
+    fn expert(&self, e: usize) -> Result<IqWeight> {
+        IqWeight::new(self.format, self.blocks.get(e)?, self.k)
+    }
+}
+
 /// Both projections of the stacked experts in one format.
 #[derive(Debug, Clone)]
 pub enum QuantizedExperts {
@@ -58,6 +105,12 @@ pub enum QuantizedExperts {
     Nvfp4 {
         gate_up: StackedNvfp4,
         down: StackedNvfp4,
+    },
+    /// GGUF i-quants: gate and up of one format, down of any.
+    Iq {
+        gate: StackedIq,
+        up: StackedIq,
+        down: StackedIq,
     },
 }
 
@@ -236,6 +289,23 @@ impl StackedNvfp4 {
 impl QuantizedExperts {
     /// `(E', hidden, inter)`, after checking both projections agree.
     pub fn dims(&self) -> Result<(usize, usize, usize)> {
+        if let QuantizedExperts::Iq { gate, up, down } = self {
+            let (e, inter, hidden) = gate.dims()?;
+            if up.dims()? != (e, inter, hidden)
+                || down.dims()? != (e, hidden, inter)
+                || up.format != gate.format
+            {
+                return Err(mismatch(
+                    "i-quant gate and up [E, I, H] of one format, down [E, H, I]",
+                    format!(
+                        "gate {} [{e}, {inter}, {hidden}], up {}, down {}",
+                        gate.format, up.format, down.format
+                    ),
+                    down.blocks.dims(),
+                ));
+            }
+            return Ok((e, hidden, inter));
+        }
         let ((e, two_inter, hidden, gate_up_parts), down) = match self {
             QuantizedExperts::Fp8 { gate_up, down } => {
                 gate_up.check()?;
@@ -247,6 +317,7 @@ impl QuantizedExperts {
                 down.check()?;
                 (gate_up.dims()?, down.dims()?)
             }
+            QuantizedExperts::Iq { .. } => unreachable!("returned above"),
         };
         let inter = two_inter / 2;
         if gate_up_parts != 2 || down != (e, hidden, inter, 1) {
@@ -264,6 +335,7 @@ impl QuantizedExperts {
         match self {
             QuantizedExperts::Fp8 { .. } => "fp8",
             QuantizedExperts::Nvfp4 { .. } => "nvfp4",
+            QuantizedExperts::Iq { .. } => "i-quant",
         }
     }
 
@@ -279,6 +351,11 @@ impl QuantizedExperts {
                 Projection::Gate => nvfp4_matmul(x, &gate_up.part(e, 0)?),
                 Projection::Up => nvfp4_matmul(x, &gate_up.part(e, 1)?),
                 Projection::Down => nvfp4_matmul(x, &down.part(e, 0)?),
+            },
+            QuantizedExperts::Iq { gate, up, down } => match which {
+                Projection::Gate => iq_matmul(x, &gate.expert(e)?),
+                Projection::Up => iq_matmul(x, &up.expert(e)?),
+                Projection::Down => iq_matmul(x, &down.expert(e)?),
             },
         }
     }
@@ -322,6 +399,7 @@ pub fn quantized_experts_backend(x: &Tensor, weights: &QuantizedExperts) -> Expe
             return reason("FP8 weight_block_size[1] must be a multiple of 16".into());
         }
     }
+    // (i-quant rows are whole blocks of 32 or 256 values, which `dims` checked.)
     ExpertsBackend::DeviceMatVec
 }
 

@@ -28,12 +28,41 @@ pub fn tensor(data: &[f32], shape: &[usize], dtype: DType) -> Tensor {
 pub mod quantized {
     use super::*;
     use glm5_ops::fp8_matmul::{self, Fp8BlockWeight};
-    use glm5_ops::moe::{QuantizedExperts, StackedFp8, StackedNvfp4};
+    use glm5_ops::iq_matmul::{self, IqFormat};
+    use glm5_ops::moe::{QuantizedExperts, StackedFp8, StackedIq, StackedNvfp4};
     use glm5_ops::nvfp4_matmul::{self, Nvfp4Weight};
 
     pub enum Format {
-        Fp8 { block: [usize; 2] },
+        Fp8 {
+            block: [usize; 2],
+        },
         Nvfp4,
+        /// GGUF i-quants: gate and up in one format, down in another.
+        Iq {
+            gate_up: IqFormat,
+            down: IqFormat,
+        },
+    }
+
+    /// Random blocks of `format`, `U8 [rows, row bytes]` on the CPU, each block's f16 scale set (at byte 0, or
+    /// over IQ1_M's sub-scale words) so values stay O(1e-1).
+    pub fn iq_blocks(rng: &mut StdRng, format: IqFormat, rows: usize, k: usize) -> Tensor {
+        let row = format.row_bytes(k).expect("whole blocks");
+        let mut bytes: Vec<u8> = (0..rows * row).map(|_| rng.random()).collect();
+        for block in bytes.chunks_exact_mut(format.block_bytes()) {
+            let d = half::f16::from_f32(rng.random_range(0.5..1.5) / 256.0).to_bits();
+            if format == IqFormat::Iq1M {
+                for i in 0..4 {
+                    let at = 48 + 2 * i;
+                    let word = u16::from_le_bytes([block[at], block[at + 1]]);
+                    let word = (word & 0x0fff) | (((d >> (4 * i)) & 0xf) << 12);
+                    block[at..at + 2].copy_from_slice(&word.to_le_bytes());
+                }
+            } else {
+                block[..2].copy_from_slice(&d.to_le_bytes());
+            }
+        }
+        Tensor::from_vec(bytes, (rows, row), &Device::Cpu).unwrap()
     }
 
     pub fn fp8(rng: &mut StdRng, out: usize, inp: usize, block: [usize; 2]) -> Fp8BlockWeight {
@@ -148,6 +177,42 @@ pub mod quantized {
                 let weights = QuantizedExperts::Nvfp4 {
                     gate_up: StackedNvfp4::stack(&gu).unwrap(),
                     down: StackedNvfp4::stack(&dn).unwrap(),
+                };
+                (weights, gate_up, down)
+            }
+            Format::Iq {
+                gate_up: gu_format,
+                down: down_format,
+            } => {
+                let mut stacked = |format: IqFormat, rows: usize, k: usize| {
+                    let blocks = iq_blocks(rng, format, n_experts * rows, k);
+                    let bytes = blocks.dim(1).unwrap();
+                    StackedIq::new(format, blocks.reshape((n_experts, rows, bytes)).unwrap(), k)
+                        .unwrap()
+                };
+                let (gate, up, down_w) = (
+                    stacked(*gu_format, inter, hidden),
+                    stacked(*gu_format, inter, hidden),
+                    stacked(*down_format, hidden, inter),
+                );
+                let dense = |w: &StackedIq, e: usize| {
+                    let expert =
+                        iq_matmul::IqWeight::new(w.format, w.blocks.get(e).unwrap(), w.k).unwrap();
+                    iq_matmul::reference::dequantize(&expert).unwrap()
+                };
+                let gate_up = stack(
+                    (0..n_experts)
+                        .map(|e| cat(dense(&gate, e), dense(&up, e)))
+                        .collect(),
+                );
+                let down = stack((0..n_experts).map(|e| dense(&down_w, e)).collect());
+                let moved = |w: StackedIq| {
+                    StackedIq::new(w.format, w.blocks.to_device(device).unwrap(), w.k).unwrap()
+                };
+                let weights = QuantizedExperts::Iq {
+                    gate: moved(gate),
+                    up: moved(up),
+                    down: moved(down_w),
                 };
                 (weights, gate_up, down)
             }
