@@ -1290,6 +1290,26 @@ fn random_iq_source_builds_blocks_at_the_requested_scale() {
             source.resident_bytes(name, &[out, inp], DType::BF16),
             (out * inp / format.block_values() * format.block_bytes()) as u64
         );
+        // The stacked experts hold each expert's own matrix.
+        let stacked = source
+            .stacked_iq_experts(
+                "model.layers.3.mlp",
+                "gate_proj",
+                [3, out, inp],
+                &Device::Cpu,
+            )
+            .unwrap()
+            .unwrap();
+        let expert = iq_matmul::IqWeight::new(format, stacked.blocks.get(1).unwrap(), inp).unwrap();
+        assert_eq!(
+            iq_matmul::reference::dequantize(&expert)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap(),
+            values
+        );
         // lm_head and rows that are not whole blocks stay dense, as llama-quantize leaves them.
         for (dense, shape) in [
             ("lm_head.weight", [64usize, 512]),

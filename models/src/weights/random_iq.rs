@@ -1,8 +1,8 @@
 //! Made-up weights in one of llama.cpp's i-quant formats, for timing i-quant GGUF files without one:
 //! [`RandomIqSource`] is [`RandomSource`] with every matrix a llama.cpp quantisation stores quantised (the rule
 //! of [`super::random_q4k`]: every linear layer but `lm_head`, rows of whole blocks) returned as random i-quant
-//! blocks ([`Matrix::Iq`]). The routed experts are per-expert matrices (no grouped kernel takes i-quant
-//! experts yet).
+//! blocks ([`Matrix::Iq`]), and the routed experts stacked `[E, out, in]` as GGUF stores them (each expert's
+//! blocks from its own name, so the stacked tensor and the per-expert matrices agree).
 //!
 //! The blocks are random bytes with each block's f16 scale set so the values have about the source's standard
 //! deviation (the format's value spread with a unit scale is measured once on random blocks). A function of the
@@ -101,6 +101,40 @@ impl TensorSource for RandomIqSource {
         let row = self.format.row_bytes(shape[1]).expect("whole blocks");
         let tensor = Tensor::from_vec(bytes, (shape[0], row), &Device::Cpu)?.to_device(device)?;
         Ok(Matrix::Iq(IqWeight::new(self.format, tensor, shape[1])?))
+    }
+
+    fn stacked_iq_experts(
+        &self,
+        prefix: &str,
+        proj: &str,
+        shape: [usize; 3],
+        device: &Device,
+    ) -> Result<Option<glm5_ops::moe::StackedIq>> {
+        let [experts, out, inp] = shape;
+        let Some(row) = self.format.row_bytes(inp) else {
+            return Ok(None);
+        };
+        let per_expert = out * row;
+        let mut bytes = vec![0u8; experts * per_expert];
+        // Each expert's blocks from its own name, on the host's cores (GLM-5: up to 1 GB per projection).
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let chunk = experts.div_ceil(threads).max(1);
+        let (format, seed, scale) = (self.format, self.dense.seed, self.scale);
+        std::thread::scope(|scope| {
+            for (c, part) in bytes.chunks_mut(chunk * per_expert).enumerate() {
+                scope.spawn(move || {
+                    for (i, expert_bytes) in part.chunks_mut(per_expert).enumerate() {
+                        let name = format!("{prefix}.experts.{}.{proj}.weight", c * chunk + i);
+                        let blocks = out * inp / format.block_values();
+                        expert_bytes
+                            .copy_from_slice(&random_blocks(format, &name, seed, scale, blocks));
+                    }
+                });
+            }
+        });
+        let blocks =
+            Tensor::from_vec(bytes, (experts, out, row), &Device::Cpu)?.to_device(device)?;
+        Ok(Some(glm5_ops::moe::StackedIq::new(format, blocks, inp)?))
     }
 
     fn resident_bytes(&self, name: &str, shape: &[usize], dtype: DType) -> u64 {
