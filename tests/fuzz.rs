@@ -401,7 +401,7 @@ fn cli_values() -> Target {
 
 /// GGUF files (llama.cpp's `glm-dsa`): the header and metadata, the config they map to, the tensor types,
 /// every weight loaded, and the tokenizer and chat template from the metadata. Seeds: the fixtures made by
-/// llama.cpp's own converter and quantiser.
+/// llama.cpp's own converter and quantiser, and one with i-quant (IQ4_NL) blocks made by gguf-py.
 fn gguf() -> Target {
     let dir = scratch().join("gguf");
     let _ = std::fs::remove_dir_all(&dir);
@@ -438,6 +438,7 @@ fn gguf() -> Target {
         seeds: vec![
             repo_file("tests/fixtures/gguf/tiny-glm5-Q8_0.gguf"),
             repo_file("tests/fixtures/gguf/tiny-glm5-Q4_K_M.gguf"),
+            repo_file("tests/fixtures/gguf/tiny-glm5-IQ4_NL.gguf"),
         ],
         dictionary,
         run: Box::new(move |bytes| {
