@@ -35,7 +35,12 @@
 //! * `cuda.rs` (kernels in `kernels/src/moe.cu`): routing, grouping by expert, the grouped gate/up and down
 //!   mat-vecs and the per-token sum, five kernels and no host round trip. Each chosen expert's weights are
 //!   read once per step however many tokens chose it. The mat-vecs are built for a few tokens per expert
-//!   (decode); [`experts_backend`] says which implementation a call gets and why.
+//!   (decode, up to [`MATVEC_MAX_TOKENS`] tokens).
+//! * `cuda_grouped_gemm.rs`: above that (prefill), cuBLAS's grouped GEMM: the routes read back once, the
+//!   tokens gathered by expert, one grouped call for gate/up and one for down over every active expert
+//!   (tensor cores, f32 accumulation, each projection's output rounded to `x`'s dtype), the gated rows summed
+//!   per token in slot order by the same kernel as the mat-vecs. [`experts_backend`] says which
+//!   implementation a call gets and why.
 //!
 //! **[`experts_gguf`]**: the same experts with their weights kept in ggml blocks, one [`QTensor`] per
 //! projection stacked as GGUF stores them: `gate` and `up` `[E, I, H]`, `down` `[E, H, I]`. `x` `[T, H]` in any
@@ -68,6 +73,8 @@ use crate::error::{OpError, Result};
 mod cuda;
 #[cfg(feature = "cuda")]
 mod cuda_gguf;
+#[cfg(feature = "cuda")]
+mod cuda_grouped_gemm;
 pub mod quantized;
 mod reference;
 
@@ -83,7 +90,7 @@ pub const MAX_GROUPS: usize = 64;
 /// Experts per token the routing kernel handles.
 pub const MAX_TOP_K: usize = 64;
 /// Tokens per step up to which the device mat-vecs run the experts. Above it (prefill) each expert sees
-/// enough tokens that a GEMM per expert wins (see `docs/performance.md`).
+/// enough tokens that GEMMs win (see `docs/performance.md`): cuBLAS's grouped GEMM.
 pub const MATVEC_MAX_TOKENS: usize = 256;
 
 /// The router's rule (§5, `noaux_tc`).
@@ -116,6 +123,8 @@ impl Routes {
 pub enum ExpertsBackend {
     /// The device mat-vec kernels (`kernels/src/moe.cu`).
     DeviceMatVec,
+    /// cuBLAS's grouped GEMM, one call per projection for every active expert (`cuda_grouped_gemm.rs`).
+    GroupedGemm,
     /// candle-nn's grouped WMMA GEMM (`moe_gemm`), bf16/f16.
     CandleMoeGemm,
     /// One chain of candle ops per expert; the reason the device kernels do not serve the call.
@@ -126,6 +135,7 @@ pub enum ExpertsBackend {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ExpertsImpl {
     DeviceMatVec,
+    GroupedGemm,
     CandleMoeGemm,
     Reference,
 }
@@ -191,14 +201,13 @@ pub fn experts_backend(x: &Tensor, gate_up: &Tensor, down: &Tensor) -> ExpertsBa
     if !cfg!(feature = "cuda") {
         return reason("glm5 was built without the cuda feature");
     }
-    let tokens = x.dim(0).unwrap_or(0);
-    if tokens > MATVEC_MAX_TOKENS {
-        return reason(&format!(
-            "{tokens} tokens: above {MATVEC_MAX_TOKENS} the experts run as one GEMM chain per expert"
-        ));
-    }
     if !matches!(x.dtype(), DType::BF16 | DType::F32) {
         return reason("the device kernels take bf16 or f32");
+    }
+    let tokens = x.dim(0).unwrap_or(0);
+    if tokens > MATVEC_MAX_TOKENS {
+        // Enough tokens per expert for tensor-core GEMMs.
+        return ExpertsBackend::GroupedGemm;
     }
     let row_bytes = |t: &Tensor| t.dim(2).unwrap_or(0) * t.dtype().size_in_bytes();
     if row_bytes(gate_up) % 16 != 0 || row_bytes(down) % 16 != 0 {
@@ -245,6 +254,9 @@ pub fn experts(x: &Tensor, routes: &Routes, gate_up: &Tensor, down: &Tensor) -> 
         ExpertsBackend::DeviceMatVec => {
             experts_with(x, routes, gate_up, down, ExpertsImpl::DeviceMatVec)
         }
+        ExpertsBackend::GroupedGemm => {
+            experts_with(x, routes, gate_up, down, ExpertsImpl::GroupedGemm)
+        }
         ExpertsBackend::CandleMoeGemm => {
             experts_with(x, routes, gate_up, down, ExpertsImpl::CandleMoeGemm)
         }
@@ -265,6 +277,12 @@ pub fn experts_with(
         #[cfg(feature = "cuda")]
         ExpertsImpl::DeviceMatVec if x.device().is_cuda() => {
             cuda::experts(x, routes, gate_up, down)
+        }
+        #[cfg(feature = "cuda")]
+        ExpertsImpl::GroupedGemm
+            if x.device().is_cuda() && matches!(x.dtype(), DType::BF16 | DType::F32) =>
+        {
+            cuda_grouped_gemm::experts_grouped_gemm(x, routes, gate_up, down)
         }
         #[cfg(feature = "cuda")]
         ExpertsImpl::CandleMoeGemm if x.device().is_cuda() && x.dtype() == DType::BF16 => {

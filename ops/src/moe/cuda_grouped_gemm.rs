@@ -1,0 +1,253 @@
+//! The experts for many tokens (prefill) by cuBLAS's grouped GEMM (`cublasGemmGroupedBatchedEx`): one call
+//! per projection for every active expert, instead of one chain of candle ops per expert.
+//!
+//! 1. The routes come to the host once (`T·slots` ids: the one sync of the layer) and are sorted by expert
+//!    (ascending assignment order within one expert, as `moe_align` sorts them).
+//! 2. The tokens' rows are gathered in that order; gate and up are one GEMM per expert over the stacked
+//!    `[E', 2I, H]` (f32 accumulation, rounded to the model dtype); SiLU(gate)·up by candle ops; down is one
+//!    GEMM per expert.
+//! 3. Each row times its gate in f32, put back in assignment order, and summed per token in slot order by
+//!    `moe_combine` (as the mat-vec path sums them).
+
+use candle_core::cuda_backend::cudarc::cublas::sys;
+use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::CudaDevice;
+use candle_core::{DType, Device, Tensor};
+
+use super::Routes;
+use crate::cuda::{cuda_err, device_address, kernel};
+use crate::error::{OpError, Result};
+
+/// One GEMM of the group: row-major `C[n_rows, out] = B[n_rows, k] · A[out, k]ᵀ` (A an expert's weight, B its
+/// tokens' rows), as cuBLAS's column-major `C' = op_T(A') · B'`.
+struct Problem {
+    out: usize,
+    n_rows: usize,
+    k: usize,
+    a: u64,
+    b: u64,
+    c: u64,
+}
+
+fn data_type(dtype: DType) -> Result<sys::cudaDataType_t> {
+    match dtype {
+        DType::BF16 => Ok(sys::cudaDataType_t::CUDA_R_16BF),
+        DType::F16 => Ok(sys::cudaDataType_t::CUDA_R_16F),
+        DType::F32 => Ok(sys::cudaDataType_t::CUDA_R_32F),
+        other => Err(OpError::NotFloat {
+            arg: "x",
+            found: other,
+        }),
+    }
+}
+
+/// Runs every problem (one group each: their row counts differ) on the device's stream.
+fn grouped_gemm(
+    dev: &CudaDevice,
+    device: &Device,
+    dtype: DType,
+    problems: &[Problem],
+) -> Result<()> {
+    if problems.is_empty() {
+        return Ok(());
+    }
+    let int = |v: usize| -> Result<i32> {
+        i32::try_from(v)
+            .map_err(|_| OpError::Unsupported(format!("grouped GEMM: size {v} exceeds i32")))
+    };
+    let count = problems.len();
+    let (mut m, mut n, mut k, mut lda, mut ldb, mut ldc) = (
+        Vec::with_capacity(count),
+        Vec::with_capacity(count),
+        Vec::with_capacity(count),
+        Vec::with_capacity(count),
+        Vec::with_capacity(count),
+        Vec::with_capacity(count),
+    );
+    for p in problems {
+        m.push(int(p.out)?);
+        n.push(int(p.n_rows)?);
+        k.push(int(p.k)?);
+        lda.push(int(p.k)?);
+        ldb.push(int(p.k)?);
+        ldc.push(int(p.out)?);
+    }
+    let trans_a = vec![sys::cublasOperation_t::CUBLAS_OP_T; count];
+    let trans_b = vec![sys::cublasOperation_t::CUBLAS_OP_N; count];
+    let alpha = vec![1.0f32; count];
+    let beta = vec![0.0f32; count];
+    let group_size = vec![1i32; count];
+    // The matrix pointer arrays must be in device memory; freed after the call in stream order.
+    let pointers = |f: fn(&Problem) -> u64| -> Result<Tensor> {
+        Ok(Tensor::from_vec(
+            problems.iter().map(|p| f(p) as i64).collect::<Vec<_>>(),
+            count,
+            device,
+        )?)
+    };
+    let (a_ptrs, b_ptrs, c_ptrs) = (pointers(|p| p.a)?, pointers(|p| p.b)?, pointers(|p| p.c)?);
+    let (a_arr, _) = device_address(&a_ptrs)?;
+    let (b_arr, _) = device_address(&b_ptrs)?;
+    let (c_arr, _) = device_address(&c_ptrs)?;
+    let ty = data_type(dtype)?;
+    let blas = dev.cublas_handle();
+    // SAFETY: every array has `count` entries; each problem's A, B and C are live device allocations of at
+    // least `out·k`, `n_rows·k` and `n_rows·out` elements of `dtype` (the caller's tensors), and the pointer
+    // arrays are device memory holding those addresses; the handle is bound to the tensors' stream.
+    let status = unsafe {
+        sys::cublasGemmGroupedBatchedEx(
+            *blas.handle(),
+            trans_a.as_ptr(),
+            trans_b.as_ptr(),
+            m.as_ptr(),
+            n.as_ptr(),
+            k.as_ptr(),
+            alpha.as_ptr().cast(),
+            a_arr as *const *const std::ffi::c_void,
+            ty,
+            lda.as_ptr(),
+            b_arr as *const *const std::ffi::c_void,
+            ty,
+            ldb.as_ptr(),
+            beta.as_ptr().cast(),
+            c_arr as *const *mut std::ffi::c_void,
+            ty,
+            ldc.as_ptr(),
+            int(count)?,
+            group_size.as_ptr(),
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        )
+    };
+    if status != sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+        return Err(cuda_err(format!("cublasGemmGroupedBatchedEx: {status:?}")).into());
+    }
+    Ok(())
+}
+
+/// The routed experts over the stacked `gate_up` `[E', 2I, H]` and `down` `[E', H, I]` (module docs), checked by
+/// the caller; `x` `[T, H]` contiguous in the weights' dtype.
+pub(super) fn experts_grouped_gemm(
+    x: &Tensor,
+    routes: &Routes,
+    gate_up: &Tensor,
+    down: &Tensor,
+) -> Result<Tensor> {
+    let (tokens, hidden) = x.dims2()?;
+    let (n_experts, two_inter, _) = gate_up.dims3()?;
+    let inter = two_inter / 2;
+    let slots = routes.slots()?;
+    let device = x.device();
+    let dtype = x.dtype();
+    let ids: Vec<u32> = routes.ids.flatten_all()?.to_vec1()?;
+    // Assignments (t·slots + s) by expert, ascending within one.
+    let mut sorted: Vec<u32> = (0..ids.len() as u32).collect();
+    sorted.sort_by_key(|&a| ids[a as usize]);
+    if let Some(&bad) = ids.iter().find(|&&e| e as usize >= n_experts) {
+        return Err(OpError::Unsupported(format!(
+            "moe experts: an assignment routes to expert {bad} of {n_experts}"
+        )));
+    }
+    let mut inverse = vec![0u32; sorted.len()];
+    for (j, &a) in sorted.iter().enumerate() {
+        inverse[a as usize] = j as u32;
+    }
+    let token_of: Vec<u32> = sorted.iter().map(|&a| a / slots as u32).collect();
+    let n_assign = sorted.len();
+    let upload = |v: Vec<u32>| Tensor::from_vec(v, n_assign, device);
+    let (sorted_t, inverse_t, token_t) =
+        (upload(sorted.clone())?, upload(inverse)?, upload(token_of)?);
+
+    let x = x.contiguous()?;
+    let (gate_up, down) = (gate_up.contiguous()?, down.contiguous()?);
+    let xs = x.index_select(&token_t, 0)?;
+    let h = unsafe { Tensor::empty((n_assign, two_inter), dtype, device)? };
+    let y = unsafe { Tensor::empty((n_assign, hidden), dtype, device)? };
+    let (gate_up_ptr, dev) = device_address(&gate_up)?;
+    let (down_ptr, _) = device_address(&down)?;
+    let (xs_ptr, _) = device_address(&xs)?;
+    let (h_ptr, _) = device_address(&h)?;
+    let (y_ptr, _) = device_address(&y)?;
+    let bytes = dtype.size_in_bytes() as u64;
+    // Each active expert's run of sorted assignments.
+    let mut runs = Vec::new();
+    let mut start = 0;
+    while start < n_assign {
+        let expert = ids[sorted[start] as usize] as usize;
+        let mut end = start;
+        while end < n_assign && ids[sorted[end] as usize] as usize == expert {
+            end += 1;
+        }
+        runs.push((expert, start, end - start));
+        start = end;
+    }
+    let gate_up_problems: Vec<Problem> = runs
+        .iter()
+        .map(|&(e, first, rows)| Problem {
+            out: two_inter,
+            n_rows: rows,
+            k: hidden,
+            a: gate_up_ptr + (e * two_inter * hidden) as u64 * bytes,
+            b: xs_ptr + (first * hidden) as u64 * bytes,
+            c: h_ptr + (first * two_inter) as u64 * bytes,
+        })
+        .collect();
+    grouped_gemm(&dev, device, dtype, &gate_up_problems)?;
+    let act = (h.narrow(1, 0, inter)?.silu()? * h.narrow(1, inter, inter)?)?.contiguous()?;
+    let (act_ptr, _) = device_address(&act)?;
+    let down_problems: Vec<Problem> = runs
+        .iter()
+        .map(|&(e, first, rows)| Problem {
+            out: hidden,
+            n_rows: rows,
+            k: inter,
+            a: down_ptr + (e * hidden * inter) as u64 * bytes,
+            b: act_ptr + (first * inter) as u64 * bytes,
+            c: y_ptr + (first * hidden) as u64 * bytes,
+        })
+        .collect();
+    grouped_gemm(&dev, device, dtype, &down_problems)?;
+    // gate · y in f32, back in assignment order, then the per-token sum in slot order.
+    let gates = routes
+        .gates
+        .flatten_all()?
+        .index_select(&sorted_t, 0)?
+        .unsqueeze(1)?;
+    let weighted = y.to_dtype(DType::F32)?.broadcast_mul(&gates)?;
+    let by_assignment = weighted.index_select(&inverse_t, 0)?.contiguous()?;
+    let out = unsafe { Tensor::empty((tokens, hidden), dtype, device)? };
+    let (y_arg, _) = device_address(&by_assignment)?;
+    let (out_ptr, _) = device_address(&out)?;
+    let suffix = match dtype {
+        DType::BF16 => "bf16",
+        DType::F32 => "f32",
+        other => {
+            return Err(OpError::NotFloat {
+                arg: "x",
+                found: other,
+            })
+        }
+    };
+    let combine = kernel(
+        &dev,
+        "moe",
+        glm5_kernels::MOE,
+        &format!("moe_combine_{suffix}"),
+    )?;
+    let stream = dev.cuda_stream();
+    let (tokens_arg, slots_arg, hidden_arg) = (tokens as i32, slots as i32, hidden as i32);
+    let mut builder = stream.launch_builder(&combine);
+    builder
+        .arg(&y_arg)
+        .arg(&tokens_arg)
+        .arg(&slots_arg)
+        .arg(&hidden_arg)
+        .arg(&out_ptr);
+    let cfg = LaunchConfig {
+        grid_dim: ((tokens * hidden).div_ceil(256) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: y [T·slots, H] f32 in assignment order, out [T, H] in x's dtype (moe.cu's moe_combine_*).
+    unsafe { builder.launch(cfg) }.map_err(cuda_err)?;
+    Ok(out)
+}
