@@ -200,7 +200,7 @@ fn prefill_experts_by_grouped_gemm_equal_the_reference() {
     let (n_experts, hidden, inter) = (17, 192, 96);
     for dtype in [DType::F32, DType::BF16] {
         for (t, slots) in [(MATVEC_MAX_TOKENS + 1, 4), (600, 9)] {
-            let weights = |rows: usize, k: usize| {
+            let mut weights = |rows: usize, k: usize| {
                 Tensor::from_vec(
                     uniform(&mut r, n_experts * rows * k),
                     (n_experts, rows, k),
