@@ -66,7 +66,7 @@ fn stack_quantized(mlps: &[&Mlp]) -> Option<moe::QuantizedExperts> {
     }
     fn nvfp4(p: &Proj) -> Option<&glm5_ops::nvfp4_matmul::Nvfp4Weight> {
         match p {
-            Proj::Nvfp4(w) => Some(w),
+            Proj::Nvfp4(w, _) => Some(w),
             _ => None,
         }
     }
