@@ -59,9 +59,10 @@ pub fn w4a4_error_bound(x: &Tensor, w: &Nvfp4Weight) -> Vec<f64> {
     bound
 }
 
-/// `max |got - want| / bound` over all outputs (`got`, `want` f32 `[rows, out]` on the CPU), and the
-/// relative Frobenius distance `‖got - want‖ / ‖want‖`.
-pub fn against_bound(got: &Tensor, want: &Tensor, bound: &[f64]) -> (f64, f64) {
+/// `max |got - want| / bound` over all outputs (`got`, `want` `[rows, out]` on the CPU), and per row the
+/// relative distance `‖got_r - want_r‖ / ‖want_r‖` (0 for a zero row).
+pub fn against_bound(got: &Tensor, want: &Tensor, bound: &[f64]) -> (f64, Vec<f64>) {
+    let out = want.dim(1).unwrap();
     let got: Vec<f32> = got
         .to_dtype(DType::F32)
         .unwrap()
@@ -69,15 +70,33 @@ pub fn against_bound(got: &Tensor, want: &Tensor, bound: &[f64]) -> (f64, f64) {
         .unwrap()
         .to_vec1()
         .unwrap();
-    let want: Vec<f32> = want.flatten_all().unwrap().to_vec1().unwrap();
+    let want: Vec<f32> = want
+        .to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
     assert_eq!(got.len(), bound.len());
-    let (mut worst, mut diff, mut norm) = (0.0f64, 0.0f64, 0.0f64);
-    for ((g, w), b) in got.iter().zip(&want).zip(bound) {
-        let d = (*g as f64 - *w as f64).abs();
-        assert!(d.is_finite(), "non-finite output {g} (reference {w})");
-        worst = worst.max(d / b.max(f64::MIN_POSITIVE));
-        diff += d * d;
-        norm += (*w as f64) * (*w as f64);
+    let mut worst = 0.0f64;
+    let mut rows = Vec::new();
+    for ((g, w), b) in got.chunks(out).zip(want.chunks(out)).zip(bound.chunks(out)) {
+        let (mut diff, mut norm) = (0.0f64, 0.0f64);
+        for ((g, w), b) in g.iter().zip(w).zip(b) {
+            let d = (*g as f64 - *w as f64).abs();
+            assert!(d.is_finite(), "non-finite output {g} (reference {w})");
+            worst = worst.max(d / b.max(f64::MIN_POSITIVE));
+            diff += d * d;
+            norm += (*w as f64) * (*w as f64);
+        }
+        rows.push(if norm > 0.0 { (diff / norm).sqrt() } else { diff.sqrt() });
     }
-    (worst, (diff / norm.max(f64::MIN_POSITIVE)).sqrt())
+    (worst, rows)
+}
+
+/// The median of `values`.
+pub fn median(values: &[f64]) -> f64 {
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
 }

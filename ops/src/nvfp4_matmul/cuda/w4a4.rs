@@ -152,8 +152,18 @@ pub(super) fn matmul(x: &Tensor, w: &Nvfp4Weight) -> Result<Tensor> {
         to_i32(k, "x columns")?,
     );
     let acts = quantize_activations(x)?;
-    let packed = w.packed.contiguous()?;
-    let scales = w.scales.contiguous()?;
+    // The GEMM copies the weight's rows in 16-byte (codes) and 8-byte (scales) pieces: a view starting
+    // mid-piece is copied to a fresh allocation.
+    let aligned = |t: &Tensor, bytes: u64| -> Result<Tensor> {
+        let t = t.contiguous()?;
+        Ok(if device_address(&t)?.0 % bytes == 0 {
+            t
+        } else {
+            t.copy()?
+        })
+    };
+    let packed = aligned(&w.packed, 16)?;
+    let scales = aligned(&w.scales, 8)?;
     let (packed_ptr, dev) = device_address(&packed)?;
     check_device(&dev)?;
     // Every element of y is written by the kernel (each in-range (row, column) once).
