@@ -375,7 +375,10 @@ fn nvfp4_w4a4_sm120_matches_the_cpu_references() {
         assert!(nvfp4_matmul::quantize_activations(&x).is_err());
         return;
     }
-    println!("{}: running the W4A4 kernels on {capability}", nvfp4_matmul::W4A4_MMA_SM120);
+    println!(
+        "{}: running the W4A4 kernels on {capability}",
+        nvfp4_matmul::W4A4_MMA_SM120
+    );
     for (n, k, m) in w4a4_shapes() {
         let packed: Vec<u8> = (0..n * k / 2).map(|_| rng.next() as u8).collect();
         let cpu = Nvfp4Weight {
@@ -397,11 +400,22 @@ fn nvfp4_w4a4_sm120_matches_the_cpu_references() {
 
             let want = nvfp4_matmul::reference::quantize_activations(&x_read).unwrap();
             let got = nvfp4_matmul::quantize_activations(&x_gpu).unwrap();
-            assert_eq!(host::<u8>(&got.codes), host::<u8>(&want.codes), "codes [{m}, {k}] {dtype:?}");
-            assert_eq!(host::<u8>(&got.scales), host::<u8>(&want.scales), "scales [{m}, {k}] {dtype:?}");
+            assert_eq!(
+                host::<u8>(&got.codes),
+                host::<u8>(&want.codes),
+                "codes [{m}, {k}] {dtype:?}"
+            );
+            assert_eq!(
+                host::<u8>(&got.scales),
+                host::<u8>(&want.scales),
+                "scales [{m}, {k}] {dtype:?}"
+            );
             let (g_got, g_want) = (host::<f32>(&got.row_scales), host::<f32>(&want.row_scales));
             assert!(
-                g_got.iter().zip(&g_want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                g_got
+                    .iter()
+                    .zip(&g_want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
                 "row scales [{m}, {k}] {dtype:?}"
             );
 
@@ -413,7 +427,11 @@ fn nvfp4_w4a4_sm120_matches_the_cpu_references() {
                 nvfp4_matmul::reference::nvfp4_matmul_w4a4_with_magnitudes(&x_read, &cpu).unwrap();
             let (reference, magnitude) = (host::<f32>(&reference), host::<f32>(&magnitude));
             let order = 2.0 * (k - 1) as f64 * w4a4_bound::U;
-            let rounding = if dtype == DType::BF16 { 1.0 / 256.0 } else { 0.0 };
+            let rounding = if dtype == DType::BF16 {
+                1.0 / 256.0
+            } else {
+                0.0
+            };
             let mut worst = 0.0f64;
             for i in 0..m * n {
                 let d = (y_host[i] as f64 - reference[i] as f64).abs();
@@ -444,7 +462,10 @@ fn nvfp4_w4a4_sm120_matches_the_cpu_references() {
                  vs W4A16: worst / bound {against_w4a16:.3}, median relative distance per row {:.3e}",
                 w4a4_bound::median(&rows[3..])
             );
-            assert!(against_w4a16 <= 1.0, "[{n},{k}] m={m} {dtype:?}: {against_w4a16}");
+            assert!(
+                against_w4a16 <= 1.0,
+                "[{n},{k}] m={m} {dtype:?}: {against_w4a16}"
+            );
         }
     }
 

@@ -316,7 +316,10 @@ pub const CONSTANTS: &[(&str, usize)] = &[
         weight_only::DEQUANTIZE_THREADS,
     ),
     ("GLM5_NVFP4_MMA_GROUP", nvfp4_mma::GROUP),
-    ("GLM5_NVFP4_MMA_QUANTIZE_THREADS", nvfp4_mma::QUANTIZE_THREADS),
+    (
+        "GLM5_NVFP4_MMA_QUANTIZE_THREADS",
+        nvfp4_mma::QUANTIZE_THREADS,
+    ),
     ("GLM5_NVFP4_MMA_TILE_M", nvfp4_mma::TILE_M),
     ("GLM5_NVFP4_MMA_TILE_N", nvfp4_mma::TILE_N),
     ("GLM5_NVFP4_MMA_TILE_K", nvfp4_mma::TILE_K),

@@ -125,7 +125,8 @@ fn hand_worked_rows() {
     let mut row = vec![0.0f32; 128];
     row[0] = 2688.0;
     let ties = [
-        6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0, 0.0,
+        6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0,
+        0.0,
     ];
     row[16..32].copy_from_slice(&ties);
     // Blocks whose scale is an e4m3 subnormal or rounds to 0: largest value 6 * v for the unrounded scale v.
@@ -217,7 +218,8 @@ fn tensor_entry_point_quantises_row_by_row() {
     let x: Vec<f32> = (0..rows * k).map(|_| rng.random_range(-3.0..3.0)).collect();
     let t = Tensor::from_vec(x.clone(), (rows, k), &Device::Cpu).unwrap();
     for dtype in [DType::F32, DType::BF16] {
-        let acts = glm5_ops::nvfp4_matmul::quantize_activations(&t.to_dtype(dtype).unwrap()).unwrap();
+        let acts =
+            glm5_ops::nvfp4_matmul::quantize_activations(&t.to_dtype(dtype).unwrap()).unwrap();
         assert_eq!(acts.codes.dims(), [rows, k / 2]);
         assert_eq!(acts.scales.dims(), [rows, k / 16]);
         let codes: Vec<u8> = acts.codes.flatten_all().unwrap().to_vec1().unwrap();

@@ -89,7 +89,11 @@ pub fn against_bound(got: &Tensor, want: &Tensor, bound: &[f64]) -> (f64, Vec<f6
             diff += d * d;
             norm += (*w as f64) * (*w as f64);
         }
-        rows.push(if norm > 0.0 { (diff / norm).sqrt() } else { diff.sqrt() });
+        rows.push(if norm > 0.0 {
+            (diff / norm).sqrt()
+        } else {
+            diff.sqrt()
+        });
     }
     (worst, rows)
 }

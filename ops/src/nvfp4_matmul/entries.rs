@@ -28,11 +28,7 @@ fn w4a16_shape_reasons(shape: &WeightShape) -> Vec<Reason> {
 fn w4a4_shape_reasons(shape: &WeightShape) -> Vec<Reason> {
     let mut reasons = Vec::new();
     if shape.block_in != nvfp4_mma::GROUP {
-        reasons.push(Reason::new(
-            "group size",
-            nvfp4_mma::GROUP,
-            shape.block_in,
-        ));
+        reasons.push(Reason::new("group size", nvfp4_mma::GROUP, shape.block_in));
     }
     if !shape.in_dim.is_multiple_of(nvfp4_mma::TILE_K) {
         reasons.push(Reason::new(
@@ -134,12 +130,27 @@ mod tests {
     #[test]
     fn w4a4_serves_prefill_rows_on_sm120_only() {
         let glm = shape(2048, 6144);
-        assert_eq!(choose("sm_120:96GB", &glm, Rows::Prefill), Ok(W4A4_MMA_SM120));
-        assert_eq!(choose("sm_120:96GB", &glm, Rows::Decode), Ok("nvfp4-w4a16-cuda"));
-        assert_eq!(choose("sm_90:141GB", &glm, Rows::Prefill), Ok("nvfp4-w4a16-cuda"));
-        assert_eq!(choose("cpu:64GB", &glm, Rows::Prefill), Ok("nvfp4-reference-cpu"));
+        assert_eq!(
+            choose("sm_120:96GB", &glm, Rows::Prefill),
+            Ok(W4A4_MMA_SM120)
+        );
+        assert_eq!(
+            choose("sm_120:96GB", &glm, Rows::Decode),
+            Ok("nvfp4-w4a16-cuda")
+        );
+        assert_eq!(
+            choose("sm_90:141GB", &glm, Rows::Prefill),
+            Ok("nvfp4-w4a16-cuda")
+        );
+        assert_eq!(
+            choose("cpu:64GB", &glm, Rows::Prefill),
+            Ok("nvfp4-reference-cpu")
+        );
         // `in` not a multiple of the K tile: W4A16 serves it, and the reason names the tile.
-        assert_eq!(choose("sm_120:96GB", &shape(24, 48), Rows::Prefill), Ok("nvfp4-w4a16-cuda"));
+        assert_eq!(
+            choose("sm_120:96GB", &shape(24, 48), Rows::Prefill),
+            Ok("nvfp4-w4a16-cuda")
+        );
     }
 
     #[test]
@@ -161,7 +172,9 @@ mod tests {
             .validate(&shape(24, 48), &device("sm_120:96GB"), Rows::Prefill)
             .unwrap_err();
         assert!(
-            narrow[0].to_string().contains(&nvfp4_mma::TILE_K.to_string()),
+            narrow[0]
+                .to_string()
+                .contains(&nvfp4_mma::TILE_K.to_string()),
             "{}",
             narrow[0]
         );

@@ -26,7 +26,7 @@
 //!   1. per row `r` of `x` (as f32): `amax = max |x[r, c]|`, row scale
 //!      `g[r] = max(amax / (6 · 448), 2^-126)` (NaN if the row holds a non-finite value: its outputs are NaN);
 //!   2. per 16 consecutive values: `s = e4m3_rne(min(amax16 / (6 · g[r]), 448))`, the nearest e4m3 value,
-//!      ties to even, subnormals included (0 when the block is below 2^-10 of its unit);
+//!      ties to even, subnormals included (0 when `amax16 / (6 · g[r]) <= 2^-10`);
 //!   3. per value: `code = e2m1_rne(|x| / (s · g[r]))` with `x`'s sign, the nearest of
 //!      {0, 0.5, 1, 1.5, 2, 3, 4, 6} ties to the even code, 6 above (0 when `s = 0`);
 //!   4. `y[r, n] = ((Σ_k (e2m1(a) · s_a) · (e2m1(w) · s_w)) · g[r]) · global_scale`: each product exact in

@@ -157,7 +157,8 @@ fn scaled_codes(codes: &[u8], scales: &[u8], rows: usize, inp: usize) -> Vec<f32
         for c in 0..inp {
             let byte = codes[r * inp / 2 + c / 2];
             let code = if c % 2 == 0 { byte & 0x0f } else { byte >> 4 };
-            values.push(E2M1[code as usize] * table[scales[r * (inp / GROUP) + c / GROUP] as usize]);
+            values
+                .push(E2M1[code as usize] * table[scales[r * (inp / GROUP) + c / GROUP] as usize]);
         }
     }
     values
