@@ -2,7 +2,7 @@
 //! single source: constants as `GLM5_*` macros, and per parameter struct a `GLM5_CHECK_<Struct>()` macro of
 //! `static_assert`s on its size, alignment and field offsets), then compiles every `src/*.cu` with nvcc
 //! into one fatbin per file holding SASS for sm_90 and sm_120 and compute_120 PTX (for JIT on newer GPUs);
-//! `src/*_sm90.cu` (Hopper-only instructions) get sm_90a SASS only. Headers live in `src/` and its
+//! `src/*_sm90.cu` (Hopper-only instructions) get sm_90a SASS only, `src/*_sm120a.cu` sm_120a SASS only. Headers live in `src/` and its
 //! folders. Without the feature: nothing.
 
 #[allow(dead_code)]
@@ -120,9 +120,12 @@ mod cuda {
                 .and_then(|s| s.to_str())
                 .expect("utf-8 kernel file name");
             let output = out_dir.join(format!("{stem}.fatbin"));
-            // `*_sm90.cu` use Hopper-only instructions (wgmma): sm_90a SASS and nothing else.
+            // `*_sm90.cu` use Hopper-only instructions (wgmma): sm_90a SASS and nothing else;
+            // `*_sm120a.cu` sm_120a-only ones (the block-scaled FP4 MMA): sm_120a SASS and nothing else.
             let targets: &[&str] = if stem.ends_with("_sm90") {
                 &["arch=compute_90a,code=sm_90a"]
+            } else if stem.ends_with("_sm120a") {
+                &["arch=compute_120a,code=sm_120a"]
             } else {
                 &[
                     "arch=compute_90,code=sm_90",

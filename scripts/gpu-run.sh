@@ -133,6 +133,7 @@ for step in $steps; do
         echo "$arch: HMMA instructions in sparse_mla.fatbin: $(cuobjdump --dump-sass --gpu-architecture $arch .gpu/sparse_mla.fatbin 2>&1 | grep -c HMMA), in dsa_indexer.fatbin: $(cuobjdump --dump-sass --gpu-architecture $arch .gpu/dsa_indexer.fatbin 2>&1 | grep -c HMMA)"
       done | tee "$OUT/sass.txt"
       echo "sm_90a: HGMMA (wgmma) instructions in sparse_mla_sm90.fatbin: $(cuobjdump --dump-sass .gpu/sparse_mla_sm90.fatbin 2>&1 | grep -c HGMMA)" | tee -a "$OUT/sass.txt"
+      echo "sm_120a: block-scaled FP4 MMA (OMMA.SF) instructions in nvfp4_mma_sm120a.fatbin: $(cuobjdump --dump-sass .gpu/nvfp4_mma_sm120a.fatbin 2>&1 | grep -c 'OMMA\.SF')" | tee -a "$OUT/sass.txt"
       cuobjdump --list-elf --list-ptx .gpu/sparse_mla.fatbin | tee -a "$OUT/sass.txt" ;;
     serve)
       # `glm5 serve` in-process on a 6-layer GLM-5 slice under 1, 8, 32 and 64 streaming clients.

@@ -1,17 +1,21 @@
 //! The W8A16 (block-scaled FP8) and W4A16 (NVFP4) CUDA kernels against the CPU reference on fresh random
 //! weights and activations, every shape path (mat-vec up to MAX_ROWS rows, dequantise-then-matmul above,
 //! partial scale blocks), f32 and bf16 activations; the kernels' outputs start as NaN, so a missed element
-//! fails. Then the quantised fixtures on the GPU against their dequantised f32 copies. Built with
-//! `--features cuda`, run on the GPU machine.
+//! fails. Then the quantised fixtures on the GPU against their dequantised f32 copies. The NVFP4 W4A4
+//! backend (`nvfp4-w4a4-mma-sm120`) against its CPU reference and the W4A16 bound, on sm_120 only: on any
+//! other GPU that test says loudly that it did not check the kernels, and checks that asking for them is an
+//! error. Built with `--features cuda`, run on the GPU machine.
 #![cfg(feature = "cuda")]
 
 use glm5::candle_core::{DType, Device, Tensor};
 use glm5::ops::fp8_matmul::{self, Fp8BlockWeight};
-use glm5::ops::nvfp4_matmul::{self, Nvfp4Weight};
-use glm5::{AttentionMode, Glm5ForCausalLM};
+use glm5::ops::nvfp4_matmul::{self, Nvfp4Weight, Prefill};
+use glm5::{AttentionMode, Config, DeviceDesc, Glm5ForCausalLM};
 
 #[path = "common/fixtures.rs"]
 mod fixtures;
+#[path = "common/w4a4_bound.rs"]
+mod w4a4_bound;
 use fixtures::{decode_rows, fixture_dir, max_abs_diff, reference};
 
 /// splitmix64 stream: fresh values per seed.
@@ -284,4 +288,209 @@ fn quantised_fixtures_on_gpu_match_the_dequantised_model() {
             "{case} bf16: quantised {quantized} vs dense bf16 {dense}"
         );
     }
+}
+
+/// GEMM shapes `(out, in, rows)` for the W4A4 backend, from GLM-5's NVFP4 export config: an expert's
+/// gate/up and down, `q_a_proj`, `kv_a_proj_with_mqa` (576 columns: a partial 128-tile), with row counts
+/// that are not multiples of the 128-row tile; and two small odd ones (a single partial tile each way).
+fn w4a4_shapes() -> Vec<(usize, usize, usize)> {
+    let config = Config::from_file(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/assets/glm5_nvfp4/config.json"
+    ))
+    .unwrap();
+    let group = nvfp4_matmul::GROUP;
+    vec![
+        (config.moe_intermediate_size, config.hidden_size, 17),
+        (config.hidden_size, config.moe_intermediate_size, 130),
+        (config.q_lora_rank, config.hidden_size, 64),
+        (
+            config.kv_lora_rank + config.qk_rope_head_dim,
+            config.hidden_size,
+            200,
+        ),
+        (100, 16 * group, 33),
+        (8, 8 * group, 129),
+    ]
+}
+
+/// Activations like a transformer's: uniform in [-1, 1) with a few outlier channels 30x larger; row 1 all
+/// zeros, row 2 with one value 10^5 times its row (most of its blocks get subnormal e4m3 scales).
+fn w4a4_activations(rng: &mut Stream, m: usize, k: usize) -> Tensor {
+    let outliers: Vec<usize> = (0..4).map(|_| (rng.next() % k as u64) as usize).collect();
+    let mut x: Vec<f32> = (0..m * k)
+        .map(|i| {
+            let v = rng.uniform() * 2.0 - 1.0;
+            if outliers.contains(&(i % k)) {
+                v * 30.0
+            } else {
+                v
+            }
+        })
+        .collect();
+    x[k..2 * k].fill(0.0);
+    x[2 * k + k / 3] = 1e5;
+    Tensor::from_vec(x, (m, k), &Device::Cpu).unwrap()
+}
+
+fn host<T: glm5::candle_core::WithDType>(t: &Tensor) -> Vec<T> {
+    t.to_device(&Device::Cpu)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+/// The W4A4 GEMM on sm_120's block-scaled FP4 MMA: its activation quantiser bit for bit against the CPU
+/// reference's; its output against the CPU W4A4 reference within what an f32 sum in another order can
+/// differ by (`2 (in - 1) 2^-24 Σ|products|`, plus one bf16 rounding for bf16), and against the W4A16
+/// reference within the derived bound; then a prefill-sized timing, printed.
+#[test]
+fn nvfp4_w4a4_sm120_matches_the_cpu_references() {
+    let gpu = Device::new_cuda(0).unwrap();
+    let desc = DeviceDesc::of(&gpu).unwrap();
+    let capability = desc.capability().expect("a CUDA device");
+    let seed = seed();
+    println!("seed {seed}");
+    let mut rng = Stream(seed);
+    if (capability.major, capability.minor) != (12, 0) {
+        println!(
+            "NOT RUN: {} needs an sm_120 GPU (compute capability 12.0); this one is {capability}. The W4A4 \
+             kernels were NOT checked here. Checked instead: asking for them on this GPU is an error.",
+            nvfp4_matmul::W4A4_MMA_SM120
+        );
+        let (n, k) = (64, 8 * 16);
+        let w = Nvfp4Weight {
+            packed: Tensor::zeros((n, k / 2), DType::U8, &gpu).unwrap(),
+            scales: Tensor::zeros((n, k / 16), DType::U8, &gpu).unwrap(),
+            global_scale: 1.0,
+        };
+        let x = w4a4_activations(&mut rng, nvfp4_matmul::MAX_ROWS + 1, k)
+            .to_device(&gpu)
+            .unwrap();
+        let err = nvfp4_matmul::nvfp4_matmul_with(&x, &w, Prefill::W4a4Sm120).unwrap_err();
+        println!("  the error: {err}");
+        assert!(err.to_string().contains("sm_120"), "{err}");
+        assert!(nvfp4_matmul::quantize_activations(&x).is_err());
+        return;
+    }
+    println!(
+        "{}: running the W4A4 kernels on {capability}",
+        nvfp4_matmul::W4A4_MMA_SM120
+    );
+    for (n, k, m) in w4a4_shapes() {
+        let packed: Vec<u8> = (0..n * k / 2).map(|_| rng.next() as u8).collect();
+        let cpu = Nvfp4Weight {
+            packed: Tensor::from_vec(packed, (n, k / 2), &Device::Cpu).unwrap(),
+            scales: Tensor::from_vec(rng.e4m3(n * k / 16, true), (n, k / 16), &Device::Cpu)
+                .unwrap(),
+            global_scale: 1e-4 + rng.uniform() * 1e-3,
+        };
+        let on_gpu = Nvfp4Weight {
+            packed: cpu.packed.to_device(&gpu).unwrap(),
+            scales: cpu.scales.to_device(&gpu).unwrap(),
+            global_scale: cpu.global_scale,
+        };
+        let x = w4a4_activations(&mut rng, m, k);
+        for dtype in [DType::F32, DType::BF16] {
+            let x_dtype = x.to_dtype(dtype).unwrap();
+            let x_read = x_dtype.to_dtype(DType::F32).unwrap();
+            let x_gpu = x_dtype.to_device(&gpu).unwrap();
+
+            let want = nvfp4_matmul::reference::quantize_activations(&x_read).unwrap();
+            let got = nvfp4_matmul::quantize_activations(&x_gpu).unwrap();
+            assert_eq!(
+                host::<u8>(&got.codes),
+                host::<u8>(&want.codes),
+                "codes [{m}, {k}] {dtype:?}"
+            );
+            assert_eq!(
+                host::<u8>(&got.scales),
+                host::<u8>(&want.scales),
+                "scales [{m}, {k}] {dtype:?}"
+            );
+            let (g_got, g_want) = (host::<f32>(&got.row_scales), host::<f32>(&want.row_scales));
+            assert!(
+                g_got
+                    .iter()
+                    .zip(&g_want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "row scales [{m}, {k}] {dtype:?}"
+            );
+
+            let y = nvfp4_matmul::nvfp4_matmul_with(&x_gpu, &on_gpu, Prefill::W4a4Sm120).unwrap();
+            assert_eq!(y.dtype(), dtype);
+            assert_eq!(y.dims(), [m, n]);
+            let y_host = host::<f32>(&y.to_dtype(DType::F32).unwrap());
+            let (reference, magnitude) =
+                nvfp4_matmul::reference::nvfp4_matmul_w4a4_with_magnitudes(&x_read, &cpu).unwrap();
+            let (reference, magnitude) = (host::<f32>(&reference), host::<f32>(&magnitude));
+            let order = 2.0 * (k - 1) as f64 * w4a4_bound::U;
+            let rounding = if dtype == DType::BF16 {
+                1.0 / 256.0
+            } else {
+                0.0
+            };
+            let mut worst = 0.0f64;
+            for i in 0..m * n {
+                let d = (y_host[i] as f64 - reference[i] as f64).abs();
+                let tolerance = order * magnitude[i] as f64 * (1.0 + rounding)
+                    + rounding * (reference[i] as f64).abs()
+                    + f32::MIN_POSITIVE as f64;
+                assert!(
+                    d <= tolerance,
+                    "[{n}, {k}] x [{m}, {k}] {dtype:?}: y[{}, {}] = {} vs reference {} (tolerance {tolerance:e})",
+                    i / n,
+                    i % n,
+                    y_host[i],
+                    reference[i]
+                );
+                worst = worst.max(d / tolerance);
+            }
+            let w4a16 = nvfp4_matmul::reference::nvfp4_matmul(&x_read, &cpu).unwrap();
+            let mut bound = w4a4_bound::w4a4_error_bound(&x_read, &cpu);
+            if dtype == DType::BF16 {
+                let w4a16_host = host::<f32>(&w4a16);
+                for (b, v) in bound.iter_mut().zip(&w4a16_host) {
+                    *b += rounding * 1.01 * (*b + (*v as f64).abs());
+                }
+            }
+            let (against_w4a16, rows) = w4a4_bound::against_bound(&y, &w4a16, &bound);
+            println!(
+                "w4a4 [{n}, {k}] x [{m}, {k}] {dtype:?}: worst |y - reference| / tolerance {worst:.3}; \
+                 vs W4A16: worst / bound {against_w4a16:.3}, median relative distance per row {:.3e}",
+                w4a4_bound::median(&rows[3..])
+            );
+            assert!(
+                against_w4a16 <= 1.0,
+                "[{n},{k}] m={m} {dtype:?}: {against_w4a16}"
+            );
+        }
+    }
+
+    // Prefill-sized timing at an expert's gate/up shape (printed, not asserted).
+    let (n, k, _) = w4a4_shapes()[0];
+    let m = 4096;
+    let w = Nvfp4Weight {
+        packed: Tensor::zeros((n, k / 2), DType::U8, &gpu).unwrap(),
+        scales: Tensor::zeros((n, k / 16), DType::U8, &gpu).unwrap(),
+        global_scale: 1.0,
+    };
+    let x = Tensor::ones((m, k), DType::BF16, &gpu).unwrap();
+    let run = || drop(nvfp4_matmul::nvfp4_matmul_with(&x, &w, Prefill::W4a4Sm120).unwrap());
+    run();
+    gpu.synchronize().unwrap();
+    let start = std::time::Instant::now();
+    let reps = 20;
+    for _ in 0..reps {
+        run();
+    }
+    gpu.synchronize().unwrap();
+    let seconds = start.elapsed().as_secs_f64() / reps as f64;
+    println!(
+        "w4a4 [{n}, {k}] x [{m}, {k}] bf16 (quantise + GEMM): {:.3} ms, {:.1} TFLOP/s",
+        seconds * 1e3,
+        2.0 * (m * n * k) as f64 / seconds / 1e12
+    );
 }

@@ -116,6 +116,45 @@ c_struct! {
     }
 }
 
+c_struct! {
+    /// `Nvfp4QuantizeParams` of `nvfp4_mma_sm120a.cu`: the activations' NVFP4 quantiser (pointers as device
+    /// addresses).
+    #[repr(C)]
+    pub struct Nvfp4QuantizeParams {
+        /// `[m, k]` f32 or bf16, 16-byte aligned.
+        pub x: u64 => x,
+        /// `U8 [m, k / 2]`: two e2m1 codes a byte, the even column in the low nibble.
+        pub codes: u64 => codes,
+        /// `U8 [m, k / 16]`: e4m3 block scales.
+        pub scales: u64 => scales,
+        /// `F32 [m]`: each row's global scale.
+        pub row_scales: u64 => row_scales,
+        pub m: i32 => m,
+        pub k: i32 => k,
+    }
+}
+
+c_struct! {
+    /// `Nvfp4MmaParams` of `nvfp4_mma_sm120a.cu`: the W4A4 GEMM (pointers as device addresses).
+    #[repr(C)]
+    pub struct Nvfp4MmaParams {
+        /// `U8 [m, k / 2]`, `U8 [m, k / 16]`, `F32 [m]`: the quantised activations.
+        pub a_codes: u64 => a_codes,
+        pub a_scales: u64 => a_scales,
+        pub a_row_scales: u64 => a_row_scales,
+        /// `U8 [n, k / 2]`, `U8 [n, k / 16]`: the weight's packed codes and e4m3 scales.
+        pub b_packed: u64 => b_packed,
+        pub b_scales: u64 => b_scales,
+        /// `[m, n]` f32 or bf16.
+        pub y: u64 => y,
+        pub m: i32 => m,
+        pub n: i32 => n,
+        pub k: i32 => k,
+        /// The weight's `weight_scale_2`.
+        pub b_global_scale: f32 => b_global_scale,
+    }
+}
+
 /// The constants of `sparse_mla.cu` and `sparse_mla_sm90.cu` (`GLM5_SPARSE_MLA_*` in the header).
 pub mod sparse_mla {
     /// Keys per tile (`BN`).
@@ -186,6 +225,22 @@ pub mod weight_only {
     pub const WARPS: usize = 4;
     /// Threads of the dequantise kernel's blocks.
     pub const DEQUANTIZE_THREADS: usize = 256;
+}
+
+/// The constants of `nvfp4_mma_sm120a.cu` (`GLM5_NVFP4_MMA_*` in the header): the W4A4 GEMM on sm_120a's
+/// block-scaled FP4 MMA and its activation quantiser.
+pub mod nvfp4_mma {
+    /// Values sharing one e4m3 scale (activations and weight alike).
+    pub const GROUP: usize = 16;
+    /// Threads of the quantiser's blocks (one block per row).
+    pub const QUANTIZE_THREADS: usize = 256;
+    /// The GEMM's output tile per block: rows (M) and columns (N).
+    pub const TILE_M: usize = 128;
+    pub const TILE_N: usize = 128;
+    /// Values of K per shared-memory stage: `k` must be a multiple of it.
+    pub const TILE_K: usize = 128;
+    /// Threads of a GEMM block (8 warps of 64 x 32 outputs).
+    pub const THREADS: usize = 256;
 }
 
 /// Every constant as `(header name, value)`, for `build.rs`.
@@ -260,6 +315,15 @@ pub const CONSTANTS: &[(&str, usize)] = &[
         "GLM5_WEIGHT_ONLY_DEQUANTIZE_THREADS",
         weight_only::DEQUANTIZE_THREADS,
     ),
+    ("GLM5_NVFP4_MMA_GROUP", nvfp4_mma::GROUP),
+    (
+        "GLM5_NVFP4_MMA_QUANTIZE_THREADS",
+        nvfp4_mma::QUANTIZE_THREADS,
+    ),
+    ("GLM5_NVFP4_MMA_TILE_M", nvfp4_mma::TILE_M),
+    ("GLM5_NVFP4_MMA_TILE_N", nvfp4_mma::TILE_N),
+    ("GLM5_NVFP4_MMA_TILE_K", nvfp4_mma::TILE_K),
+    ("GLM5_NVFP4_MMA_THREADS", nvfp4_mma::THREADS),
 ];
 
 /// The parameter structs as `(CUDA name, size, alignment, fields)`, for `build.rs`.
@@ -276,6 +340,18 @@ pub const STRUCTS: &[(&str, usize, usize, &[(&str, usize)])] = &[
         core::mem::align_of::<DsaParams>(),
         DsaParams::FIELDS,
     ),
+    (
+        "Nvfp4QuantizeParams",
+        core::mem::size_of::<Nvfp4QuantizeParams>(),
+        core::mem::align_of::<Nvfp4QuantizeParams>(),
+        Nvfp4QuantizeParams::FIELDS,
+    ),
+    (
+        "Nvfp4MmaParams",
+        core::mem::size_of::<Nvfp4MmaParams>(),
+        core::mem::align_of::<Nvfp4MmaParams>(),
+        Nvfp4MmaParams::FIELDS,
+    ),
 ];
 
 // The Rust side's own check of what the CUDA side's layout is written for: pointers 8 bytes, the tensor map
@@ -284,3 +360,5 @@ const _: () = assert!(core::mem::size_of::<TensorMap>() == 128);
 const _: () = assert!(core::mem::align_of::<TensorMap>() == 64);
 const _: () = assert!(core::mem::size_of::<SparseMlaParams>() == 128);
 const _: () = assert!(core::mem::size_of::<DsaParams>() == 320);
+const _: () = assert!(core::mem::size_of::<Nvfp4QuantizeParams>() == 40);
+const _: () = assert!(core::mem::size_of::<Nvfp4MmaParams>() == 64);

@@ -1,7 +1,7 @@
 //! CUDA kernel blobs for glm5's custom ops.
 //!
 //! With the `cuda` feature, `build.rs` compiles every `src/*.cu` with nvcc into one fatbin (SASS for sm_90
-//! and sm_120, compute_120 PTX for newer GPUs; `*_sm90.cu`: sm_90a only) and this crate exposes each as a
+//! and sm_120, compute_120 PTX for newer GPUs; `*_sm90.cu`: sm_90a only; `*_sm120a.cu`: sm_120a only) and this crate exposes each as a
 //! `pub const` byte blob.
 //! Without the feature only [`interface`] is here (the registry needs the kernels' limits on any machine),
 //! so CPU builds need no CUDA toolchain.
@@ -45,6 +45,12 @@ pub const WEIGHT_ONLY_MATMUL: &[u8] =
 /// `iq_matmul.cu`: mat-vec and dequantise kernels over llama.cpp's i-quant GGUF blocks (IQ1_S ... IQ4_XS).
 #[cfg(feature = "cuda")]
 pub const IQ_MATMUL: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/iq_matmul.fatbin"));
+
+/// `nvfp4_mma_sm120a.cu`: the NVFP4 W4A4 GEMM on the block-scaled FP4 tensor-core MMA and its activation
+/// quantiser, SASS for sm_120a only (RTX PRO 6000 / RTX 5090).
+#[cfg(feature = "cuda")]
+pub const NVFP4_MMA_SM120A: &[u8] =
+    include_bytes!(concat!(env!("OUT_DIR"), "/nvfp4_mma_sm120a.fatbin"));
 
 /// `bench.cu`: microkernels that measure the device's ceilings (the mma.sync bf16 rate).
 #[cfg(feature = "cuda")]

@@ -5,6 +5,11 @@
 //! serve it); [`dispatch`] takes the first valid backend in the device family's priority order. The model
 //! dispatches once per weight when its graph is built, so an unservable weight fails the build naming the
 //! tensor; nothing falls back to expanding the weight silently.
+//!
+//! A backend may serve only some row counts of the activations ([`Rows`]: decode's few rows, served by a
+//! mat-vec, or prefill's many, served by a GEMM), so a weight gets one backend per row class
+//! ([`dispatch_rows`]: both at once, each with its own reasons). A backend that changes the numerics (the
+//! NVFP4 W4A4 GEMM quantises the activations) says so in its description and in its op's contract.
 
 use candle_core::{DType, Tensor};
 
@@ -23,12 +28,48 @@ pub struct WeightShape {
     pub block_in: usize,
 }
 
+/// The activation row counts a backend is chosen for: up to `MAX_ROWS` rows (`glm5_kernels::interface::
+/// weight_only::MAX_ROWS`, the mat-vec's limit) or more.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Rows {
+    /// Up to `MAX_ROWS` rows: decode.
+    Decode,
+    /// More than `MAX_ROWS` rows: prefill.
+    Prefill,
+}
+
+impl Rows {
+    /// Both classes, in dispatch order.
+    pub const ALL: [Rows; 2] = [Rows::Decode, Rows::Prefill];
+
+    /// The class of `rows` activation rows.
+    pub fn of(rows: usize) -> Self {
+        if rows <= glm5_kernels::interface::weight_only::MAX_ROWS {
+            Rows::Decode
+        } else {
+            Rows::Prefill
+        }
+    }
+}
+
+impl std::fmt::Display for Rows {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let max = glm5_kernels::interface::weight_only::MAX_ROWS;
+        match self {
+            Rows::Decode => write!(f, "decode (<= {max} rows)"),
+            Rows::Prefill => write!(f, "prefill (> {max} rows)"),
+        }
+    }
+}
+
 /// One implementation of a weight-only matmul.
 #[derive(Debug, Clone)]
 pub struct WeightOnlyBackend {
     pub name: &'static str,
     pub description: &'static str,
     pub devices: DeviceMatch,
+    /// The row classes it serves.
+    pub rows: &'static [Rows],
     /// Rank per device family, lower first; a family not listed does not use it.
     pub priority: Vec<(DeviceFamily, u32)>,
     /// Every reason the backend cannot multiply by a weight of this shape (empty: it can).
@@ -36,9 +77,19 @@ pub struct WeightOnlyBackend {
 }
 
 impl WeightOnlyBackend {
-    /// `Ok` if this backend multiplies by a weight of `shape` on `device`, else every reason it does not.
-    pub fn validate(&self, shape: &WeightShape, device: &DeviceDesc) -> Result<(), Vec<Reason>> {
+    /// `Ok` if this backend multiplies `rows` activation rows by a weight of `shape` on `device`, else every
+    /// reason it does not.
+    pub fn validate(
+        &self,
+        shape: &WeightShape,
+        device: &DeviceDesc,
+        rows: Rows,
+    ) -> Result<(), Vec<Reason>> {
         let mut reasons = device_reasons(&self.devices, device);
+        if !self.rows.contains(&rows) {
+            let served: Vec<String> = self.rows.iter().map(ToString::to_string).collect();
+            reasons.push(Reason::new("rows", served.join(" or "), rows));
+        }
         reasons.extend((self.shape_reasons)(shape));
         if reasons.is_empty() {
             Ok(())
@@ -75,12 +126,13 @@ pub(crate) fn device_reasons(devices: &DeviceMatch, device: &DeviceDesc) -> Vec<
 
 /// Why no backend of an op multiplies by a weight: every backend's reasons.
 #[derive(Debug, Clone, thiserror::Error)]
-#[error("no {op} backend for a [{}, {}] weight (block {} along in) on {device}: {}",
+#[error("no {op} backend for {rows} with a [{}, {}] weight (block {} along in) on {device}: {}",
     .shape.out_dim, .shape.in_dim, .shape.block_in, reasons_text(.rejections))]
 pub struct WeightOnlyDispatchError {
     pub op: &'static str,
     pub shape: WeightShape,
     pub device: String,
+    pub rows: Rows,
     pub rejections: Vec<(&'static str, Vec<Reason>)>,
 }
 
@@ -95,13 +147,45 @@ fn reasons_text(rejections: &[(&'static str, Vec<Reason>)]) -> String {
         .join(" | ")
 }
 
-/// The backend of `op` (one of `backends`) for a weight of `shape` on `device`: the first valid one in the
-/// family's priority order.
+/// The backends chosen for one weight: one per row class.
+#[derive(Debug, Clone)]
+pub struct WeightOnlyChoice {
+    pub decode: WeightOnlyBackend,
+    pub prefill: WeightOnlyBackend,
+}
+
+impl WeightOnlyChoice {
+    /// The backend for `rows`.
+    pub fn for_rows(&self, rows: Rows) -> &WeightOnlyBackend {
+        match rows {
+            Rows::Decode => &self.decode,
+            Rows::Prefill => &self.prefill,
+        }
+    }
+}
+
+/// The backends of `op` (among `backends`) for a weight of `shape` on `device`, one per row class
+/// ([`dispatch`] each); an error if either class has none.
+pub fn dispatch_rows(
+    op: &'static str,
+    backends: Vec<WeightOnlyBackend>,
+    shape: &WeightShape,
+    device: &DeviceDesc,
+) -> Result<WeightOnlyChoice, WeightOnlyDispatchError> {
+    Ok(WeightOnlyChoice {
+        decode: dispatch(op, backends.clone(), shape, device, Rows::Decode)?,
+        prefill: dispatch(op, backends, shape, device, Rows::Prefill)?,
+    })
+}
+
+/// The backend of `op` (one of `backends`) for `rows` activation rows and a weight of `shape` on `device`:
+/// the first valid one in the family's priority order.
 pub fn dispatch(
     op: &'static str,
     mut backends: Vec<WeightOnlyBackend>,
     shape: &WeightShape,
     device: &DeviceDesc,
+    rows: Rows,
 ) -> Result<WeightOnlyBackend, WeightOnlyDispatchError> {
     let family = device.family();
     let rank = |b: &WeightOnlyBackend| {
@@ -113,7 +197,7 @@ pub fn dispatch(
     backends.sort_by_key(|b| rank(b).unwrap_or(u32::MAX));
     let mut rejections = Vec::new();
     for backend in backends {
-        match (backend.validate(shape, device), rank(&backend)) {
+        match (backend.validate(shape, device, rows), rank(&backend)) {
             (Ok(()), Some(_)) => return Ok(backend),
             (Ok(()), None) => rejections.push((
                 backend.name,
@@ -130,6 +214,7 @@ pub fn dispatch(
         op,
         shape: *shape,
         device: device.name.clone(),
+        rows,
         rejections,
     })
 }

@@ -71,6 +71,7 @@ fn iq_matmul_on_the_cpu_is_the_product_with_the_decoded_values() {
         assert_eq!(
             iq_matmul::dispatch(&w, &DeviceDesc::cpu(1 << 30))
                 .unwrap()
+                .decode
                 .name,
             "iq-reference-cpu"
         );
@@ -153,7 +154,7 @@ fn dispatch_names_the_backend_per_device_with_reasons() {
     for arch in ["sm_90", "sm_120"] {
         let device = DeviceDesc::assume(&format!("{arch}:96GB"), 0).unwrap();
         assert_eq!(
-            iq_matmul::dispatch(&w, &device).unwrap().name,
+            iq_matmul::dispatch(&w, &device).unwrap().decode.name,
             "iq-w16-cuda",
             "{arch}"
         );

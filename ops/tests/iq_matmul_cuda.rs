@@ -78,6 +78,7 @@ fn check(format: IqFormat, blocks: &Tensor, inp: usize, seed: u64) {
     assert_eq!(
         iq_matmul::dispatch(&gpu_w, &glm5_ops::DeviceDesc::of(&gpu).unwrap())
             .unwrap()
+            .decode
             .name,
         "iq-w16-cuda"
     );

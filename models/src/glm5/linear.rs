@@ -52,9 +52,9 @@ impl Loader<'_> {
                     Proj::Fp8Block(weight)
                 }
                 Matrix::Nvfp4(weight) => {
-                    glm5_ops::nvfp4_matmul::dispatch(&weight, self.desc)
+                    let chosen = glm5_ops::nvfp4_matmul::dispatch(&weight, self.desc)
                         .map_err(|source| weight_only_error(&name, source))?;
-                    Proj::Nvfp4(weight)
+                    Proj::Nvfp4(weight, glm5_ops::nvfp4_matmul::Prefill::of(&chosen))
                 }
                 Matrix::Iq(weight) => {
                     glm5_ops::iq_matmul::dispatch(&weight, self.desc)
@@ -86,13 +86,17 @@ fn weight_only_error(
 /// A bias-free linear layer: a dense matrix, quantised (GGUF) blocks multiplied by candle's `QMatMul`,
 /// which runs its own kernels on the weights' device (CUDA mat-vec for a few rows, MMQ above; the CPU's
 /// vec-dot) without expanding them, or a block-scaled FP8 / NVFP4 / GGUF i-quant weight multiplied by
-/// glm5's weight-only ops (W8A16 / W4A16 / i-quants: dequantised in the kernel, f32 accumulation). Input and output are in the model
-/// dtype; the quantised kinds compute in f32.
+/// glm5's weight-only ops (W8A16 / W4A16 / i-quants: dequantised in the kernel, f32 accumulation; an NVFP4
+/// weight's prefill rows by the backend its dispatch chose). Input and output are in the model dtype; the
+/// quantised kinds compute in f32.
 pub(super) enum Proj {
     Dense(Linear),
     Quantized(QMatMul),
     Fp8Block(glm5_ops::fp8_matmul::Fp8BlockWeight),
-    Nvfp4(glm5_ops::nvfp4_matmul::Nvfp4Weight),
+    Nvfp4(
+        glm5_ops::nvfp4_matmul::Nvfp4Weight,
+        glm5_ops::nvfp4_matmul::Prefill,
+    ),
     Iq(glm5_ops::iq_matmul::IqWeight),
 }
 
@@ -121,8 +125,8 @@ impl Module for Proj {
                 glm5_ops::quantized_matmul::quantized_matmul(x, weight).map_err(op_error)
             }
             Proj::Fp8Block(weight) => glm5_ops::fp8_matmul::fp8_matmul(x, weight).map_err(op_error),
-            Proj::Nvfp4(weight) => {
-                glm5_ops::nvfp4_matmul::nvfp4_matmul(x, weight).map_err(op_error)
+            Proj::Nvfp4(weight, prefill) => {
+                glm5_ops::nvfp4_matmul::nvfp4_matmul_with(x, weight, *prefill).map_err(op_error)
             }
             Proj::Iq(weight) => glm5_ops::iq_matmul::iq_matmul(x, weight).map_err(op_error),
         }

@@ -66,7 +66,7 @@ fn stack_quantized(mlps: &[&Mlp]) -> Option<moe::QuantizedExperts> {
     }
     fn nvfp4(p: &Proj) -> Option<&glm5_ops::nvfp4_matmul::Nvfp4Weight> {
         match p {
-            Proj::Nvfp4(w) => Some(w),
+            Proj::Nvfp4(w, _) => Some(w),
             _ => None,
         }
     }
@@ -91,9 +91,19 @@ fn stack_quantized(mlps: &[&Mlp]) -> Option<moe::QuantizedExperts> {
         .collect::<Option<Vec<_>>>()?;
     let gate_up: Vec<Vec<_>> = all.iter().map(|p| vec![p[0], p[1]]).collect();
     let down: Vec<Vec<_>> = all.iter().map(|p| vec![p[2]]).collect();
+    // Every expert's projection has one shape on one device, so one dispatch: the first's prefill backend.
+    let prefill = |p: &Proj| match p {
+        Proj::Nvfp4(_, prefill) => *prefill,
+        _ => glm5_ops::nvfp4_matmul::Prefill::W4a16,
+    };
+    let first = mlps.first()?;
     Some(moe::QuantizedExperts::Nvfp4 {
-        gate_up: moe::StackedNvfp4::stack(&gate_up).ok()?,
-        down: moe::StackedNvfp4::stack(&down).ok()?,
+        gate_up: moe::StackedNvfp4::stack(&gate_up)
+            .ok()?
+            .with_prefill(prefill(&first.gate_proj)),
+        down: moe::StackedNvfp4::stack(&down)
+            .ok()?
+            .with_prefill(prefill(&first.down_proj)),
     })
 }
 

@@ -3,7 +3,9 @@
 use super::Fp8BlockWeight;
 use crate::device::{DeviceDesc, DeviceFamily};
 use crate::registry::{Arch, DeviceMatch, Reason};
-use crate::weight_only::{self, WeightOnlyBackend, WeightOnlyDispatchError, WeightShape};
+use crate::weight_only::{
+    self, Rows, WeightOnlyBackend, WeightOnlyChoice, WeightOnlyDispatchError, WeightShape,
+};
 
 /// The CUDA kernels read 16 weights per lane from one scale block, as one 16-byte load.
 fn cuda_shape_reasons(shape: &WeightShape) -> Vec<Reason> {
@@ -35,6 +37,7 @@ pub fn backends() -> Vec<WeightOnlyBackend> {
                     .map(|major| Arch { major, minor: None })
                     .collect(),
             ),
+            rows: &Rows::ALL,
             priority: vec![(DeviceFamily::Sm120, 0), (DeviceFamily::Sm90, 0)],
             shape_reasons: cuda_shape_reasons,
         },
@@ -42,22 +45,23 @@ pub fn backends() -> Vec<WeightOnlyBackend> {
             name: "fp8-reference-cpu",
             description: "the reference: dequantise to f32 block by block, then candle's matmul",
             devices: DeviceMatch::Cpu,
+            rows: &Rows::ALL,
             priority: vec![(DeviceFamily::Cpu, 0)],
             shape_reasons: |_| vec![],
         },
     ]
 }
 
-/// The backend for `w` on `device`.
+/// The backends for `w` on `device` (decode and prefill rows).
 pub fn dispatch(
     w: &Fp8BlockWeight,
     device: &DeviceDesc,
-) -> Result<WeightOnlyBackend, WeightOnlyDispatchError> {
+) -> Result<WeightOnlyChoice, WeightOnlyDispatchError> {
     let (out_dim, in_dim) = w.weight.dims2().unwrap_or((0, 0));
     let shape = WeightShape {
         out_dim,
         in_dim,
         block_in: w.block[1],
     };
-    weight_only::dispatch("fp8_matmul", backends(), &shape, device)
+    weight_only::dispatch_rows("fp8_matmul", backends(), &shape, device)
 }

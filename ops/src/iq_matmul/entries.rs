@@ -3,7 +3,9 @@
 use super::{IqWeight, SUB_BLOCK};
 use crate::device::{DeviceDesc, DeviceFamily};
 use crate::registry::{Arch, DeviceMatch, Reason};
-use crate::weight_only::{self, WeightOnlyBackend, WeightOnlyDispatchError, WeightShape};
+use crate::weight_only::{
+    self, Rows, WeightOnlyBackend, WeightOnlyChoice, WeightOnlyDispatchError, WeightShape,
+};
 
 /// `iq_matmul`'s backends: glm5's CUDA kernels (sm_90 and sm_120 SASS) and the CPU reference.
 pub fn backends() -> Vec<WeightOnlyBackend> {
@@ -20,6 +22,7 @@ pub fn backends() -> Vec<WeightOnlyBackend> {
                     .collect(),
             ),
             priority: vec![(DeviceFamily::Sm120, 0), (DeviceFamily::Sm90, 0)],
+            rows: &Rows::ALL,
             // One lane decodes one 32-value sub-block; a row is whole blocks.
             shape_reasons: |shape| {
                 if shape.in_dim.is_multiple_of(shape.block_in) && shape.block_in.is_multiple_of(SUB_BLOCK) {
@@ -38,21 +41,22 @@ pub fn backends() -> Vec<WeightOnlyBackend> {
             description: "the reference: decode to f32 as ggml does, then candle's matmul",
             devices: DeviceMatch::Cpu,
             priority: vec![(DeviceFamily::Cpu, 0)],
+            rows: &Rows::ALL,
             shape_reasons: |_| vec![],
         },
     ]
 }
 
-/// The backend for `w` on `device`.
+/// The backends for `w` on `device` (decode and prefill rows).
 pub fn dispatch(
     w: &IqWeight,
     device: &DeviceDesc,
-) -> Result<WeightOnlyBackend, WeightOnlyDispatchError> {
+) -> Result<WeightOnlyChoice, WeightOnlyDispatchError> {
     let (out_dim, in_dim) = w.dims().unwrap_or((0, 0));
     let shape = WeightShape {
         out_dim,
         in_dim,
         block_in: w.format.block_values(),
     };
-    weight_only::dispatch("iq_matmul", backends(), &shape, device)
+    weight_only::dispatch_rows("iq_matmul", backends(), &shape, device)
 }

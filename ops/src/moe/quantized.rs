@@ -12,7 +12,9 @@
 //! * [`StackedFp8`]: `weight` `U8 [E', rows, k]` (e4m3 bytes), `scale_inv`
 //!   `F32 [E', parts, ceil(rows/parts / block_out), ceil(k / block_in)]`.
 //! * [`StackedNvfp4`]: `packed` `U8 [E', rows, k/2]`, `scales` `U8 [E', rows, k/16]` (e4m3),
-//!   `global_scales` `F32 [E', parts]`.
+//!   `global_scales` `F32 [E', parts]`; `prefill`: with [`Prefill::W4a4Sm120`] an expert's projection of
+//!   more than `nvfp4_matmul::MAX_ROWS` tokens is W4A4 (its activations rounded to NVFP4 first,
+//!   `nvfp4_matmul` contract) instead of the exact product above.
 //! * [`StackedIq`]: GGUF i-quant experts as the file stacks them, `blocks` `U8 [E, rows, row bytes]` (scales
 //!   inside the blocks), one tensor per projection: [`QuantizedExperts::Iq`] keeps gate and up apart (two
 //!   tensors of one format; down may have another).
@@ -21,7 +23,9 @@
 //!
 //! * Reference (any device): the tokens of each chosen expert gathered on the host as in
 //!   `reference::experts`, each projection by `fp8_matmul` / `nvfp4_matmul` on a view of the expert's part
-//!   (so prefill on the GPU dequantises only the chosen experts, one at a time, and multiplies with cuBLAS).
+//!   (so prefill on the GPU dequantises only the chosen experts, one at a time, and multiplies with cuBLAS;
+//!   NVFP4 rows above `nvfp4_matmul::MAX_ROWS` by the stacked projection's [`StackedNvfp4::prefill`]
+//!   backend, W4A4 on sm_120 where the experts' dispatch chose it).
 //! * CUDA (`kernels/src/moe.cu`, `moe_{gate_up,down}_{fp8,nvfp4,<i-quant>}_*`): the routing, grouping and
 //!   combine kernels of the dense experts, with the grouped mat-vecs dequantising in registers; no host round
 //!   trip.
@@ -32,7 +36,7 @@ use super::{ExpertsBackend, ExpertsImpl, Routes, MATVEC_MAX_TOKENS};
 use crate::error::{OpError, Result};
 use crate::fp8_matmul::{fp8_matmul, Fp8BlockWeight};
 use crate::iq_matmul::{iq_matmul, IqFormat, IqWeight};
-use crate::nvfp4_matmul::{nvfp4_matmul, Nvfp4Weight, GROUP};
+use crate::nvfp4_matmul::{nvfp4_matmul_with, Nvfp4Weight, Prefill, GROUP};
 
 /// A stacked block-scaled FP8 projection (module contract).
 #[derive(Debug, Clone)]
@@ -51,6 +55,9 @@ pub struct StackedNvfp4 {
     pub global_scales: Tensor,
     /// `global_scales` on the host, `[E'][parts]`, for the reference.
     pub global_on_host: Vec<Vec<f32>>,
+    /// How the reference path multiplies an expert's rows above `nvfp4_matmul::MAX_ROWS` (the experts'
+    /// dispatched prefill backend; [`StackedNvfp4::stack`] sets W4A16).
+    pub prefill: Prefill,
 }
 
 /// One projection of GGUF i-quant experts, stacked as the file stores it (module contract).
@@ -236,7 +243,13 @@ impl StackedNvfp4 {
             scales: Tensor::stack(&scales, 0)?,
             global_scales: Tensor::from_vec(globals.concat(), (e, parts), device)?,
             global_on_host: globals,
+            prefill: Prefill::W4a16,
         })
+    }
+
+    /// The same stack, its prefill rows by `prefill` (the experts' dispatched prefill backend).
+    pub fn with_prefill(self, prefill: Prefill) -> Self {
+        Self { prefill, ..self }
     }
 
     /// `(E', rows, k, parts)`.
@@ -348,9 +361,9 @@ impl QuantizedExperts {
                 Projection::Down => fp8_matmul(x, &down.part(e, 0)?),
             },
             QuantizedExperts::Nvfp4 { gate_up, down } => match which {
-                Projection::Gate => nvfp4_matmul(x, &gate_up.part(e, 0)?),
-                Projection::Up => nvfp4_matmul(x, &gate_up.part(e, 1)?),
-                Projection::Down => nvfp4_matmul(x, &down.part(e, 0)?),
+                Projection::Gate => nvfp4_matmul_with(x, &gate_up.part(e, 0)?, gate_up.prefill),
+                Projection::Up => nvfp4_matmul_with(x, &gate_up.part(e, 1)?, gate_up.prefill),
+                Projection::Down => nvfp4_matmul_with(x, &down.part(e, 0)?, down.prefill),
             },
             QuantizedExperts::Iq { gate, up, down } => match which {
                 Projection::Gate => iq_matmul(x, &gate.expert(e)?),

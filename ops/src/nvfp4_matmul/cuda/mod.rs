@@ -1,15 +1,19 @@
-//! `nvfp4_matmul` on CUDA: the mat-vec kernel for up to `MAX_ROWS` rows, dequantise-then-matmul above
-//! (kernels in `kernels/src/weight_only_matmul.cu`).
+//! `nvfp4_matmul` on CUDA: the mat-vec kernel for up to `MAX_ROWS` rows; above, dequantise-then-matmul
+//! (W4A16, kernels in `kernels/src/weight_only_matmul.cu`) or, where the weight's prefill backend is
+//! `nvfp4-w4a4-mma-sm120`, the W4A4 GEMM (`w4a4.rs`, `kernels/src/nvfp4_mma_sm120a.cu`).
+
+mod w4a4;
 
 use candle_core::Tensor;
 
-use super::{Nvfp4Weight, MAX_ROWS};
+use super::{Nvfp4Activations, Nvfp4Weight, Prefill, MAX_ROWS};
 use crate::cuda::device_address;
 use crate::error::Result;
 use crate::weight_only_cuda::{dequantize, matvec, WeightArgs, WEIGHT_ONLY};
 
-/// `x` `[m, k]` (f32 or bf16, contiguous, on the weight's device) times `Wᵀ`, in `x`'s dtype.
-pub(crate) fn nvfp4_matmul(x: &Tensor, w: &Nvfp4Weight) -> Result<Tensor> {
+/// `x` `[m, k]` (f32 or bf16, contiguous, on the weight's device) times `Wᵀ`, in `x`'s dtype; rows above
+/// `MAX_ROWS` by `prefill`.
+pub(crate) fn nvfp4_matmul(x: &Tensor, w: &Nvfp4Weight, prefill: Prefill) -> Result<Tensor> {
     w.check()?;
     let (n, k) = w.dims()?;
     let packed = w.packed.contiguous()?;
@@ -22,6 +26,9 @@ pub(crate) fn nvfp4_matmul(x: &Tensor, w: &Nvfp4Weight) -> Result<Tensor> {
     if x.dim(0)? <= MAX_ROWS {
         return matvec(&WEIGHT_ONLY, "nvfp4_matvec", x, n, &args, &[]);
     }
+    if prefill == Prefill::W4a4Sm120 {
+        return w4a4::matmul(x, w);
+    }
     let dense = dequantize(
         &WEIGHT_ONLY,
         "nvfp4_dequantize",
@@ -33,4 +40,9 @@ pub(crate) fn nvfp4_matmul(x: &Tensor, w: &Nvfp4Weight) -> Result<Tensor> {
         &[n as i32, k as i32],
     )?;
     Ok(x.matmul(&dense.t()?)?)
+}
+
+/// The W4A4 backend's activation quantiser (sm_120 only).
+pub(crate) fn quantize_activations(x: &Tensor) -> Result<Nvfp4Activations> {
+    w4a4::quantize_activations(x)
 }
