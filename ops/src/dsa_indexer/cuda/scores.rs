@@ -46,7 +46,7 @@ pub(super) struct ScoreShape {
 impl ScoreShape {
     /// GLM-5's cache (FP8 rows of 128 in pages of 64): whole-tile copies by TMA.
     pub fn tma(&self) -> bool {
-        self.fp8 && self.dim == 128 && self.block_size % TILE_KEYS == 0
+        self.fp8 && self.dim == 128 && self.block_size.is_multiple_of(TILE_KEYS)
     }
 }
 
