@@ -39,8 +39,9 @@
 //! * `cuda_grouped_gemm.rs`: above that (prefill), cuBLAS's grouped GEMM: the routes read back once, the
 //!   tokens gathered by expert, one grouped call for gate/up and one for down over every active expert
 //!   (tensor cores, f32 accumulation, each projection's output rounded to `x`'s dtype), the gated rows summed
-//!   per token in slot order by the same kernel as the mat-vecs. [`experts_backend`] says which
-//!   implementation a call gets and why.
+//!   per token in slot order by the same kernel as the mat-vecs. Pinned only ([`experts_with`],
+//!   `glm5-bench moe`) until it has run on a GPU; [`experts_backend`] says which implementation a call gets
+//!   and why (above `MATVEC_MAX_TOKENS` today: the reference's GEMM chain per expert).
 //!
 //! **[`experts_gguf`]**: the same experts with their weights kept in ggml blocks, one [`QTensor`] per
 //! projection stacked as GGUF stores them: `gate` and `up` `[E, I, H]`, `down` `[E, H, I]`. `x` `[T, H]` in any
@@ -90,7 +91,7 @@ pub const MAX_GROUPS: usize = 64;
 /// Experts per token the routing kernel handles.
 pub const MAX_TOP_K: usize = 64;
 /// Tokens per step up to which the device mat-vecs run the experts. Above it (prefill) each expert sees
-/// enough tokens that GEMMs win (see `docs/performance.md`): cuBLAS's grouped GEMM.
+/// enough tokens that GEMMs win (see `docs/performance.md`).
 pub const MATVEC_MAX_TOKENS: usize = 256;
 
 /// The router's rule (§5, `noaux_tc`).
@@ -206,8 +207,11 @@ pub fn experts_backend(x: &Tensor, gate_up: &Tensor, down: &Tensor) -> ExpertsBa
     }
     let tokens = x.dim(0).unwrap_or(0);
     if tokens > MATVEC_MAX_TOKENS {
-        // Enough tokens per expert for tensor-core GEMMs.
-        return ExpertsBackend::GroupedGemm;
+        // Enough tokens per expert for tensor-core GEMMs. The grouped GEMM (`ExpertsImpl::GroupedGemm`) is
+        // pinnable but not chosen until it has run on a GPU against the reference.
+        return reason(&format!(
+            "{tokens} tokens: above {MATVEC_MAX_TOKENS} the experts run as one GEMM chain per expert"
+        ));
     }
     let row_bytes = |t: &Tensor| t.dim(2).unwrap_or(0) * t.dtype().size_in_bytes();
     if row_bytes(gate_up) % 16 != 0 || row_bytes(down) % 16 != 0 {
