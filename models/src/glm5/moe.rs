@@ -176,6 +176,8 @@ const PER_EXPERT: &str = "per-expert quantised";
 const PER_EXPERT_IQ: &str =
     "per-expert i-quant (the grouped kernels take gate and up in one i-quant format: one iq_matmul per chosen expert)";
 
+const PER_EXPERT_UNSUPPORTED: &str = "per-expert quantised (block type or row width not taken by candle-nn's GGUF MoE kernels: Q8_0, Q2_K-Q6_K)";
+
 /// The routed experts as the source stacks them in GGUF i-quant formats, when gate and up share a format
 /// (the grouped kernels' rule; published mixes do); `None` otherwise.
 fn load_stacked_iq(
@@ -216,7 +218,6 @@ fn load_stacked_iq(
     }
     Ok(Some(moe::QuantizedExperts::Iq { gate, up, down }))
 }
-const PER_EXPERT_UNSUPPORTED: &str = "per-expert quantised (block type or row width not taken by candle-nn's GGUF MoE kernels: Q8_0, Q2_K-Q6_K)";
 
 /// What [`load_stacked_gguf`] found.
 enum StackedGguf {

@@ -295,6 +295,7 @@ impl GgufSource {
         let in_dim = *info.dims.first().unwrap_or(&0) as usize;
         let row_bytes = format
             .row_bytes(in_dim)
+            .filter(|&bytes| bytes > 0)
             .ok_or_else(|| GgufError::BadTensor {
                 path: self.model.part_path(info).to_path_buf(),
                 tensor: info.name.clone(),
