@@ -223,6 +223,82 @@ fn device_names(devices: &[Device]) -> Result<Vec<String>, Box<dyn std::error::E
         .collect())
 }
 
+/// The quantised weight formats the model would multiply by: a GGUF file's linear tensors by type (the
+/// tensors the loader expands, and the MTP block, left out), or an FP8 / NVFP4 checkpoint's recipe.
+fn quantised_weights(
+    config: &Config,
+    gguf: Option<&glm5::models::weights::gguf_source::GgufSource>,
+    dtype: DType,
+) -> Vec<glm5::plan_cli::QuantisedWeights> {
+    use glm5::ops::iq_matmul::IqFormat;
+    use glm5::plan_cli::{QuantisedWeights, WeightFormat};
+    let mut out: Vec<QuantisedWeights> = Vec::new();
+    if let Some(gguf) = gguf {
+        let expanded = |name: &str| {
+            name == "token_embd.weight"
+                || name.ends_with("attn_k_b.weight")
+                || name.ends_with("attn_v_b.weight")
+        };
+        let mtp = |name: &str| {
+            name.strip_prefix("blk.")
+                .and_then(|r| r.split('.').next())
+                .and_then(|n| n.parse::<usize>().ok())
+                .is_some_and(|layer| layer >= config.num_hidden_layers)
+        };
+        let mut tensors: Vec<_> = gguf.model().tensors.values().collect();
+        tensors.sort_by(|a, b| a.name.cmp(&b.name));
+        for t in tensors {
+            if t.ggml_type.is_float() || expanded(&t.name) || mtp(&t.name) || t.dims.len() < 2 {
+                continue;
+            }
+            let format = match (t.ggml_type.candle(), IqFormat::from_ggml_id(t.ggml_type.id)) {
+                (Some(c), _) => WeightFormat::Gguf(c, t.ggml_type.name),
+                (None, Some(iq)) => WeightFormat::Iq(iq),
+                (None, None) => continue, // the header note says the file cannot run
+            };
+            match out
+                .iter_mut()
+                .find(|w| w.format.to_string() == format.to_string())
+            {
+                Some(w) => w.tensors += 1,
+                None => out.push(QuantisedWeights {
+                    format,
+                    tensors: 1,
+                    out_dim: t.dims[1] as usize,
+                    in_dim: t.dims[0] as usize,
+                }),
+            }
+        }
+        return out;
+    }
+    let Some(q) = &config.quantization else {
+        return out;
+    };
+    let format = match q {
+        glm5::models::Quantization::Fp8Block { block, .. } => WeightFormat::Fp8 { block: *block },
+        glm5::models::Quantization::Nvfp4 { .. } => WeightFormat::Nvfp4,
+    };
+    let mut quantised = glm5::models::sizes::head_tensors(config, dtype);
+    for layer in 0..config.num_hidden_layers {
+        quantised.extend(glm5::models::sizes::layer_tensors(config, layer, dtype));
+    }
+    let matrices: Vec<_> = quantised
+        .iter()
+        .filter(|t| {
+            t.shape.len() == 2 && q.quantizes(&t.name) && !t.name.ends_with("kv_b_proj.weight")
+        })
+        .collect();
+    if let Some(first) = matrices.first() {
+        out.push(QuantisedWeights {
+            format,
+            tensors: matrices.len(),
+            out_dim: first.shape[0],
+            in_dim: first.shape[1],
+        });
+    }
+    out
+}
+
 fn plan(args: PlanArgs) -> Result<(), Box<dyn std::error::Error>> {
     let mut hub = HubOptions::from_env();
     hub.revision = args.revision.clone().or(hub.revision);
@@ -297,9 +373,14 @@ fn plan(args: PlanArgs) -> Result<(), Box<dyn std::error::Error>> {
         Some(gguf) => glm5::models::TensorSource::resident_bytes(gguf, &t.name, &t.shape, t.dtype),
         None => glm5::models::sizes::resident_bytes(&config, t),
     };
+    let weights = quantised_weights(&config, gguf.as_ref(), options.dtype);
     match Plan::build_sized(&config, devices, &options, &registry, &resident) {
         Ok(plan) => {
             print!("{}", render(&plan, &config, &label, &registry));
+            print!(
+                "{}",
+                glm5::plan_cli::render_weight_backends(&plan.devices, &weights)
+            );
             Ok(())
         }
         Err(e @ glm5::models::PlanError::DoesNotFit { .. }) => {

@@ -389,3 +389,172 @@ pub fn render(plan: &Plan, config: &Config, label: &str, registry: &Registry) ->
     );
     s
 }
+
+/// One quantised weight format a model multiplies by, as `glm5 plan` reports its backends: the format, how
+/// many tensors use it, and one tensor's `[out, in]` (backends limit `in`).
+#[derive(Debug, Clone)]
+pub struct QuantisedWeights {
+    /// The format.
+    pub format: WeightFormat,
+    /// Tensors stored in it.
+    pub tensors: usize,
+    /// Rows of one of them.
+    pub out_dim: usize,
+    /// Columns (the reduction) of one of them.
+    pub in_dim: usize,
+}
+
+/// The quantised formats the ops serve.
+#[derive(Debug, Clone, Copy)]
+pub enum WeightFormat {
+    /// A GGUF block type candle's `QMatMul` computes with, and its ggml name.
+    Gguf(candle_core::quantized::GgmlDType, &'static str),
+    /// A GGUF i-quant (`iq_matmul`).
+    Iq(glm5_ops::iq_matmul::IqFormat),
+    /// Block-scaled FP8 (`fp8_matmul`).
+    Fp8 {
+        /// `[block_out, block_in]`.
+        block: [usize; 2],
+    },
+    /// NVFP4 (`nvfp4_matmul`).
+    Nvfp4,
+}
+
+impl std::fmt::Display for WeightFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            WeightFormat::Gguf(_, name) => f.write_str(name),
+            WeightFormat::Iq(t) => write!(f, "{t}"),
+            WeightFormat::Fp8 { block } => write!(f, "FP8 ({}x{} blocks)", block[0], block[1]),
+            WeightFormat::Nvfp4 => write!(f, "NVFP4"),
+        }
+    }
+}
+
+/// The backend of each quantised weight format on each kind of device, and why the others were not chosen
+/// (the dispatch the model runs per weight when it is built), as the lines `glm5 plan` prints.
+pub fn render_weight_backends(devices: &[DeviceDesc], weights: &[QuantisedWeights]) -> String {
+    use glm5_ops::weight_only::{self, Rows, WeightShape};
+    let mut out = String::new();
+    if weights.is_empty() {
+        return out;
+    }
+    // Devices of one kind get one line.
+    let mut kinds: Vec<(DeviceDesc, Vec<String>)> = Vec::new();
+    for d in devices {
+        match kinds
+            .iter_mut()
+            .find(|(k, _)| k.family() == d.family() && k.capability() == d.capability())
+        {
+            Some((_, names)) => names.push(d.name.clone()),
+            None => kinds.push((d.clone(), vec![d.name.clone()])),
+        }
+    }
+    let reasons_text = |reasons: &[glm5_ops::Reason]| {
+        reasons
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join("; ")
+    };
+    let _ = writeln!(
+        out,
+        "\nquantised weights (a backend per format and device, chosen when the model is built):"
+    );
+    for w in weights {
+        for (device, names) in &kinds {
+            let on = format!("{} on {}", w.format, names.join(","));
+            let count = format!(
+                "{} tensor{}",
+                w.tensors,
+                if w.tensors == 1 { "" } else { "s" }
+            );
+            let line = match w.format {
+                WeightFormat::Gguf(format, _) => {
+                    match glm5_ops::quantized_matmul::dispatch(format, device) {
+                        Ok(chosen) => {
+                            let others: Vec<String> = glm5_ops::quantized_matmul::backends()
+                                .into_iter()
+                                .filter(|b| b.name != chosen.name)
+                                .map(|b| match b.validate(format, device) {
+                                    Ok(()) => format!("{}: ranked below", b.name),
+                                    Err(r) => format!("{}: {}", b.name, reasons_text(&r)),
+                                })
+                                .collect();
+                            format!(
+                                "{on} ({count}): {} (not chosen: {})",
+                                chosen.name,
+                                others.join(" | ")
+                            )
+                        }
+                        Err(e) => format!("{on} ({count}): CANNOT RUN: {e}"),
+                    }
+                }
+                _ => {
+                    let (op, backends, block_in) = match w.format {
+                        WeightFormat::Iq(f) => (
+                            "iq_matmul",
+                            glm5_ops::iq_matmul::backends(),
+                            f.block_values(),
+                        ),
+                        WeightFormat::Fp8 { block } => {
+                            ("fp8_matmul", glm5_ops::fp8_matmul::backends(), block[1])
+                        }
+                        WeightFormat::Nvfp4 => (
+                            "nvfp4_matmul",
+                            glm5_ops::nvfp4_matmul::backends(),
+                            glm5_ops::nvfp4_matmul::GROUP,
+                        ),
+                        WeightFormat::Gguf(..) => unreachable!("handled above"),
+                    };
+                    let shape = WeightShape {
+                        out_dim: w.out_dim,
+                        in_dim: w.in_dim,
+                        block_in,
+                    };
+                    match weight_only::dispatch_rows(op, backends.clone(), &shape, device) {
+                        Ok(choice) => {
+                            // (backend, why, row classes it was not chosen for), one entry per reason.
+                            let mut rejected: Vec<(&str, String, Vec<Rows>)> = Vec::new();
+                            for rows in Rows::ALL {
+                                let chosen = choice.for_rows(rows).name;
+                                for b in backends.iter().filter(|b| b.name != chosen) {
+                                    let why = match b.validate(&shape, device, rows) {
+                                        Ok(()) => "ranked below".to_string(),
+                                        Err(r) => reasons_text(&r),
+                                    };
+                                    match rejected
+                                        .iter_mut()
+                                        .find(|(n, w, _)| *n == b.name && *w == why)
+                                    {
+                                        Some((_, _, classes)) => classes.push(rows),
+                                        None => rejected.push((b.name, why, vec![rows])),
+                                    }
+                                }
+                            }
+                            let others: Vec<String> = rejected
+                                .into_iter()
+                                .map(|(name, why, classes)| {
+                                    if classes.len() == Rows::ALL.len() {
+                                        format!("{name}: {why}")
+                                    } else {
+                                        format!("{name} for {}: {why}", classes[0])
+                                    }
+                                })
+                                .collect();
+                            format!(
+                                "{on} ({count}): decode {}, prefill {} (not chosen: {})",
+                                choice.decode.name,
+                                choice.prefill.name,
+                                others.join(" | ")
+                            )
+                        }
+                        Err(e) => format!("{on} ({count}): CANNOT RUN: {e}"),
+                    }
+                }
+            };
+            let _ = writeln!(out, "  {line}");
+        }
+    }
+    out
+}

@@ -485,3 +485,32 @@ fn bf16_runs_of_the_quantised_models_drift_as_the_dequantised_ones() {
         );
     }
 }
+
+/// `glm5 plan` on an NVFP4 checkpoint names its backends per device: W4A16 on sm_120 for decode and prefill
+/// rows, the W4A4 backend among the not chosen with its reasons (ranked below W4A16, or the fixture's rows of
+/// 64 values are not whole K tiles of 128), and on sm_90 no W4A4 at all for its compute capability.
+#[test]
+fn plan_names_the_nvfp4_backends() {
+    let dir = case_dir("nvfp4");
+    for (assume, expect) in [
+        ("sm_120:96GB", "nvfp4-w4a4-mma-sm120"),
+        ("sm_90:141GB", "compute capability"),
+    ] {
+        let out = glm5_cli(&["plan", "--model", dir.to_str().unwrap(), "--assume", assume]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let text = String::from_utf8_lossy(&out.stdout);
+        let line = text
+            .lines()
+            .find(|l| l.trim_start().starts_with("NVFP4 on cuda:0"))
+            .unwrap_or_else(|| panic!("no NVFP4 line in\n{text}"));
+        assert!(
+            line.contains("decode nvfp4-w4a16-cuda, prefill nvfp4-w4a16-cuda"),
+            "{line}"
+        );
+        assert!(line.contains(expect), "{assume}: {line}");
+    }
+}

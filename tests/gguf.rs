@@ -1324,3 +1324,47 @@ fn random_iq_source_builds_blocks_at_the_requested_scale() {
         }
     }
 }
+
+/// `glm5 plan` names each quantised format's backend per device, and why the others were not chosen; a
+/// format no backend serves on a device says so (here: the i-quant kernels on an sm_80 GPU).
+#[test]
+fn plan_names_the_backend_of_each_quantised_format() {
+    let plan = |file: &str, assume: &str| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_glm5"))
+            .args(["plan", "--model"])
+            .arg(fixture(file))
+            .args(["--assume", assume])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let text = plan("wide-IQ.gguf", "sm_120:96GB,sm_80:80GB");
+    let line = |prefix: &str| {
+        text.lines()
+            .find(|l| l.trim_start().starts_with(prefix))
+            .unwrap_or_else(|| panic!("no line {prefix:?} in\n{text}"))
+            .to_string()
+    };
+    let iq4 = line("IQ4_XS on cuda:0 (3 tensors)");
+    assert!(
+        iq4.contains("decode iq-w16-cuda, prefill iq-w16-cuda")
+            && iq4.contains("iq-reference-cpu: needs device cpu"),
+        "{iq4}"
+    );
+    let sm80 = line("IQ4_XS on cuda:1");
+    assert!(
+        sm80.contains("CANNOT RUN") && sm80.contains("compute capability"),
+        "{sm80}"
+    );
+    let text = plan("wide-Q4_K_M.gguf", "sm_90:141GB");
+    assert!(
+        text.lines()
+            .any(|l| l.contains("Q4_K on cuda:0") && l.contains("candle-qmatmul-cuda")),
+        "{text}"
+    );
+}
