@@ -261,12 +261,13 @@ fn prefill_experts_by_grouped_gemm_equal_the_reference() {
 
 /// The grouped FP8 / NVFP4 / i-quant expert kernels against the dense reference on the dequantised weights
 /// (CPU, f32), 1..64 tokens, widths whose chunk counts are not multiples of a warp, FP8 with partial edge
-/// blocks, i-quants with gate/up and down in different formats.
+/// blocks, i-quants with gate/up and down in different formats; and a prefill of 300 tokens by the grouped
+/// GEMM over the dequantised experts (pinned: not chosen until this has passed).
 #[test]
 fn quantized_experts_on_gpu_equal_the_reference() {
     use common::quantized::{experts as quantized, Format};
     use glm5_ops::iq_matmul::IqFormat;
-    use glm5_ops::moe::{quantized_experts, quantized_experts_backend};
+    use glm5_ops::moe::{quantized_experts, quantized_experts_backend, quantized_experts_with};
     let gpu = gpu();
     let mut r = rng(4903);
     let n_experts = 13;
@@ -283,7 +284,14 @@ fn quantized_experts_on_gpu_equal_the_reference() {
     ] {
         let (weights, gate_up, down) = quantized(&mut r, &format, (n_experts, hidden, inter), &gpu);
         for dtype in [DType::F32, DType::BF16] {
-            for (t, slots) in [(1, 9), (5, 3), (64, 9), (17, 1)] {
+            // Decode sizes by the grouped mat-vecs (chosen), and a prefill by the grouped GEMM (pinned).
+            for (t, slots, pinned) in [
+                (1, 9, None),
+                (5, 3, None),
+                (64, 9, None),
+                (17, 1, None),
+                (MATVEC_MAX_TOKENS + 44, 9, Some(ExpertsImpl::GroupedGemm)),
+            ] {
                 let x = Tensor::from_vec(uniform(&mut r, t * hidden), (t, hidden), &Device::Cpu)
                     .unwrap()
                     .to_dtype(dtype)
@@ -293,21 +301,26 @@ fn quantized_experts_on_gpu_equal_the_reference() {
                     experts_reference(&x.to_dtype(DType::F32).unwrap(), &routes, &gate_up, &down)
                         .unwrap();
                 let gx = x.to_device(&gpu).unwrap();
-                assert_eq!(
-                    quantized_experts_backend(&gx, &weights),
-                    ExpertsBackend::DeviceMatVec
-                );
+                if pinned.is_none() {
+                    assert_eq!(
+                        quantized_experts_backend(&gx, &weights),
+                        ExpertsBackend::DeviceMatVec
+                    );
+                }
                 let groutes = Routes {
                     ids: routes.ids.to_device(&gpu).unwrap(),
                     gates: routes.gates.to_device(&gpu).unwrap(),
                 };
                 poison(&gpu, t * slots * (hidden + inter) * 8);
-                let got = quantized_experts(&gx, &groutes, &weights)
-                    .unwrap()
-                    .to_dtype(DType::F32)
-                    .unwrap()
-                    .to_device(&Device::Cpu)
-                    .unwrap();
+                let got = match pinned {
+                    None => quantized_experts(&gx, &groutes, &weights),
+                    Some(which) => quantized_experts_with(&gx, &groutes, &weights, which),
+                }
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap()
+                .to_device(&Device::Cpu)
+                .unwrap();
                 let scale = want
                     .abs()
                     .unwrap()
@@ -325,7 +338,7 @@ fn quantized_experts_on_gpu_equal_the_reference() {
                     .unwrap();
                 let bound = if dtype == DType::F32 { 1e-5 } else { 2e-2 } * scale.max(1e-3);
                 println!(
-                    "quantized {dtype:?} t={t} slots={slots}: max |Δ| = {err:.2e} (scale {scale:.2e})"
+                    "quantized {pinned:?} {dtype:?} t={t} slots={slots}: max |Δ| = {err:.2e} (scale {scale:.2e})"
                 );
                 assert!(err <= bound, "{dtype:?} t={t}: {err} > {bound}");
             }

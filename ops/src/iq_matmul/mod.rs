@@ -25,7 +25,7 @@ mod entries;
 pub mod reference;
 
 #[cfg(feature = "cuda")]
-mod cuda;
+pub(crate) mod cuda;
 
 pub use entries::{backends, dispatch};
 

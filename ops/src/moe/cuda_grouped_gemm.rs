@@ -8,18 +8,26 @@
 //!    GEMM per expert.
 //! 3. Each row times its gate in f32, put back in assignment order, and summed per token in slot order by
 //!    `moe_combine` (as the mat-vec path sums them).
+//!
+//! Experts kept quantised ([`quantized_experts_grouped_gemm`]) run the same way, each active expert's
+//! projections dequantised to the activations' dtype first, in chunks of experts whose dense weights fit
+//! `DENSE_CHUNK_BYTES`: every weight is dequantised once (gate and up in a first pass, down in a second).
 
 use candle_core::cuda_backend::cudarc::cublas::sys;
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::{DType, Device, Tensor};
 
+use super::quantized::{Projection, QuantizedExperts};
 use super::Routes;
 use crate::cuda::{cuda_err, device_address, kernel};
 use crate::error::{OpError, Result};
 
+/// Bytes of dequantised expert weights held at once by the quantised path.
+const DENSE_CHUNK_BYTES: usize = 2 << 30;
+
 /// One GEMM of the group: row-major `C[n_rows, out] = B[n_rows, k] · A[out, k]ᵀ` (A an expert's weight, B its
-/// tokens' rows), as cuBLAS's column-major `C' = op_T(A') · B'`.
+/// tokens' rows, C's rows `ldc` apart), as cuBLAS's column-major `C' = op_T(A') · B'`.
 struct Problem {
     out: usize,
     n_rows: usize,
@@ -27,6 +35,7 @@ struct Problem {
     a: u64,
     b: u64,
     c: u64,
+    ldc: usize,
 }
 
 fn data_type(dtype: DType) -> Result<sys::cudaDataType_t> {
@@ -70,7 +79,7 @@ fn grouped_gemm(
         k.push(int(p.k)?);
         lda.push(int(p.k)?);
         ldb.push(int(p.k)?);
-        ldc.push(int(p.out)?);
+        ldc.push(int(p.ldc)?);
     }
     let trans_a = vec![sys::cublasOperation_t::CUBLAS_OP_T; count];
     let trans_b = vec![sys::cublasOperation_t::CUBLAS_OP_N; count];
@@ -124,51 +133,37 @@ fn grouped_gemm(
     Ok(())
 }
 
-/// The routed experts over the stacked `gate_up` `[E', 2I, H]` and `down` `[E', H, I]` (module docs), checked by
-/// the caller; `x` `[T, H]` contiguous in the weights' dtype.
-pub(super) fn experts_grouped_gemm(
-    x: &Tensor,
-    routes: &Routes,
-    gate_up: &Tensor,
-    down: &Tensor,
-) -> Result<Tensor> {
-    let (tokens, hidden) = x.dims2()?;
-    let (n_experts, two_inter, _) = gate_up.dims3()?;
-    let inter = two_inter / 2;
+/// The assignments grouped by expert on the host (the layer's one read-back), with the index tensors the
+/// device steps need.
+struct Grouped {
+    /// Assignment `t·slots + s` of each sorted row.
+    sorted: Tensor,
+    /// Sorted row of each assignment.
+    inverse: Tensor,
+    /// Token of each sorted row.
+    token: Tensor,
+    /// `(expert, first sorted row, rows)` of each active expert, by expert.
+    runs: Vec<(usize, usize, usize)>,
+    n_assign: usize,
+}
+
+fn group(routes: &Routes, n_experts: usize, device: &Device) -> Result<Grouped> {
     let slots = routes.slots()?;
-    let device = x.device();
-    let dtype = x.dtype();
     let ids: Vec<u32> = routes.ids.flatten_all()?.to_vec1()?;
-    // Assignments (t·slots + s) by expert, ascending within one.
-    let mut sorted: Vec<u32> = (0..ids.len() as u32).collect();
-    sorted.sort_by_key(|&a| ids[a as usize]);
     if let Some(&bad) = ids.iter().find(|&&e| e as usize >= n_experts) {
         return Err(OpError::Unsupported(format!(
             "moe experts: an assignment routes to expert {bad} of {n_experts}"
         )));
     }
-    let mut inverse = vec![0u32; sorted.len()];
+    // Ascending assignment order within one expert, as `moe_align` sorts them.
+    let mut sorted: Vec<u32> = (0..ids.len() as u32).collect();
+    sorted.sort_by_key(|&a| ids[a as usize]);
+    let n_assign = sorted.len();
+    let mut inverse = vec![0u32; n_assign];
     for (j, &a) in sorted.iter().enumerate() {
         inverse[a as usize] = j as u32;
     }
-    let token_of: Vec<u32> = sorted.iter().map(|&a| a / slots as u32).collect();
-    let n_assign = sorted.len();
-    let upload = |v: Vec<u32>| Tensor::from_vec(v, n_assign, device);
-    let (sorted_t, inverse_t, token_t) =
-        (upload(sorted.clone())?, upload(inverse)?, upload(token_of)?);
-
-    let x = x.contiguous()?;
-    let (gate_up, down) = (gate_up.contiguous()?, down.contiguous()?);
-    let xs = x.index_select(&token_t, 0)?;
-    let h = unsafe { Tensor::empty((n_assign, two_inter), dtype, device)? };
-    let y = unsafe { Tensor::empty((n_assign, hidden), dtype, device)? };
-    let (gate_up_ptr, dev) = device_address(&gate_up)?;
-    let (down_ptr, _) = device_address(&down)?;
-    let (xs_ptr, _) = device_address(&xs)?;
-    let (h_ptr, _) = device_address(&h)?;
-    let (y_ptr, _) = device_address(&y)?;
-    let bytes = dtype.size_in_bytes() as u64;
-    // Each active expert's run of sorted assignments.
+    let token: Vec<u32> = sorted.iter().map(|&a| a / slots as u32).collect();
     let mut runs = Vec::new();
     let mut start = 0;
     while start < n_assign {
@@ -180,42 +175,36 @@ pub(super) fn experts_grouped_gemm(
         runs.push((expert, start, end - start));
         start = end;
     }
-    let gate_up_problems: Vec<Problem> = runs
-        .iter()
-        .map(|&(e, first, rows)| Problem {
-            out: two_inter,
-            n_rows: rows,
-            k: hidden,
-            a: gate_up_ptr + (e * two_inter * hidden) as u64 * bytes,
-            b: xs_ptr + (first * hidden) as u64 * bytes,
-            c: h_ptr + (first * two_inter) as u64 * bytes,
-        })
-        .collect();
-    grouped_gemm(&dev, device, dtype, &gate_up_problems)?;
-    let act = (h.narrow(1, 0, inter)?.silu()? * h.narrow(1, inter, inter)?)?.contiguous()?;
-    let (act_ptr, _) = device_address(&act)?;
-    let down_problems: Vec<Problem> = runs
-        .iter()
-        .map(|&(e, first, rows)| Problem {
-            out: hidden,
-            n_rows: rows,
-            k: inter,
-            a: down_ptr + (e * hidden * inter) as u64 * bytes,
-            b: act_ptr + (first * inter) as u64 * bytes,
-            c: y_ptr + (first * hidden) as u64 * bytes,
-        })
-        .collect();
-    grouped_gemm(&dev, device, dtype, &down_problems)?;
-    // gate · y in f32, back in assignment order, then the per-token sum in slot order.
+    let upload = |v: Vec<u32>| Tensor::from_vec(v, n_assign, device);
+    Ok(Grouped {
+        sorted: upload(sorted)?,
+        inverse: upload(inverse)?,
+        token: upload(token)?,
+        runs,
+        n_assign,
+    })
+}
+
+/// `out[t] = Σ_s gates[t, s] · y[row of (t, s)]`: `y` `[n_assign, H]` in sorted order, in `dtype`.
+fn combine(
+    y: &Tensor,
+    routes: &Routes,
+    grouped: &Grouped,
+    tokens: usize,
+    dtype: DType,
+) -> Result<Tensor> {
+    let slots = routes.slots()?;
+    let hidden = y.dim(1)?;
+    let device = y.device();
     let gates = routes
         .gates
         .flatten_all()?
-        .index_select(&sorted_t, 0)?
+        .index_select(&grouped.sorted, 0)?
         .unsqueeze(1)?;
     let weighted = y.to_dtype(DType::F32)?.broadcast_mul(&gates)?;
-    let by_assignment = weighted.index_select(&inverse_t, 0)?.contiguous()?;
+    let by_assignment = weighted.index_select(&grouped.inverse, 0)?.contiguous()?;
     let out = unsafe { Tensor::empty((tokens, hidden), dtype, device)? };
-    let (y_arg, _) = device_address(&by_assignment)?;
+    let (y_arg, dev) = device_address(&by_assignment)?;
     let (out_ptr, _) = device_address(&out)?;
     let suffix = match dtype {
         DType::BF16 => "bf16",
@@ -247,7 +236,143 @@ pub(super) fn experts_grouped_gemm(
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
-    // SAFETY: y [T·slots, H] f32 in assignment order, out [T, H] in x's dtype (moe.cu's moe_combine_*).
+    // SAFETY: y [T·slots, H] f32 in assignment order, out [T, H] in `dtype` (moe.cu's moe_combine_*).
     unsafe { builder.launch(cfg) }.map_err(cuda_err)?;
     Ok(out)
+}
+
+/// The routed experts over the stacked `gate_up` `[E', 2I, H]` and `down` `[E', H, I]` (module docs), checked by
+/// the caller; `x` `[T, H]` contiguous in the weights' dtype.
+pub(super) fn experts_grouped_gemm(
+    x: &Tensor,
+    routes: &Routes,
+    gate_up: &Tensor,
+    down: &Tensor,
+) -> Result<Tensor> {
+    let (tokens, hidden) = x.dims2()?;
+    let (n_experts, two_inter, _) = gate_up.dims3()?;
+    let inter = two_inter / 2;
+    let device = x.device();
+    let dtype = x.dtype();
+    let grouped = group(routes, n_experts, device)?;
+    let n_assign = grouped.n_assign;
+    let x = x.contiguous()?;
+    let (gate_up, down) = (gate_up.contiguous()?, down.contiguous()?);
+    let xs = x.index_select(&grouped.token, 0)?;
+    let h = unsafe { Tensor::empty((n_assign, two_inter), dtype, device)? };
+    let y = unsafe { Tensor::empty((n_assign, hidden), dtype, device)? };
+    let (gate_up_ptr, dev) = device_address(&gate_up)?;
+    let (down_ptr, _) = device_address(&down)?;
+    let (xs_ptr, _) = device_address(&xs)?;
+    let (h_ptr, _) = device_address(&h)?;
+    let (y_ptr, _) = device_address(&y)?;
+    let bytes = dtype.size_in_bytes() as u64;
+    let gate_up_problems: Vec<Problem> = grouped
+        .runs
+        .iter()
+        .map(|&(e, first, rows)| Problem {
+            out: two_inter,
+            n_rows: rows,
+            k: hidden,
+            a: gate_up_ptr + (e * two_inter * hidden) as u64 * bytes,
+            b: xs_ptr + (first * hidden) as u64 * bytes,
+            c: h_ptr + (first * two_inter) as u64 * bytes,
+            ldc: two_inter,
+        })
+        .collect();
+    grouped_gemm(&dev, device, dtype, &gate_up_problems)?;
+    let act = (h.narrow(1, 0, inter)?.silu()? * h.narrow(1, inter, inter)?)?.contiguous()?;
+    let (act_ptr, _) = device_address(&act)?;
+    let down_problems: Vec<Problem> = grouped
+        .runs
+        .iter()
+        .map(|&(e, first, rows)| Problem {
+            out: hidden,
+            n_rows: rows,
+            k: inter,
+            a: down_ptr + (e * hidden * inter) as u64 * bytes,
+            b: act_ptr + (first * inter) as u64 * bytes,
+            c: y_ptr + (first * hidden) as u64 * bytes,
+            ldc: hidden,
+        })
+        .collect();
+    grouped_gemm(&dev, device, dtype, &down_problems)?;
+    combine(&y, routes, &grouped, tokens, dtype)
+}
+
+/// The routed experts kept quantised (`dims` = (E', H, I), checked by the caller), each active expert's
+/// projections dequantised to `x`'s dtype in chunks (module docs).
+pub(super) fn quantized_experts_grouped_gemm(
+    x: &Tensor,
+    routes: &Routes,
+    weights: &QuantizedExperts,
+    (n_experts, hidden, inter): (usize, usize, usize),
+) -> Result<Tensor> {
+    let tokens = x.dim(0)?;
+    let device = x.device();
+    let dtype = x.dtype();
+    let grouped = group(routes, n_experts, device)?;
+    let n_assign = grouped.n_assign;
+    let bytes = dtype.size_in_bytes();
+    let xs = x.contiguous()?.index_select(&grouped.token, 0)?;
+    let h = unsafe { Tensor::empty((n_assign, 2 * inter), dtype, device)? };
+    let y = unsafe { Tensor::empty((n_assign, hidden), dtype, device)? };
+    let (xs_ptr, dev) = device_address(&xs)?;
+    let (h_ptr, _) = device_address(&h)?;
+    let (y_ptr, _) = device_address(&y)?;
+    let per_expert = 3 * hidden * inter * bytes;
+    let chunk = (DENSE_CHUNK_BYTES / per_expert.max(1)).max(1);
+    let b = bytes as u64;
+    // Gate and up: each expert's two matrices into the two halves of its rows of h.
+    for runs in grouped.runs.chunks(chunk) {
+        let dense: Vec<(Tensor, Tensor)> = runs
+            .iter()
+            .map(|&(e, _, _)| {
+                Ok((
+                    weights.dense(e, Projection::Gate, dtype)?,
+                    weights.dense(e, Projection::Up, dtype)?,
+                ))
+            })
+            .collect::<Result<_>>()?;
+        let mut problems = Vec::with_capacity(2 * runs.len());
+        for (&(_, first, rows), (gate, up)) in runs.iter().zip(&dense) {
+            for (matrix, half) in [(gate, 0), (up, inter)] {
+                problems.push(Problem {
+                    out: inter,
+                    n_rows: rows,
+                    k: hidden,
+                    a: device_address(matrix)?.0,
+                    b: xs_ptr + (first * hidden) as u64 * b,
+                    c: h_ptr + (first * 2 * inter + half) as u64 * b,
+                    ldc: 2 * inter,
+                });
+            }
+        }
+        grouped_gemm(&dev, device, dtype, &problems)?;
+    }
+    let act = (h.narrow(1, 0, inter)?.silu()? * h.narrow(1, inter, inter)?)?.contiguous()?;
+    let (act_ptr, _) = device_address(&act)?;
+    for runs in grouped.runs.chunks(chunk) {
+        let dense: Vec<Tensor> = runs
+            .iter()
+            .map(|&(e, _, _)| weights.dense(e, Projection::Down, dtype))
+            .collect::<Result<_>>()?;
+        let problems = runs
+            .iter()
+            .zip(&dense)
+            .map(|(&(_, first, rows), down)| {
+                Ok(Problem {
+                    out: hidden,
+                    n_rows: rows,
+                    k: inter,
+                    a: device_address(down)?.0,
+                    b: act_ptr + (first * inter) as u64 * b,
+                    c: y_ptr + (first * hidden) as u64 * b,
+                    ldc: hidden,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        grouped_gemm(&dev, device, dtype, &problems)?;
+    }
+    combine(&y, routes, &grouped, tokens, dtype)
 }

@@ -352,6 +352,37 @@ impl QuantizedExperts {
         }
     }
 
+    /// Expert `e`'s projection `which` dequantised to `dtype` on its device (f32 or bf16; CUDA).
+    #[cfg(feature = "cuda")]
+    pub(super) fn dense(&self, e: usize, which: Projection, dtype: DType) -> Result<Tensor> {
+        match self {
+            QuantizedExperts::Fp8 { gate_up, down } => {
+                let part = match which {
+                    Projection::Gate => gate_up.part(e, 0)?,
+                    Projection::Up => gate_up.part(e, 1)?,
+                    Projection::Down => down.part(e, 0)?,
+                };
+                crate::fp8_matmul::cuda::dequantize_to(&part, dtype)
+            }
+            QuantizedExperts::Nvfp4 { gate_up, down } => {
+                let part = match which {
+                    Projection::Gate => gate_up.part(e, 0)?,
+                    Projection::Up => gate_up.part(e, 1)?,
+                    Projection::Down => down.part(e, 0)?,
+                };
+                crate::nvfp4_matmul::cuda::dequantize_to(&part, dtype)
+            }
+            QuantizedExperts::Iq { gate, up, down } => {
+                let stacked = match which {
+                    Projection::Gate => gate,
+                    Projection::Up => up,
+                    Projection::Down => down,
+                };
+                crate::iq_matmul::cuda::dequantize(&stacked.expert(e)?, dtype)
+            }
+        }
+    }
+
     /// Expert `e`'s gate, up and down projections.
     fn project(&self, e: usize, x: &Tensor, which: Projection) -> Result<Tensor> {
         match self {
@@ -374,8 +405,8 @@ impl QuantizedExperts {
     }
 }
 
-#[derive(Clone, Copy)]
-enum Projection {
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Projection {
     Gate,
     Up,
     Down,
@@ -458,6 +489,12 @@ pub fn quantized_experts_with(
         #[cfg(feature = "cuda")]
         ExpertsImpl::DeviceMatVec if x.device().is_cuda() => {
             super::cuda::quantized_experts(x, routes, weights, dims)
+        }
+        #[cfg(feature = "cuda")]
+        ExpertsImpl::GroupedGemm
+            if x.device().is_cuda() && matches!(x.dtype(), DType::BF16 | DType::F32) =>
+        {
+            super::cuda_grouped_gemm::quantized_experts_grouped_gemm(x, routes, weights, dims)
         }
         other => Err(OpError::Unsupported(format!(
             "moe quantized experts: {other:?} does not run {:?} on {:?}",

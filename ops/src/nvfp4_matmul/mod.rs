@@ -54,7 +54,7 @@ mod entries;
 pub mod reference;
 
 #[cfg(feature = "cuda")]
-mod cuda;
+pub(crate) mod cuda;
 
 pub use entries::{backends, dispatch, W4A4_MMA_SM120};
 

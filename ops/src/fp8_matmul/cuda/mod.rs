@@ -29,15 +29,30 @@ pub(crate) fn fp8_matmul(x: &Tensor, w: &Fp8BlockWeight) -> Result<Tensor> {
     if x.dim(0)? <= MAX_ROWS {
         return matvec(&WEIGHT_ONLY, "fp8_matvec", x, n, &args, &[bn, bk]);
     }
-    let dense = dequantize(
+    let dense = dequantize_to(w, x.dtype())?;
+    Ok(x.matmul(&dense.t()?)?)
+}
+
+/// The whole weight in `dtype` (f32 or bf16) on its device.
+pub(crate) fn dequantize_to(w: &Fp8BlockWeight, dtype: candle_core::DType) -> Result<Tensor> {
+    w.check()?;
+    let (n, k) = w.dims()?;
+    let weight = w.weight.contiguous()?;
+    let scales = w.scale_inv.contiguous()?;
+    let pointers = [device_address(&weight)?.0, device_address(&scales)?.0];
+    let args = WeightArgs {
+        pointers: &pointers,
+        scalar: None,
+    };
+    let (bn, bk) = (w.block[0] as i32, w.block[1] as i32);
+    dequantize(
         &WEIGHT_ONLY,
         "fp8_dequantize",
-        x.dtype(),
-        x,
+        dtype,
+        &w.weight,
         (n, k),
         n * k,
         &args,
         &[n as i32, k as i32, bn, bk],
-    )?;
-    Ok(x.matmul(&dense.t()?)?)
+    )
 }

@@ -15,7 +15,7 @@ use crate::weight_only_cuda::{dequantize, matvec, WeightArgs, WEIGHT_ONLY};
 /// `MAX_ROWS` by `prefill`.
 pub(crate) fn nvfp4_matmul(x: &Tensor, w: &Nvfp4Weight, prefill: Prefill) -> Result<Tensor> {
     w.check()?;
-    let (n, k) = w.dims()?;
+    let (n, _) = w.dims()?;
     let packed = w.packed.contiguous()?;
     let scales = w.scales.contiguous()?;
     let pointers = [device_address(&packed)?.0, device_address(&scales)?.0];
@@ -29,17 +29,31 @@ pub(crate) fn nvfp4_matmul(x: &Tensor, w: &Nvfp4Weight, prefill: Prefill) -> Res
     if prefill == Prefill::W4a4Sm120 {
         return w4a4::matmul(x, w);
     }
-    let dense = dequantize(
+    let dense = dequantize_to(w, x.dtype())?;
+    Ok(x.matmul(&dense.t()?)?)
+}
+
+/// The whole weight in `dtype` (f32 or bf16) on its device (W4A16's values).
+pub(crate) fn dequantize_to(w: &Nvfp4Weight, dtype: candle_core::DType) -> Result<Tensor> {
+    w.check()?;
+    let (n, k) = w.dims()?;
+    let packed = w.packed.contiguous()?;
+    let scales = w.scales.contiguous()?;
+    let pointers = [device_address(&packed)?.0, device_address(&scales)?.0];
+    let args = WeightArgs {
+        pointers: &pointers,
+        scalar: Some(&w.global_scale),
+    };
+    dequantize(
         &WEIGHT_ONLY,
         "nvfp4_dequantize",
-        x.dtype(),
-        x,
+        dtype,
+        &w.packed,
         (n, k),
         n * k,
         &args,
         &[n as i32, k as i32],
-    )?;
-    Ok(x.matmul(&dense.t()?)?)
+    )
 }
 
 /// The W4A4 backend's activation quantiser (sm_120 only).
