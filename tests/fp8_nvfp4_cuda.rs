@@ -17,40 +17,7 @@ mod fixtures;
 #[path = "common/w4a4_bound.rs"]
 mod w4a4_bound;
 use fixtures::{decode_rows, fixture_dir, max_abs_diff, reference};
-
-/// splitmix64 stream: fresh values per seed.
-struct Stream(u64);
-
-impl Stream {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn uniform(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32
-    }
-    /// Random e4m3 bytes, NaN (0x7f, 0xff) excluded; `positive`: sign bit clear.
-    fn e4m3(&mut self, n: usize, positive: bool) -> Vec<u8> {
-        (0..n)
-            .map(|_| loop {
-                let b = self.next() as u8 & if positive { 0x7f } else { 0xff };
-                if b & 0x7f != 0x7f {
-                    break b;
-                }
-            })
-            .collect()
-    }
-}
-
-fn seed() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64
-}
+use w4a4_bound::{seed, w4a4_activations, Stream};
 
 fn relative_error(got: &Tensor, want: &Tensor) -> f32 {
     let got = got
@@ -312,25 +279,6 @@ fn w4a4_shapes() -> Vec<(usize, usize, usize)> {
         (100, 16 * group, 33),
         (8, 8 * group, 129),
     ]
-}
-
-/// Activations like a transformer's: uniform in [-1, 1) with a few outlier channels 30x larger; row 1 all
-/// zeros, row 2 with one value 10^5 times its row (most of its blocks get subnormal e4m3 scales).
-fn w4a4_activations(rng: &mut Stream, m: usize, k: usize) -> Tensor {
-    let outliers: Vec<usize> = (0..4).map(|_| (rng.next() % k as u64) as usize).collect();
-    let mut x: Vec<f32> = (0..m * k)
-        .map(|i| {
-            let v = rng.uniform() * 2.0 - 1.0;
-            if outliers.contains(&(i % k)) {
-                v * 30.0
-            } else {
-                v
-            }
-        })
-        .collect();
-    x[k..2 * k].fill(0.0);
-    x[2 * k + k / 3] = 1e5;
-    Tensor::from_vec(x, (m, k), &Device::Cpu).unwrap()
 }
 
 fn host<T: glm5::candle_core::WithDType>(t: &Tensor) -> Vec<T> {

@@ -10,30 +10,7 @@ use glm5::Config;
 
 #[path = "common/w4a4_bound.rs"]
 mod w4a4_bound;
-use w4a4_bound::{against_bound, median, w4a4_error_bound};
-
-/// splitmix64 stream: fresh values per seed.
-struct Stream(u64);
-
-impl Stream {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn uniform(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32
-    }
-}
-
-fn seed() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64
-}
+use w4a4_bound::{against_bound, median, seed, w4a4_activations, w4a4_error_bound, Stream};
 
 fn glm5_config() -> Config {
     Config::from_file(concat!(
@@ -70,25 +47,6 @@ fn weight(rng: &mut Stream, n: usize, k: usize) -> Nvfp4Weight {
     }
 }
 
-/// `[m, k]` activations like a transformer's: uniform in [-1, 1), a few outlier channels 30x larger, row 1
-/// all zeros and row 2 with one value 10^5 times its row (most of its blocks get subnormal e4m3 scales).
-fn activations(rng: &mut Stream, m: usize, k: usize) -> Tensor {
-    let outliers: Vec<usize> = (0..4).map(|_| (rng.next() % k as u64) as usize).collect();
-    let mut x: Vec<f32> = (0..m * k)
-        .map(|i| {
-            let v = rng.uniform() * 2.0 - 1.0;
-            if outliers.contains(&(i % k)) {
-                v * 30.0
-            } else {
-                v
-            }
-        })
-        .collect();
-    x[k..2 * k].fill(0.0);
-    x[2 * k + k / 3] = 1e5;
-    Tensor::from_vec(x, (m, k), &Device::Cpu).unwrap()
-}
-
 #[test]
 fn w4a4_reference_is_within_the_derived_bound_of_w4a16() {
     let config = glm5_config();
@@ -98,7 +56,7 @@ fn w4a4_reference_is_within_the_derived_bound_of_w4a16() {
     for (n, k) in glm5_shapes(&config) {
         let w = weight(&mut rng, n, k);
         for m in [17, 33] {
-            let x = activations(&mut rng, m, k);
+            let x = w4a4_activations(&mut rng, m, k);
             for dtype in [DType::F32, DType::BF16] {
                 let x = x.to_dtype(dtype).unwrap().to_dtype(DType::F32).unwrap();
                 let w4a4 = reference::nvfp4_matmul_w4a4(&x, &w).unwrap();
@@ -137,7 +95,7 @@ fn w4a4_on_the_cpu_is_an_error_not_a_fallback() {
     let mut rng = Stream(seed());
     let (n, k) = (config.kv_lora_rank, config.q_lora_rank);
     let w = weight(&mut rng, n, k);
-    let decode = activations(&mut rng, nvfp4_matmul::MAX_ROWS, k);
+    let decode = w4a4_activations(&mut rng, nvfp4_matmul::MAX_ROWS, k);
     let got = nvfp4_matmul::nvfp4_matmul_with(&decode, &w, Prefill::W4a4Sm120).unwrap();
     let want = reference::nvfp4_matmul(&decode, &w).unwrap();
     let diff = (got - want)
@@ -149,7 +107,7 @@ fn w4a4_on_the_cpu_is_an_error_not_a_fallback() {
         .to_scalar::<f32>()
         .unwrap();
     assert_eq!(diff, 0.0);
-    let prefill = activations(&mut rng, nvfp4_matmul::MAX_ROWS + 1, k);
+    let prefill = w4a4_activations(&mut rng, nvfp4_matmul::MAX_ROWS + 1, k);
     let err = nvfp4_matmul::nvfp4_matmul_with(&prefill, &w, Prefill::W4a4Sm120).unwrap_err();
     assert!(
         err.to_string().contains(nvfp4_matmul::W4A4_MMA_SM120),

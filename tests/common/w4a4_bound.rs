@@ -1,6 +1,6 @@
-//! The derived bound on how far NVFP4 W4A4 (activations quantised, `nvfp4_matmul` module contract) may lie
-//! from W4A16 (activations exact), shared by `tests/nvfp4_w4a4.rs` (CPU references) and
-//! `tests/fp8_nvfp4_cuda.rs` (the sm_120 kernel).
+//! What the W4A4 tests share (`tests/nvfp4_w4a4.rs`, CPU references; `tests/fp8_nvfp4_cuda.rs`, the sm_120
+//! kernel): a seeded random stream, test activations, and the derived bound on how far NVFP4 W4A4
+//! (activations quantised, `nvfp4_matmul` module contract) may lie from W4A16 (activations exact).
 //!
 //! Per activation `x` in a block of unit `u = e4m3(s) · g` (its quantised value is `e2m1(code) · u` with
 //! `code` the nearest e2m1 value to `|x| / u`, 6 above), the rounding error is at most half an e2m1 step at
@@ -11,7 +11,7 @@
 //! the two f32 sums in any order (`γ_K = K 2^-24 / (1 - K 2^-24)`), the weight's product with its global
 //! scale and the two final scalings. Nothing here is fitted: the bound comes from the e2m1 grid.
 
-use glm5::candle_core::{DType, Tensor};
+use glm5::candle_core::{DType, Device, Tensor};
 use glm5::ops::fp8_matmul::reference::e4m3_table;
 use glm5::ops::nvfp4_matmul::{reference, Nvfp4Weight};
 
@@ -103,4 +103,59 @@ pub fn median(values: &[f64]) -> f64 {
     let mut v = values.to_vec();
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
+}
+
+/// splitmix64 stream: fresh values per seed.
+pub struct Stream(pub u64);
+
+#[allow(dead_code)] // each test binary uses part of it
+impl Stream {
+    pub fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    pub fn uniform(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32
+    }
+    /// Random e4m3 bytes, NaN (0x7f, 0xff) excluded; `positive`: sign bit clear.
+    pub fn e4m3(&mut self, n: usize, positive: bool) -> Vec<u8> {
+        (0..n)
+            .map(|_| loop {
+                let b = self.next() as u8 & if positive { 0x7f } else { 0xff };
+                if b & 0x7f != 0x7f {
+                    break b;
+                }
+            })
+            .collect()
+    }
+}
+
+/// A fresh seed per run (print it: a failure reproduces with it).
+pub fn seed() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64
+}
+
+/// Activations like a transformer's: uniform in [-1, 1) with a few outlier channels 30x larger; row 1 all
+/// zeros, row 2 with one value 10^5 times its row (most of its blocks get subnormal e4m3 scales).
+pub fn w4a4_activations(rng: &mut Stream, m: usize, k: usize) -> Tensor {
+    let outliers: Vec<usize> = (0..4).map(|_| (rng.next() % k as u64) as usize).collect();
+    let mut x: Vec<f32> = (0..m * k)
+        .map(|i| {
+            let v = rng.uniform() * 2.0 - 1.0;
+            if outliers.contains(&(i % k)) {
+                v * 30.0
+            } else {
+                v
+            }
+        })
+        .collect();
+    x[k..2 * k].fill(0.0);
+    x[2 * k + k / 3] = 1e5;
+    Tensor::from_vec(x, (m, k), &Device::Cpu).unwrap()
 }

@@ -12,7 +12,7 @@ use candle_core::{DType, Device, Tensor};
 use glm5_ops::iq_matmul::{reference, IqFormat, IqWeight};
 
 use super::gguf_source::is_linear;
-use super::random_q4k::{name_stream, quantised_in_q4k, splitmix};
+use super::random_q4k::{fill_experts, name_stream, quantised_in_q4k, splitmix};
 use super::safetensors::RandomSource;
 use super::{Matrix, TensorSource};
 use crate::error::Result;
@@ -115,22 +115,11 @@ impl TensorSource for RandomIqSource {
             return Ok(None);
         };
         let per_expert = out * row;
-        let mut bytes = vec![0u8; experts * per_expert];
-        // Each expert's blocks from its own name, on the host's cores (GLM-5: up to 1 GB per projection).
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let chunk = experts.div_ceil(threads).max(1);
         let (format, seed, scale) = (self.format, self.dense.seed, self.scale);
-        std::thread::scope(|scope| {
-            for (c, part) in bytes.chunks_mut(chunk * per_expert).enumerate() {
-                scope.spawn(move || {
-                    for (i, expert_bytes) in part.chunks_mut(per_expert).enumerate() {
-                        let name = format!("{prefix}.experts.{}.{proj}.weight", c * chunk + i);
-                        let blocks = out * inp / format.block_values();
-                        expert_bytes
-                            .copy_from_slice(&random_blocks(format, &name, seed, scale, blocks));
-                    }
-                });
-            }
+        let bytes = fill_experts(experts, per_expert, |e, expert_bytes| {
+            let name = format!("{prefix}.experts.{e}.{proj}.weight");
+            let blocks = out * inp / format.block_values();
+            expert_bytes.copy_from_slice(&random_blocks(format, &name, seed, scale, blocks));
         });
         let blocks =
             Tensor::from_vec(bytes, (experts, out, row), &Device::Cpu)?.to_device(device)?;

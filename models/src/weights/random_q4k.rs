@@ -60,6 +60,29 @@ pub(crate) fn splitmix(state: &mut u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// `experts` runs of `per_expert` bytes, run `e` filled by `fill(e, bytes)`, on the host's cores (GLM-5: a
+/// stacked projection is up to 1.8 GB).
+pub(crate) fn fill_experts(
+    experts: usize,
+    per_expert: usize,
+    fill: impl Fn(usize, &mut [u8]) + Sync,
+) -> Vec<u8> {
+    let mut bytes = vec![0u8; experts * per_expert];
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let chunk = experts.div_ceil(threads).max(1);
+    let fill = &fill;
+    std::thread::scope(|scope| {
+        for (c, part) in bytes.chunks_mut((chunk * per_expert).max(1)).enumerate() {
+            scope.spawn(move || {
+                for (i, expert_bytes) in part.chunks_mut(per_expert.max(1)).enumerate() {
+                    fill(c * chunk + i, expert_bytes);
+                }
+            });
+        }
+    });
+    bytes
+}
+
 /// The random stream of tensor `name`: `seed` mixed with the name's FNV-1a hash.
 pub(crate) fn name_stream(seed: u64, name: &str) -> u64 {
     let name_hash = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
@@ -164,28 +187,17 @@ impl TensorSource for RandomQ4kSource {
         }
         let [experts, out, inp] = shape;
         let per_expert = out * inp / QK_K * Q4K_BLOCK_BYTES;
-        let mut bytes = vec![0u8; experts * per_expert];
-        // Each expert's blocks from its own name, on the host's cores (GLM-5: 1.8 GB per projection).
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let chunk = experts.div_ceil(threads).max(1);
         let (seed, std) = (self.dense.seed, self.dense.std);
-        std::thread::scope(|scope| {
-            for (c, part) in bytes.chunks_mut(chunk * per_expert).enumerate() {
-                scope.spawn(move || {
-                    for (i, expert_bytes) in part.chunks_mut(per_expert).enumerate() {
-                        let e = c * chunk + i;
-                        let mut blocks = Vec::with_capacity(per_expert);
-                        q4k_blocks(
-                            &format!("{prefix}.experts.{e}.{proj}.weight"),
-                            seed,
-                            std,
-                            out * inp / QK_K,
-                            &mut blocks,
-                        );
-                        expert_bytes.copy_from_slice(&blocks);
-                    }
-                });
-            }
+        let bytes = fill_experts(experts, per_expert, |e, expert_bytes| {
+            let mut blocks = Vec::with_capacity(per_expert);
+            q4k_blocks(
+                &format!("{prefix}.experts.{e}.{proj}.weight"),
+                seed,
+                std,
+                out * inp / QK_K,
+                &mut blocks,
+            );
+            expert_bytes.copy_from_slice(&blocks);
         });
         Ok(Some(qtensor_from_ggml(
             GgmlDType::Q4K,
