@@ -137,6 +137,41 @@ fn each_gguf_moe_kernel_matches_the_dequantised_experts() {
     }
 }
 
+/// The GGUF fixture `file` loaded on the CPU and on the GPU (f32, sparse attention), with its config.
+fn cpu_and_gpu(file: &str, gpu: &Device) -> (Config, Glm5ForCausalLM, Glm5ForCausalLM) {
+    let (config, checkpoint) = Checkpoint::open_gguf(fixture(file)).unwrap();
+    let load = |device: &Device| {
+        Glm5ForCausalLM::load(
+            &config,
+            &checkpoint,
+            DType::F32,
+            device,
+            AttentionMode::Sparse,
+        )
+        .unwrap()
+    };
+    let (cpu, on_gpu) = (load(&Device::Cpu), load(gpu));
+    (config, cpu, on_gpu)
+}
+
+/// Per position before `index_topk`, ‖GPU − CPU‖ / ‖CPU‖ of the logits of 24 ids (`stride` spreads them over
+/// the vocabulary): prefill of the first `split` ids, then one decode step per remaining id.
+fn gpu_vs_cpu(
+    config: &Config,
+    cpu: &Glm5ForCausalLM,
+    gpu: &Glm5ForCausalLM,
+    stride: u32,
+    split: usize,
+) -> Vec<f32> {
+    let ids: Vec<u32> = (0..24u32)
+        .map(|i| (i * stride + 5) % config.vocab_size as u32)
+        .collect();
+    let split = split.min(ids.len());
+    let first = ids.len().min(config.index_topk);
+    let (want, got) = (decode_rows(cpu, &ids, split), decode_rows(gpu, &ids, split));
+    (0..first).map(|p| relative_l2(&got[p], &want[p])).collect()
+}
+
 /// The model with its experts stacked on the GPU against the CPU's per-expert path, f32 activations, per
 /// position ‖Δ‖/‖CPU‖ < 5e-2 over the positions before index_topk (after it a flipped DSA selection changes a
 /// row outright): decode (one token, then one per step: the mat-vec kernel) and a 24-token prefill (the WMMA
@@ -147,18 +182,7 @@ fn each_gguf_moe_kernel_matches_the_dequantised_experts() {
 fn stacked_gguf_experts_on_gpu_match_the_cpu_per_expert_path() {
     let gpu = Device::new_cuda(0).unwrap();
     for file in FILES {
-        let (config, checkpoint) = Checkpoint::open_gguf(fixture(file)).unwrap();
-        let load = |device: &Device| {
-            Glm5ForCausalLM::load(
-                &config,
-                &checkpoint,
-                DType::F32,
-                device,
-                AttentionMode::Sparse,
-            )
-            .unwrap()
-        };
-        let (cpu, on_gpu) = (load(&Device::Cpu), load(&gpu));
+        let (config, cpu, on_gpu) = cpu_and_gpu(file, &gpu);
         for (model, expected) in [
             (&cpu, "per-expert quantised"),
             (&on_gpu, "candle-nn GGUF MoE"),
@@ -174,16 +198,9 @@ fn stacked_gguf_experts_on_gpu_match_the_cpu_per_expert_path() {
                 }
             }
         }
-        let ids: Vec<u32> = (0..24u32)
-            .map(|i| (i * 37 + 5) % config.vocab_size as u32)
-            .collect();
-        let first = ids.len().min(config.index_topk);
-        for (what, split) in [("decode", 1), ("prefill", ids.len())] {
-            let (want, got) = (
-                decode_rows(&cpu, &ids, split),
-                decode_rows(&on_gpu, &ids, split),
-            );
-            let per: Vec<f32> = (0..first).map(|p| relative_l2(&got[p], &want[p])).collect();
+        let first = config.index_topk.min(24);
+        for (what, split) in [("decode", 1), ("prefill", usize::MAX)] {
+            let per = gpu_vs_cpu(&config, &cpu, &on_gpu, 37, split);
             let mut sorted = per.clone();
             sorted.sort_by(|a, b| b.total_cmp(a));
             println!("{file} {what}: GPU stacked vs CPU per-expert, positions < {first}: ‖Δ‖/‖CPU‖ {per:.3?}");
@@ -205,18 +222,7 @@ fn stacked_gguf_experts_on_gpu_match_the_cpu_per_expert_path() {
 #[test]
 fn i_quant_gguf_on_gpu_matches_the_cpu() {
     let gpu = Device::new_cuda(0).unwrap();
-    let (config, checkpoint) = Checkpoint::open_gguf(fixture("wide-IQ.gguf")).unwrap();
-    let load = |device: &Device| {
-        Glm5ForCausalLM::load(
-            &config,
-            &checkpoint,
-            DType::F32,
-            device,
-            AttentionMode::Sparse,
-        )
-        .unwrap()
-    };
-    let (cpu, on_gpu) = (load(&Device::Cpu), load(&gpu));
+    let (config, cpu, on_gpu) = cpu_and_gpu("wide-IQ.gguf", &gpu);
     // Gate and up share a format (IQ3_S, down IQ4_XS, as published mixes): the grouped kernels run them.
     for layer in on_gpu.layer_backends() {
         if layer.mlp == MlpKind::MoE {
@@ -227,16 +233,9 @@ fn i_quant_gguf_on_gpu_matches_the_cpu() {
             );
         }
     }
-    let ids: Vec<u32> = (0..24u32)
-        .map(|i| (i * 53 + 7) % config.vocab_size as u32)
-        .collect();
-    let first = ids.len().min(config.index_topk);
-    for (what, split) in [("decode", 1), ("prefill", ids.len())] {
-        let (want, got) = (
-            decode_rows(&cpu, &ids, split),
-            decode_rows(&on_gpu, &ids, split),
-        );
-        let per: Vec<f32> = (0..first).map(|p| relative_l2(&got[p], &want[p])).collect();
+    let first = config.index_topk.min(24);
+    for (what, split) in [("decode", 1), ("prefill", usize::MAX)] {
+        let per = gpu_vs_cpu(&config, &cpu, &on_gpu, 53, split);
         println!("wide-IQ {what}: GPU vs CPU, positions < {first}: ‖Δ‖/‖CPU‖ {per:.3?}");
         assert!(per.iter().all(|&e| e < 1e-4), "wide-IQ {what}: {per:?}");
     }
