@@ -148,6 +148,9 @@ mod tests {
             "UD-Q4_K_M/GLM-5-UD-Q4_K_M-00001-of-00001.gguf",
             "GLM-5-Q8_0.gguf",
             "GLM-5-UD-Q8_0.gguf",
+            "UD-IQ2_XXS/GLM-5-UD-IQ2_XXS-00001-of-00002.gguf",
+            "UD-IQ2_XXS/GLM-5-UD-IQ2_XXS-00002-of-00002.gguf",
+            "IQ4_XS/GLM-5-IQ4_XS-00001-of-00001.gguf",
         ]
         .map(String::from)
         .to_vec();
@@ -167,6 +170,20 @@ mod tests {
         );
         assert_eq!(quant_files(&files, "Q8_0"), ["GLM-5-Q8_0.gguf"]);
         assert!(quant_files(&files, "Q2_K").is_empty());
+        // i-quant names: the UD- variant only when asked for, and no partial name matches.
+        assert_eq!(
+            quant_files(&files, "UD-IQ2_XXS"),
+            [
+                "UD-IQ2_XXS/GLM-5-UD-IQ2_XXS-00001-of-00002.gguf",
+                "UD-IQ2_XXS/GLM-5-UD-IQ2_XXS-00002-of-00002.gguf"
+            ]
+        );
+        assert!(quant_files(&files, "IQ2_XXS").is_empty());
+        assert!(quant_files(&files, "XXS").is_empty());
+        assert_eq!(
+            quant_files(&files, "iq4_xs"),
+            ["IQ4_XS/GLM-5-IQ4_XS-00001-of-00001.gguf"]
+        );
         assert_eq!(
             split_quant("unsloth/GLM-5-GGUF:UD-Q2_K_XL"),
             Some(("unsloth/GLM-5-GGUF", "UD-Q2_K_XL"))
