@@ -21,6 +21,7 @@ for step in $steps; do
         *) names="sparse_mla_cuda dsa_indexer_cuda moe_cuda rms_norm_cuda iq_matmul_cuda model_cuda fp8_nvfp4_cuda gguf_cuda" ;;
       esac
       for t in $names; do
+        [ -x /tmp/glm5-bin/$t ] || { echo "test $t: not packed (scripts/gpu-build.sh NAME...)"; continue; }
         timeout 400 /tmp/glm5-bin/$t --test-threads=1 --nocapture > "$OUT/test-$t.log" 2>&1; rc=$?  # a hung kernel: rc 124
         echo "test $t: rc=$rc ($(grep -E 'test result' "$OUT/test-$t.log" | tail -1))"; [ $rc = 0 ] || status=1
       done ;;
