@@ -19,7 +19,8 @@
 //!   once and dequantised in registers); more rows dequantise the whole matrix to `x`'s dtype in a transient
 //!   buffer and use candle's matmul.
 //! * **W4A4** (backend `nvfp4-w4a4-mma-sm120`: rows `> MAX_ROWS` on compute capability 12.0 only, when the
-//!   weight's [`dispatch`] chose it and the caller passes [`Prefill::W4a4Sm120`] to [`nvfp4_matmul_with`]):
+//!   caller passes [`Prefill::W4a4Sm120`] to [`nvfp4_matmul_with`]; [`dispatch`] ranks it after W4A16 until it
+//!   has run on sm_120 hardware, so today only a caller that pins it runs it):
 //!   the activations are quantised to NVFP4, so the result differs from W4A16 (and from decode of the same
 //!   rows) by the activations' rounding. Exactly (every step a correctly rounded f32 operation;
 //!   [`reference::nvfp4_matmul_w4a4`] writes it out):
