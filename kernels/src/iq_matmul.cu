@@ -2,7 +2,8 @@
 // GGUF file's blocks in global memory and decoded in registers, f32 accumulation (contract: glm5-ops
 // iq_matmul/mod.rs; decoders: iq_formats.cuh).
 //
-//   iq_matvec_<format>_<dtype>      rows m <= MAX_ROWS: one warp per output column n; lane l decodes the
+//   iq_matvec[_r1]_<format>_<dtype> rows m <= MAX_ROWS (_r1: m = 1, batch-1 decode, without the other row
+//                                   slots' tests): one warp per output column n; lane l decodes the
 //                                   32-value sub-blocks l, l + 32, ... of the column's row and multiplies
 //                                   each with all m activation rows, so every weight byte is read once.
 //   iq_dequantize_<format>_<dtype>  the whole W in the activations' dtype (one thread per sub-block), for
@@ -26,7 +27,7 @@ template <typename T> __device__ __forceinline__ T from_float(float v);
 template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
 
-template <Format F, typename T>
+template <Format F, int ROWS, typename T>
 __device__ __forceinline__ void iq_matvec(const T* __restrict__ x, const uint8_t* __restrict__ w, T* __restrict__ y,
                                           int m, int n, int k) {
     const int col = blockIdx.x * WARPS + threadIdx.x / 32;
@@ -34,16 +35,16 @@ __device__ __forceinline__ void iq_matvec(const T* __restrict__ x, const uint8_t
     if (col >= n) return;
     const uint8_t* row = w + static_cast<size_t>(col) * row_bytes<F>(k);
     const int subs = k / 32;
-    float acc[MAX_ROWS];
+    float acc[ROWS];
 #pragma unroll
-    for (int r = 0; r < MAX_ROWS; ++r) acc[r] = 0.0f;
+    for (int r = 0; r < ROWS; ++r) acc[r] = 0.0f;
     for (int sb = lane; sb < subs; sb += 32) {
         int ib;
         const uint8_t* block = block_of<F>(row, sb, ib);
         float wv[32];
         decode<F>(block, ib, wv);
 #pragma unroll
-        for (int r = 0; r < MAX_ROWS; ++r) {
+        for (int r = 0; r < ROWS; ++r) {
             if (r < m) {
                 const T* xr = x + static_cast<size_t>(r) * k + 32 * sb;
                 float xv[16];
@@ -59,7 +60,7 @@ __device__ __forceinline__ void iq_matvec(const T* __restrict__ x, const uint8_t
         }
     }
 #pragma unroll
-    for (int r = 0; r < MAX_ROWS; ++r) {
+    for (int r = 0; r < ROWS; ++r) {
         if (r < m) {
             float total = acc[r];
 #pragma unroll
@@ -89,7 +90,11 @@ __device__ __forceinline__ void iq_dequantize(const uint8_t* __restrict__ w, T* 
 #define IQ_KERNELS(NAME, F, SUFFIX, T)                                                                         \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                  \
         iq_matvec_##NAME##_##SUFFIX(const T* x, const uint8_t* w, T* y, int m, int n, int k) {               \
-        iq_matvec<F, T>(x, w, y, m, n, k);                                                                    \
+        iq_matvec<F, MAX_ROWS, T>(x, w, y, m, n, k);                                                          \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                  \
+        iq_matvec_r1_##NAME##_##SUFFIX(const T* x, const uint8_t* w, T* y, int m, int n, int k) {            \
+        iq_matvec<F, 1, T>(x, w, y, m, n, k);                                                                 \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(DEQUANTIZE_THREADS)                                          \
         iq_dequantize_##NAME##_##SUFFIX(const uint8_t* w, T* out, int n, int k) {                            \

@@ -6,6 +6,9 @@
 //                   one f32 global scale.
 //   *_dequantize_*  the whole W in the activations' dtype, for the many-row (prefill) path's matmul.
 //
+// `*_matvec_r1_*` are the same kernels for one activation row (batch-1 decode): the general ones test each of
+// their MAX_ROWS row slots per 16 weights, which for m = 1 costs more than the row's own arithmetic.
+//
 // Mat-vec: one warp per output column n, all m <= MAX_ROWS activation rows at once, so every weight byte is
 // read once per launch. A lane takes 16 consecutive weights per chunk (one 16-byte FP8 load or one 8-byte
 // NVFP4 group with its scale), which lie in one scale block (the launcher checks K % 16 == 0 and, for FP8,
@@ -39,12 +42,12 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
-/// acc[r] += scale · Σ_j w[j] · x[r, k0 + j] for every row r < m.
-template <typename T>
-__device__ __forceinline__ void accumulate(float (&acc)[MAX_ROWS], const float (&w)[16], float scale, const T* x,
+/// acc[r] += scale · Σ_j w[j] · x[r, k0 + j] for every row r < m (m <= ROWS).
+template <int ROWS, typename T>
+__device__ __forceinline__ void accumulate(float (&acc)[ROWS], const float (&w)[16], float scale, const T* x,
                                            int m, int k, int k0) {
 #pragma unroll
-    for (int r = 0; r < MAX_ROWS; ++r) {
+    for (int r = 0; r < ROWS; ++r) {
         if (r < m) {
             float xv[16];
             load16(x + static_cast<size_t>(r) * k + k0, xv);
@@ -53,11 +56,11 @@ __device__ __forceinline__ void accumulate(float (&acc)[MAX_ROWS], const float (
     }
 }
 
-template <typename T>
-__device__ __forceinline__ void store_rows(float (&acc)[MAX_ROWS], T* y, int m, int n, int col) {
+template <int ROWS, typename T>
+__device__ __forceinline__ void store_rows(float (&acc)[ROWS], T* y, int m, int n, int col) {
     const int lane = threadIdx.x % 32;
 #pragma unroll
-    for (int r = 0; r < MAX_ROWS; ++r) {
+    for (int r = 0; r < ROWS; ++r) {
         if (r < m) {
             const float total = warp_sum(acc[r]);
             if (lane == 0) y[static_cast<size_t>(r) * n + col] = from_float<T>(total);
@@ -65,7 +68,7 @@ __device__ __forceinline__ void store_rows(float (&acc)[MAX_ROWS], T* y, int m, 
     }
 }
 
-template <typename T>
+template <int ROWS, typename T>
 __device__ __forceinline__ void fp8_matvec(const T* __restrict__ x, const uint8_t* __restrict__ w,
                                            const float* __restrict__ scale_inv, T* __restrict__ y, int m, int n,
                                            int k, int block_n, int block_k) {
@@ -76,9 +79,9 @@ __device__ __forceinline__ void fp8_matvec(const T* __restrict__ x, const uint8_
     const float* scales = scale_inv + static_cast<size_t>(col / block_n) * scale_cols;
     const uint4* row = reinterpret_cast<const uint4*>(w + static_cast<size_t>(col) * k);
     const int chunks = k / 16;
-    float acc[MAX_ROWS];
+    float acc[ROWS];
 #pragma unroll
-    for (int r = 0; r < MAX_ROWS; ++r) acc[r] = 0.0f;
+    for (int r = 0; r < ROWS; ++r) acc[r] = 0.0f;
     for (int c0 = lane; c0 < chunks; c0 += 32 * FP8_UNROLL) {
         uint4 raw[FP8_UNROLL];
         float scale[FP8_UNROLL];
@@ -96,14 +99,14 @@ __device__ __forceinline__ void fp8_matvec(const T* __restrict__ x, const uint8_
             if (c < chunks) {
                 float wv[16];
                 fp8x16_to_float(raw[u], wv);
-                accumulate(acc, wv, scale[u], x, m, k, c * 16);
+                accumulate<ROWS>(acc, wv, scale[u], x, m, k, c * 16);
             }
         }
     }
-    store_rows(acc, y, m, n, col);
+    store_rows<ROWS>(acc, y, m, n, col);
 }
 
-template <typename T>
+template <int ROWS, typename T>
 __device__ __forceinline__ void nvfp4_matvec(const T* __restrict__ x, const uint8_t* __restrict__ packed,
                                              const uint8_t* __restrict__ scales, float global_scale,
                                              T* __restrict__ y, int m, int n, int k) {
@@ -113,9 +116,9 @@ __device__ __forceinline__ void nvfp4_matvec(const T* __restrict__ x, const uint
     const uint2* row = reinterpret_cast<const uint2*>(packed + static_cast<size_t>(col) * (k / 2));
     const uint8_t* row_scales = scales + static_cast<size_t>(col) * (k / 16);
     const int chunks = k / 16;
-    float acc[MAX_ROWS];
+    float acc[ROWS];
 #pragma unroll
-    for (int r = 0; r < MAX_ROWS; ++r) acc[r] = 0.0f;
+    for (int r = 0; r < ROWS; ++r) acc[r] = 0.0f;
     for (int c0 = lane; c0 < chunks; c0 += 32 * NVFP4_UNROLL) {
         uint2 raw[NVFP4_UNROLL];
         uint8_t scale[NVFP4_UNROLL];
@@ -134,13 +137,13 @@ __device__ __forceinline__ void nvfp4_matvec(const T* __restrict__ x, const uint
                 float wv[16];
                 e2m1x16_to_float(raw[u], wv);
                 // As the reference: (e2m1 · scale) · global, the first product exact in f32.
-                accumulate(acc, wv, e4m3_to_float(scale[u]) * E2M1_HALF_BIAS, x, m, k, c * 16);
+                accumulate<ROWS>(acc, wv, e4m3_to_float(scale[u]) * E2M1_HALF_BIAS, x, m, k, c * 16);
             }
         }
     }
 #pragma unroll
-    for (int r = 0; r < MAX_ROWS; ++r) acc[r] *= global_scale;
-    store_rows(acc, y, m, n, col);
+    for (int r = 0; r < ROWS; ++r) acc[r] *= global_scale;
+    store_rows<ROWS>(acc, y, m, n, col);
 }
 
 template <typename T>
@@ -174,12 +177,22 @@ __device__ __forceinline__ void nvfp4_dequantize(const uint8_t* __restrict__ pac
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                   \
         fp8_matvec_##SUFFIX(const T* x, const uint8_t* w, const float* scale_inv, T* y, int m, int n, int k,  \
                             int block_n, int block_k) {                                                        \
-        fp8_matvec<T>(x, w, scale_inv, y, m, n, k, block_n, block_k);                                          \
+        fp8_matvec<MAX_ROWS, T>(x, w, scale_inv, y, m, n, k, block_n, block_k);                                \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                   \
+        fp8_matvec_r1_##SUFFIX(const T* x, const uint8_t* w, const float* scale_inv, T* y, int m, int n,      \
+                               int k, int block_n, int block_k) {                                              \
+        fp8_matvec<1, T>(x, w, scale_inv, y, m, n, k, block_n, block_k);                                       \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                   \
         nvfp4_matvec_##SUFFIX(const T* x, const uint8_t* packed, const uint8_t* scales, float global_scale,   \
                               T* y, int m, int n, int k) {                                                     \
-        nvfp4_matvec<T>(x, packed, scales, global_scale, y, m, n, k);                                          \
+        nvfp4_matvec<MAX_ROWS, T>(x, packed, scales, global_scale, y, m, n, k);                                \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                   \
+        nvfp4_matvec_r1_##SUFFIX(const T* x, const uint8_t* packed, const uint8_t* scales,                    \
+                                 float global_scale, T* y, int m, int n, int k) {                              \
+        nvfp4_matvec<1, T>(x, packed, scales, global_scale, y, m, n, k);                                       \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(DEQUANTIZE_THREADS)                                           \
         fp8_dequantize_##SUFFIX(const uint8_t* w, const float* scale_inv, T* out, int n, int k, int block_n,  \

@@ -62,11 +62,18 @@ pub(crate) fn matvec(
     let y = unsafe { Tensor::empty((m, n), x.dtype(), x.device())? };
     let (x_ptr, dev) = device_address(x)?;
     let (y_ptr, _) = device_address(&y)?;
+    // One row (batch-1 decode): the kernel built for one row (`*_matvec_r1_*`), without the other row
+    // slots' tests, which cost more than that row's arithmetic.
+    let stem = if m == 1 {
+        stem.replacen("matvec", "matvec_r1", 1)
+    } else {
+        stem.to_string()
+    };
     let func = kernel(
         &dev,
         file.module,
         file.fatbin,
-        &kernel_name(stem, x.dtype())?,
+        &kernel_name(&stem, x.dtype())?,
     )?;
     let stream = dev.cuda_stream();
     let cfg = LaunchConfig {
