@@ -16,6 +16,8 @@
 //   moe_down_*         per (active expert, 8 hidden rows): a warp per row, the same way, times the gate,
 //                      one f32 row per assignment.
 //   moe_combine_*      per token: the sum of its slots' rows in slot order, rounded to the model dtype.
+//   moe_{gate_up,down}_t1_*  every mat-vec kernel again for one token per expert (batch-1 decode), without
+//                      the other token slots' tests.
 //
 //   moe_{gate_up,down}_{fp8,nvfp4}_*  the same two mat-vecs over experts kept quantised (block-scaled FP8,
 //                      NVFP4), dequantised in registers (decoders in weight_formats.cuh); each projection is
@@ -225,7 +227,7 @@ extern "C" __global__ void moe_align(const uint32_t* __restrict__ ids, int n_ass
 
 // h[a, n] = round(round(silu(round(gate_e[n] · x[a / slots]))) · round(up_e[n] · x[a / slots])) for the
 // assignments a of expert e. weights: [n_experts, 2·inter, hidden] (gate rows then up rows).
-template <typename T>
+template <int TOKENS, typename T>
 __device__ void gate_up(const T* __restrict__ x, const T* __restrict__ weights,
                         const int* __restrict__ sorted, const int* __restrict__ offsets,
                         const int* __restrict__ active, const int* __restrict__ active_count, int slots,
@@ -239,22 +241,22 @@ __device__ void gate_up(const T* __restrict__ x, const T* __restrict__ weights,
     const T* gate_row = weights + ((size_t)expert * 2 * inter + n) * hidden;
     const T* up_row = gate_row + (size_t)inter * hidden;
     const int begin = offsets[expert], end = offsets[expert + 1];
-    for (int m0 = begin; m0 < end; m0 += MOE_TOKENS_PER_PASS) {
-        const int m = min(MOE_TOKENS_PER_PASS, end - m0);
-        const T* rows[MOE_TOKENS_PER_PASS];
+    for (int m0 = begin; m0 < end; m0 += TOKENS) {
+        const int m = min(TOKENS, end - m0);
+        const T* rows[TOKENS];
 #pragma unroll
-        for (int j = 0; j < MOE_TOKENS_PER_PASS; ++j)
+        for (int j = 0; j < TOKENS; ++j)
             rows[j] = x + (size_t)(sorted[m0 + min(j, m - 1)] / slots) * hidden;
-        float acc_gate[MOE_TOKENS_PER_PASS], acc_up[MOE_TOKENS_PER_PASS];
+        float acc_gate[TOKENS], acc_up[TOKENS];
 #pragma unroll
-        for (int j = 0; j < MOE_TOKENS_PER_PASS; ++j) acc_gate[j] = acc_up[j] = 0.0f;
+        for (int j = 0; j < TOKENS; ++j) acc_gate[j] = acc_up[j] = 0.0f;
 #pragma unroll 2
         for (int k = lane * V; k < hidden; k += 32 * V) {
             float g[V], u[V];
             Vec<T>::load(gate_row + k, g);
             Vec<T>::load(up_row + k, u);
 #pragma unroll
-            for (int j = 0; j < MOE_TOKENS_PER_PASS; ++j) {
+            for (int j = 0; j < TOKENS; ++j) {
                 if (j < m) {
                     float xv[V];
                     Vec<T>::load(rows[j] + k, xv);
@@ -267,7 +269,7 @@ __device__ void gate_up(const T* __restrict__ x, const T* __restrict__ weights,
             }
         }
 #pragma unroll
-        for (int j = 0; j < MOE_TOKENS_PER_PASS; ++j) {
+        for (int j = 0; j < TOKENS; ++j) {
             if (j < m) {
                 const float gate = round_to(warp_sum(acc_gate[j]), x);
                 const float up = round_to(warp_sum(acc_up[j]), x);
@@ -280,7 +282,7 @@ __device__ void gate_up(const T* __restrict__ x, const T* __restrict__ weights,
 
 // y[a, r] = gate[a] · (down_e[r] · h[a]) in f32 for the assignments a of expert e. down: [n_experts,
 // hidden, inter].
-template <typename T>
+template <int TOKENS, typename T>
 __device__ void down(const T* __restrict__ h, const T* __restrict__ weights, const float* __restrict__ gates,
                      const int* __restrict__ sorted, const int* __restrict__ offsets,
                      const int* __restrict__ active, const int* __restrict__ active_count, int hidden,
@@ -293,21 +295,21 @@ __device__ void down(const T* __restrict__ h, const T* __restrict__ weights, con
     constexpr int V = Vec<T>::N;
     const T* row = weights + ((size_t)expert * hidden + r) * inter;
     const int begin = offsets[expert], end = offsets[expert + 1];
-    for (int m0 = begin; m0 < end; m0 += MOE_TOKENS_PER_PASS) {
-        const int m = min(MOE_TOKENS_PER_PASS, end - m0);
-        const T* rows[MOE_TOKENS_PER_PASS];
+    for (int m0 = begin; m0 < end; m0 += TOKENS) {
+        const int m = min(TOKENS, end - m0);
+        const T* rows[TOKENS];
 #pragma unroll
-        for (int j = 0; j < MOE_TOKENS_PER_PASS; ++j)
+        for (int j = 0; j < TOKENS; ++j)
             rows[j] = h + (size_t)sorted[m0 + min(j, m - 1)] * inter;
-        float acc[MOE_TOKENS_PER_PASS];
+        float acc[TOKENS];
 #pragma unroll
-        for (int j = 0; j < MOE_TOKENS_PER_PASS; ++j) acc[j] = 0.0f;
+        for (int j = 0; j < TOKENS; ++j) acc[j] = 0.0f;
 #pragma unroll 2
         for (int k = lane * V; k < inter; k += 32 * V) {
             float w[V];
             Vec<T>::load(row + k, w);
 #pragma unroll
-            for (int j = 0; j < MOE_TOKENS_PER_PASS; ++j) {
+            for (int j = 0; j < TOKENS; ++j) {
                 if (j < m) {
                     float hv[V];
                     Vec<T>::load(rows[j] + k, hv);
@@ -317,7 +319,7 @@ __device__ void down(const T* __restrict__ h, const T* __restrict__ weights, con
             }
         }
 #pragma unroll
-        for (int j = 0; j < MOE_TOKENS_PER_PASS; ++j) {
+        for (int j = 0; j < TOKENS; ++j) {
             if (j < m) {
                 const float sum = warp_sum(acc[j]);
                 const int a = sorted[m0 + j];
@@ -342,12 +344,22 @@ __device__ void combine(const float* __restrict__ y, int n_tokens, int slots, in
     extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_gate_up_##SUFFIX(                       \
         const T* x, const T* w, const int* sorted, const int* offsets, const int* active,                    \
         const int* active_count, int slots, int hidden, int inter, T* h) {                                   \
-        gate_up<T>(x, w, sorted, offsets, active, active_count, slots, hidden, inter, h);                    \
+        gate_up<MOE_TOKENS_PER_PASS, T>(x, w, sorted, offsets, active, active_count, slots, hidden, inter, h); \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_gate_up_t1_##SUFFIX(                    \
+        const T* x, const T* w, const int* sorted, const int* offsets, const int* active,                    \
+        const int* active_count, int slots, int hidden, int inter, T* h) {                                   \
+        gate_up<1, T>(x, w, sorted, offsets, active, active_count, slots, hidden, inter, h);                 \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_down_##SUFFIX(                          \
         const T* h, const T* w, const float* gates, const int* sorted, const int* offsets, const int* active, \
         const int* active_count, int hidden, int inter, float* y) {                                          \
-        down<T>(h, w, gates, sorted, offsets, active, active_count, hidden, inter, y);                       \
+        down<MOE_TOKENS_PER_PASS, T>(h, w, gates, sorted, offsets, active, active_count, hidden, inter, y);  \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_down_t1_##SUFFIX(                       \
+        const T* h, const T* w, const float* gates, const int* sorted, const int* offsets, const int* active, \
+        const int* active_count, int hidden, int inter, float* y) {                                          \
+        down<1, T>(h, w, gates, sorted, offsets, active, active_count, hidden, inter, y);                    \
     }                                                                                                         \
     extern "C" __global__ void moe_combine_##SUFFIX(const float* y, int n_tokens, int slots, int hidden,     \
                                                     T* out) {                                                \
@@ -441,7 +453,7 @@ struct IqRow {
 };
 
 // gate_up over quantised weights: h as in `gate_up` (k = hidden).
-template <typename T, typename Row>
+template <int TOKENS, typename T, typename Row>
 __device__ void gate_up_quantized(const T* __restrict__ x, const Row& gate_row, const Row& up_row, int expert,
                                   const int* __restrict__ sorted, const int* __restrict__ offsets, int slots,
                                   int hidden, int inter, int n, T* __restrict__ h) {
@@ -449,15 +461,15 @@ __device__ void gate_up_quantized(const T* __restrict__ x, const Row& gate_row, 
     constexpr int U = Row::UNROLL;
     const int chunks = hidden / 16;
     const int begin = offsets[expert], end = offsets[expert + 1];
-    for (int m0 = begin; m0 < end; m0 += MOE_TOKENS_PER_PASS) {
-        const int m = min(MOE_TOKENS_PER_PASS, end - m0);
-        const T* rows[MOE_TOKENS_PER_PASS];
+    for (int m0 = begin; m0 < end; m0 += TOKENS) {
+        const int m = min(TOKENS, end - m0);
+        const T* rows[TOKENS];
 #pragma unroll
-        for (int j = 0; j < MOE_TOKENS_PER_PASS; ++j)
+        for (int j = 0; j < TOKENS; ++j)
             rows[j] = x + (size_t)(sorted[m0 + min(j, m - 1)] / slots) * hidden;
-        float acc_gate[MOE_TOKENS_PER_PASS], acc_up[MOE_TOKENS_PER_PASS];
+        float acc_gate[TOKENS], acc_up[TOKENS];
 #pragma unroll
-        for (int j = 0; j < MOE_TOKENS_PER_PASS; ++j) acc_gate[j] = acc_up[j] = 0.0f;
+        for (int j = 0; j < TOKENS; ++j) acc_gate[j] = acc_up[j] = 0.0f;
         for (int c0 = lane; c0 < chunks; c0 += 32 * U) {
             typename Row::Chunk g[U], u[U];
 #pragma unroll
@@ -474,7 +486,7 @@ __device__ void gate_up_quantized(const T* __restrict__ x, const Row& gate_row, 
                     float wg[16], wu[16];
                     const float sg = gate_row.decode(g[i], wg), su = up_row.decode(u[i], wu);
 #pragma unroll
-                    for (int j = 0; j < MOE_TOKENS_PER_PASS; ++j) {
+                    for (int j = 0; j < TOKENS; ++j) {
                         if (j < m) {
                             float xv[16];
                             glm5::load16(rows[j] + c * 16, xv);
@@ -486,7 +498,7 @@ __device__ void gate_up_quantized(const T* __restrict__ x, const Row& gate_row, 
             }
         }
 #pragma unroll
-        for (int j = 0; j < MOE_TOKENS_PER_PASS; ++j) {
+        for (int j = 0; j < TOKENS; ++j) {
             if (j < m) {
                 const float gate = round_to(warp_sum(acc_gate[j]) * gate_row.row_scale, x);
                 const float up = round_to(warp_sum(acc_up[j]) * up_row.row_scale, x);
@@ -498,7 +510,7 @@ __device__ void gate_up_quantized(const T* __restrict__ x, const Row& gate_row, 
 }
 
 // down over quantised weights: y as in `down` (k = inter).
-template <typename T, typename Row>
+template <int TOKENS, typename T, typename Row>
 __device__ void down_quantized(const T* __restrict__ h, const Row& row, int expert, const float* __restrict__ gates,
                                const int* __restrict__ sorted, const int* __restrict__ offsets, int hidden,
                                int inter, int r, float* __restrict__ y) {
@@ -506,15 +518,15 @@ __device__ void down_quantized(const T* __restrict__ h, const Row& row, int expe
     constexpr int U = Row::UNROLL;
     const int chunks = inter / 16;
     const int begin = offsets[expert], end = offsets[expert + 1];
-    for (int m0 = begin; m0 < end; m0 += MOE_TOKENS_PER_PASS) {
-        const int m = min(MOE_TOKENS_PER_PASS, end - m0);
-        const T* rows[MOE_TOKENS_PER_PASS];
+    for (int m0 = begin; m0 < end; m0 += TOKENS) {
+        const int m = min(TOKENS, end - m0);
+        const T* rows[TOKENS];
 #pragma unroll
-        for (int j = 0; j < MOE_TOKENS_PER_PASS; ++j)
+        for (int j = 0; j < TOKENS; ++j)
             rows[j] = h + (size_t)sorted[m0 + min(j, m - 1)] * inter;
-        float acc[MOE_TOKENS_PER_PASS];
+        float acc[TOKENS];
 #pragma unroll
-        for (int j = 0; j < MOE_TOKENS_PER_PASS; ++j) acc[j] = 0.0f;
+        for (int j = 0; j < TOKENS; ++j) acc[j] = 0.0f;
         for (int c0 = lane; c0 < chunks; c0 += 32 * U) {
             typename Row::Chunk w[U];
 #pragma unroll
@@ -527,7 +539,7 @@ __device__ void down_quantized(const T* __restrict__ h, const Row& row, int expe
                     float wv[16];
                     const float s = row.decode(w[i], wv);
 #pragma unroll
-                    for (int j = 0; j < MOE_TOKENS_PER_PASS; ++j) {
+                    for (int j = 0; j < TOKENS; ++j) {
                         if (j < m) {
                             float hv[16];
                             glm5::load16(rows[j] + c * 16, hv);
@@ -538,7 +550,7 @@ __device__ void down_quantized(const T* __restrict__ h, const Row& row, int expe
             }
         }
 #pragma unroll
-        for (int j = 0; j < MOE_TOKENS_PER_PASS; ++j) {
+        for (int j = 0; j < TOKENS; ++j) {
             if (j < m) {
                 const float sum = warp_sum(acc[j]) * row.row_scale;
                 const int a = sorted[m0 + j];
@@ -557,65 +569,73 @@ __device__ void down_quantized(const T* __restrict__ h, const Row& row, int expe
     const int out_row = blockIdx.y * MOE_WARPS + (threadIdx.x >> 5);                                        \
     if (out_row >= (OUT_ROWS)) return;
 
-#define MOE_QUANTIZED_INSTANCES(SUFFIX, T)                                                                    \
-    extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_gate_up_fp8_##SUFFIX(                   \
+#define MOE_QUANTIZED_KERNELS(TAG, TOKENS, SUFFIX, T)                                                                    \
+    extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_gate_up_##TAG##fp8_##SUFFIX(                   \
         const T* x, const uint8_t* w, const float* scale_inv, int block_n, int block_k, const int* sorted,   \
         const int* offsets, const int* active, const int* active_count, int slots, int hidden, int inter,    \
         T* h) {                                                                                              \
         MOE_QUANTIZED_PROLOGUE(inter)                                                                        \
         const Fp8Row gate_row(w, scale_inv, block_n, block_k, expert, 2 * inter, 2, out_row, hidden);        \
         const Fp8Row up_row(w, scale_inv, block_n, block_k, expert, 2 * inter, 2, inter + out_row, hidden);  \
-        gate_up_quantized<T>(x, gate_row, up_row, expert, sorted, offsets, slots, hidden, inter, out_row, h); \
+        gate_up_quantized<TOKENS, T>(x, gate_row, up_row, expert, sorted, offsets, slots, hidden, inter, out_row, h); \
     }                                                                                                         \
-    extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_down_fp8_##SUFFIX(                      \
+    extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_down_##TAG##fp8_##SUFFIX(                      \
         const T* h, const uint8_t* w, const float* scale_inv, int block_n, int block_k, const float* gates,  \
         const int* sorted, const int* offsets, const int* active, const int* active_count, int hidden,       \
         int inter, float* y) {                                                                               \
         MOE_QUANTIZED_PROLOGUE(hidden)                                                                       \
         const Fp8Row row(w, scale_inv, block_n, block_k, expert, hidden, 1, out_row, inter);                 \
-        down_quantized<T>(h, row, expert, gates, sorted, offsets, hidden, inter, out_row, y);                \
+        down_quantized<TOKENS, T>(h, row, expert, gates, sorted, offsets, hidden, inter, out_row, y);                \
     }                                                                                                         \
-    extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_gate_up_nvfp4_##SUFFIX(                 \
+    extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_gate_up_##TAG##nvfp4_##SUFFIX(                 \
         const T* x, const uint8_t* packed, const uint8_t* scales, const float* global, const int* sorted,    \
         const int* offsets, const int* active, const int* active_count, int slots, int hidden, int inter,    \
         T* h) {                                                                                              \
         MOE_QUANTIZED_PROLOGUE(inter)                                                                        \
         const Nvfp4Row gate_row(packed, scales, global, expert, 2 * inter, 2, out_row, hidden);              \
         const Nvfp4Row up_row(packed, scales, global, expert, 2 * inter, 2, inter + out_row, hidden);        \
-        gate_up_quantized<T>(x, gate_row, up_row, expert, sorted, offsets, slots, hidden, inter, out_row, h); \
+        gate_up_quantized<TOKENS, T>(x, gate_row, up_row, expert, sorted, offsets, slots, hidden, inter, out_row, h); \
     }                                                                                                         \
-    extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_down_nvfp4_##SUFFIX(                    \
+    extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_down_##TAG##nvfp4_##SUFFIX(                    \
         const T* h, const uint8_t* packed, const uint8_t* scales, const float* global, const float* gates,   \
         const int* sorted, const int* offsets, const int* active, const int* active_count, int hidden,       \
         int inter, float* y) {                                                                               \
         MOE_QUANTIZED_PROLOGUE(hidden)                                                                       \
         const Nvfp4Row row(packed, scales, global, expert, hidden, 1, out_row, inter);                       \
-        down_quantized<T>(h, row, expert, gates, sorted, offsets, hidden, inter, out_row, y);                \
+        down_quantized<TOKENS, T>(h, row, expert, gates, sorted, offsets, hidden, inter, out_row, y);                \
     }
+
+// Each kernel twice: for any number of tokens per expert, and `t1_` for one token (batch-1 decode), without the
+// other token slots' tests.
+#define MOE_QUANTIZED_INSTANCES(SUFFIX, T)                          \
+    MOE_QUANTIZED_KERNELS(, MOE_TOKENS_PER_PASS, SUFFIX, T)         \
+    MOE_QUANTIZED_KERNELS(t1_, 1, SUFFIX, T)
 
 MOE_QUANTIZED_INSTANCES(bf16, __nv_bfloat16)
 MOE_QUANTIZED_INSTANCES(f32, float)
 
-#define MOE_IQ_INSTANCES(NAME, F, SUFFIX, T)                                                                  \
-    extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_gate_up_##NAME##_##SUFFIX(              \
+#define MOE_IQ_INSTANCES(TAG, TOKENS, NAME, F, SUFFIX, T)                                                                  \
+    extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_gate_up_##TAG##NAME##_##SUFFIX(              \
         const T* x, const uint8_t* gate, const uint8_t* up, const int* sorted, const int* offsets,           \
         const int* active, const int* active_count, int slots, int hidden, int inter, T* h) {                \
         MOE_QUANTIZED_PROLOGUE(inter)                                                                        \
         const IqRow<glm5::iq::F> gate_row(gate, expert, inter, out_row, hidden);                             \
         const IqRow<glm5::iq::F> up_row(up, expert, inter, out_row, hidden);                                 \
-        gate_up_quantized<T>(x, gate_row, up_row, expert, sorted, offsets, slots, hidden, inter, out_row, h); \
+        gate_up_quantized<TOKENS, T>(x, gate_row, up_row, expert, sorted, offsets, slots, hidden, inter, out_row, h); \
     }                                                                                                         \
-    extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_down_##NAME##_##SUFFIX(                 \
+    extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_down_##TAG##NAME##_##SUFFIX(                 \
         const T* h, const uint8_t* down, const float* gates, const int* sorted, const int* offsets,          \
         const int* active, const int* active_count, int hidden, int inter, float* y) {                       \
         MOE_QUANTIZED_PROLOGUE(hidden)                                                                       \
         const IqRow<glm5::iq::F> row(down, expert, hidden, out_row, inter);                                  \
-        down_quantized<T>(h, row, expert, gates, sorted, offsets, hidden, inter, out_row, y);                \
+        down_quantized<TOKENS, T>(h, row, expert, gates, sorted, offsets, hidden, inter, out_row, y);                \
     }
 
-#define MOE_IQ_FORMAT(NAME, F)                          \
-    MOE_IQ_INSTANCES(NAME, F, bf16, __nv_bfloat16)      \
-    MOE_IQ_INSTANCES(NAME, F, f32, float)
+#define MOE_IQ_FORMAT(NAME, F)                                              \
+    MOE_IQ_INSTANCES(, MOE_TOKENS_PER_PASS, NAME, F, bf16, __nv_bfloat16)   \
+    MOE_IQ_INSTANCES(, MOE_TOKENS_PER_PASS, NAME, F, f32, float)            \
+    MOE_IQ_INSTANCES(t1_, 1, NAME, F, bf16, __nv_bfloat16)                  \
+    MOE_IQ_INSTANCES(t1_, 1, NAME, F, f32, float)
 
 MOE_IQ_FORMAT(iq2_xxs, IQ2_XXS)
 MOE_IQ_FORMAT(iq2_xs, IQ2_XS)

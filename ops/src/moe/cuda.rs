@@ -251,11 +251,14 @@ fn grouped_experts_named(
     // At most min(E, assignments) experts are active: one block row each, idle ones return at once.
     let expert_blocks = n_experts.min(n_assign) as u32;
     let threads = (MATVEC_WARPS * 32) as u32;
+    // One token (batch-1 decode): every expert has at most one assignment, so the kernels built for one
+    // (`t1_`) skip the other token slots' tests.
+    let one = if tokens == 1 { "t1_" } else { "" };
     let gate_up_fn = kernel(
         &dev,
         "moe",
         glm5_kernels::MOE,
-        &format!("moe_gate_up_{gate_up_stem}{suffix}"),
+        &format!("moe_gate_up_{one}{gate_up_stem}{suffix}"),
     )?;
     let mut builder = stream.launch_builder(&gate_up_fn);
     builder.arg(&x_ptr);
@@ -275,7 +278,7 @@ fn grouped_experts_named(
         &dev,
         "moe",
         glm5_kernels::MOE,
-        &format!("moe_down_{down_stem}{suffix}"),
+        &format!("moe_down_{one}{down_stem}{suffix}"),
     )?;
     let mut builder = stream.launch_builder(&down_fn);
     builder.arg(&h_ptr);
