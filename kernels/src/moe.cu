@@ -411,19 +411,22 @@ struct Nvfp4Row {
     static constexpr int UNROLL = 4;
     const uint2* bytes;
     const uint8_t* scales;
+    /// `e2m1_pair_bits` of every byte, in the block's shared memory (`fill_e2m1_pair_table`).
+    const uint32_t* pairs;
     float row_scale;
 
-    __device__ Nvfp4Row(const uint8_t* packed, const uint8_t* scale_bytes, const float* global, int expert,
-                        int rows, int parts, int row, int k) {
+    __device__ Nvfp4Row(const uint8_t* packed, const uint8_t* scale_bytes, const float* global,
+                        const uint32_t* pair_table, int expert, int rows, int parts, int row, int k) {
         const int part = row / (rows / parts);
         bytes = reinterpret_cast<const uint2*>(packed + ((size_t)expert * rows + row) * (k / 2));
         scales = scale_bytes + ((size_t)expert * rows + row) * (k / 16);
+        pairs = pair_table;
         row_scale = global[(size_t)expert * parts + part];
     }
     __device__ __forceinline__ Chunk load(int c) const { return {__ldg(bytes + c), __ldg(scales + c)}; }
     // As the reference, (e2m1 · scale) · global: the decoded values carry 2^-14, their scale 2^14.
     __device__ __forceinline__ float decode(const Chunk& chunk, float (&w)[16]) const {
-        glm5::e2m1x16_to_float(chunk.bytes, w);
+        glm5::e2m1x16_to_float(chunk.bytes, pairs, w);
         return glm5::e4m3_to_float(chunk.scale) * glm5::E2M1_HALF_BIAS;
     }
 };
@@ -591,17 +594,23 @@ __device__ void down_quantized(const T* __restrict__ h, const Row& row, int expe
         const T* x, const uint8_t* packed, const uint8_t* scales, const float* global, const int* sorted,    \
         const int* offsets, const int* active, const int* active_count, int slots, int hidden, int inter,    \
         T* h) {                                                                                              \
+        __shared__ uint32_t pairs[256];                                                                      \
+        glm5::fill_e2m1_pair_table(pairs);                                                                   \
+        __syncthreads();                                                                                     \
         MOE_QUANTIZED_PROLOGUE(inter)                                                                        \
-        const Nvfp4Row gate_row(packed, scales, global, expert, 2 * inter, 2, out_row, hidden);              \
-        const Nvfp4Row up_row(packed, scales, global, expert, 2 * inter, 2, inter + out_row, hidden);        \
+        const Nvfp4Row gate_row(packed, scales, global, pairs, expert, 2 * inter, 2, out_row, hidden);       \
+        const Nvfp4Row up_row(packed, scales, global, pairs, expert, 2 * inter, 2, inter + out_row, hidden); \
         gate_up_quantized<TOKENS, T>(x, gate_row, up_row, expert, sorted, offsets, slots, hidden, inter, out_row, h); \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_down_##TAG##nvfp4_##SUFFIX(                    \
         const T* h, const uint8_t* packed, const uint8_t* scales, const float* global, const float* gates,   \
         const int* sorted, const int* offsets, const int* active, const int* active_count, int hidden,       \
         int inter, float* y) {                                                                               \
+        __shared__ uint32_t pairs[256];                                                                      \
+        glm5::fill_e2m1_pair_table(pairs);                                                                   \
+        __syncthreads();                                                                                     \
         MOE_QUANTIZED_PROLOGUE(hidden)                                                                       \
-        const Nvfp4Row row(packed, scales, global, expert, hidden, 1, out_row, inter);                       \
+        const Nvfp4Row row(packed, scales, global, pairs, expert, hidden, 1, out_row, inter);                \
         down_quantized<TOKENS, T>(h, row, expert, gates, sorted, offsets, hidden, inter, out_row, y);                \
     }
 

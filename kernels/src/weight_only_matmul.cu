@@ -110,6 +110,9 @@ template <int ROWS, typename T>
 __device__ __forceinline__ void nvfp4_matvec(const T* __restrict__ x, const uint8_t* __restrict__ packed,
                                              const uint8_t* __restrict__ scales, float global_scale,
                                              T* __restrict__ y, int m, int n, int k) {
+    __shared__ uint32_t e2m1_pairs[256];
+    fill_e2m1_pair_table(e2m1_pairs);
+    __syncthreads();
     const int col = blockIdx.x * WARPS + threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     if (col >= n) return;
@@ -135,7 +138,7 @@ __device__ __forceinline__ void nvfp4_matvec(const T* __restrict__ x, const uint
             const int c = c0 + 32 * u;
             if (c < chunks) {
                 float wv[16];
-                e2m1x16_to_float(raw[u], wv);
+                e2m1x16_to_float(raw[u], e2m1_pairs, wv);
                 // As the reference: (e2m1 · scale) · global, the first product exact in f32.
                 accumulate<ROWS>(acc, wv, e4m3_to_float(scale[u]) * E2M1_HALF_BIAS, x, m, k, c * 16);
             }
