@@ -55,10 +55,13 @@ __device__ __forceinline__ float signed_byte_of(uint64_t entry, int j) {
 }
 __device__ __forceinline__ float sign_of(uint32_t bits, int j) { return (bits >> j) & 1 ? -1.0f : 1.0f; }
 
-/// Half `h` (values 16h .. 16h + 15) of sub-block `ib` (0..7; IQ4_NL: 0) of the block at `b` into `w`.
-template <Format F> __device__ __forceinline__ void decode_half(const uint8_t* b, int ib, int h, float (&w)[16]);
+/// Half `h` (values 16h .. 16h + 15) of sub-block `ib` (0..7; IQ4_NL: 0) of the block at `b`: its values
+/// before their scale into `w` (small integers, or IQ1's grid values ± 1/8), and the half's scale as the return
+/// value. `scale · w[j]` is the reference's value exactly (the other factor is ±1 or the reference multiplies in
+/// that order), so a dot product can apply the scale once per 16 values.
+template <Format F> __device__ __forceinline__ float decode_half(const uint8_t* b, int ib, int h, float (&w)[16]);
 
-template <> __device__ __forceinline__ void decode_half<IQ2_XXS>(const uint8_t* b, int ib, int h, float (&w)[16]) {
+template <> __device__ __forceinline__ float decode_half<IQ2_XXS>(const uint8_t* b, int ib, int h, float (&w)[16]) {
     const float d = f16_at(b, 0);
     const uint8_t* q = b + 2 + 8 * ib;
     const uint32_t aux = u32_at(q, 4);
@@ -69,11 +72,12 @@ template <> __device__ __forceinline__ void decode_half<IQ2_XXS>(const uint8_t* 
         const uint64_t grid = GLM5_IQ2XXS_GRID[__ldg(q + l)];
         const uint32_t signs = GLM5_KSIGNS_IQ2XS[(aux >> (7 * l)) & 127];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) w[8 * g + j] = db * static_cast<float>(byte_of(grid, j)) * sign_of(signs, j);
+        for (int j = 0; j < 8; ++j) w[8 * g + j] = static_cast<float>(byte_of(grid, j)) * sign_of(signs, j);
     }
+    return db;
 }
 
-template <> __device__ __forceinline__ void decode_half<IQ2_XS>(const uint8_t* b, int ib, int h, float (&w)[16]) {
+template <> __device__ __forceinline__ float decode_half<IQ2_XS>(const uint8_t* b, int ib, int h, float (&w)[16]) {
     const float d = f16_at(b, 0);
     // One 4-bit scale per 16 values: the half's.
     const float db = d * (0.5f + static_cast<float>((__ldg(b + 66 + ib) >> (4 * h)) & 0xf)) * 0.25f;
@@ -83,11 +87,12 @@ template <> __device__ __forceinline__ void decode_half<IQ2_XS>(const uint8_t* b
         const uint64_t grid = GLM5_IQ2XS_GRID[q & 511];
         const uint32_t signs = GLM5_KSIGNS_IQ2XS[q >> 9];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) w[8 * g + j] = db * static_cast<float>(byte_of(grid, j)) * sign_of(signs, j);
+        for (int j = 0; j < 8; ++j) w[8 * g + j] = static_cast<float>(byte_of(grid, j)) * sign_of(signs, j);
     }
+    return db;
 }
 
-template <> __device__ __forceinline__ void decode_half<IQ2_S>(const uint8_t* b, int ib, int h, float (&w)[16]) {
+template <> __device__ __forceinline__ float decode_half<IQ2_S>(const uint8_t* b, int ib, int h, float (&w)[16]) {
     const float d = f16_at(b, 0);
     const uint32_t qh = __ldg(b + 66 + ib);
     const float db = d * (0.5f + static_cast<float>((__ldg(b + 74 + ib) >> (4 * h)) & 0xf)) * 0.25f;
@@ -98,11 +103,12 @@ template <> __device__ __forceinline__ void decode_half<IQ2_S>(const uint8_t* b,
         const uint64_t grid = GLM5_IQ2S_GRID[index];
         const uint32_t signs = __ldg(b + 34 + 4 * ib + l);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) w[8 * g + j] = db * static_cast<float>(byte_of(grid, j)) * sign_of(signs, j);
+        for (int j = 0; j < 8; ++j) w[8 * g + j] = static_cast<float>(byte_of(grid, j)) * sign_of(signs, j);
     }
+    return db;
 }
 
-template <> __device__ __forceinline__ void decode_half<IQ3_XXS>(const uint8_t* b, int ib, int h, float (&w)[16]) {
+template <> __device__ __forceinline__ float decode_half<IQ3_XXS>(const uint8_t* b, int ib, int h, float (&w)[16]) {
     const float d = f16_at(b, 0);
     const uint32_t aux = u32_at(b, 66 + 4 * ib);
     const float db = d * (0.5f + static_cast<float>(aux >> 28)) * 0.5f;
@@ -114,11 +120,12 @@ template <> __device__ __forceinline__ void decode_half<IQ3_XXS>(const uint8_t* 
         const uint64_t g2 = GLM5_IQ3XXS_GRID[__ldg(b + 2 + 8 * ib + 2 * l + 1)];
         const uint64_t grid = g1 | (g2 << 32);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) w[8 * g + j] = db * static_cast<float>(byte_of(grid, j)) * sign_of(signs, j);
+        for (int j = 0; j < 8; ++j) w[8 * g + j] = static_cast<float>(byte_of(grid, j)) * sign_of(signs, j);
     }
+    return db;
 }
 
-template <> __device__ __forceinline__ void decode_half<IQ3_S>(const uint8_t* b, int ib, int h, float (&w)[16]) {
+template <> __device__ __forceinline__ float decode_half<IQ3_S>(const uint8_t* b, int ib, int h, float (&w)[16]) {
     const float d = f16_at(b, 0);
     const uint32_t s = (__ldg(b + 106 + ib / 2) >> (4 * (ib % 2))) & 0xf;
     const float db = d * static_cast<float>(1 + 2 * s);
@@ -130,11 +137,12 @@ template <> __device__ __forceinline__ void decode_half<IQ3_S>(const uint8_t* b,
         const uint32_t grid = GLM5_IQ3S_GRID[index];
         const uint32_t signs = __ldg(b + 74 + 4 * ib + k / 2) >> (4 * (k % 2));
 #pragma unroll
-        for (int j = 0; j < 4; ++j) w[4 * g + j] = db * static_cast<float>(byte_of(grid, j)) * sign_of(signs, j);
+        for (int j = 0; j < 4; ++j) w[4 * g + j] = static_cast<float>(byte_of(grid, j)) * sign_of(signs, j);
     }
+    return db;
 }
 
-template <> __device__ __forceinline__ void decode_half<IQ1_S>(const uint8_t* b, int ib, int h, float (&w)[16]) {
+template <> __device__ __forceinline__ float decode_half<IQ1_S>(const uint8_t* b, int ib, int h, float (&w)[16]) {
     const float d = f16_at(b, 0);
     const uint32_t qh = u16_at(b, 34 + 2 * ib);
     const float dl = d * static_cast<float>(2 * ((qh >> 12) & 7) + 1);
@@ -144,11 +152,12 @@ template <> __device__ __forceinline__ void decode_half<IQ1_S>(const uint8_t* b,
         const int l = 2 * h + g;
         const uint64_t grid = GLM5_IQ1S_GRID[__ldg(b + 2 + 4 * ib + l) | (((qh >> (3 * l)) & 7) << 8)];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) w[8 * g + j] = dl * (signed_byte_of(grid, j) + delta);
+        for (int j = 0; j < 8; ++j) w[8 * g + j] = signed_byte_of(grid, j) + delta;
     }
+    return dl;
 }
 
-template <> __device__ __forceinline__ void decode_half<IQ1_M>(const uint8_t* b, int ib, int h, float (&w)[16]) {
+template <> __device__ __forceinline__ float decode_half<IQ1_M>(const uint8_t* b, int ib, int h, float (&w)[16]) {
     uint32_t sc[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) sc[i] = u16_at(b, 48 + 2 * i);
@@ -164,25 +173,28 @@ template <> __device__ __forceinline__ void decode_half<IQ1_M>(const uint8_t* b,
         const float delta = (nibble & 8) ? -IQ1_DELTA : IQ1_DELTA;
         const uint64_t grid = GLM5_IQ1S_GRID[__ldg(b + i) | ((nibble & 7) << 8)];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) w[8 * q + j] = dl * (signed_byte_of(grid, j) + delta);
+        for (int j = 0; j < 8; ++j) w[8 * q + j] = signed_byte_of(grid, j) + delta;
     }
+    return dl;
 }
 
 // IQ4: the first half is the 16 bytes' low nibbles, the second their high nibbles.
-template <> __device__ __forceinline__ void decode_half<IQ4_NL>(const uint8_t* b, int, int h, float (&w)[16]) {
+template <> __device__ __forceinline__ float decode_half<IQ4_NL>(const uint8_t* b, int, int h, float (&w)[16]) {
     const float d = f16_at(b, 0);
 #pragma unroll
-    for (int j = 0; j < 16; ++j) w[j] = d * static_cast<float>(GLM5_KVALUES_IQ4NL[(__ldg(b + 2 + j) >> (4 * h)) & 0xf]);
+    for (int j = 0; j < 16; ++j) w[j] = static_cast<float>(GLM5_KVALUES_IQ4NL[(__ldg(b + 2 + j) >> (4 * h)) & 0xf]);
+    return d;
 }
 
-template <> __device__ __forceinline__ void decode_half<IQ4_XS>(const uint8_t* b, int ib, int h, float (&w)[16]) {
+template <> __device__ __forceinline__ float decode_half<IQ4_XS>(const uint8_t* b, int ib, int h, float (&w)[16]) {
     const float d = f16_at(b, 0);
     const uint32_t scales_h = u16_at(b, 2);
     const uint32_t ls = ((__ldg(b + 4 + ib / 2) >> (4 * (ib % 2))) & 0xf) | (((scales_h >> (2 * ib)) & 3) << 4);
     const float dl = d * static_cast<float>(static_cast<int>(ls) - 32);
 #pragma unroll
     for (int j = 0; j < 16; ++j)
-        w[j] = dl * static_cast<float>(GLM5_KVALUES_IQ4NL[(__ldg(b + 8 + 16 * ib + j) >> (4 * h)) & 0xf]);
+        w[j] = static_cast<float>(GLM5_KVALUES_IQ4NL[(__ldg(b + 8 + 16 * ib + j) >> (4 * h)) & 0xf]);
+    return dl;
 }
 
 /// Sub-block `ib` (0..7; IQ4_NL: 0) of the block at `b` into `w`.
@@ -190,9 +202,9 @@ template <Format F> __device__ __forceinline__ void decode(const uint8_t* b, int
     float half_values[16];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        decode_half<F>(b, ib, h, half_values);
+        const float scale = decode_half<F>(b, ib, h, half_values);
 #pragma unroll
-        for (int j = 0; j < 16; ++j) w[16 * h + j] = half_values[j];
+        for (int j = 0; j < 16; ++j) w[16 * h + j] = scale * half_values[j];
     }
 }
 

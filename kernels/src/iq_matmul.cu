@@ -41,21 +41,18 @@ __device__ __forceinline__ void iq_matvec(const T* __restrict__ x, const uint8_t
     for (int sb = lane; sb < subs; sb += 32) {
         int ib;
         const uint8_t* block = block_of<F>(row, sb, ib);
-        float wv[32];
-        decode<F>(block, ib, wv);
 #pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-            if (r < m) {
-                const T* xr = x + static_cast<size_t>(r) * k + 32 * sb;
-                float xv[16];
-                float sum = 0.0f;
+        for (int half = 0; half < 2; ++half) {
+            // The half's values before their scale, which multiplies each row's sum of 16 products once.
+            float wv[16];
+            const float scale = decode_half<F>(block, ib, half, wv);
 #pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    load16(xr + 16 * half, xv);
-#pragma unroll
-                    for (int j = 0; j < 16; ++j) sum = fmaf(wv[16 * half + j], xv[j], sum);
+            for (int r = 0; r < ROWS; ++r) {
+                if (r < m) {
+                    float xv[16];
+                    load16(x + static_cast<size_t>(r) * k + 32 * sb + 16 * half, xv);
+                    acc[r] = fmaf(dot16(wv, xv), scale, acc[r]);
                 }
-                acc[r] += sum;
             }
         }
     }

@@ -432,7 +432,7 @@ struct Nvfp4Row {
 };
 
 // A row of a stacked GGUF i-quant projection [E, rows, row bytes], in chunks of 16 values (half a 32-value
-// sub-block, whose scale is inside the block): the loads happen in `decode`, byte by byte.
+// sub-block; its scale, inside the block, is the chunk's): the loads happen in `decode`, byte by byte.
 template <glm5::iq::Format F>
 struct IqRow {
     struct Chunk {
@@ -450,8 +450,7 @@ struct IqRow {
     __device__ __forceinline__ float decode(const Chunk& chunk, float (&w)[16]) const {
         int ib;
         const uint8_t* block = glm5::iq::block_of<F>(row, chunk.c / 2, ib);
-        glm5::iq::decode_half<F>(block, ib, chunk.c % 2, w);
-        return 1.0f;
+        return glm5::iq::decode_half<F>(block, ib, chunk.c % 2, w);
     }
 };
 
