@@ -14,7 +14,9 @@
 // NVFP4 group with its scale), which lie in one scale block (the launcher checks K % 16 == 0 and, for FP8,
 // bk % 16 == 0); the 32 lanes of a warp read 512 consecutive weights, coalesced, and each lane loads several
 // chunks before multiplying any. x is read in 16-byte vectors through the cache (it is small and every
-// warp reads all of it). The decoders are in weight_formats.cuh.
+// warp reads all of it). The decoders are in weight_formats.cuh; NVFP4's looks each byte's two codes up in a
+// 256-entry table of half2 patterns that every block fills in shared memory first (one load instead of the bit
+// operations that took most of the loop's instructions).
 
 #include <cuda_bf16.h>
 #include <stdint.h>
