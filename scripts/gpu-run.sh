@@ -130,6 +130,10 @@ for step in $steps; do
       done ;;
     bench)
       timeout 400 /tmp/glm5-bin/glm5-bench 2>&1 | tee "$OUT/bench.txt"; [ ${PIPESTATUS[0]} = 0 ] || status=1
+      # The weight formats' mat-vecs alone at batch 1, and one MoE layer's experts by each implementation.
+      for sub in matvec moe; do
+        timeout 300 /tmp/glm5-bin/glm5-bench $sub 2>&1 | tee "$OUT/bench-$sub.txt"; [ ${PIPESTATUS[0]} = 0 ] || status=1
+      done
       for arch in sm_90 sm_120; do
         echo "$arch: HMMA instructions in sparse_mla.fatbin: $(cuobjdump --dump-sass --gpu-architecture $arch .gpu/sparse_mla.fatbin 2>&1 | grep -c HMMA), in dsa_indexer.fatbin: $(cuobjdump --dump-sass --gpu-architecture $arch .gpu/dsa_indexer.fatbin 2>&1 | grep -c HMMA)"
       done | tee "$OUT/sass.txt"

@@ -18,6 +18,7 @@
 mod ceilings;
 mod e2e;
 mod indexer;
+mod matvec;
 mod moe;
 mod serve;
 mod slice;
@@ -67,6 +68,9 @@ enum Command {
     Moe,
     /// One GLM-5 MoE layer's experts as stacked Q4_K blocks by each of candle-nn's GGUF MoE kernels.
     MoeGguf,
+    /// One GLM-5 projection at batch 1 in each weight format (bf16, FP8, NVFP4, i-quants, Q4_K): device time
+    /// of the kernels alone and of the eager call, against the copy rate.
+    Matvec,
     /// The whole model step on one GPU: decode and prefill of a GLM-5 slice against its weight-byte floor.
     E2e {
         /// Weights: bf16; q4k (random Q4_K blocks for every linear layer a Q4_K_M file quantises); fp8 or
@@ -226,6 +230,7 @@ fn main() -> glm5::candle_core::Result<()> {
         }
         Some(Command::Moe) => moe::moe_rows(&device, copy, e2e::gemm_peak(&device)?),
         Some(Command::MoeGguf) => moe::moe_gguf_rows(&device, copy),
+        Some(Command::Matvec) => matvec::matvec_rows(&device, copy),
         Some(Command::Slice { .. }) | Some(Command::E2e { .. }) | Some(Command::Serve { .. }) => {
             unreachable!("handled above")
         }
