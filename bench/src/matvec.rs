@@ -66,19 +66,18 @@ pub fn matvec_rows(device: &Device, copy: f64) -> Result<()> {
     println!("|---|---|---|---|---|---|---|");
     for (n, k) in shapes {
         let x = Tensor::randn(0f32, 1.0, (1, k), device)?.to_dtype(DType::BF16)?;
-        let row =
-            |label: &str, weight_bytes: usize, f: &dyn Fn() -> Result<()>| -> Result<()> {
-                let device_s = cold_seconds(device, 9, || f())?;
-                let eager_s = median_seconds(device, 5, 20, || f())?;
-                println!(
-                    "| {label} | [{n}, {k}] | {weight_bytes} | {:.1} | {:.0} | {:.0}% | {:.1} |",
-                    device_s * 1e6,
-                    weight_bytes as f64 / device_s / 1e9,
-                    100.0 * weight_bytes as f64 / device_s / copy,
-                    eager_s * 1e6
-                );
-                Ok(())
-            };
+        let row = |label: &str, weight_bytes: usize, f: &dyn Fn() -> Result<()>| -> Result<()> {
+            let device_s = cold_seconds(device, 9, f)?;
+            let eager_s = median_seconds(device, 5, 20, f)?;
+            println!(
+                "| {label} | [{n}, {k}] | {weight_bytes} | {:.1} | {:.0} | {:.0}% | {:.1} |",
+                device_s * 1e6,
+                weight_bytes as f64 / device_s / 1e9,
+                100.0 * weight_bytes as f64 / device_s / copy,
+                eager_s * 1e6
+            );
+            Ok(())
+        };
         let dense = Tensor::randn(0f32, 0.02, (n, k), device)?.to_dtype(DType::BF16)?;
         row("bf16 (cuBLAS)", n * k * 2, &|| {
             x.matmul(&dense.t()?).map(drop)
