@@ -239,16 +239,14 @@ fn quantised_weights(
                 || name.ends_with("attn_k_b.weight")
                 || name.ends_with("attn_v_b.weight")
         };
-        let mtp = |name: &str| {
-            name.strip_prefix("blk.")
-                .and_then(|r| r.split('.').next())
-                .and_then(|n| n.parse::<usize>().ok())
-                .is_some_and(|layer| layer >= config.num_hidden_layers)
-        };
         let mut tensors: Vec<_> = gguf.model().tensors.values().collect();
         tensors.sort_by(|a, b| a.name.cmp(&b.name));
         for t in tensors {
-            if t.ggml_type.is_float() || expanded(&t.name) || mtp(&t.name) || t.dims.len() < 2 {
+            if t.ggml_type.is_float()
+                || expanded(&t.name)
+                || gguf.is_mtp(&t.name)
+                || t.dims.len() < 2
+            {
                 continue;
             }
             let format = match (t.ggml_type.candle(), IqFormat::from_ggml_id(t.ggml_type.id)) {
@@ -256,10 +254,7 @@ fn quantised_weights(
                 (None, Some(iq)) => WeightFormat::Iq(iq),
                 (None, None) => continue, // the header note says the file cannot run
             };
-            match out
-                .iter_mut()
-                .find(|w| w.format.to_string() == format.to_string())
-            {
+            match out.iter_mut().find(|w| w.format == format) {
                 Some(w) => w.tensors += 1,
                 None => out.push(QuantisedWeights {
                     format,

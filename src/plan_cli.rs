@@ -405,7 +405,7 @@ pub struct QuantisedWeights {
 }
 
 /// The quantised formats the ops serve.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub enum WeightFormat {
     /// A GGUF block type candle's `QMatMul` computes with, and its ggml name.
     Gguf(candle_core::quantized::GgmlDType, &'static str),

@@ -102,6 +102,23 @@ fn fp8_kernels_match_the_cpu_reference() {
     }
 }
 
+/// A random NVFP4 weight `[n, k]` (positive e4m3 group scales, a small global scale) on the CPU and the same
+/// on `gpu`.
+fn random_nvfp4(rng: &mut Stream, n: usize, k: usize, gpu: &Device) -> (Nvfp4Weight, Nvfp4Weight) {
+    let packed: Vec<u8> = (0..n * k / 2).map(|_| rng.next() as u8).collect();
+    let cpu = Nvfp4Weight {
+        packed: Tensor::from_vec(packed, (n, k / 2), &Device::Cpu).unwrap(),
+        scales: Tensor::from_vec(rng.e4m3(n * k / 16, true), (n, k / 16), &Device::Cpu).unwrap(),
+        global_scale: 1e-4 + rng.uniform() * 1e-3,
+    };
+    let on_gpu = Nvfp4Weight {
+        packed: cpu.packed.to_device(gpu).unwrap(),
+        scales: cpu.scales.to_device(gpu).unwrap(),
+        global_scale: cpu.global_scale,
+    };
+    (cpu, on_gpu)
+}
+
 const NVFP4_SHAPES: [(usize, usize); 3] = [(2048, 6144), (6144, 2048), (24, 48)];
 
 #[test]
@@ -111,18 +128,7 @@ fn nvfp4_kernels_match_the_cpu_reference() {
     println!("seed {seed}");
     let mut rng = Stream(seed);
     for (n, k) in NVFP4_SHAPES {
-        let packed: Vec<u8> = (0..n * k / 2).map(|_| rng.next() as u8).collect();
-        let cpu = Nvfp4Weight {
-            packed: Tensor::from_vec(packed, (n, k / 2), &Device::Cpu).unwrap(),
-            scales: Tensor::from_vec(rng.e4m3(n * k / 16, true), (n, k / 16), &Device::Cpu)
-                .unwrap(),
-            global_scale: 1e-4 + rng.uniform() * 1e-3,
-        };
-        let on_gpu = Nvfp4Weight {
-            packed: cpu.packed.to_device(&gpu).unwrap(),
-            scales: cpu.scales.to_device(&gpu).unwrap(),
-            global_scale: cpu.global_scale,
-        };
+        let (cpu, on_gpu) = random_nvfp4(&mut rng, n, k, &gpu);
         for m in ROWS {
             let x = activations(&mut rng, m, k);
             for (dtype, tolerance) in [(DType::F32, 1e-5), (DType::BF16, 1e-2)] {
@@ -328,18 +334,7 @@ fn nvfp4_w4a4_sm120_matches_the_cpu_references() {
         nvfp4_matmul::W4A4_MMA_SM120
     );
     for (n, k, m) in w4a4_shapes() {
-        let packed: Vec<u8> = (0..n * k / 2).map(|_| rng.next() as u8).collect();
-        let cpu = Nvfp4Weight {
-            packed: Tensor::from_vec(packed, (n, k / 2), &Device::Cpu).unwrap(),
-            scales: Tensor::from_vec(rng.e4m3(n * k / 16, true), (n, k / 16), &Device::Cpu)
-                .unwrap(),
-            global_scale: 1e-4 + rng.uniform() * 1e-3,
-        };
-        let on_gpu = Nvfp4Weight {
-            packed: cpu.packed.to_device(&gpu).unwrap(),
-            scales: cpu.scales.to_device(&gpu).unwrap(),
-            global_scale: cpu.global_scale,
-        };
+        let (cpu, on_gpu) = random_nvfp4(&mut rng, n, k, &gpu);
         let x = w4a4_activations(&mut rng, m, k);
         for dtype in [DType::F32, DType::BF16] {
             let x_dtype = x.to_dtype(dtype).unwrap();

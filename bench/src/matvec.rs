@@ -6,7 +6,7 @@
 use glm5::candle_core::quantized::QMatMul;
 use glm5::candle_core::{DType, Device, Module, Result, Tensor};
 use glm5::ops::fp8_matmul::{fp8_matmul, Fp8BlockWeight};
-use glm5::ops::iq_matmul::{iq_matmul, IqFormat, IqWeight};
+use glm5::ops::iq_matmul::{iq_matmul, IqFormat};
 use glm5::ops::nvfp4_matmul::{nvfp4_matmul, Nvfp4Weight};
 
 use crate::timing::{cold_seconds, median_seconds};
@@ -27,26 +27,6 @@ fn e4m3(state: &mut u64, n: usize) -> Vec<u8> {
         .into_iter()
         .map(|b| b & 0b1011_1111)
         .collect()
-}
-
-/// Random i-quant blocks with a small finite f16 scale (at byte 0, or over IQ1_M's sub-scale words).
-fn iq_blocks(state: &mut u64, format: IqFormat, rows: usize, k: usize) -> Vec<u8> {
-    let mut data = bytes(state, rows * format.row_bytes(k).expect("whole blocks"));
-    let d = half::f16::from_f32(1.0 / 256.0).to_bits();
-    for block in data.chunks_exact_mut(format.block_bytes()) {
-        if format == IqFormat::Iq1M {
-            for i in 0..4 {
-                let at = 48 + 2 * i;
-                let word = u16::from_le_bytes([block[at], block[at + 1]]);
-                block[at..at + 2].copy_from_slice(
-                    &((word & 0x0fff) | (((d >> (4 * i)) & 0xf) << 12)).to_le_bytes(),
-                );
-            }
-        } else {
-            block[..2].copy_from_slice(&d.to_le_bytes());
-        }
-    }
-    data
 }
 
 pub fn matvec_rows(device: &Device, copy: f64) -> Result<()> {
@@ -100,6 +80,8 @@ pub fn matvec_rows(device: &Device, copy: f64) -> Result<()> {
         row("NVFP4", n * k / 2 + n * k / 16, &|| {
             nvfp4_matmul(&x, &nvfp4).map(drop).map_err(cuda)
         })?;
+        // The i-quants and Q4_K from the e2e bench's random sources (their blocks as the formats store them).
+        let name = "model.layers.3.mlp.experts.0.gate_proj.weight";
         for format in [
             IqFormat::Iq4Xs,
             IqFormat::Iq3S,
@@ -107,28 +89,21 @@ pub fn matvec_rows(device: &Device, copy: f64) -> Result<()> {
             IqFormat::Iq2Xxs,
             IqFormat::Iq1M,
         ] {
-            let data = iq_blocks(&mut state, format, n, k);
-            let weight_bytes = data.len();
-            let w = IqWeight::new(
-                format,
-                Tensor::from_vec(data, (n, weight_bytes / n), device)?,
-                k,
-            )
-            .map_err(cuda)?;
-            row(format.name(), weight_bytes, &|| {
-                iq_matmul(&x, &w).map(drop).map_err(cuda)
-            })?;
+            let source = glm5::models::weights::random_iq::RandomIqSource::new(7, 0.02, format);
+            if let glm5::models::Matrix::Iq(w) =
+                glm5::models::TensorSource::matrix(&source, name, [n, k], DType::BF16, device)
+                    .map_err(cuda)?
+            {
+                row(format.name(), w.blocks.elem_count(), &|| {
+                    iq_matmul(&x, &w).map(drop).map_err(cuda)
+                })?;
+            }
         }
-        // Q4_K through candle's QMatMul (random blocks from the Q4_K source's recipe).
+        // Q4_K through candle's QMatMul.
         let q4k = glm5::models::weights::random_q4k::RandomQ4kSource::new(7, 0.02);
-        if let glm5::models::Matrix::Quantized(w) = glm5::models::TensorSource::matrix(
-            &q4k,
-            "model.layers.3.mlp.experts.0.gate_proj.weight",
-            [n, k],
-            DType::BF16,
-            device,
-        )
-        .map_err(cuda)?
+        if let glm5::models::Matrix::Quantized(w) =
+            glm5::models::TensorSource::matrix(&q4k, name, [n, k], DType::BF16, device)
+                .map_err(cuda)?
         {
             let qbytes = glm5::models::weights::random_q4k::q4k_bytes((n * k) as u64) as usize;
             let mm = QMatMul::from_arc(w)?;

@@ -44,33 +44,18 @@ __device__ __forceinline__ void fp8x16_to_float(const uint4& bytes, float (&w)[1
     }
 }
 
-/// What `e2m1x16_to_float` leaves out: its values are the e2m1 values times 2^-14, so the scale they are
+/// What `e2m1_pair_bits` leaves out: its values are the e2m1 values times 2^-14, so the scale they are
 /// multiplied by must be multiplied by 2^14 (exact in f32).
 constexpr float E2M1_HALF_BIAS = 16384.0f;
 
-/// 16 e2m1 codes of one 8-byte load (the even column in the low nibble) as their values times 2^-14.
+/// The half2 bit pattern of one byte's two e2m1 codes (the low nibble in the low half), values times 2^-14.
 /// A code s·e1e0·m placed at a half's sign bit and at its exponent's two low bits and mantissa's top bit is
 /// the half 2^(e-15)·(1 + m/2) (e = 0: the subnormal m·2^-15), i.e. the e2m1 value 2^(e-1)·(1 + m/2) (e = 0:
-/// m/2) times 2^-14: a few bit operations per pair instead of a decode per value.
-/// The half2 bit pattern of one byte's two e2m1 codes (the low nibble in the low half), values times 2^-14.
+/// m/2) times 2^-14.
 __device__ __forceinline__ uint32_t e2m1_pair_bits(uint32_t byte) {
     // Low nibble to bits 0-3, high nibble to bits 16-19: one code per half of a half2.
     const uint32_t spread = (byte | (byte << 12)) & 0x000f000f;
     return ((spread & 0x00070007) << 9) | ((spread & 0x00080008) << 12);
-}
-
-__device__ __forceinline__ void e2m1x16_to_float(const uint2& bytes, float (&w)[16]) {
-    const uint32_t words[2] = {bytes.x, bytes.y};
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const uint32_t bits = e2m1_pair_bits((words[i] >> (8 * j)) & 0xff);
-            const float2 pair = __half22float2(*reinterpret_cast<const __half2*>(&bits));
-            w[8 * i + 2 * j] = pair.x;
-            w[8 * i + 2 * j + 1] = pair.y;
-        }
-    }
 }
 
 /// `table[b] = e2m1_pair_bits(b)` for every byte, filled by the block's threads (then `__syncthreads`).
@@ -78,8 +63,9 @@ __device__ __forceinline__ void fill_e2m1_pair_table(uint32_t* table) {
     for (uint32_t b = threadIdx.x; b < 256; b += blockDim.x) table[b] = e2m1_pair_bits(b);
 }
 
-/// As `e2m1x16_to_float`, each byte's pair looked up in a table of `e2m1_pair_bits` in shared memory: one load
-/// a byte instead of the bit operations, which dominate a mat-vec's instructions.
+/// 16 e2m1 codes of one 8-byte load (the even column in the low nibble) as their values times 2^-14, each
+/// byte's pair looked up in a table of `e2m1_pair_bits` in shared memory: one load a byte instead of the bit
+/// operations, which took most of a mat-vec's instructions.
 __device__ __forceinline__ void e2m1x16_to_float(const uint2& bytes, const uint32_t* table, float (&w)[16]) {
     const uint32_t words[2] = {bytes.x, bytes.y};
 #pragma unroll

@@ -10,9 +10,9 @@ mod common;
 use std::path::PathBuf;
 
 use candle_core::{DType, Device, Tensor};
+use common::quantized::iq_blocks;
 use common::{rng, uniform};
 use glm5_ops::iq_matmul::{self, reference, IqFormat, IqWeight, MAX_ROWS};
-use rand::Rng;
 
 fn gpu() -> Device {
     Device::new_cuda(0).expect("a CUDA device")
@@ -28,28 +28,6 @@ fn fixture() -> std::collections::HashMap<String, Tensor> {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../tests/fixtures/gguf/iq-blocks.safetensors");
     candle_core::safetensors::load(path, &Device::Cpu).expect("iq-blocks.safetensors")
-}
-
-/// Random blocks of `format` for `[out, inp]`, every f16 scale finite (at byte 0, or split over IQ1_M's
-/// sub-scale words), sized so the values stay O(1).
-fn random_blocks(format: IqFormat, out: usize, inp: usize, seed: u64) -> Tensor {
-    let mut r = rng(seed);
-    let row = format.row_bytes(inp).unwrap();
-    let mut bytes: Vec<u8> = (0..out * row).map(|_| r.random()).collect();
-    let d = half::f16::from_f32(1.0 / 64.0).to_bits();
-    for block in bytes.chunks_exact_mut(format.block_bytes()) {
-        if format == IqFormat::Iq1M {
-            for i in 0..4 {
-                let at = 48 + 2 * i;
-                let word = u16::from_le_bytes([block[at], block[at + 1]]);
-                let word = (word & 0x0fff) | (((d >> (4 * i)) & 0xf) << 12);
-                block[at..at + 2].copy_from_slice(&word.to_le_bytes());
-            }
-        } else {
-            block[..2].copy_from_slice(&d.to_le_bytes());
-        }
-    }
-    Tensor::from_vec(bytes, (out, row), &Device::Cpu).unwrap()
 }
 
 /// Largest per-row ‖got − want‖ / ‖want‖.
@@ -150,7 +128,12 @@ fn glm5_projection_sizes_match_the_reference() {
     ] {
         for (out, inp) in [(2048, 6144), (6144, 2048), (37, 512)] {
             seed += 1;
-            check(format, &random_blocks(format, out, inp, seed), inp, seed);
+            check(
+                format,
+                &iq_blocks(&mut rng(seed), format, out, inp),
+                inp,
+                seed,
+            );
         }
     }
 }

@@ -690,6 +690,28 @@ impl GgufModel {
     }
 
     /// Reads `bytes` bytes of `tensor`'s data starting `skip` bytes in.
+    /// Where `tensor` (or its item `slice` along the slowest dim: one expert of a stacked tensor) lies in its
+    /// data: `(bytes to skip, bytes, ggml dims)`.
+    pub fn item(&self, tensor: &GgufTensor, slice: Option<usize>) -> Result<(u64, u64, Vec<u64>)> {
+        let Some(i) = slice else {
+            return Ok((0, tensor.bytes, tensor.dims.clone()));
+        };
+        let outer = *tensor.dims.last().unwrap_or(&1);
+        if tensor.dims.len() < 2 || i as u64 >= outer {
+            return Err(GgufError::BadTensor {
+                path: self.parts[tensor.part].clone(),
+                tensor: tensor.name.clone(),
+                reason: format!("no item {i} in dims {:?}", tensor.dims),
+            });
+        }
+        let each = tensor.bytes / outer;
+        Ok((
+            each * i as u64,
+            each,
+            tensor.dims[..tensor.dims.len() - 1].to_vec(),
+        ))
+    }
+
     /// The file (split part) holding `tensor`.
     pub fn part_path(&self, tensor: &GgufTensor) -> &Path {
         &self.parts[tensor.part]
@@ -744,25 +766,7 @@ impl GgufModel {
                 type_name: tensor.ggml_type.name.into(),
             });
         };
-        let (skip, bytes, dims) = match slice {
-            None => (0, tensor.bytes, tensor.dims.clone()),
-            Some(i) => {
-                let outer = *tensor.dims.last().unwrap_or(&1);
-                if tensor.dims.len() < 2 || i as u64 >= outer {
-                    return Err(GgufError::BadTensor {
-                        path: self.parts[tensor.part].clone(),
-                        tensor: tensor.name.clone(),
-                        reason: format!("no item {i} in dims {:?}", tensor.dims),
-                    });
-                }
-                let each = tensor.bytes / outer;
-                (
-                    each * i as u64,
-                    each,
-                    tensor.dims[..tensor.dims.len() - 1].to_vec(),
-                )
-            }
-        };
+        let (skip, bytes, dims) = self.item(tensor, slice)?;
         let data = self.read_bytes(tensor, skip, bytes)?;
         let shape: Vec<usize> = dims.iter().rev().map(|&d| d as usize).collect();
         candle_core::quantized::ggml_file::qtensor_from_ggml(dtype, &data, shape, device).map_err(

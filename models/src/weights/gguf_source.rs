@@ -174,7 +174,7 @@ impl GgufSource {
     }
 
     /// Tensors of the MTP (NextN) blocks after the main layers, which glm5 does not run yet.
-    fn is_mtp(&self, name: &str) -> bool {
+    pub fn is_mtp(&self, name: &str) -> bool {
         name.strip_prefix("blk.")
             .and_then(|rest| rest.split_once('.'))
             .and_then(|(layer, _)| layer.parse::<usize>().ok())
@@ -281,9 +281,7 @@ impl GgufSource {
         let w_uv = load(v_b, [heads, v, lora])?;
         Ok(Tensor::cat(&[w_uk, w_uv], 1)?.reshape((heads * (nope + v), lora))?)
     }
-}
 
-impl GgufSource {
     /// The i-quant blocks of `info` (or of its item `slice`), `[rows, row bytes]` on `device`.
     fn iq_weight(
         &self,
@@ -301,22 +299,7 @@ impl GgufSource {
                 tensor: info.name.clone(),
                 reason: format!("rows of {in_dim} values are not whole {format} blocks"),
             })?;
-        let (skip, bytes) = match slice {
-            None => (0, info.bytes),
-            Some(i) => {
-                let outer = *info.dims.last().unwrap_or(&1);
-                if info.dims.len() < 2 || i as u64 >= outer {
-                    return Err(GgufError::BadTensor {
-                        path: self.model.part_path(info).to_path_buf(),
-                        tensor: info.name.clone(),
-                        reason: format!("no item {i} in dims {:?}", info.dims),
-                    }
-                    .into());
-                }
-                let each = info.bytes / outer;
-                (each * i as u64, each)
-            }
-        };
+        let (skip, bytes, _) = self.model.item(info, slice)?;
         let data = self.model.read_bytes(info, skip, bytes)?;
         let rows = data.len() / row_bytes;
         let blocks = Tensor::from_vec(data, (rows, row_bytes), &Device::Cpu)?.to_device(device)?;

@@ -244,10 +244,9 @@ fn grouped_experts_named(
     let (gates_ptr, _) = device_address(&gates)?;
     let (h_ptr, _) = device_address(&h)?;
     let (y_ptr, _) = device_address(&y)?;
-    let (out_ptr, _) = device_address(&out)?;
     let stream = dev.cuda_stream();
     let slots_arg = slots as i32;
-    let (hidden_arg, inter_arg, tokens_arg) = (hidden as i32, inter as i32, tokens as i32);
+    let (hidden_arg, inter_arg) = (hidden as i32, inter as i32);
     // At most min(E, assignments) experts are active: one block row each, idle ones return at once.
     let expert_blocks = n_experts.min(n_assign) as u32;
     let threads = (MATVEC_WARPS * 32) as u32;
@@ -290,12 +289,34 @@ fn grouped_experts_named(
     // SAFETY: as above; y is [T·slots, H] f32.
     unsafe { builder.launch(launch_config(grid, threads, 0)) }.map_err(cuda_err)?;
 
+    combine(&y, tokens, slots, &out)?;
+    Ok(out)
+}
+
+/// `out[t] = round(Σ_slot y[t·slots + slot])` (`moe_combine_*`): `y` `[T·slots, H]` f32 in assignment order,
+/// `out` `[T, H]` in the model dtype (bf16 or f32), both contiguous.
+pub(super) fn combine(y: &Tensor, tokens: usize, slots: usize, out: &Tensor) -> Result<()> {
+    let hidden = out.dim(1)?;
+    let suffix = match out.dtype() {
+        DType::BF16 => "bf16",
+        DType::F32 => "f32",
+        other => {
+            return Err(crate::error::OpError::NotFloat {
+                arg: "x",
+                found: other,
+            })
+        }
+    };
+    let (y_ptr, dev) = device_address(y)?;
+    let (out_ptr, _) = device_address(out)?;
     let combine = kernel(
         &dev,
         "moe",
         glm5_kernels::MOE,
         &format!("moe_combine_{suffix}"),
     )?;
+    let stream = dev.cuda_stream();
+    let (tokens_arg, slots_arg, hidden_arg) = (tokens as i32, slots as i32, hidden as i32);
     let mut builder = stream.launch_builder(&combine);
     builder
         .arg(&y_ptr)
@@ -304,10 +325,10 @@ fn grouped_experts_named(
         .arg(&hidden_arg)
         .arg(&out_ptr);
     let elements = tokens * hidden;
-    // SAFETY: y [T·slots, H] f32 in, out [T, H] in x's dtype.
+    // SAFETY: y [T·slots, H] f32 in, out [T, H] in its dtype, as the kernel reads and writes them.
     unsafe { builder.launch(launch_config((elements.div_ceil(256) as u32, 1, 1), 256, 0)) }
         .map_err(cuda_err)?;
-    Ok(out)
+    Ok(())
 }
 
 pub(super) fn experts(

@@ -14,13 +14,12 @@
 //! `DENSE_CHUNK_BYTES`: every weight is dequantised once (gate and up in a first pass, down in a second).
 
 use candle_core::cuda_backend::cudarc::cublas::sys;
-use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::{DType, Device, Tensor};
 
 use super::quantized::{Projection, QuantizedExperts};
 use super::Routes;
-use crate::cuda::{cuda_err, device_address, kernel};
+use crate::cuda::{cuda_err, device_address};
 use crate::error::{OpError, Result};
 
 /// Bytes of dequantised expert weights held at once by the quantised path.
@@ -204,40 +203,7 @@ fn combine(
     let weighted = y.to_dtype(DType::F32)?.broadcast_mul(&gates)?;
     let by_assignment = weighted.index_select(&grouped.inverse, 0)?.contiguous()?;
     let out = unsafe { Tensor::empty((tokens, hidden), dtype, device)? };
-    let (y_arg, dev) = device_address(&by_assignment)?;
-    let (out_ptr, _) = device_address(&out)?;
-    let suffix = match dtype {
-        DType::BF16 => "bf16",
-        DType::F32 => "f32",
-        other => {
-            return Err(OpError::NotFloat {
-                arg: "x",
-                found: other,
-            })
-        }
-    };
-    let combine = kernel(
-        &dev,
-        "moe",
-        glm5_kernels::MOE,
-        &format!("moe_combine_{suffix}"),
-    )?;
-    let stream = dev.cuda_stream();
-    let (tokens_arg, slots_arg, hidden_arg) = (tokens as i32, slots as i32, hidden as i32);
-    let mut builder = stream.launch_builder(&combine);
-    builder
-        .arg(&y_arg)
-        .arg(&tokens_arg)
-        .arg(&slots_arg)
-        .arg(&hidden_arg)
-        .arg(&out_ptr);
-    let cfg = LaunchConfig {
-        grid_dim: ((tokens * hidden).div_ceil(256) as u32, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    // SAFETY: y [T·slots, H] f32 in assignment order, out [T, H] in `dtype` (moe.cu's moe_combine_*).
-    unsafe { builder.launch(cfg) }.map_err(cuda_err)?;
+    super::cuda::combine(&by_assignment, tokens, slots, &out)?;
     Ok(out)
 }
 
