@@ -9,6 +9,9 @@
 pub mod interface;
 pub mod iq_grids;
 
+#[cfg(feature = "emu")]
+pub mod emu;
+
 /// `sparse_mla.cu`: sparse absorbed-MLA attention over a paged latent cache (bf16 mma.sync and f32 kernels).
 #[cfg(feature = "cuda")]
 pub const SPARSE_MLA: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/sparse_mla.fatbin"));
