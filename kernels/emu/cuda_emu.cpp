@@ -1,10 +1,11 @@
-// The emulator's scheduler (semantics in cuda_emu.h): each block's threads as ucontext contexts on the
-// calling OS thread, switched only where a thread must wait for others (`__syncthreads`, a shuffle).
+// The emulator's scheduler (semantics in cuda_emu.h): each block's threads as contexts on the calling OS
+// thread, switched only where a thread must wait for others (`__syncthreads`, a shuffle). A launch switches
+// millions of times, so on x86-64 a context switch is the six callee-saved registers and the stack pointer
+// (ucontext's swapcontext makes a signal-mask system call each time, ~50x slower); elsewhere ucontext.
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/mman.h>
-#include <ucontext.h>
 #include <unistd.h>
 
 #include <vector>
@@ -18,17 +19,86 @@ thread_local dim3 gridDim;
 
 namespace {
 
+#if defined(__x86_64__)
+extern "C" void glm5_emu_switch(void** save_sp, void* load_sp);
+asm(R"(
+    .text
+    .globl glm5_emu_switch
+    .type glm5_emu_switch, @function
+glm5_emu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size glm5_emu_switch, .-glm5_emu_switch
+)");
+
+struct Context {
+    void* sp = nullptr;
+};
+
+/// A context that starts in `entry` (which must never return) on `stack`: the frame `glm5_emu_switch`
+/// pops (six zero registers, then `entry` as the return address), with the stack aligned as after a call.
+void start_context(Context& c, char* stack, size_t bytes, void (*entry)()) {
+    uintptr_t top = (reinterpret_cast<uintptr_t>(stack) + bytes) & ~static_cast<uintptr_t>(15);
+    void** frame = reinterpret_cast<void**>(top);
+    *--frame = nullptr;                           // entry's return address: never used
+    *--frame = reinterpret_cast<void*>(entry);    // popped by `ret`
+    for (int i = 0; i < 6; ++i) *--frame = nullptr;
+    c.sp = frame;
+}
+void switch_context(Context& from, Context& to) { glm5_emu_switch(&from.sp, to.sp); }
+#else
+}  // namespace
+#include <ucontext.h>
+namespace {
+struct Context {
+    ucontext_t context;
+};
+void start_context(Context& c, char* stack, size_t bytes, void (*entry)()) {
+    getcontext(&c.context);
+    c.context.uc_stack.ss_sp = stack;
+    c.context.uc_stack.ss_size = bytes;
+    c.context.uc_link = nullptr;
+    makecontext(&c.context, entry, 0);
+}
+void switch_context(Context& from, Context& to) { swapcontext(&from.context, &to.context); }
+#endif
+
 // Deep enough for a kernel's unrolled locals and the Rust closure that calls it, in unoptimised builds too.
-constexpr size_t STACK_BYTES = 256 * 1024;
+constexpr size_t STACK_BYTES = 128 * 1024;
+// Each thread's stack starts (colour · index) % COLOUR_SPAN below its top: with every top the same distance
+// apart, the threads' hot frames would all fall in the same cache sets and evict each other at every switch.
+constexpr size_t COLOUR_STEP = 1088, COLOUR_SPAN = 32 * 1024;
 
 enum class State { Runnable, AtBarrier, AtShuffle, Done };
 
 struct Thread {
-    ucontext_t context;
+    Context context;
     State state = State::Runnable;
     uint64_t barrier_generation = 0;  // the generation it waits to see end (AtBarrier)
     uint64_t shuffles = 0;            // shuffles it has entered
-    unsigned shuffle_mask = 0;        // the lanes its current shuffle waits for (AtShuffle)
+};
+
+/// A warp's shuffles: the lanes of a full-warp shuffle enter them in the same order, so the n-th one
+/// completes when every lane of its mask has entered it; `arrived` counts those of the open one.
+struct Warp {
+    uint64_t completed = 0;
+    unsigned arrived = 0;
+    // Two generations of the lanes' values (shuffle n uses slot n % 2: no lane can enter n + 2 before
+    // every lane has entered n + 1, after reading n).
+    uint64_t slots[2][32];
 };
 
 struct Launch {
@@ -37,10 +107,8 @@ struct Launch {
     std::vector<uint8_t> dynamic_shared;
     std::vector<Thread> threads;
     std::vector<char*> stacks;
-    // Per warp, two generations of 32 lanes' shuffle values (a lane's shuffle n uses slot n % 2: it cannot
-    // reach n + 2 before every lane has read n).
-    std::vector<uint64_t> shuffle_slots;
-    ucontext_t scheduler;
+    std::vector<Warp> warps;
+    Context scheduler;
     Thread* current = nullptr;
     unsigned live = 0, arrived = 0;
     uint64_t barrier_generation = 0;
@@ -48,7 +116,7 @@ struct Launch {
 
 thread_local Launch* launch = nullptr;
 
-void yield() { swapcontext(&launch->current->context, &launch->scheduler); }
+void yield() { switch_context(launch->current->context, launch->scheduler); }
 
 void release_barrier_if_complete() {
     if (launch->arrived > 0 && launch->arrived == launch->live) {
@@ -62,7 +130,8 @@ void thread_entry() {
     launch->current->state = State::Done;
     --launch->live;
     release_barrier_if_complete();
-    // Returning resumes uc_link, the scheduler.
+    yield();  // never resumed: a finished thread is never ready
+    abort();
 }
 
 bool ready(const Launch& l, size_t index) {
@@ -72,15 +141,8 @@ bool ready(const Launch& l, size_t index) {
             return true;
         case State::AtBarrier:
             return l.barrier_generation != t.barrier_generation;
-        case State::AtShuffle: {
-            const size_t warp = index / 32;
-            for (unsigned lane = 0; lane < 32; ++lane) {
-                if (!(t.shuffle_mask >> lane & 1)) continue;
-                const size_t other = warp * 32 + lane;
-                if (other >= l.threads.size() || l.threads[other].shuffles < t.shuffles) return false;
-            }
-            return true;
-        }
+        case State::AtShuffle:
+            return l.warps[index / 32].completed >= t.shuffles;
         case State::Done:
             return false;
     }
@@ -101,12 +163,16 @@ void __syncthreads() {
 uint64_t glm5_emu_shuffle_xor(uint64_t bits, unsigned mask, int lane_mask) {
     Thread& t = *launch->current;
     const size_t index = &t - launch->threads.data();
-    const size_t warp = index / 32, lane = index % 32;
-    uint64_t* slots = &launch->shuffle_slots[warp * 64 + (t.shuffles % 2) * 32];
+    const size_t lane = index % 32;
+    Warp& warp = launch->warps[index / 32];
+    uint64_t* slots = warp.slots[t.shuffles % 2];
     slots[lane] = bits;
     ++t.shuffles;
+    if (++warp.arrived == static_cast<unsigned>(__builtin_popcount(mask))) {
+        warp.arrived = 0;
+        ++warp.completed;
+    }
     t.state = State::AtShuffle;
-    t.shuffle_mask = mask;
     yield();
     return slots[(lane ^ static_cast<size_t>(lane_mask)) % 32];
 }
@@ -123,7 +189,7 @@ extern "C" int glm5_emu_launch(const unsigned grid[3], const unsigned block[3], 
     l.dynamic_shared.assign(shared_bytes, 0xa5);  // poisoned: the kernel must write before it reads
     const size_t threads = static_cast<size_t>(block[0]) * block[1] * block[2];
     l.threads.resize(threads);
-    l.shuffle_slots.assign((threads + 31) / 32 * 64, 0);
+
     l.stacks.resize(threads);
     for (char*& stack : l.stacks) stack = static_cast<char*>(malloc(STACK_BYTES));
     Launch* outer = launch;
@@ -136,15 +202,13 @@ extern "C" int glm5_emu_launch(const unsigned grid[3], const unsigned block[3], 
             for (unsigned bx = 0; bx < grid[0] && status == 0; ++bx) {
                 blockIdx = {bx, by, bz};
                 l.live = static_cast<unsigned>(threads);
+                l.warps.assign((threads + 31) / 32, Warp());
                 l.arrived = 0;
                 for (size_t i = 0; i < threads; ++i) {
                     Thread& t = l.threads[i];
                     t = Thread();
-                    getcontext(&t.context);
-                    t.context.uc_stack.ss_sp = l.stacks[i];
-                    t.context.uc_stack.ss_size = STACK_BYTES;
-                    t.context.uc_link = &l.scheduler;
-                    makecontext(&t.context, thread_entry, 0);
+                    start_context(t.context, l.stacks[i], STACK_BYTES - (COLOUR_STEP * i) % COLOUR_SPAN,
+                                  thread_entry);
                 }
                 for (;;) {
                     bool progressed = false, alive = false;
@@ -157,7 +221,7 @@ extern "C" int glm5_emu_launch(const unsigned grid[3], const unsigned block[3], 
                         threadIdx = {static_cast<unsigned>(i % block[0]),
                                      static_cast<unsigned>(i / block[0] % block[1]),
                                      static_cast<unsigned>(i / (static_cast<size_t>(block[0]) * block[1]))};
-                        swapcontext(&l.scheduler, &l.threads[i].context);
+                        switch_context(l.scheduler, l.threads[i].context);
                         progressed = true;
                     }
                     if (!alive) break;

@@ -546,3 +546,740 @@ fn nvfp4_kernels_equal_the_reference() {
         }
     }
 }
+
+// ---- the MoE chain, as `moe/cuda.rs` launches it ---------------------------------------------------------
+
+/// `MOE_WARPS`: output rows per block of the expert mat-vecs.
+const MOE_WARPS: usize = 8;
+/// Threads of `moe_align`'s one block.
+const ALIGN_THREADS: u32 = 1024;
+
+type I32s = *const i32;
+
+extern "C" {
+    fn moe_route(
+        logits: *const f32,
+        bias: *const f32,
+        n_tokens: i32,
+        n_experts: i32,
+        n_group: i32,
+        topk_group: i32,
+        top_k: i32,
+        normalise: i32,
+        scaling: f32,
+        shared_expert: i32,
+        ids: *mut u32,
+        gates: *mut f32,
+    );
+    fn moe_align(
+        ids: *const u32,
+        n_assign: i32,
+        n_experts: i32,
+        offsets: *mut i32,
+        sorted: *mut i32,
+        active: *mut i32,
+        active_count: *mut i32,
+    );
+    fn moe_combine_f32(y: *const f32, n_tokens: i32, slots: i32, hidden: i32, out: MutPtr);
+    fn moe_combine_bf16(y: *const f32, n_tokens: i32, slots: i32, hidden: i32, out: MutPtr);
+}
+
+type DenseGateUp = unsafe extern "C" fn(Ptr, Ptr, I32s, I32s, I32s, I32s, i32, i32, i32, MutPtr);
+type DenseDown =
+    unsafe extern "C" fn(Ptr, Ptr, *const f32, I32s, I32s, I32s, I32s, i32, i32, *mut f32);
+type Fp8GateUp = unsafe extern "C" fn(
+    Ptr,
+    *const u8,
+    *const f32,
+    i32,
+    i32,
+    I32s,
+    I32s,
+    I32s,
+    I32s,
+    i32,
+    i32,
+    i32,
+    MutPtr,
+);
+type Fp8Down = unsafe extern "C" fn(
+    Ptr,
+    *const u8,
+    *const f32,
+    i32,
+    i32,
+    *const f32,
+    I32s,
+    I32s,
+    I32s,
+    I32s,
+    i32,
+    i32,
+    *mut f32,
+);
+type Nvfp4GateUp = unsafe extern "C" fn(
+    Ptr,
+    *const u8,
+    *const u8,
+    *const f32,
+    I32s,
+    I32s,
+    I32s,
+    I32s,
+    i32,
+    i32,
+    i32,
+    MutPtr,
+);
+type Nvfp4Down = unsafe extern "C" fn(
+    Ptr,
+    *const u8,
+    *const u8,
+    *const f32,
+    *const f32,
+    I32s,
+    I32s,
+    I32s,
+    I32s,
+    i32,
+    i32,
+    *mut f32,
+);
+type IqGateUp =
+    unsafe extern "C" fn(Ptr, *const u8, *const u8, I32s, I32s, I32s, I32s, i32, i32, i32, MutPtr);
+type IqDown =
+    unsafe extern "C" fn(Ptr, *const u8, *const f32, I32s, I32s, I32s, I32s, i32, i32, *mut f32);
+
+/// Declares `moe_{gate_up,down}_[t1_]<stem><dtype>` for each listed stem and a table of them indexed
+/// [one token][dtype].
+macro_rules! moe_kernels {
+    ($table:ident, $gate_up_ty:ty, $down_ty:ty, $($stem:ident)?, ($($gate_up_arg:ty),*), ($($down_arg:ty),*)) => {
+        paste::paste! {
+            extern "C" {
+                fn [<moe_gate_up_ $($stem)? f32>]($(_: $gate_up_arg),*);
+                fn [<moe_gate_up_ $($stem)? bf16>]($(_: $gate_up_arg),*);
+                fn [<moe_gate_up_t1_ $($stem)? f32>]($(_: $gate_up_arg),*);
+                fn [<moe_gate_up_t1_ $($stem)? bf16>]($(_: $gate_up_arg),*);
+                fn [<moe_down_ $($stem)? f32>]($(_: $down_arg),*);
+                fn [<moe_down_ $($stem)? bf16>]($(_: $down_arg),*);
+                fn [<moe_down_t1_ $($stem)? f32>]($(_: $down_arg),*);
+                fn [<moe_down_t1_ $($stem)? bf16>]($(_: $down_arg),*);
+            }
+            const [<$table _GATE_UP>]: [[$gate_up_ty; 2]; 2] = [
+                [[<moe_gate_up_ $($stem)? f32>], [<moe_gate_up_ $($stem)? bf16>]],
+                [[<moe_gate_up_t1_ $($stem)? f32>], [<moe_gate_up_t1_ $($stem)? bf16>]],
+            ];
+            const [<$table _DOWN>]: [[$down_ty; 2]; 2] = [
+                [[<moe_down_ $($stem)? f32>], [<moe_down_ $($stem)? bf16>]],
+                [[<moe_down_t1_ $($stem)? f32>], [<moe_down_t1_ $($stem)? bf16>]],
+            ];
+        }
+    };
+}
+
+moe_kernels!(DENSE, DenseGateUp, DenseDown, ,
+    (Ptr, Ptr, I32s, I32s, I32s, I32s, i32, i32, i32, MutPtr),
+    (Ptr, Ptr, *const f32, I32s, I32s, I32s, I32s, i32, i32, *mut f32));
+moe_kernels!(
+    FP8,
+    Fp8GateUp,
+    Fp8Down,
+    fp8_,
+    (
+        Ptr,
+        *const u8,
+        *const f32,
+        i32,
+        i32,
+        I32s,
+        I32s,
+        I32s,
+        I32s,
+        i32,
+        i32,
+        i32,
+        MutPtr
+    ),
+    (
+        Ptr,
+        *const u8,
+        *const f32,
+        i32,
+        i32,
+        *const f32,
+        I32s,
+        I32s,
+        I32s,
+        I32s,
+        i32,
+        i32,
+        *mut f32
+    )
+);
+moe_kernels!(
+    NVFP4,
+    Nvfp4GateUp,
+    Nvfp4Down,
+    nvfp4_,
+    (
+        Ptr,
+        *const u8,
+        *const u8,
+        *const f32,
+        I32s,
+        I32s,
+        I32s,
+        I32s,
+        i32,
+        i32,
+        i32,
+        MutPtr
+    ),
+    (
+        Ptr,
+        *const u8,
+        *const u8,
+        *const f32,
+        *const f32,
+        I32s,
+        I32s,
+        I32s,
+        I32s,
+        i32,
+        i32,
+        *mut f32
+    )
+);
+
+macro_rules! moe_iq_kernels {
+    ($($variant:ident => $stem:ident),* $(,)?) => { paste::paste! {
+        $(
+            moe_kernels!([<IQ_ $stem:upper>], IqGateUp, IqDown, [<$stem _>],
+                (Ptr, *const u8, *const u8, I32s, I32s, I32s, I32s, i32, i32, i32, MutPtr),
+                (Ptr, *const u8, *const f32, I32s, I32s, I32s, I32s, i32, i32, *mut f32));
+        )*
+        fn moe_iq_kernels(format: IqFormat) -> ([[IqGateUp; 2]; 2], [[IqDown; 2]; 2]) {
+            match format {
+                $(IqFormat::$variant => ([<IQ_ $stem:upper _GATE_UP>], [<IQ_ $stem:upper _DOWN>]),)*
+            }
+        }
+    }};
+}
+
+moe_iq_kernels! {
+    Iq2Xxs => iq2_xxs, Iq2Xs => iq2_xs, Iq2S => iq2_s, Iq3Xxs => iq3_xxs, Iq3S => iq3_s,
+    Iq1S => iq1_s, Iq1M => iq1_m, Iq4Nl => iq4_nl, Iq4Xs => iq4_xs,
+}
+
+/// Stacked experts in emulated device memory, as `moe/cuda.rs` passes them.
+enum DeviceExperts {
+    Dense {
+        gate_up: Values,
+        down: Values,
+    },
+    Fp8 {
+        gate_up: (DeviceBuffer<u8>, DeviceBuffer<f32>),
+        down: (DeviceBuffer<u8>, DeviceBuffer<f32>),
+        block: [i32; 2],
+    },
+    Nvfp4 {
+        gate_up: (DeviceBuffer<u8>, DeviceBuffer<u8>, DeviceBuffer<f32>),
+        down: (DeviceBuffer<u8>, DeviceBuffer<u8>, DeviceBuffer<f32>),
+    },
+    Iq {
+        gate_up_format: IqFormat,
+        down_format: IqFormat,
+        gate: DeviceBuffer<u8>,
+        up: DeviceBuffer<u8>,
+        down: DeviceBuffer<u8>,
+    },
+}
+
+impl DeviceExperts {
+    fn quantized(weights: &QuantizedExperts) -> Self {
+        match weights {
+            QuantizedExperts::Fp8 { gate_up, down } => DeviceExperts::Fp8 {
+                gate_up: (bytes_of(&gate_up.weight), floats_of(&gate_up.scale_inv)),
+                down: (bytes_of(&down.weight), floats_of(&down.scale_inv)),
+                block: [gate_up.block[0] as i32, gate_up.block[1] as i32],
+            },
+            QuantizedExperts::Nvfp4 { gate_up, down } => DeviceExperts::Nvfp4 {
+                gate_up: (
+                    bytes_of(&gate_up.packed),
+                    bytes_of(&gate_up.scales),
+                    floats_of(&gate_up.global_scales),
+                ),
+                down: (
+                    bytes_of(&down.packed),
+                    bytes_of(&down.scales),
+                    floats_of(&down.global_scales),
+                ),
+            },
+            QuantizedExperts::Iq { gate, up, down } => DeviceExperts::Iq {
+                gate_up_format: gate.format,
+                down_format: down.format,
+                gate: bytes_of(&gate.blocks),
+                up: bytes_of(&up.blocks),
+                down: bytes_of(&down.blocks),
+            },
+        }
+    }
+}
+
+/// The experts' output `[t, hidden]` by the emulated chain: align, gate/up, down (the `t1_` kernels for one
+/// token), combine; `ids`/`gates` `[t, slots]`.
+fn emulated_experts(
+    x: &Values,
+    (ids, gates): (&[u32], &[f32]),
+    (t, slots): (usize, usize),
+    (n_experts, hidden, inter): (usize, usize, usize),
+    dtype: DType,
+    experts: &DeviceExperts,
+) -> Vec<f32> {
+    let n_assign = t * slots;
+    let (ids, gates) = (
+        DeviceBuffer::from_slice(ids),
+        DeviceBuffer::from_slice(gates),
+    );
+    let offsets = DeviceBuffer::<i32>::poisoned(n_experts + 1, NAN_BYTE);
+    let sorted = DeviceBuffer::<i32>::poisoned(n_assign, NAN_BYTE);
+    let active = DeviceBuffer::<i32>::poisoned(n_experts, NAN_BYTE);
+    let count = DeviceBuffer::<i32>::poisoned(1, NAN_BYTE);
+    run(
+        LaunchConfig {
+            grid: (1, 1, 1),
+            block: (ALIGN_THREADS, 1, 1),
+            shared_bytes: n_experts * 4,
+        },
+        || unsafe {
+            moe_align(
+                ids.ptr(),
+                n_assign as i32,
+                n_experts as i32,
+                offsets.mut_ptr(),
+                sorted.mut_ptr(),
+                active.mut_ptr(),
+                count.mut_ptr(),
+            )
+        },
+    );
+    let h = Values::nan(n_assign * inter, dtype);
+    let y = DeviceBuffer::<f32>::poisoned(n_assign * hidden, NAN_BYTE);
+    let (one, d) = (usize::from(t == 1), dtype_index(dtype));
+    let blocks = n_experts.min(n_assign) as u32;
+    let threads = (MOE_WARPS * 32) as u32;
+    let gate_up_config = LaunchConfig::new((blocks, inter.div_ceil(MOE_WARPS) as u32, 1), threads);
+    let down_config = LaunchConfig::new((blocks, hidden.div_ceil(MOE_WARPS) as u32, 1), threads);
+    let grouping = (sorted.ptr(), offsets.ptr(), active.ptr(), count.ptr());
+    let (s, hd, it) = (slots as i32, hidden as i32, inter as i32);
+    match experts {
+        DeviceExperts::Dense { gate_up, down } => {
+            let (f, g) = (DENSE_GATE_UP[one][d], DENSE_DOWN[one][d]);
+            run(gate_up_config, || unsafe {
+                f(
+                    x.ptr(),
+                    gate_up.ptr(),
+                    grouping.0,
+                    grouping.1,
+                    grouping.2,
+                    grouping.3,
+                    s,
+                    hd,
+                    it,
+                    h.mut_ptr(),
+                )
+            });
+            run(down_config, || unsafe {
+                g(
+                    h.ptr(),
+                    down.ptr(),
+                    gates.ptr(),
+                    grouping.0,
+                    grouping.1,
+                    grouping.2,
+                    grouping.3,
+                    hd,
+                    it,
+                    y.mut_ptr(),
+                )
+            });
+        }
+        DeviceExperts::Fp8 {
+            gate_up,
+            down,
+            block: [bn, bk],
+        } => {
+            let (f, g) = (FP8_GATE_UP[one][d], FP8_DOWN[one][d]);
+            run(gate_up_config, || unsafe {
+                f(
+                    x.ptr(),
+                    gate_up.0.ptr(),
+                    gate_up.1.ptr(),
+                    *bn,
+                    *bk,
+                    grouping.0,
+                    grouping.1,
+                    grouping.2,
+                    grouping.3,
+                    s,
+                    hd,
+                    it,
+                    h.mut_ptr(),
+                )
+            });
+            run(down_config, || unsafe {
+                g(
+                    h.ptr(),
+                    down.0.ptr(),
+                    down.1.ptr(),
+                    *bn,
+                    *bk,
+                    gates.ptr(),
+                    grouping.0,
+                    grouping.1,
+                    grouping.2,
+                    grouping.3,
+                    hd,
+                    it,
+                    y.mut_ptr(),
+                )
+            });
+        }
+        DeviceExperts::Nvfp4 { gate_up, down } => {
+            let (f, g) = (NVFP4_GATE_UP[one][d], NVFP4_DOWN[one][d]);
+            run(gate_up_config, || unsafe {
+                f(
+                    x.ptr(),
+                    gate_up.0.ptr(),
+                    gate_up.1.ptr(),
+                    gate_up.2.ptr(),
+                    grouping.0,
+                    grouping.1,
+                    grouping.2,
+                    grouping.3,
+                    s,
+                    hd,
+                    it,
+                    h.mut_ptr(),
+                )
+            });
+            run(down_config, || unsafe {
+                g(
+                    h.ptr(),
+                    down.0.ptr(),
+                    down.1.ptr(),
+                    down.2.ptr(),
+                    gates.ptr(),
+                    grouping.0,
+                    grouping.1,
+                    grouping.2,
+                    grouping.3,
+                    hd,
+                    it,
+                    y.mut_ptr(),
+                )
+            });
+        }
+        DeviceExperts::Iq {
+            gate_up_format,
+            down_format,
+            gate,
+            up,
+            down,
+        } => {
+            let f = moe_iq_kernels(*gate_up_format).0[one][d];
+            let g = moe_iq_kernels(*down_format).1[one][d];
+            run(gate_up_config, || unsafe {
+                f(
+                    x.ptr(),
+                    gate.ptr(),
+                    up.ptr(),
+                    grouping.0,
+                    grouping.1,
+                    grouping.2,
+                    grouping.3,
+                    s,
+                    hd,
+                    it,
+                    h.mut_ptr(),
+                )
+            });
+            run(down_config, || unsafe {
+                g(
+                    h.ptr(),
+                    down.ptr(),
+                    gates.ptr(),
+                    grouping.0,
+                    grouping.1,
+                    grouping.2,
+                    grouping.3,
+                    hd,
+                    it,
+                    y.mut_ptr(),
+                )
+            });
+        }
+    }
+    let out = Values::nan(t * hidden, dtype);
+    let combine = [moe_combine_f32, moe_combine_bf16][d];
+    run(
+        LaunchConfig::new(((t * hidden).div_ceil(256) as u32, 1, 1), 256),
+        || unsafe {
+            combine(
+                y.ptr(),
+                t as i32,
+                slots as i32,
+                hidden as i32,
+                out.mut_ptr(),
+            )
+        },
+    );
+    out.to_f32()
+}
+
+/// Random routes: `slots` of the first `experts` experts per token (repeats allowed, as the kernels must take
+/// them), gates in [0, 1).
+fn random_routes(seed: u64, t: usize, slots: usize, experts: usize) -> (Vec<u32>, Vec<f32>) {
+    use rand::Rng;
+    let mut r = rng(seed);
+    let ids = (0..t * slots)
+        .map(|_| r.random_range(0..experts as u32))
+        .collect();
+    let gates = (0..t * slots).map(|_| r.random_range(0.0..1.0)).collect();
+    (ids, gates)
+}
+
+/// The emulated chain with activations of each of `dtypes` against `experts_reference` in f32 on the dense
+/// weights: within 1e-5 of the output's scale in f32, 2e-2 in bf16 (the kernels round h and the output to bf16
+/// like the model), as on the GPU.
+fn check_experts(
+    what: &str,
+    experts: &DeviceExperts,
+    (gate_up, down): (&Tensor, &Tensor),
+    (n_experts, hidden, inter): (usize, usize, usize),
+    dtypes: &[DType],
+    seed: u64,
+) {
+    for &dtype in dtypes {
+        // One token (the `t1_` kernels), a few over every expert, and many over three experts, which then
+        // take several passes of MOE_TOKENS_PER_PASS tokens (three, to keep the emulation short).
+        for (t, slots, used) in [(1, 9, n_experts), (5, 3, n_experts), (9, 4, 3)] {
+            let x = activations(seed + t as u64, t * hidden, dtype);
+            let (ids, gates) = random_routes(seed + 100 + t as u64, t, slots, used);
+            let routes = Routes {
+                ids: Tensor::from_slice(&ids, (t, slots), &Device::Cpu).unwrap(),
+                gates: Tensor::from_slice(&gates, (t, slots), &Device::Cpu).unwrap(),
+            };
+            let want = experts_reference(
+                &Tensor::from_slice(&x, (t, hidden), &Device::Cpu).unwrap(),
+                &routes,
+                gate_up,
+                down,
+            )
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+            let got = emulated_experts(
+                &Values::from_f32(&x, dtype),
+                (&ids, &gates),
+                (t, slots),
+                (n_experts, hidden, inter),
+                dtype,
+                experts,
+            );
+            let scale = want.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+            let err = got
+                .iter()
+                .zip(&want)
+                .map(|(g, w)| {
+                    if g.is_finite() {
+                        (g - w).abs()
+                    } else {
+                        f32::INFINITY
+                    }
+                })
+                .fold(0.0f32, f32::max);
+            let bound = if dtype == DType::F32 { 1e-5 } else { 2e-2 } * scale.max(1e-3);
+            assert!(
+                err <= bound,
+                "{what} {dtype:?} t={t} slots={slots}: max |Δ| = {err:.3e} > {bound:.3e} (scale {scale:.3e})"
+            );
+        }
+    }
+}
+
+#[test]
+fn moe_route_equals_the_reference() {
+    // GLM-5's rule (one group, 8 of 256, scaled 2.5) and a grouped one, with ties (the lower expert wins).
+    let cases = [
+        (
+            256,
+            RouteRule {
+                n_group: 1,
+                topk_group: 1,
+                top_k: 8,
+                normalise: true,
+                scaling: 2.5,
+            },
+        ),
+        (
+            160,
+            RouteRule {
+                n_group: 16,
+                topk_group: 3,
+                top_k: 6,
+                normalise: false,
+                scaling: 1.0,
+            },
+        ),
+    ];
+    for (seed, (e, rule)) in cases.into_iter().enumerate() {
+        for tied in [false, true] {
+            let t = 7;
+            let mut logits: Vec<f32> = uniform(&mut rng(4740 + seed as u64), t * e)
+                .iter()
+                .map(|x| x * 4.0)
+                .collect();
+            let mut bias: Vec<f32> = uniform(&mut rng(4750 + seed as u64), e)
+                .iter()
+                .map(|x| x * 0.05)
+                .collect();
+            if tied {
+                logits
+                    .iter_mut()
+                    .for_each(|x| *x = (*x * 2.0).round() / 2.0);
+                bias.iter_mut().for_each(|b| *b = 0.0);
+            }
+            for shared in [None, Some(e as u32)] {
+                let want = route_reference(
+                    &Tensor::from_slice(&logits, (t, e), &Device::Cpu).unwrap(),
+                    &Tensor::from_slice(&bias, e, &Device::Cpu).unwrap(),
+                    &rule,
+                    shared,
+                )
+                .unwrap();
+                let slots = rule.top_k + usize::from(shared.is_some());
+                let (device_logits, device_bias) = (
+                    DeviceBuffer::from_slice(&logits),
+                    DeviceBuffer::from_slice(&bias),
+                );
+                let ids = DeviceBuffer::<u32>::poisoned(t * slots, NAN_BYTE);
+                let gates = DeviceBuffer::<f32>::poisoned(t * slots, NAN_BYTE);
+                run(
+                    LaunchConfig::new((t as u32, 1, 1), e.div_ceil(32) as u32 * 32),
+                    || unsafe {
+                        moe_route(
+                            device_logits.ptr(),
+                            device_bias.ptr(),
+                            t as i32,
+                            e as i32,
+                            rule.n_group as i32,
+                            rule.topk_group as i32,
+                            rule.top_k as i32,
+                            i32::from(rule.normalise),
+                            rule.scaling,
+                            shared.map_or(-1, |s| s as i32),
+                            ids.mut_ptr(),
+                            gates.mut_ptr(),
+                        )
+                    },
+                );
+                let want_ids = want.ids.flatten_all().unwrap().to_vec1::<u32>().unwrap();
+                assert_eq!(
+                    ids.to_vec(),
+                    want_ids,
+                    "e={e} tied={tied} shared={shared:?}"
+                );
+                let want_gates = want.gates.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                for (g, w) in gates.to_vec().iter().zip(&want_gates) {
+                    assert!((g - w).abs() <= 1e-6 * w.abs().max(1.0), "gate {g} vs {w}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn moe_dense_experts_equal_the_reference() {
+    // Widths that are not multiples of a block's 8 rows; 13 experts.
+    let (n_experts, hidden, inter) = (13, 200, 40);
+    let mut r = rng(4760);
+    let gate_up = uniform(&mut r, n_experts * 2 * inter * hidden);
+    let down = uniform(&mut r, n_experts * hidden * inter);
+    for dtype in [DType::F32, DType::BF16] {
+        let rounded = |v: &[f32]| activations_like(v, dtype);
+        let (gu, dn) = (rounded(&gate_up), rounded(&down));
+        let experts = DeviceExperts::Dense {
+            gate_up: Values::from_f32(&gu, dtype),
+            down: Values::from_f32(&dn, dtype),
+        };
+        let dense_gate_up =
+            Tensor::from_slice(&gu, (n_experts, 2 * inter, hidden), &Device::Cpu).unwrap();
+        let dense_down = Tensor::from_slice(&dn, (n_experts, hidden, inter), &Device::Cpu).unwrap();
+        // The dense kernels take weights in the activations' dtype.
+        check_experts(
+            "dense experts",
+            &experts,
+            (&dense_gate_up, &dense_down),
+            (n_experts, hidden, inter),
+            &[dtype],
+            4761,
+        );
+    }
+}
+
+/// `values` as a `dtype` tensor holds them (bf16 rounded).
+fn activations_like(values: &[f32], dtype: DType) -> Vec<f32> {
+    values
+        .iter()
+        .map(|&v| {
+            if dtype == DType::BF16 {
+                bf16::from_f32(v).to_f32()
+            } else {
+                v
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn moe_quantized_experts_equal_the_reference() {
+    let n_experts = 13;
+    let iq = |gate_up, down| Format::Iq { gate_up, down };
+    for (seed, (format, (hidden, inter))) in [
+        (Format::Fp8 { block: [128, 128] }, (272, 48)),
+        (Format::Fp8 { block: [16, 32] }, (272, 48)),
+        (Format::Nvfp4, (272, 48)),
+        (iq(IqFormat::Iq3S, IqFormat::Iq4Xs), (512, 256)),
+        (iq(IqFormat::Iq2Xxs, IqFormat::Iq2S), (256, 512)),
+        (iq(IqFormat::Iq2Xs, IqFormat::Iq3Xxs), (256, 256)),
+        (iq(IqFormat::Iq1S, IqFormat::Iq1M), (256, 256)),
+        (iq(IqFormat::Iq4Nl, IqFormat::Iq4Nl), (96, 160)),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let seed = 4770 + 10 * seed as u64;
+        let (weights, gate_up, down) = quantized_experts(
+            &mut rng(seed),
+            &format,
+            (n_experts, hidden, inter),
+            &Device::Cpu,
+        );
+        let label = match format {
+            Format::Fp8 { block } => format!("FP8 {block:?}"),
+            Format::Nvfp4 => "NVFP4".to_string(),
+            Format::Iq { gate_up, down } => format!("{gate_up} gate/up, {down} down"),
+        };
+        check_experts(
+            &format!("{label} experts"),
+            &DeviceExperts::quantized(&weights),
+            (&gate_up, &down),
+            (n_experts, hidden, inter),
+            &[DType::F32, DType::BF16],
+            seed,
+        );
+    }
+}
