@@ -165,8 +165,15 @@ mod cuda {
 mod emu {
     use std::path::{Path, PathBuf};
 
-    /// The `.cu` files the emulator runs: CUDA C++ alone, no inline PTX or tensor-core intrinsics.
-    const EMULATED: &[&str] = &["weight_only_matmul", "iq_matmul", "moe", "rms_norm"];
+    /// The `.cu` files the emulator runs: CUDA C++ alone, or with their inline PTX in a header that
+    /// `emu/include` has its own version of (`fp4_mma_sm120a.cuh`).
+    const EMULATED: &[&str] = &[
+        "weight_only_matmul",
+        "iq_matmul",
+        "moe",
+        "rms_norm",
+        "nvfp4_mma_sm120a",
+    ];
 
     /// `extern __shared__ [__align__(n)] T name[];` becomes a pointer to the launch's dynamic shared memory
     /// (the one construct the emulator's macros cannot express); the line count stays the same.

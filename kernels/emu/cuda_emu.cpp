@@ -82,23 +82,23 @@ constexpr size_t STACK_BYTES = 128 * 1024;
 // apart, the threads' hot frames would all fall in the same cache sets and evict each other at every switch.
 constexpr size_t COLOUR_STEP = 1088, COLOUR_SPAN = 32 * 1024;
 
-enum class State { Runnable, AtBarrier, AtShuffle, Done };
+enum class State { Runnable, AtBarrier, AtCollective, Done };
 
 struct Thread {
     Context context;
     State state = State::Runnable;
     uint64_t barrier_generation = 0;  // the generation it waits to see end (AtBarrier)
-    uint64_t shuffles = 0;            // shuffles it has entered
+    uint64_t collectives = 0;         // warp collectives it has entered
 };
 
-/// A warp's shuffles: the lanes of a full-warp shuffle enter them in the same order, so the n-th one
+/// A warp's collectives (shuffles, gathers): the lanes enter them in the same order, so the n-th one
 /// completes when every lane of its mask has entered it; `arrived` counts those of the open one.
 struct Warp {
     uint64_t completed = 0;
     unsigned arrived = 0;
-    // Two generations of the lanes' values (shuffle n uses slot n % 2: no lane can enter n + 2 before
-    // every lane has entered n + 1, after reading n).
-    uint64_t slots[2][32];
+    // Two generations of the lanes' contributions (collective n uses slot n % 2: no lane can enter n + 2
+    // before every lane has entered n + 1, after reading n).
+    unsigned char slots[2][32][GLM5_EMU_GATHER_BYTES];
 };
 
 struct Launch {
@@ -112,6 +112,10 @@ struct Launch {
     Thread* current = nullptr;
     unsigned live = 0, arrived = 0;
     uint64_t barrier_generation = 0;
+    // `__syncthreads_and`: the AND of the open barrier's predicates, and each generation's result (two
+    // generations, as for the warps' slots).
+    int barrier_and = 1;
+    int barrier_and_result[2] = {1, 1};
 };
 
 thread_local Launch* launch = nullptr;
@@ -120,6 +124,8 @@ void yield() { switch_context(launch->current->context, launch->scheduler); }
 
 void release_barrier_if_complete() {
     if (launch->arrived > 0 && launch->arrived == launch->live) {
+        launch->barrier_and_result[launch->barrier_generation % 2] = launch->barrier_and;
+        launch->barrier_and = 1;
         launch->arrived = 0;
         ++launch->barrier_generation;
     }
@@ -141,8 +147,8 @@ bool ready(const Launch& l, size_t index) {
             return true;
         case State::AtBarrier:
             return l.barrier_generation != t.barrier_generation;
-        case State::AtShuffle:
-            return l.warps[index / 32].completed >= t.shuffles;
+        case State::AtCollective:
+            return l.warps[index / 32].completed >= t.collectives;
         case State::Done:
             return false;
     }
@@ -151,30 +157,50 @@ bool ready(const Launch& l, size_t index) {
 
 }  // namespace
 
-void __syncthreads() {
+int __syncthreads_and(int predicate) {
     Thread& t = *launch->current;
     t.state = State::AtBarrier;
     t.barrier_generation = launch->barrier_generation;
+    launch->barrier_and &= predicate != 0;
     ++launch->arrived;
     release_barrier_if_complete();
     yield();
+    return launch->barrier_and_result[t.barrier_generation % 2];
 }
 
-uint64_t glm5_emu_shuffle_xor(uint64_t bits, unsigned mask, int lane_mask) {
+void __syncthreads() { __syncthreads_and(1); }
+
+namespace {
+/// Enters the calling lane's next warp collective with `bytes` of its own, waits for every lane of `mask`,
+/// and returns the collective's 32 contributions.
+const unsigned char (*warp_collective(const void* mine, size_t bytes, unsigned mask))[GLM5_EMU_GATHER_BYTES] {
+    if (bytes > GLM5_EMU_GATHER_BYTES) glm5_emu_unsupported("a warp collective of more than 64 bytes a lane");
     Thread& t = *launch->current;
     const size_t index = &t - launch->threads.data();
-    const size_t lane = index % 32;
     Warp& warp = launch->warps[index / 32];
-    uint64_t* slots = warp.slots[t.shuffles % 2];
-    slots[lane] = bits;
-    ++t.shuffles;
+    unsigned char(*slots)[GLM5_EMU_GATHER_BYTES] = warp.slots[t.collectives % 2];
+    memcpy(slots[index % 32], mine, bytes);
+    ++t.collectives;
     if (++warp.arrived == static_cast<unsigned>(__builtin_popcount(mask))) {
         warp.arrived = 0;
         ++warp.completed;
     }
-    t.state = State::AtShuffle;
+    t.state = State::AtCollective;
     yield();
-    return slots[(lane ^ static_cast<size_t>(lane_mask)) % 32];
+    return slots;
+}
+}  // namespace
+
+uint64_t glm5_emu_shuffle_xor(uint64_t bits, unsigned mask, int lane_mask) {
+    const size_t lane = static_cast<size_t>(launch->current - launch->threads.data()) % 32;
+    uint64_t partner;
+    memcpy(&partner, warp_collective(&bits, 8, mask)[(lane ^ static_cast<size_t>(lane_mask)) % 32], 8);
+    return partner;
+}
+
+void glm5_emu_warp_gather(const void* mine, size_t bytes, void* all) {
+    const unsigned char(*slots)[GLM5_EMU_GATHER_BYTES] = warp_collective(mine, bytes, 0xffffffffu);
+    for (int lane = 0; lane < 32; ++lane) memcpy(static_cast<char*>(all) + lane * bytes, slots[lane], bytes);
 }
 
 void* glm5_emu_dynamic_shared() { return launch->dynamic_shared.data(); }
@@ -226,15 +252,15 @@ extern "C" int glm5_emu_launch(const unsigned grid[3], const unsigned block[3], 
                     }
                     if (!alive) break;
                     if (!progressed) {
-                        size_t at_barrier = 0, at_shuffle = 0;
+                        size_t at_barrier = 0, at_collective = 0;
                         for (const Thread& t : l.threads) {
                             at_barrier += t.state == State::AtBarrier;
-                            at_shuffle += t.state == State::AtShuffle;
+                            at_collective += t.state == State::AtCollective;
                         }
                         snprintf(error, error_bytes,
                                  "block (%u, %u, %u) cannot go on: %zu threads wait at __syncthreads, %zu at a "
                                  "shuffle, %u of %zu still running",
-                                 bx, by, bz, at_barrier, at_shuffle, l.live, threads);
+                                 bx, by, bz, at_barrier, at_collective, l.live, threads);
                         status = 1;
                         break;
                     }

@@ -6,8 +6,8 @@
 //
 // Semantics: every block runs alone, its threads as cooperative contexts on one OS thread (so `__shared__`
 // is one `static thread_local` per launch thread). `__syncthreads` waits for every thread of the block that
-// has not exited; `__shfl_xor_sync` for every lane in its mask, each lane's n-th shuffle pairing with its
-// partner's n-th. A barrier no thread can pass (a lane that exited or went another way) ends the launch with
+// has not exited; `__shfl_xor_sync` (and an emulated warp-wide instruction such as an MMA) for every lane in
+// its mask, each lane's n-th warp collective pairing with its partners' n-th. A barrier no thread can pass (a lane that exited or went another way) ends the launch with
 // an error rather than a hang. Arithmetic is the host's: f32 as IEEE, `fmaf` fused, but no contraction of
 // `a * b + c` into an FMA as nvcc does, so sums may differ from the GPU's in the last bits.
 #pragma once
@@ -35,8 +35,15 @@ extern thread_local uint3 blockIdx;
 extern thread_local dim3 blockDim;
 extern thread_local dim3 gridDim;
 
+/// Bytes a lane may contribute to one warp collective.
+#define GLM5_EMU_GATHER_BYTES 64
+
 void __syncthreads();
+int __syncthreads_and(int predicate);
 uint64_t glm5_emu_shuffle_xor(uint64_t bits, unsigned mask, int lane_mask);
+/// A warp collective for emulated warp-wide instructions (an MMA): every lane of the warp contributes `bytes`
+/// (<= GLM5_EMU_GATHER_BYTES) and receives all 32 contributions, lane by lane, in `all`.
+void glm5_emu_warp_gather(const void* mine, size_t bytes, void* all);
 /// The launch's dynamic shared memory (`extern __shared__ T name[]`, which build.rs rewrites to a call).
 void* glm5_emu_dynamic_shared();
 
@@ -65,6 +72,12 @@ inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
     }
     return out;
 }
+
+// Correctly rounded f32 operations (the host's are: SSE arithmetic, no contraction into FMAs).
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
 
 inline float __uint_as_float(unsigned v) { return glm5_emu_bits_to_float(v); }
 inline unsigned __float_as_uint(float f) { return glm5_emu_float_to_bits(f); }

@@ -1283,3 +1283,111 @@ fn moe_quantized_experts_equal_the_reference() {
         );
     }
 }
+
+// ---- NVFP4 W4A4 on sm_120a's block-scaled FP4 MMA (nvfp4_mma_sm120a.cu) ---------------------------------
+
+use glm5_kernels::interface::{nvfp4_mma, Nvfp4MmaParams, Nvfp4QuantizeParams};
+
+extern "C" {
+    fn nvfp4_quantize_rows_f32(p: Nvfp4QuantizeParams);
+    fn nvfp4_quantize_rows_bf16(p: Nvfp4QuantizeParams);
+    fn nvfp4_mma_f32(p: Nvfp4MmaParams);
+    fn nvfp4_mma_bf16(p: Nvfp4MmaParams);
+}
+
+/// The W4A4 kernels, which no GPU here can run (sm_120a only), on the emulator with its own reading of the
+/// MMA's fragment and scale layouts (`kernels/emu/include/fp4_mma_sm120a.cuh`): the quantiser equals the CPU
+/// reference's codes and scales exactly; the GEMM equals the reference W4A4 product within the f32 reordering
+/// bound the reference gives (and the output's bf16 rounding). Rows and columns past the 128 x 128 tiles and
+/// a zero row and a row with a NaN included.
+#[test]
+fn nvfp4_w4a4_sm120_kernels_equal_the_reference() {
+    for (seed, (m, n, k)) in [(4790, (130, 136, 256)), (4791, (7, 20, 384))] {
+        let w = common::quantized::nvfp4(&mut rng(seed), n, k);
+        let (packed, w_scales) = (bytes_of(&w.packed), bytes_of(&w.scales));
+        for dtype in [DType::F32, DType::BF16] {
+            let d = dtype_index(dtype);
+            let mut x = activations(seed + 1, m * k, dtype);
+            x[k..2 * k].iter_mut().for_each(|v| *v = 0.0);
+            if m > 4 {
+                x[3 * k + 5] = f32::NAN;
+            }
+            let x_tensor = Tensor::from_slice(&x, (m, k), &Device::Cpu).unwrap();
+            let want_acts = nvfp4_matmul::reference::quantize_activations(&x_tensor).unwrap();
+            let device_x = Values::from_f32(&x, dtype);
+            let codes = DeviceBuffer::<u8>::poisoned(m * k / 2, NAN_BYTE);
+            let scales = DeviceBuffer::<u8>::poisoned(m * k / 16, NAN_BYTE);
+            let row_scales = DeviceBuffer::<f32>::poisoned(m, NAN_BYTE);
+            let quantize = [nvfp4_quantize_rows_f32, nvfp4_quantize_rows_bf16][d];
+            let params = Nvfp4QuantizeParams {
+                x: device_x.ptr() as u64,
+                codes: codes.mut_ptr() as u64,
+                scales: scales.mut_ptr() as u64,
+                row_scales: row_scales.mut_ptr() as u64,
+                m: m as i32,
+                k: k as i32,
+            };
+            run(
+                LaunchConfig::new((m as u32, 1, 1), nvfp4_mma::QUANTIZE_THREADS as u32),
+                || unsafe { quantize(params) },
+            );
+            let bytes = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<u8>().unwrap();
+            assert_eq!(codes.to_vec(), bytes(&want_acts.codes), "{dtype:?} codes");
+            assert_eq!(
+                scales.to_vec(),
+                bytes(&want_acts.scales),
+                "{dtype:?} scales"
+            );
+            let want_rows = want_acts.row_scales.to_vec1::<f32>().unwrap();
+            for (g, w) in row_scales.to_vec().iter().zip(&want_rows) {
+                assert!(g.to_bits() == w.to_bits(), "{dtype:?} row scale {g} vs {w}");
+            }
+
+            let y = Values::nan(m * n, dtype);
+            let mma = [nvfp4_mma_f32, nvfp4_mma_bf16][d];
+            let params = Nvfp4MmaParams {
+                a_codes: codes.ptr() as u64,
+                a_scales: scales.ptr() as u64,
+                a_row_scales: row_scales.ptr() as u64,
+                b_packed: packed.ptr() as u64,
+                b_scales: w_scales.ptr() as u64,
+                y: y.mut_ptr() as u64,
+                m: m as i32,
+                n: n as i32,
+                k: k as i32,
+                b_global_scale: w.global_scale,
+            };
+            run(
+                LaunchConfig::new(
+                    (
+                        n.div_ceil(nvfp4_mma::TILE_N) as u32,
+                        m.div_ceil(nvfp4_mma::TILE_M) as u32,
+                        1,
+                    ),
+                    nvfp4_mma::THREADS as u32,
+                ),
+                || unsafe { mma(params) },
+            );
+            let (want, magnitude) =
+                nvfp4_matmul::reference::nvfp4_matmul_w4a4_with_magnitudes(&x_tensor, &w).unwrap();
+            let flat = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let (want, magnitude) = (flat(want), flat(magnitude));
+            for (i, ((g, w), mag)) in y.to_f32().iter().zip(&want).zip(&magnitude).enumerate() {
+                if w.is_nan() {
+                    assert!(g.is_nan(), "{dtype:?} output {i}: {g}, the reference's NaN");
+                    continue;
+                }
+                let rounding = if dtype == DType::BF16 {
+                    w.abs() / 256.0
+                } else {
+                    0.0
+                };
+                let bound = 2.0 * (k - 1) as f32 * f32::EPSILON / 2.0 * mag + rounding;
+                assert!(
+                    (g - w).abs() <= bound,
+                    "{dtype:?} m={m} n={n} k={k} output {i}: {g} vs the reference's {w} (bound {bound:.3e})"
+                );
+            }
+        }
+    }
+}
