@@ -1391,3 +1391,67 @@ fn nvfp4_w4a4_sm120_kernels_equal_the_reference() {
         }
     }
 }
+
+// ---- RMSNorm ---------------------------------------------------------------------------------------------
+
+extern "C" {
+    fn rms_norm_f32(x: Ptr, w: Ptr, cols: i32, eps: f32, out: MutPtr);
+    fn rms_norm_bf16(x: Ptr, w: Ptr, cols: i32, eps: f32, out: MutPtr);
+}
+
+/// RMSNorm as `rms_norm/cuda.rs` launches it (a block per row, the row's width in threads up to 1024), against
+/// the reference: f32 within f32 rounding of the mean square's sum, bf16 within one bf16 rounding of each of
+/// its two roundings. Widths below one warp, between warps and above 1024 threads.
+#[test]
+fn rms_norm_equals_the_reference() {
+    let eps = 1e-5;
+    for (seed, (rows, cols)) in [(4800, (3, 20)), (4801, (5, 200)), (4802, (2, 6144))] {
+        for dtype in [DType::F32, DType::BF16] {
+            let d = dtype_index(dtype);
+            let x = activations(seed, rows * cols, dtype);
+            let w = activations(seed + 1, cols, dtype);
+            let want = glm5_ops::rms_norm::rms_norm_reference(
+                &Tensor::from_slice(&x, (rows, cols), &Device::Cpu)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap(),
+                &Tensor::from_slice(&w, cols, &Device::Cpu)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap(),
+                eps,
+            )
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+            let (device_x, device_w) = (Values::from_f32(&x, dtype), Values::from_f32(&w, dtype));
+            let out = Values::nan(rows * cols, dtype);
+            let f = [rms_norm_f32, rms_norm_bf16][d];
+            let threads = (cols.div_ceil(32) * 32).clamp(32, 1024) as u32;
+            run(LaunchConfig::new((rows as u32, 1, 1), threads), || unsafe {
+                f(
+                    device_x.ptr(),
+                    device_w.ptr(),
+                    cols as i32,
+                    eps as f32,
+                    out.mut_ptr(),
+                )
+            });
+            for (i, (g, w)) in out.to_f32().iter().zip(&want).enumerate() {
+                let bound = if dtype == DType::BF16 {
+                    w.abs() / 128.0
+                } else {
+                    1e-5 * w.abs().max(1e-3)
+                };
+                assert!(
+                    (g - w).abs() <= bound,
+                    "{dtype:?} {rows}x{cols} element {i}: {g} vs the reference's {w}"
+                );
+            }
+        }
+    }
+}
