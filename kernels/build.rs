@@ -19,9 +19,8 @@ fn main() {
     if std::env::var_os("CARGO_FEATURE_CUDA").is_some() {
         cuda::build();
     }
-    if std::env::var_os("CARGO_FEATURE_EMU").is_some() {
-        emu::build();
-    }
+    #[cfg(feature = "emu")]
+    emu::build();
 }
 
 /// Writes the generated headers the kernels include into `dir`.
@@ -160,8 +159,9 @@ mod cuda {
     }
 }
 
-/// Feature `emu`: the kernels written in plain CUDA C++ compiled for the host with the emulator in `emu/`
+/// Feature `emu` (its `cc` build-dependency is optional): the kernels written in plain CUDA C++ compiled for the host with the emulator in `emu/`
 /// (semantics in `emu/cuda_emu.h`), into a static library whose `extern "C"` kernels `src/emu.rs` launches.
+#[cfg(feature = "emu")]
 mod emu {
     use std::path::{Path, PathBuf};
 
@@ -172,6 +172,7 @@ mod emu {
         "iq_matmul",
         "moe",
         "rms_norm",
+        "cache_rows",
         "nvfp4_mma_sm120a",
     ];
 

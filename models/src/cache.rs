@@ -9,10 +9,20 @@
 //! Storage is allocated once for `capacity` tokens; a forward that would go past it is a `CacheFull` error.
 
 use candle_core::{DType, Device, Tensor};
+use glm5_ops::latent_rows::{write_latent_rows, CacheRows};
 use glm5_ops::{quantize_fp8, IndexKeys, KeyFormat};
 
 use crate::config::Config;
 use crate::error::{ModelError, Result};
+
+/// What turns `kv_a_proj_with_mqa`'s output into latent rows: `kv_a_layernorm`'s weight and epsilon, and the
+/// call's RoPE tables (`cos`, `sin`).
+#[derive(Clone, Copy)]
+pub(crate) struct LatentRows<'a> {
+    pub norm_weight: &'a Tensor,
+    pub eps: f64,
+    pub rope: (&'a Tensor, &'a Tensor),
+}
 
 pub(crate) struct LayerCache {
     latent: Tensor,
@@ -41,10 +51,23 @@ impl CachedIndexKeys {
 }
 
 impl LayerCache {
-    /// Writes `rows` at position `offset` and returns all latent rows up to and including them.
-    pub(crate) fn append_latent(&self, rows: &Tensor, offset: usize) -> Result<Tensor> {
-        self.latent.slice_set(&rows.contiguous()?, 0, offset)?;
-        Ok(self.latent.narrow(0, 0, offset + rows.dim(0)?)?)
+    /// Computes the latent rows of `kv_a`'s tokens (`glm5_ops::latent_rows`) into positions `offset..` and
+    /// returns all latent rows up to and including them.
+    pub(crate) fn append_latent(
+        &self,
+        kv_a: &Tensor,
+        rows: LatentRows<'_>,
+        offset: usize,
+    ) -> Result<Tensor> {
+        write_latent_rows(
+            kv_a,
+            rows.norm_weight,
+            rows.eps,
+            rows.rope,
+            &self.latent,
+            CacheRows::From(offset),
+        )?;
+        Ok(self.latent.narrow(0, 0, offset + kv_a.dim(0)?)?)
     }
 
     /// Writes indexer keys at position `offset` (quantising them for an FP8 cache) and returns all keys up

@@ -19,8 +19,10 @@
 use std::collections::BTreeMap;
 
 use candle_core::{DType, Device, Tensor};
+use glm5_ops::latent_rows::{write_latent_rows, CacheRows};
 use glm5_ops::{quantize_fp8, IndexKeys, KeyFormat};
 
+use crate::cache::LatentRows;
 use crate::config::Config;
 use crate::error::{ModelError, Result};
 
@@ -125,9 +127,25 @@ impl PagedLayer {
         }
     }
 
-    /// Writes latent rows `[T, latent_dim]` at physical rows `rows` (`U32 [T]`).
-    pub(crate) fn write_latent(&self, values: &Tensor, rows: &Tensor) -> Result<()> {
-        write_rows(&self.latent, values, rows)
+    /// Computes the latent rows of `kv_a`'s tokens (`glm5_ops::latent_rows`) into physical rows `rows`
+    /// (`U32 [T]`).
+    pub(crate) fn write_latent(
+        &self,
+        kv_a: &Tensor,
+        latent: LatentRows<'_>,
+        rows: &Tensor,
+    ) -> Result<()> {
+        let dims = self.latent.dims();
+        let flat = self.latent.reshape((dims[0] * dims[1], dims[2]))?;
+        write_latent_rows(
+            kv_a,
+            latent.norm_weight,
+            latent.eps,
+            latent.rope,
+            &flat,
+            CacheRows::At(rows),
+        )?;
+        Ok(())
     }
 
     /// Writes indexer keys `[T, index_head_dim]` at physical rows `rows`, quantising them for FP8 blocks.

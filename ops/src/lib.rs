@@ -25,6 +25,7 @@ pub mod error;
 pub mod fp8_matmul;
 pub mod index_keys;
 pub mod iq_matmul;
+pub mod latent_rows;
 pub mod moe;
 pub mod nvfp4_matmul;
 mod probe;

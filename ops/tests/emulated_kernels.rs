@@ -1455,3 +1455,126 @@ fn rms_norm_equals_the_reference() {
         }
     }
 }
+
+// ---- the attention's cache rows (cache_rows.cu) ----------------------------------------------------------
+
+extern "C" {
+    fn latent_rows_f32(
+        kv_a: Ptr,
+        w: Ptr,
+        eps: f32,
+        cos: Ptr,
+        sin: Ptr,
+        cache: MutPtr,
+        rows: *const u32,
+        first_row: i32,
+        lora: i32,
+        rope: i32,
+    );
+    fn latent_rows_bf16(
+        kv_a: Ptr,
+        w: Ptr,
+        eps: f32,
+        cos: Ptr,
+        sin: Ptr,
+        cache: MutPtr,
+        rows: *const u32,
+        first_row: i32,
+        lora: i32,
+        rope: i32,
+    );
+}
+
+/// The fused latent-row kernel as `latent_rows/cuda.rs` launches it (a block of 256 threads per token)
+/// against the reference's rows written by candle ops, into a cache of NaN rows: by offset (a contiguous
+/// cache) and by row index (a paged one, rows out of order). f32 within the RMS sum's reordering, bf16 within
+/// one rounding; rows not written stay NaN.
+#[test]
+fn latent_rows_equal_the_reference() {
+    use glm5_ops::latent_rows::{latent_rows_reference, write_rows, CacheRows};
+    let (t, lora, rope, slots) = (5, 512, 64, 16);
+    let width = lora + rope;
+    for dtype in [DType::F32, DType::BF16] {
+        let d = dtype_index(dtype);
+        let kv_a = activations(4810, t * width, dtype);
+        let weight = activations(4811, lora, dtype);
+        let angles: Vec<f32> = activations(4812, t * rope / 2, DType::F32)
+            .iter()
+            .map(|a| a * 3.0)
+            .collect();
+        let cos = activations_like(&angles.iter().map(|a| a.cos()).collect::<Vec<_>>(), dtype);
+        let sin = activations_like(&angles.iter().map(|a| a.sin()).collect::<Vec<_>>(), dtype);
+        let tensor = |v: &[f32], shape: &[usize]| {
+            Tensor::from_slice(v, shape, &Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap()
+        };
+        let want_rows = latent_rows_reference(
+            &tensor(&kv_a, &[t, width]),
+            &tensor(&weight, &[lora]),
+            1e-6,
+            &tensor(&cos, &[t, rope / 2]),
+            &tensor(&sin, &[t, rope / 2]),
+        )
+        .unwrap();
+        let indexed: Vec<u32> = vec![9, 2, 15, 0, 7];
+        for by_index in [false, true] {
+            let want_cache = tensor(&vec![f32::NAN; slots * width], &[slots, width]);
+            let rows_tensor = Tensor::from_slice(&indexed, t, &Device::Cpu).unwrap();
+            let placement = if by_index {
+                CacheRows::At(&rows_tensor)
+            } else {
+                CacheRows::From(3)
+            };
+            write_rows(&want_cache, &want_rows, placement).unwrap();
+            let want = want_cache
+                .to_dtype(DType::F32)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+
+            let (dx, dw) = (
+                Values::from_f32(&kv_a, dtype),
+                Values::from_f32(&weight, dtype),
+            );
+            let (dcos, dsin) = (Values::from_f32(&cos, dtype), Values::from_f32(&sin, dtype));
+            let cache = Values::nan(slots * width, dtype);
+            let rows = DeviceBuffer::from_slice(&indexed);
+            let rows_ptr = if by_index {
+                rows.ptr()
+            } else {
+                std::ptr::null()
+            };
+            let f = [latent_rows_f32, latent_rows_bf16][d];
+            run(LaunchConfig::new((t as u32, 1, 1), 256), || unsafe {
+                f(
+                    dx.ptr(),
+                    dw.ptr(),
+                    1e-6,
+                    dcos.ptr(),
+                    dsin.ptr(),
+                    cache.mut_ptr(),
+                    rows_ptr,
+                    3,
+                    lora as i32,
+                    rope as i32,
+                )
+            });
+            for (i, (g, w)) in cache.to_f32().iter().zip(&want).enumerate() {
+                let bound = if dtype == DType::BF16 {
+                    w.abs() / 128.0
+                } else {
+                    1e-5 * w.abs().max(1e-3)
+                };
+                assert!(
+                    (w.is_nan() && g.is_nan()) || (g - w).abs() <= bound,
+                    "{dtype:?} by_index={by_index} cache value {i} (row {}): {g} vs the reference's {w}",
+                    i / width
+                );
+            }
+        }
+    }
+}

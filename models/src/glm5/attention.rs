@@ -11,7 +11,7 @@ use glm5_ops::{
 
 use super::linear::{Loader, Proj, RmsNorm};
 use super::rope::Rope;
-use crate::cache::LayerCache;
+use crate::cache::{LatentRows, LayerCache};
 use crate::config::{Config, INDEX_KEY_NORM_EPS, LATENT_NORM_EPS};
 use crate::error::{ModelError, Result};
 use crate::paged_cache::PagedLayer;
@@ -284,25 +284,20 @@ impl Attention {
         let q_nope = q.narrow(2, 0, self.nope_dim)?;
         let q_pe = rope.apply(&q.narrow(2, self.nope_dim, self.rope_dim)?)?;
 
-        // This call's latent rows [c | k_pe] go into the cache; attention reads all cached rows.
+        // This call's latent rows [kv_a_layernorm(c) | RoPE(k_pe)] go into the cache (one fused op);
+        // attention reads all cached rows.
         let kv_a = self.kv_a_proj_with_mqa.forward(hidden)?;
-        let c = self
-            .kv_a_layernorm
-            .forward(&kv_a.narrow(1, 0, self.kv_lora_rank)?)?;
-        let k_pe = rope
-            .apply(
-                &kv_a
-                    .narrow(1, self.kv_lora_rank, self.rope_dim)?
-                    .unsqueeze(1)?,
-            )?
-            .squeeze(1)?;
-        let rows = Tensor::cat(&[c, k_pe], 1)?;
+        let rows = LatentRows {
+            norm_weight: self.kv_a_layernorm.weight(),
+            eps: self.kv_a_layernorm.eps(),
+            rope: rope.tables(),
+        };
         let latent = match kv {
             LayerKv::Contiguous { cache, start_pos } => {
-                CachedLatent::Rows(cache.append_latent(&rows, start_pos)?)
+                CachedLatent::Rows(cache.append_latent(&kv_a, rows, start_pos)?)
             }
             LayerKv::Paged { cache, step } => {
-                cache.write_latent(&rows, &step.write_rows)?;
+                cache.write_latent(&kv_a, rows, &step.write_rows)?;
                 CachedLatent::Paged(cache, step)
             }
         };
