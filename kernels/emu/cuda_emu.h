@@ -79,6 +79,8 @@ inline float __fsub_rn(float a, float b) { return a - b; }
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fdiv_rn(float a, float b) { return a / b; }
 
+inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+
 inline float __uint_as_float(unsigned v) { return glm5_emu_bits_to_float(v); }
 inline unsigned __float_as_uint(float f) { return glm5_emu_float_to_bits(f); }
 inline float __int_as_float(int v) { return glm5_emu_bits_to_float(static_cast<uint32_t>(v)); }

@@ -1578,3 +1578,184 @@ fn latent_rows_equal_the_reference() {
         }
     }
 }
+
+extern "C" {
+    fn index_key_rows_f32(
+        k: Ptr,
+        ln_weight: Ptr,
+        ln_bias: Ptr,
+        eps: f32,
+        cos: Ptr,
+        sin: Ptr,
+        tokens: i32,
+        dim: i32,
+        rope: i32,
+        float_cache: MutPtr,
+        fp8_bytes: *mut u8,
+        fp8_scales: *mut f32,
+        rows: *const u32,
+        first_row: i32,
+    );
+    fn index_key_rows_bf16(
+        k: Ptr,
+        ln_weight: Ptr,
+        ln_bias: Ptr,
+        eps: f32,
+        cos: Ptr,
+        sin: Ptr,
+        tokens: i32,
+        dim: i32,
+        rope: i32,
+        float_cache: MutPtr,
+        fp8_bytes: *mut u8,
+        fp8_scales: *mut f32,
+        rows: *const u32,
+        first_row: i32,
+    );
+}
+
+/// The fused indexer-key kernel as `index_key_rows/cuda.rs` launches it (a warp per token, 8 a block) against
+/// the reference (candle-nn's layer_norm and rope_i, then index_keys' quantiser) written by candle ops: float
+/// caches within one rounding (bf16) or the variance's reordering (f32); FP8 caches' scales within f32
+/// rounding and bytes at most one e4m3 step apart (a value the reference rounds on one side of a midpoint may
+/// land on the other); keys of 128 values with RoPE on 64 (GLM-5) and of 64 all rotated; 11 tokens (two
+/// blocks, the second part-filled); rows not written stay NaN / 0xff.
+#[test]
+fn index_key_rows_equal_the_reference() {
+    use glm5_ops::index_key_rows::{index_key_rows_reference, write_rows, CacheRows};
+    use glm5_ops::quantize_fp8;
+    let (t, slots) = (11, 24);
+    let indexed: Vec<u32> = (0..t as u32).map(|i| (i * 5 + 2) % slots as u32).collect();
+    for (dim, rope) in [(128, 64), (64, 64)] {
+        for dtype in [DType::F32, DType::BF16] {
+            let d = dtype_index(dtype);
+            let k: Vec<f32> = activations(4820, t * dim, dtype)
+                .iter()
+                .map(|v| v * 4.0 + 0.5)
+                .collect();
+            let k = activations_like(&k, dtype);
+            let ln_w = activations(4821, dim, dtype);
+            let ln_b = activations_like(
+                &activations(4822, dim, DType::F32)
+                    .iter()
+                    .map(|v| v * 0.1)
+                    .collect::<Vec<_>>(),
+                dtype,
+            );
+            let angles: Vec<f32> = activations(4823, t * rope / 2, DType::F32)
+                .iter()
+                .map(|a| a * 3.0)
+                .collect();
+            let cos = activations_like(&angles.iter().map(|a| a.cos()).collect::<Vec<_>>(), dtype);
+            let sin = activations_like(&angles.iter().map(|a| a.sin()).collect::<Vec<_>>(), dtype);
+            let tensor = |v: &[f32], shape: &[usize]| {
+                Tensor::from_slice(v, shape, &Device::Cpu)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap()
+            };
+            let keys = index_key_rows_reference(
+                &tensor(&k, &[t, dim]),
+                (&tensor(&ln_w, &[dim]), &tensor(&ln_b, &[dim])),
+                1e-6,
+                &tensor(&cos, &[t, rope / 2]),
+                &tensor(&sin, &[t, rope / 2]),
+            )
+            .unwrap();
+            let (want_bytes, want_scales) = quantize_fp8(&keys).unwrap();
+            let rows_tensor = Tensor::from_slice(&indexed, t, &Device::Cpu).unwrap();
+            let (dk, dw, db) = (
+                Values::from_f32(&k, dtype),
+                Values::from_f32(&ln_w, dtype),
+                Values::from_f32(&ln_b, dtype),
+            );
+            let (dcos, dsin) = (Values::from_f32(&cos, dtype), Values::from_f32(&sin, dtype));
+            let rows = DeviceBuffer::from_slice(&indexed);
+            let f = [index_key_rows_f32, index_key_rows_bf16][d];
+            for (by_index, fp8) in [(false, false), (true, false), (false, true), (true, true)] {
+                let place = if by_index {
+                    CacheRows::At(&rows_tensor)
+                } else {
+                    CacheRows::From(5)
+                };
+                let float_cache = Values::nan(slots * dim, dtype);
+                let bytes = DeviceBuffer::<u8>::poisoned(slots * dim, 0xff);
+                let scales = DeviceBuffer::<f32>::poisoned(slots, NAN_BYTE);
+                let (float_ptr, bytes_ptr, scales_ptr) = if fp8 {
+                    (std::ptr::null_mut(), bytes.mut_ptr(), scales.mut_ptr())
+                } else {
+                    (
+                        float_cache.mut_ptr(),
+                        std::ptr::null_mut(),
+                        std::ptr::null_mut(),
+                    )
+                };
+                let rows_ptr = if by_index {
+                    rows.ptr()
+                } else {
+                    std::ptr::null()
+                };
+                run(
+                    LaunchConfig::new((t.div_ceil(8) as u32, 1, 1), 256),
+                    || unsafe {
+                        f(
+                            dk.ptr(),
+                            dw.ptr(),
+                            db.ptr(),
+                            1e-6,
+                            dcos.ptr(),
+                            dsin.ptr(),
+                            t as i32,
+                            dim as i32,
+                            rope as i32,
+                            float_ptr,
+                            bytes_ptr,
+                            scales_ptr,
+                            rows_ptr,
+                            5,
+                        )
+                    },
+                );
+                let what = format!("{dtype:?} D={dim} R={rope} by_index={by_index} fp8={fp8}");
+                if !fp8 {
+                    let want = tensor(&vec![f32::NAN; slots * dim], &[slots, dim]);
+                    write_rows(&want, &keys, place).unwrap();
+                    let want = want.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+                    let want = want.to_vec1::<f32>().unwrap();
+                    for (i, (g, w)) in float_cache.to_f32().iter().zip(&want).enumerate() {
+                        let bound = if dtype == DType::BF16 {
+                            w.abs() / 128.0
+                        } else {
+                            1e-5 * w.abs().max(1e-2)
+                        };
+                        assert!(
+                            (w.is_nan() && g.is_nan()) || (g - w).abs() <= bound,
+                            "{what}: key value {i}: {g} vs the reference's {w}"
+                        );
+                    }
+                    continue;
+                }
+                let want_b = Tensor::full(0xffu8, (slots, dim), &Device::Cpu).unwrap();
+                let want_s = Tensor::full(f32::NAN, slots, &Device::Cpu).unwrap();
+                write_rows(&want_b, &want_bytes, place).unwrap();
+                write_rows(&want_s, &want_scales, place).unwrap();
+                let want_s = want_s.to_vec1::<f32>().unwrap();
+                for (i, (g, w)) in scales.to_vec().iter().zip(&want_s).enumerate() {
+                    assert!(
+                        (w.is_nan() && g.is_nan()) || (g - w).abs() <= 1e-2 * w.abs(),
+                        "{what}: scale {i}: {g} vs the reference's {w}"
+                    );
+                }
+                let want_b = want_b.flatten_all().unwrap().to_vec1::<u8>().unwrap();
+                // e4m3 codes of one sign are ordered like their values: one step apart = codes differ by 1.
+                for (i, (g, w)) in bytes.to_vec().iter().zip(&want_b).enumerate() {
+                    let same_sign = (g ^ w) & 0x80 == 0 || (g & 0x7f == 0 && w & 0x7f == 0);
+                    assert!(
+                        same_sign && (g & 0x7f).abs_diff(w & 0x7f) <= 1,
+                        "{what}: byte {i}: {g:#04x} vs the reference's {w:#04x}"
+                    );
+                }
+            }
+        }
+    }
+}

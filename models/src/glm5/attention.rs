@@ -1,7 +1,6 @@
 //! §3.3–3.4 MLA in its absorbed form and §4 the DSA lightning indexer.
 
 use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::LayerNorm;
 use glm5_ops::registry::{DsaIndexerFn, SparseMlaFn};
 use glm5_ops::{
     dsa_indexer_paged_reference, dsa_indexer_paged_with, sparse_mla_paged_reference,
@@ -11,7 +10,7 @@ use glm5_ops::{
 
 use super::linear::{Loader, Proj, RmsNorm};
 use super::rope::Rope;
-use crate::cache::{LatentRows, LayerCache};
+use crate::cache::{KeyRows, LatentRows, LayerCache};
 use crate::config::{Config, INDEX_KEY_NORM_EPS, LATENT_NORM_EPS};
 use crate::error::{ModelError, Result};
 use crate::paged_cache::PagedLayer;
@@ -58,7 +57,8 @@ pub(super) struct PagedStep {
 struct Indexer {
     wq_b: Proj,
     wk: Proj,
-    k_norm: LayerNorm,
+    /// `k_norm` (a LayerNorm with bias): weight and bias `[head_dim]`.
+    k_norm: (Tensor, Tensor),
     weights_proj: Proj,
     n_heads: usize,
     head_dim: usize,
@@ -82,10 +82,9 @@ impl Indexer {
         Ok(Self {
             wq_b: loader.linear(&format!("{prefix}.wq_b"), config.q_lora_rank, heads * dim)?,
             wk: loader.linear(&format!("{prefix}.wk"), config.hidden_size, dim)?,
-            k_norm: LayerNorm::new(
+            k_norm: (
                 loader.tensor(&format!("{prefix}.k_norm.weight"), &[dim])?,
                 loader.tensor(&format!("{prefix}.k_norm.bias"), &[dim])?,
-                INDEX_KEY_NORM_EPS,
             ),
             weights_proj: loader.linear(
                 &format!("{prefix}.weights_proj"),
@@ -126,11 +125,13 @@ impl Indexer {
             .forward(q_lora)?
             .reshape((t, self.n_heads, self.head_dim))?;
         let q = self.rotate_leading(&q, rope)?;
-        let k = self
-            .k_norm
-            .forward(&self.wk.forward(hidden)?)?
-            .unsqueeze(1)?;
-        let k = self.rotate_leading(&k, rope)?.squeeze(1)?;
+        // This call's keys [RoPE(k_norm(k))[..R] | k_norm(k)[R..]] go into the cache (one fused op).
+        let k = self.wk.forward(hidden)?;
+        let key_rows = KeyRows {
+            layer_norm: (&self.k_norm.0, &self.k_norm.1),
+            eps: INDEX_KEY_NORM_EPS,
+            rope: rope.tables(),
+        };
         let head_weights =
             (self.weights_proj.forward(hidden)?.to_dtype(DType::F32)? * self.weight_scale)?;
         let (kernel, backend) = self.kernel.ok_or_else(|| {
@@ -138,7 +139,7 @@ impl Indexer {
         })?;
         match kv {
             LayerKv::Contiguous { cache, start_pos } => {
-                let keys = cache.append_index_keys(&k, start_pos)?;
+                let keys = cache.append_index_keys(&k, key_rows, start_pos)?;
                 let visible: Vec<usize> = (1..=t).map(|i| start_pos + i).collect();
                 Ok(kernel(
                     &q,
@@ -149,7 +150,7 @@ impl Indexer {
                 )?)
             }
             LayerKv::Paged { cache, step } => {
-                cache.write_index_keys(&k, &step.write_rows)?;
+                cache.write_index_keys(&k, key_rows, &step.write_rows)?;
                 let paged = PagedIndexKeys {
                     keys: cache.index_keys(),
                     block_table: &step.block_table,

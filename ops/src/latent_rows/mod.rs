@@ -21,21 +21,13 @@
 //! `slice_set` / `scatter_set`: five launches on a GPU. On CUDA for bf16 and f32 one kernel
 //! (`kernels/src/cache_rows.cu`), a block per token.
 
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 
+pub use crate::cache_rows::{write_rows, CacheRows};
 use crate::error::{OpError, Result};
 
 #[cfg(feature = "cuda")]
 mod cuda;
-
-/// Where a call's rows go in the cache.
-#[derive(Debug, Clone, Copy)]
-pub enum CacheRows<'a> {
-    /// Rows `offset ..= offset + T - 1` (a contiguous cache).
-    From(usize),
-    /// Row `rows[t]` for token `t` (`U32 [T]`, on the cache's device; a paged cache).
-    At(&'a Tensor),
-}
 
 /// The latent rows `[T, lora + R]` (contract above), by candle ops.
 pub fn latent_rows_reference(
@@ -71,24 +63,16 @@ pub fn write_latent_rows(
         return Ok(());
     }
     #[cfg(feature = "cuda")]
-    if kv_a.device().is_cuda() && matches!(kv_a.dtype(), DType::BF16 | DType::F32) {
+    if kv_a.device().is_cuda()
+        && matches!(
+            kv_a.dtype(),
+            candle_core::DType::BF16 | candle_core::DType::F32
+        )
+    {
         return cuda::write_latent_rows(kv_a, norm_weight, eps, (cos, sin), cache, rows);
     }
     let values = latent_rows_reference(kv_a, norm_weight, eps, cos, sin)?;
     write_rows(cache, &values, rows)
-}
-
-/// `cache[row of t] = values[t]` by candle ops.
-pub fn write_rows(cache: &Tensor, values: &Tensor, rows: CacheRows<'_>) -> Result<()> {
-    match rows {
-        CacheRows::From(offset) => cache.slice_set(&values.contiguous()?, 0, offset)?,
-        CacheRows::At(rows) => {
-            let (t, width) = values.dims2()?;
-            let ids = rows.unsqueeze(1)?.broadcast_as((t, width))?.contiguous()?;
-            cache.scatter_set(&ids, &values.contiguous()?, 0)?;
-        }
-    }
-    Ok(())
 }
 
 fn check(
@@ -140,25 +124,6 @@ fn check(
             });
         }
     }
-    match rows {
-        CacheRows::From(offset) => {
-            if offset.checked_add(t).is_none_or(|end| end > slots) {
-                return Err(OpError::Shape {
-                    arg: "cache",
-                    expected: format!("at least {} rows", offset.saturating_add(t)),
-                    found: cache.dims().to_vec(),
-                });
-            }
-        }
-        CacheRows::At(rows) => {
-            if rows.dims() != [t] || rows.dtype() != DType::U32 {
-                return Err(OpError::Shape {
-                    arg: "rows",
-                    expected: format!("U32 [{t}]"),
-                    found: rows.dims().to_vec(),
-                });
-            }
-        }
-    }
+    rows.check(t, slots, cache)?;
     Ok(())
 }
