@@ -172,7 +172,7 @@ mod emu {
         "iq_matmul",
         "moe",
         "rms_norm",
-        "cache_rows",
+        "attention_rows",
         "nvfp4_mma_sm120a",
     ];
 

@@ -40,9 +40,10 @@ pub const MOE: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/moe.fatbin"));
 #[cfg(feature = "cuda")]
 pub const RMS_NORM: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/rms_norm.fatbin"));
 
-/// `cache_rows.cu`: the rows attention writes into its caches (the MLA latent row), one kernel each.
+/// `attention_rows.cu`: the rows attention writes into its caches (the MLA latent row), one kernel each.
 #[cfg(feature = "cuda")]
-pub const CACHE_ROWS: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/cache_rows.fatbin"));
+pub const ATTENTION_ROWS: &[u8] =
+    include_bytes!(concat!(env!("OUT_DIR"), "/attention_rows.fatbin"));
 
 /// `weight_only_matmul.cu`: the W8A16 (block-scaled FP8) and W4A16 (NVFP4) mat-vec and dequantise kernels.
 #[cfg(feature = "cuda")]

@@ -16,6 +16,7 @@
 //! Module dependencies run one way: `device` <- `cuda` (driver) <- `probe`; `registry` <- op folders <-
 //! `builtin`.
 
+pub mod absorbed_query;
 mod builtin;
 pub mod cache_rows;
 #[cfg(feature = "cuda")]
@@ -34,6 +35,7 @@ mod probe;
 pub mod quantized_matmul;
 pub mod registry;
 pub mod rms_norm;
+pub mod rope_leading;
 pub mod sparse_mla;
 pub mod weight_only;
 #[cfg(feature = "cuda")]

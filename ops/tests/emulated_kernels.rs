@@ -1456,7 +1456,7 @@ fn rms_norm_equals_the_reference() {
     }
 }
 
-// ---- the attention's cache rows (cache_rows.cu) ----------------------------------------------------------
+// ---- the attention's cache rows (attention_rows.cu) ----------------------------------------------------------
 
 extern "C" {
     fn latent_rows_f32(
@@ -1757,5 +1757,151 @@ fn index_key_rows_equal_the_reference() {
                 }
             }
         }
+    }
+}
+
+extern "C" {
+    fn absorbed_query_f32(
+        q: Ptr,
+        q_latent: Ptr,
+        cos: Ptr,
+        sin: Ptr,
+        tokens: i32,
+        heads: i32,
+        nope: i32,
+        rope: i32,
+        lora: i32,
+        out: MutPtr,
+    );
+    fn absorbed_query_bf16(
+        q: Ptr,
+        q_latent: Ptr,
+        cos: Ptr,
+        sin: Ptr,
+        tokens: i32,
+        heads: i32,
+        nope: i32,
+        rope: i32,
+        lora: i32,
+        out: MutPtr,
+    );
+    fn rope_leading_f32(x: Ptr, cos: Ptr, sin: Ptr, heads: i32, dim: i32, rope: i32, out: MutPtr);
+    fn rope_leading_bf16(x: Ptr, cos: Ptr, sin: Ptr, heads: i32, dim: i32, rope: i32, out: MutPtr);
+}
+
+/// Random RoPE tables `[t, half]` as the dtype holds them.
+fn rope_tables(seed: u64, t: usize, half: usize, dtype: DType) -> (Vec<f32>, Vec<f32>) {
+    let angles: Vec<f32> = activations(seed, t * half, DType::F32)
+        .iter()
+        .map(|a| a * 3.0)
+        .collect();
+    (
+        activations_like(&angles.iter().map(|a| a.cos()).collect::<Vec<_>>(), dtype),
+        activations_like(&angles.iter().map(|a| a.sin()).collect::<Vec<_>>(), dtype),
+    )
+}
+
+/// The absorbed-query and leading-RoPE kernels as their launchers run them (a block per (token, head)),
+/// against the references (candle-nn's rope_i and a concatenation): equal up to f32 rounding, or one bf16
+/// rounding, at GLM-5's shapes (MLA: nope 192, RoPE 64, latent 512; indexer: 128 with RoPE on 64) over a
+/// few heads.
+#[test]
+fn query_kernels_equal_the_reference() {
+    use glm5_ops::absorbed_query::absorbed_query_reference;
+    use glm5_ops::rope_leading::rope_leading_reference;
+    let (t, heads) = (3, 5);
+    for dtype in [DType::F32, DType::BF16] {
+        let d = dtype_index(dtype);
+        let tensor = |v: &[f32], shape: &[usize]| {
+            Tensor::from_slice(v, shape, &Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap()
+        };
+        let flat = |x: Tensor| {
+            x.to_dtype(DType::F32)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+        };
+        let check = |what: &str, got: &[f32], want: &[f32]| {
+            for (i, (g, w)) in got.iter().zip(want).enumerate() {
+                let bound = if dtype == DType::BF16 {
+                    w.abs() / 128.0
+                } else {
+                    1e-6 * w.abs().max(1e-3)
+                };
+                assert!(
+                    (g - w).abs() <= bound,
+                    "{what} {dtype:?} value {i}: {g} vs {w}"
+                );
+            }
+        };
+        // MLA's absorbed query.
+        let (nope, rope, lora) = (192, 64, 512);
+        let q = activations(4830, t * heads * (nope + rope), dtype);
+        let q_latent = activations(4831, heads * t * lora, dtype);
+        let (cos, sin) = rope_tables(4832, t, rope / 2, dtype);
+        let want = absorbed_query_reference(
+            &tensor(&q, &[t, heads, nope + rope]),
+            &tensor(&q_latent, &[heads, t, lora]),
+            &tensor(&cos, &[t, rope / 2]),
+            &tensor(&sin, &[t, rope / 2]),
+        )
+        .unwrap();
+        let (dq, dl) = (
+            Values::from_f32(&q, dtype),
+            Values::from_f32(&q_latent, dtype),
+        );
+        let (dcos, dsin) = (Values::from_f32(&cos, dtype), Values::from_f32(&sin, dtype));
+        let out = Values::nan(t * heads * (lora + rope), dtype);
+        let f = [absorbed_query_f32, absorbed_query_bf16][d];
+        run(
+            LaunchConfig::new((t as u32, heads as u32, 1), 128),
+            || unsafe {
+                f(
+                    dq.ptr(),
+                    dl.ptr(),
+                    dcos.ptr(),
+                    dsin.ptr(),
+                    t as i32,
+                    heads as i32,
+                    nope as i32,
+                    rope as i32,
+                    lora as i32,
+                    out.mut_ptr(),
+                )
+            },
+        );
+        check("absorbed query", &out.to_f32(), &flat(want));
+        // The indexer's query.
+        let dim = 128;
+        let x = activations(4833, t * heads * dim, dtype);
+        let want = rope_leading_reference(
+            &tensor(&x, &[t, heads, dim]),
+            &tensor(&cos, &[t, rope / 2]),
+            &tensor(&sin, &[t, rope / 2]),
+        )
+        .unwrap();
+        let dx = Values::from_f32(&x, dtype);
+        let out = Values::nan(t * heads * dim, dtype);
+        let f = [rope_leading_f32, rope_leading_bf16][d];
+        run(
+            LaunchConfig::new((t as u32, heads as u32, 1), 32),
+            || unsafe {
+                f(
+                    dx.ptr(),
+                    dcos.ptr(),
+                    dsin.ptr(),
+                    heads as i32,
+                    dim as i32,
+                    rope as i32,
+                    out.mut_ptr(),
+                )
+            },
+        );
+        check("leading RoPE", &out.to_f32(), &flat(want));
     }
 }

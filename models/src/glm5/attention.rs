@@ -1,7 +1,9 @@
 //! §3.3–3.4 MLA in its absorbed form and §4 the DSA lightning indexer.
 
 use candle_core::{DType, Device, Module, Tensor};
+use glm5_ops::absorbed_query::absorbed_query;
 use glm5_ops::registry::{DsaIndexerFn, SparseMlaFn};
+use glm5_ops::rope_leading::rope_leading;
 use glm5_ops::{
     dsa_indexer_paged_reference, dsa_indexer_paged_with, sparse_mla_paged_reference,
     sparse_mla_paged_with, DsaIndexerLaunch, Kernel, Op, PagedIndexKeys, PagedLatentCache,
@@ -62,7 +64,6 @@ struct Indexer {
     weights_proj: Proj,
     n_heads: usize,
     head_dim: usize,
-    rope_dim: usize,
     /// Keys kept per query (`index_topk`).
     index_topk: usize,
     weight_scale: f64,
@@ -93,21 +94,10 @@ impl Indexer {
             )?,
             n_heads: heads,
             head_dim: dim,
-            rope_dim: config.qk_rope_head_dim,
             index_topk: config.index_topk,
             weight_scale: config.index_weight_scale(),
             kernel,
         })
-    }
-
-    /// RoPE on the first `rope_dim` dims of `x` `[T, heads, head_dim]`; the rest pass through.
-    fn rotate_leading(&self, x: &Tensor, rope: &Rope) -> Result<Tensor> {
-        let rotated = rope.apply(&x.narrow(2, 0, self.rope_dim)?)?;
-        if self.rope_dim == self.head_dim {
-            return Ok(rotated);
-        }
-        let pass = x.narrow(2, self.rope_dim, self.head_dim - self.rope_dim)?;
-        Ok(Tensor::cat(&[rotated, pass], 2)?)
     }
 
     /// `hidden` `[T, hidden]` (the normed layer input), `q_lora` `[T, q_lora_rank]` (after q_a_layernorm).
@@ -124,7 +114,9 @@ impl Indexer {
             .wq_b
             .forward(q_lora)?
             .reshape((t, self.n_heads, self.head_dim))?;
-        let q = self.rotate_leading(&q, rope)?;
+        // RoPE on the first qk_rope_head_dim dims of each head (the tables' width); the rest pass through.
+        let (cos, sin) = rope.tables();
+        let q = rope_leading(&q, cos, sin)?;
         // This call's keys [RoPE(k_norm(k))[..R] | k_norm(k)[R..]] go into the cache (one fused op).
         let k = self.wk.forward(hidden)?;
         let key_rows = KeyRows {
@@ -282,8 +274,6 @@ impl Attention {
             self.heads,
             self.nope_dim + self.rope_dim,
         ))?;
-        let q_nope = q.narrow(2, 0, self.nope_dim)?;
-        let q_pe = rope.apply(&q.narrow(2, self.nope_dim, self.rope_dim)?)?;
 
         // This call's latent rows [kv_a_layernorm(c) | RoPE(k_pe)] go into the cache (one fused op);
         // attention reads all cached rows.
@@ -303,13 +293,15 @@ impl Attention {
             }
         };
 
-        // Absorb W_UK: q̃_h = W_UK_hᵀ q_nope_h, so scores are 576-wide dots against the latent rows.
-        let q_latent = q_nope
+        // Absorb W_UK: q̃_h = W_UK_hᵀ q_nope_h, so scores are 576-wide dots against the latent rows; the
+        // query is [q̃ | RoPE(q_pe)] per head (one fused op).
+        let q_latent = q
+            .narrow(2, 0, self.nope_dim)?
             .transpose(0, 1)?
             .contiguous()?
-            .matmul(&self.w_uk)?
-            .transpose(0, 1)?;
-        let q_absorbed = Tensor::cat(&[q_latent, q_pe], 2)?.contiguous()?;
+            .matmul(&self.w_uk)?;
+        let (cos, sin) = rope.tables();
+        let q_absorbed = absorbed_query(&q, &q_latent, cos, sin)?;
 
         let selected = match dense {
             None => profile::time(Part::Indexer, hidden.device(), || {

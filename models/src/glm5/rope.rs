@@ -69,11 +69,4 @@ impl Rope {
     pub(super) fn tables(&self) -> (&Tensor, &Tensor) {
         (&self.cos, &self.sin)
     }
-
-    /// Rotates `x` of shape `[T, heads, R]`.
-    pub(super) fn apply(&self, x: &Tensor) -> Result<Tensor> {
-        let per_head = x.transpose(0, 1)?.unsqueeze(0)?.contiguous()?;
-        let rotated = candle_nn::rotary_emb::rope_i(&per_head, &self.cos, &self.sin)?;
-        Ok(rotated.squeeze(0)?.transpose(0, 1)?)
-    }
 }

@@ -1,4 +1,4 @@
-//! The launcher of `index_key_rows_*` in `kernels/src/cache_rows.cu`.
+//! The launcher of `index_key_rows_*` in `kernels/src/attention_rows.cu`.
 
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::{DType, Tensor};
@@ -49,7 +49,7 @@ pub(super) fn write_index_key_rows(
     } else {
         "index_key_rows_f32"
     };
-    let func = kernel(&dev, "cache_rows", glm5_kernels::CACHE_ROWS, name)?;
+    let func = kernel(&dev, "attention_rows", glm5_kernels::ATTENTION_ROWS, name)?;
     let stream = dev.cuda_stream();
     let (eps_arg, t_arg, dim_arg, rope_arg) = (eps as f32, t as i32, dim as i32, rope as i32);
     let mut builder = stream.launch_builder(&func);
@@ -73,7 +73,7 @@ pub(super) fn write_index_key_rows(
         block_dim: ((TOKENS_PER_BLOCK * 32) as u32, 1, 1),
         shared_mem_bytes: 0,
     };
-    // SAFETY: the arguments match the kernel's signature (cache_rows.cu); k [T, D], the LayerNorm's weight and
+    // SAFETY: the arguments match the kernel's signature (attention_rows.cu); k [T, D], the LayerNorm's weight and
     // bias [D], cos/sin [T, R/2] and rows [T] are contiguous live allocations of those sizes; exactly one of
     // the float cache and the FP8 pair is given, and every row the kernel writes is inside it (checked by the
     // caller).

@@ -19,7 +19,7 @@
 //!
 //! The reference is [`index_key_rows_reference`] (`layer_norm`, `rope_i`, a concatenation), the FP8
 //! quantiser where the cache is FP8, and candle's `slice_set` / `scatter_set`: up to eight launches on a GPU.
-//! On CUDA for bf16 and f32 keys of up to [`MAX_CUDA_DIM`] values one kernel (`kernels/src/cache_rows.cu`), a
+//! On CUDA for bf16 and f32 keys of up to [`MAX_CUDA_DIM`] values one kernel (`kernels/src/attention_rows.cu`), a
 //! warp per token; wider keys take the reference path.
 
 use candle_core::{DType, Tensor};
@@ -31,7 +31,7 @@ use crate::index_keys::{quantize_fp8, IndexKeys};
 #[cfg(feature = "cuda")]
 mod cuda;
 
-/// The widest key the CUDA kernel takes (`MAX_PAIRS` pairs a lane in `cache_rows.cu`).
+/// The widest key the CUDA kernel takes (`MAX_PAIRS` pairs a lane in `attention_rows.cu`).
 pub const MAX_CUDA_DIM: usize = 256;
 
 /// The keys `[T, D]` in `k`'s dtype (contract above), by candle ops.

@@ -1,4 +1,4 @@
-//! The launcher of `latent_rows_*` in `kernels/src/cache_rows.cu`.
+//! The launcher of `latent_rows_*` in `kernels/src/attention_rows.cu`.
 
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::{DType, Tensor};
@@ -40,7 +40,7 @@ pub(super) fn write_latent_rows(
     } else {
         "latent_rows_f32"
     };
-    let func = kernel(&dev, "cache_rows", glm5_kernels::CACHE_ROWS, name)?;
+    let func = kernel(&dev, "attention_rows", glm5_kernels::ATTENTION_ROWS, name)?;
     let stream = dev.cuda_stream();
     let (eps_arg, lora_arg, rope_arg) = (eps as f32, lora as i32, (width - lora) as i32);
     let mut builder = stream.launch_builder(&func);
@@ -60,7 +60,7 @@ pub(super) fn write_latent_rows(
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    // SAFETY: the arguments match the kernel's signature (cache_rows.cu); kv_a [T, width], the weight
+    // SAFETY: the arguments match the kernel's signature (attention_rows.cu); kv_a [T, width], the weight
     // [lora], cos/sin [T, rope/2] and rows [T] are contiguous live allocations of those sizes, and every row
     // the kernel writes is inside `cache` [N, width] (checked by the caller).
     unsafe { builder.launch(cfg) }.map_err(cuda_err)?;

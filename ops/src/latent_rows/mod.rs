@@ -19,7 +19,7 @@
 //!
 //! The reference is [`latent_rows_reference`] (RMSNorm, candle-nn's `rope_i`, a concatenation) and candle's
 //! `slice_set` / `scatter_set`: five launches on a GPU. On CUDA for bf16 and f32 one kernel
-//! (`kernels/src/cache_rows.cu`), a block per token.
+//! (`kernels/src/attention_rows.cu`), a block per token.
 
 use candle_core::Tensor;
 

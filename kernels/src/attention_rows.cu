@@ -1,5 +1,5 @@
-// The rows a layer's attention writes into its caches each step, computed and written by one kernel where
-// candle's tensor ops take several (contracts: glm5-ops latent_rows/mod.rs).
+// The row-wise steps of a layer's attention around its projections, one kernel each where candle's tensor
+// ops take several (contracts: glm5-ops latent_rows, index_key_rows, absorbed_query, rope_leading).
 //
 //   latent_rows_*  one block per token: the MLA latent row [rms_norm(kv_a[..lora]) | rope_i(kv_a[lora..])]
 //                  into row rows[t] (or first_row + t) of the cache. RMSNorm as rms_norm.cu (row_norm.cuh);
@@ -10,6 +10,10 @@
 //                  rounding to the dtype), written as floats or as FP8 e4m3 with one scale per key
 //                  (index_keys' contract: scale = amax / 448, 1 for a zero key; bytes e4m3(x / scale),
 //                  round to nearest even, saturating). Keys of at most 32 · 2 · MAX_PAIRS values.
+//   absorbed_query_*  one block per (token, head): the absorbed MLA query [q_latent[h, t] | rope_i(q[t, h,
+//                  nope..])] from W_UK's product (head-major) and q_b_proj's output (token-major).
+//   rope_leading_*  one block per (token, head): rope_i on the first R values of x[t, h], the rest copied
+//                  (the indexer's query).
 
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -20,6 +24,13 @@
 namespace {
 
 using namespace glm5::rows;
+
+/// rope_i of the pair (x0, x1) at table entry (c, s), each product rounded to T's dtype, into out[0], out[1].
+template <typename T>
+__device__ __forceinline__ void rope_pair(float x0, float x1, float c, float s, T* out) {
+    store(out, round_to(x0 * c, out) - round_to(x1 * s, out));
+    store(out + 1, round_to(x0 * s, out) + round_to(x1 * c, out));
+}
 
 template <typename T>
 __device__ void latent_rows(const T* __restrict__ kv_a, const T* __restrict__ norm_weight, float eps,
@@ -32,12 +43,9 @@ __device__ void latent_rows(const T* __restrict__ kv_a, const T* __restrict__ no
     const float inv_rms = block_inv_rms(in, lora, eps);
     for (int c = threadIdx.x; c < lora; c += blockDim.x)
         store(out + c, round_to(to_float(in[c]) * inv_rms, kv_a) * to_float(norm_weight[c]));
-    for (int i = threadIdx.x; i < half; i += blockDim.x) {
-        const float x0 = to_float(in[lora + 2 * i]), x1 = to_float(in[lora + 2 * i + 1]);
-        const float c = to_float(cos[(size_t)t * half + i]), s = to_float(sin[(size_t)t * half + i]);
-        store(out + lora + 2 * i, round_to(x0 * c, kv_a) - round_to(x1 * s, kv_a));
-        store(out + lora + 2 * i + 1, round_to(x0 * s, kv_a) + round_to(x1 * c, kv_a));
-    }
+    for (int i = threadIdx.x; i < half; i += blockDim.x)
+        rope_pair(to_float(in[lora + 2 * i]), to_float(in[lora + 2 * i + 1]), to_float(cos[(size_t)t * half + i]),
+                  to_float(sin[(size_t)t * half + i]), out + lora + 2 * i);
 }
 
 constexpr int MAX_PAIRS = 4;  // per lane: keys of up to 256 values (GLM-5's: 128)
@@ -121,9 +129,35 @@ __device__ void index_key_rows(const T* __restrict__ k, const T* __restrict__ ln
     if (lane == 0) fp8_scales[row] = scale;
 }
 
+template <typename T>
+__device__ void absorbed_query(const T* __restrict__ q, const T* __restrict__ q_latent, const T* __restrict__ cos,
+                               const T* __restrict__ sin, int tokens, int heads, int nope, int rope, int lora,
+                               T* __restrict__ out) {
+    const int t = blockIdx.x, h = blockIdx.y, half = rope / 2;
+    const T* latent = q_latent + ((size_t)h * tokens + t) * lora;
+    const T* pe = q + ((size_t)t * heads + h) * (nope + rope) + nope;
+    T* dst = out + ((size_t)t * heads + h) * (lora + rope);
+    for (int c = threadIdx.x; c < lora; c += blockDim.x) dst[c] = latent[c];
+    for (int i = threadIdx.x; i < half; i += blockDim.x)
+        rope_pair(to_float(pe[2 * i]), to_float(pe[2 * i + 1]), to_float(cos[(size_t)t * half + i]),
+                  to_float(sin[(size_t)t * half + i]), dst + lora + 2 * i);
+}
+
+template <typename T>
+__device__ void rope_leading(const T* __restrict__ x, const T* __restrict__ cos, const T* __restrict__ sin,
+                             int heads, int dim, int rope, T* __restrict__ out) {
+    const int t = blockIdx.x, h = blockIdx.y, half = rope / 2;
+    const T* src = x + ((size_t)t * heads + h) * dim;
+    T* dst = out + ((size_t)t * heads + h) * dim;
+    for (int i = threadIdx.x; i < half; i += blockDim.x)
+        rope_pair(to_float(src[2 * i]), to_float(src[2 * i + 1]), to_float(cos[(size_t)t * half + i]),
+                  to_float(sin[(size_t)t * half + i]), dst + 2 * i);
+    for (int c = rope + threadIdx.x; c < dim; c += blockDim.x) dst[c] = src[c];
+}
+
 }  // namespace
 
-#define CACHE_ROWS_KERNELS(SUFFIX, T)                                                                          \
+#define ATTENTION_ROWS_KERNELS(SUFFIX, T)                                                                          \
     extern "C" __global__ void latent_rows_##SUFFIX(const T* kv_a, const T* norm_weight, float eps,         \
                                                     const T* cos, const T* sin, T* cache,                   \
                                                     const uint32_t* rows, int first_row, int lora,          \
@@ -136,7 +170,16 @@ __device__ void index_key_rows(const T* __restrict__ k, const T* __restrict__ ln
         int first_row) {                                                                                       \
         index_key_rows(k, ln_weight, ln_bias, eps, cos, sin, tokens, dim, rope, float_cache, fp8_bytes,        \
                        fp8_scales, rows, first_row);                                                           \
+    }                                                                                                          \
+    extern "C" __global__ void absorbed_query_##SUFFIX(const T* q, const T* q_latent, const T* cos,           \
+                                                       const T* sin, int tokens, int heads, int nope,          \
+                                                       int rope, int lora, T* out) {                           \
+        absorbed_query(q, q_latent, cos, sin, tokens, heads, nope, rope, lora, out);                           \
+    }                                                                                                          \
+    extern "C" __global__ void rope_leading_##SUFFIX(const T* x, const T* cos, const T* sin, int heads,       \
+                                                     int dim, int rope, T* out) {                              \
+        rope_leading(x, cos, sin, heads, dim, rope, out);                                                      \
     }
 
-CACHE_ROWS_KERNELS(bf16, __nv_bfloat16)
-CACHE_ROWS_KERNELS(f32, float)
+ATTENTION_ROWS_KERNELS(bf16, __nv_bfloat16)
+ATTENTION_ROWS_KERNELS(f32, float)
