@@ -241,3 +241,78 @@ fn index_key_rows_on_gpu_equal_the_reference() {
         }
     }
 }
+
+/// `absorbed_query` and `rope_leading` on the GPU (one kernel each) against their references on the GPU
+/// (candle-nn's rope_i and a concatenation) at GLM-5's widths over 64 heads.
+#[test]
+fn query_kernels_on_gpu_equal_the_reference() {
+    use glm5_ops::absorbed_query::{absorbed_query, absorbed_query_reference};
+    use glm5_ops::rope_leading::{rope_leading, rope_leading_reference};
+    let gpu = Device::new_cuda(0).expect("a CUDA device");
+    let mut r = rng(4834);
+    let (heads, nope, rope, lora, index_dim) = (64, 192, 64, 512, 128);
+    for dtype in [DType::F32, DType::BF16] {
+        for t in [1, 5, 33] {
+            let on_gpu = |v: Vec<f32>, shape: &[usize]| {
+                Tensor::from_vec(v, shape, &Device::Cpu)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap()
+                    .to_device(&gpu)
+                    .unwrap()
+            };
+            let q = on_gpu(
+                uniform(&mut r, t * heads * (nope + rope)),
+                &[t, heads, nope + rope],
+            );
+            let q_latent = on_gpu(uniform(&mut r, heads * t * lora), &[heads, t, lora]);
+            let x = on_gpu(
+                uniform(&mut r, t * heads * index_dim),
+                &[t, heads, index_dim],
+            );
+            let angles = uniform(&mut r, t * rope / 2);
+            let cos = on_gpu(
+                angles.iter().map(|a| (a * 3.0).cos()).collect(),
+                &[t, rope / 2],
+            );
+            let sin = on_gpu(
+                angles.iter().map(|a| (a * 3.0).sin()).collect(),
+                &[t, rope / 2],
+            );
+            let flat = |x: Tensor| -> Vec<f32> {
+                x.to_dtype(DType::F32)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap()
+            };
+            let pairs = [
+                (
+                    "absorbed query",
+                    absorbed_query(&q, &q_latent, &cos, &sin).unwrap(),
+                    absorbed_query_reference(&q, &q_latent, &cos, &sin).unwrap(),
+                ),
+                (
+                    "leading RoPE",
+                    rope_leading(&x, &cos, &sin).unwrap(),
+                    rope_leading_reference(&x, &cos, &sin).unwrap(),
+                ),
+            ];
+            for (what, got, want) in pairs {
+                assert_eq!(got.dims(), want.dims(), "{what}");
+                for (i, (g, w)) in flat(got).iter().zip(flat(want)).enumerate() {
+                    let bound = if dtype == DType::BF16 {
+                        w.abs() / 128.0
+                    } else {
+                        1e-5 * w.abs().max(1e-3)
+                    };
+                    assert!(
+                        (g - w).abs() <= bound,
+                        "{what} {dtype:?} t={t} value {i}: {g} vs {w}"
+                    );
+                }
+            }
+        }
+    }
+}
