@@ -456,7 +456,9 @@ fn poison_w8a8(gpu: &Device, rows_padded: usize, n: usize, k: usize) {
         4 * rows_padded * (k / fp8_matmul::W8A8_GROUP),
         4 * rows_padded * n,
     ] {
-        drop(Tensor::full(0xffu8, bytes, gpu).unwrap());
+        if bytes > 0 {
+            drop(Tensor::full(0xffu8, bytes, gpu).unwrap());
+        }
     }
     gpu.synchronize().unwrap();
 }
