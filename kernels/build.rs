@@ -19,6 +19,14 @@ fn main() {
     if std::env::var_os("CARGO_FEATURE_CUDA").is_some() {
         cuda::build();
     }
+    #[cfg(feature = "emu")]
+    emu::build();
+}
+
+/// Writes the generated headers the kernels include into `dir`.
+fn write_headers(dir: &std::path::Path) {
+    std::fs::write(dir.join("glm5_interface.h"), interface_header()).expect("OUT_DIR is writable");
+    std::fs::write(dir.join("glm5_iq_grids.h"), iq_grids_header()).expect("OUT_DIR is writable");
 }
 
 /// The text of `glm5_iq_grids.h`: the i-quant lookup tables of `src/iq_grids.rs` as device arrays.
@@ -108,10 +116,7 @@ mod cuda {
             .filter(|p| p.extension().is_some_and(|e| e == "cu"))
             .collect();
         sources.sort();
-        std::fs::write(out_dir.join("glm5_interface.h"), super::interface_header())
-            .expect("OUT_DIR is writable");
-        std::fs::write(out_dir.join("glm5_iq_grids.h"), super::iq_grids_header())
-            .expect("OUT_DIR is writable");
+        super::write_headers(&out_dir);
         let nvcc = nvcc();
         for source in &sources {
             println!("cargo:rerun-if-changed={}", source.display());
@@ -151,5 +156,90 @@ mod cuda {
                 });
             assert!(status.success(), "nvcc failed on {}", source.display());
         }
+    }
+}
+
+/// Feature `emu` (its `cc` build-dependency is optional): the kernels written in plain CUDA C++ compiled for the host with the emulator in `emu/`
+/// (semantics in `emu/cuda_emu.h`), into a static library whose `extern "C"` kernels `src/emu.rs` launches.
+#[cfg(feature = "emu")]
+mod emu {
+    use std::path::{Path, PathBuf};
+
+    /// The `.cu` files the emulator runs: CUDA C++ alone, or with their inline PTX in a header that
+    /// `emu/include` has its own version of (`fp4_mma_sm120a.cuh`).
+    const EMULATED: &[&str] = &[
+        "weight_only_matmul",
+        "iq_matmul",
+        "moe",
+        "rms_norm",
+        "cache_rows",
+        "nvfp4_mma_sm120a",
+    ];
+
+    /// `extern __shared__ [__align__(n)] T name[];` becomes a pointer to the launch's dynamic shared memory
+    /// (the one construct the emulator's macros cannot express); the line count stays the same.
+    fn rewrite_dynamic_shared(source: &str) -> String {
+        source
+            .lines()
+            .map(|line| {
+                let trimmed = line.trim_start();
+                let Some(rest) = trimmed.strip_prefix("extern __shared__ ") else {
+                    return line.to_string();
+                };
+                let rest = match rest.strip_prefix("__align__(") {
+                    Some(aligned) => aligned.split_once(") ").map_or(rest, |(_, r)| r),
+                    None => rest,
+                };
+                let (ty, name) = rest
+                    .trim_end_matches(';')
+                    .trim_end_matches("[]")
+                    .rsplit_once(' ')
+                    .expect("`extern __shared__ T name[];`");
+                let indent = &line[..line.len() - trimmed.len()];
+                format!("{indent}{ty}* {name} = static_cast<{ty}*>(glm5_emu_dynamic_shared());")
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    pub fn build() {
+        let out_dir = PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR is set by cargo"));
+        let emu_dir = out_dir.join("emu");
+        std::fs::create_dir_all(&emu_dir).expect("OUT_DIR is writable");
+        super::write_headers(&emu_dir);
+        println!("cargo:rerun-if-changed=emu");
+        let mut build = cc::Build::new();
+        build
+            .cpp(true)
+            .std("c++17")
+            // Fast enough to emulate thousands of threads whatever the profile.
+            .opt_level(2)
+            // CUDA code reads memory through other types (a uint4 load viewed as bf16 pairs); nvcc allows it.
+            .flag("-fno-strict-aliasing")
+            .warnings(false)
+            .include("emu/include")
+            .include("emu")
+            .include("src")
+            .include(&emu_dir)
+            .file("emu/cuda_emu.cpp");
+        for stem in EMULATED {
+            let source = Path::new("src").join(format!("{stem}.cu"));
+            let text = std::fs::read_to_string(&source).expect("an emulated kernel source");
+            let absolute = std::fs::canonicalize(&source).expect("an emulated kernel source");
+            // Each file in its own namespace, as each is its own module on the GPU: their internal
+            // helpers share names. `extern "C"` keeps the kernels' own names.
+            let wrapper = emu_dir.join(format!("{stem}.cpp"));
+            std::fs::write(
+                &wrapper,
+                format!(
+                    "#include \"cuda_emu.h\"\nnamespace glm5_emu_{stem} {{\n#line 1 \"{}\"\n{}\n}}\n",
+                    absolute.display(),
+                    rewrite_dynamic_shared(&text)
+                ),
+            )
+            .expect("OUT_DIR is writable");
+            build.file(&wrapper);
+        }
+        build.compile("glm5_kernels_emu");
     }
 }

@@ -9,6 +9,9 @@
 pub mod interface;
 pub mod iq_grids;
 
+#[cfg(feature = "emu")]
+pub mod emu;
+
 /// `sparse_mla.cu`: sparse absorbed-MLA attention over a paged latent cache (bf16 mma.sync and f32 kernels).
 #[cfg(feature = "cuda")]
 pub const SPARSE_MLA: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/sparse_mla.fatbin"));
@@ -36,6 +39,10 @@ pub const MOE: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/moe.fatbin"));
 /// `rms_norm.cu`: RMSNorm as HF computes it, one launch per call.
 #[cfg(feature = "cuda")]
 pub const RMS_NORM: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/rms_norm.fatbin"));
+
+/// `cache_rows.cu`: the rows attention writes into its caches (the MLA latent row), one kernel each.
+#[cfg(feature = "cuda")]
+pub const CACHE_ROWS: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/cache_rows.fatbin"));
 
 /// `weight_only_matmul.cu`: the W8A16 (block-scaled FP8) and W4A16 (NVFP4) mat-vec and dequantise kernels.
 #[cfg(feature = "cuda")]

@@ -9,10 +9,30 @@
 //! Storage is allocated once for `capacity` tokens; a forward that would go past it is a `CacheFull` error.
 
 use candle_core::{DType, Device, Tensor};
-use glm5_ops::{quantize_fp8, IndexKeys, KeyFormat};
+use glm5_ops::index_key_rows::write_index_key_rows;
+use glm5_ops::latent_rows::{write_latent_rows, CacheRows};
+use glm5_ops::{IndexKeys, KeyFormat};
 
 use crate::config::Config;
 use crate::error::{ModelError, Result};
+
+/// What turns `kv_a_proj_with_mqa`'s output into latent rows: `kv_a_layernorm`'s weight and epsilon, and the
+/// call's RoPE tables (`cos`, `sin`).
+#[derive(Clone, Copy)]
+pub(crate) struct LatentRows<'a> {
+    pub norm_weight: &'a Tensor,
+    pub eps: f64,
+    pub rope: (&'a Tensor, &'a Tensor),
+}
+
+/// What turns the indexer's `wk` output into keys: `k_norm`'s weight and bias, its epsilon, and the call's
+/// RoPE tables (`cos`, `sin`).
+#[derive(Clone, Copy)]
+pub(crate) struct KeyRows<'a> {
+    pub layer_norm: (&'a Tensor, &'a Tensor),
+    pub eps: f64,
+    pub rope: (&'a Tensor, &'a Tensor),
+}
 
 pub(crate) struct LayerCache {
     latent: Tensor,
@@ -41,35 +61,53 @@ impl CachedIndexKeys {
 }
 
 impl LayerCache {
-    /// Writes `rows` at position `offset` and returns all latent rows up to and including them.
-    pub(crate) fn append_latent(&self, rows: &Tensor, offset: usize) -> Result<Tensor> {
-        self.latent.slice_set(&rows.contiguous()?, 0, offset)?;
-        Ok(self.latent.narrow(0, 0, offset + rows.dim(0)?)?)
+    /// Computes the latent rows of `kv_a`'s tokens (`glm5_ops::latent_rows`) into positions `offset..` and
+    /// returns all latent rows up to and including them.
+    pub(crate) fn append_latent(
+        &self,
+        kv_a: &Tensor,
+        rows: LatentRows<'_>,
+        offset: usize,
+    ) -> Result<Tensor> {
+        write_latent_rows(
+            kv_a,
+            rows.norm_weight,
+            rows.eps,
+            rows.rope,
+            &self.latent,
+            CacheRows::From(offset),
+        )?;
+        Ok(self.latent.narrow(0, 0, offset + kv_a.dim(0)?)?)
     }
 
-    /// Writes indexer keys at position `offset` (quantising them for an FP8 cache) and returns all keys up
-    /// to and including them.
+    /// Computes the indexer keys of `k`'s tokens (`glm5_ops::index_key_rows`, quantised for an FP8 cache)
+    /// into positions `offset..` and returns all keys up to and including them.
     pub(crate) fn append_index_keys(
         &self,
-        keys: &Tensor,
+        k: &Tensor,
+        rows: KeyRows<'_>,
         offset: usize,
     ) -> Result<CachedIndexKeys> {
-        let len = offset + keys.dim(0)?;
-        match &self.index_keys {
-            IndexKeyStore::Float(store) => {
-                store.slice_set(&keys.contiguous()?, 0, offset)?;
-                Ok(CachedIndexKeys::Float(store.narrow(0, 0, len)?))
-            }
-            IndexKeyStore::Fp8 { bytes, scales } => {
-                let (new_bytes, new_scales) = quantize_fp8(keys)?;
-                bytes.slice_set(&new_bytes, 0, offset)?;
-                scales.slice_set(&new_scales, 0, offset)?;
-                Ok(CachedIndexKeys::Fp8 {
-                    bytes: bytes.narrow(0, 0, len)?,
-                    scales: scales.narrow(0, 0, len)?,
-                })
-            }
-        }
+        let len = offset + k.dim(0)?;
+        let store = match &self.index_keys {
+            IndexKeyStore::Float(store) => IndexKeys::Float(store),
+            IndexKeyStore::Fp8 { bytes, scales } => IndexKeys::Fp8 { bytes, scales },
+        };
+        write_index_key_rows(
+            k,
+            rows.layer_norm,
+            rows.eps,
+            rows.rope,
+            store,
+            CacheRows::From(offset),
+        )?;
+        Ok(match &self.index_keys {
+            IndexKeyStore::Float(store) => CachedIndexKeys::Float(store.narrow(0, 0, len)?),
+            IndexKeyStore::Fp8 { bytes, scales } => CachedIndexKeys::Fp8 {
+                bytes: bytes.narrow(0, 0, len)?,
+                scales: scales.narrow(0, 0, len)?,
+            },
+        })
     }
 }
 

@@ -19,8 +19,11 @@
 use std::collections::BTreeMap;
 
 use candle_core::{DType, Device, Tensor};
-use glm5_ops::{quantize_fp8, IndexKeys, KeyFormat};
+use glm5_ops::index_key_rows::write_index_key_rows;
+use glm5_ops::latent_rows::{write_latent_rows, CacheRows};
+use glm5_ops::{IndexKeys, KeyFormat};
 
+use crate::cache::{KeyRows, LatentRows};
 use crate::config::Config;
 use crate::error::{ModelError, Result};
 
@@ -91,26 +94,6 @@ pub(crate) struct PagedLayer {
     keys: PagedKeyStore,
 }
 
-/// Writes `values` `[T, ..]` into rows `rows` (`U32 [T]`) of `store` seen as `[num_blocks · block_size, ..]`.
-fn write_rows(store: &Tensor, values: &Tensor, rows: &Tensor) -> Result<()> {
-    let dims = store.dims();
-    let flat_rows = dims[0] * dims[1];
-    let values = values.contiguous()?;
-    if dims.len() == 2 {
-        store.reshape(flat_rows)?.scatter_set(rows, &values, 0)?;
-    } else {
-        let width = dims[2];
-        let ids = rows
-            .unsqueeze(1)?
-            .broadcast_as((rows.dim(0)?, width))?
-            .contiguous()?;
-        store
-            .reshape((flat_rows, width))?
-            .scatter_set(&ids, &values, 0)?;
-    }
-    Ok(())
-}
-
 impl PagedLayer {
     /// Latent blocks `[num_blocks, block_size, latent_dim]`.
     pub(crate) fn latent(&self) -> &Tensor {
@@ -125,21 +108,68 @@ impl PagedLayer {
         }
     }
 
-    /// Writes latent rows `[T, latent_dim]` at physical rows `rows` (`U32 [T]`).
-    pub(crate) fn write_latent(&self, values: &Tensor, rows: &Tensor) -> Result<()> {
-        write_rows(&self.latent, values, rows)
+    /// Computes the latent rows of `kv_a`'s tokens (`glm5_ops::latent_rows`) into physical rows `rows`
+    /// (`U32 [T]`).
+    pub(crate) fn write_latent(
+        &self,
+        kv_a: &Tensor,
+        latent: LatentRows<'_>,
+        rows: &Tensor,
+    ) -> Result<()> {
+        let dims = self.latent.dims();
+        let flat = self.latent.reshape((dims[0] * dims[1], dims[2]))?;
+        write_latent_rows(
+            kv_a,
+            latent.norm_weight,
+            latent.eps,
+            latent.rope,
+            &flat,
+            CacheRows::At(rows),
+        )?;
+        Ok(())
     }
 
-    /// Writes indexer keys `[T, index_head_dim]` at physical rows `rows`, quantising them for FP8 blocks.
-    pub(crate) fn write_index_keys(&self, keys: &Tensor, rows: &Tensor) -> Result<()> {
-        match &self.keys {
-            PagedKeyStore::Float(store) => write_rows(store, keys, rows),
-            PagedKeyStore::Fp8 { bytes, scales } => {
-                let (new_bytes, new_scales) = quantize_fp8(keys)?;
-                write_rows(bytes, &new_bytes, rows)?;
-                write_rows(scales, &new_scales, rows)
+    /// Computes the indexer keys of `k`'s tokens (`glm5_ops::index_key_rows`, quantised for FP8 blocks)
+    /// into physical rows `rows` (`U32 [T]`).
+    pub(crate) fn write_index_keys(
+        &self,
+        k: &Tensor,
+        key: KeyRows<'_>,
+        rows: &Tensor,
+    ) -> Result<()> {
+        // The blocks viewed as rows: [blocks · block_size, D] keys (and [blocks · block_size] scales).
+        let as_rows = |t: &Tensor| -> Result<Tensor> {
+            let dims = t.dims();
+            let slots = dims[0] * dims[1];
+            Ok(match dims.len() {
+                2 => t.reshape(slots)?,
+                _ => t.reshape((slots, dims[2]))?,
+            })
+        };
+        let (first, second);
+        let store = match &self.keys {
+            PagedKeyStore::Float(store) => {
+                first = as_rows(store)?;
+                IndexKeys::Float(&first)
             }
-        }
+            PagedKeyStore::Fp8 { bytes, scales } => {
+                first = as_rows(bytes)?;
+                second = as_rows(scales)?;
+                IndexKeys::Fp8 {
+                    bytes: &first,
+                    scales: &second,
+                }
+            }
+        };
+        write_index_key_rows(
+            k,
+            key.layer_norm,
+            key.eps,
+            key.rope,
+            store,
+            CacheRows::At(rows),
+        )?;
+        Ok(())
     }
 }
 

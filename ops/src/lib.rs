@@ -17,14 +17,17 @@
 //! `builtin`.
 
 mod builtin;
+pub mod cache_rows;
 #[cfg(feature = "cuda")]
 mod cuda;
 pub mod device;
 pub mod dsa_indexer;
 pub mod error;
 pub mod fp8_matmul;
+pub mod index_key_rows;
 pub mod index_keys;
 pub mod iq_matmul;
+pub mod latent_rows;
 pub mod moe;
 pub mod nvfp4_matmul;
 mod probe;

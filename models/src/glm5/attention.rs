@@ -1,7 +1,6 @@
 //! §3.3–3.4 MLA in its absorbed form and §4 the DSA lightning indexer.
 
 use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::LayerNorm;
 use glm5_ops::registry::{DsaIndexerFn, SparseMlaFn};
 use glm5_ops::{
     dsa_indexer_paged_reference, dsa_indexer_paged_with, sparse_mla_paged_reference,
@@ -11,7 +10,7 @@ use glm5_ops::{
 
 use super::linear::{Loader, Proj, RmsNorm};
 use super::rope::Rope;
-use crate::cache::LayerCache;
+use crate::cache::{KeyRows, LatentRows, LayerCache};
 use crate::config::{Config, INDEX_KEY_NORM_EPS, LATENT_NORM_EPS};
 use crate::error::{ModelError, Result};
 use crate::paged_cache::PagedLayer;
@@ -58,7 +57,8 @@ pub(super) struct PagedStep {
 struct Indexer {
     wq_b: Proj,
     wk: Proj,
-    k_norm: LayerNorm,
+    /// `k_norm` (a LayerNorm with bias): weight and bias `[head_dim]`.
+    k_norm: (Tensor, Tensor),
     weights_proj: Proj,
     n_heads: usize,
     head_dim: usize,
@@ -82,10 +82,9 @@ impl Indexer {
         Ok(Self {
             wq_b: loader.linear(&format!("{prefix}.wq_b"), config.q_lora_rank, heads * dim)?,
             wk: loader.linear(&format!("{prefix}.wk"), config.hidden_size, dim)?,
-            k_norm: LayerNorm::new(
+            k_norm: (
                 loader.tensor(&format!("{prefix}.k_norm.weight"), &[dim])?,
                 loader.tensor(&format!("{prefix}.k_norm.bias"), &[dim])?,
-                INDEX_KEY_NORM_EPS,
             ),
             weights_proj: loader.linear(
                 &format!("{prefix}.weights_proj"),
@@ -126,11 +125,13 @@ impl Indexer {
             .forward(q_lora)?
             .reshape((t, self.n_heads, self.head_dim))?;
         let q = self.rotate_leading(&q, rope)?;
-        let k = self
-            .k_norm
-            .forward(&self.wk.forward(hidden)?)?
-            .unsqueeze(1)?;
-        let k = self.rotate_leading(&k, rope)?.squeeze(1)?;
+        // This call's keys [RoPE(k_norm(k))[..R] | k_norm(k)[R..]] go into the cache (one fused op).
+        let k = self.wk.forward(hidden)?;
+        let key_rows = KeyRows {
+            layer_norm: (&self.k_norm.0, &self.k_norm.1),
+            eps: INDEX_KEY_NORM_EPS,
+            rope: rope.tables(),
+        };
         let head_weights =
             (self.weights_proj.forward(hidden)?.to_dtype(DType::F32)? * self.weight_scale)?;
         let (kernel, backend) = self.kernel.ok_or_else(|| {
@@ -138,7 +139,7 @@ impl Indexer {
         })?;
         match kv {
             LayerKv::Contiguous { cache, start_pos } => {
-                let keys = cache.append_index_keys(&k, start_pos)?;
+                let keys = cache.append_index_keys(&k, key_rows, start_pos)?;
                 let visible: Vec<usize> = (1..=t).map(|i| start_pos + i).collect();
                 Ok(kernel(
                     &q,
@@ -149,7 +150,7 @@ impl Indexer {
                 )?)
             }
             LayerKv::Paged { cache, step } => {
-                cache.write_index_keys(&k, &step.write_rows)?;
+                cache.write_index_keys(&k, key_rows, &step.write_rows)?;
                 let paged = PagedIndexKeys {
                     keys: cache.index_keys(),
                     block_table: &step.block_table,
@@ -284,25 +285,20 @@ impl Attention {
         let q_nope = q.narrow(2, 0, self.nope_dim)?;
         let q_pe = rope.apply(&q.narrow(2, self.nope_dim, self.rope_dim)?)?;
 
-        // This call's latent rows [c | k_pe] go into the cache; attention reads all cached rows.
+        // This call's latent rows [kv_a_layernorm(c) | RoPE(k_pe)] go into the cache (one fused op);
+        // attention reads all cached rows.
         let kv_a = self.kv_a_proj_with_mqa.forward(hidden)?;
-        let c = self
-            .kv_a_layernorm
-            .forward(&kv_a.narrow(1, 0, self.kv_lora_rank)?)?;
-        let k_pe = rope
-            .apply(
-                &kv_a
-                    .narrow(1, self.kv_lora_rank, self.rope_dim)?
-                    .unsqueeze(1)?,
-            )?
-            .squeeze(1)?;
-        let rows = Tensor::cat(&[c, k_pe], 1)?;
+        let rows = LatentRows {
+            norm_weight: self.kv_a_layernorm.weight(),
+            eps: self.kv_a_layernorm.eps(),
+            rope: rope.tables(),
+        };
         let latent = match kv {
             LayerKv::Contiguous { cache, start_pos } => {
-                CachedLatent::Rows(cache.append_latent(&rows, start_pos)?)
+                CachedLatent::Rows(cache.append_latent(&kv_a, rows, start_pos)?)
             }
             LayerKv::Paged { cache, step } => {
-                cache.write_latent(&rows, &step.write_rows)?;
+                cache.write_latent(&kv_a, rows, &step.write_rows)?;
                 CachedLatent::Paged(cache, step)
             }
         };

@@ -144,6 +144,16 @@ pub(super) struct RmsNorm {
     eps: f64,
 }
 
+impl RmsNorm {
+    pub(super) fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    pub(super) fn eps(&self) -> f64 {
+        self.eps
+    }
+}
+
 impl Module for RmsNorm {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         glm5_ops::rms_norm::rms_norm(x, &self.weight, self.eps).map_err(|e| match e {

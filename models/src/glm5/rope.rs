@@ -65,6 +65,11 @@ impl Rope {
         })
     }
 
+    /// `(cos, sin)`, each `[T, R / 2]`: row `t` for the call's token `t`.
+    pub(super) fn tables(&self) -> (&Tensor, &Tensor) {
+        (&self.cos, &self.sin)
+    }
+
     /// Rotates `x` of shape `[T, heads, R]`.
     pub(super) fn apply(&self, x: &Tensor) -> Result<Tensor> {
         let per_head = x.transpose(0, 1)?.unsqueeze(0)?.contiguous()?;
