@@ -174,6 +174,7 @@ mod emu {
         "rms_norm",
         "attention_rows",
         "nvfp4_mma_sm120a",
+        "fp8_quantize",
     ];
 
     /// `extern __shared__ [__align__(n)] T name[];` becomes a pointer to the launch's dynamic shared memory

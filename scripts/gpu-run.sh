@@ -38,7 +38,7 @@ for step in $steps; do
         suffix=""; [ $v = main ] || suffix=-$v
         for tool in memcheck racecheck; do
           for t in "sparse_mla_cuda bf16_kernel prefill_tokens wgmma_kernel" "dsa_indexer_cuda selected_sets equal_scores f32_kernel fp8_quantisation crowded repeated" \
-            "moe_cuda" "rms_norm_cuda" "fp8_nvfp4_cuda kernels_match" "iq_matmul_cuda every_format"; do
+            "moe_cuda" "rms_norm_cuda" "fp8_nvfp4_cuda kernels_match fp8_w8a8_quantiser" "iq_matmul_cuda every_format"; do
             set -- $t; bin=$1$suffix; shift
             [ -x /tmp/glm5-bin/$bin ] || continue  # a variant packed without it
             GLM5_QUICK=1 timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 /tmp/glm5-bin/$bin \
@@ -130,8 +130,10 @@ for step in $steps; do
       done ;;
     bench)
       timeout 400 /tmp/glm5-bin/glm5-bench 2>&1 | tee "$OUT/bench.txt"; [ ${PIPESTATUS[0]} = 0 ] || status=1
-      # The weight formats' mat-vecs alone at batch 1, and one MoE layer's experts by each implementation.
-      for sub in matvec moe; do
+      # The weight formats' mat-vecs alone at batch 1, one MoE layer's experts by each implementation, and FP8
+      # prefill of 4096 tokens through GLM-5's FP8 projections (W8A8 on cuBLASLt vs W8A16) against the FP8
+      # GEMM peak measured in the same call.
+      for sub in matvec moe fp8-prefill; do
         timeout 300 /tmp/glm5-bin/glm5-bench $sub 2>&1 | tee "$OUT/bench-$sub.txt"; [ ${PIPESTATUS[0]} = 0 ] || status=1
       done
       for arch in sm_90 sm_120; do

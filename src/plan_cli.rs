@@ -491,19 +491,19 @@ pub fn render_weight_backends(devices: &[DeviceDesc], weights: &[QuantisedWeight
                     }
                 }
                 _ => {
-                    let (op, backends, block_in) = match w.format {
+                    let (op, backends, [block_out, block_in]) = match w.format {
                         WeightFormat::Iq(f) => (
                             "iq_matmul",
                             glm5_ops::iq_matmul::backends(),
-                            f.block_values(),
+                            [1, f.block_values()],
                         ),
                         WeightFormat::Fp8 { block } => {
-                            ("fp8_matmul", glm5_ops::fp8_matmul::backends(), block[1])
+                            ("fp8_matmul", glm5_ops::fp8_matmul::backends(), block)
                         }
                         WeightFormat::Nvfp4 => (
                             "nvfp4_matmul",
                             glm5_ops::nvfp4_matmul::backends(),
-                            glm5_ops::nvfp4_matmul::GROUP,
+                            [1, glm5_ops::nvfp4_matmul::GROUP],
                         ),
                         WeightFormat::Gguf(..) => unreachable!("handled above"),
                     };
@@ -511,6 +511,7 @@ pub fn render_weight_backends(devices: &[DeviceDesc], weights: &[QuantisedWeight
                         out_dim: w.out_dim,
                         in_dim: w.in_dim,
                         block_in,
+                        block_out,
                     };
                     match weight_only::dispatch_rows(op, backends.clone(), &shape, device) {
                         Ok(choice) => {

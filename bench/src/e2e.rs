@@ -243,12 +243,16 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
         decode_weight_bytes(&config, DType::BF16, &random_checkpoint(WeightFormat::Bf16));
     let floor = step_bytes as f64 / copy;
     let fp8_peak = if args.weights == WeightFormat::Fp8 {
-        let peak = crate::ceilings::mma_e4m3_peak(&device)?;
+        let mma = crate::ceilings::mma_e4m3_peak(&device)?;
+        let (plain, fast) = crate::fp8_prefill::fp8_peak(&device)?;
         println!(
-            "device: mma.sync e4m3 (FP8) {:.0} TFLOP/s (the legacy tensor-core path; Hopper's wgmma FP8 rate is higher)",
-            peak / 1e12
+            "device: FP8 GEMM (cuBLASLt, per-tensor scales, 8192³) {:.0} TFLOP/s, {:.0} with fast accumulation; \
+             mma.sync e4m3 {:.0} TFLOP/s (the legacy tensor-core path)",
+            plain / 1e12,
+            fast / 1e12,
+            mma / 1e12
         );
-        Some(peak)
+        Some(plain.max(fast))
     } else {
         None
     };
@@ -288,9 +292,32 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
         100.0 * prefill_flops / (prefill_ms / 1e3) / gemm
     );
     if let Some(peak) = fp8_peak {
+        // The prefill backend the model's FP8 projections got (q_a_proj's shape stands for them).
+        let Some(glm5::models::Quantization::Fp8Block { block, .. }) = &config.quantization else {
+            unreachable!("FP8 weights have an FP8 quantisation")
+        };
+        let shape = glm5::ops::weight_only::WeightShape {
+            out_dim: config.q_lora_rank,
+            in_dim: config.hidden_size,
+            block_in: block[1],
+            block_out: block[0],
+        };
+        let desc = DeviceDesc::of(&device).map_err(cuda)?;
+        let backend = glm5::ops::weight_only::dispatch_rows(
+            "fp8_matmul",
+            glm5::ops::fp8_matmul::backends(),
+            &shape,
+            &desc,
+        )
+        .map_err(cuda)?
+        .prefill
+        .name;
         println!(
-            "prefill with FP8 weights: {:.1}% of the mma.sync e4m3 rate (FP8 weights are dequantised to bf16 per projection and multiplied by cuBLAS; FP8 tensor cores are not used)",
-            100.0 * prefill_flops / (prefill_ms / 1e3) / peak
+            "prefill with FP8 weights: {:.1} TFLOP/s = {:.1}% of the FP8 GEMM peak measured in this run ({:.0} TFLOP/s; \
+             the FP8 projections' prefill backend: {backend}; W8A8 alone: glm5-bench fp8-prefill)",
+            prefill_flops / prefill_ms / 1e9,
+            100.0 * prefill_flops / (prefill_ms / 1e3) / peak,
+            peak / 1e12,
         );
     }
 

@@ -17,6 +17,7 @@
 
 mod ceilings;
 mod e2e;
+mod fp8_prefill;
 mod indexer;
 mod matvec;
 mod moe;
@@ -71,6 +72,13 @@ enum Command {
     /// One GLM-5 projection at batch 1 in each weight format (bf16, FP8, NVFP4, i-quants, Q4_K): device time
     /// of the kernels alone and of the eager call, against the copy rate.
     Matvec,
+    /// FP8 prefill through GLM-5's FP8 projections by each path (W8A8 on cuBLASLt's block-scaled FP8 GEMM,
+    /// W8A16 dequantise + bf16 GEMM), in TFLOP/s against the FP8 GEMM peak measured in the same run.
+    Fp8Prefill {
+        /// Tokens of the prefill (activation rows).
+        #[arg(long, default_value_t = 4096)]
+        tokens: usize,
+    },
     /// The whole model step on one GPU: decode and prefill of a GLM-5 slice against its weight-byte floor.
     E2e {
         /// Weights: bf16; q4k (random Q4_K blocks for every linear layer a Q4_K_M file quantises); fp8 or
@@ -231,6 +239,7 @@ fn main() -> glm5::candle_core::Result<()> {
         Some(Command::Moe) => moe::moe_rows(&device, copy, e2e::gemm_peak(&device)?),
         Some(Command::MoeGguf) => moe::moe_gguf_rows(&device, copy),
         Some(Command::Matvec) => matvec::matvec_rows(&device, copy),
+        Some(Command::Fp8Prefill { tokens }) => fp8_prefill::fp8_prefill_rows(&device, tokens),
         Some(Command::Slice { .. }) | Some(Command::E2e { .. }) | Some(Command::Serve { .. }) => {
             unreachable!("handled above")
         }

@@ -22,7 +22,7 @@ fn bytes(state: &mut u64, n: usize) -> Vec<u8> {
 }
 
 /// e4m3 bytes that are finite and at most 1 in magnitude (exponent field below the bias).
-fn e4m3(state: &mut u64, n: usize) -> Vec<u8> {
+pub(crate) fn e4m3(state: &mut u64, n: usize) -> Vec<u8> {
     bytes(state, n)
         .into_iter()
         .map(|b| b & 0b1011_1111)

@@ -155,6 +155,23 @@ c_struct! {
     }
 }
 
+c_struct! {
+    /// `Fp8QuantizeParams` of `fp8_quantize.cu`: the activations' per-token FP8 quantiser of the W8A8 prefill
+    /// path (pointers as device addresses).
+    #[repr(C)]
+    pub struct Fp8QuantizeParams {
+        /// `[m, k]` f32 or bf16.
+        pub x: u64 => x,
+        /// `U8 [m_pad, k]`: e4m3 codes (rows `m..m_pad` zeros).
+        pub codes: u64 => codes,
+        /// `F32 [k / GROUP, m_pad]`: one scale per token and group, the tokens contiguous.
+        pub scales: u64 => scales,
+        pub m: i32 => m,
+        pub m_pad: i32 => m_pad,
+        pub k: i32 => k,
+    }
+}
+
 /// The constants of `sparse_mla.cu` and `sparse_mla_sm90.cu` (`GLM5_SPARSE_MLA_*` in the header).
 pub mod sparse_mla {
     /// Keys per tile (`BN`).
@@ -243,6 +260,19 @@ pub mod nvfp4_mma {
     pub const THREADS: usize = 256;
 }
 
+/// The constants of `fp8_quantize.cu` (`GLM5_FP8_QUANTIZE_*` in the header): the W8A8 prefill path's
+/// activation quantiser.
+pub mod fp8_quantize {
+    /// Values of a token sharing one f32 scale (cuBLASLt's `VEC128_32F` blocks along K).
+    pub const GROUP: usize = 128;
+    /// Threads of the quantiser's blocks (a warp per group).
+    pub const THREADS: usize = 256;
+    /// Activation rows are padded to a multiple of this: cuBLASLt's block-scaled FP8 GEMM needs M and N
+    /// multiples of 4 (its scale layouts) and every FP8 matrix dimension 16-byte aligned; 16 rows of e4m3
+    /// satisfy both.
+    pub const ROW_MULTIPLE: usize = 16;
+}
+
 /// Every constant as `(header name, value)`, for `build.rs`.
 pub const CONSTANTS: &[(&str, usize)] = &[
     ("GLM5_SPARSE_MLA_TILE", sparse_mla::TILE),
@@ -324,6 +354,9 @@ pub const CONSTANTS: &[(&str, usize)] = &[
     ("GLM5_NVFP4_MMA_TILE_N", nvfp4_mma::TILE_N),
     ("GLM5_NVFP4_MMA_TILE_K", nvfp4_mma::TILE_K),
     ("GLM5_NVFP4_MMA_THREADS", nvfp4_mma::THREADS),
+    ("GLM5_FP8_QUANTIZE_GROUP", fp8_quantize::GROUP),
+    ("GLM5_FP8_QUANTIZE_THREADS", fp8_quantize::THREADS),
+    ("GLM5_FP8_QUANTIZE_ROW_MULTIPLE", fp8_quantize::ROW_MULTIPLE),
 ];
 
 /// The parameter structs as `(CUDA name, size, alignment, fields)`, for `build.rs`.
@@ -352,6 +385,12 @@ pub const STRUCTS: &[(&str, usize, usize, &[(&str, usize)])] = &[
         core::mem::align_of::<Nvfp4MmaParams>(),
         Nvfp4MmaParams::FIELDS,
     ),
+    (
+        "Fp8QuantizeParams",
+        core::mem::size_of::<Fp8QuantizeParams>(),
+        core::mem::align_of::<Fp8QuantizeParams>(),
+        Fp8QuantizeParams::FIELDS,
+    ),
 ];
 
 // The Rust side's own check of what the CUDA side's layout is written for: pointers 8 bytes, the tensor map
@@ -362,3 +401,4 @@ const _: () = assert!(core::mem::size_of::<SparseMlaParams>() == 128);
 const _: () = assert!(core::mem::size_of::<DsaParams>() == 320);
 const _: () = assert!(core::mem::size_of::<Nvfp4QuantizeParams>() == 40);
 const _: () = assert!(core::mem::size_of::<Nvfp4MmaParams>() == 64);
+const _: () = assert!(core::mem::size_of::<Fp8QuantizeParams>() == 40);

@@ -63,3 +63,8 @@ pub const NVFP4_MMA_SM120A: &[u8] =
 /// `bench.cu`: microkernels that measure the device's ceilings (the mma.sync bf16 rate).
 #[cfg(feature = "cuda")]
 pub const BENCH: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/bench.fatbin"));
+
+/// `fp8_quantize.cu`: the W8A8 prefill path's activation quantiser (e4m3 codes and one f32 scale per token and
+/// 128 values, in the layout cuBLASLt's block-scaled FP8 GEMM takes).
+#[cfg(feature = "cuda")]
+pub const FP8_QUANTIZE: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/fp8_quantize.fatbin"));

@@ -57,6 +57,14 @@ pub enum OpError {
     /// A backend cannot serve these shapes or dtypes (the message names the limit).
     #[error("{0}")]
     Unsupported(String),
+    /// A cuBLAS(Lt) call failed: the call, the status it returned (e.g. `CUBLAS_STATUS_NOT_SUPPORTED`) and
+    /// what was asked of it.
+    #[error("{call} returned {status}: {context}")]
+    Cublas {
+        call: &'static str,
+        status: String,
+        context: String,
+    },
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
 }

@@ -26,6 +26,8 @@ pub struct WeightShape {
     pub in_dim: usize,
     /// Values sharing one scale along `in` (FP8: `weight_block_size[1]`; NVFP4: the group size).
     pub block_in: usize,
+    /// Rows sharing one scale along `out` (FP8: `weight_block_size[0]`; formats scaled per row: 1).
+    pub block_out: usize,
 }
 
 /// The activation row counts a backend is chosen for: up to `MAX_ROWS` rows (`glm5_kernels::interface::
@@ -74,6 +76,10 @@ pub struct WeightOnlyBackend {
     pub priority: Vec<(DeviceFamily, u32)>,
     /// Every reason the backend cannot multiply by a weight of this shape (empty: it can).
     pub shape_reasons: fn(&WeightShape) -> Vec<Reason>,
+    /// Every reason beyond the compute capability that the backend cannot run on this device from this
+    /// process (e.g. the version of a library it calls); called for every device, empty where nothing more
+    /// is needed.
+    pub runtime_reasons: fn(&DeviceDesc) -> Vec<Reason>,
 }
 
 impl WeightOnlyBackend {
@@ -91,6 +97,7 @@ impl WeightOnlyBackend {
             reasons.push(Reason::new("rows", served.join(" or "), rows));
         }
         reasons.extend((self.shape_reasons)(shape));
+        reasons.extend((self.runtime_reasons)(device));
         if reasons.is_empty() {
             Ok(())
         } else {

@@ -1392,6 +1392,76 @@ fn nvfp4_w4a4_sm120_kernels_equal_the_reference() {
     }
 }
 
+// ---- the FP8 W8A8 activation quantiser (fp8_quantize.cu) -------------------------------------------------
+
+use glm5_kernels::interface::{fp8_quantize, Fp8QuantizeParams};
+
+extern "C" {
+    fn fp8_quantize_rows_f32(p: Fp8QuantizeParams);
+    fn fp8_quantize_rows_bf16(p: Fp8QuantizeParams);
+}
+
+/// The W8A8 quantiser as `fp8_matmul/cuda/w8a8.rs` launches it (a warp per token and 128 values, padding rows
+/// included) equals the CPU reference bit for bit: codes and scales of every row, the padding rows' zeros
+/// and 2^-126 scales, at a zero group, a huge and a subnormal group, -0.0 and NaN values.
+#[test]
+fn fp8_w8a8_quantiser_equals_the_reference() {
+    let group = fp8_quantize::GROUP;
+    for (seed, (m, k)) in [
+        (4810, (19, 3 * group)),
+        (4811, (1, group)),
+        (4812, (33, 2 * group)),
+    ] {
+        for dtype in [DType::F32, DType::BF16] {
+            let d = dtype_index(dtype);
+            let mut x = activations(seed, m * k, dtype);
+            x[..group].iter_mut().for_each(|v| *v = 0.0);
+            if m > 1 {
+                x[k..k + group].iter_mut().for_each(|v| *v *= 1e30);
+                // Subnormal in f32 (bf16 keeps f32's exponent range): amax / 448 underflows.
+                x[2 * k - group..2 * k].iter_mut().for_each(|v| *v *= 1e-39);
+                x[k + group] = -0.0;
+                x[k + group + 1] = f32::NAN;
+            }
+            let x = activations_like(&x, dtype);
+            let want = fp8_matmul::reference::quantize_activations(
+                &Tensor::from_slice(&x, (m, k), &Device::Cpu).unwrap(),
+            )
+            .unwrap();
+            let padded = fp8_matmul::w8a8_padded_rows(m);
+            let device_x = Values::from_f32(&x, dtype);
+            let codes = DeviceBuffer::<u8>::poisoned(padded * k, NAN_BYTE);
+            let scales = DeviceBuffer::<f32>::poisoned((k / group) * padded, NAN_BYTE);
+            let params = Fp8QuantizeParams {
+                x: device_x.ptr() as u64,
+                codes: codes.mut_ptr() as u64,
+                scales: scales.mut_ptr() as u64,
+                m: m as i32,
+                m_pad: padded as i32,
+                k: k as i32,
+            };
+            let quantize = [fp8_quantize_rows_f32, fp8_quantize_rows_bf16][d];
+            let warps = fp8_quantize::THREADS / 32;
+            run(
+                LaunchConfig::new(
+                    ((padded * (k / group)).div_ceil(warps) as u32, 1, 1),
+                    fp8_quantize::THREADS as u32,
+                ),
+                || unsafe { quantize(params) },
+            );
+            let bytes = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<u8>().unwrap();
+            assert_eq!(codes.to_vec(), bytes(&want.codes), "{dtype:?} m={m} codes");
+            let want_scales = want.scales.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            for (i, (g, w)) in scales.to_vec().iter().zip(&want_scales).enumerate() {
+                assert!(
+                    g.to_bits() == w.to_bits(),
+                    "{dtype:?} m={m} scale {i}: {g} vs {w}"
+                );
+            }
+        }
+    }
+}
+
 // ---- RMSNorm ---------------------------------------------------------------------------------------------
 
 extern "C" {

@@ -47,9 +47,9 @@ impl Loader<'_> {
                     Proj::Quantized(QMatMul::from_arc(weight)?)
                 }
                 Matrix::Fp8Block(weight) => {
-                    glm5_ops::fp8_matmul::dispatch(&weight, self.desc)
+                    let chosen = glm5_ops::fp8_matmul::dispatch(&weight, self.desc)
                         .map_err(|source| weight_only_error(&name, source))?;
-                    Proj::Fp8Block(weight)
+                    Proj::Fp8Block(weight, glm5_ops::fp8_matmul::Fp8Prefill::of(&chosen))
                 }
                 Matrix::Nvfp4(weight) => {
                     let chosen = glm5_ops::nvfp4_matmul::dispatch(&weight, self.desc)
@@ -86,13 +86,16 @@ fn weight_only_error(
 /// A bias-free linear layer: a dense matrix, quantised (GGUF) blocks multiplied by candle's `QMatMul`,
 /// which runs its own kernels on the weights' device (CUDA mat-vec for a few rows, MMQ above; the CPU's
 /// vec-dot) without expanding them, or a block-scaled FP8 / NVFP4 / GGUF i-quant weight multiplied by
-/// glm5's weight-only ops (W8A16 / W4A16 / i-quants: dequantised in the kernel, f32 accumulation; an NVFP4
-/// weight's prefill rows by the backend its dispatch chose). Input and output are in the model dtype; the
-/// quantised kinds compute in f32.
+/// glm5's weight-only ops (W8A16 / W4A16 / i-quants: dequantised in the kernel, f32 accumulation; an FP8 or
+/// NVFP4 weight's prefill rows by the backend its dispatch chose). Input and output are in the model dtype;
+/// the quantised kinds compute in f32.
 pub(super) enum Proj {
     Dense(Linear),
     Quantized(QMatMul),
-    Fp8Block(glm5_ops::fp8_matmul::Fp8BlockWeight),
+    Fp8Block(
+        glm5_ops::fp8_matmul::Fp8BlockWeight,
+        glm5_ops::fp8_matmul::Fp8Prefill,
+    ),
     Nvfp4(
         glm5_ops::nvfp4_matmul::Nvfp4Weight,
         glm5_ops::nvfp4_matmul::Prefill,
@@ -124,7 +127,9 @@ impl Module for Proj {
             Proj::Quantized(weight) => {
                 glm5_ops::quantized_matmul::quantized_matmul(x, weight).map_err(op_error)
             }
-            Proj::Fp8Block(weight) => glm5_ops::fp8_matmul::fp8_matmul(x, weight).map_err(op_error),
+            Proj::Fp8Block(weight, prefill) => {
+                glm5_ops::fp8_matmul::fp8_matmul_with(x, weight, *prefill).map_err(op_error)
+            }
             Proj::Nvfp4(weight, prefill) => {
                 glm5_ops::nvfp4_matmul::nvfp4_matmul_with(x, weight, *prefill).map_err(op_error)
             }

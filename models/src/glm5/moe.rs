@@ -60,7 +60,7 @@ impl Mlp {
 fn stack_quantized(mlps: &[&Mlp]) -> Option<moe::QuantizedExperts> {
     fn fp8(p: &Proj) -> Option<&glm5_ops::fp8_matmul::Fp8BlockWeight> {
         match p {
-            Proj::Fp8Block(w) => Some(w),
+            Proj::Fp8Block(w, _) => Some(w),
             _ => None,
         }
     }

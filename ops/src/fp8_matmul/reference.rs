@@ -1,11 +1,13 @@
-//! The plain reference of `fp8_matmul`: dequantise the weight block by block to f32, then matmul.
+//! The plain references of `fp8_matmul` (module contract): W8A16, dequantise the weight block by block to
+//! f32, then matmul; and W8A8 (the backend `fp8-w8a8-cublaslt-block`), the activations quantised to e4m3 per
+//! token and 128 values first.
 
 use std::sync::OnceLock;
 
 use candle_core::{DType, Tensor};
 
-use super::Fp8BlockWeight;
-use crate::error::Result;
+use super::{w8a8_padded_rows, Fp8Activations, Fp8BlockWeight, W8A8_GROUP};
+use crate::error::{OpError, Result};
 
 /// The f32 value of every e4m3 (`float8_e4m3fn`) bit pattern (0x7f and 0xff are NaN).
 pub fn e4m3_table() -> &'static [f32; 256] {
@@ -38,4 +40,108 @@ pub fn dequantize(w: &Fp8BlockWeight) -> Result<Tensor> {
 /// `x · Wᵀ` for `x` `[rows, in]`, in f32.
 pub fn fp8_matmul(x: &Tensor, w: &Fp8BlockWeight) -> Result<Tensor> {
     Ok(x.to_dtype(DType::F32)?.matmul(&dequantize(w)?.t()?)?)
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// W8A8: the computation of the backend `fp8-w8a8-cublaslt-block` (module contract, "W8A8"), written out.
+
+/// e4m3's largest finite value: a group's largest activation maps to it.
+pub const E4M3_MAX: f32 = 448.0;
+/// The smallest activation scale: f32's smallest normal value (`2^-126`), so that a zero group (or one whose
+/// `amax / 448` underflows) divides by no zero and no subnormal.
+pub const MIN_ACTIVATION_SCALE: f32 = f32::MIN_POSITIVE;
+/// e4m3's NaN code (`S.1111.111` with the sign clear), what a NaN activation becomes.
+pub const E4M3_NAN: u8 = 0x7f;
+
+/// The e4m3 code of `v`: round to nearest even (subnormals included), `±448` for `|v| >= 448`
+/// (saturating), NaN to [`E4M3_NAN`], the sign kept (so `-0.0` and negative values that round to zero give
+/// `0x80`). What `__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3)` computes.
+pub fn e4m3_satfinite(v: f32) -> u8 {
+    if v.is_nan() {
+        return E4M3_NAN;
+    }
+    let sign = if v.is_sign_negative() { 0x80 } else { 0 };
+    crate::nvfp4_matmul::reference::e4m3_rne(v.abs().min(E4M3_MAX)) | sign
+}
+
+/// Quantises one token `x` (`len` a multiple of [`W8A8_GROUP`]) into `codes` (`len` bytes) and one scale per
+/// group, written to `scales[b * stride]` for group `b` (module contract, "W8A8", step 1).
+pub fn quantize_token(x: &[f32], codes: &mut [u8], scales: &mut [f32], stride: usize) {
+    for (b, (group, out)) in x
+        .chunks_exact(W8A8_GROUP)
+        .zip(codes.chunks_exact_mut(W8A8_GROUP))
+        .enumerate()
+    {
+        let amax = group.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let scale = (amax / E4M3_MAX).max(MIN_ACTIVATION_SCALE);
+        for (code, &v) in out.iter_mut().zip(group) {
+            *code = e4m3_satfinite(v / scale);
+        }
+        scales[b * stride] = scale;
+    }
+}
+
+/// `x` `[rows, in]` (f32 or bf16 values, `in` a multiple of [`W8A8_GROUP`]) quantised by the W8A8 rule, on
+/// the CPU, in the layout the CUDA kernel writes ([`Fp8Activations`]).
+pub fn quantize_activations(x: &Tensor) -> Result<Fp8Activations> {
+    let (rows, k) = x.dims2()?;
+    if !k.is_multiple_of(W8A8_GROUP) {
+        return Err(OpError::Shape {
+            arg: "x",
+            expected: format!("[rows, in] with in a multiple of {W8A8_GROUP}"),
+            found: x.dims().to_vec(),
+        });
+    }
+    let padded = w8a8_padded_rows(rows);
+    let values: Vec<f32> = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+    let mut codes = vec![0u8; padded * k];
+    let mut scales = vec![MIN_ACTIVATION_SCALE; (k / W8A8_GROUP) * padded];
+    for r in 0..rows {
+        quantize_token(
+            &values[r * k..(r + 1) * k],
+            &mut codes[r * k..(r + 1) * k],
+            &mut scales[r..],
+            padded,
+        );
+    }
+    let device = x.device();
+    Ok(Fp8Activations {
+        codes: Tensor::from_vec(codes, (padded, k), device)?,
+        scales: Tensor::from_vec(scales, (k / W8A8_GROUP, padded), device)?,
+        rows,
+    })
+}
+
+/// The quantised activations' values `e4m3(code) · scale` as f32 `[rows, in]` (padding rows left out).
+pub fn dequantize_activations(acts: &Fp8Activations) -> Result<Tensor> {
+    let (padded, k) = acts.codes.dims2()?;
+    let codes: Vec<u8> = acts.codes.flatten_all()?.to_vec1()?;
+    let scales: Vec<f32> = acts.scales.flatten_all()?.to_vec1()?;
+    let table = e4m3_table();
+    let mut values = Vec::with_capacity(acts.rows * k);
+    for r in 0..acts.rows {
+        values.extend(
+            codes[r * k..(r + 1) * k]
+                .iter()
+                .enumerate()
+                .map(|(c, &q)| table[q as usize] * scales[(c / W8A8_GROUP) * padded + r]),
+        );
+    }
+    Ok(Tensor::from_vec(
+        values,
+        (acts.rows, k),
+        acts.codes.device(),
+    )?)
+}
+
+/// The W8A8 product of quantised activations and `w` (module contract, "W8A8", step 2) as f32
+/// `[rows, out]`: the dequantised values multiplied in f32 (each product of an e4m3 code pair is exact; the
+/// sums in candle's order).
+pub fn w8a8_product(acts: &Fp8Activations, w: &Fp8BlockWeight) -> Result<Tensor> {
+    Ok(dequantize_activations(acts)?.matmul(&dequantize(w)?.t()?)?)
+}
+
+/// W8A8 `x · Wᵀ` for `x` `[rows, in]`, in f32: [`quantize_activations`], then [`w8a8_product`].
+pub fn fp8_matmul_w8a8(x: &Tensor, w: &Fp8BlockWeight) -> Result<Tensor> {
+    w8a8_product(&quantize_activations(x)?, w)
 }

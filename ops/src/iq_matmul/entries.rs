@@ -35,6 +35,7 @@ pub fn backends() -> Vec<WeightOnlyBackend> {
                     )]
                 }
             },
+            runtime_reasons: |_| vec![],
         },
         WeightOnlyBackend {
             name: "iq-reference-cpu",
@@ -43,6 +44,7 @@ pub fn backends() -> Vec<WeightOnlyBackend> {
             priority: vec![(DeviceFamily::Cpu, 0)],
             rows: &Rows::ALL,
             shape_reasons: |_| vec![],
+            runtime_reasons: |_| vec![],
         },
     ]
 }
@@ -57,6 +59,7 @@ pub fn dispatch(
         out_dim,
         in_dim,
         block_in: w.format.block_values(),
+        block_out: 1,
     };
     weight_only::dispatch_rows("iq_matmul", backends(), &shape, device)
 }

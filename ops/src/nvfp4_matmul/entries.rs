@@ -67,6 +67,7 @@ pub fn backends() -> Vec<WeightOnlyBackend> {
             // (`nvfp4_matmul_with(.., Prefill::W4a4Sm120)`).
             priority: vec![(DeviceFamily::Sm120, 1)],
             shape_reasons: w4a4_shape_reasons,
+            runtime_reasons: |_| vec![],
         },
         WeightOnlyBackend {
             name: "nvfp4-w4a16-cuda",
@@ -82,6 +83,7 @@ pub fn backends() -> Vec<WeightOnlyBackend> {
             rows: &Rows::ALL,
             priority: vec![(DeviceFamily::Sm120, 0), (DeviceFamily::Sm90, 0)],
             shape_reasons: w4a16_shape_reasons,
+            runtime_reasons: |_| vec![],
         },
         WeightOnlyBackend {
             name: "nvfp4-reference-cpu",
@@ -90,6 +92,7 @@ pub fn backends() -> Vec<WeightOnlyBackend> {
             rows: &Rows::ALL,
             priority: vec![(DeviceFamily::Cpu, 0)],
             shape_reasons: |_| vec![],
+            runtime_reasons: |_| vec![],
         },
     ]
 }
@@ -105,6 +108,7 @@ pub fn dispatch(
         out_dim,
         in_dim,
         block_in: GROUP,
+        block_out: 1,
     };
     weight_only::dispatch_rows("nvfp4_matmul", backends(), &shape, device)
 }
@@ -119,6 +123,7 @@ mod tests {
             out_dim,
             in_dim,
             block_in: GROUP,
+            block_out: 1,
         }
     }
 
