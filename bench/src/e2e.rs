@@ -15,7 +15,7 @@ use glm5::models::sizes::{self, TensorInfo};
 use glm5::models::weights::random_iq::RandomIqSource;
 use glm5::models::weights::random_q4k::RandomQ4kSource;
 use glm5::models::weights::Format;
-use glm5::models::{PagedCacheOptions, SeqChunk, SeqId, DEFAULT_BLOCK_SIZE};
+use glm5::models::{PagedCacheOptions, RowOps, SeqChunk, SeqId, DEFAULT_BLOCK_SIZE};
 use glm5::ops::iq_matmul::IqFormat;
 use glm5::{AttentionMode, Checkpoint, Config, DeviceDesc, Glm5ForCausalLM, Plan, PlanOptions};
 
@@ -202,7 +202,8 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
         .max()
         .unwrap_or(0)
         .max(args.prefill);
-    // Each context's decode takes 3 warm-up, `steps` timed, 4 profiled and up to 8 issue-timed steps.
+    // Each context's decode takes 3 warm-up, twice `steps` timed (fused and candle row ops), 4 profiled and
+    // up to 8 issue-timed steps.
     let load_start = Instant::now();
     let checkpoint = random_checkpoint(args.weights);
     let model = load_slice(
@@ -338,6 +339,7 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
     let mut last_step_ms = 0.0;
     let mut decode_ms_by_context = Vec::new();
     let mut issue_ms_by_context = Vec::new();
+    let mut row_ops_by_context = Vec::new();
     let mut last_profile = None;
     for &context in &args.contexts {
         let mut cache = model
@@ -371,6 +373,18 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
             pos += 1;
         }
         let step_s = median(times);
+        // The same steps with the attention's row-wise steps as the candle-op chains the fused ops replace:
+        // what the fusion saves, in this run.
+        model.set_row_ops(RowOps::CandleOps);
+        let mut candle_times = Vec::new();
+        for _ in 0..args.steps {
+            let start = Instant::now();
+            step(pos)?;
+            candle_times.push(start.elapsed().as_secs_f64());
+            pos += 1;
+        }
+        model.set_row_ops(RowOps::Fused);
+        row_ops_by_context.push((context, step_s * 1e3, median(candle_times) * 1e3));
         // One profiled pass: each part synchronises around itself, so the split is of a slower step; it is
         // scaled to the measured one.
         profile::start();
@@ -419,6 +433,9 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
     println!("(the split is from {} profiled steps that synchronise around each part: it adds up to a slower step than the row's)", 4);
     for (context, issue, step) in issue_ms_by_context {
         println!("(context {context}: the host issues a batch-1 step's launches in {issue:.2} ms of its {step:.2} ms)");
+    }
+    for (context, fused, candle) in row_ops_by_context {
+        println!("(context {context}: batch-1 step {fused:.2} ms with the attention's fused row ops, {candle:.2} ms with the candle-op chains they replace)");
     }
 
     // Batched decode over the paged pool: `batch` sequences of `context` tokens, one token each per step.

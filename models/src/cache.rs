@@ -9,12 +9,14 @@
 //! Storage is allocated once for `capacity` tokens; a forward that would go past it is a `CacheFull` error.
 
 use candle_core::{DType, Device, Tensor};
-use glm5_ops::index_key_rows::write_index_key_rows;
-use glm5_ops::latent_rows::{write_latent_rows, CacheRows};
-use glm5_ops::{IndexKeys, KeyFormat};
+use glm5_ops::cache_rows::{write_rows, CacheRows};
+use glm5_ops::index_key_rows::{index_key_rows_reference, write_index_key_rows};
+use glm5_ops::latent_rows::{latent_rows_reference, write_latent_rows};
+use glm5_ops::{quantize_fp8, IndexKeys, KeyFormat};
 
 use crate::config::Config;
 use crate::error::{ModelError, Result};
+use crate::glm5::RowOps;
 
 /// What turns `kv_a_proj_with_mqa`'s output into latent rows: `kv_a_layernorm`'s weight and epsilon, and the
 /// call's RoPE tables (`cos`, `sin`).
@@ -23,6 +25,29 @@ pub(crate) struct LatentRows<'a> {
     pub norm_weight: &'a Tensor,
     pub eps: f64,
     pub rope: (&'a Tensor, &'a Tensor),
+    pub row_ops: RowOps,
+}
+
+impl LatentRows<'_> {
+    /// Writes `kv_a`'s latent rows into `cache` at `rows`: the fused op, or its candle-op reference.
+    pub(crate) fn write(&self, kv_a: &Tensor, cache: &Tensor, rows: CacheRows<'_>) -> Result<()> {
+        match self.row_ops {
+            RowOps::Fused => {
+                write_latent_rows(kv_a, self.norm_weight, self.eps, self.rope, cache, rows)?
+            }
+            RowOps::CandleOps => {
+                let values = latent_rows_reference(
+                    kv_a,
+                    self.norm_weight,
+                    self.eps,
+                    self.rope.0,
+                    self.rope.1,
+                )?;
+                write_rows(cache, &values, rows)?
+            }
+        }
+        Ok(())
+    }
 }
 
 /// What turns the indexer's `wk` output into keys: `k_norm`'s weight and bias, its epsilon, and the call's
@@ -32,6 +57,33 @@ pub(crate) struct KeyRows<'a> {
     pub layer_norm: (&'a Tensor, &'a Tensor),
     pub eps: f64,
     pub rope: (&'a Tensor, &'a Tensor),
+    pub row_ops: RowOps,
+}
+
+impl KeyRows<'_> {
+    /// Writes `k`'s indexer keys into `cache` at `rows`: the fused op, or its candle-op reference.
+    pub(crate) fn write(
+        &self,
+        k: &Tensor,
+        cache: IndexKeys<'_>,
+        rows: CacheRows<'_>,
+    ) -> Result<()> {
+        if self.row_ops == RowOps::Fused {
+            write_index_key_rows(k, self.layer_norm, self.eps, self.rope, cache, rows)?;
+            return Ok(());
+        }
+        let keys =
+            index_key_rows_reference(k, self.layer_norm, self.eps, self.rope.0, self.rope.1)?;
+        match cache {
+            IndexKeys::Float(store) => write_rows(store, &keys, rows)?,
+            IndexKeys::Fp8 { bytes, scales } => {
+                let (new_bytes, new_scales) = quantize_fp8(&keys)?;
+                write_rows(bytes, &new_bytes, rows)?;
+                write_rows(scales, &new_scales, rows)?;
+            }
+        }
+        Ok(())
+    }
 }
 
 pub(crate) struct LayerCache {
@@ -69,14 +121,7 @@ impl LayerCache {
         rows: LatentRows<'_>,
         offset: usize,
     ) -> Result<Tensor> {
-        write_latent_rows(
-            kv_a,
-            rows.norm_weight,
-            rows.eps,
-            rows.rope,
-            &self.latent,
-            CacheRows::From(offset),
-        )?;
+        rows.write(kv_a, &self.latent, CacheRows::From(offset))?;
         Ok(self.latent.narrow(0, 0, offset + kv_a.dim(0)?)?)
     }
 
@@ -93,14 +138,7 @@ impl LayerCache {
             IndexKeyStore::Float(store) => IndexKeys::Float(store),
             IndexKeyStore::Fp8 { bytes, scales } => IndexKeys::Fp8 { bytes, scales },
         };
-        write_index_key_rows(
-            k,
-            rows.layer_norm,
-            rows.eps,
-            rows.rope,
-            store,
-            CacheRows::From(offset),
-        )?;
+        rows.write(k, store, CacheRows::From(offset))?;
         Ok(match &self.index_keys {
             IndexKeyStore::Float(store) => CachedIndexKeys::Float(store.narrow(0, 0, len)?),
             IndexKeyStore::Fp8 { bytes, scales } => CachedIndexKeys::Fp8 {

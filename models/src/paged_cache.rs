@@ -19,8 +19,7 @@
 use std::collections::BTreeMap;
 
 use candle_core::{DType, Device, Tensor};
-use glm5_ops::index_key_rows::write_index_key_rows;
-use glm5_ops::latent_rows::{write_latent_rows, CacheRows};
+use glm5_ops::cache_rows::CacheRows;
 use glm5_ops::{IndexKeys, KeyFormat};
 
 use crate::cache::{KeyRows, LatentRows};
@@ -118,15 +117,7 @@ impl PagedLayer {
     ) -> Result<()> {
         let dims = self.latent.dims();
         let flat = self.latent.reshape((dims[0] * dims[1], dims[2]))?;
-        write_latent_rows(
-            kv_a,
-            latent.norm_weight,
-            latent.eps,
-            latent.rope,
-            &flat,
-            CacheRows::At(rows),
-        )?;
-        Ok(())
+        latent.write(kv_a, &flat, CacheRows::At(rows))
     }
 
     /// Computes the indexer keys of `k`'s tokens (`glm5_ops::index_key_rows`, quantised for FP8 blocks)
@@ -161,15 +152,7 @@ impl PagedLayer {
                 }
             }
         };
-        write_index_key_rows(
-            k,
-            key.layer_norm,
-            key.eps,
-            key.rope,
-            store,
-            CacheRows::At(rows),
-        )?;
-        Ok(())
+        key.write(k, store, CacheRows::At(rows))
     }
 }
 

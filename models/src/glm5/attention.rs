@@ -1,9 +1,11 @@
 //! §3.3–3.4 MLA in its absorbed form and §4 the DSA lightning indexer.
 
 use candle_core::{DType, Device, Module, Tensor};
-use glm5_ops::absorbed_query::absorbed_query;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use glm5_ops::absorbed_query::{absorbed_query, absorbed_query_reference};
 use glm5_ops::registry::{DsaIndexerFn, SparseMlaFn};
-use glm5_ops::rope_leading::rope_leading;
+use glm5_ops::rope_leading::{rope_leading, rope_leading_reference};
 use glm5_ops::{
     dsa_indexer_paged_reference, dsa_indexer_paged_with, sparse_mla_paged_reference,
     sparse_mla_paged_with, DsaIndexerLaunch, Kernel, Op, PagedIndexKeys, PagedLatentCache,
@@ -18,6 +20,17 @@ use crate::error::{ModelError, Result};
 use crate::paged_cache::PagedLayer;
 use crate::plan::LayerPlan;
 use crate::profile::{self, Part};
+
+/// How attention's row-wise steps around its projections run (the latent and indexer-key cache rows, the
+/// two queries' RoPE): glm5-ops' fused ops, one kernel each on CUDA (the default), or the candle-op chains
+/// they replace, kept selectable to measure the difference in one run (`glm5-bench e2e`). Both compute the
+/// same values (the fused kernels repeat the chains' roundings).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RowOps {
+    #[default]
+    Fused,
+    CandleOps,
+}
 
 /// Where a layer's KV lives during one forward call, and what each query sees.
 #[derive(Clone, Copy)]
@@ -108,6 +121,7 @@ impl Indexer {
         q_lora: &Tensor,
         rope: &Rope,
         kv: LayerKv<'_>,
+        row_ops: RowOps,
     ) -> Result<Tensor> {
         let t = hidden.dim(0)?;
         let q = self
@@ -116,13 +130,17 @@ impl Indexer {
             .reshape((t, self.n_heads, self.head_dim))?;
         // RoPE on the first qk_rope_head_dim dims of each head (the tables' width); the rest pass through.
         let (cos, sin) = rope.tables();
-        let q = rope_leading(&q, cos, sin)?;
+        let q = match row_ops {
+            RowOps::Fused => rope_leading(&q, cos, sin)?,
+            RowOps::CandleOps => rope_leading_reference(&q, cos, sin)?,
+        };
         // This call's keys [RoPE(k_norm(k))[..R] | k_norm(k)[R..]] go into the cache (one fused op).
         let k = self.wk.forward(hidden)?;
         let key_rows = KeyRows {
             layer_norm: (&self.k_norm.0, &self.k_norm.1),
             eps: INDEX_KEY_NORM_EPS,
             rope: rope.tables(),
+            row_ops,
         };
         let head_weights =
             (self.weights_proj.forward(hidden)?.to_dtype(DType::F32)? * self.weight_scale)?;
@@ -193,9 +211,24 @@ pub(super) struct Attention {
     softmax_scale: f64,
     /// The sparse_mla backend the plan bound, and its name (the paged call picks its form by it).
     sparse_mla: (SparseMlaFn, &'static str),
+    /// `RowOps::CandleOps` when set (`Glm5ForCausalLM::set_row_ops`); shared with the indexer.
+    candle_row_ops: AtomicBool,
 }
 
 impl Attention {
+    pub(super) fn set_row_ops(&self, row_ops: RowOps) {
+        self.candle_row_ops
+            .store(row_ops == RowOps::CandleOps, Ordering::Relaxed);
+    }
+
+    fn row_ops(&self) -> RowOps {
+        if self.candle_row_ops.load(Ordering::Relaxed) {
+            RowOps::CandleOps
+        } else {
+            RowOps::Fused
+        }
+    }
+
     pub(super) fn load(
         config: &Config,
         loader: &Loader,
@@ -252,6 +285,7 @@ impl Attention {
             v_head_dim: v,
             softmax_scale: config.softmax_scale(),
             sparse_mla,
+            candle_row_ops: AtomicBool::new(false),
         })
     }
 
@@ -278,10 +312,12 @@ impl Attention {
         // This call's latent rows [kv_a_layernorm(c) | RoPE(k_pe)] go into the cache (one fused op);
         // attention reads all cached rows.
         let kv_a = self.kv_a_proj_with_mqa.forward(hidden)?;
+        let row_ops = self.row_ops();
         let rows = LatentRows {
             norm_weight: self.kv_a_layernorm.weight(),
             eps: self.kv_a_layernorm.eps(),
             rope: rope.tables(),
+            row_ops,
         };
         let latent = match kv {
             LayerKv::Contiguous { cache, start_pos } => {
@@ -301,11 +337,14 @@ impl Attention {
             .contiguous()?
             .matmul(&self.w_uk)?;
         let (cos, sin) = rope.tables();
-        let q_absorbed = absorbed_query(&q, &q_latent, cos, sin)?;
+        let q_absorbed = match row_ops {
+            RowOps::Fused => absorbed_query(&q, &q_latent, cos, sin)?,
+            RowOps::CandleOps => absorbed_query_reference(&q, &q_latent, cos, sin)?,
+        };
 
         let selected = match dense {
             None => profile::time(Part::Indexer, hidden.device(), || {
-                self.indexer.forward(hidden, &q_lora, rope, kv)
+                self.indexer.forward(hidden, &q_lora, rope, kv, row_ops)
             })?,
             Some(all_positions) => all_positions.clone(),
         };

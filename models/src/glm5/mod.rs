@@ -28,6 +28,7 @@ pub use crate::plan::AttentionMode;
 use crate::plan::{op_spec, LayerPlan, Plan, PlanOptions};
 use crate::profile::{self, Part};
 use crate::weights::Checkpoint;
+pub use attention::RowOps;
 use attention::{all_causal_positions, causal_positions_of, Attention, LayerKv, PagedStep};
 use linear::{Loader, Proj, RmsNorm};
 use moe::{Mlp, MoE};
@@ -300,6 +301,13 @@ impl Glm5ForCausalLM {
     }
 
     /// What runs where, per layer, as the plan bound it.
+    /// How every layer's attention runs its row-wise steps from now on ([`RowOps`]; fused by default).
+    pub fn set_row_ops(&self, row_ops: RowOps) {
+        for layer in &self.layers {
+            layer.self_attn.set_row_ops(row_ops);
+        }
+    }
+
     pub fn layer_backends(&self) -> Vec<LayerBackends> {
         self.plan
             .layers
