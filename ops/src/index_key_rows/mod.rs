@@ -101,16 +101,23 @@ fn check(
 ) -> Result<()> {
     let (t, dim) = k.dims2()?;
     let half = cos.dim(1).unwrap_or(0);
+    if 2 * half > dim {
+        return Err(OpError::Shape {
+            arg: "cos",
+            expected: format!("[{t}, R / 2] with R <= {dim}"),
+            found: cos.dims().to_vec(),
+        });
+    }
     for (arg, tensor, expected) in [
         ("ln_weight", ln_weight, vec![dim]),
         ("ln_bias", ln_bias, vec![dim]),
         ("cos", cos, vec![t, half]),
         ("sin", sin, vec![t, half]),
     ] {
-        if tensor.dims() != expected.as_slice() || (arg.starts_with("ln") && 2 * half > dim) {
+        if tensor.dims() != expected.as_slice() {
             return Err(OpError::Shape {
                 arg,
-                expected: format!("{expected:?} with 2 · {half} <= {dim}"),
+                expected: format!("{expected:?}"),
                 found: tensor.dims().to_vec(),
             });
         }
