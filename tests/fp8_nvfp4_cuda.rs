@@ -16,6 +16,8 @@ use glm5::ops::fp8_matmul::{self, Fp8BlockWeight};
 use glm5::ops::nvfp4_matmul::{self, Nvfp4Weight, Prefill};
 use glm5::{AttentionMode, Config, DeviceDesc, Glm5ForCausalLM};
 
+#[path = "common/bound_tools.rs"]
+mod bound_tools;
 #[path = "common/fixtures.rs"]
 mod fixtures;
 #[path = "common/w4a4_bound.rs"]

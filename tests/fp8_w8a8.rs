@@ -10,6 +10,8 @@ use glm5::ops::fp8_matmul::{self, reference, Fp8Prefill, W8A8_GROUP};
 use glm5::ops::weight_only::Rows;
 use glm5::DeviceDesc;
 
+#[path = "common/bound_tools.rs"]
+mod bound_tools;
 #[path = "common/w8a8_bound.rs"]
 mod w8a8_bound;
 use w8a8_bound::{

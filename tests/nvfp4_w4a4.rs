@@ -8,6 +8,8 @@ use glm5::candle_core::{DType, Device, Tensor};
 use glm5::ops::nvfp4_matmul::{self, reference, Nvfp4Weight, Prefill};
 use glm5::Config;
 
+#[path = "common/bound_tools.rs"]
+mod bound_tools;
 #[path = "common/w4a4_bound.rs"]
 mod w4a4_bound;
 use w4a4_bound::{against_bound, median, seed, w4a4_activations, w4a4_error_bound, Stream};

@@ -14,6 +14,18 @@ use candle_core::{DType, Storage, Tensor};
 
 use crate::device::ComputeCapability;
 
+/// `stem_f32` or `stem_bf16`, the kernel of `stem` for activations of `dtype` (the kernels' naming).
+pub(crate) fn kernel_name(stem: &str, dtype: DType) -> crate::error::Result<String> {
+    match dtype {
+        DType::F32 => Ok(format!("{stem}_f32")),
+        DType::BF16 => Ok(format!("{stem}_bf16")),
+        other => Err(crate::error::OpError::NotFloat {
+            arg: "x",
+            found: other,
+        }),
+    }
+}
+
 pub(crate) fn cuda_err(e: impl std::fmt::Display) -> candle_core::Error {
     candle_core::Error::Cuda(e.to_string().into())
 }

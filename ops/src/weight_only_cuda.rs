@@ -5,8 +5,8 @@ use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::{DType, Tensor};
 use glm5_kernels::interface::weight_only::{DEQUANTIZE_THREADS, MAX_ROWS, WARPS};
 
-use crate::cuda::{cuda_err, device_address, kernel};
-use crate::error::{OpError, Result};
+use crate::cuda::{cuda_err, device_address, kernel, kernel_name};
+use crate::error::Result;
 
 /// A kernel file: its module name and fatbin.
 pub(crate) struct KernelFile {
@@ -19,18 +19,6 @@ pub(crate) const WEIGHT_ONLY: KernelFile = KernelFile {
     module: "weight_only_matmul",
     fatbin: glm5_kernels::WEIGHT_ONLY_MATMUL,
 };
-
-/// `name_{f32,bf16}` for `x`'s dtype.
-fn kernel_name(stem: &str, dtype: DType) -> Result<String> {
-    match dtype {
-        DType::F32 => Ok(format!("{stem}_f32")),
-        DType::BF16 => Ok(format!("{stem}_bf16")),
-        other => Err(OpError::NotFloat {
-            arg: "x",
-            found: other,
-        }),
-    }
-}
 
 /// The weight's kernel arguments: its device pointers, then an optional f32 (NVFP4's global scale).
 pub(crate) struct WeightArgs<'a> {

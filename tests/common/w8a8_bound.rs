@@ -18,8 +18,8 @@ use glm5::candle_core::{DType, Device, Tensor};
 use glm5::ops::fp8_matmul::{reference, Fp8BlockWeight, W8A8_GROUP};
 use glm5::Config;
 
-/// f32's unit roundoff.
-pub const U: f64 = 1.0 / (1u64 << 24) as f64;
+// The including test crate declares `bound_tools` (once, whichever bound files it takes).
+pub use crate::bound_tools::{against_bound, median, seed, Stream, U};
 
 /// The published GLM-5-FP8 config (`tests/assets/glm5_fp8/config.json`): GLM-5's sizes and its
 /// `weight_block_size`.
@@ -65,41 +65,6 @@ pub fn glm5_fp8_shapes(config: &Config) -> Vec<(&'static str, usize, usize)> {
     ]
 }
 
-/// splitmix64 stream: fresh values per seed.
-pub struct Stream(pub u64);
-
-impl Stream {
-    pub fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    pub fn uniform(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32
-    }
-    /// Random e4m3 bytes, NaN (0x7f, 0xff) excluded.
-    pub fn e4m3(&mut self, n: usize) -> Vec<u8> {
-        (0..n)
-            .map(|_| loop {
-                let b = self.next() as u8;
-                if b & 0x7f != 0x7f {
-                    break b;
-                }
-            })
-            .collect()
-    }
-}
-
-/// A fresh seed per run (print it: a failure reproduces with it).
-pub fn seed() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64
-}
-
 /// A random FP8 weight `[n, k]` of 128 x 128 blocks on the CPU: random e4m3 codes, block multipliers in
 /// [1e-3, 1.1e-2) (the checkpoint's range of `weight_scale_inv`).
 pub fn random_fp8_weight(rng: &mut Stream, n: usize, k: usize) -> Fp8BlockWeight {
@@ -109,7 +74,7 @@ pub fn random_fp8_weight(rng: &mut Stream, n: usize, k: usize) -> Fp8BlockWeight
         .map(|_| 1e-3 + rng.uniform() * 1e-2)
         .collect();
     Fp8BlockWeight {
-        weight: Tensor::from_vec(rng.e4m3(n * k), (n, k), &Device::Cpu).unwrap(),
+        weight: Tensor::from_vec(rng.e4m3(n * k, false), (n, k), &Device::Cpu).unwrap(),
         scale_inv: Tensor::from_vec(scales, shape, &Device::Cpu).unwrap(),
         block,
     }
@@ -177,47 +142,4 @@ pub fn w8a8_error_bound(x: &Tensor, w: &Fp8BlockWeight) -> Vec<f64> {
         .into_iter()
         .map(|b| b * (1.0 + 2f64.powi(-30)))
         .collect()
-}
-
-/// `max |got - want| / bound` over all outputs (`got`, `want` `[rows, out]`), and per row the relative
-/// distance `‖got_r - want_r‖ / ‖want_r‖` (the plain distance for a zero row).
-pub fn against_bound(got: &Tensor, want: &Tensor, bound: &[f64]) -> (f64, Vec<f64>) {
-    let out = want.dim(1).unwrap();
-    let host = |t: &Tensor| -> Vec<f32> {
-        t.to_device(&Device::Cpu)
-            .unwrap()
-            .to_dtype(DType::F32)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap()
-    };
-    let (got, want) = (host(got), host(want));
-    assert_eq!(got.len(), bound.len());
-    let mut worst = 0.0f64;
-    let mut rows = Vec::new();
-    for ((g, w), b) in got.chunks(out).zip(want.chunks(out)).zip(bound.chunks(out)) {
-        let (mut diff, mut norm) = (0.0f64, 0.0f64);
-        for ((g, w), b) in g.iter().zip(w).zip(b) {
-            let d = (*g as f64 - *w as f64).abs();
-            assert!(d.is_finite(), "non-finite output {g} (reference {w})");
-            worst = worst.max(d / b.max(f64::MIN_POSITIVE));
-            diff += d * d;
-            norm += (*w as f64) * (*w as f64);
-        }
-        rows.push(if norm > 0.0 {
-            (diff / norm).sqrt()
-        } else {
-            diff.sqrt()
-        });
-    }
-    (worst, rows)
-}
-
-/// The median of `values`.
-pub fn median(values: &[f64]) -> f64 {
-    let mut v = values.to_vec();
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }

@@ -1,9 +1,9 @@
 //! The launcher of `absorbed_query_*` in `kernels/src/attention_rows.cu`.
 
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 
-use crate::cuda::{cuda_err, device_address, kernel};
+use crate::cuda::{cuda_err, device_address, kernel, kernel_name};
 use crate::error::Result;
 
 /// Threads per (token, head) block: four latent values each at GLM-5's 512.
@@ -28,12 +28,8 @@ pub(super) fn absorbed_query(
     let (cos_ptr, _) = device_address(&cos)?;
     let (sin_ptr, _) = device_address(&sin)?;
     let (out_ptr, _) = device_address(&out)?;
-    let name = if q.dtype() == DType::BF16 {
-        "absorbed_query_bf16"
-    } else {
-        "absorbed_query_f32"
-    };
-    let func = kernel(&dev, "attention_rows", glm5_kernels::ATTENTION_ROWS, name)?;
+    let name = kernel_name("absorbed_query", q.dtype())?;
+    let func = kernel(&dev, "attention_rows", glm5_kernels::ATTENTION_ROWS, &name)?;
     let stream = dev.cuda_stream();
     let (t_arg, heads_arg) = (t as i32, heads as i32);
     let (nope_arg, rope_arg, lora_arg) = ((width - rope) as i32, rope as i32, lora as i32);

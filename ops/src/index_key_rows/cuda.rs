@@ -1,10 +1,10 @@
 //! The launcher of `index_key_rows_*` in `kernels/src/attention_rows.cu`.
 
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 
 use super::CacheRows;
-use crate::cuda::{cuda_err, device_address, kernel};
+use crate::cuda::{cuda_err, device_address, kernel, kernel_name};
 use crate::error::Result;
 use crate::index_keys::IndexKeys;
 
@@ -44,12 +44,8 @@ pub(super) fn write_index_key_rows(
     let (b_ptr, _) = device_address(&ln_bias)?;
     let (cos_ptr, _) = device_address(&cos)?;
     let (sin_ptr, _) = device_address(&sin)?;
-    let name = if k.dtype() == DType::BF16 {
-        "index_key_rows_bf16"
-    } else {
-        "index_key_rows_f32"
-    };
-    let func = kernel(&dev, "attention_rows", glm5_kernels::ATTENTION_ROWS, name)?;
+    let name = kernel_name("index_key_rows", k.dtype())?;
+    let func = kernel(&dev, "attention_rows", glm5_kernels::ATTENTION_ROWS, &name)?;
     let stream = dev.cuda_stream();
     let (eps_arg, t_arg, dim_arg, rope_arg) = (eps as f32, t as i32, dim as i32, rope as i32);
     let mut builder = stream.launch_builder(&func);

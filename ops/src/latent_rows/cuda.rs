@@ -1,10 +1,10 @@
 //! The launcher of `latent_rows_*` in `kernels/src/attention_rows.cu`.
 
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 
 use super::CacheRows;
-use crate::cuda::{cuda_err, device_address, kernel};
+use crate::cuda::{cuda_err, device_address, kernel, kernel_name};
 use crate::error::Result;
 
 /// Threads per token's block: two latent values each at GLM-5's 512.
@@ -35,12 +35,8 @@ pub(super) fn write_latent_rows(
     let (cos_ptr, _) = device_address(&cos)?;
     let (sin_ptr, _) = device_address(&sin)?;
     let (cache_ptr, _) = device_address(cache)?;
-    let name = if kv_a.dtype() == DType::BF16 {
-        "latent_rows_bf16"
-    } else {
-        "latent_rows_f32"
-    };
-    let func = kernel(&dev, "attention_rows", glm5_kernels::ATTENTION_ROWS, name)?;
+    let name = kernel_name("latent_rows", kv_a.dtype())?;
+    let func = kernel(&dev, "attention_rows", glm5_kernels::ATTENTION_ROWS, &name)?;
     let stream = dev.cuda_stream();
     let (eps_arg, lora_arg, rope_arg) = (eps as f32, lora as i32, (width - lora) as i32);
     let mut builder = stream.launch_builder(&func);

@@ -1,9 +1,9 @@
 //! The launcher of `rope_leading_*` in `kernels/src/attention_rows.cu`.
 
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 
-use crate::cuda::{cuda_err, device_address, kernel};
+use crate::cuda::{cuda_err, device_address, kernel, kernel_name};
 use crate::error::Result;
 
 /// Threads per (token, head) block: one per RoPE pair at GLM-5's indexer (64 rotated of 128).
@@ -21,12 +21,8 @@ pub(super) fn rope_leading(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Ten
     let (cos_ptr, _) = device_address(&cos)?;
     let (sin_ptr, _) = device_address(&sin)?;
     let (out_ptr, _) = device_address(&out)?;
-    let name = if x.dtype() == DType::BF16 {
-        "rope_leading_bf16"
-    } else {
-        "rope_leading_f32"
-    };
-    let func = kernel(&dev, "attention_rows", glm5_kernels::ATTENTION_ROWS, name)?;
+    let name = kernel_name("rope_leading", x.dtype())?;
+    let func = kernel(&dev, "attention_rows", glm5_kernels::ATTENTION_ROWS, &name)?;
     let stream = dev.cuda_stream();
     let (heads_arg, dim_arg, rope_arg) = (heads as i32, dim as i32, rope as i32);
     let mut builder = stream.launch_builder(&func);

@@ -9,7 +9,7 @@ use candle_core::{DType, Tensor};
 use glm5_kernels::interface::{nvfp4_mma, Nvfp4MmaParams, Nvfp4QuantizeParams};
 
 use super::super::{Nvfp4Activations, Nvfp4Weight, W4A4_MMA_SM120};
-use crate::cuda::{cuda_err, device_address, device_info, kernel};
+use crate::cuda::{cuda_err, device_address, device_info, kernel, kernel_name};
 use crate::error::{OpError, Result};
 
 const MODULE: (&str, &[u8]) = ("nvfp4_mma_sm120a", glm5_kernels::NVFP4_MMA_SM120A);
@@ -30,18 +30,6 @@ unsafe impl DeviceRepr for QuantizeParams {}
 struct MmaParams(Nvfp4MmaParams);
 // SAFETY: as `QuantizeParams`.
 unsafe impl DeviceRepr for MmaParams {}
-
-/// `stem_{f32,bf16}` for `x`'s dtype.
-fn kernel_name(stem: &str, dtype: DType) -> Result<String> {
-    match dtype {
-        DType::F32 => Ok(format!("{stem}_f32")),
-        DType::BF16 => Ok(format!("{stem}_bf16")),
-        other => Err(OpError::NotFloat {
-            arg: "x",
-            found: other,
-        }),
-    }
-}
 
 /// An error unless `dev` is compute capability 12.0, the only one the sm_120a SASS runs on.
 fn check_device(dev: &CudaDevice) -> Result<()> {
