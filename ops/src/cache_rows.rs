@@ -15,6 +15,19 @@ pub enum CacheRows<'a> {
 }
 
 impl CacheRows<'_> {
+    /// The cache-row kernels' arguments `(rows, first_row)`: a null row list and the offset, or the rows'
+    /// device address (with the contiguous copy it points into, to keep alive until the launch) and 0.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn kernel_args(&self) -> Result<(u64, i32, Option<Tensor>)> {
+        Ok(match *self {
+            CacheRows::From(offset) => (0, offset as i32, None),
+            CacheRows::At(rows) => {
+                let rows = rows.contiguous()?;
+                (crate::cuda::device_address(&rows)?.0, 0, Some(rows))
+            }
+        })
+    }
+
     /// Checks `T` rows fit a cache of `slots` rows (`From`) or that the row list is `U32 [T]` (`At`).
     pub(crate) fn check(&self, t: usize, slots: usize, cache: &Tensor) -> Result<()> {
         match *self {

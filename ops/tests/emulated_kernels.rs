@@ -18,7 +18,7 @@ use common::{rng, uniform};
 use glm5_kernels::emu::{launch, DeviceBuffer, LaunchConfig};
 use glm5_kernels::interface::weight_only::{DEQUANTIZE_THREADS, MAX_ROWS, WARPS};
 use glm5_ops::iq_matmul::{self, IqFormat, IqWeight};
-use glm5_ops::moe::{experts_reference, route_reference, QuantizedExperts, RouteRule, Routes};
+use glm5_ops::moe::{experts_reference, route_reference, QuantizedExperts, Routes};
 use glm5_ops::{fp8_matmul, nvfp4_matmul};
 use half::bf16;
 
@@ -94,6 +94,16 @@ fn bytes_of(t: &Tensor) -> DeviceBuffer<u8> {
     DeviceBuffer::from_slice(&t.flatten_all().unwrap().to_vec1::<u8>().unwrap())
 }
 
+/// `t`'s values as f32, in order.
+fn host_f32(t: &Tensor) -> Vec<f32> {
+    t.to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+}
+
 fn floats_of(t: &Tensor) -> DeviceBuffer<f32> {
     DeviceBuffer::from_slice(&t.flatten_all().unwrap().to_vec1::<f32>().unwrap())
 }
@@ -141,11 +151,10 @@ fn assert_close(what: &str, got: &[f32], want: &[f32], magnitude: &[f32], dtype:
 fn reference_product(x: &[f32], (m, k): (usize, usize), w: &Tensor) -> (Vec<f32>, Vec<f32>) {
     let x = Tensor::from_slice(x, (m, k), &Device::Cpu).unwrap();
     let w = w.to_dtype(DType::F32).unwrap();
-    let flat = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
     (
-        flat(x.matmul(&w.t().unwrap()).unwrap()),
-        flat(
-            x.abs()
+        host_f32(&x.matmul(&w.t().unwrap()).unwrap()),
+        host_f32(
+            &x.abs()
                 .unwrap()
                 .matmul(&w.abs().unwrap().t().unwrap())
                 .unwrap(),
@@ -155,9 +164,14 @@ fn reference_product(x: &[f32], (m, k): (usize, usize), w: &Tensor) -> (Vec<f32>
 
 /// Random activations as the kernel reads them (bf16 rounded for bf16).
 fn activations(seed: u64, len: usize, dtype: DType) -> Vec<f32> {
-    uniform(&mut rng(seed), len)
-        .into_iter()
-        .map(|v| {
+    activations_like(&uniform(&mut rng(seed), len), dtype)
+}
+
+/// `values` as a `dtype` tensor holds them (bf16 rounded).
+fn activations_like(values: &[f32], dtype: DType) -> Vec<f32> {
+    values
+        .iter()
+        .map(|&v| {
             if dtype == DType::BF16 {
                 bf16::from_f32(v).to_f32()
             } else {
@@ -224,7 +238,6 @@ fn iq_kernels_equal_the_reference() {
             let blocks = iq_blocks(&mut rng(4700 + fi as u64), format, n, k);
             let w = IqWeight::new(format, blocks.clone(), k).unwrap();
             let dense = iq_matmul::reference::dequantize(&w).unwrap();
-            let dense_values = dense.flatten_all().unwrap().to_vec1::<f32>().unwrap();
             let device_blocks = bytes_of(&blocks);
             for dtype in [DType::F32, DType::BF16] {
                 let d = dtype_index(dtype);
@@ -234,17 +247,12 @@ fn iq_kernels_equal_the_reference() {
                 run(dequantize_config(n * k / 32), || unsafe {
                     f(device_blocks.ptr(), out.mut_ptr(), n as i32, k as i32)
                 });
-                for (i, (g, w)) in out.to_f32().iter().zip(&dense_values).enumerate() {
-                    let w = if dtype == DType::BF16 {
-                        bf16::from_f32(*w).to_f32()
-                    } else {
-                        *w
-                    };
-                    assert!(
-                        g.to_bits() == w.to_bits() || (*g == 0.0 && w == 0.0),
-                        "{format} {dtype:?} k={k}: dequantised value {i} is {g}, the reference's {w}"
-                    );
-                }
+                assert_dequantized(
+                    &format!("{format} {dtype:?} k={k}"),
+                    &out.to_f32(),
+                    &dense,
+                    dtype,
+                );
                 for (m, one_row) in row_counts() {
                     let x = activations(4710 + m as u64, m * k, dtype);
                     let (want, magnitude) = reference_product(&x, (m, k), &dense);
@@ -1112,29 +1120,8 @@ fn check_experts(
 
 #[test]
 fn moe_route_equals_the_reference() {
-    // GLM-5's rule (one group, 8 of 256, scaled 2.5) and a grouped one, with ties (the lower expert wins).
-    let cases = [
-        (
-            256,
-            RouteRule {
-                n_group: 1,
-                topk_group: 1,
-                top_k: 8,
-                normalise: true,
-                scaling: 2.5,
-            },
-        ),
-        (
-            160,
-            RouteRule {
-                n_group: 16,
-                topk_group: 3,
-                top_k: 6,
-                normalise: false,
-                scaling: 1.0,
-            },
-        ),
-    ];
+    // Every rule of common::route_rules, with ties (the lower expert wins).
+    let cases = common::route_rules();
     for (seed, (e, rule)) in cases.into_iter().enumerate() {
         for tied in [false, true] {
             let t = 7;
@@ -1228,20 +1215,6 @@ fn moe_dense_experts_equal_the_reference() {
             4761,
         );
     }
-}
-
-/// `values` as a `dtype` tensor holds them (bf16 rounded).
-fn activations_like(values: &[f32], dtype: DType) -> Vec<f32> {
-    values
-        .iter()
-        .map(|&v| {
-            if dtype == DType::BF16 {
-                bf16::from_f32(v).to_f32()
-            } else {
-                v
-            }
-        })
-        .collect()
 }
 
 #[test]
@@ -1370,8 +1343,7 @@ fn nvfp4_w4a4_sm120_kernels_equal_the_reference() {
             );
             let (want, magnitude) =
                 nvfp4_matmul::reference::nvfp4_matmul_w4a4_with_magnitudes(&x_tensor, &w).unwrap();
-            let flat = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-            let (want, magnitude) = (flat(want), flat(magnitude));
+            let (want, magnitude) = (host_f32(&want), host_f32(&magnitude));
             for (i, ((g, w), mag)) in y.to_f32().iter().zip(&want).zip(&magnitude).enumerate() {
                 if w.is_nan() {
                     assert!(g.is_nan(), "{dtype:?} output {i}: {g}, the reference's NaN");
@@ -1480,24 +1452,14 @@ fn rms_norm_equals_the_reference() {
             let d = dtype_index(dtype);
             let x = activations(seed, rows * cols, dtype);
             let w = activations(seed + 1, cols, dtype);
-            let want = glm5_ops::rms_norm::rms_norm_reference(
-                &Tensor::from_slice(&x, (rows, cols), &Device::Cpu)
-                    .unwrap()
-                    .to_dtype(dtype)
-                    .unwrap(),
-                &Tensor::from_slice(&w, cols, &Device::Cpu)
-                    .unwrap()
-                    .to_dtype(dtype)
-                    .unwrap(),
-                eps,
-            )
-            .unwrap()
-            .to_dtype(DType::F32)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap();
+            let want = host_f32(
+                &glm5_ops::rms_norm::rms_norm_reference(
+                    &common::tensor(&x, &[rows, cols], dtype),
+                    &common::tensor(&w, &[cols], dtype),
+                    eps,
+                )
+                .unwrap(),
+            );
             let (device_x, device_w) = (Values::from_f32(&x, dtype), Values::from_f32(&w, dtype));
             let out = Values::nan(rows * cols, dtype);
             let f = [rms_norm_f32, rms_norm_bf16][d];
@@ -1568,18 +1530,8 @@ fn latent_rows_equal_the_reference() {
         let d = dtype_index(dtype);
         let kv_a = activations(4810, t * width, dtype);
         let weight = activations(4811, lora, dtype);
-        let angles: Vec<f32> = activations(4812, t * rope / 2, DType::F32)
-            .iter()
-            .map(|a| a * 3.0)
-            .collect();
-        let cos = activations_like(&angles.iter().map(|a| a.cos()).collect::<Vec<_>>(), dtype);
-        let sin = activations_like(&angles.iter().map(|a| a.sin()).collect::<Vec<_>>(), dtype);
-        let tensor = |v: &[f32], shape: &[usize]| {
-            Tensor::from_slice(v, shape, &Device::Cpu)
-                .unwrap()
-                .to_dtype(dtype)
-                .unwrap()
-        };
+        let (cos, sin) = rope_tables(4812, t, rope / 2, dtype);
+        let tensor = |v: &[f32], shape: &[usize]| common::tensor(v, shape, dtype);
         let want_rows = latent_rows_reference(
             &tensor(&kv_a, &[t, width]),
             &tensor(&weight, &[lora]),
@@ -1598,13 +1550,7 @@ fn latent_rows_equal_the_reference() {
                 CacheRows::From(3)
             };
             write_rows(&want_cache, &want_rows, placement).unwrap();
-            let want = want_cache
-                .to_dtype(DType::F32)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap();
+            let want = host_f32(&want_cache);
 
             let (dx, dw) = (
                 Values::from_f32(&kv_a, dtype),
@@ -1712,18 +1658,8 @@ fn index_key_rows_equal_the_reference() {
                     .collect::<Vec<_>>(),
                 dtype,
             );
-            let angles: Vec<f32> = activations(4823, t * rope / 2, DType::F32)
-                .iter()
-                .map(|a| a * 3.0)
-                .collect();
-            let cos = activations_like(&angles.iter().map(|a| a.cos()).collect::<Vec<_>>(), dtype);
-            let sin = activations_like(&angles.iter().map(|a| a.sin()).collect::<Vec<_>>(), dtype);
-            let tensor = |v: &[f32], shape: &[usize]| {
-                Tensor::from_slice(v, shape, &Device::Cpu)
-                    .unwrap()
-                    .to_dtype(dtype)
-                    .unwrap()
-            };
+            let (cos, sin) = rope_tables(4823, t, rope / 2, dtype);
+            let tensor = |v: &[f32], shape: &[usize]| common::tensor(v, shape, dtype);
             let keys = index_key_rows_reference(
                 &tensor(&k, &[t, dim]),
                 (&tensor(&ln_w, &[dim]), &tensor(&ln_b, &[dim])),
@@ -1790,8 +1726,7 @@ fn index_key_rows_equal_the_reference() {
                 if !fp8 {
                     let want = tensor(&vec![f32::NAN; slots * dim], &[slots, dim]);
                     write_rows(&want, &keys, place).unwrap();
-                    let want = want.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
-                    let want = want.to_vec1::<f32>().unwrap();
+                    let want = host_f32(&want);
                     for (i, (g, w)) in float_cache.to_f32().iter().zip(&want).enumerate() {
                         let bound = if dtype == DType::BF16 {
                             w.abs() / 128.0
@@ -1882,20 +1817,7 @@ fn query_kernels_equal_the_reference() {
     let (t, heads) = (3, 5);
     for dtype in [DType::F32, DType::BF16] {
         let d = dtype_index(dtype);
-        let tensor = |v: &[f32], shape: &[usize]| {
-            Tensor::from_slice(v, shape, &Device::Cpu)
-                .unwrap()
-                .to_dtype(dtype)
-                .unwrap()
-        };
-        let flat = |x: Tensor| {
-            x.to_dtype(DType::F32)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap()
-        };
+        let tensor = |v: &[f32], shape: &[usize]| common::tensor(v, shape, dtype);
         let check = |what: &str, got: &[f32], want: &[f32]| {
             for (i, (g, w)) in got.iter().zip(want).enumerate() {
                 let bound = if dtype == DType::BF16 {
@@ -1945,7 +1867,7 @@ fn query_kernels_equal_the_reference() {
                 )
             },
         );
-        check("absorbed query", &out.to_f32(), &flat(want));
+        check("absorbed query", &out.to_f32(), &host_f32(&want));
         // The indexer's query.
         let dim = 128;
         let x = activations(4833, t * heads * dim, dtype);
@@ -1972,6 +1894,6 @@ fn query_kernels_equal_the_reference() {
                 )
             },
         );
-        check("leading RoPE", &out.to_f32(), &flat(want));
+        check("leading RoPE", &out.to_f32(), &host_f32(&want));
     }
 }

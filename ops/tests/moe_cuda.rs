@@ -10,7 +10,7 @@ use candle_core::{DType, Device, Tensor};
 use common::{rng, uniform};
 use glm5_ops::moe::{
     experts_backend, experts_reference, experts_with, route, route_reference, ExpertsBackend,
-    ExpertsImpl, RouteRule, Routes, MATVEC_MAX_TOKENS,
+    ExpertsImpl, Routes, MATVEC_MAX_TOKENS,
 };
 
 fn gpu() -> Device {
@@ -28,39 +28,7 @@ fn poison(device: &Device, bytes: usize) {
 fn route_on_gpu_equals_the_reference() {
     let gpu = gpu();
     let mut r = rng(4601);
-    // GLM-5's rule (one group, 8 of 256, scaled 2.5) and a grouped one (DeepSeek-V3's shape).
-    let cases = [
-        (
-            256,
-            RouteRule {
-                n_group: 1,
-                topk_group: 1,
-                top_k: 8,
-                normalise: true,
-                scaling: 2.5,
-            },
-        ),
-        (
-            256,
-            RouteRule {
-                n_group: 8,
-                topk_group: 4,
-                top_k: 8,
-                normalise: true,
-                scaling: 2.5,
-            },
-        ),
-        (
-            160,
-            RouteRule {
-                n_group: 16,
-                topk_group: 3,
-                top_k: 6,
-                normalise: false,
-                scaling: 1.0,
-            },
-        ),
-    ];
+    let cases = common::route_rules();
     for (e, rule) in cases {
         for t in [1, 7, 64, 300] {
             for tied in [false, true] {

@@ -59,6 +59,46 @@ fn rms_norm_on_gpu_equals_the_reference() {
     }
 }
 
+/// `values` in `shape` as a `dtype` tensor on `gpu`.
+fn on_gpu(values: Vec<f32>, shape: &[usize], dtype: DType, gpu: &Device) -> Tensor {
+    Tensor::from_vec(values, shape, &Device::Cpu)
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap()
+        .to_device(gpu)
+        .unwrap()
+}
+
+/// Random RoPE tables `(cos, sin)` `[t, half]` on `gpu`.
+fn rope_tables(
+    r: &mut rand::rngs::StdRng,
+    t: usize,
+    half: usize,
+    dtype: DType,
+    gpu: &Device,
+) -> (Tensor, Tensor) {
+    let angles = uniform(r, t * half);
+    let table = |f: fn(f32) -> f32| {
+        on_gpu(
+            angles.iter().map(|a| f(a * 3.0)).collect(),
+            &[t, half],
+            dtype,
+            gpu,
+        )
+    };
+    (table(f32::cos), table(f32::sin))
+}
+
+/// `t`'s values as f32 on the host.
+fn host_f32(t: &Tensor) -> Vec<f32> {
+    t.to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
 /// `write_latent_rows` on the GPU (one kernel) against its reference on the GPU (RMSNorm, candle's `rope_i`,
 /// a concatenation, a scatter), into caches of NaN rows, by offset and by row index, at GLM-5's widths.
 #[test]
@@ -70,25 +110,9 @@ fn latent_rows_on_gpu_equal_the_reference() {
     let width = lora + rope;
     for dtype in [DType::F32, DType::BF16] {
         for t in [1, 7, 33] {
-            let on_gpu = |v: Vec<f32>, shape: &[usize]| {
-                Tensor::from_vec(v, shape, &Device::Cpu)
-                    .unwrap()
-                    .to_dtype(dtype)
-                    .unwrap()
-                    .to_device(&gpu)
-                    .unwrap()
-            };
-            let kv_a = on_gpu(uniform(&mut r, t * width), &[t, width]);
-            let weight = on_gpu(uniform(&mut r, lora), &[lora]);
-            let angles = uniform(&mut r, t * rope / 2);
-            let cos = on_gpu(
-                angles.iter().map(|a| (a * 3.0).cos()).collect(),
-                &[t, rope / 2],
-            );
-            let sin = on_gpu(
-                angles.iter().map(|a| (a * 3.0).sin()).collect(),
-                &[t, rope / 2],
-            );
+            let kv_a = on_gpu(uniform(&mut r, t * width), &[t, width], dtype, &gpu);
+            let weight = on_gpu(uniform(&mut r, lora), &[lora], dtype, &gpu);
+            let (cos, sin) = rope_tables(&mut r, t, rope / 2, dtype, &gpu);
             let rows: Vec<u32> = (0..t as u32).map(|i| (i * 7 + 3) % slots as u32).collect();
             let rows = Tensor::from_vec(rows, t, &gpu).unwrap();
             for by_index in [false, true] {
@@ -97,20 +121,12 @@ fn latent_rows_on_gpu_equal_the_reference() {
                 } else {
                     CacheRows::From(slots - t)
                 };
-                let nan = || on_gpu(vec![f32::NAN; slots * width], &[slots, width]);
+                let nan = || on_gpu(vec![f32::NAN; slots * width], &[slots, width], dtype, &gpu);
                 let (got, want) = (nan(), nan());
                 write_latent_rows(&kv_a, &weight, 1e-6, (&cos, &sin), &got, place).unwrap();
                 let values = latent_rows_reference(&kv_a, &weight, 1e-6, &cos, &sin).unwrap();
                 write_rows(&want, &values, place).unwrap();
-                let flat = |x: &Tensor| -> Vec<f32> {
-                    x.to_dtype(DType::F32)
-                        .unwrap()
-                        .flatten_all()
-                        .unwrap()
-                        .to_vec1()
-                        .unwrap()
-                };
-                for (i, (g, w)) in flat(&got).iter().zip(flat(&want)).enumerate() {
+                for (i, (g, w)) in host_f32(&got).iter().zip(host_f32(&want)).enumerate() {
                     let bound = if dtype == DType::BF16 {
                         w.abs() / 128.0
                     } else {
@@ -140,35 +156,23 @@ fn index_key_rows_on_gpu_equal_the_reference() {
     let (dim, rope, slots) = (128, 64, 40);
     for dtype in [DType::F32, DType::BF16] {
         for t in [1, 9, 33] {
-            let on_gpu = |v: Vec<f32>, shape: &[usize]| {
-                Tensor::from_vec(v, shape, &Device::Cpu)
-                    .unwrap()
-                    .to_dtype(dtype)
-                    .unwrap()
-                    .to_device(&gpu)
-                    .unwrap()
-            };
             let k = on_gpu(
                 uniform(&mut r, t * dim)
                     .iter()
                     .map(|v| v * 4.0 + 0.5)
                     .collect(),
                 &[t, dim],
+                dtype,
+                &gpu,
             );
-            let w = on_gpu(uniform(&mut r, dim), &[dim]);
+            let w = on_gpu(uniform(&mut r, dim), &[dim], dtype, &gpu);
             let b = on_gpu(
                 uniform(&mut r, dim).iter().map(|v| v * 0.1).collect(),
                 &[dim],
+                dtype,
+                &gpu,
             );
-            let angles = uniform(&mut r, t * rope / 2);
-            let cos = on_gpu(
-                angles.iter().map(|a| (a * 3.0).cos()).collect(),
-                &[t, rope / 2],
-            );
-            let sin = on_gpu(
-                angles.iter().map(|a| (a * 3.0).sin()).collect(),
-                &[t, rope / 2],
-            );
+            let (cos, sin) = rope_tables(&mut r, t, rope / 2, dtype, &gpu);
             let rows: Vec<u32> = (0..t as u32).map(|i| (i * 7 + 3) % slots as u32).collect();
             let rows = Tensor::from_vec(rows, t, &gpu).unwrap();
             let keys = index_key_rows_reference(&k, (&w, &b), 1e-6, &cos, &sin).unwrap();
@@ -179,16 +183,8 @@ fn index_key_rows_on_gpu_equal_the_reference() {
                 } else {
                     CacheRows::From(slots - t)
                 };
-                let flat = |x: &Tensor| -> Vec<f32> {
-                    x.to_dtype(DType::F32)
-                        .unwrap()
-                        .flatten_all()
-                        .unwrap()
-                        .to_vec1()
-                        .unwrap()
-                };
                 // Float keys.
-                let nan = || on_gpu(vec![f32::NAN; slots * dim], &[slots, dim]);
+                let nan = || on_gpu(vec![f32::NAN; slots * dim], &[slots, dim], dtype, &gpu);
                 let (got, want) = (nan(), nan());
                 write_index_key_rows(
                     &k,
@@ -200,7 +196,7 @@ fn index_key_rows_on_gpu_equal_the_reference() {
                 )
                 .unwrap();
                 write_rows(&want, &keys, place).unwrap();
-                for (i, (g, v)) in flat(&got).iter().zip(flat(&want)).enumerate() {
+                for (i, (g, v)) in host_f32(&got).iter().zip(host_f32(&want)).enumerate() {
                     let bound = if dtype == DType::BF16 {
                         v.abs() / 128.0
                     } else {
@@ -223,7 +219,7 @@ fn index_key_rows_on_gpu_equal_the_reference() {
                 let want_s = Tensor::full(f32::NAN, slots, &gpu).unwrap();
                 write_rows(&want_b, &want_bytes, place).unwrap();
                 write_rows(&want_s, &want_scales, place).unwrap();
-                for (g, v) in flat(&scales).iter().zip(flat(&want_s)) {
+                for (g, v) in host_f32(&scales).iter().zip(host_f32(&want_s)) {
                     assert!(
                         (v.is_nan() && g.is_nan()) || (g - v).abs() <= 1e-2 * v.abs(),
                         "{dtype:?} t={t}: scale {g} vs {v}"
@@ -253,40 +249,25 @@ fn query_kernels_on_gpu_equal_the_reference() {
     let (heads, nope, rope, lora, index_dim) = (64, 192, 64, 512, 128);
     for dtype in [DType::F32, DType::BF16] {
         for t in [1, 5, 33] {
-            let on_gpu = |v: Vec<f32>, shape: &[usize]| {
-                Tensor::from_vec(v, shape, &Device::Cpu)
-                    .unwrap()
-                    .to_dtype(dtype)
-                    .unwrap()
-                    .to_device(&gpu)
-                    .unwrap()
-            };
             let q = on_gpu(
                 uniform(&mut r, t * heads * (nope + rope)),
                 &[t, heads, nope + rope],
+                dtype,
+                &gpu,
             );
-            let q_latent = on_gpu(uniform(&mut r, heads * t * lora), &[heads, t, lora]);
+            let q_latent = on_gpu(
+                uniform(&mut r, heads * t * lora),
+                &[heads, t, lora],
+                dtype,
+                &gpu,
+            );
             let x = on_gpu(
                 uniform(&mut r, t * heads * index_dim),
                 &[t, heads, index_dim],
+                dtype,
+                &gpu,
             );
-            let angles = uniform(&mut r, t * rope / 2);
-            let cos = on_gpu(
-                angles.iter().map(|a| (a * 3.0).cos()).collect(),
-                &[t, rope / 2],
-            );
-            let sin = on_gpu(
-                angles.iter().map(|a| (a * 3.0).sin()).collect(),
-                &[t, rope / 2],
-            );
-            let flat = |x: Tensor| -> Vec<f32> {
-                x.to_dtype(DType::F32)
-                    .unwrap()
-                    .flatten_all()
-                    .unwrap()
-                    .to_vec1()
-                    .unwrap()
-            };
+            let (cos, sin) = rope_tables(&mut r, t, rope / 2, dtype, &gpu);
             let pairs = [
                 (
                     "absorbed query",
@@ -301,7 +282,7 @@ fn query_kernels_on_gpu_equal_the_reference() {
             ];
             for (what, got, want) in pairs {
                 assert_eq!(got.dims(), want.dims(), "{what}");
-                for (i, (g, w)) in flat(got).iter().zip(flat(want)).enumerate() {
+                for (i, (g, w)) in host_f32(&got).iter().zip(host_f32(&want)).enumerate() {
                     let bound = if dtype == DType::BF16 {
                         w.abs() / 128.0
                     } else {

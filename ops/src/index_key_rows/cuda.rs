@@ -26,13 +26,7 @@ pub(super) fn write_index_key_rows(
     let k = k.contiguous()?;
     let (ln_weight, ln_bias) = (ln_weight.contiguous()?, ln_bias.contiguous()?);
     let (cos, sin) = (cos.contiguous()?, sin.contiguous()?);
-    let (rows_ptr, first_row, _rows) = match rows {
-        CacheRows::From(offset) => (0u64, offset as i32, None),
-        CacheRows::At(rows) => {
-            let rows = rows.contiguous()?;
-            (device_address(&rows)?.0, 0, Some(rows))
-        }
-    };
+    let (rows_ptr, first_row, _rows) = rows.kernel_args()?;
     let (float_ptr, bytes_ptr, scales_ptr) = match cache {
         IndexKeys::Float(store) => (device_address(store)?.0, 0u64, 0u64),
         IndexKeys::Fp8 { bytes, scales } => {

@@ -23,13 +23,7 @@ pub(super) fn write_latent_rows(
     let lora = norm_weight.dim(0)?;
     let (kv_a, norm_weight) = (kv_a.contiguous()?, norm_weight.contiguous()?);
     let (cos, sin) = (cos.contiguous()?, sin.contiguous()?);
-    let (rows_ptr, first_row, _rows) = match rows {
-        CacheRows::From(offset) => (0u64, offset as i32, None),
-        CacheRows::At(rows) => {
-            let rows = rows.contiguous()?;
-            (device_address(&rows)?.0, 0, Some(rows))
-        }
-    };
+    let (rows_ptr, first_row, _rows) = rows.kernel_args()?;
     let (kv_a_ptr, dev) = device_address(&kv_a)?;
     let (w_ptr, _) = device_address(&norm_weight)?;
     let (cos_ptr, _) = device_address(&cos)?;

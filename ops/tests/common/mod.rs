@@ -20,6 +20,45 @@ pub fn tensor(data: &[f32], shape: &[usize], dtype: DType) -> Tensor {
         .expect("test tensor")
 }
 
+/// Routing rules the route tests run, with their expert counts: GLM-5's (one group, 8 of 256, scaled 2.5), a
+/// grouped one of DeepSeek-V3's shape, and 160 experts in 16 groups without normalisation.
+#[allow(dead_code)] // each test binary uses part of it
+pub fn route_rules() -> Vec<(usize, glm5_ops::moe::RouteRule)> {
+    use glm5_ops::moe::RouteRule;
+    vec![
+        (
+            256,
+            RouteRule {
+                n_group: 1,
+                topk_group: 1,
+                top_k: 8,
+                normalise: true,
+                scaling: 2.5,
+            },
+        ),
+        (
+            256,
+            RouteRule {
+                n_group: 8,
+                topk_group: 4,
+                top_k: 8,
+                normalise: true,
+                scaling: 2.5,
+            },
+        ),
+        (
+            160,
+            RouteRule {
+                n_group: 16,
+                topk_group: 3,
+                top_k: 6,
+                normalise: false,
+                scaling: 1.0,
+            },
+        ),
+    ]
+}
+
 /// Random experts kept quantised, stacked, with their dequantised f32 copies (`gate_up` `[E, 2I, H]`,
 /// `down` `[E, H, I]`), built on the CPU from random codes: FP8 e4m3 bytes (never the NaN codes 0x7f /
 /// 0xff) under random block multipliers, or NVFP4 codes under random e4m3 group scales (exponents 5-8) and a
