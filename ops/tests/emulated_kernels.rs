@@ -239,49 +239,29 @@ fn iq_kernels_equal_the_reference() {
             let w = IqWeight::new(format, blocks.clone(), k).unwrap();
             let dense = iq_matmul::reference::dequantize(&w).unwrap();
             let device_blocks = bytes_of(&blocks);
-            for dtype in [DType::F32, DType::BF16] {
-                let d = dtype_index(dtype);
-                // Dequantised: the reference's values bit for bit (bf16: their rounding).
-                let out = Values::nan(n * k, dtype);
-                let f = kernels.dequantize[d];
-                run(dequantize_config(n * k / 32), || unsafe {
-                    f(device_blocks.ptr(), out.mut_ptr(), n as i32, k as i32)
-                });
-                assert_dequantized(
-                    &format!("{format} {dtype:?} k={k}"),
-                    &out.to_f32(),
-                    &dense,
-                    dtype,
-                );
-                for (m, one_row) in row_counts() {
-                    let x = activations(4710 + m as u64, m * k, dtype);
-                    let (want, magnitude) = reference_product(&x, (m, k), &dense);
-                    let device_x = Values::from_f32(&x, dtype);
-                    let y = Values::nan(m * n, dtype);
+            check_weight_only_kernels(
+                &format!("{format} k={k}"),
+                (n, k),
+                &dense,
+                4710,
+                &|dtype, out| {
+                    let f = kernels.dequantize[dtype_index(dtype)];
+                    run(dequantize_config(n * k / 32), || unsafe {
+                        f(device_blocks.ptr(), out, n as i32, k as i32)
+                    });
+                },
+                &|dtype, one_row, x, y, m| {
+                    let d = dtype_index(dtype);
                     let f = if one_row {
                         kernels.matvec_r1[d]
                     } else {
                         kernels.matvec[d]
                     };
                     run(matvec_config(n), || unsafe {
-                        f(
-                            device_x.ptr(),
-                            device_blocks.ptr(),
-                            y.mut_ptr(),
-                            m as i32,
-                            n as i32,
-                            k as i32,
-                        )
+                        f(x, device_blocks.ptr(), y, m as i32, n as i32, k as i32)
                     });
-                    assert_close(
-                        &format!("{format} {dtype:?} k={k} m={m} one_row={one_row}"),
-                        &y.to_f32(),
-                        &want,
-                        &magnitude,
-                        dtype,
-                    );
-                }
-            }
+                },
+            );
         }
     }
 }
@@ -407,6 +387,39 @@ const NVFP4_MATVEC: [Nvfp4Matvec; 2] = [nvfp4_matvec_f32, nvfp4_matvec_bf16];
 const NVFP4_MATVEC_R1: [Nvfp4Matvec; 2] = [nvfp4_matvec_r1_f32, nvfp4_matvec_r1_bf16];
 const NVFP4_DEQUANTIZE: [Nvfp4Dequantize; 2] = [nvfp4_dequantize_f32, nvfp4_dequantize_bf16];
 
+/// One weight's kernels against the reference `dense` `[n, k]`, for f32 and bf16 activations: `dequantize`
+/// launches the dequantiser of a dtype into the given output, which must equal `dense` bit for bit (bf16: its
+/// rounding); `matvec(dtype, one_row, x, y, m)` launches the mat-vec (the one-row kernel when `one_row`) on
+/// `m` rows, which must equal the reference product ([`assert_close`]) at every [`row_counts`] entry.
+fn check_weight_only_kernels(
+    what: &str,
+    (n, k): (usize, usize),
+    dense: &Tensor,
+    seed: u64,
+    dequantize: &dyn Fn(DType, MutPtr),
+    matvec: &dyn Fn(DType, bool, Ptr, MutPtr, usize),
+) {
+    for dtype in [DType::F32, DType::BF16] {
+        let out = Values::nan(n * k, dtype);
+        dequantize(dtype, out.mut_ptr());
+        assert_dequantized(&format!("{what} {dtype:?}"), &out.to_f32(), dense, dtype);
+        for (m, one_row) in row_counts() {
+            let x = activations(seed + m as u64, m * k, dtype);
+            let (want, magnitude) = reference_product(&x, (m, k), dense);
+            let device_x = Values::from_f32(&x, dtype);
+            let y = Values::nan(m * n, dtype);
+            matvec(dtype, one_row, device_x.ptr(), y.mut_ptr(), m);
+            assert_close(
+                &format!("{what} {dtype:?} m={m} one_row={one_row}"),
+                &y.to_f32(),
+                &want,
+                &magnitude,
+                dtype,
+            );
+        }
+    }
+}
+
 /// The dequantised values equal `dense` (the reference's, in f32) bit for bit, or its bf16 rounding.
 fn assert_dequantized(what: &str, got: &[f32], dense: &Tensor, dtype: DType) {
     let want = dense.flatten_all().unwrap().to_vec1::<f32>().unwrap();
@@ -436,32 +449,19 @@ fn fp8_kernels_equal_the_reference() {
         let dense = fp8_matmul::reference::dequantize(&w).unwrap();
         let (bytes, scales) = (bytes_of(&w.weight), floats_of(&w.scale_inv));
         let (bn, bk) = (block[0] as i32, block[1] as i32);
-        for dtype in [DType::F32, DType::BF16] {
-            let d = dtype_index(dtype);
-            let out = Values::nan(n * k, dtype);
-            let f = FP8_DEQUANTIZE[d];
-            run(dequantize_config(n * k), || unsafe {
-                f(
-                    bytes.ptr(),
-                    scales.ptr(),
-                    out.mut_ptr(),
-                    n as i32,
-                    k as i32,
-                    bn,
-                    bk,
-                )
-            });
-            assert_dequantized(
-                &format!("fp8 {block:?} {dtype:?}"),
-                &out.to_f32(),
-                &dense,
-                dtype,
-            );
-            for (m, one_row) in row_counts() {
-                let x = activations(seed + m as u64, m * k, dtype);
-                let (want, magnitude) = reference_product(&x, (m, k), &dense);
-                let device_x = Values::from_f32(&x, dtype);
-                let y = Values::nan(m * n, dtype);
+        check_weight_only_kernels(
+            &format!("fp8 {block:?}"),
+            (n, k),
+            &dense,
+            seed,
+            &|dtype, out| {
+                let f = FP8_DEQUANTIZE[dtype_index(dtype)];
+                run(dequantize_config(n * k), || unsafe {
+                    f(bytes.ptr(), scales.ptr(), out, n as i32, k as i32, bn, bk)
+                });
+            },
+            &|dtype, one_row, x, y, m| {
+                let d = dtype_index(dtype);
                 let f = if one_row {
                     FP8_MATVEC_R1[d]
                 } else {
@@ -469,10 +469,10 @@ fn fp8_kernels_equal_the_reference() {
                 };
                 run(matvec_config(n), || unsafe {
                     f(
-                        device_x.ptr(),
+                        x,
                         bytes.ptr(),
                         scales.ptr(),
-                        y.mut_ptr(),
+                        y,
                         m as i32,
                         n as i32,
                         k as i32,
@@ -480,15 +480,8 @@ fn fp8_kernels_equal_the_reference() {
                         bk,
                     )
                 });
-                assert_close(
-                    &format!("fp8 {block:?} {dtype:?} m={m} one_row={one_row}"),
-                    &y.to_f32(),
-                    &want,
-                    &magnitude,
-                    dtype,
-                );
-            }
-        }
+            },
+        );
     }
 }
 
@@ -501,31 +494,19 @@ fn nvfp4_kernels_equal_the_reference() {
         let dense = nvfp4_matmul::reference::dequantize(&w).unwrap();
         let (packed, scales) = (bytes_of(&w.packed), bytes_of(&w.scales));
         let global = w.global_scale;
-        for dtype in [DType::F32, DType::BF16] {
-            let d = dtype_index(dtype);
-            let out = Values::nan(n * k, dtype);
-            let f = NVFP4_DEQUANTIZE[d];
-            run(dequantize_config(n * k), || unsafe {
-                f(
-                    packed.ptr(),
-                    scales.ptr(),
-                    global,
-                    out.mut_ptr(),
-                    n as i32,
-                    k as i32,
-                )
-            });
-            assert_dequantized(
-                &format!("nvfp4 k={k} {dtype:?}"),
-                &out.to_f32(),
-                &dense,
-                dtype,
-            );
-            for (m, one_row) in row_counts() {
-                let x = activations(seed + m as u64, m * k, dtype);
-                let (want, magnitude) = reference_product(&x, (m, k), &dense);
-                let device_x = Values::from_f32(&x, dtype);
-                let y = Values::nan(m * n, dtype);
+        check_weight_only_kernels(
+            &format!("nvfp4 k={k}"),
+            (n, k),
+            &dense,
+            seed,
+            &|dtype, out| {
+                let f = NVFP4_DEQUANTIZE[dtype_index(dtype)];
+                run(dequantize_config(n * k), || unsafe {
+                    f(packed.ptr(), scales.ptr(), global, out, n as i32, k as i32)
+                });
+            },
+            &|dtype, one_row, x, y, m| {
+                let d = dtype_index(dtype);
                 let f = if one_row {
                     NVFP4_MATVEC_R1[d]
                 } else {
@@ -533,25 +514,18 @@ fn nvfp4_kernels_equal_the_reference() {
                 };
                 run(matvec_config(n), || unsafe {
                     f(
-                        device_x.ptr(),
+                        x,
                         packed.ptr(),
                         scales.ptr(),
                         global,
-                        y.mut_ptr(),
+                        y,
                         m as i32,
                         n as i32,
                         k as i32,
                     )
                 });
-                assert_close(
-                    &format!("nvfp4 k={k} {dtype:?} m={m} one_row={one_row}"),
-                    &y.to_f32(),
-                    &want,
-                    &magnitude,
-                    dtype,
-                );
-            }
-        }
+            },
+        );
     }
 }
 
