@@ -41,7 +41,8 @@ for step in $steps; do
             "moe_cuda" "rms_norm_cuda" "fp8_nvfp4_cuda kernels_match fp8_w8a8_quantiser" "iq_matmul_cuda every_format"; do
             set -- $t; bin=$1$suffix; shift
             [ -x /tmp/glm5-bin/$bin ] || continue  # a variant packed without it
-            GLM5_QUICK=1 timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 /tmp/glm5-bin/$bin \
+            # cuBLAS's own Hopper GEMMs (nvjet_*) synchronise through mbarriers, which racecheck does not follow.
+            GLM5_QUICK=1 timeout 300 compute-sanitizer --tool $tool --kernel-name-exclude kns=nvjet --error-exitcode 9 /tmp/glm5-bin/$bin \
               --test-threads=1 "$@" > "$OUT/sanitize-$tool-$bin.log" 2>&1; rc=$?
             echo "compute-sanitizer $tool $bin: rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize-$tool-$bin.log" | tail -1)"; [ $rc = 0 ] || status=1
           done

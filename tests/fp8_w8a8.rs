@@ -2,8 +2,8 @@
 //! the W8A8 reference lies within the derived bound (`common/w8a8_bound.rs`) of the W8A16 reference at
 //! GLM-5's FP8 projection shapes (read from the published FP8 config), on fresh random weights and
 //! activations (with outlier channels, a zero row, a huge and a tiny group); the seed is printed. Then the
-//! dispatch and `glm5 plan`: the backend is valid for prefill rows on sm_90, ranked below W8A16, and rejected
-//! elsewhere with its reasons. The quantiser itself is checked in `ops/tests/fp8_w8a8.rs`.
+//! dispatch and `glm5 plan`: the backend is chosen for prefill rows on sm_90 (W8A16 for decode rows), and
+//! rejected elsewhere with its reasons. The quantiser itself is checked in `ops/tests/fp8_w8a8.rs`.
 
 use glm5::candle_core::{DType, Tensor};
 use glm5::ops::fp8_matmul::{self, reference, Fp8Prefill, W8A8_GROUP};
@@ -70,11 +70,11 @@ fn w8a8_reference_is_within_the_derived_bound_of_w8a16() {
     }
 }
 
-/// The dispatch of every GLM-5 FP8 projection: W8A8 is valid for its prefill rows on sm_90 (the shapes and
-/// the 128x128 blocks fit cuBLASLt's block-scaled GEMM) but W8A16 is chosen; on sm_120 and sm_100 it is
-/// rejected for its compute capability; a layer built with the dispatch's choice keeps W8A16.
+/// The dispatch of every GLM-5 FP8 projection: W8A8 is chosen for its prefill rows on sm_90 (the shapes and
+/// the 128x128 blocks fit cuBLASLt's block-scaled GEMM), W8A16 for its decode rows; on sm_120 and sm_100 W8A8
+/// is rejected for its compute capability.
 #[test]
-fn dispatch_keeps_w8a16_and_lists_w8a8_with_its_reasons() {
+fn dispatch_chooses_w8a8_for_prefill_on_sm90_with_reasons_elsewhere() {
     let config = glm5_fp8_config();
     let block = fp8_block(&config);
     let sm90 = DeviceDesc::assume("sm_90:141GB", 0).unwrap();
@@ -91,8 +91,12 @@ fn dispatch_keeps_w8a16_and_lists_w8a8_with_its_reasons() {
         };
         let choice = fp8_matmul::dispatch(&w, &sm90).unwrap();
         assert_eq!(choice.decode.name, "fp8-w8a16-cuda", "{name}");
-        assert_eq!(choice.prefill.name, "fp8-w8a16-cuda", "{name}");
-        assert_eq!(Fp8Prefill::of(&choice), Fp8Prefill::W8a16);
+        assert_eq!(
+            choice.prefill.name,
+            fp8_matmul::W8A8_CUBLASLT_BLOCK,
+            "{name}"
+        );
+        assert_eq!(Fp8Prefill::of(&choice), Fp8Prefill::W8a8Block);
         let w8a8 = fp8_matmul::backends()
             .into_iter()
             .find(|b| b.name == fp8_matmul::W8A8_CUBLASLT_BLOCK)
@@ -128,20 +132,26 @@ fn glm5_cli(args: &[&str]) -> std::process::Output {
         .expect("runs")
 }
 
-/// `glm5 plan` on the GLM-5-FP8 config names the FP8 backends per device: W8A16 for decode and prefill rows,
-/// W8A8 among the not chosen for prefill rows (ranked below on sm_90, its compute capability on sm_120).
+/// `glm5 plan` on the GLM-5-FP8 config names the FP8 backends per device: on sm_90 W8A16 for decode rows and
+/// W8A8 for prefill rows (W8A16 ranked below there), on sm_120 W8A16 for both with W8A8 rejected for its
+/// compute capability.
 #[test]
 fn plan_names_the_fp8_backends() {
     let config = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/tests/assets/glm5_fp8/config.json"
     );
-    for (assume, expect) in [
+    for (assume, chosen, not_chosen) in [
         (
             "sm_90:141GB x8",
-            "fp8-w8a8-cublaslt-block for prefill (> 16 rows): ranked below",
+            "decode fp8-w8a16-cuda, prefill fp8-w8a8-cublaslt-block",
+            "fp8-w8a16-cuda for prefill (> 16 rows): ranked below",
         ),
-        ("sm_120:96GB x16", "fp8-w8a8-cublaslt-block"),
+        (
+            "sm_120:96GB x16",
+            "decode fp8-w8a16-cuda, prefill fp8-w8a16-cuda",
+            "fp8-w8a8-cublaslt-block",
+        ),
     ] {
         let out = glm5_cli(&["plan", "--model", config, "--assume", assume]);
         assert!(
@@ -157,11 +167,8 @@ fn plan_names_the_fp8_backends() {
                     .starts_with("FP8 (128x128 blocks) on cuda:0,")
             })
             .unwrap_or_else(|| panic!("no FP8 line in\n{text}"));
-        assert!(
-            line.contains("decode fp8-w8a16-cuda, prefill fp8-w8a16-cuda"),
-            "{line}"
-        );
-        assert!(line.contains(expect), "{assume}: {line}");
+        assert!(line.contains(chosen), "{assume}: {line}");
+        assert!(line.contains(not_chosen), "{assume}: {line}");
         if assume.starts_with("sm_120") {
             assert!(line.contains("compute capability ∈ {9.0}"), "{line}");
         }

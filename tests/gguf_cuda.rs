@@ -173,7 +173,7 @@ fn gpu_vs_cpu(
 }
 
 /// The model with its experts stacked on the GPU against the CPU's per-expert path, f32 activations, per
-/// position ‖Δ‖/‖CPU‖ < 5e-2 over the positions before index_topk (after it a flipped DSA selection changes a
+/// position ‖Δ‖/‖CPU‖ < 5e-2 (decode) / 1e-1 (prefill) over the positions before index_topk (after it a flipped DSA selection changes a
 /// row outright): decode (one token, then one per step: the mat-vec kernel) and a 24-token prefill (the WMMA
 /// kernel). Both sides round the activations, differently: the GPU's kernels to Q8_1 (mat-vec) or bf16
 /// (WMMA), the CPU's `QMatMul` to Q8_0/Q8_K; tests/model_cuda.rs holds the per-expert GPU path to the same
@@ -206,9 +206,11 @@ fn stacked_gguf_experts_on_gpu_match_the_cpu_per_expert_path() {
             println!("{file} {what}: GPU stacked vs CPU per-expert, positions < {first}: ‖Δ‖/‖CPU‖ {per:.3?}");
             // A router near-tie that the two sides' different activation rounding flips moves one position
             // further (as on the quantised safetensors fixtures); a layout error would move every position
-            // by ~100%.
+            // by ~100%. The prefill's WMMA kernel rounds the activations to bf16 where the CPU's QMatMul
+            // quantises them to Q8_K: on Q4_K_M that moves every position 3.5-6.7e-2 on the H200.
+            let bound = if what == "prefill" { 0.1 } else { 5e-2 };
             assert!(
-                sorted[0] < 0.15 && sorted.get(1).copied().unwrap_or(0.0) < 5e-2,
+                sorted[0] < 0.15 && sorted.get(1).copied().unwrap_or(0.0) < bound,
                 "{file} {what}: GPU logits differ from the CPU's by {per:?}"
             );
         }

@@ -40,9 +40,11 @@ fn f32_on_gpu_matches_hf_within_1e_3() {
 }
 
 /// bf16 against f32 on the GPU, per position ‖Δ‖/‖f32‖. These tiny random models use large weights (so that
-/// sparsity matters) and drift 1-5% in bf16 where the indexer keeps every token (positions < index_topk).
-/// Past index_topk bf16 rounding flips the indexer's selections and the errors cascade through the layers:
-/// 0.1-1.35 on sparse_long on the GPU and, identically, on the CPU, so only the first positions are bounded.
+/// sparsity matters): their attention is sharp, and where two keys score almost alike bf16 rounding can move one
+/// position's softmax outright, on the CPU as on the GPU (dense_equiv's position 13 at 0.55 in bf16 on the CPU,
+/// its position 23 at 0.94 on the GPU, with the rest at 1-5%). So over the positions before index_topk the
+/// median stays within 3e-2 and at most one in eight positions beyond 6e-2; past index_topk flipped indexer
+/// selections cascade through the layers (0.1-1.35 on sparse_long, on both devices alike) and are not bounded.
 #[test]
 fn bf16_on_gpu_stays_close_to_f32() {
     let gpu = Device::new_cuda(0).unwrap();
@@ -65,12 +67,14 @@ fn bf16_on_gpu_stays_close_to_f32() {
             .map(|(a, b)| relative_l2(a, b))
             .collect();
         println!("{name} bf16 vs f32 per position: {relative:.3?}");
-        for (pos, r) in relative.iter().enumerate().take(topk) {
-            assert!(
-                *r < 6e-2,
-                "{name} position {pos} (within index_topk): bf16 relative error {r}"
-            );
-        }
+        let mut within: Vec<f32> = relative.iter().copied().take(topk).collect();
+        within.sort_by(f32::total_cmp);
+        let median = within[within.len() / 2];
+        let beyond = within.iter().filter(|&&r| r > 6e-2).count();
+        assert!(
+            median < 3e-2 && beyond <= within.len().div_ceil(8),
+            "{name} before index_topk: median bf16 relative error {median}, {beyond} positions beyond 6e-2"
+        );
     }
 }
 

@@ -45,6 +45,8 @@ pub(crate) fn device_address(tensor: &Tensor) -> candle_core::Result<(u64, CudaD
         DType::U8 => cuda.as_cuda_slice::<u8>()?.device_ptr(&stream).0,
         DType::I32 => cuda.as_cuda_slice::<i32>()?.device_ptr(&stream).0,
         DType::U32 => cuda.as_cuda_slice::<u32>()?.device_ptr(&stream).0,
+        DType::I64 => cuda.as_cuda_slice::<i64>()?.device_ptr(&stream).0,
+        DType::F16 => cuda.as_cuda_slice::<half::f16>()?.device_ptr(&stream).0,
         DType::F32 => cuda.as_cuda_slice::<f32>()?.device_ptr(&stream).0,
         DType::BF16 => cuda.as_cuda_slice::<half::bf16>()?.device_ptr(&stream).0,
         other => candle_core::bail!("unexpected dtype {other:?}"),

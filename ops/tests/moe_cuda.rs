@@ -171,21 +171,9 @@ fn experts_on_gpu_equal_the_reference() {
     }
 }
 
-#[test]
-fn many_tokens_go_to_the_reference_with_a_reason() {
-    let gpu = gpu();
-    let x = Tensor::zeros((257, 64), DType::BF16, &gpu).unwrap();
-    let gate_up = Tensor::zeros((4, 32, 64), DType::BF16, &gpu).unwrap();
-    let down = Tensor::zeros((4, 64, 16), DType::BF16, &gpu).unwrap();
-    match experts_backend(&x, &gate_up, &down) {
-        ExpertsBackend::Reference(why) => assert!(why.contains("257 tokens"), "{why}"),
-        other => panic!("{other:?}"),
-    }
-}
-
-/// Prefill sizes (above MATVEC_MAX_TOKENS tokens) through cuBLAS's grouped GEMM (pinned: not chosen by
-/// `experts_backend` until this has passed), against the f32 reference on the CPU, with an expert chosen by no
-/// token and the shared expert as a slot of every token.
+/// Prefill sizes (above MATVEC_MAX_TOKENS tokens) through cuBLAS's grouped GEMM (what `experts_backend` chooses
+/// there), against the f32 reference on the CPU, with an expert chosen by no token and the shared expert as a
+/// slot of every token.
 #[test]
 fn prefill_experts_by_grouped_gemm_equal_the_reference() {
     let gpu = gpu();
@@ -222,6 +210,11 @@ fn prefill_experts_by_grouped_gemm_equal_the_reference() {
                 1,
             )
             .unwrap();
+            let on_gpu = |t: &Tensor| t.to_device(&gpu).unwrap();
+            assert_eq!(
+                experts_backend(&on_gpu(&x), &on_gpu(&gate_up), &on_gpu(&down)),
+                ExpertsBackend::GroupedGemm
+            );
             check_on_gpu(&gpu, &x, &routes, &gate_up, &down, ExpertsImpl::GroupedGemm);
         }
     }
@@ -230,12 +223,12 @@ fn prefill_experts_by_grouped_gemm_equal_the_reference() {
 /// The grouped FP8 / NVFP4 / i-quant expert kernels against the dense reference on the dequantised weights
 /// (CPU, f32), 1..64 tokens, widths whose chunk counts are not multiples of a warp, FP8 with partial edge
 /// blocks, i-quants with gate/up and down in different formats; and a prefill of 300 tokens by the grouped
-/// GEMM over the dequantised experts (pinned: not chosen until this has passed).
+/// GEMM over the dequantised experts. Each size through the implementation `quantized_experts` chooses.
 #[test]
 fn quantized_experts_on_gpu_equal_the_reference() {
     use common::quantized::{experts as quantized, Format};
     use glm5_ops::iq_matmul::IqFormat;
-    use glm5_ops::moe::{quantized_experts, quantized_experts_backend, quantized_experts_with};
+    use glm5_ops::moe::{quantized_experts, quantized_experts_backend};
     let gpu = gpu();
     let mut r = rng(4903);
     let n_experts = 13;
@@ -252,13 +245,13 @@ fn quantized_experts_on_gpu_equal_the_reference() {
     ] {
         let (weights, gate_up, down) = quantized(&mut r, &format, (n_experts, hidden, inter), &gpu);
         for dtype in [DType::F32, DType::BF16] {
-            // Decode sizes by the grouped mat-vecs (chosen), and a prefill by the grouped GEMM (pinned).
-            for (t, slots, pinned) in [
-                (1, 9, None),
-                (5, 3, None),
-                (64, 9, None),
-                (17, 1, None),
-                (MATVEC_MAX_TOKENS + 44, 9, Some(ExpertsImpl::GroupedGemm)),
+            // Decode sizes by the grouped mat-vecs, and a prefill by the grouped GEMM.
+            for (t, slots, chosen) in [
+                (1, 9, ExpertsBackend::DeviceMatVec),
+                (5, 3, ExpertsBackend::DeviceMatVec),
+                (64, 9, ExpertsBackend::DeviceMatVec),
+                (17, 1, ExpertsBackend::DeviceMatVec),
+                (MATVEC_MAX_TOKENS + 44, 9, ExpertsBackend::GroupedGemm),
             ] {
                 let x = Tensor::from_vec(uniform(&mut r, t * hidden), (t, hidden), &Device::Cpu)
                     .unwrap()
@@ -269,26 +262,18 @@ fn quantized_experts_on_gpu_equal_the_reference() {
                     experts_reference(&x.to_dtype(DType::F32).unwrap(), &routes, &gate_up, &down)
                         .unwrap();
                 let gx = x.to_device(&gpu).unwrap();
-                if pinned.is_none() {
-                    assert_eq!(
-                        quantized_experts_backend(&gx, &weights),
-                        ExpertsBackend::DeviceMatVec
-                    );
-                }
+                assert_eq!(quantized_experts_backend(&gx, &weights), chosen);
                 let groutes = Routes {
                     ids: routes.ids.to_device(&gpu).unwrap(),
                     gates: routes.gates.to_device(&gpu).unwrap(),
                 };
                 poison(&gpu, t * slots * (hidden + inter) * 8);
-                let got = match pinned {
-                    None => quantized_experts(&gx, &groutes, &weights),
-                    Some(which) => quantized_experts_with(&gx, &groutes, &weights, which),
-                }
-                .unwrap()
-                .to_dtype(DType::F32)
-                .unwrap()
-                .to_device(&Device::Cpu)
-                .unwrap();
+                let got = quantized_experts(&gx, &groutes, &weights)
+                    .unwrap()
+                    .to_dtype(DType::F32)
+                    .unwrap()
+                    .to_device(&Device::Cpu)
+                    .unwrap();
                 let scale = want
                     .abs()
                     .unwrap()
@@ -306,7 +291,7 @@ fn quantized_experts_on_gpu_equal_the_reference() {
                     .unwrap();
                 let bound = if dtype == DType::F32 { 1e-5 } else { 2e-2 } * scale.max(1e-3);
                 println!(
-                    "quantized {pinned:?} {dtype:?} t={t} slots={slots}: max |Δ| = {err:.2e} (scale {scale:.2e})"
+                    "quantized {chosen:?} {dtype:?} t={t} slots={slots}: max |Δ| = {err:.2e} (scale {scale:.2e})"
                 );
                 assert!(err <= bound, "{dtype:?} t={t}: {err} > {bound}");
             }

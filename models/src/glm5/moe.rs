@@ -455,17 +455,17 @@ impl MoE {
     /// How the experts run on `device` (`glm5_ops::moe::experts_backend` decides per call by token count).
     pub(super) fn experts_implementation(&self, device: &candle_core::Device) -> &'static str {
         match (&self.experts, device.is_cuda() && cfg!(feature = "cuda")) {
-            (Experts::Stacked { .. }, true) => "moe-matvec (decode), per-expert GEMMs (prefill)",
+            (Experts::Stacked { .. }, true) => "moe-matvec (decode), cuBLAS grouped GEMM (prefill)",
             (Experts::Stacked { .. }, false) => "per-expert reference",
             (Experts::Quantized { weights, .. }, true) => match weights {
                 moe::QuantizedExperts::Fp8 { .. } => {
-                    "moe-matvec fp8 (decode), per-expert dequantise + GEMM (prefill)"
+                    "moe-matvec fp8 (decode), dequantise + cuBLAS grouped GEMM (prefill)"
                 }
                 moe::QuantizedExperts::Nvfp4 { .. } => {
-                    "moe-matvec nvfp4 (decode), per-expert dequantise + GEMM (prefill)"
+                    "moe-matvec nvfp4 (decode), dequantise + cuBLAS grouped GEMM (prefill)"
                 }
                 moe::QuantizedExperts::Iq { .. } => {
-                    "moe-matvec i-quant (decode), per-expert dequantise + GEMM (prefill)"
+                    "moe-matvec i-quant (decode), dequantise + cuBLAS grouped GEMM (prefill)"
                 }
             },
             (Experts::Quantized { weights, .. }, false) => match weights {

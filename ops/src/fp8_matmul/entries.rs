@@ -115,15 +115,15 @@ pub fn backends() -> Vec<WeightOnlyBackend> {
                           cuBLASLt's block-scaled FP8 GEMM on the FP8 tensor cores (VEC128_32F activation \
                           scales, the weight's 128x128 BLK128x128_32F scales, f32 block sums); prefill rows \
                           only; compute capability 9.0 only (where NVIDIA documents these scaling modes), \
-                          cuBLASLt >= 12.9; not yet run on a GPU",
+                          cuBLASLt >= 12.9; on the H200 2.6x W8A16's prefill over GLM-5's FP8 projections \
+                          (`glm5-bench fp8-prefill`)",
             devices: DeviceMatch::Cuda(vec![Arch {
                 major: 9,
                 minor: Some(0),
             }]),
             rows: &[Rows::Prefill],
-            // Below W8A16 until it has run on a GPU: valid on sm_90, but chosen only when pinned
-            // (`fp8_matmul_with(.., Fp8Prefill::W8a8Block)`).
-            priority: vec![(DeviceFamily::Sm90, 1)],
+            // First for prefill rows on sm_90: the FP8 tensor cores at 2.6x the dequantise + bf16 GEMM.
+            priority: vec![(DeviceFamily::Sm90, 0)],
             shape_reasons: w8a8_shape_reasons,
             runtime_reasons: w8a8_runtime_reasons,
         },
@@ -139,7 +139,7 @@ pub fn backends() -> Vec<WeightOnlyBackend> {
                     .collect(),
             ),
             rows: &Rows::ALL,
-            priority: vec![(DeviceFamily::Sm120, 0), (DeviceFamily::Sm90, 0)],
+            priority: vec![(DeviceFamily::Sm120, 0), (DeviceFamily::Sm90, 1)],
             shape_reasons: cuda_shape_reasons,
             runtime_reasons: |_| vec![],
         },
@@ -199,7 +199,7 @@ mod tests {
     }
 
     #[test]
-    fn w8a8_is_valid_for_prefill_on_sm90_and_ranked_below_w8a16() {
+    fn w8a8_is_chosen_for_prefill_on_sm90_only() {
         // q_a_proj's shape ([q_lora_rank, hidden]); GLM-5's sizes are checked against the config in
         // tests/fp8_w8a8.rs.
         let glm = shape(2048, 6144);
@@ -207,7 +207,7 @@ mod tests {
         assert!(w8a8().validate(&glm, &sm90, Rows::Prefill).is_ok());
         assert_eq!(
             choose("sm_90:141GB", &glm, Rows::Prefill),
-            Ok("fp8-w8a16-cuda")
+            Ok(W8A8_CUBLASLT_BLOCK)
         );
         assert_eq!(
             choose("sm_90:141GB", &glm, Rows::Decode),

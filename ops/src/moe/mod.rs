@@ -39,9 +39,8 @@
 //! * `cuda_grouped_gemm.rs`: above that (prefill), cuBLAS's grouped GEMM: the routes read back once, the
 //!   tokens gathered by expert, one grouped call for gate/up and one for down over every active expert
 //!   (tensor cores, f32 accumulation, each projection's output rounded to `x`'s dtype), the gated rows summed
-//!   per token in slot order by the same kernel as the mat-vecs. Pinned only ([`experts_with`],
-//!   `glm5-bench moe`) until it has run on a GPU; [`experts_backend`] says which implementation a call gets
-//!   and why (above `MATVEC_MAX_TOKENS` today: the reference's GEMM chain per expert).
+//!   per token in slot order by the same kernel as the mat-vecs. [`experts_backend`] says which
+//!   implementation a call gets and why; [`experts_with`] pins one (tests, `glm5-bench moe`).
 //!
 //! **[`experts_gguf`]**: the same experts with their weights kept in ggml blocks, one [`QTensor`] per
 //! projection stacked as GGUF stores them: `gate` and `up` `[E, I, H]`, `down` `[E, H, I]`. `x` `[T, H]` in any
@@ -205,13 +204,9 @@ pub fn experts_backend(x: &Tensor, gate_up: &Tensor, down: &Tensor) -> ExpertsBa
     if !matches!(x.dtype(), DType::BF16 | DType::F32) {
         return reason("the device kernels take bf16 or f32");
     }
-    let tokens = x.dim(0).unwrap_or(0);
-    if tokens > MATVEC_MAX_TOKENS {
-        // Enough tokens per expert for tensor-core GEMMs. The grouped GEMM (`ExpertsImpl::GroupedGemm`) is
-        // pinnable but not chosen until it has run on a GPU against the reference.
-        return reason(&format!(
-            "{tokens} tokens: above {MATVEC_MAX_TOKENS} the experts run as one GEMM chain per expert"
-        ));
+    if x.dim(0).unwrap_or(0) > MATVEC_MAX_TOKENS {
+        // Enough tokens per expert for tensor-core GEMMs.
+        return ExpertsBackend::GroupedGemm;
     }
     let row_bytes = |t: &Tensor| t.dim(2).unwrap_or(0) * t.dtype().size_in_bytes();
     if row_bytes(gate_up) % 16 != 0 || row_bytes(down) % 16 != 0 {

@@ -421,12 +421,6 @@ pub fn quantized_experts_backend(x: &Tensor, weights: &QuantizedExperts) -> Expe
     if !cfg!(feature = "cuda") {
         return reason("glm5 was built without the cuda feature".into());
     }
-    let tokens = x.dim(0).unwrap_or(0);
-    if tokens > MATVEC_MAX_TOKENS {
-        return reason(format!(
-            "{tokens} tokens: above {MATVEC_MAX_TOKENS} each chosen expert is dequantised and multiplied by a GEMM"
-        ));
-    }
     if !matches!(x.dtype(), DType::BF16 | DType::F32) {
         return reason("the device kernels take bf16 or f32".into());
     }
@@ -444,7 +438,12 @@ pub fn quantized_experts_backend(x: &Tensor, weights: &QuantizedExperts) -> Expe
         }
     }
     // (i-quant rows are whole blocks of 32 or 256 values, which `dims` checked.)
-    ExpertsBackend::DeviceMatVec
+    if x.dim(0).unwrap_or(0) > MATVEC_MAX_TOKENS {
+        // Each active expert dequantised once (the same kernels), then tensor-core GEMMs over its tokens.
+        ExpertsBackend::GroupedGemm
+    } else {
+        ExpertsBackend::DeviceMatVec
+    }
 }
 
 /// The routed experts' output for every token (module contract).
@@ -455,6 +454,7 @@ pub fn quantized_experts(
 ) -> Result<Tensor> {
     let which = match quantized_experts_backend(x, weights) {
         ExpertsBackend::DeviceMatVec => ExpertsImpl::DeviceMatVec,
+        ExpertsBackend::GroupedGemm => ExpertsImpl::GroupedGemm,
         _ => ExpertsImpl::Reference,
     };
     quantized_experts_with(x, routes, weights, which)
