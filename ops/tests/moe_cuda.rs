@@ -10,7 +10,7 @@ use candle_core::{DType, Device, Tensor};
 use common::{rng, uniform};
 use glm5_ops::moe::{
     experts_backend, experts_reference, experts_with, route, route_reference, ExpertsBackend,
-    ExpertsImpl, Routes, MATVEC_MAX_TOKENS,
+    ExpertsImpl, Routes, GROUPED_GEMM_MIN_TOKENS, MATVEC_MAX_TOKENS,
 };
 
 fn gpu() -> Device {
@@ -154,19 +154,24 @@ fn experts_on_gpu_equal_the_reference() {
             .to_dtype(dtype)
             .unwrap();
             let routes = random_routes(&mut r, t, slots, n_experts);
+            // The mat-vecs at every size (pinned), and what `experts_backend` chooses.
             let on_gpu = |t: &Tensor| t.to_device(&gpu).unwrap();
+            let chosen = if t >= GROUPED_GEMM_MIN_TOKENS {
+                ExpertsImpl::GroupedGemm
+            } else {
+                ExpertsImpl::DeviceMatVec
+            };
+            let backend = experts_backend(&on_gpu(&x), &on_gpu(&gate_up), &on_gpu(&down));
             assert_eq!(
-                experts_backend(&on_gpu(&x), &on_gpu(&gate_up), &on_gpu(&down)),
-                ExpertsBackend::DeviceMatVec
+                backend,
+                match chosen {
+                    ExpertsImpl::GroupedGemm => ExpertsBackend::GroupedGemm,
+                    _ => ExpertsBackend::DeviceMatVec,
+                }
             );
-            check_on_gpu(
-                &gpu,
-                &x,
-                &routes,
-                &gate_up,
-                &down,
-                ExpertsImpl::DeviceMatVec,
-            );
+            for which in [ExpertsImpl::DeviceMatVec, chosen] {
+                check_on_gpu(&gpu, &x, &routes, &gate_up, &down, which);
+            }
         }
     }
 }

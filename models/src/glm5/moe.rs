@@ -455,7 +455,9 @@ impl MoE {
     /// How the experts run on `device` (`glm5_ops::moe::experts_backend` decides per call by token count).
     pub(super) fn experts_implementation(&self, device: &candle_core::Device) -> &'static str {
         match (&self.experts, device.is_cuda() && cfg!(feature = "cuda")) {
-            (Experts::Stacked { .. }, true) => "moe-matvec (decode), cuBLAS grouped GEMM (prefill)",
+            (Experts::Stacked { .. }, true) => {
+                "moe-matvec (few tokens), cuBLAS grouped GEMM (batched decode, prefill)"
+            }
             (Experts::Stacked { .. }, false) => "per-expert reference",
             (Experts::Quantized { weights, .. }, true) => match weights {
                 moe::QuantizedExperts::Fp8 { .. } => {

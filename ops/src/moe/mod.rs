@@ -35,9 +35,12 @@
 //! * `cuda.rs` (kernels in `kernels/src/moe.cu`): routing, grouping by expert, the grouped gate/up and down
 //!   mat-vecs and the per-token sum, five kernels and no host round trip. Each chosen expert's weights are
 //!   read once per step however many tokens chose it. The mat-vecs are built for a few tokens per expert
-//!   (decode, up to [`MATVEC_MAX_TOKENS`] tokens).
-//! * `cuda_grouped_gemm.rs`: above that (prefill), cuBLAS's grouped GEMM: the routes read back once, the
-//!   tokens gathered by expert, one grouped call for gate/up and one for down over every active expert
+//!   (decode: bf16/f32 experts below [`GROUPED_GEMM_MIN_TOKENS`] tokens, quantised ones up to
+//!   [`MATVEC_MAX_TOKENS`]).
+//! * `cuda_grouped_gemm.rs`: above that (prefill, and batched decode of bf16/f32 experts), cuBLAS's grouped
+//!   GEMM: the routes read back once (the layer's one host round trip, which a step captured in a CUDA
+//!   graph could not take: the mat-vecs would serve it), the tokens gathered by expert, one grouped call for
+//!   gate/up and one for down over every active expert
 //!   (tensor cores, f32 accumulation, each projection's output rounded to `x`'s dtype), the gated rows summed
 //!   per token in slot order by the same kernel as the mat-vecs. [`experts_backend`] says which
 //!   implementation a call gets and why; [`experts_with`] pins one (tests, `glm5-bench moe`).
@@ -89,9 +92,13 @@ pub const MAX_EXPERTS: usize = 1024;
 pub const MAX_GROUPS: usize = 64;
 /// Experts per token the routing kernel handles.
 pub const MAX_TOP_K: usize = 64;
-/// Tokens per step up to which the device mat-vecs run the experts. Above it (prefill) each expert sees
-/// enough tokens that GEMMs win (see `docs/performance.md`).
+/// Tokens per step up to which the device mat-vecs run quantised experts (and can run bf16/f32 ones). Above it
+/// (prefill) each expert sees enough tokens that GEMMs win (see `docs/performance.md`).
 pub const MATVEC_MAX_TOKENS: usize = 256;
+/// Tokens per step from which bf16/f32 experts run as cuBLAS's grouped GEMM rather than the mat-vecs. At
+/// GLM-5's sizes on the H200 (`glm5-bench moe`) the two are level at 8 tokens and the GEMM is ahead from 32
+/// (3.4 vs 4.2 ms a layer; 64 tokens 4.6 vs 6.7 ms), though its routes come back to the host once a layer.
+pub const GROUPED_GEMM_MIN_TOKENS: usize = 32;
 
 /// The router's rule (§5, `noaux_tc`).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -204,8 +211,7 @@ pub fn experts_backend(x: &Tensor, gate_up: &Tensor, down: &Tensor) -> ExpertsBa
     if !matches!(x.dtype(), DType::BF16 | DType::F32) {
         return reason("the device kernels take bf16 or f32");
     }
-    if x.dim(0).unwrap_or(0) > MATVEC_MAX_TOKENS {
-        // Enough tokens per expert for tensor-core GEMMs.
+    if x.dim(0).unwrap_or(0) >= GROUPED_GEMM_MIN_TOKENS {
         return ExpertsBackend::GroupedGemm;
     }
     let row_bytes = |t: &Tensor| t.dim(2).unwrap_or(0) * t.dtype().size_in_bytes();
