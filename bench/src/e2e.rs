@@ -465,7 +465,16 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
             })
             .map_err(cuda)?;
         let seqs: Vec<SeqId> = (0..batch).map(|_| pool.add_sequence()).collect();
-        for &seq in &seqs {
+        // Each sequence its own tokens: identical sequences would route every token to the same experts, and
+        // the step would read 8 experts a layer, not the ones a batch of different sequences touches.
+        let seq_ids: Vec<Vec<u32>> = (0..batch)
+            .map(|i| {
+                ids.iter()
+                    .map(|&id| ((id as usize + i * 104_729) % config.vocab_size) as u32)
+                    .collect()
+            })
+            .collect();
+        for (&seq, ids) in seqs.iter().zip(&seq_ids) {
             let mut pos = 0;
             while pos < context {
                 let chunk = args.prefill.min(context - pos);
@@ -486,7 +495,8 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
         let mut step = |pos: usize| -> Result<()> {
             let chunks: Vec<SeqChunk> = seqs
                 .iter()
-                .map(|&seq| SeqChunk {
+                .zip(&seq_ids)
+                .map(|(&seq, ids)| SeqChunk {
                     seq,
                     tokens: &ids[pos..pos + 1],
                     start_pos: pos,
