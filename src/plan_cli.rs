@@ -387,6 +387,23 @@ pub fn render(plan: &Plan, config: &Config, label: &str, registry: &Registry) ->
             String::new()
         }
     );
+    if plan.devices.iter().any(|d| !d.is_cpu()) {
+        use glm5_ops::moe::{GGUF_MATVEC_MAX_TOKENS, GROUPED_GEMM_MIN_TOKENS, MATVEC_MAX_TOKENS};
+        let _ = writeln!(
+            s,
+            "\nMoE experts on CUDA, by tokens a step: bf16/f32 experts by glm5's grouped mat-vecs below \
+             {GROUPED_GEMM_MIN_TOKENS}, cuBLAS's grouped GEMM from {GROUPED_GEMM_MIN_TOKENS}; FP8 / NVFP4 / \
+             i-quant experts by the mat-vecs up to {MATVEC_MAX_TOKENS}, then dequantised + the grouped GEMM; \
+             GGUF K-quant experts by candle-nn's GGUF MoE kernels (mat-vec up to {GGUF_MATVEC_MAX_TOKENS}, \
+             WMMA above)"
+        );
+        let _ = writeln!(
+            s,
+            "decode step on CUDA: eager, each op launched from the host (no CUDA graph yet: capturing one needs \
+             the paged step's visible-key counts, block tables and positions in persistent device buffers, \
+             and the grouped-GEMM experts read their routes back once a MoE layer)"
+        );
+    }
     s
 }
 

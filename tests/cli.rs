@@ -162,6 +162,16 @@ fn plan_places_glm5_bf16_on_16_rtx_pro_6000_with_the_sparse_kernels() {
         stdout.contains("max context") && stdout.contains("cuda:15"),
         "{stdout}"
     );
+    // How the experts and the decode step run, with the switch points the ops use.
+    let switch = format!(
+        "cuBLAS's grouped GEMM from {}",
+        glm5::ops::moe::GROUPED_GEMM_MIN_TOKENS
+    );
+    assert!(stdout.contains(&switch), "{stdout}");
+    assert!(
+        stdout.contains("decode step on CUDA: eager") && stdout.contains("no CUDA graph yet"),
+        "{stdout}"
+    );
 }
 
 #[test]
