@@ -173,11 +173,11 @@ fn gpu_vs_cpu(
 }
 
 /// The model with its experts stacked on the GPU against the CPU's per-expert path, f32 activations, per
-/// position ‖Δ‖/‖CPU‖ < 5e-2 (decode) / 1e-1 (prefill) over the positions before index_topk (after it a flipped DSA selection changes a
-/// row outright): decode (one token, then one per step: the mat-vec kernel) and a 24-token prefill (the WMMA
-/// kernel). Both sides round the activations, differently: the GPU's kernels to Q8_1 (mat-vec) or bf16
-/// (WMMA), the CPU's `QMatMul` to Q8_0/Q8_K; tests/model_cuda.rs holds the per-expert GPU path to the same
-/// 5e-2 on these files for that reason.
+/// position ‖Δ‖/‖CPU‖ < 5e-2 (decode) / 1e-1 (prefill) over the positions before index_topk (after it a
+/// flipped DSA selection changes a row outright): decode (one token, then one per step: the mat-vec kernel)
+/// and a 24-token prefill (the WMMA kernel). Both sides round the activations, differently: the GPU's kernels
+/// to Q8_1 (mat-vec) or bf16 (WMMA), the CPU's `QMatMul` to Q8_0/Q8_K; tests/model_cuda.rs holds the
+/// per-expert GPU path to 5e-2 on these files for that reason.
 #[test]
 fn stacked_gguf_experts_on_gpu_match_the_cpu_per_expert_path() {
     let gpu = Device::new_cuda(0).unwrap();

@@ -32,8 +32,9 @@ fn fixture() -> std::collections::HashMap<String, Tensor> {
 
 /// The largest |got − want| over what rounding allows it (above 1: out of bounds), per output o of a row x:
 /// the f32 sums' order, 1e-5·Σ_k |x_k·w_ok|; in bf16 also the output's rounding, u·|want_o|, and, above
-/// MAX_ROWS, the weights rounded to bf16 for the matmul, u·Σ_k |x_k·w_ok| (u = 2^-8, bf16's unit roundoff). Bounds of the sum of the
-/// products' magnitudes, not of |want_o| alone: a sum of cancelling products can be far smaller than its terms.
+/// MAX_ROWS, the weights rounded to bf16 for the matmul, u·Σ_k |x_k·w_ok| (u = 2^-8, bf16's unit roundoff).
+/// Bounds of the sum of the products' magnitudes, not of |want_o| alone: a sum of cancelling products can be
+/// far smaller than its terms.
 fn worst_ratio(got: &Tensor, want: &Tensor, x: &Tensor, dense: &Tensor) -> f32 {
     let values = |t: &Tensor| {
         t.to_dtype(DType::F32)

@@ -262,7 +262,12 @@ fn index_key_rows_on_gpu_equal_the_reference() {
                 };
                 for (row, (g, v)) in got.chunks(dim).zip(want.chunks(dim)).enumerate() {
                     if want_s[row].is_nan() {
-                        continue; // a row the write leaves alone (its scale checked above)
+                        // A row the write leaves alone: still the 0xff (NaN) fill.
+                        assert!(
+                            g.iter().all(|x| x.is_nan()),
+                            "{dtype:?} t={t}: row {row} written"
+                        );
+                        continue;
                     }
                     let largest = v.iter().fold(0f32, |m, x| m.max(x.abs()));
                     for (j, (g, v)) in g.iter().zip(v).enumerate() {
