@@ -292,6 +292,29 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
         prefill_flops / prefill_ms / 1e9,
         100.0 * prefill_flops / (prefill_ms / 1e3) / gemm
     );
+    // A third, profiled prefill: where its time goes (each part synchronised around itself, which costs a
+    // prefill little next to its length).
+    {
+        let mut cache = model.new_cache(args.prefill + 1).map_err(cuda)?;
+        device.synchronize()?;
+        profile::start();
+        let start = Instant::now();
+        model
+            .forward(&ids[..args.prefill], 0, &mut cache)
+            .map_err(cuda)?
+            .argmax(1)?
+            .to_vec1::<u32>()?;
+        let total_ms = start.elapsed().as_secs_f64() * 1e3;
+        let parts = profile::finish().unwrap_or_default();
+        println!(
+            "prefill split (ms, one profiled run of {total_ms:.1}): attention {:.1}, indexer {:.1}, MoE {:.1}, dense MLP {:.1}, rest {:.1}",
+            ms(parts.attention_without_indexer()),
+            ms(parts.indexer),
+            ms(parts.moe),
+            ms(parts.dense_mlp),
+            total_ms - ms(parts.layers())
+        );
+    }
     if let Some(peak) = fp8_peak {
         // The prefill backend the model's FP8 projections got (q_a_proj's shape stands for them).
         let Some(glm5::models::Quantization::Fp8Block { block, .. }) = &config.quantization else {
