@@ -45,8 +45,8 @@ pub fn moe_rows(device: &Device, copy: f64, gemm: f64) -> Result<()> {
         copy / 1e9,
         gemm / 1e12
     );
-    println!("| tokens | experts touched | floor µs | mat-vec µs | cuBLAS grouped GEMM µs | candle moe_gemm µs | per-expert chain µs | best / floor | TFLOP/s (best) |");
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("| tokens | experts touched | floor µs | mat-vec µs | cuBLAS grouped GEMM µs | bucketed batched GEMM µs | candle moe_gemm µs | per-expert chain µs | best / floor | TFLOP/s (best) |");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     for tokens in [1usize, 8, 32, 64, 256, 1024, 4096] {
         let x = Tensor::randn(0f32, 1.0, (tokens, hidden), device)?.to_dtype(DType::BF16)?;
         let logits = Tensor::randn(0f32, 1.0, (tokens, routed), device)?;
@@ -72,19 +72,21 @@ pub fn moe_rows(device: &Device, copy: f64, gemm: f64) -> Result<()> {
         };
         let matvec = time(ExpertsImpl::DeviceMatVec)?;
         let grouped = time(ExpertsImpl::GroupedGemm)?;
+        let bucketed = time(ExpertsImpl::BucketedGemm)?;
         let moe_gemm = time(ExpertsImpl::CandleMoeGemm)?;
         let chain = time(ExpertsImpl::Reference)?;
-        let best = [matvec, grouped, moe_gemm, chain]
+        let best = [matvec, grouped, bucketed, moe_gemm, chain]
             .into_iter()
             .flatten()
             .fold(f64::INFINITY, f64::min);
         let us = |t: Option<f64>| t.map_or("-".to_string(), |t| format!("{:.0}", t * 1e6));
         println!(
-            "| {tokens} | {} | {:.0} | {} | {} | {} | {} | {:.2}x | {:.0} |",
+            "| {tokens} | {} | {:.0} | {} | {} | {} | {} | {} | {:.2}x | {:.0} |",
             touched.len(),
             floor * 1e6,
             us(matvec),
             us(grouped),
+            us(bucketed),
             us(moe_gemm),
             us(chain),
             best / floor,

@@ -179,6 +179,14 @@ fn experts_on_gpu_equal_the_reference() {
             );
             if chosen != ExpertsImpl::DeviceMatVec {
                 check_on_gpu(&gpu, &x, &routes, &gate_up, &down, chosen);
+                check_on_gpu(
+                    &gpu,
+                    &x,
+                    &routes,
+                    &gate_up,
+                    &down,
+                    ExpertsImpl::BucketedGemm,
+                );
             }
         }
     }
@@ -229,6 +237,15 @@ fn prefill_experts_by_grouped_gemm_equal_the_reference() {
                 ExpertsBackend::GroupedGemm
             );
             check_on_gpu(&gpu, &x, &routes, &gate_up, &down, ExpertsImpl::GroupedGemm);
+            // The same by batched GEMMs over buckets of experts (pinned).
+            check_on_gpu(
+                &gpu,
+                &x,
+                &routes,
+                &gate_up,
+                &down,
+                ExpertsImpl::BucketedGemm,
+            );
         }
     }
 }

@@ -143,6 +143,9 @@ pub enum ExpertsBackend {
 pub enum ExpertsImpl {
     DeviceMatVec,
     GroupedGemm,
+    /// The grouped GEMM's computation as batched GEMMs over buckets of experts of similar row counts
+    /// (`cuda_grouped_gemm.rs`); pinned only until it has run against the reference and been timed.
+    BucketedGemm,
     CandleMoeGemm,
     Reference,
 }
@@ -288,6 +291,12 @@ pub fn experts_with(
             if x.device().is_cuda() && matches!(x.dtype(), DType::BF16 | DType::F32) =>
         {
             cuda_grouped_gemm::experts_grouped_gemm(x, routes, gate_up, down)
+        }
+        #[cfg(feature = "cuda")]
+        ExpertsImpl::BucketedGemm
+            if x.device().is_cuda() && matches!(x.dtype(), DType::BF16 | DType::F32) =>
+        {
+            cuda_grouped_gemm::experts_bucketed_gemm(x, routes, gate_up, down)
         }
         #[cfg(feature = "cuda")]
         ExpertsImpl::CandleMoeGemm if x.device().is_cuda() && x.dtype() == DType::BF16 => {
