@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine: `bash scripts/gpu-run.sh [tests|kernel-tests|model-tests|multi-gpu|sanitize|bench|e2e|serve|profile|profile-warm|profile-detail|profile-source|variants|variant-tests|variant-bench|variant-sanitize|none]...`
-# (default: tests sanitize bench), with .gpu/ (from scripts/gpu-build.sh) next to it. Logs go to $OUT (or
+# (default: tests sanitize bench), with .gpu/ (from scripts/gpu-build.sh; GPU_DIR=.gpu-NAME for another) next to it. Logs go to $OUT (or
 # ./gpu-out). scripts/README.md says what each step does.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
-rm -rf /tmp/glm5-bin  # a warm machine keeps the last call's binaries: only this .gpu/ counts
+GPU_DIR=${GPU_DIR:-.gpu}
+rm -rf /tmp/glm5-bin  # a warm machine keeps the last call's binaries: only this $GPU_DIR counts
 mkdir -p "$OUT" /tmp/glm5-bin
-for f in .gpu/*.xz; do xz -dc "$f" > "/tmp/glm5-bin/$(basename "$f" .xz)"; chmod +x "/tmp/glm5-bin/$(basename "$f" .xz)"; done
+for f in "$GPU_DIR"/*.xz; do xz -dc "$f" > "/tmp/glm5-bin/$(basename "$f" .xz)"; chmod +x "/tmp/glm5-bin/$(basename "$f" .xz)"; done
 export GLM5_REPO_ROOT=$PWD
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
 steps=${*:-tests sanitize bench}
@@ -138,11 +139,11 @@ for step in $steps; do
         timeout 300 /tmp/glm5-bin/glm5-bench $sub 2>&1 | tee "$OUT/bench-$sub.txt"; [ ${PIPESTATUS[0]} = 0 ] || status=1
       done
       for arch in sm_90 sm_120; do
-        echo "$arch: HMMA instructions in sparse_mla.fatbin: $(cuobjdump --dump-sass --gpu-architecture $arch .gpu/sparse_mla.fatbin 2>&1 | grep -c HMMA), in dsa_indexer.fatbin: $(cuobjdump --dump-sass --gpu-architecture $arch .gpu/dsa_indexer.fatbin 2>&1 | grep -c HMMA)"
+        echo "$arch: HMMA instructions in sparse_mla.fatbin: $(cuobjdump --dump-sass --gpu-architecture $arch "$GPU_DIR"/sparse_mla.fatbin 2>&1 | grep -c HMMA), in dsa_indexer.fatbin: $(cuobjdump --dump-sass --gpu-architecture $arch "$GPU_DIR"/dsa_indexer.fatbin 2>&1 | grep -c HMMA)"
       done | tee "$OUT/sass.txt"
-      echo "sm_90a: HGMMA (wgmma) instructions in sparse_mla_sm90.fatbin: $(cuobjdump --dump-sass .gpu/sparse_mla_sm90.fatbin 2>&1 | grep -c HGMMA)" | tee -a "$OUT/sass.txt"
-      echo "sm_120a: block-scaled FP4 MMA (OMMA.SF) instructions in nvfp4_mma_sm120a.fatbin: $(cuobjdump --dump-sass .gpu/nvfp4_mma_sm120a.fatbin 2>&1 | grep -c 'OMMA\.SF')" | tee -a "$OUT/sass.txt"
-      cuobjdump --list-elf --list-ptx .gpu/sparse_mla.fatbin | tee -a "$OUT/sass.txt" ;;
+      echo "sm_90a: HGMMA (wgmma) instructions in sparse_mla_sm90.fatbin: $(cuobjdump --dump-sass "$GPU_DIR"/sparse_mla_sm90.fatbin 2>&1 | grep -c HGMMA)" | tee -a "$OUT/sass.txt"
+      echo "sm_120a: block-scaled FP4 MMA (OMMA.SF) instructions in nvfp4_mma_sm120a.fatbin: $(cuobjdump --dump-sass "$GPU_DIR"/nvfp4_mma_sm120a.fatbin 2>&1 | grep -c 'OMMA\.SF')" | tee -a "$OUT/sass.txt"
+      cuobjdump --list-elf --list-ptx "$GPU_DIR"/sparse_mla.fatbin | tee -a "$OUT/sass.txt" ;;
     serve)
       # `glm5 serve` in-process on a 6-layer GLM-5 slice under 1, 8, 32 and 64 streaming clients.
       timeout 500 /tmp/glm5-bin/glm5-bench serve 2>&1 | tee "$OUT/serve.txt"; [ ${PIPESTATUS[0]} = 0 ] || status=1 ;;
