@@ -94,7 +94,17 @@ pub fn parse_device(spec: &str) -> Result<Device> {
             "this glm5 was built without CUDA (rebuild with --features cuda)",
         ));
     }
-    Device::new_cuda(ordinal).map_err(|e| invalid("device", spec, e))
+    let device = Device::new_cuda(ordinal).map_err(|e| invalid("device", spec, e))?;
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(cuda) = &device {
+        // cudarc's event tracking makes every allocation create two CUDA events and every launch wait on and
+        // record the events of each buffer it touches: driver calls on the host's critical path of a decode
+        // step. glm5 runs a device's work on one thread's stream (`glm5 serve` synchronises before its
+        // engine thread takes the model), which needs none of it.
+        // SAFETY: no tensor of this device is used on two streams without a synchronisation between.
+        unsafe { cuda.disable_event_tracking() };
+    }
+    Ok(device)
 }
 
 /// Parses a comma-separated device list.

@@ -194,6 +194,10 @@ impl StepModel for Scripted {
         self.inner.new_pool(options)
     }
 
+    fn synchronize(&self) -> glm5::Result<()> {
+        self.inner.synchronize()
+    }
+
     fn forward_batch(
         &self,
         batch: &[SeqChunk<'_>],

@@ -184,6 +184,35 @@ fn ms(d: std::time::Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
+/// Median ms of `steps` batch-1 decode steps (argmax read back) after a prefill of `context` tokens.
+fn batch1_step_ms(
+    model: &Glm5ForCausalLM,
+    vocab: usize,
+    context: usize,
+    steps: usize,
+) -> Result<f64> {
+    let ids: Vec<u32> = (0..context + steps + 3)
+        .map(|i| (i * 7919 % vocab) as u32)
+        .collect();
+    let mut cache = model.new_cache(ids.len()).map_err(cuda)?;
+    model
+        .forward(&ids[..context], 0, &mut cache)
+        .map_err(cuda)?;
+    let mut times = Vec::new();
+    for pos in context..context + steps + 3 {
+        let start = Instant::now();
+        model
+            .forward(&ids[pos..pos + 1], pos, &mut cache)
+            .map_err(cuda)?
+            .argmax(1)?
+            .to_vec1::<u32>()?;
+        if pos >= context + 3 {
+            times.push(start.elapsed().as_secs_f64());
+        }
+    }
+    Ok(median(times) * 1e3)
+}
+
 pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
     let device = Device::new_cuda(0)?;
     let copy = crate::ceilings::copy_bandwidth(&device)?;
@@ -204,8 +233,26 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
         .max(args.prefill);
     // Each context's decode takes 3 warm-up, twice `steps` timed (fused and candle row ops), 4 profiled and
     // up to 8 issue-timed steps.
-    let load_start = Instant::now();
     let checkpoint = random_checkpoint(args.weights);
+    // cudarc's event tracking, on for a new device: every allocation gets two events, and every launch waits
+    // on and records the events of each buffer it touches. glm5's CLI turns it off (each thread runs on one
+    // stream); a batch-1 step both ways, on a model loaded with tracking on, then the same without.
+    let tracking_context = args.prefill.min(max_context).max(1);
+    let tracked_ms = {
+        let model = load_slice(
+            &config,
+            &checkpoint,
+            &device,
+            tracking_context + args.steps + 8,
+        )?;
+        batch1_step_ms(&model, config.vocab_size, tracking_context, args.steps)?
+    };
+    if let Device::Cuda(dev) = &device {
+        device.synchronize()?;
+        // SAFETY: from here on one thread runs everything on the device's one stream.
+        unsafe { dev.disable_event_tracking() };
+    }
+    let load_start = Instant::now();
     let model = load_slice(
         &config,
         &checkpoint,
@@ -213,6 +260,7 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
         max_context + 2 * args.steps + 16,
     )?;
     device.synchronize()?;
+    let untracked_ms = batch1_step_ms(&model, config.vocab_size, tracking_context, args.steps)?;
     let weights = match args.weights {
         WeightFormat::Bf16 => "random bf16 weights".to_string(),
         WeightFormat::Q4K | WeightFormat::Iq(_) => format!(
@@ -238,6 +286,9 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
     for b in model.layer_backends() {
         println!("  {b}");
     }
+    println!(
+        "(batch-1 step at context {tracking_context}: {tracked_ms:.2} ms with cudarc's event tracking, {untracked_ms:.2} ms without, as glm5's CLI runs and every row below)"
+    );
     let (step_bytes, head_bytes) = decode_weight_bytes(&config, DType::BF16, &checkpoint);
     // The weights one token multiplies, counted at bf16's 2 bytes a parameter.
     let (bf16_step_bytes, _) =

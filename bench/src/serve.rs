@@ -76,6 +76,11 @@ pub fn serve_rows(args: &ServeArgs) -> Result<()> {
         ));
     }
     let device = Device::new_cuda(0)?;
+    if let Device::Cuda(dev) = &device {
+        // As `glm5 serve` runs (src/plan_cli.rs: parse_device).
+        // SAFETY: the model and pool are synchronised before the server's engine thread takes them.
+        unsafe { dev.disable_event_tracking() };
+    }
     let config = glm5_slice(args.layers)?;
     let context = args.prompt_tokens + args.max_tokens;
     let load_start = Instant::now();

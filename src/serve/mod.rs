@@ -103,6 +103,9 @@ pub enum ServeError {
     /// The KV pool could not be allocated (too large for the devices, or a backend that cannot read it).
     #[error("cannot allocate the KV cache pool: {0}")]
     Pool(#[source] crate::Error),
+    /// Waiting for the devices' queued work (the model's and the pool's uploads) failed.
+    #[error("the GPU failed while the model was made ready: {0}")]
+    Device(#[source] crate::Error),
     /// The async runtime could not start.
     #[error("cannot start the async runtime: {0}")]
     Runtime(#[source] std::io::Error),
@@ -235,6 +238,8 @@ pub async fn serve_model<M: StepModel + Send + 'static>(
         prefill_chunk: options.prefill_chunk,
         eos_token_ids,
     };
+    // The engine thread runs every step on its own stream: what this thread queued must be done first.
+    model.synchronize().map_err(ServeError::Device)?;
     let (scheduler, _engine) =
         Scheduler::start(model, pool, tokenizer.clone(), config, metrics.clone());
     let state = Arc::new(AppState {

@@ -47,6 +47,10 @@ pub trait StepModel {
     /// logits `[batch.len(), vocab]` after each entry's last token, in batch order. On error nothing has
     /// changed in the pool.
     fn forward_batch(&self, batch: &[SeqChunk<'_>], pool: &mut PagedKvCache) -> Result<Tensor>;
+
+    /// Waits for the device work the calling thread queued (the weights, the pool), before the engine
+    /// thread's stream uses them ([`Glm5ForCausalLM::synchronize`]).
+    fn synchronize(&self) -> Result<()>;
 }
 
 impl StepModel for Glm5ForCausalLM {
@@ -57,6 +61,10 @@ impl StepModel for Glm5ForCausalLM {
     fn forward_batch(&self, batch: &[SeqChunk<'_>], pool: &mut PagedKvCache) -> Result<Tensor> {
         Ok(Glm5ForCausalLM::forward_batch(self, batch, pool)?)
     }
+
+    fn synchronize(&self) -> Result<()> {
+        Ok(Glm5ForCausalLM::synchronize(self)?)
+    }
 }
 
 impl StepModel for crate::Glm5 {
@@ -66,6 +74,10 @@ impl StepModel for crate::Glm5 {
 
     fn forward_batch(&self, batch: &[SeqChunk<'_>], pool: &mut PagedKvCache) -> Result<Tensor> {
         StepModel::forward_batch(self.model(), batch, pool)
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        StepModel::synchronize(self.model())
     }
 }
 

@@ -294,6 +294,17 @@ impl Glm5ForCausalLM {
         &self.devices[self.plan.head_device]
     }
 
+    /// Waits until the work this thread queued on the model's devices (its weights' uploads, a cache's
+    /// allocation) is done. Another thread may then run the model on its own stream (candle gives each
+    /// thread one), also on devices whose event tracking is off (`glm5 serve` does this before its engine
+    /// thread takes the model).
+    pub fn synchronize(&self) -> Result<()> {
+        for device in &self.devices {
+            device.synchronize()?;
+        }
+        Ok(())
+    }
+
     /// Hidden-state copies between devices done by the forward passes so far (one per plan boundary per
     /// call).
     pub fn transfers(&self) -> usize {
