@@ -184,6 +184,36 @@ fn ms(d: std::time::Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
+/// Sets the release threshold of `device`'s default memory pool, which candle's stream-ordered allocations
+/// draw from: 0 (the driver's default) hands freed memory back at every synchronisation, so the next step's
+/// allocations map it again; `u64::MAX` keeps it for reuse.
+fn set_pool_release_threshold(device: &Device, bytes: u64) -> Result<()> {
+    use glm5::candle_core::cuda_backend::cudarc::driver::sys;
+    let Device::Cuda(dev) = device else {
+        return Ok(());
+    };
+    let context = dev.cuda_stream().context().clone();
+    let mut pool = std::ptr::null_mut();
+    let mut value = bytes;
+    // SAFETY: `pool` receives the device's default pool handle; the attribute takes a pointer to a u64.
+    let status = unsafe {
+        match sys::cuDeviceGetDefaultMemPool(&mut pool, context.cu_device()) {
+            sys::CUresult::CUDA_SUCCESS => sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&mut value as *mut u64).cast(),
+            ),
+            other => other,
+        }
+    };
+    match status {
+        sys::CUresult::CUDA_SUCCESS => Ok(()),
+        other => Err(cuda(format!(
+            "the memory pool's release threshold: {other:?}"
+        ))),
+    }
+}
+
 /// Median ms of `steps` batch-1 decode steps (argmax read back) after a prefill of `context` tokens.
 fn batch1_step_ms(
     model: &Glm5ForCausalLM,
@@ -261,6 +291,10 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
     )?;
     device.synchronize()?;
     let untracked_ms = batch1_step_ms(&model, config.vocab_size, tracking_context, args.steps)?;
+    // And with the default memory pool holding freed memory (not yet how the CLI runs: the rows below don't).
+    set_pool_release_threshold(&device, u64::MAX)?;
+    let held_ms = batch1_step_ms(&model, config.vocab_size, tracking_context, args.steps)?;
+    set_pool_release_threshold(&device, 0)?;
     let weights = match args.weights {
         WeightFormat::Bf16 => "random bf16 weights".to_string(),
         WeightFormat::Q4K | WeightFormat::Iq(_) => format!(
@@ -287,7 +321,7 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
         println!("  {b}");
     }
     println!(
-        "(batch-1 step at context {tracking_context}: {tracked_ms:.2} ms with cudarc's event tracking, {untracked_ms:.2} ms without, as glm5's CLI runs and every row below)"
+        "(batch-1 step at context {tracking_context}: {tracked_ms:.2} ms with cudarc's event tracking, {untracked_ms:.2} ms without, as glm5's CLI runs and every row below; {held_ms:.2} ms without and with the memory pool keeping freed memory, which the rows below don't)"
     );
     let (step_bytes, head_bytes) = decode_weight_bytes(&config, DType::BF16, &checkpoint);
     // The weights one token multiplies, counted at bf16's 2 bytes a parameter.
