@@ -1,6 +1,7 @@
 //! §3.3–3.4 MLA in its absorbed form and §4 the DSA lightning indexer.
 
 use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::Linear;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use glm5_ops::absorbed_query::{absorbed_query, absorbed_query_reference};
@@ -190,12 +191,53 @@ impl Indexer {
     }
 }
 
+/// `q_a_proj` and `kv_a_proj_with_mqa`, the two projections of the layer's input: one matrix `[q_lora_rank +
+/// 576, hidden]` where both are dense (one launch and one longer weight stream per decode step instead of
+/// two; a decode step is bound by its launches), the two as loaded otherwise (quantised formats keep their
+/// own blocks).
+enum InputProjections {
+    Fused { both: Proj, q_lora_rank: usize },
+    Separate { q_a: Proj, kv_a: Proj },
+}
+
+impl InputProjections {
+    fn new(q_a: Proj, kv_a: Proj) -> Result<Self> {
+        if let (Proj::Dense(q_linear), Proj::Dense(kv_linear)) = (&q_a, &kv_a) {
+            let (q, kv) = (q_linear.weight(), kv_linear.weight());
+            let unbiased = q_linear.bias().is_none() && kv_linear.bias().is_none();
+            if unbiased && q.dtype() == kv.dtype() && q.device().same_device(kv.device()) {
+                let q_lora_rank = q.dim(0)?;
+                let both = Tensor::cat(&[q, kv], 0)?;
+                return Ok(Self::Fused {
+                    both: Proj::Dense(Linear::new(both, None)),
+                    q_lora_rank,
+                });
+            }
+        }
+        Ok(Self::Separate { q_a, kv_a })
+    }
+
+    /// `(q_a_proj(x), kv_a_proj_with_mqa(x))`, each contiguous.
+    fn forward(&self, x: &Tensor) -> Result<(Tensor, Tensor)> {
+        Ok(match self {
+            Self::Fused { both, q_lora_rank } => {
+                let y = both.forward(x)?;
+                let width = y.dim(1)?;
+                (
+                    y.narrow(1, 0, *q_lora_rank)?.contiguous()?,
+                    y.narrow(1, *q_lora_rank, width - q_lora_rank)?.contiguous()?,
+                )
+            }
+            Self::Separate { q_a, kv_a } => (q_a.forward(x)?, kv_a.forward(x)?),
+        })
+    }
+}
+
 /// §3.3–3.4 Multi-head latent attention with the DSA restriction, computed in the absorbed form.
 pub(super) struct Attention {
-    q_a_proj: Proj,
+    input_projections: InputProjections,
     q_a_layernorm: RmsNorm,
     q_b_proj: Proj,
-    kv_a_proj_with_mqa: Proj,
     kv_a_layernorm: RmsNorm,
     /// `W_UK` per head, `[heads, qk_nope_head_dim, kv_lora_rank]`: folded into the query.
     w_uk: Tensor,
@@ -248,12 +290,20 @@ impl Attention {
                 &[heads * (nope + v), lora],
             )?
             .reshape((heads, nope + v, lora))?;
-        Ok(Self {
-            q_a_proj: loader.linear(
+        let input_projections = InputProjections::new(
+            loader.linear(
                 &format!("{prefix}.q_a_proj"),
                 config.hidden_size,
                 config.q_lora_rank,
             )?,
+            loader.linear(
+                &format!("{prefix}.kv_a_proj_with_mqa"),
+                config.hidden_size,
+                config.latent_dim(),
+            )?,
+        )?;
+        Ok(Self {
+            input_projections,
             q_a_layernorm: loader.rms_norm(
                 &format!("{prefix}.q_a_layernorm"),
                 config.q_lora_rank,
@@ -263,11 +313,6 @@ impl Attention {
                 &format!("{prefix}.q_b_proj"),
                 config.q_lora_rank,
                 heads * config.qk_head_dim(),
-            )?,
-            kv_a_proj_with_mqa: loader.linear(
-                &format!("{prefix}.kv_a_proj_with_mqa"),
-                config.hidden_size,
-                config.latent_dim(),
             )?,
             kv_a_layernorm: loader.rms_norm(
                 &format!("{prefix}.kv_a_layernorm"),
@@ -300,9 +345,8 @@ impl Attention {
     ) -> Result<(Tensor, Tensor)> {
         let t = hidden.dim(0)?;
         // Queries: q_lora (shared with the indexer) → per-head [nope | rope].
-        let q_lora = self
-            .q_a_layernorm
-            .forward(&self.q_a_proj.forward(hidden)?)?;
+        let (q_a, kv_a) = self.input_projections.forward(hidden)?;
+        let q_lora = self.q_a_layernorm.forward(&q_a)?;
         let q = self.q_b_proj.forward(&q_lora)?.reshape((
             t,
             self.heads,
@@ -311,7 +355,6 @@ impl Attention {
 
         // This call's latent rows [kv_a_layernorm(c) | RoPE(k_pe)] go into the cache (one fused op);
         // attention reads all cached rows.
-        let kv_a = self.kv_a_proj_with_mqa.forward(hidden)?;
         let row_ops = self.row_ops();
         let rows = LatentRows {
             norm_weight: self.kv_a_layernorm.weight(),
