@@ -225,7 +225,8 @@ impl InputProjections {
                 let width = y.dim(1)?;
                 (
                     y.narrow(1, 0, *q_lora_rank)?.contiguous()?,
-                    y.narrow(1, *q_lora_rank, width - q_lora_rank)?.contiguous()?,
+                    y.narrow(1, *q_lora_rank, width - q_lora_rank)?
+                        .contiguous()?,
                 )
             }
             Self::Separate { q_a, kv_a } => (q_a.forward(x)?, kv_a.forward(x)?),
