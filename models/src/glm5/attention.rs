@@ -70,12 +70,12 @@ pub(super) struct PagedStep {
 }
 
 /// §4 The DSA lightning indexer: scores every visible past token for each query and keeps the top-k.
+/// (`wk` and `weights_proj`, which project the layer's input, are loaded with the attention's
+/// [`InputProjections`].)
 struct Indexer {
     wq_b: Proj,
-    wk: Proj,
     /// `k_norm` (a LayerNorm with bias): weight and bias `[head_dim]`.
     k_norm: (Tensor, Tensor),
-    weights_proj: Proj,
     n_heads: usize,
     head_dim: usize,
     /// Keys kept per query (`index_topk`).
@@ -96,16 +96,10 @@ impl Indexer {
         let (heads, dim) = (config.index_n_heads, config.index_head_dim);
         Ok(Self {
             wq_b: loader.linear(&format!("{prefix}.wq_b"), config.q_lora_rank, heads * dim)?,
-            wk: loader.linear(&format!("{prefix}.wk"), config.hidden_size, dim)?,
             k_norm: (
                 loader.tensor(&format!("{prefix}.k_norm.weight"), &[dim])?,
                 loader.tensor(&format!("{prefix}.k_norm.bias"), &[dim])?,
             ),
-            weights_proj: loader.linear(
-                &format!("{prefix}.weights_proj"),
-                config.hidden_size,
-                heads,
-            )?,
             n_heads: heads,
             head_dim: dim,
             index_topk: config.index_topk,
@@ -114,17 +108,18 @@ impl Indexer {
         })
     }
 
-    /// `hidden` `[T, hidden]` (the normed layer input), `q_lora` `[T, q_lora_rank]` (after q_a_layernorm).
-    /// Returns the selected positions `[T, index_topk]` (i32, -1 padded) and caches this call's keys.
+    /// `q_lora` `[T, q_lora_rank]` (after q_a_layernorm), and the layer input's `wk` and `weights_proj`
+    /// products `[T, head_dim]`, `[T, n_heads]`. Returns the selected positions `[T, index_topk]` (i32, -1
+    /// padded) and caches this call's keys.
     pub(super) fn forward(
         &self,
-        hidden: &Tensor,
         q_lora: &Tensor,
+        (k, weights): (&Tensor, &Tensor),
         rope: &Rope,
         kv: LayerKv<'_>,
         row_ops: RowOps,
     ) -> Result<Tensor> {
-        let t = hidden.dim(0)?;
+        let t = q_lora.dim(0)?;
         let q = self
             .wq_b
             .forward(q_lora)?
@@ -136,15 +131,13 @@ impl Indexer {
             RowOps::CandleOps => rope_leading_reference(&q, cos, sin)?,
         };
         // This call's keys [RoPE(k_norm(k))[..R] | k_norm(k)[R..]] go into the cache (one fused op).
-        let k = self.wk.forward(hidden)?;
         let key_rows = KeyRows {
             layer_norm: (&self.k_norm.0, &self.k_norm.1),
             eps: INDEX_KEY_NORM_EPS,
             rope: rope.tables(),
             row_ops,
         };
-        let head_weights =
-            (self.weights_proj.forward(hidden)?.to_dtype(DType::F32)? * self.weight_scale)?;
+        let head_weights = (weights.to_dtype(DType::F32)? * self.weight_scale)?;
         let (kernel, backend) = self.kernel.ok_or_else(|| {
             ModelError::PlanDevices("the plan bound no dsa_indexer backend (dense mode)".into())
         })?;
@@ -191,45 +184,70 @@ impl Indexer {
     }
 }
 
-/// `q_a_proj` and `kv_a_proj_with_mqa`, the two projections of the layer's input: one matrix `[q_lora_rank +
-/// 576, hidden]` where both are dense (one launch and one longer weight stream per decode step instead of
-/// two; a decode step is bound by its launches), the two as loaded otherwise (quantised formats keep their
-/// own blocks).
+/// The projections of the layer's input: `q_a_proj`, `kv_a_proj_with_mqa` and the indexer's `wk` and
+/// `weights_proj`. Where all four are dense (bf16, f16, f32, no bias) they are one matrix `[q_lora_rank + 576
+/// + index_head_dim + index_n_heads, hidden]`, split after the product: one launch and one longer weight
+/// stream per decode step instead of four (a decode step is bound by its launches). Otherwise each stays as
+/// loaded (quantised formats keep their own block scales).
 enum InputProjections {
-    Fused { both: Proj, q_lora_rank: usize },
-    Separate { q_a: Proj, kv_a: Proj },
+    Fused { all: Proj, widths: [usize; 4] },
+    Separate([Proj; 4]),
 }
 
 impl InputProjections {
-    fn new(q_a: Proj, kv_a: Proj) -> Result<Self> {
-        if let (Proj::Dense(q_linear), Proj::Dense(kv_linear)) = (&q_a, &kv_a) {
-            let (q, kv) = (q_linear.weight(), kv_linear.weight());
-            let unbiased = q_linear.bias().is_none() && kv_linear.bias().is_none();
-            if unbiased && q.dtype() == kv.dtype() && q.device().same_device(kv.device()) {
-                let q_lora_rank = q.dim(0)?;
-                let both = Tensor::cat(&[q, kv], 0)?;
-                return Ok(Self::Fused {
-                    both: Proj::Dense(Linear::new(both, None)),
-                    q_lora_rank,
-                });
-            }
+    fn new(projections: [Proj; 4]) -> Result<Self> {
+        let dense: Vec<&Linear> = projections
+            .iter()
+            .filter_map(|p| match p {
+                Proj::Dense(linear) if linear.bias().is_none() => Some(linear),
+                _ => None,
+            })
+            .collect();
+        let first = dense.first().map(|l| l.weight());
+        let alike = first.is_some_and(|w0| {
+            dense.len() == projections.len()
+                && dense.iter().all(|l| {
+                    l.weight().dtype() == w0.dtype() && l.weight().device().same_device(w0.device())
+                })
+        });
+        if !alike {
+            return Ok(Self::Separate(projections));
         }
-        Ok(Self::Separate { q_a, kv_a })
+        let weights: Vec<&Tensor> = dense.iter().map(|l| l.weight()).collect();
+        let mut widths = [0; 4];
+        for (width, w) in widths.iter_mut().zip(&weights) {
+            *width = w.dim(0)?;
+        }
+        Ok(Self::Fused {
+            all: Proj::Dense(Linear::new(Tensor::cat(&weights, 0)?, None)),
+            widths,
+        })
     }
 
-    /// `(q_a_proj(x), kv_a_proj_with_mqa(x))`, each contiguous.
-    fn forward(&self, x: &Tensor) -> Result<(Tensor, Tensor)> {
+    /// The four products of `x`, each contiguous: `[q_a, kv_a, index k, index weights]`.
+    fn forward(&self, x: &Tensor) -> Result<[Tensor; 4]> {
         Ok(match self {
-            Self::Fused { both, q_lora_rank } => {
-                let y = both.forward(x)?;
-                let width = y.dim(1)?;
-                (
-                    y.narrow(1, 0, *q_lora_rank)?.contiguous()?,
-                    y.narrow(1, *q_lora_rank, width - q_lora_rank)?
-                        .contiguous()?,
-                )
+            Self::Fused { all, widths } => {
+                let y = all.forward(x)?;
+                let mut start = 0;
+                let mut part = |width: usize| -> Result<Tensor> {
+                    let out = y.narrow(1, start, width)?.contiguous()?;
+                    start += width;
+                    Ok(out)
+                };
+                [
+                    part(widths[0])?,
+                    part(widths[1])?,
+                    part(widths[2])?,
+                    part(widths[3])?,
+                ]
             }
-            Self::Separate { q_a, kv_a } => (q_a.forward(x)?, kv_a.forward(x)?),
+            Self::Separate([q_a, kv_a, k, weights]) => [
+                q_a.forward(x)?,
+                kv_a.forward(x)?,
+                k.forward(x)?,
+                weights.forward(x)?,
+            ],
         })
     }
 }
@@ -291,7 +309,7 @@ impl Attention {
                 &[heads * (nope + v), lora],
             )?
             .reshape((heads, nope + v, lora))?;
-        let input_projections = InputProjections::new(
+        let input_projections = InputProjections::new([
             loader.linear(
                 &format!("{prefix}.q_a_proj"),
                 config.hidden_size,
@@ -302,7 +320,17 @@ impl Attention {
                 config.hidden_size,
                 config.latent_dim(),
             )?,
-        )?;
+            loader.linear(
+                &format!("{prefix}.indexer.wk"),
+                config.hidden_size,
+                config.index_head_dim,
+            )?,
+            loader.linear(
+                &format!("{prefix}.indexer.weights_proj"),
+                config.hidden_size,
+                config.index_n_heads,
+            )?,
+        ])?;
         Ok(Self {
             input_projections,
             q_a_layernorm: loader.rms_norm(
@@ -346,7 +374,7 @@ impl Attention {
     ) -> Result<(Tensor, Tensor)> {
         let t = hidden.dim(0)?;
         // Queries: q_lora (shared with the indexer) → per-head [nope | rope].
-        let (q_a, kv_a) = self.input_projections.forward(hidden)?;
+        let [q_a, kv_a, index_k, index_weights] = self.input_projections.forward(hidden)?;
         let q_lora = self.q_a_layernorm.forward(&q_a)?;
         let q = self.q_b_proj.forward(&q_lora)?.reshape((
             t,
@@ -388,7 +416,8 @@ impl Attention {
 
         let selected = match dense {
             None => profile::time(Part::Indexer, hidden.device(), || {
-                self.indexer.forward(hidden, &q_lora, rope, kv, row_ops)
+                self.indexer
+                    .forward(&q_lora, (&index_k, &index_weights), rope, kv, row_ops)
             })?,
             Some(all_positions) => all_positions.clone(),
         };
