@@ -143,7 +143,7 @@ impl Indexer {
         })?;
         match kv {
             LayerKv::Contiguous { cache, start_pos } => {
-                let keys = cache.append_index_keys(&k, key_rows, start_pos)?;
+                let keys = cache.append_index_keys(k, key_rows, start_pos)?;
                 let visible: Vec<usize> = (1..=t).map(|i| start_pos + i).collect();
                 Ok(kernel(
                     &q,
@@ -154,7 +154,7 @@ impl Indexer {
                 )?)
             }
             LayerKv::Paged { cache, step } => {
-                cache.write_index_keys(&k, key_rows, &step.write_rows)?;
+                cache.write_index_keys(k, key_rows, &step.write_rows)?;
                 let paged = PagedIndexKeys {
                     keys: cache.index_keys(),
                     block_table: &step.block_table,
@@ -185,10 +185,10 @@ impl Indexer {
 }
 
 /// The projections of the layer's input: `q_a_proj`, `kv_a_proj_with_mqa` and the indexer's `wk` and
-/// `weights_proj`. Where all four are dense (bf16, f16, f32, no bias) they are one matrix `[q_lora_rank + 576
-/// + index_head_dim + index_n_heads, hidden]`, split after the product: one launch and one longer weight
-/// stream per decode step instead of four (a decode step is bound by its launches). Otherwise each stays as
-/// loaded (quantised formats keep their own block scales).
+/// `weights_proj`. Where all four are dense (bf16, f16, f32, no bias) they are one matrix (their rows
+/// stacked in that order), split after the product: one launch and one longer weight stream per decode step
+/// instead of four (a decode step is bound by its launches). Otherwise each stays as loaded (quantised
+/// formats keep their own block scales).
 enum InputProjections {
     Fused { all: Proj, widths: [usize; 4] },
     Separate([Proj; 4]),
