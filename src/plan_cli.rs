@@ -94,17 +94,26 @@ pub fn parse_device(spec: &str) -> Result<Device> {
             "this glm5 was built without CUDA (rebuild with --features cuda)",
         ));
     }
-    let device = Device::new_cuda(ordinal).map_err(|e| invalid("device", spec, e))?;
-    #[cfg(feature = "cuda")]
-    if let Device::Cuda(cuda) = &device {
-        // cudarc's event tracking makes every allocation create two CUDA events and every launch wait on and
-        // record the events of each buffer it touches: driver calls on the host's critical path of a decode
-        // step. glm5 runs a device's work on one thread's stream (`glm5 serve` synchronises before its
-        // engine thread takes the model), which needs none of it.
-        // SAFETY: no tensor of this device is used on two streams without a synchronisation between.
-        unsafe { cuda.disable_event_tracking() };
+    Device::new_cuda(ordinal).map_err(|e| invalid("device", spec, e))
+}
+
+/// Turns cudarc's event tracking off where a model on `devices` needs none of it: at most one CUDA device.
+/// Tracking makes every allocation create two CUDA events and every launch wait on and record the events of
+/// each buffer it touches: driver calls on the host's critical path of a decode step. One GPU's work runs on
+/// one thread's stream (`glm5 serve` synchronises before its engine thread takes the model). With two or
+/// more GPUs it stays on: candle copies a hidden state between them on the receiving device's stream, and
+/// only the source buffer's events order that copy after the kernels that wrote it.
+pub fn single_gpu_without_event_tracking(devices: &[Device]) {
+    let gpus: Vec<&Device> = devices.iter().filter(|d| d.is_cuda()).collect();
+    if let [gpu] = gpus.as_slice() {
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(cuda) = gpu {
+            // SAFETY: per the rule above, no tensor of this device is used on two streams without a
+            // synchronisation between.
+            unsafe { cuda.disable_event_tracking() };
+        }
+        let _ = gpu;
     }
-    Ok(device)
 }
 
 /// Parses a comma-separated device list.
