@@ -154,39 +154,24 @@ fn experts_on_gpu_equal_the_reference() {
             .to_dtype(dtype)
             .unwrap();
             let routes = random_routes(&mut r, t, slots, n_experts);
-            // The mat-vecs at every size (pinned), and what `experts_backend` chooses.
+            // What `experts_backend` chooses; the mat-vecs at every size (pinned), and from the switch both
+            // GEMM forms.
             let on_gpu = |t: &Tensor| t.to_device(&gpu).unwrap();
-            let chosen = if t >= GROUPED_GEMM_MIN_TOKENS {
-                ExpertsImpl::GroupedGemm
-            } else {
-                ExpertsImpl::DeviceMatVec
-            };
-            let backend = experts_backend(&on_gpu(&x), &on_gpu(&gate_up), &on_gpu(&down));
+            let grouped = t >= GROUPED_GEMM_MIN_TOKENS;
             assert_eq!(
-                backend,
-                match chosen {
-                    ExpertsImpl::GroupedGemm => ExpertsBackend::GroupedGemm,
-                    _ => ExpertsBackend::DeviceMatVec,
+                experts_backend(&on_gpu(&x), &on_gpu(&gate_up), &on_gpu(&down)),
+                if grouped {
+                    ExpertsBackend::GroupedGemm
+                } else {
+                    ExpertsBackend::DeviceMatVec
                 }
             );
-            check_on_gpu(
-                &gpu,
-                &x,
-                &routes,
-                &gate_up,
-                &down,
-                ExpertsImpl::DeviceMatVec,
-            );
-            if chosen != ExpertsImpl::DeviceMatVec {
-                check_on_gpu(&gpu, &x, &routes, &gate_up, &down, chosen);
-                check_on_gpu(
-                    &gpu,
-                    &x,
-                    &routes,
-                    &gate_up,
-                    &down,
-                    ExpertsImpl::BucketedGemm,
-                );
+            let mut impls = vec![ExpertsImpl::DeviceMatVec];
+            if grouped {
+                impls.extend([ExpertsImpl::GroupedGemm, ExpertsImpl::BucketedGemm]);
+            }
+            for which in impls {
+                check_on_gpu(&gpu, &x, &routes, &gate_up, &down, which);
             }
         }
     }
@@ -236,16 +221,10 @@ fn prefill_experts_by_grouped_gemm_equal_the_reference() {
                 experts_backend(&on_gpu(&x), &on_gpu(&gate_up), &on_gpu(&down)),
                 ExpertsBackend::GroupedGemm
             );
-            check_on_gpu(&gpu, &x, &routes, &gate_up, &down, ExpertsImpl::GroupedGemm);
-            // The same by batched GEMMs over buckets of experts (pinned).
-            check_on_gpu(
-                &gpu,
-                &x,
-                &routes,
-                &gate_up,
-                &down,
-                ExpertsImpl::BucketedGemm,
-            );
+            // The chosen grouped GEMM, and the same by batched GEMMs over buckets of experts (pinned).
+            for which in [ExpertsImpl::GroupedGemm, ExpertsImpl::BucketedGemm] {
+                check_on_gpu(&gpu, &x, &routes, &gate_up, &down, which);
+            }
         }
     }
 }

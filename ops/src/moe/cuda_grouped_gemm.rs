@@ -56,6 +56,42 @@ fn data_type(dtype: DType) -> Result<sys::cudaDataType_t> {
     }
 }
 
+/// `v` as the `int` cuBLAS takes.
+fn cublas_int(v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| OpError::Unsupported(format!("cuBLAS GEMM: size {v} exceeds i32")))
+}
+
+/// The device arrays of A, B and C addresses a pointer-array cuBLAS call reads, and their addresses. The
+/// tensors must outlive the call (dropped after it, they are freed in stream order).
+fn pointer_arrays(
+    device: &Device,
+    addresses: impl Iterator<Item = (u64, u64, u64)>,
+) -> Result<([Tensor; 3], [u64; 3])> {
+    let (mut a, mut b, mut c) = (Vec::new(), Vec::new(), Vec::new());
+    for (pa, pb, pc) in addresses {
+        a.push(pa as i64);
+        b.push(pb as i64);
+        c.push(pc as i64);
+    }
+    let upload = |v: Vec<i64>| -> Result<Tensor> {
+        let n = v.len();
+        Ok(Tensor::from_vec(v, n, device)?)
+    };
+    let arrays = [upload(a)?, upload(b)?, upload(c)?];
+    let address = |t: &Tensor| -> Result<u64> { Ok(device_address(t)?.0) };
+    let addresses = [
+        address(&arrays[0])?,
+        address(&arrays[1])?,
+        address(&arrays[2])?,
+    ];
+    Ok((arrays, addresses))
+}
+
+/// `SiLU(gate) · up` from the gate/up GEMM's output `h` `[rows, 2I]` (gate the first half), contiguous.
+fn silu_times_up(h: &Tensor, inter: usize) -> Result<Tensor> {
+    Ok((h.narrow(1, 0, inter)?.silu()? * h.narrow(1, inter, inter)?)?.contiguous()?)
+}
+
 /// Runs every problem (one group each: their row counts differ) on the device's stream.
 fn grouped_gemm(
     dev: &CudaDevice,
@@ -66,10 +102,6 @@ fn grouped_gemm(
     if problems.is_empty() {
         return Ok(());
     }
-    let int = |v: usize| -> Result<i32> {
-        i32::try_from(v)
-            .map_err(|_| OpError::Unsupported(format!("grouped GEMM: size {v} exceeds i32")))
-    };
     let count = problems.len();
     let (mut m, mut n, mut k, mut lda, mut ldb, mut ldc) = (
         Vec::with_capacity(count),
@@ -80,30 +112,21 @@ fn grouped_gemm(
         Vec::with_capacity(count),
     );
     for p in problems {
-        m.push(int(p.out)?);
-        n.push(int(p.n_rows)?);
-        k.push(int(p.k)?);
-        lda.push(int(p.k)?);
-        ldb.push(int(p.k)?);
-        ldc.push(int(p.ldc)?);
+        m.push(cublas_int(p.out)?);
+        n.push(cublas_int(p.n_rows)?);
+        k.push(cublas_int(p.k)?);
+        lda.push(cublas_int(p.k)?);
+        ldb.push(cublas_int(p.k)?);
+        ldc.push(cublas_int(p.ldc)?);
     }
     let trans_a = vec![sys::cublasOperation_t::CUBLAS_OP_T; count];
     let trans_b = vec![sys::cublasOperation_t::CUBLAS_OP_N; count];
     let alpha = vec![1.0f32; count];
     let beta = vec![0.0f32; count];
     let group_size = vec![1i32; count];
-    // The matrix pointer arrays must be in device memory; freed after the call in stream order.
-    let pointers = |f: fn(&Problem) -> u64| -> Result<Tensor> {
-        Ok(Tensor::from_vec(
-            problems.iter().map(|p| f(p) as i64).collect::<Vec<_>>(),
-            count,
-            device,
-        )?)
-    };
-    let (a_ptrs, b_ptrs, c_ptrs) = (pointers(|p| p.a)?, pointers(|p| p.b)?, pointers(|p| p.c)?);
-    let (a_arr, _) = device_address(&a_ptrs)?;
-    let (b_arr, _) = device_address(&b_ptrs)?;
-    let (c_arr, _) = device_address(&c_ptrs)?;
+    // The matrix pointer arrays must be in device memory.
+    let (_arrays, [a_arr, b_arr, c_arr]) =
+        pointer_arrays(device, problems.iter().map(|p| (p.a, p.b, p.c)))?;
     let ty = data_type(dtype)?;
     let blas = dev.cublas_handle();
     // SAFETY: every array has `count` entries; each problem's A, B and C are live device allocations of at
@@ -128,7 +151,7 @@ fn grouped_gemm(
             c_arr as *const *mut std::ffi::c_void,
             ty,
             ldc.as_ptr(),
-            int(count)?,
+            cublas_int(count)?,
             group_size.as_ptr(),
             sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
         )
@@ -151,21 +174,7 @@ fn batched_gemm(
     if addresses.is_empty() {
         return Ok(());
     }
-    let int = |v: usize| -> Result<i32> {
-        i32::try_from(v)
-            .map_err(|_| OpError::Unsupported(format!("batched GEMM: size {v} exceeds i32")))
-    };
-    let pointers = |f: fn(&(u64, u64, u64)) -> u64| -> Result<Tensor> {
-        Ok(Tensor::from_vec(
-            addresses.iter().map(|p| f(p) as i64).collect::<Vec<_>>(),
-            addresses.len(),
-            device,
-        )?)
-    };
-    let (a_ptrs, b_ptrs, c_ptrs) = (pointers(|p| p.0)?, pointers(|p| p.1)?, pointers(|p| p.2)?);
-    let (a_arr, _) = device_address(&a_ptrs)?;
-    let (b_arr, _) = device_address(&b_ptrs)?;
-    let (c_arr, _) = device_address(&c_ptrs)?;
+    let (_arrays, [a_arr, b_arr, c_arr]) = pointer_arrays(device, addresses.iter().copied())?;
     let ty = data_type(dtype)?;
     let (alpha, beta) = (1.0f32, 0.0f32);
     let blas = dev.cublas_handle();
@@ -177,21 +186,21 @@ fn batched_gemm(
             *blas.handle(),
             sys::cublasOperation_t::CUBLAS_OP_T,
             sys::cublasOperation_t::CUBLAS_OP_N,
-            int(out)?,
-            int(n_rows)?,
-            int(k)?,
+            cublas_int(out)?,
+            cublas_int(n_rows)?,
+            cublas_int(k)?,
             (&alpha as *const f32).cast(),
             a_arr as *const *const std::ffi::c_void,
             ty,
-            int(k)?,
+            cublas_int(k)?,
             b_arr as *const *const std::ffi::c_void,
             ty,
-            int(k)?,
+            cublas_int(k)?,
             (&beta as *const f32).cast(),
             c_arr as *const *mut std::ffi::c_void,
             ty,
-            int(ldc)?,
-            int(addresses.len())?,
+            cublas_int(ldc)?,
+            cublas_int(addresses.len())?,
             sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
             sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
         )
@@ -317,7 +326,7 @@ pub(super) fn experts_grouped_gemm(
         })
         .collect();
     grouped_gemm(&dev, device, dtype, &gate_up_problems)?;
-    let act = (h.narrow(1, 0, inter)?.silu()? * h.narrow(1, inter, inter)?)?.contiguous()?;
+    let act = silu_times_up(&h, inter)?;
     let (act_ptr, _) = device_address(&act)?;
     let down_problems: Vec<Problem> = grouped
         .runs
@@ -402,7 +411,7 @@ pub(super) fn experts_bucketed_gemm(
             &gate_up_addresses,
         )?;
     }
-    let act = (h.narrow(1, 0, inter)?.silu()? * h.narrow(1, inter, inter)?)?.contiguous()?;
+    let act = silu_times_up(&h, inter)?;
     let (act_ptr, _) = device_address(&act)?;
     for &padded in &buckets {
         let down_addresses: Vec<(u64, u64, u64)> = blocks
@@ -485,7 +494,7 @@ pub(super) fn quantized_experts_grouped_gemm(
         }
         grouped_gemm(&dev, device, dtype, &problems)?;
     }
-    let act = (h.narrow(1, 0, inter)?.silu()? * h.narrow(1, inter, inter)?)?.contiguous()?;
+    let act = silu_times_up(&h, inter)?;
     let (act_ptr, _) = device_address(&act)?;
     for runs in grouped.runs.chunks(chunk) {
         let dense: Vec<Tensor> = runs
