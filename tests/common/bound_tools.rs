@@ -85,3 +85,22 @@ pub fn median(values: &[f64]) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
 }
+
+/// Activations like a transformer's, `[m, k]` row-major: uniform in [-1, 1) with a few outlier channels 30x
+/// larger; row 1 all zeros; row 2 with one value 10^5 times the rest. The W8A8 and W4A4 bounds start here.
+pub fn outlier_activations(rng: &mut Stream, m: usize, k: usize) -> Vec<f32> {
+    let outliers: Vec<usize> = (0..4).map(|_| (rng.next() % k as u64) as usize).collect();
+    let mut x: Vec<f32> = (0..m * k)
+        .map(|i| {
+            let v = rng.uniform() * 2.0 - 1.0;
+            if outliers.contains(&(i % k)) {
+                v * 30.0
+            } else {
+                v
+            }
+        })
+        .collect();
+    x[k..2 * k].fill(0.0);
+    x[2 * k + k / 3] = 1e5;
+    x
+}

@@ -62,18 +62,10 @@ pub fn w4a4_error_bound(x: &Tensor, w: &Nvfp4Weight) -> Vec<f64> {
 /// Activations like a transformer's: uniform in [-1, 1) with a few outlier channels 30x larger; row 1 all
 /// zeros, row 2 with one value 10^5 times its row (most of its blocks get subnormal e4m3 scales).
 pub fn w4a4_activations(rng: &mut Stream, m: usize, k: usize) -> Tensor {
-    let outliers: Vec<usize> = (0..4).map(|_| (rng.next() % k as u64) as usize).collect();
-    let mut x: Vec<f32> = (0..m * k)
-        .map(|i| {
-            let v = rng.uniform() * 2.0 - 1.0;
-            if outliers.contains(&(i % k)) {
-                v * 30.0
-            } else {
-                v
-            }
-        })
-        .collect();
-    x[k..2 * k].fill(0.0);
-    x[2 * k + k / 3] = 1e5;
-    Tensor::from_vec(x, (m, k), &Device::Cpu).unwrap()
+    Tensor::from_vec(
+        crate::bound_tools::outlier_activations(rng, m, k),
+        (m, k),
+        &Device::Cpu,
+    )
+    .unwrap()
 }

@@ -84,19 +84,7 @@ pub fn random_fp8_weight(rng: &mut Stream, n: usize, k: usize) -> Fp8BlockWeight
 /// zeros; row 2 with one value 10^5 times the rest and one group of values 10^-30 their size (a huge and a
 /// tiny group).
 pub fn w8a8_activations(rng: &mut Stream, m: usize, k: usize) -> Tensor {
-    let outliers: Vec<usize> = (0..4).map(|_| (rng.next() % k as u64) as usize).collect();
-    let mut x: Vec<f32> = (0..m * k)
-        .map(|i| {
-            let v = rng.uniform() * 2.0 - 1.0;
-            if outliers.contains(&(i % k)) {
-                v * 30.0
-            } else {
-                v
-            }
-        })
-        .collect();
-    x[k..2 * k].fill(0.0);
-    x[2 * k + k / 3] = 1e5;
+    let mut x = crate::bound_tools::outlier_activations(rng, m, k);
     let tiny = 2 * k + (k / 2 / W8A8_GROUP) * W8A8_GROUP;
     for v in &mut x[tiny..tiny + W8A8_GROUP] {
         *v *= 1e-30;
