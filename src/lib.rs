@@ -30,7 +30,8 @@ pub use generate::{
     FinishReason, GeneratedToken, Generation, GenerationParams, GenerationStats, SequenceCache,
 };
 pub use glm5_models::{
-    AttentionMode, Checkpoint, Config, Glm5ForCausalLM, KvCache, ModelError, Plan, PlanOptions,
+    AttentionMode, Checkpoint, Config, DecodeGraphs, Glm5ForCausalLM, GraphStats, KvCache,
+    ModelError, Plan, PlanOptions,
 };
 pub use glm5_ops::{DeviceDesc, KeyFormat, Op, Registry};
 pub use model::{Glm5, LoadOptions, TokenProbability};

@@ -7,8 +7,8 @@
 use glm5::candle_core::{DType, Device, Tensor};
 use glm5::models::{Checkpoint, PagedCacheOptions, PagedKvCache, SeqChunk, SeqId};
 use glm5::{
-    AttentionMode, Config, DeviceDesc, Glm5ForCausalLM, KeyFormat, ModelError, Plan, PlanOptions,
-    Registry,
+    AttentionMode, Config, DecodeGraphs, DeviceDesc, Glm5ForCausalLM, KeyFormat, ModelError, Plan,
+    PlanOptions, Registry,
 };
 
 #[path = "common/fixtures.rs"]
@@ -446,4 +446,41 @@ fn pool_sizes_are_checked() {
     let options = PagedCacheOptions::for_tokens(100);
     assert_eq!(options.block_size, glm5::models::DEFAULT_BLOCK_SIZE);
     assert!(options.tokens() >= 100 && options.tokens() < 100 + options.block_size);
+}
+
+#[path = "common/decode_steps.rs"]
+mod decode_steps;
+use decode_steps::{decode_both_ways, decode_shapes, DecodePath};
+
+/// The inputs a decode graph reads (block tables padded to a power-of-two width, RoPE rows gathered on the
+/// device, the indexer bounded by the table's capacity), run eagerly: the same logits as `forward_batch`,
+/// at the width the graphs pick and at a much wider one.
+#[test]
+fn graph_layout_decode_equals_forward_batch() {
+    let model = load("sparse_long", AttentionMode::Sparse, KeyFormat::Float);
+    for min_columns in [1, 16] {
+        let err = decode_both_ways(&model, BLOCK, DecodePath::Layout(min_columns));
+        assert!(err <= 1e-5, "{min_columns} columns: relative error {err}");
+    }
+}
+
+/// On the CPU no step is captured: every step runs eagerly, with the same logits, and the stats say so and
+/// why.
+#[test]
+fn graphed_decode_on_the_cpu_runs_eagerly_and_says_why() {
+    let model = load("sparse_long", AttentionMode::Sparse, KeyFormat::Float);
+    assert!(model
+        .decode_graph_blocker(1)
+        .is_some_and(|why| why.contains("CUDA device")));
+    let mut graphs = DecodeGraphs::new(4);
+    let err = decode_both_ways(&model, BLOCK, DecodePath::Graphed(&mut graphs));
+    assert_eq!(err, 0.0, "the eager fallback is forward_batch itself");
+    let stats = graphs.stats();
+    assert_eq!((stats.captured, stats.replayed), (0, 0));
+    assert_eq!(stats.eager, 1 + decode_shapes(BLOCK).len());
+    assert!(stats
+        .last_eager_reason
+        .as_deref()
+        .is_some_and(|why| why.contains("CUDA device")));
+    assert!(graphs.is_empty());
 }

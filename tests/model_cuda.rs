@@ -398,3 +398,60 @@ fn fused_row_ops_on_gpu_equal_the_candle_ops() {
         }
     }
 }
+
+#[path = "common/decode_steps.rs"]
+mod decode_steps;
+
+/// Decode steps replayed from CUDA graphs equal `forward_batch` on the same inputs (and so does their layout
+/// run eagerly): one graph captured per
+/// (batch, block-table columns) shape the steps meet, replayed for every other step of that shape; only the
+/// prompt step runs eagerly. The same kernels read the same values, but the graphs' indexer scores up to the
+/// table's capacity rather than the step's longest sequence: f32 within 1e-5 of the largest logit, bf16
+/// within 1e-2 (under two bf16 roundings of it).
+#[test]
+fn graphed_decode_on_gpu_equals_eager() {
+    use decode_steps::{decode_both_ways, decode_shapes, DecodePath};
+    use glm5::DecodeGraphs;
+    const BLOCK: usize = 4;
+    let gpu = Device::new_cuda(0).unwrap();
+    let Device::Cuda(dev) = &gpu else {
+        unreachable!("new_cuda made a CUDA device")
+    };
+    // SAFETY: this device is new, and this test's one thread issues all its work on its one stream.
+    unsafe { dev.disable_event_tracking() };
+    let shapes = decode_shapes(BLOCK);
+    let mut distinct = shapes.clone();
+    distinct.sort();
+    distinct.dedup();
+    for (dtype, bound) in [(DType::F32, 1e-5), (DType::BF16, 1e-2)] {
+        let model = Glm5ForCausalLM::from_dir(
+            fixture_dir("sparse_long"),
+            dtype,
+            &gpu,
+            AttentionMode::Sparse,
+        )
+        .unwrap();
+        assert_eq!(model.decode_graph_blocker(3), None);
+        // The graphs' layout run eagerly first (padded block tables, the indexer bounded by their capacity),
+        // at the graphs' width and a wider one, which separates a layout error from a capture error.
+        for columns in [1, 16] {
+            let err = decode_both_ways(&model, BLOCK, DecodePath::Layout(columns));
+            println!("{dtype:?}: graph layout ({columns}+ columns) vs eager {err:.2e}");
+            assert!(
+                err <= bound,
+                "{dtype:?}: the graphs' layout differs from eager by {err}"
+            );
+        }
+        let mut graphs = DecodeGraphs::new(distinct.len());
+        let err = decode_both_ways(&model, BLOCK, DecodePath::Graphed(&mut graphs));
+        let stats = graphs.stats().clone();
+        println!("{dtype:?}: graphed vs eager {err:.2e} over {} decode steps of shapes {distinct:?}; {stats:?}", shapes.len());
+        assert_eq!(stats.captured, distinct.len(), "{stats:?}");
+        assert_eq!(stats.replayed, shapes.len() - distinct.len(), "{stats:?}");
+        assert_eq!(stats.eager, 1, "only the prompt step: {stats:?}");
+        assert!(
+            err <= bound,
+            "{dtype:?}: graphed decode differs from eager by {err}"
+        );
+    }
+}

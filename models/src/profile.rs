@@ -54,13 +54,18 @@ pub fn finish() -> Option<Profile> {
     ACTIVE.with(|p| p.borrow_mut().take())
 }
 
+/// Whether a profile is active on this thread (its parts synchronise, which a CUDA graph cannot capture).
+pub(crate) fn is_active() -> bool {
+    ACTIVE.with(|p| p.borrow().is_some())
+}
+
 /// Runs `f` as `part` on `device`, timed when a profile is active.
 pub(crate) fn time<T, E: From<candle_core::Error>>(
     part: Part,
     device: &Device,
     f: impl FnOnce() -> Result<T, E>,
 ) -> Result<T, E> {
-    if !ACTIVE.with(|p| p.borrow().is_some()) {
+    if !is_active() {
         return f();
     }
     device.synchronize()?;

@@ -54,6 +54,16 @@ pub(crate) fn device_address(tensor: &Tensor) -> candle_core::Result<(u64, CudaD
     Ok((base + (start * tensor.dtype().size_in_bytes()) as u64, dev))
 }
 
+/// Keeps a kernel's outgrown workspace alive for the rest of the thread instead of freeing it: a captured
+/// step graph (`step_graph`) may still address it. Workspaces grow by powers of two, so what is kept stays
+/// below the largest one.
+pub(crate) fn retire<T: 'static>(buffer: T) {
+    thread_local! {
+        static RETIRED: std::cell::RefCell<Vec<Box<dyn std::any::Any>>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    RETIRED.with(|cell| cell.borrow_mut().push(Box::new(buffer)));
+}
+
 /// What the launchers need to know about a device.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct DeviceInfo {

@@ -37,6 +37,7 @@ pub mod registry;
 pub mod rms_norm;
 pub mod rope_leading;
 pub mod sparse_mla;
+pub mod step_graph;
 pub mod weight_only;
 #[cfg(feature = "cuda")]
 mod weight_only_cuda;

@@ -65,8 +65,12 @@ pub(super) struct PagedStep {
     pub token_seq: Tensor,
     /// `U32 [T]`: the flattened-block row each token's KV is written to.
     pub write_rows: Tensor,
-    /// Per token: the keys its query sees (its position + 1).
-    pub visible: Vec<usize>,
+    /// `I32 [T]`: the keys each token's query sees (its position + 1).
+    pub visible: Tensor,
+    /// A bound on `visible`: the indexer scores up to this many positions per query (the largest count in
+    /// an eager step; a captured step's block-table capacity, so that its launches fit every step it
+    /// replays).
+    pub max_visible: usize,
 }
 
 /// §4 The DSA lightning indexer: scores every visible past token for each query and keeps the top-k.
@@ -162,19 +166,29 @@ impl Indexer {
                 };
                 // The reference where the plan bound it, else glm5's CUDA launcher.
                 Ok(if backend == "reference" {
+                    let visible: Vec<usize> = step
+                        .visible
+                        .to_vec1::<i32>()?
+                        .into_iter()
+                        .map(|v| v as usize)
+                        .collect();
                     dsa_indexer_paged_reference(
                         &q,
                         &head_weights,
                         &paged,
-                        &step.visible,
+                        &visible,
                         self.index_topk,
                     )?
                 } else {
+                    let visible = VisibleKeys::Device {
+                        counts: &step.visible,
+                        max_visible: step.max_visible,
+                    };
                     dsa_indexer_paged_with(
                         &q,
                         &head_weights,
                         &paged,
-                        VisibleKeys::Host(&step.visible),
+                        visible,
                         self.index_topk,
                         &DsaIndexerLaunch::default(),
                     )?

@@ -10,6 +10,7 @@
 //! the `sparse_mla` op.
 
 mod attention;
+mod graph;
 mod linear;
 mod moe;
 mod rope;
@@ -30,9 +31,17 @@ use crate::profile::{self, Part};
 use crate::weights::Checkpoint;
 pub use attention::RowOps;
 use attention::{all_causal_positions, causal_positions_of, Attention, LayerKv, PagedStep};
+pub use graph::{DecodeGraphs, GraphStats};
 use linear::{Loader, Proj, RmsNorm};
 use moe::{Mlp, MoE};
 use rope::Rope;
+
+/// A step's layout as tensors on one device: RoPE tables, the dense selection (dense mode), block tables.
+struct DeviceStep {
+    rope: Rope,
+    dense: Option<Tensor>,
+    paged: PagedStep,
+}
 
 enum FeedForward {
     Dense(Mlp),
@@ -551,11 +560,7 @@ impl Glm5ForCausalLM {
     }
 
     /// The batch's layout as tensors on plan device `device`: RoPE tables, dense selection, block tables.
-    fn device_step(
-        &self,
-        step: &StepLayout,
-        device: usize,
-    ) -> Result<(Rope, Option<Tensor>, PagedStep)> {
+    fn device_step(&self, step: &StepLayout, device: usize) -> Result<DeviceStep> {
         let device = &self.devices[device];
         let (batch, tokens) = (step.batch, step.positions.len());
         let rope = Rope::at(&self.config, &step.positions, self.dtype, device)?;
@@ -563,14 +568,16 @@ impl Glm5ForCausalLM {
             AttentionMode::Sparse => None,
             AttentionMode::Dense => Some(causal_positions_of(&step.positions, device)?),
         };
+        let visible: Vec<i32> = step.positions.iter().map(|&p| p as i32 + 1).collect();
         let paged = PagedStep {
             block_table: Tensor::from_slice(&step.block_table, (batch, step.max_blocks), device)?,
             seq_lens: Tensor::from_slice(&step.seq_lens, batch, device)?,
             token_seq: Tensor::from_slice(&step.token_seq, tokens, device)?,
             write_rows: Tensor::from_slice(&step.write_rows, tokens, device)?,
-            visible: step.positions.iter().map(|p| p + 1).collect(),
+            visible: Tensor::from_vec(visible, tokens, device)?,
+            max_visible: step.positions.iter().max().map_or(0, |p| p + 1),
         };
-        Ok((rope, dense, paged))
+        Ok(DeviceStep { rope, dense, paged })
     }
 
     fn run_step(
@@ -584,35 +591,59 @@ impl Glm5ForCausalLM {
             .iter()
             .flat_map(|e| e.tokens.iter().copied())
             .collect();
-        let first = self.plan.embed_device;
-        let mut per_device: Vec<Option<(Rope, Option<Tensor>, PagedStep)>> =
+        let ids = Tensor::from_vec(ids, step.positions.len(), self.device())?;
+        let last = match all_logits {
+            true => None,
+            false => Some(Tensor::from_slice(
+                &step.last_tokens,
+                step.batch,
+                self.output_device(),
+            )?),
+        };
+        self.forward_paged(
+            &ids,
+            pool,
+            |device| self.device_step(step, device),
+            last.as_ref(),
+        )
+    }
+
+    /// The layers over `pool` for the tokens `ids` (`U32 [T]` on [`Self::device`]), each device's layout
+    /// made by `layout` when the first layer there needs it; f32 logits of the rows `last` picks (`U32` on
+    /// [`Self::output_device`]), or of every token.
+    fn forward_paged(
+        &self,
+        ids: &Tensor,
+        pool: &PagedKvCache,
+        mut layout: impl FnMut(usize) -> Result<DeviceStep>,
+        last: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let mut per_device: Vec<Option<DeviceStep>> =
             (0..self.devices.len()).map(|_| None).collect();
-        let ids = Tensor::from_vec(ids, step.positions.len(), &self.devices[first])?;
-        let mut x = self.embed_tokens.index_select(&ids, 0)?;
-        let mut here = first;
+        let mut x = self.embed_tokens.index_select(ids, 0)?;
+        let mut here = self.plan.embed_device;
         for (layer, blocks) in self.layers.iter().zip(&pool.layers) {
             if layer.device != here {
                 x = self.transfer(&x, layer.device)?;
                 here = layer.device;
             }
             if per_device[here].is_none() {
-                per_device[here] = Some(self.device_step(step, here)?);
+                per_device[here] = Some(layout(here)?);
             }
-            let (rope, dense, paged) = per_device[here].as_ref().ok_or_else(|| {
+            let step = per_device[here].as_ref().ok_or_else(|| {
                 ModelError::PlanDevices(format!("no step layout on plan device {here}"))
             })?;
             let kv = LayerKv::Paged {
                 cache: blocks,
-                step: paged,
+                step: &step.paged,
             };
-            x = layer.forward(&x, rope, kv, dense.as_ref())?.0;
+            x = layer.forward(&x, &step.rope, kv, step.dense.as_ref())?.0;
         }
         if self.plan.head_device != here {
             x = self.transfer(&x, self.plan.head_device)?;
         }
-        if !all_logits {
-            let last = Tensor::from_slice(&step.last_tokens, step.batch, x.device())?;
-            x = x.index_select(&last, 0)?;
+        if let Some(last) = last {
+            x = x.index_select(last, 0)?;
         }
         Ok(self
             .lm_head

@@ -452,6 +452,40 @@ impl MoE {
         Ok(out)
     }
 
+    /// Why a step of `tokens` tokens of `dtype` on `device` cannot be captured in a CUDA graph because of
+    /// how its experts run (they read the routes or expert row counts on the host), or `None`.
+    pub(super) fn capture_blocker(
+        &self,
+        tokens: usize,
+        dtype: DType,
+        device: &candle_core::Device,
+    ) -> Option<String> {
+        let backend = match &self.experts {
+            Experts::Stacked { gate_up, down, .. } => {
+                moe::experts_backend_at(tokens, dtype, device, gate_up, down)
+            }
+            Experts::Quantized { weights, .. } => {
+                moe::quantized_experts_backend_at(tokens, dtype, device, weights)
+            }
+            Experts::PerExpert { why, .. } => {
+                return Some(format!(
+                    "the experts run one by one ({why}), grouped by their routes on the host"
+                ))
+            }
+            // moe_align groups the routes on the device for both GGUF kernels.
+            Experts::StackedGguf(_) => return None,
+        };
+        match backend {
+            moe::ExpertsBackend::DeviceMatVec => None,
+            moe::ExpertsBackend::GroupedGemm | moe::ExpertsBackend::CandleMoeGemm => Some(format!(
+                "the experts of {tokens} tokens run as a grouped GEMM, which counts each expert's rows on the host"
+            )),
+            moe::ExpertsBackend::Reference(why) => Some(format!(
+                "the experts run by the reference ({why}), grouped by their routes on the host"
+            )),
+        }
+    }
+
     /// How the experts run on `device` (`glm5_ops::moe::experts_backend` decides per call by token count).
     pub(super) fn experts_implementation(&self, device: &candle_core::Device) -> &'static str {
         match (&self.experts, device.is_cuda() && cfg!(feature = "cuda")) {

@@ -57,6 +57,21 @@ impl Rope {
         Ok(Self { cos, sin })
     }
 
+    /// The rows of `table` (the tables of positions `0..len`, [`Self::at_positions`]) at `positions`
+    /// (`U32 [T]` on the table's device): the tables [`Self::at`] makes, gathered on the device (a captured
+    /// step reads its positions there).
+    pub(super) fn gather(table: &Self, positions: &Tensor) -> Result<Self> {
+        Ok(Self {
+            cos: table.cos.index_select(positions, 0)?,
+            sin: table.sin.index_select(positions, 0)?,
+        })
+    }
+
+    /// Positions the tables hold.
+    pub(super) fn len(&self) -> usize {
+        self.cos.dims()[0]
+    }
+
     /// The same tables on `device` (one copy per device the layers run on).
     pub(super) fn to_device(&self, device: &Device) -> Result<Self> {
         Ok(Self {

@@ -82,8 +82,8 @@ pub mod quantized;
 mod reference;
 
 pub use quantized::{
-    quantized_experts, quantized_experts_backend, quantized_experts_with, QuantizedExperts,
-    StackedFp8, StackedIq, StackedNvfp4,
+    quantized_experts, quantized_experts_backend, quantized_experts_backend_at,
+    quantized_experts_with, QuantizedExperts, StackedFp8, StackedIq, StackedNvfp4,
 };
 
 /// Experts the routing kernel handles (one thread each).
@@ -204,17 +204,29 @@ pub fn route(
 
 /// Which implementation [`experts`] runs for `x` `[tokens, H]` and the stacked weights, and why.
 pub fn experts_backend(x: &Tensor, gate_up: &Tensor, down: &Tensor) -> ExpertsBackend {
+    experts_backend_at(x.dim(0).unwrap_or(0), x.dtype(), x.device(), gate_up, down)
+}
+
+/// [`experts_backend`] for `tokens` tokens of `dtype` on `device` (no activations needed: a plan asks
+/// ahead of a step).
+pub fn experts_backend_at(
+    tokens: usize,
+    dtype: DType,
+    device: &candle_core::Device,
+    gate_up: &Tensor,
+    down: &Tensor,
+) -> ExpertsBackend {
     let reason = |why: &str| ExpertsBackend::Reference(why.to_string());
-    if !x.device().is_cuda() {
+    if !device.is_cuda() {
         return reason("not a CUDA device");
     }
     if !cfg!(feature = "cuda") {
         return reason("glm5 was built without the cuda feature");
     }
-    if !matches!(x.dtype(), DType::BF16 | DType::F32) {
+    if !matches!(dtype, DType::BF16 | DType::F32) {
         return reason("the device kernels take bf16 or f32");
     }
-    if x.dim(0).unwrap_or(0) >= GROUPED_GEMM_MIN_TOKENS {
+    if tokens >= GROUPED_GEMM_MIN_TOKENS {
         return ExpertsBackend::GroupedGemm;
     }
     let row_bytes = |t: &Tensor| t.dim(2).unwrap_or(0) * t.dtype().size_in_bytes();

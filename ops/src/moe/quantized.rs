@@ -414,14 +414,24 @@ pub(super) enum Projection {
 
 /// Which implementation [`quantized_experts`] runs for `x` `[tokens, H]`, and why.
 pub fn quantized_experts_backend(x: &Tensor, weights: &QuantizedExperts) -> ExpertsBackend {
+    quantized_experts_backend_at(x.dim(0).unwrap_or(0), x.dtype(), x.device(), weights)
+}
+
+/// [`quantized_experts_backend`] for `tokens` tokens of `dtype` on `device`.
+pub fn quantized_experts_backend_at(
+    tokens: usize,
+    dtype: DType,
+    device: &candle_core::Device,
+    weights: &QuantizedExperts,
+) -> ExpertsBackend {
     let reason = |why: String| ExpertsBackend::Reference(why);
-    if !x.device().is_cuda() {
+    if !device.is_cuda() {
         return reason("not a CUDA device".into());
     }
     if !cfg!(feature = "cuda") {
         return reason("glm5 was built without the cuda feature".into());
     }
-    if !matches!(x.dtype(), DType::BF16 | DType::F32) {
+    if !matches!(dtype, DType::BF16 | DType::F32) {
         return reason("the device kernels take bf16 or f32".into());
     }
     let Ok((_, hidden, inter)) = weights.dims() else {
@@ -438,7 +448,7 @@ pub fn quantized_experts_backend(x: &Tensor, weights: &QuantizedExperts) -> Expe
         }
     }
     // (i-quant rows are whole blocks of 32 or 256 values, which `dims` checked.)
-    if x.dim(0).unwrap_or(0) > MATVEC_MAX_TOKENS {
+    if tokens > MATVEC_MAX_TOKENS {
         // Each active expert dequantised once (the same kernels), then tensor-core GEMMs over its tokens.
         ExpertsBackend::GroupedGemm
     } else {

@@ -91,7 +91,9 @@ fn workspace(
                 .alloc_zeros::<i32>(hist.next_power_of_two())
                 .map_err(cuda_err)?;
             let fresh_work = unsafe { dev.alloc::<u32>(work.next_power_of_two()) }?;
-            map.insert(dev.id(), (fresh_scores, fresh_hist, fresh_work));
+            if let Some(outgrown) = map.insert(dev.id(), (fresh_scores, fresh_hist, fresh_work)) {
+                crate::cuda::retire(outgrown);
+            }
         }
         let (s, h, w) = map
             .get(&dev.id())

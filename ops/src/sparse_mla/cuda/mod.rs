@@ -207,7 +207,9 @@ fn split_workspace(dev: &CudaDevice, len: usize) -> candle_core::Result<u64> {
         if slot.is_none() {
             // SAFETY: every element the kernels read is written by the same launch first.
             let fresh = unsafe { dev.alloc::<f32>(len.next_power_of_two()) }?;
-            map.insert(dev.id(), fresh);
+            if let Some(outgrown) = map.insert(dev.id(), fresh) {
+                crate::cuda::retire(outgrown);
+            }
         }
         let slice = map
             .get(&dev.id())

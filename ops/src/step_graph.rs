@@ -1,0 +1,140 @@
+//! A step's launches captured once into a CUDA graph and replayed: one launch from the host instead of the
+//! hundreds a decode step issues one by one (the batch-1 step is bound by issuing them, not by the GPU).
+//!
+//! The contract of a capture:
+//! - The captured work runs on the device's one stream, with cudarc's event tracking off (tracking makes
+//!   every launch wait on events recorded outside the capture). The device must be the only one the work
+//!   touches.
+//! - Nothing in it reads back to the host or copies from host memory: inputs that change between replays
+//!   live in device tensors made before the capture, which [`write_from_host`] refills before each replay.
+//! - Every buffer a kernel keeps between calls (workspaces) exists before the capture at the size the
+//!   captured work needs, and is never freed while a graph that uses it lives: run the same work once
+//!   eagerly first.
+//! - Tensors allocated inside the capture become the graph's own memory, allocated and freed by every
+//!   replay; outputs must be copied into tensors made before the capture (and the captured ones dropped
+//!   before the capture ends), or the next replay fails.
+//!
+//! Anything the driver refuses during the capture (a host read-back, a pageable copy, a synchronous
+//! allocation) ends it with an error naming the call; the caller runs the step eagerly instead.
+
+use candle_core::{Device, Tensor, WithDType};
+
+use crate::error::{OpError, Result};
+
+/// A captured step, replayed by [`StepGraph::replay`] on the stream it was captured from.
+pub struct StepGraph {
+    #[cfg(feature = "cuda")]
+    graph: candle_core::cuda_backend::cudarc::driver::CudaGraph,
+}
+
+impl std::fmt::Debug for StepGraph {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StepGraph")
+    }
+}
+
+/// Why `device` cannot capture a step, or `None` where it can.
+pub fn capture_blocker(device: &Device) -> Option<String> {
+    if !device.is_cuda() {
+        return Some(format!(
+            "CUDA graphs need a CUDA device, not {:?}",
+            device.location()
+        ));
+    }
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(dev) = device {
+        return dev.is_event_tracking().then(|| {
+            "cudarc's event tracking is on (glm5 turns it off only when the model uses one GPU)"
+                .into()
+        });
+    }
+    Some("glm5 was built without the cuda feature".into())
+}
+
+/// Captures what `work` issues on `device`'s stream into a graph (module contract). `work`'s value comes
+/// back with the graph; the captured launches have not run yet (`replay` runs them).
+pub fn capture<T>(device: &Device, work: impl FnOnce() -> Result<T>) -> Result<(StepGraph, T)> {
+    if let Some(why) = capture_blocker(device) {
+        return Err(OpError::Unsupported(format!("step graph: {why}")));
+    }
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(dev) = device {
+        use candle_core::cuda_backend::cudarc::driver::sys;
+        let stream = dev.cuda_stream();
+        let fail = |what: &str, e: &dyn std::fmt::Display| {
+            OpError::Unsupported(format!("step graph: {what}: {e}"))
+        };
+        // Thread-local mode: a call this thread makes that is unsafe during a capture (a synchronous
+        // allocation, a host read-back) fails and names itself instead of being recorded wrongly.
+        stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(|e| fail("begin capture", &e))?;
+        let value = work();
+        // The capture ends either way, so the stream runs eagerly again after a failure.
+        let ended = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+        let value = value.map_err(|e| fail("the captured step failed", &e))?;
+        let graph = ended.map_err(|e| fail("end capture", &e))?.ok_or_else(|| {
+            OpError::Unsupported("step graph: the capture recorded nothing".into())
+        })?;
+        graph.upload().map_err(|e| fail("upload", &e))?;
+        return Ok((StepGraph { graph }, value));
+    }
+    let _ = work;
+    unreachable!("capture_blocker refuses every device but a CUDA one")
+}
+
+impl StepGraph {
+    /// Runs the captured launches again, after the work already queued on their stream.
+    pub fn replay(&self) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        return self
+            .graph
+            .launch()
+            .map_err(|e| OpError::Unsupported(format!("step graph: replay: {e}")));
+        #[cfg(not(feature = "cuda"))]
+        unreachable!("no StepGraph exists without the cuda feature")
+    }
+}
+
+/// Writes `values` into `dst` in place, after the work already queued on its device's stream (a step's
+/// inputs before a replay). `dst` must be a contiguous CUDA tensor of `T` with `values.len()` elements.
+pub fn write_from_host<T: WithDType>(dst: &Tensor, values: &[T]) -> Result<()> {
+    if dst.dtype() != T::DTYPE {
+        return Err(OpError::DTypeMismatch {
+            arg: "dst",
+            other: "values",
+            expected: T::DTYPE,
+            found: dst.dtype(),
+        });
+    }
+    if dst.elem_count() != values.len() || !dst.is_contiguous() {
+        return Err(OpError::Shape {
+            arg: "dst",
+            expected: format!("{} contiguous elements", values.len()),
+            found: dst.dims().to_vec(),
+        });
+    }
+    #[cfg(feature = "cuda")]
+    if dst.device().is_cuda() {
+        let (address, dev) = crate::cuda::device_address(dst)?;
+        let stream = dev.cuda_stream();
+        let write = || -> std::result::Result<(), candle_core::cuda_backend::cudarc::driver::DriverError> {
+            stream.context().bind_to_thread()?;
+            // SAFETY: `address` starts `dst`'s `values.len()` elements of `T` (checked above); the copy is
+            // ordered on the stream every reader of `dst` uses, and a pageable source is staged before the
+            // call returns.
+            unsafe {
+                candle_core::cuda_backend::cudarc::driver::result::memcpy_htod_async(
+                    address,
+                    values,
+                    stream.cu_stream(),
+                )
+            }
+        };
+        return write().map_err(|e| OpError::Unsupported(format!("write_from_host: {e}")));
+    }
+    Err(OpError::Unsupported(format!(
+        "write_from_host writes CUDA tensors, not {:?} ones",
+        dst.device().location()
+    )))
+}
