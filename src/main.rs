@@ -615,6 +615,10 @@ struct ServeArgs {
     /// Seconds running requests may take to finish after SIGTERM / ctrl-c before they are cancelled.
     #[arg(long, default_value_t = 30.0)]
     shutdown_grace: f64,
+    /// Replay decode steps from CUDA graphs (one per batch size and block-table width) on a model on one
+    /// GPU; steps with prompt chunks, or that the graphs cannot take, run eagerly (/metrics counts both).
+    #[arg(long)]
+    cuda_graphs: bool,
 }
 
 fn serve(args: ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
@@ -659,8 +663,15 @@ fn serve(args: ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
         max_body_bytes: args.max_body_bytes,
         read_timeout,
         shutdown_grace,
+        cuda_graphs: args.cuda_graphs,
         ..glm5::serve::ServeOptions::new((host, args.port).into(), name)
     };
+    if args.cuda_graphs {
+        match model.model().decode_graph_blocker(1) {
+            None => eprintln!("glm5 serve: decode steps replayed from CUDA graphs"),
+            Some(why) => eprintln!("glm5 serve: --cuda-graphs: steps run eagerly: {why}"),
+        }
+    }
     glm5::serve::run(model, options, |addr| {
         eprintln!("glm5 serve: listening on http://{addr}");
     })?;

@@ -416,11 +416,19 @@ pub fn render(plan: &Plan, config: &Config, label: &str, registry: &Registry) ->
              GGUF K-quant experts by candle-nn's GGUF MoE kernels (mat-vec up to {GGUF_MATVEC_MAX_TOKENS}, \
              WMMA above)"
         );
+        let mut used: Vec<usize> = plan.layers.iter().map(|l| l.device).collect();
+        used.sort_unstable();
+        used.dedup();
         let _ = writeln!(
             s,
-            "decode step on CUDA: eager, each op launched from the host (no CUDA graph yet: capturing one needs \
-             the paged step's visible-key counts, block tables and positions in persistent device buffers, \
-             and the grouped-GEMM experts read their routes back once a MoE layer)"
+            "decode steps on CUDA: `glm5 serve --cuda-graphs` replays them from CUDA graphs (one per batch size \
+             and block-table width) when the model is on one GPU and the step's experts run on the mat-vecs \
+             (the grouped GEMM counts each expert's rows on the host); otherwise each op is launched from the \
+             host (eager){}",
+            match used.len() {
+                1 => String::new(),
+                n => format!("; here eager: the layers are placed on {n} devices"),
+            }
         );
     }
     s

@@ -401,10 +401,11 @@ fn openai_client_gets_the_librarys_tokens_tools_reasoning_and_errors() {
 }
 
 /// curl, streaming and not: the same text as the library, `data: [DONE]` last.
+/// Also with `--cuda-graphs`, which on the CPU runs every step eagerly (and /metrics counts them so).
 #[test]
 fn curl_streams_server_sent_events() {
     let model = model();
-    let server = Server::start(&[]);
+    let server = Server::start(&["--cuda-graphs"]);
     let prompt = "Once upon a time";
     let expect = reference(&model, prompt, 10, &[]);
     let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 10, "temperature": 0, "stream": true});
@@ -484,6 +485,21 @@ fn curl_streams_server_sent_events() {
     assert!(
         metrics.contains(&format!("glm5_generation_tokens_total {generated}")),
         "{metrics}"
+    );
+    let value = |name: &str| -> u64 {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{name} missing from /metrics:\n{metrics}"))
+    };
+    assert_eq!(
+        value("glm5_engine_steps_by_path_total{path=\"eager\"}"),
+        value("glm5_step_seconds_count"),
+        "every step eager on the CPU:\n{metrics}"
+    );
+    assert_eq!(
+        value("glm5_engine_steps_by_path_total{path=\"graph_replay\"}"),
+        0
     );
 }
 

@@ -15,7 +15,7 @@ use glm5::models::sizes::{self, TensorInfo};
 use glm5::models::weights::random_iq::RandomIqSource;
 use glm5::models::weights::random_q4k::RandomQ4kSource;
 use glm5::models::weights::Format;
-use glm5::models::{PagedCacheOptions, RowOps, SeqChunk, SeqId, DEFAULT_BLOCK_SIZE};
+use glm5::models::{DecodeGraphs, PagedCacheOptions, RowOps, SeqChunk, SeqId, DEFAULT_BLOCK_SIZE};
 use glm5::ops::iq_matmul::IqFormat;
 use glm5::{AttentionMode, Checkpoint, Config, DeviceDesc, Glm5ForCausalLM, Plan, PlanOptions};
 
@@ -566,7 +566,12 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
         config.n_routed_experts as f64,
         config.num_experts_per_tok as f64,
     );
-    for &batch in &args.batches {
+    // Batch 1 over the pool too: its eager row against the same step replayed from a CUDA graph.
+    let batches: Vec<usize> = std::iter::once(1)
+        .chain(args.batches.iter().copied().filter(|&b| b != 1))
+        .collect();
+    let mut graph_notes = Vec::new();
+    for &batch in &batches {
         let mut pool = model
             .new_paged_cache(PagedCacheOptions {
                 num_blocks: batch * (context + 2 * args.steps + 16).div_ceil(DEFAULT_BLOCK_SIZE),
@@ -601,7 +606,8 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
             }
         }
         let mut pos = context;
-        let mut step = |pos: usize| -> Result<()> {
+        let mut graphs = DecodeGraphs::new(4);
+        let mut step = |pos: usize, graphs: Option<&mut DecodeGraphs>| -> Result<()> {
             let chunks: Vec<SeqChunk> = seqs
                 .iter()
                 .zip(&seq_ids)
@@ -611,39 +617,58 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
                     start_pos: pos,
                 })
                 .collect();
-            model
-                .forward_batch(&chunks, &mut pool)
-                .map_err(cuda)?
-                .argmax(1)?
-                .to_vec1::<u32>()?;
+            match graphs {
+                Some(graphs) => model.forward_batch_graphed(graphs, &chunks, &mut pool),
+                None => model.forward_batch(&chunks, &mut pool),
+            }
+            .map_err(cuda)?
+            .argmax(1)?
+            .to_vec1::<u32>()?;
             Ok(())
         };
-        for _ in 0..3 {
-            step(pos)?;
-            pos += 1;
-        }
-        let mut times = Vec::new();
-        for _ in 0..args.steps {
-            let start = Instant::now();
-            step(pos)?;
-            times.push(start.elapsed().as_secs_f64());
-            pos += 1;
-        }
-        let step_s = median(times);
         // Experts touched: expected under uniform routing (random weights route near-uniformly).
         let touched = e * (1.0 - (1.0 - k / e).powf(batch as f64));
         let bytes = step_bytes as f64 + n_moe * per_expert * (touched - k);
         let floor_b = bytes / copy;
-        println!(
-            "| {context} | {batch} | {:.2} | {:.0} | {:.3} | {:.2}x | | | | | |{}",
-            step_s * 1e3,
-            batch as f64 / step_s,
-            floor_b * 1e3,
-            step_s / floor_b,
-            percent_of_copy(step_s, floor_b)
-        );
+        for graphed in [false, true] {
+            // Three warm-up steps (the graphed run captures its graph in the first).
+            for _ in 0..3 {
+                step(pos, graphed.then_some(&mut graphs))?;
+                pos += 1;
+            }
+            let mut times = Vec::new();
+            for _ in 0..args.steps {
+                let start = Instant::now();
+                step(pos, graphed.then_some(&mut graphs))?;
+                times.push(start.elapsed().as_secs_f64());
+                pos += 1;
+            }
+            let step_s = median(times);
+            println!(
+                "| {context} | {batch}{} | {:.2} | {:.0} | {:.3} | {:.2}x | | | | | |{}",
+                if graphed { " graph" } else { "" },
+                step_s * 1e3,
+                batch as f64 / step_s,
+                floor_b * 1e3,
+                step_s / floor_b,
+                percent_of_copy(step_s, floor_b)
+            );
+        }
+        let stats = graphs.stats();
+        graph_notes.push(match &stats.last_eager_reason {
+            Some(why) if stats.replayed == 0 => {
+                format!("batch {batch}: no graph, every step eager: {why}")
+            }
+            _ => format!(
+                "batch {batch}: {} graph(s) captured, {} steps replayed, {} eager",
+                stats.captured, stats.replayed, stats.eager
+            ),
+        });
     }
-    println!("(batched rows: paged pool, blocks of {DEFAULT_BLOCK_SIZE}; tok/s counts every sequence's token; the floor takes the experts a uniform router touches in expectation)");
+    for note in graph_notes {
+        println!("({note})");
+    }
+    println!("(pool rows: paged pool, blocks of {DEFAULT_BLOCK_SIZE}, eager and `graph` (forward_batch_graphed: each step replayed from a CUDA graph); tok/s counts every sequence's token; the floor takes the experts a uniform router touches in expectation)");
 
     // Projection to the full model: per-layer times of the slice (dense and MoE layers from the split, scaled
     // to the unprofiled step), times GLM-5's layer counts, plus the head.

@@ -83,6 +83,8 @@ pub struct Metrics {
     pub kv_block_tokens: usize,
     /// Running sequences whose blocks were freed to make room (to be recomputed).
     pub preemptions: AtomicU64,
+    /// Steps through the decode graphs (`--cuda-graphs`): `[replayed, captured, eager]`.
+    graph_steps: [AtomicU64; 3],
     /// Engine step durations.
     pub step_seconds: Histogram,
     /// Time from a request's arrival to its first token.
@@ -107,6 +109,7 @@ impl Metrics {
             kv_blocks_total,
             kv_block_tokens,
             preemptions: AtomicU64::new(0),
+            graph_steps: Default::default(),
             step_seconds: Histogram::new(LATENCY_BUCKETS),
             ttft_seconds: Histogram::new(LATENCY_BUCKETS),
             request_seconds: Histogram::new(LATENCY_BUCKETS),
@@ -116,6 +119,17 @@ impl Metrics {
     /// Records an engine step.
     pub fn observe_step(&self, step: Duration) {
         self.step_seconds.observe(step.as_secs_f64());
+    }
+
+    /// Records the decode graphs' counts so far.
+    pub fn observe_graphs(&self, stats: &crate::GraphStats) {
+        for (slot, count) in
+            self.graph_steps
+                .iter()
+                .zip([stats.replayed, stats.captured, stats.eager])
+        {
+            slot.store(count as u64, Ordering::Relaxed);
+        }
     }
 
     /// Counts a finished request by its HTTP status.
@@ -143,6 +157,20 @@ impl Metrics {
             let _ = writeln!(
                 out,
                 "glm5_requests_total{{outcome=\"{outcome}\"}} {}",
+                load(count)
+            );
+        }
+        let _ = writeln!(
+            out,
+            "# HELP glm5_engine_steps_by_path_total Engine steps with --cuda-graphs by how they ran: replayed from a decode graph, captured, or eager.\n# TYPE glm5_engine_steps_by_path_total counter"
+        );
+        for (path, count) in ["graph_replay", "graph_capture", "eager"]
+            .iter()
+            .zip(&self.graph_steps)
+        {
+            let _ = writeln!(
+                out,
+                "glm5_engine_steps_by_path_total{{path=\"{path}\"}} {}",
                 load(count)
             );
         }

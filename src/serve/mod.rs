@@ -64,6 +64,9 @@ pub struct ServeOptions {
     pub read_timeout: Duration,
     /// How long running requests may finish after SIGTERM / ctrl-c before they are cancelled.
     pub shutdown_grace: Duration,
+    /// Replay decode steps from CUDA graphs where the model allows it
+    /// ([`crate::Glm5ForCausalLM::forward_batch_graphed`]); other steps run eagerly.
+    pub cuda_graphs: bool,
 }
 
 impl ServeOptions {
@@ -81,6 +84,7 @@ impl ServeOptions {
             max_body_bytes: 8 << 20,
             read_timeout: Duration::from_secs(30),
             shutdown_grace: Duration::from_secs(30),
+            cuda_graphs: false,
         }
     }
 }
@@ -237,6 +241,7 @@ pub async fn serve_model<M: StepModel + Send + 'static>(
         kv_budget,
         prefill_chunk: options.prefill_chunk,
         eos_token_ids,
+        cuda_graphs: options.cuda_graphs,
     };
     // The engine thread runs every step on its own stream: what this thread queued must be done first.
     model.synchronize().map_err(ServeError::Device)?;

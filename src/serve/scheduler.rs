@@ -31,7 +31,7 @@ use crate::error::Result;
 use crate::generate::{take_text_before_stop, GenerationParams, Sampler};
 use crate::models::{PagedCacheOptions, PagedKvCache, SeqChunk, SeqId, DEFAULT_BLOCK_SIZE};
 use crate::tokenizer::{TokenStream, Tokenizer};
-use crate::{FinishReason, Glm5ForCausalLM};
+use crate::{DecodeGraphs, FinishReason, Glm5ForCausalLM};
 
 use super::metrics::Metrics;
 
@@ -48,6 +48,18 @@ pub trait StepModel {
     /// changed in the pool.
     fn forward_batch(&self, batch: &[SeqChunk<'_>], pool: &mut PagedKvCache) -> Result<Tensor>;
 
+    /// [`Self::forward_batch`] through decode-step graphs where the model can replay one
+    /// ([`Glm5ForCausalLM::forward_batch_graphed`]); the default runs every step eagerly.
+    fn forward_batch_graphed(
+        &self,
+        graphs: &mut DecodeGraphs,
+        batch: &[SeqChunk<'_>],
+        pool: &mut PagedKvCache,
+    ) -> Result<Tensor> {
+        let _ = graphs;
+        self.forward_batch(batch, pool)
+    }
+
     /// Waits for the device work the calling thread queued (the weights, the pool), before the engine
     /// thread's stream uses them ([`Glm5ForCausalLM::synchronize`]).
     fn synchronize(&self) -> Result<()>;
@@ -62,6 +74,17 @@ impl StepModel for Glm5ForCausalLM {
         Ok(Glm5ForCausalLM::forward_batch(self, batch, pool)?)
     }
 
+    fn forward_batch_graphed(
+        &self,
+        graphs: &mut DecodeGraphs,
+        batch: &[SeqChunk<'_>],
+        pool: &mut PagedKvCache,
+    ) -> Result<Tensor> {
+        Ok(Glm5ForCausalLM::forward_batch_graphed(
+            self, graphs, batch, pool,
+        )?)
+    }
+
     fn synchronize(&self) -> Result<()> {
         Ok(Glm5ForCausalLM::synchronize(self)?)
     }
@@ -74,6 +97,15 @@ impl StepModel for crate::Glm5 {
 
     fn forward_batch(&self, batch: &[SeqChunk<'_>], pool: &mut PagedKvCache) -> Result<Tensor> {
         StepModel::forward_batch(self.model(), batch, pool)
+    }
+
+    fn forward_batch_graphed(
+        &self,
+        graphs: &mut DecodeGraphs,
+        batch: &[SeqChunk<'_>],
+        pool: &mut PagedKvCache,
+    ) -> Result<Tensor> {
+        StepModel::forward_batch_graphed(self.model(), graphs, batch, pool)
     }
 
     fn synchronize(&self) -> Result<()> {
@@ -170,7 +202,13 @@ pub struct SchedulerConfig {
     pub prefill_chunk: usize,
     /// The model's end-of-sequence ids.
     pub eos_token_ids: Vec<u32>,
+    /// Decode steps through [`StepModel::forward_batch_graphed`] (CUDA graphs where the model can).
+    pub cuda_graphs: bool,
 }
+
+/// Decode-step graphs the engine keeps: one per (batch, block-table width) it meets, the least recently
+/// used dropped first.
+const MAX_DECODE_GRAPHS: usize = 32;
 
 /// Why a request was not queued.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -307,6 +345,8 @@ struct State<'t> {
     /// Finished sequences kept for prefix reuse, least recently finished first.
     idle: VecDeque<Idle>,
     admissions: u64,
+    /// Decode-step graphs, when the config asks for them.
+    graphs: Option<DecodeGraphs>,
 }
 
 impl State<'_> {
@@ -377,6 +417,10 @@ impl Engine {
             running: Vec::new(),
             idle: VecDeque::new(),
             admissions: 0,
+            graphs: self
+                .config
+                .cuda_graphs
+                .then(|| DecodeGraphs::new(MAX_DECODE_GRAPHS)),
         };
         let mut disconnected = false;
         loop {
@@ -604,7 +648,12 @@ impl Engine {
     /// tokens are all computed. A step that fails is retried one sequence at a time, so that only the
     /// sequence at fault fails (a failed forward changes nothing in the pool).
     fn step(&self, model: &dyn StepModel, state: &mut State) {
-        let State { pool, running, .. } = state;
+        let State {
+            pool,
+            running,
+            graphs,
+            ..
+        } = state;
         let chunk = self.config.prefill_chunk;
         let inputs: Vec<(usize, usize)> =
             running.iter().map(|s| s.next_input(pool, chunk)).collect();
@@ -617,7 +666,15 @@ impl Engine {
                 start_pos: start,
             })
             .collect();
-        let outputs: Vec<Result<Tensor>> = match model.forward_batch(&batch, pool) {
+        let stepped = match graphs.as_mut() {
+            Some(graphs) => {
+                let stepped = model.forward_batch_graphed(graphs, &batch, pool);
+                self.metrics.observe_graphs(graphs.stats());
+                stepped
+            }
+            None => model.forward_batch(&batch, pool),
+        };
+        let outputs: Vec<Result<Tensor>> = match stepped {
             Ok(logits) => (0..batch.len()).map(|i| Ok(logits.get(i)?)).collect(),
             Err(e) => {
                 tracing::warn!(error = %e, sequences = batch.len(),
