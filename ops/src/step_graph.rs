@@ -9,7 +9,9 @@
 //!   live in device tensors made before the capture, which [`write_from_host`] refills before each replay.
 //! - Every buffer a kernel keeps between calls (workspaces) exists before the capture at the size the
 //!   captured work needs, and is never freed while a graph that uses it lives: run the same work once
-//!   eagerly first.
+//!   eagerly first, under a [`HostUploadCache`] (candle uploads a strided layout's dims and strides from
+//!   the host at each launch otherwise; under the cache they come from device buffers the eager run
+//!   filled).
 //! - Tensors allocated inside the capture become the graph's own memory, allocated and freed by every
 //!   replay; outputs must be copied into tensors made before the capture (and the captured ones dropped
 //!   before the capture ends), or the next replay fails.
@@ -49,6 +51,27 @@ pub fn capture_blocker(device: &Device) -> Option<String> {
         });
     }
     Some("glm5 was built without the cuda feature".into())
+}
+
+/// candle's cache of host uploads for graph capture (`CudaDevice::enable_cuda_graph_htod_cache`), on while
+/// this lives: candle's kernels on this thread then read the dims and strides of a strided layout (and small
+/// host uploads) from device buffers cached by value, filled on first use, instead of copying them from the
+/// host at each launch. Hold one over the eager run before a capture (which fills it) and over the capture
+/// (which reads it; a miss there is an error naming it). A no-op on other devices.
+pub struct HostUploadCache {
+    _guard: Option<Box<dyn std::any::Any>>,
+}
+
+/// Turns on [`HostUploadCache`] for this thread on `device`.
+pub fn host_upload_cache(device: &Device) -> HostUploadCache {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(dev) = device {
+        return HostUploadCache {
+            _guard: Some(Box::new(dev.enable_cuda_graph_htod_cache())),
+        };
+    }
+    let _ = device;
+    HostUploadCache { _guard: None }
 }
 
 /// Captures what `work` issues on `device`'s stream into a graph (module contract). `work`'s value comes

@@ -388,8 +388,8 @@ impl Glm5ForCausalLM {
     }
 
     /// Captures the `(B, C)` step and returns its logits: run once eagerly over the graph's input tensors
-    /// (which sizes every workspace the capture reads, and writes this step's KV rows), then captured and
-    /// replayed (writing the same rows again).
+    /// (which sizes every workspace the capture reads, fills candle's upload cache, and writes this step's KV
+    /// rows), then captured and replayed (writing the same rows again).
     fn capture_decode(
         &self,
         graphs: &mut DecodeGraphs,
@@ -401,8 +401,10 @@ impl Glm5ForCausalLM {
         let block_size = pool.block_size();
         let rope_table = graphs.rope_table(self, columns * block_size)?;
         let inputs = DecodeInputs::new(values, columns, block_size, rope_table, device)?;
-        let eager = self.forward_paged(&inputs.ids, pool, |_| inputs.device_step(), None)?;
         let logits = Tensor::zeros((b, self.config.vocab_size), DType::F32, device)?;
+        // candle's layout uploads come from device buffers the eager run fills and the capture reads.
+        let _uploads = step_graph::host_upload_cache(device);
+        let eager = self.forward_paged(&inputs.ids, pool, |_| inputs.device_step(), None)?;
         let captured = step_graph::capture(device, || {
             let step = self
                 .forward_paged(&inputs.ids, pool, |_| inputs.device_step(), None)
