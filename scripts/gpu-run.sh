@@ -39,7 +39,8 @@ for step in $steps; do
         suffix=""; [ $v = main ] || suffix=-$v
         for tool in memcheck racecheck; do
           for t in "sparse_mla_cuda bf16_kernel prefill_tokens wgmma_kernel" "dsa_indexer_cuda selected_sets equal_scores f32_kernel fp8_quantisation crowded repeated" \
-            "moe_cuda" "rms_norm_cuda" "fp8_nvfp4_cuda kernels_match fp8_w8a8_quantiser" "iq_matmul_cuda every_format"; do
+            "moe_cuda" "rms_norm_cuda" "fp8_nvfp4_cuda kernels_match fp8_w8a8_quantiser" "iq_matmul_cuda every_format" \
+            "model_cuda graphed_decode_on_gpu_equals_eager"; do
             set -- $t; bin=$1$suffix; shift
             [ -x /tmp/glm5-bin/$bin ] || continue  # a variant packed without it
             # cuBLAS's own Hopper GEMMs (nvjet_*) synchronise through mbarriers, which racecheck does not follow.

@@ -13,6 +13,9 @@
 //! i-quants) and GGUF's `quantized_matmul` (candle's `QMatMul`) have their own small backend lists (`weight_only.rs`, `quantized_matmul/entries.rs`):
 //! they are chosen per weight when the graph is built.
 //!
+//! `step_graph` captures a step's launches into a CUDA graph and refills its inputs in place between replays
+//! (the model's decode graphs are built on it).
+//!
 //! Module dependencies run one way: `device` <- `cuda` (driver) <- `probe`; `registry` <- op folders <-
 //! `builtin`.
 
