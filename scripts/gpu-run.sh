@@ -147,7 +147,9 @@ for step in $steps; do
       cuobjdump --list-elf --list-ptx "$GPU_DIR"/sparse_mla.fatbin | tee -a "$OUT/sass.txt" ;;
     serve)
       # `glm5 serve` in-process on a 6-layer GLM-5 slice under 1, 8, 32 and 64 streaming clients.
-      timeout 500 /tmp/glm5-bin/glm5-bench serve 2>&1 | tee "$OUT/serve.txt"; [ ${PIPESTATUS[0]} = 0 ] || status=1 ;;
+      timeout 500 /tmp/glm5-bin/glm5-bench serve 2>&1 | tee "$OUT/serve.txt"; [ ${PIPESTATUS[0]} = 0 ] || status=1
+      # The same with decode steps replayed from CUDA graphs (the levels whose batches the graphs take).
+      timeout 300 /tmp/glm5-bin/glm5-bench serve --cuda-graphs --streams 1,8 2>&1 | tee "$OUT/serve-graphs.txt"; [ ${PIPESTATUS[0]} = 0 ] || status=1 ;;
   esac
 done
 exit $status

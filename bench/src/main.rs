@@ -125,6 +125,9 @@ enum Command {
         /// The server's --prefill-chunk.
         #[arg(long, default_value_t = 512)]
         prefill_chunk: usize,
+        /// The server's --cuda-graphs: decode steps replayed from CUDA graphs.
+        #[arg(long)]
+        cuda_graphs: bool,
     },
 }
 
@@ -184,6 +187,7 @@ fn main() -> glm5::candle_core::Result<()> {
         max_tokens,
         requests,
         prefill_chunk,
+        cuda_graphs,
     }) = &cli.command
     {
         return serve::serve_rows(&serve::ServeArgs {
@@ -193,6 +197,7 @@ fn main() -> glm5::candle_core::Result<()> {
             max_tokens: *max_tokens,
             requests: *requests,
             prefill_chunk: *prefill_chunk,
+            cuda_graphs: *cuda_graphs,
         });
     }
     let device = Device::new_cuda(0)?;

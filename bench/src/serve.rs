@@ -7,7 +7,7 @@
 use std::time::{Duration, Instant};
 
 use glm5::candle_core::{Device, Result, Tensor};
-use glm5::serve::ModelInfo;
+use glm5::serve::{ModelInfo, ServeOptions};
 use glm5::{GenerationParams, Glm5ForCausalLM};
 use glm5_bench::serve_load::{
     serve_options, word_tokenizer, InProcessServer, LevelReport, LoadGenerator, LoadSpec,
@@ -29,6 +29,8 @@ pub struct ServeArgs {
     /// Requests each client sends, one after another.
     pub requests: usize,
     pub prefill_chunk: usize,
+    /// The server's --cuda-graphs.
+    pub cuda_graphs: bool,
 }
 
 /// Median time of a batch-1 decode step through `forward` (the argmax read back every step, as
@@ -129,21 +131,25 @@ pub fn serve_rows(args: &ServeArgs) -> Result<()> {
         sampling_defaults: GenerationParams::default(),
         context: config.max_position_embeddings,
     };
-    let options = serve_options(
-        MODEL,
-        max_streams,
-        args.prompt_tokens,
-        args.max_tokens,
-        args.prefill_chunk,
-    );
+    let options = ServeOptions {
+        cuda_graphs: args.cuda_graphs,
+        ..serve_options(
+            MODEL,
+            max_streams,
+            args.prompt_tokens,
+            args.max_tokens,
+            args.prefill_chunk,
+        )
+    };
     let kv_budget = options.kv_budget.unwrap_or_default();
     let server = InProcessServer::start(model, info, options).map_err(cuda)?;
     let load = LoadGenerator::new(server.url()).map_err(cuda)?;
     println!(
-        "glm5 serve in-process at {} (--max-seqs {max_streams}, --kv-budget {kv_budget}, --prefill-chunk {}); \
+        "glm5 serve in-process at {} (--max-seqs {max_streams}, --kv-budget {kv_budget}, --prefill-chunk {}{}); \
          each level first runs one unmeasured round of 2-token requests",
         server.url(),
-        args.prefill_chunk
+        args.prefill_chunk,
+        if args.cuda_graphs { ", --cuda-graphs" } else { "" }
     );
     println!("{}", LevelReport::markdown_header());
     let mut failures = Vec::new();
