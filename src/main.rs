@@ -456,7 +456,7 @@ fn load_model(args: &ModelArgs) -> Result<Glm5, Box<dyn std::error::Error>> {
         Some(list) => nonempty_devices(list)?,
         None => vec![parse_device(&args.device)?],
     };
-    glm5::plan_cli::single_gpu_without_event_tracking(&devices);
+    glm5::plan_cli::without_event_tracking(&devices);
     // A layer map needs the layer count: config.json alone is read (or fetched) first.
     let layer_map = match &args.layer_map {
         Some(map) => {

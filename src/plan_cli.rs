@@ -97,22 +97,20 @@ pub fn parse_device(spec: &str) -> Result<Device> {
     Device::new_cuda(ordinal).map_err(|e| invalid("device", spec, e))
 }
 
-/// Turns cudarc's event tracking off where a model on `devices` needs none of it: at most one CUDA device.
-/// Tracking makes every allocation create two CUDA events and every launch wait on and record the events of
-/// each buffer it touches: driver calls on the host's critical path of a decode step. One GPU's work runs on
-/// one thread's stream (`glm5 serve` synchronises before its engine thread takes the model). With two or
-/// more GPUs it stays on: candle copies a hidden state between them on the receiving device's stream, and
-/// only the source buffer's events order that copy after the kernels that wrote it.
-pub fn single_gpu_without_event_tracking(devices: &[Device]) {
-    let gpus: Vec<&Device> = devices.iter().filter(|d| d.is_cuda()).collect();
-    if let [gpu] = gpus.as_slice() {
+/// Turns cudarc's event tracking off on every CUDA device of `devices`. Tracking makes every allocation
+/// create two CUDA events and every launch wait on and record the events of each buffer it touches: driver
+/// calls on the host's critical path of a decode step. glm5 needs none of it: each GPU's work runs on one
+/// thread's stream (`glm5 serve` synchronises before its engine thread takes the model), and the model
+/// orders its hidden-state copies between GPUs itself (the receiving stream waits for the sender's work,
+/// the sender for the copy).
+pub fn without_event_tracking(devices: &[Device]) {
+    for device in devices {
         #[cfg(feature = "cuda")]
-        if let Device::Cuda(cuda) = gpu {
-            // SAFETY: per the rule above, no tensor of this device is used on two streams without a
-            // synchronisation between.
+        if let Device::Cuda(cuda) = device {
+            // SAFETY: per the rule above, no tensor is used on two streams without an ordering between.
             unsafe { cuda.disable_event_tracking() };
         }
-        let _ = gpu;
+        let _ = device;
     }
 }
 

@@ -455,3 +455,48 @@ fn graphed_decode_on_gpu_equals_eager() {
         );
     }
 }
+
+/// Layers over two CUDA devices that share one GPU but not a stream (each with its own), event tracking off
+/// as glm5's CLI runs them: nothing but the model's own stream waits orders the hidden state's copy between
+/// them (what several GPUs need, checked on one). Prefill and decode logits equal one device's (f32, 1e-5).
+#[test]
+fn layers_over_two_streams_without_event_tracking_match_one_device() {
+    use glm5::models::Checkpoint;
+    use glm5::{Config, DeviceDesc, Plan, PlanOptions, Registry};
+    let devices = [
+        Device::new_cuda_with_stream(0).unwrap(),
+        Device::new_cuda_with_stream(0).unwrap(),
+    ];
+    glm5::plan_cli::without_event_tracking(&devices);
+    let one = Device::new_cuda_with_stream(0).unwrap();
+    glm5::plan_cli::without_event_tracking(std::slice::from_ref(&one));
+    for name in FIXTURES {
+        let (ids, _) = reference(name);
+        let dir = fixture_dir(name);
+        let config = Config::from_file(dir.join("config.json")).unwrap();
+        let n = config.num_hidden_layers;
+        let alone = logits(name, DType::F32, &one, &ids, 6);
+        let mut options = PlanOptions::new(DType::F32, AttentionMode::Sparse);
+        options.layer_devices = Some((0..n).map(|l| usize::from(l >= n / 2)).collect());
+        let plan = Plan::build(
+            &config,
+            devices.iter().map(|d| DeviceDesc::of(d).unwrap()).collect(),
+            &options,
+            &Registry::builtin(),
+        )
+        .unwrap();
+        assert_eq!(plan.boundaries(), vec![(n / 2, 0, 1)]);
+        let model = Glm5ForCausalLM::load_planned(
+            &config,
+            &Checkpoint::open(&dir).unwrap(),
+            plan,
+            &devices,
+        )
+        .unwrap();
+        let split = decode_rows(&model, &ids, 6);
+        assert_eq!(model.transfers(), 1 + ids.len() - 6);
+        let err = max_abs_diff(&split, &alone);
+        println!("{name}: two streams vs one device, max |Δ| = {err:.2e}");
+        assert!(err < 1e-5, "{name}: split logits differ by {err}");
+    }
+}

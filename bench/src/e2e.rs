@@ -265,8 +265,8 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
     // up to 8 issue-timed steps.
     let checkpoint = random_checkpoint(args.weights);
     // cudarc's event tracking, on for a new device: every allocation gets two events, and every launch waits
-    // on and records the events of each buffer it touches. glm5's CLI turns it off on one GPU
-    // (`single_gpu_without_event_tracking`); a batch-1 step both ways, on a model loaded with tracking on,
+    // on and records the events of each buffer it touches. glm5's CLI turns it off
+    // (`without_event_tracking`); a batch-1 step both ways, on a model loaded with tracking on,
     // then the same without.
     let tracking_context = args.prefill.min(max_context).max(1);
     let tracked_ms = {

@@ -79,7 +79,7 @@ pub fn serve_rows(args: &ServeArgs) -> Result<()> {
     }
     let device = Device::new_cuda(0)?;
     if let Device::Cuda(dev) = &device {
-        // As `glm5 serve` runs on one GPU (src/plan_cli.rs: single_gpu_without_event_tracking).
+        // As `glm5 serve` runs (src/plan_cli.rs: without_event_tracking).
         // SAFETY: the model and pool are synchronised before the server's engine thread takes them.
         unsafe { dev.disable_event_tracking() };
     }

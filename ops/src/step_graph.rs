@@ -45,10 +45,9 @@ pub fn capture_blocker(device: &Device) -> Option<String> {
     }
     #[cfg(feature = "cuda")]
     if let Device::Cuda(dev) = device {
-        return dev.is_event_tracking().then(|| {
-            "cudarc's event tracking is on (glm5 turns it off only when the model uses one GPU)"
-                .into()
-        });
+        return dev
+            .is_event_tracking()
+            .then(|| "cudarc's event tracking is on (glm5's CLI turns it off)".into());
     }
     Some("glm5 was built without the cuda feature".into())
 }

@@ -169,6 +169,25 @@ fn same_device(device: &Device, desc: &DeviceDesc) -> bool {
     }
 }
 
+/// `x` on `device`. Between two CUDA devices candle copies on the receiving device's stream; the copy is
+/// ordered here by two stream waits instead of by cudarc's per-buffer event tracking (which glm5's CLI turns
+/// off): the receiving stream first waits for the work queued on the source stream so far (which wrote `x`),
+/// and the source stream then waits for the copy (`x`'s memory may be reused on it once `x` is dropped).
+fn copy_to_device(x: &Tensor, device: &Device) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if let (Device::Cuda(from), Device::Cuda(to)) = (x.device(), device) {
+        if !x.device().same_device(device) {
+            use candle_core::cuda_backend::WrapErr;
+            let (from, to) = (from.cuda_stream(), to.cuda_stream());
+            to.join(&from).w()?;
+            let copied = x.to_device(device)?;
+            from.join(&to).w()?;
+            return Ok(copied);
+        }
+    }
+    Ok(x.to_device(device)?)
+}
+
 impl Glm5ForCausalLM {
     /// Builds the graph on one device from `checkpoint`, converting weights to `dtype` (the router stays
     /// f32): the plan is made here with the built-in registry (see [`Self::load_planned`]).
@@ -239,7 +258,7 @@ impl Glm5ForCausalLM {
         let head_loader = &loaders[plan.head_device];
         let lm_head = if config.tie_word_embeddings && !checkpoint.contains("lm_head.weight") {
             Proj::Dense(Linear::new(
-                embed_tokens.to_device(head_loader.device)?,
+                copy_to_device(&embed_tokens, head_loader.device)?,
                 None,
             ))
         } else {
@@ -320,7 +339,6 @@ impl Glm5ForCausalLM {
         self.transfers.load(Ordering::Relaxed)
     }
 
-    /// What runs where, per layer, as the plan bound it.
     /// How every layer's attention runs its row-wise steps from now on ([`RowOps`]; fused by default).
     pub fn set_row_ops(&self, row_ops: RowOps) {
         for layer in &self.layers {
@@ -328,6 +346,7 @@ impl Glm5ForCausalLM {
         }
     }
 
+    /// What runs where, per layer, as the plan bound it.
     pub fn layer_backends(&self) -> Vec<LayerBackends> {
         self.plan
             .layers
@@ -487,7 +506,7 @@ impl Glm5ForCausalLM {
     /// Moves the hidden state to plan device `to` at a layer boundary.
     fn transfer(&self, x: &Tensor, to: usize) -> Result<Tensor> {
         self.transfers.fetch_add(1, Ordering::Relaxed);
-        Ok(x.to_device(&self.devices[to])?)
+        copy_to_device(x, &self.devices[to])
     }
 
     /// Checks the entries' tokens and positions against the model, and `pool` against the model's layers.
@@ -711,7 +730,10 @@ impl Glm5ForCausalLM {
             }
             if per_device[here].is_none() {
                 let device = &self.devices[here];
-                let dense_here = dense.as_ref().map(|d| d.to_device(device)).transpose()?;
+                let dense_here = dense
+                    .as_ref()
+                    .map(|d| copy_to_device(d, device))
+                    .transpose()?;
                 per_device[here] = Some((rope.to_device(device)?, dense_here));
             }
             let (rope, dense) = per_device[here].as_ref().ok_or_else(|| {

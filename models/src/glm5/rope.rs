@@ -75,8 +75,8 @@ impl Rope {
     /// The same tables on `device` (one copy per device the layers run on).
     pub(super) fn to_device(&self, device: &Device) -> Result<Self> {
         Ok(Self {
-            cos: self.cos.to_device(device)?,
-            sin: self.sin.to_device(device)?,
+            cos: super::copy_to_device(&self.cos, device)?,
+            sin: super::copy_to_device(&self.sin, device)?,
         })
     }
 
