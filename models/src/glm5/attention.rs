@@ -5,6 +5,7 @@ use candle_nn::Linear;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use glm5_ops::absorbed_query::{absorbed_query, absorbed_query_reference};
+use glm5_ops::fp8_matmul::Fp8Prefill;
 use glm5_ops::registry::{DsaIndexerFn, SparseMlaFn};
 use glm5_ops::rope_leading::{rope_leading, rope_leading_reference};
 use glm5_ops::{
@@ -199,70 +200,177 @@ impl Indexer {
 }
 
 /// The projections of the layer's input: `q_a_proj`, `kv_a_proj_with_mqa` and the indexer's `wk` and
-/// `weights_proj`. Where all four are dense (bf16, f16, f32, no bias) they are one matrix (their rows
-/// stacked in that order), split after the product: one launch and one longer weight stream per decode step
-/// instead of four (a decode step is bound by its launches). Otherwise each stays as loaded (quantised
-/// formats keep their own block scales).
-enum InputProjections {
-    Fused { all: Proj, widths: [usize; 4] },
-    Separate([Proj; 4]),
+/// `weights_proj`, multiplied in groups whose rows are stacked into one matrix and split after the product:
+/// fewer launches and longer weight streams per decode step (a decode step is bound by its launches).
+/// Dense ones (bf16, f16, f32, no bias; of one dtype) form one group. Block-scaled FP8 ones with one block
+/// shape form another, their row blocks stacked with their scales: parts whose rows are whole blocks first,
+/// then at most one whose last block is partial (`kv_a_proj_with_mqa`'s 576 rows), the stacked weight
+/// dispatched as loaded ones are. Other formats stay one projection each.
+struct InputProjections {
+    groups: Vec<ProjectionGroup>,
+}
+
+/// One matrix and the parts of its output: `(which of the four products, its width)`, in row order (a
+/// group of one part takes the whole output; its width is not read).
+struct ProjectionGroup {
+    proj: Proj,
+    parts: Vec<(usize, usize)>,
+}
+
+impl ProjectionGroup {
+    fn single(which: usize, proj: Proj) -> Result<Self> {
+        Ok(Self {
+            proj,
+            parts: vec![(which, 0)],
+        })
+    }
 }
 
 impl InputProjections {
-    fn new(projections: [Proj; 4]) -> Result<Self> {
-        let dense: Vec<&Linear> = projections
-            .iter()
-            .filter_map(|p| match p {
-                Proj::Dense(linear) if linear.bias().is_none() => Some(linear),
-                _ => None,
-            })
-            .collect();
-        let first = dense.first().map(|l| l.weight());
-        let alike = first.is_some_and(|w0| {
-            dense.len() == projections.len()
-                && dense.iter().all(|l| {
-                    l.weight().dtype() == w0.dtype() && l.weight().device().same_device(w0.device())
+    fn new(projections: [Proj; 4], loader: &Loader) -> Result<Self> {
+        let mut singles: Vec<(usize, Proj)> = Vec::new();
+        let (mut dense, mut fp8) = (Vec::new(), Vec::new());
+        for (which, proj) in projections.into_iter().enumerate() {
+            match proj {
+                Proj::Dense(linear) if linear.bias().is_none() => dense.push((which, linear)),
+                Proj::Fp8Block(weight, prefill) => fp8.push((which, weight, prefill)),
+                other => singles.push((which, other)),
+            }
+        }
+        let mut groups = Vec::new();
+        // Dense: one group per dtype and device (in practice one).
+        while let Some((which, first)) = dense.pop() {
+            let (dtype, device) = (first.weight().dtype(), first.weight().device().clone());
+            let mut members = vec![(which, first)];
+            let mut rest = Vec::new();
+            for (w, l) in dense.drain(..) {
+                if l.weight().dtype() == dtype && l.weight().device().same_device(&device) {
+                    members.push((w, l));
+                } else {
+                    rest.push((w, l));
+                }
+            }
+            dense = rest;
+            members.sort_by_key(|(w, _)| *w);
+            groups.push(Self::stack_dense(members)?);
+        }
+        // FP8: parts of one block shape and input width; whole row blocks first, one partial last.
+        while let Some((which, weight, prefill)) = fp8.pop() {
+            let key = (weight.block, weight.dims()?.1);
+            let mut members = vec![(which, weight, prefill)];
+            let mut rest = Vec::new();
+            for (w, weight, prefill) in fp8.drain(..) {
+                if (weight.block, weight.dims()?.1) == key {
+                    members.push((w, weight, prefill));
+                } else {
+                    rest.push((w, weight, prefill));
+                }
+            }
+            fp8 = rest;
+            members.sort_by_key(|(w, weight, _)| {
+                let rows = weight.dims().map_or(0, |d| d.0);
+                (!rows.is_multiple_of(key.0[0]), *w)
+            });
+            // Past the first partial part, each further one stays alone.
+            let whole = members
+                .iter()
+                .take_while(|(_, weight, _)| {
+                    weight.dims().is_ok_and(|d| d.0.is_multiple_of(key.0[0]))
                 })
-        });
-        if !alike {
-            return Ok(Self::Separate(projections));
+                .count();
+            let alone = members.split_off((whole + 1).min(members.len()));
+            for (w, weight, prefill) in alone {
+                groups.push(ProjectionGroup::single(w, Proj::Fp8Block(weight, prefill))?);
+            }
+            groups.extend(Self::stack_fp8(members, loader)?);
         }
-        let weights: Vec<&Tensor> = dense.iter().map(|l| l.weight()).collect();
-        let mut widths = [0; 4];
-        for (width, w) in widths.iter_mut().zip(&weights) {
-            *width = w.dim(0)?;
+        for (which, proj) in singles {
+            groups.push(ProjectionGroup::single(which, proj)?);
         }
-        Ok(Self::Fused {
-            all: Proj::Dense(Linear::new(Tensor::cat(&weights, 0)?, None)),
-            widths,
+        Ok(Self { groups })
+    }
+
+    /// Dense parts of one dtype and device, in output order, as one matrix.
+    fn stack_dense(members: Vec<(usize, Linear)>) -> Result<ProjectionGroup> {
+        if members.len() == 1 {
+            let (which, linear) = members.into_iter().next().expect("one member");
+            return ProjectionGroup::single(which, Proj::Dense(linear));
+        }
+        let mut parts = Vec::with_capacity(members.len());
+        for (which, linear) in &members {
+            parts.push((*which, linear.weight().dim(0)?));
+        }
+        let weights: Vec<&Tensor> = members.iter().map(|(_, l)| l.weight()).collect();
+        Ok(ProjectionGroup {
+            proj: Proj::Dense(Linear::new(Tensor::cat(&weights, 0)?, None)),
+            parts,
         })
+    }
+
+    /// FP8 parts in row order (whole row blocks, then at most one partial): their bytes and scale rows
+    /// stacked, dispatched as a loaded weight is. Kept apart where the stacked weight would take another
+    /// prefill path than theirs.
+    fn stack_fp8(
+        members: Vec<(usize, glm5_ops::fp8_matmul::Fp8BlockWeight, Fp8Prefill)>,
+        loader: &Loader,
+    ) -> Result<Vec<ProjectionGroup>> {
+        let apart = |members: Vec<(usize, glm5_ops::fp8_matmul::Fp8BlockWeight, Fp8Prefill)>| {
+            members
+                .into_iter()
+                .map(|(which, weight, prefill)| {
+                    ProjectionGroup::single(which, Proj::Fp8Block(weight, prefill))
+                })
+                .collect::<Result<Vec<_>>>()
+        };
+        if members.len() == 1 {
+            return apart(members);
+        }
+        let mut parts = Vec::with_capacity(members.len());
+        for (which, weight, _) in &members {
+            parts.push((*which, weight.dims()?.0));
+        }
+        let bytes: Vec<&Tensor> = members.iter().map(|(_, w, _)| &w.weight).collect();
+        let scales: Vec<&Tensor> = members.iter().map(|(_, w, _)| &w.scale_inv).collect();
+        let stacked = glm5_ops::fp8_matmul::Fp8BlockWeight {
+            weight: Tensor::cat(&bytes, 0)?,
+            scale_inv: Tensor::cat(&scales, 0)?,
+            block: members[0].1.block,
+        };
+        match glm5_ops::fp8_matmul::dispatch(&stacked, loader.desc) {
+            Ok(chosen)
+                if members
+                    .iter()
+                    .all(|(_, _, p)| *p == Fp8Prefill::of(&chosen)) =>
+            {
+                Ok(vec![ProjectionGroup {
+                    proj: Proj::Fp8Block(stacked, Fp8Prefill::of(&chosen)),
+                    parts,
+                }])
+            }
+            _ => apart(members),
+        }
     }
 
     /// The four products of `x`, each contiguous: `[q_a, kv_a, index k, index weights]`.
     fn forward(&self, x: &Tensor) -> Result<[Tensor; 4]> {
-        Ok(match self {
-            Self::Fused { all, widths } => {
-                let y = all.forward(x)?;
-                let mut start = 0;
-                let mut part = |width: usize| -> Result<Tensor> {
-                    let out = y.narrow(1, start, width)?.contiguous()?;
-                    start += width;
-                    Ok(out)
-                };
-                [
-                    part(widths[0])?,
-                    part(widths[1])?,
-                    part(widths[2])?,
-                    part(widths[3])?,
-                ]
+        let mut out: [Option<Tensor>; 4] = Default::default();
+        for group in &self.groups {
+            let y = group.proj.forward(x)?;
+            if let [(which, _)] = group.parts.as_slice() {
+                out[*which] = Some(y);
+                continue;
             }
-            Self::Separate([q_a, kv_a, k, weights]) => [
-                q_a.forward(x)?,
-                kv_a.forward(x)?,
-                k.forward(x)?,
-                weights.forward(x)?,
-            ],
-        })
+            let mut start = 0;
+            for &(which, width) in &group.parts {
+                out[which] = Some(y.narrow(1, start, width)?.contiguous()?);
+                start += width;
+            }
+        }
+        let take = |t: Option<Tensor>| {
+            t.ok_or_else(|| ModelError::PlanDevices("an input projection has no group".into()))
+        };
+        let [a, b, c, d] = out;
+        Ok([take(a)?, take(b)?, take(c)?, take(d)?])
     }
 }
 
@@ -323,28 +431,31 @@ impl Attention {
                 &[heads * (nope + v), lora],
             )?
             .reshape((heads, nope + v, lora))?;
-        let input_projections = InputProjections::new([
-            loader.linear(
-                &format!("{prefix}.q_a_proj"),
-                config.hidden_size,
-                config.q_lora_rank,
-            )?,
-            loader.linear(
-                &format!("{prefix}.kv_a_proj_with_mqa"),
-                config.hidden_size,
-                config.latent_dim(),
-            )?,
-            loader.linear(
-                &format!("{prefix}.indexer.wk"),
-                config.hidden_size,
-                config.index_head_dim,
-            )?,
-            loader.linear(
-                &format!("{prefix}.indexer.weights_proj"),
-                config.hidden_size,
-                config.index_n_heads,
-            )?,
-        ])?;
+        let input_projections = InputProjections::new(
+            [
+                loader.linear(
+                    &format!("{prefix}.q_a_proj"),
+                    config.hidden_size,
+                    config.q_lora_rank,
+                )?,
+                loader.linear(
+                    &format!("{prefix}.kv_a_proj_with_mqa"),
+                    config.hidden_size,
+                    config.latent_dim(),
+                )?,
+                loader.linear(
+                    &format!("{prefix}.indexer.wk"),
+                    config.hidden_size,
+                    config.index_head_dim,
+                )?,
+                loader.linear(
+                    &format!("{prefix}.indexer.weights_proj"),
+                    config.hidden_size,
+                    config.index_n_heads,
+                )?,
+            ],
+            loader,
+        )?;
         Ok(Self {
             input_projections,
             q_a_layernorm: loader.rms_norm(
