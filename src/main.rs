@@ -615,8 +615,9 @@ struct ServeArgs {
     /// Seconds running requests may take to finish after SIGTERM / ctrl-c before they are cancelled.
     #[arg(long, default_value_t = 30.0)]
     shutdown_grace: f64,
-    /// Replay decode steps from CUDA graphs (one per batch size and block-table width) on a model on one
-    /// GPU; steps with prompt chunks, or that the graphs cannot take, run eagerly (/metrics counts both).
+    /// Replay decode steps from CUDA graphs (one per batch size and block-table width, a graph per GPU's
+    /// run of layers); steps with prompt chunks, or that the graphs cannot take, run eagerly (/metrics
+    /// counts both).
     #[arg(long)]
     cuda_graphs: bool,
 }

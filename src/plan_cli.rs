@@ -417,15 +417,20 @@ pub fn render(plan: &Plan, config: &Config, label: &str, registry: &Registry) ->
         let mut used: Vec<usize> = plan.layers.iter().map(|l| l.device).collect();
         used.sort_unstable();
         used.dedup();
+        let on_cpu = used.iter().filter(|&&d| plan.devices[d].is_cpu()).count();
         let _ = writeln!(
             s,
             "decode steps on CUDA: `glm5 serve --cuda-graphs` replays them from CUDA graphs (one per batch size \
-             and block-table width) when the model is on one GPU and the step's experts run on the mat-vecs \
-             (the grouped GEMM counts each expert's rows on the host); otherwise each op is launched from the \
-             host (eager){}",
+             and block-table width, a graph per GPU's run of layers{}) when every layer is on a GPU and the \
+             step's experts run on the mat-vecs (the grouped GEMM counts each expert's rows on the host); \
+             otherwise each op is launched from the host (eager){}",
             match used.len() {
                 1 => String::new(),
-                n => format!("; here eager: the layers are placed on {n} devices"),
+                n => format!("; here {n} devices, the hidden state handed between their graphs"),
+            },
+            match on_cpu {
+                0 => String::new(),
+                _ => "; here eager: layers on the CPU".to_string(),
             }
         );
     }

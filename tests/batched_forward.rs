@@ -484,3 +484,70 @@ fn graphed_decode_on_the_cpu_runs_eagerly_and_says_why() {
         .is_some_and(|why| why.contains("CUDA device")));
     assert!(graphs.is_empty());
 }
+
+/// A model whose layers are placed on two plan devices (both the CPU): `forward_batch` equals the one-device
+/// model's, and the graphs' layout, made on each device its layers use, equals its `forward_batch`.
+#[test]
+fn split_model_batches_and_graph_layout_equal_one_device() {
+    let single = load("sparse_long", AttentionMode::Sparse, KeyFormat::Float);
+    let dir = fixture_dir("sparse_long");
+    let config = Config::from_file(dir.join("config.json")).unwrap();
+    let n = config.num_hidden_layers;
+    let mut options = PlanOptions::new(DType::F32, AttentionMode::Sparse);
+    options.layer_devices = Some((0..n).map(|l| usize::from(l >= n / 2)).collect());
+    let plan = Plan::build(
+        &config,
+        vec![DeviceDesc::of(&Device::Cpu).unwrap(); 2],
+        &options,
+        &Registry::builtin(),
+    )
+    .unwrap();
+    assert_eq!(plan.boundaries(), vec![(n / 2, 0, 1)]);
+    let split = Glm5ForCausalLM::load_planned(
+        &config,
+        &Checkpoint::open(&dir).unwrap(),
+        plan,
+        &[Device::Cpu, Device::Cpu],
+    )
+    .unwrap();
+    // One mixed step (prompt chunks of different lengths), then a decode step, on both models.
+    let seqs: Vec<Vec<u32>> = [(1, 7), (2, 3)]
+        .iter()
+        .map(|&(seed, len)| tokens(seed, len, config.vocab_size))
+        .collect();
+    let mut rows_of = |model: &Glm5ForCausalLM| {
+        let mut pool = pool(model, 8);
+        let ids: Vec<SeqId> = seqs.iter().map(|_| pool.add_sequence()).collect();
+        let prompts: Vec<SeqChunk> = seqs
+            .iter()
+            .zip(&ids)
+            .map(|(s, &seq)| SeqChunk {
+                seq,
+                tokens: &s[..s.len() - 1],
+                start_pos: 0,
+            })
+            .collect();
+        let mut out = rows(&model.forward_batch_all(&prompts, &mut pool).unwrap());
+        let last: Vec<SeqChunk> = seqs
+            .iter()
+            .zip(&ids)
+            .map(|(s, &seq)| SeqChunk {
+                seq,
+                tokens: &s[s.len() - 1..],
+                start_pos: s.len() - 1,
+            })
+            .collect();
+        out.extend(rows(&model.forward_batch(&last, &mut pool).unwrap()));
+        out
+    };
+    let (want, got) = (rows_of(&single), rows_of(&split));
+    for (g, w) in got.iter().zip(&want) {
+        assert_eq!(max_diff(g, w), 0.0, "split vs one device");
+    }
+    assert_eq!(split.transfers(), 2, "one hop a step");
+    let err = decode_both_ways(&split, BLOCK, DecodePath::Layout(1));
+    assert!(
+        err <= 1e-5,
+        "split model, graph layout: relative error {err}"
+    );
+}

@@ -168,10 +168,11 @@ fn plan_places_glm5_bf16_on_16_rtx_pro_6000_with_the_sparse_kernels() {
         glm5::ops::moe::GROUPED_GEMM_MIN_TOKENS
     );
     assert!(stdout.contains(&switch), "{stdout}");
-    // 16 GPUs hold the bf16 layers: no decode graph, and the plan says so.
+    // 16 GPUs hold the bf16 layers: a decode graph per GPU's run of layers.
     assert!(
         stdout.contains("replays them from CUDA graphs")
-            && stdout.contains("here eager: the layers are placed on 16 devices"),
+            && stdout.contains("here 16 devices, the hidden state handed between their graphs")
+            && !stdout.contains("here eager"),
         "{stdout}"
     );
 }

@@ -458,7 +458,8 @@ fn graphed_decode_on_gpu_equals_eager() {
 
 /// Layers over two CUDA devices that share one GPU but not a stream (each with its own), event tracking off
 /// as glm5's CLI runs them: nothing but the model's own stream waits orders the hidden state's copy between
-/// them (what several GPUs need, checked on one). Prefill and decode logits equal one device's (f32, 1e-5).
+/// them (what several GPUs need, checked on one). Prefill and decode logits equal one device's (f32, 1e-5),
+/// and so do decode steps replayed from one graph per device's segment.
 #[test]
 fn layers_over_two_streams_without_event_tracking_match_one_device() {
     use glm5::models::Checkpoint;
@@ -498,5 +499,23 @@ fn layers_over_two_streams_without_event_tracking_match_one_device() {
         let err = max_abs_diff(&split, &alone);
         println!("{name}: two streams vs one device, max |Δ| = {err:.2e}");
         assert!(err < 1e-5, "{name}: split logits differ by {err}");
+        if name == "sparse_long" {
+            // Decode graphs, one per device's segment, the hidden state handed between them.
+            use decode_steps::{decode_both_ways, decode_shapes, DecodePath};
+            assert_eq!(model.decode_graph_blocker(3), None);
+            let mut graphs = glm5::DecodeGraphs::new(8);
+            let err = decode_both_ways(&model, 4, DecodePath::Graphed(&mut graphs));
+            let mut shapes = decode_shapes(4);
+            shapes.sort();
+            shapes.dedup();
+            let stats = graphs.stats().clone();
+            println!("{name}: two streams, graphed vs eager {err:.2e}; {stats:?}");
+            assert_eq!(stats.captured, shapes.len(), "{stats:?}");
+            assert_eq!(stats.eager, 1, "only the prompt step: {stats:?}");
+            assert!(
+                err <= 1e-5,
+                "{name}: graphed over two streams differs by {err}"
+            );
+        }
     }
 }

@@ -160,3 +160,53 @@ pub fn write_from_host<T: WithDType>(dst: &Tensor, values: &[T]) -> Result<()> {
         dst.device().location()
     )))
 }
+
+/// Copies `src` into `dst` in place, both contiguous CUDA tensors of one dtype and element count, on `dst`'s
+/// device's stream, ordered both ways when they are on two devices: `dst`'s stream first waits for the work
+/// queued on `src`'s (which wrote `src`), and `src`'s then waits for the copy (before it writes `src` again).
+/// How a graphed step hands its hidden state from one device's graph to the next.
+pub fn copy_between(src: &Tensor, dst: &Tensor) -> Result<()> {
+    if src.dtype() != dst.dtype() {
+        return Err(OpError::DTypeMismatch {
+            arg: "dst",
+            other: "src",
+            expected: src.dtype(),
+            found: dst.dtype(),
+        });
+    }
+    if src.elem_count() != dst.elem_count() || !src.is_contiguous() || !dst.is_contiguous() {
+        return Err(OpError::Shape {
+            arg: "dst",
+            expected: format!("{} contiguous elements like src", src.elem_count()),
+            found: dst.dims().to_vec(),
+        });
+    }
+    #[cfg(feature = "cuda")]
+    if src.device().is_cuda() && dst.device().is_cuda() {
+        use candle_core::cuda_backend::cudarc::driver::{result, DriverError};
+        let (from, from_dev) = crate::cuda::device_address(src)?;
+        let (to, to_dev) = crate::cuda::device_address(dst)?;
+        let bytes = src.elem_count() * src.dtype().size_in_bytes();
+        let (from_stream, to_stream) = (from_dev.cuda_stream(), to_dev.cuda_stream());
+        let two_devices = !src.device().same_device(dst.device());
+        let copy = || -> std::result::Result<(), DriverError> {
+            if two_devices {
+                to_stream.join(&from_stream)?;
+            }
+            to_stream.context().bind_to_thread()?;
+            // SAFETY: both ranges are `bytes` long within their tensors (checked above), and the copy is
+            // ordered after `src`'s writer and before `src`'s next writer by the waits around it.
+            unsafe { result::memcpy_dtod_async(to, from, bytes, to_stream.cu_stream()) }?;
+            if two_devices {
+                from_stream.join(&to_stream)?;
+            }
+            Ok(())
+        };
+        return copy().map_err(|e| OpError::Unsupported(format!("copy_between: {e}")));
+    }
+    Err(OpError::Unsupported(format!(
+        "copy_between copies between CUDA tensors, not {:?} and {:?}",
+        src.device().location(),
+        dst.device().location()
+    )))
+}

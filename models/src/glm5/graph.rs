@@ -1,18 +1,23 @@
-//! Decode steps replayed from CUDA graphs: one launch from the host per step instead of the hundreds the
-//! step issues one by one (at batch 1 the host takes longer to issue them than the GPU to run them).
+//! Decode steps replayed from CUDA graphs: one launch from the host per step and device instead of the
+//! hundreds the step issues one by one (at batch 1 the host takes longer to issue them than the GPU to run
+//! them).
 //!
 //! [`Glm5ForCausalLM::forward_batch_graphed`] runs a decode step (one token per sequence) of `B` sequences
-//! whose block tables fit `C` columns from a graph captured for `(B, C)`: `C` is the step's block count
-//! rounded up to a power of two, so a growing sequence is captured again only when its blocks double. The
-//! step's inputs (tokens, positions, block table, lengths, rows to write) are written into device tensors the
-//! graph reads; the RoPE rows are gathered on the device; the indexer scores up to the `C` columns'
-//! capacity and masks by each query's count; the logits land in a tensor made before the capture.
+//! whose block tables fit `C` columns from graphs captured for `(B, C)`: `C` is the step's block count
+//! rounded up to a power of two, so a growing sequence is captured again only when its blocks double. Each
+//! segment of the forward pass on one GPU (the embeddings, its layers, the head; several where the plan
+//! places layers over several GPUs) is one graph; the host hands the hidden state from one segment's output
+//! tensor to the next one's input tensor between replays, ordered by stream waits
+//! (`glm5_ops::step_graph::copy_between`). The step's inputs (tokens, positions, block table, lengths, rows to
+//! write) are written into device tensors on every device the graphs read them on; the RoPE rows are gathered
+//! on the device; the indexer scores up to the `C` columns' capacity and masks by each query's count; the
+//! logits land in a tensor made before the capture.
 //!
 //! A step the graphs cannot take runs eagerly through [`Glm5ForCausalLM::forward_batch`], and
-//! [`DecodeGraphs::stats`] says why: prompt chunks in the step, the model over several GPUs, event tracking
-//! on, dense attention, a layer bound to a reference backend, or experts that count their rows on the host
-//! (the grouped GEMMs of larger batches). A capture the driver refuses is recorded per `(B, C)` with the
-//! driver's reason, and that shape runs eagerly from then on.
+//! [`DecodeGraphs::stats`] says why: prompt chunks in the step, a layer on the CPU, event tracking on, dense
+//! attention, a layer bound to a reference backend, or experts that count their rows on the host (the grouped
+//! GEMMs of larger batches). A capture the driver refuses is recorded per `(B, C)` with the driver's reason,
+//! and that shape runs eagerly from then on.
 
 use candle_core::{DType, Tensor};
 use glm5_ops::step_graph::{self, StepGraph};
@@ -20,7 +25,7 @@ use glm5_ops::Op;
 
 use super::attention::PagedStep;
 use super::rope::Rope;
-use super::{DeviceStep, FeedForward, Glm5ForCausalLM};
+use super::{DeviceStep, FeedForward, Glm5ForCausalLM, Segment};
 use crate::error::{ModelError, Result};
 use crate::paged_cache::{PagedKvCache, SeqChunk, StepLayout};
 use crate::plan::AttentionMode;
@@ -39,9 +44,9 @@ pub struct DecodeGraphs {
     captured: Vec<CapturedDecode>,
     /// `(B, C)` shapes whose capture failed, with the reason: they run eagerly.
     refused: Vec<((usize, usize), String)>,
-    /// RoPE tables of positions `0..len` on the model's device, grown as block capacities grow (each graph
-    /// holds the table it reads).
-    rope_table: Option<Rope>,
+    /// Per plan device, RoPE tables of positions `0..len`, grown as block capacities grow (each graph holds
+    /// the table it reads).
+    rope_tables: Vec<Option<Rope>>,
     /// The model's embeddings and the pool's first latent blocks the graphs were captured against: another
     /// model or pool drops them (the graphs address their memory).
     owner: Option<(Tensor, Tensor)>,
@@ -50,15 +55,21 @@ pub struct DecodeGraphs {
     stats: GraphStats,
 }
 
-/// One captured step and the device tensors it reads and writes.
+/// One captured step: the tensors it reads and writes, and a graph per segment.
 struct CapturedDecode {
     batch: usize,
     columns: usize,
-    inputs: DecodeInputs,
-    /// `F32 [B, vocab]`: the captured step's logits.
-    logits: Tensor,
-    graph: StepGraph,
+    inputs: StepInputs,
+    segments: Vec<CapturedSegment>,
     last_used: u64,
+}
+
+/// One segment's graph, the hidden state it reads (none for the first, which reads the token ids) and what
+/// it writes: the hidden state `[B, hidden]`, or for the last, f32 logits `[B, vocab]`.
+struct CapturedSegment {
+    input: Option<Tensor>,
+    output: Tensor,
+    graph: StepGraph,
 }
 
 /// A decode step's inputs on the host, in the shapes a `(B, C)` graph reads.
@@ -92,9 +103,72 @@ impl DecodeValues {
     }
 }
 
-/// The device tensors a graph reads its step from.
-struct DecodeInputs {
+/// A step's inputs on the devices that read them: the token ids on the embeddings' device, and the layout
+/// on every device with layers.
+struct StepInputs {
     ids: Tensor,
+    /// Per plan device: `None` where no layer runs.
+    layouts: Vec<Option<LayoutInputs>>,
+}
+
+impl StepInputs {
+    /// The tensors of `values` on `model`'s devices, the RoPE rows gathered from `rope_tables`.
+    fn new(
+        model: &Glm5ForCausalLM,
+        values: &DecodeValues,
+        columns: usize,
+        block_size: usize,
+        rope_tables: &[Option<Rope>],
+    ) -> Result<Self> {
+        let b = values.ids.len();
+        let mut layouts: Vec<Option<LayoutInputs>> =
+            (0..model.devices.len()).map(|_| None).collect();
+        for layer in &model.plan.layers {
+            if layouts[layer.device].is_none() {
+                let table = rope_tables[layer.device].clone().ok_or_else(|| {
+                    ModelError::PlanDevices(format!(
+                        "no RoPE table on plan device {}",
+                        layer.device
+                    ))
+                })?;
+                layouts[layer.device] = Some(LayoutInputs::new(
+                    values,
+                    columns,
+                    block_size,
+                    table,
+                    &model.devices[layer.device],
+                )?);
+            }
+        }
+        Ok(Self {
+            ids: Tensor::from_vec(values.ids.clone(), b, model.device())?,
+            layouts,
+        })
+    }
+
+    /// Refills every tensor in place, ordered before the next replay on each device's stream.
+    fn write(&self, values: &DecodeValues) -> Result<()> {
+        step_graph::write_from_host(&self.ids, &values.ids)?;
+        for layout in self.layouts.iter().flatten() {
+            layout.write(values)?;
+        }
+        Ok(())
+    }
+
+    /// Plan device `device`'s layout (device work only: what a capture records).
+    fn device_step(&self, device: usize) -> Result<DeviceStep> {
+        self.layouts
+            .get(device)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| {
+                ModelError::PlanDevices(format!("no step inputs on plan device {device}"))
+            })?
+            .device_step()
+    }
+}
+
+/// The layout tensors a device's graph reads its step from.
+struct LayoutInputs {
     positions: Tensor,
     block_table: Tensor,
     seq_lens: Tensor,
@@ -106,31 +180,29 @@ struct DecodeInputs {
     max_visible: usize,
 }
 
-impl DecodeInputs {
+impl LayoutInputs {
     fn new(
-        values: DecodeValues,
+        values: &DecodeValues,
         columns: usize,
         block_size: usize,
         rope_table: Rope,
         device: &candle_core::Device,
     ) -> Result<Self> {
         let b = values.ids.len();
+        let v = values;
         Ok(Self {
-            ids: Tensor::from_vec(values.ids, b, device)?,
-            positions: Tensor::from_vec(values.positions, b, device)?,
-            block_table: Tensor::from_vec(values.block_table, (b, columns), device)?,
-            seq_lens: Tensor::from_vec(values.seq_lens, b, device)?,
-            token_seq: Tensor::from_vec(values.token_seq, b, device)?,
-            write_rows: Tensor::from_vec(values.write_rows, b, device)?,
-            visible: Tensor::from_vec(values.visible, b, device)?,
+            positions: Tensor::from_vec(v.positions.clone(), b, device)?,
+            block_table: Tensor::from_vec(v.block_table.clone(), (b, columns), device)?,
+            seq_lens: Tensor::from_vec(v.seq_lens.clone(), b, device)?,
+            token_seq: Tensor::from_vec(v.token_seq.clone(), b, device)?,
+            write_rows: Tensor::from_vec(v.write_rows.clone(), b, device)?,
+            visible: Tensor::from_vec(v.visible.clone(), b, device)?,
             rope_table,
             max_visible: columns * block_size,
         })
     }
 
-    /// Refills the tensors in place, ordered before the next replay on the same stream.
     fn write(&self, values: &DecodeValues) -> Result<()> {
-        step_graph::write_from_host(&self.ids, &values.ids)?;
         step_graph::write_from_host(&self.positions, &values.positions)?;
         step_graph::write_from_host(&self.block_table, &values.block_table)?;
         step_graph::write_from_host(&self.seq_lens, &values.seq_lens)?;
@@ -140,7 +212,6 @@ impl DecodeInputs {
         Ok(())
     }
 
-    /// The step's layout read from these tensors (device work only: what a capture records).
     fn device_step(&self) -> Result<DeviceStep> {
         Ok(DeviceStep {
             rope: Rope::gather(&self.rope_table, &self.positions)?,
@@ -164,7 +235,7 @@ impl DecodeGraphs {
         Self {
             captured: Vec::new(),
             refused: Vec::new(),
-            rope_table: None,
+            rope_tables: Vec::new(),
             owner: None,
             max_graphs: max_graphs.max(1),
             clock: 0,
@@ -203,37 +274,42 @@ impl DecodeGraphs {
         if !same {
             self.captured.clear();
             self.refused.clear();
-            self.rope_table = None;
+            self.rope_tables.clear();
             self.owner = Some((model.embed_tokens.clone(), first_blocks.clone()));
         }
         Ok(())
     }
 
-    /// RoPE tables of at least `positions` positions.
-    fn rope_table(&mut self, model: &Glm5ForCausalLM, positions: usize) -> Result<Rope> {
-        match &self.rope_table {
-            Some(table) if table.len() >= positions => Ok(table.clone()),
-            _ => {
-                let table =
-                    Rope::at_positions(&model.config, 0, positions, model.dtype, model.device())?;
-                self.rope_table = Some(table.clone());
-                Ok(table)
+    /// Per plan device with layers, RoPE tables of at least `positions` positions.
+    fn rope_tables(
+        &mut self,
+        model: &Glm5ForCausalLM,
+        positions: usize,
+    ) -> Result<Vec<Option<Rope>>> {
+        self.rope_tables.resize(model.devices.len(), None);
+        for layer in &model.plan.layers {
+            let table = &mut self.rope_tables[layer.device];
+            if table.as_ref().is_none_or(|t| t.len() < positions) {
+                *table = Some(Rope::at_positions(
+                    &model.config,
+                    0,
+                    positions,
+                    model.dtype,
+                    &model.devices[layer.device],
+                )?);
             }
         }
+        Ok(self.rope_tables.clone())
     }
 }
 
 impl Glm5ForCausalLM {
     /// Why a decode step of `batch` sequences cannot be captured in a CUDA graph, or `None` where it can.
     pub fn decode_graph_blocker(&self, batch: usize) -> Option<String> {
-        if self.devices.len() > 1 {
-            return Some(format!(
-                "the layers run on {} GPUs (graphs are captured for a model on one GPU)",
-                self.devices.len()
-            ));
-        }
-        if let Some(why) = step_graph::capture_blocker(self.device()) {
-            return Some(why);
+        for segment in self.segments() {
+            if let Some(why) = step_graph::capture_blocker(&self.devices[segment.device]) {
+                return Some(why);
+            }
         }
         if self.mode == AttentionMode::Dense {
             return Some("dense attention builds each step's causal selection on the host".into());
@@ -251,7 +327,8 @@ impl Glm5ForCausalLM {
                 }
             }
             if let FeedForward::MoE(moe) = &layer.mlp {
-                if let Some(why) = moe.capture_blocker(batch, self.dtype, self.device()) {
+                let device = &self.devices[plan.device];
+                if let Some(why) = moe.capture_blocker(batch, self.dtype, device) {
                     return Some(format!("layer {}: {why}", plan.layer));
                 }
             }
@@ -302,16 +379,19 @@ impl Glm5ForCausalLM {
         let columns = step.max_blocks.max(min_columns).next_power_of_two();
         let block_size = pool.block_size();
         let run = || -> Result<Tensor> {
-            let table = Rope::at_positions(
-                &self.config,
-                0,
-                columns * block_size,
-                self.dtype,
-                self.device(),
-            )?;
+            let mut tables: Vec<Option<Rope>> = vec![None; self.devices.len()];
+            for layer in &self.plan.layers {
+                tables[layer.device] = Some(Rope::at_positions(
+                    &self.config,
+                    0,
+                    columns * block_size,
+                    self.dtype,
+                    &self.devices[layer.device],
+                )?);
+            }
             let values = DecodeValues::of(batch, &step, columns);
-            let inputs = DecodeInputs::new(values, columns, block_size, table, self.device())?;
-            self.forward_paged(&inputs.ids, pool, |_| inputs.device_step(), None)
+            let inputs = StepInputs::new(self, &values, columns, block_size, &tables)?;
+            self.forward_paged(&inputs.ids, pool, |d| inputs.device_step(d), None)
         };
         match run() {
             Ok(logits) => {
@@ -360,11 +440,7 @@ impl Glm5ForCausalLM {
             let replayed = {
                 let graph = &mut graphs.captured[at];
                 graph.last_used = graphs.clock;
-                graph
-                    .inputs
-                    .write(&values)
-                    .and_then(|()| Ok(graph.graph.replay()?))
-                    .and_then(|()| Ok(graph.logits.copy()?))
+                graph.replay(&values)
             };
             return match replayed {
                 Ok(logits) => {
@@ -387,9 +463,9 @@ impl Glm5ForCausalLM {
         self.capture_decode(graphs, values, key, pool)
     }
 
-    /// Captures the `(B, C)` step and returns its logits: run once eagerly over the graph's input tensors
-    /// (which sizes every workspace the capture reads, fills candle's upload cache, and writes this step's KV
-    /// rows), then captured and replayed (writing the same rows again).
+    /// Captures the `(B, C)` step and returns its logits: run once eagerly over the graphs' tensors (which
+    /// sizes every workspace the capture reads, fills candle's upload cache, and writes this step's KV rows),
+    /// then each segment captured, and the chain replayed (writing the same rows again).
     fn capture_decode(
         &self,
         graphs: &mut DecodeGraphs,
@@ -397,26 +473,83 @@ impl Glm5ForCausalLM {
         (b, columns): (usize, usize),
         pool: &PagedKvCache,
     ) -> Result<Tensor> {
-        let device = self.device();
         let block_size = pool.block_size();
-        let rope_table = graphs.rope_table(self, columns * block_size)?;
-        let inputs = DecodeInputs::new(values, columns, block_size, rope_table, device)?;
-        let logits = Tensor::zeros((b, self.config.vocab_size), DType::F32, device)?;
-        // candle's layout uploads come from device buffers the eager run fills and the capture reads.
-        let _uploads = step_graph::host_upload_cache(device);
-        let eager = self.forward_paged(&inputs.ids, pool, |_| inputs.device_step(), None)?;
-        let captured = step_graph::capture(device, || {
-            let step = self
-                .forward_paged(&inputs.ids, pool, |_| inputs.device_step(), None)
-                .map_err(|e| glm5_ops::OpError::Unsupported(e.to_string()))?;
-            logits.slice_set(&step, 0, 0)?;
-            Ok(())
-        });
-        let graph = match captured.and_then(|(graph, ())| graph.replay().map(|()| graph)) {
-            Ok(graph) => graph,
+        let tables = graphs.rope_tables(self, columns * block_size)?;
+        let inputs = StepInputs::new(self, &values, columns, block_size, &tables)?;
+        let segments = self.segments();
+        let last = segments.len() - 1;
+        // Each segment's input (after the first) and output, made before any capture.
+        let mut io = Vec::with_capacity(segments.len());
+        for (i, segment) in segments.iter().enumerate() {
+            let device = &self.devices[segment.device];
+            let hidden = || Tensor::zeros((b, self.config.hidden_size), self.dtype, device);
+            let input = if i == 0 { None } else { Some(hidden()?) };
+            let output = match i == last {
+                true => Tensor::zeros((b, self.config.vocab_size), DType::F32, device)?,
+                false => hidden()?,
+            };
+            io.push((input, output));
+        }
+        // candle's layout uploads come from device buffers the eager run fills and the captures read.
+        let _uploads: Vec<_> = segments
+            .iter()
+            .map(|s| step_graph::host_upload_cache(&self.devices[s.device]))
+            .collect();
+        let run = |i: usize, segment: &Segment| -> Result<Tensor> {
+            let input = io[i].0.as_ref().unwrap_or(&inputs.ids);
+            let step = match segment.layers.is_empty() {
+                true => None,
+                false => Some(inputs.device_step(segment.device)?),
+            };
+            self.run_segment(segment, input, pool, step.as_ref(), None)
+        };
+        // The eager run, through the same tensors the graphs use.
+        for (i, segment) in segments.iter().enumerate() {
+            if i > 0 {
+                step_graph::copy_between(&io[i - 1].1, io[i].0.as_ref().expect("an input"))?;
+            }
+            io[i].1.slice_set(&run(i, segment)?, 0, 0)?;
+        }
+        let eager = io[last].1.copy()?;
+        let mut captured = Vec::with_capacity(segments.len());
+        for (i, segment) in segments.iter().enumerate() {
+            let graph = step_graph::capture(&self.devices[segment.device], || {
+                let out =
+                    run(i, segment).map_err(|e| glm5_ops::OpError::Unsupported(e.to_string()))?;
+                io[i].1.slice_set(&out, 0, 0)?;
+                Ok(())
+            });
+            match graph {
+                Ok((graph, ())) => captured.push(graph),
+                Err(e) => {
+                    // The eager run wrote this step's rows and its logits stand.
+                    let why = format!("capturing the ({b}, {columns}) decode step failed: {e}");
+                    graphs.refused.push(((b, columns), why.clone()));
+                    graphs.eager(why);
+                    return Ok(eager);
+                }
+            }
+        }
+        let step = CapturedDecode {
+            batch: b,
+            columns,
+            inputs,
+            segments: segments
+                .into_iter()
+                .zip(io)
+                .zip(captured)
+                .map(|((_, (input, output)), graph)| CapturedSegment {
+                    input,
+                    output,
+                    graph,
+                })
+                .collect(),
+            last_used: graphs.clock,
+        };
+        let out = match step.replay(&values) {
+            Ok(out) => out,
             Err(e) => {
-                // The eager run wrote this step's rows and its logits stand.
-                let why = format!("capturing the ({b}, {columns}) decode step failed: {e}");
+                let why = format!("replaying the ({b}, {columns}) graphs failed: {e}");
                 graphs.refused.push(((b, columns), why.clone()));
                 graphs.eager(why);
                 return Ok(eager);
@@ -433,16 +566,27 @@ impl Glm5ForCausalLM {
                 graphs.captured.remove(oldest);
             }
         }
-        let out = logits.copy()?;
-        graphs.captured.push(CapturedDecode {
-            batch: b,
-            columns,
-            inputs,
-            logits,
-            graph,
-            last_used: graphs.clock,
-        });
+        graphs.captured.push(step);
         graphs.stats.captured += 1;
         Ok(out)
+    }
+}
+
+impl CapturedDecode {
+    /// Writes `values` into the step's tensors and replays the segments' graphs in order, each hidden state
+    /// handed to the next segment's input; returns a copy of the logits.
+    fn replay(&self, values: &DecodeValues) -> Result<Tensor> {
+        self.inputs.write(values)?;
+        for (i, segment) in self.segments.iter().enumerate() {
+            if let Some(input) = &segment.input {
+                step_graph::copy_between(&self.segments[i - 1].output, input)?;
+            }
+            segment.graph.replay()?;
+        }
+        let last = self
+            .segments
+            .last()
+            .ok_or_else(|| ModelError::PlanDevices("a step without segments".into()))?;
+        Ok(last.output.copy()?)
     }
 }

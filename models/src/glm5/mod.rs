@@ -36,6 +36,15 @@ use linear::{Loader, Proj, RmsNorm};
 use moe::{Mlp, MoE};
 use rope::Rope;
 
+/// A run of the forward pass on one plan device: the embeddings (first segment), layers, the head (last).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Segment {
+    device: usize,
+    embed: bool,
+    layers: std::ops::Range<usize>,
+    head: bool,
+}
+
 /// A step's layout as tensors on one device: RoPE tables, the dense selection (dense mode), block tables.
 struct DeviceStep {
     rope: Rope,
@@ -627,9 +636,9 @@ impl Glm5ForCausalLM {
         )
     }
 
-    /// The layers over `pool` for the tokens `ids` (`U32 [T]` on [`Self::device`]), each device's layout
-    /// made by `layout` when the first layer there needs it; f32 logits of the rows `last` picks (`U32` on
-    /// [`Self::output_device`]), or of every token.
+    /// The layers over `pool` for the tokens `ids` (`U32 [T]` on [`Self::device`]), segment by segment
+    /// ([`Self::segments`]), each device's layout made by `layout` when its first segment with layers needs
+    /// it; f32 logits of the rows `last` picks (`U32` on [`Self::output_device`]), or of every token.
     fn forward_paged(
         &self,
         ids: &Tensor,
@@ -639,27 +648,88 @@ impl Glm5ForCausalLM {
     ) -> Result<Tensor> {
         let mut per_device: Vec<Option<DeviceStep>> =
             (0..self.devices.len()).map(|_| None).collect();
-        let mut x = self.embed_tokens.index_select(ids, 0)?;
-        let mut here = self.plan.embed_device;
-        for (layer, blocks) in self.layers.iter().zip(&pool.layers) {
-            if layer.device != here {
-                x = self.transfer(&x, layer.device)?;
-                here = layer.device;
+        let mut x = ids.clone();
+        for (i, segment) in self.segments().iter().enumerate() {
+            if i > 0 {
+                x = self.transfer(&x, segment.device)?;
             }
-            if per_device[here].is_none() {
-                per_device[here] = Some(layout(here)?);
+            if !segment.layers.is_empty() && per_device[segment.device].is_none() {
+                per_device[segment.device] = Some(layout(segment.device)?);
             }
-            let step = per_device[here].as_ref().ok_or_else(|| {
-                ModelError::PlanDevices(format!("no step layout on plan device {here}"))
-            })?;
+            let step = per_device[segment.device].as_ref();
+            x = self.run_segment(segment, &x, pool, step, last)?;
+        }
+        Ok(x)
+    }
+
+    /// The forward pass as runs of work on one device, in order: the embeddings, the layers and the head,
+    /// cut wherever the plan moves the hidden state to another device.
+    fn segments(&self) -> Vec<Segment> {
+        let mut segments = vec![Segment {
+            device: self.plan.embed_device,
+            embed: true,
+            layers: 0..0,
+            head: false,
+        }];
+        for (l, layer) in self.plan.layers.iter().enumerate() {
+            let here = segments.last_mut().expect("the embeddings' segment");
+            if layer.device == here.device {
+                here.layers = if here.layers.is_empty() {
+                    l..l + 1
+                } else {
+                    here.layers.start..l + 1
+                };
+            } else {
+                segments.push(Segment {
+                    device: layer.device,
+                    embed: false,
+                    layers: l..l + 1,
+                    head: false,
+                });
+            }
+        }
+        let here = segments.last_mut().expect("the embeddings' segment");
+        if here.device == self.plan.head_device {
+            here.head = true;
+        } else {
+            segments.push(Segment {
+                device: self.plan.head_device,
+                embed: false,
+                layers: 0..0,
+                head: true,
+            });
+        }
+        segments
+    }
+
+    /// One segment over `input`: the token ids where it starts with the embeddings, else the hidden state
+    /// on its device; `step` is the device's layout where it has layers. Returns the hidden state, or where
+    /// it ends with the head, f32 logits of the rows `last` picks (or of every token).
+    fn run_segment(
+        &self,
+        segment: &Segment,
+        input: &Tensor,
+        pool: &PagedKvCache,
+        step: Option<&DeviceStep>,
+        last: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let mut x = match segment.embed {
+            true => self.embed_tokens.index_select(input, 0)?,
+            false => input.clone(),
+        };
+        for l in segment.layers.clone() {
+            let step = step
+                .ok_or_else(|| ModelError::PlanDevices(format!("no step layout for layer {l}")))?;
             let kv = LayerKv::Paged {
-                cache: blocks,
+                cache: &pool.layers[l],
                 step: &step.paged,
             };
-            x = layer.forward(&x, &step.rope, kv, step.dense.as_ref())?.0;
+            x = self.layers[l]
+                .forward(&x, &step.rope, kv, step.dense.as_ref())?
+                .0;
         }
-        if self.plan.head_device != here {
-            x = self.transfer(&x, self.plan.head_device)?;
+        if !segment.head {
+            return Ok(x);
         }
         if let Some(last) = last {
             x = x.index_select(last, 0)?;
