@@ -381,13 +381,15 @@ impl Glm5ForCausalLM {
         let run = || -> Result<Tensor> {
             let mut tables: Vec<Option<Rope>> = vec![None; self.devices.len()];
             for layer in &self.plan.layers {
-                tables[layer.device] = Some(Rope::at_positions(
-                    &self.config,
-                    0,
-                    columns * block_size,
-                    self.dtype,
-                    &self.devices[layer.device],
-                )?);
+                if tables[layer.device].is_none() {
+                    tables[layer.device] = Some(Rope::at_positions(
+                        &self.config,
+                        0,
+                        columns * block_size,
+                        self.dtype,
+                        &self.devices[layer.device],
+                    )?);
+                }
             }
             let values = DecodeValues::of(batch, &step, columns);
             let inputs = StepInputs::new(self, &values, columns, block_size, &tables)?;
@@ -448,7 +450,8 @@ impl Glm5ForCausalLM {
                     Ok(logits)
                 }
                 Err(e) => {
-                    // The replay ran nothing: this shape runs eagerly from now on.
+                    // A failed replay wrote at most this step's KV rows, which the eager run writes
+                    // again; this shape runs eagerly from now on.
                     graphs.captured.remove(at);
                     let why = format!(
                         "replaying the ({}, {columns}) graph failed: {e}",
