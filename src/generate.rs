@@ -10,8 +10,9 @@ use candle_core::{DType, Tensor, D};
 use candle_transformers::generation::{LogitsProcessor, Sampling};
 
 use crate::error::{Error, Result};
+use crate::models::{PagedCacheOptions, PagedKvCache, SeqChunk, SeqId, DEFAULT_BLOCK_SIZE};
 use crate::tokenizer::TokenStream;
-use crate::{Glm5ForCausalLM, KvCache};
+use crate::{DecodeGraphs, Glm5ForCausalLM, GraphStats, KvCache};
 
 /// How to pick each next token and when to stop.
 #[derive(Debug, Clone, PartialEq)]
@@ -193,12 +194,26 @@ impl GenerationStats {
     }
 }
 
-/// A KV cache together with the tokens it holds, so a later prompt that starts with them reuses them.
+/// A KV cache together with the tokens it holds, so a later prompt that starts with them reuses them: one
+/// sequence's contiguous cache ([`Self::new`]), or a paged pool of its own whose decode steps are replayed
+/// from CUDA graphs where the model allows ([`Self::graphed`]).
 pub struct SequenceCache {
-    /// The KV cache.
-    pub cache: KvCache,
+    kv: SequenceKv,
     /// The tokens whose rows it holds, in order.
     pub tokens: Vec<u32>,
+}
+
+enum SequenceKv {
+    Contiguous(KvCache),
+    Graphed(Box<GraphedSequence>),
+}
+
+/// A graphed sequence's pool, its id there, its graphs and its token limit.
+struct GraphedSequence {
+    pool: PagedKvCache,
+    seq: SeqId,
+    graphs: DecodeGraphs,
+    capacity: usize,
 }
 
 impl SequenceCache {
@@ -206,17 +221,113 @@ impl SequenceCache {
     pub fn new(mut cache: KvCache) -> Self {
         cache.clear();
         Self {
-            cache,
+            kv: SequenceKv::Contiguous(cache),
             tokens: Vec::new(),
         }
     }
+
+    /// An empty sequence of up to `capacity` tokens in a paged pool of its own on `model`'s devices, its
+    /// decode steps through [`Glm5ForCausalLM::forward_batch_graphed`]: replayed from CUDA graphs where
+    /// the model allows, else eager ([`Self::graph_stats`] says why).
+    pub fn graphed(model: &Glm5ForCausalLM, capacity: usize) -> Result<Self> {
+        let options = PagedCacheOptions {
+            num_blocks: capacity.div_ceil(DEFAULT_BLOCK_SIZE).max(1),
+            block_size: DEFAULT_BLOCK_SIZE,
+        };
+        let mut pool = model.new_paged_cache(options)?;
+        let seq = pool.add_sequence();
+        Ok(Self {
+            kv: SequenceKv::Graphed(Box::new(GraphedSequence {
+                pool,
+                seq,
+                graphs: DecodeGraphs::new(GRAPHS_PER_SEQUENCE),
+                capacity,
+            })),
+            tokens: Vec::new(),
+        })
+    }
+
+    /// The most tokens it holds.
+    pub fn capacity(&self) -> usize {
+        match &self.kv {
+            SequenceKv::Contiguous(cache) => cache.capacity(),
+            SequenceKv::Graphed(g) => g.capacity,
+        }
+    }
+
+    /// Tokens whose rows it holds.
+    pub fn len(&self) -> usize {
+        match &self.kv {
+            SequenceKv::Contiguous(cache) => cache.len(),
+            SequenceKv::Graphed(g) => g.pool.seq_len(g.seq).unwrap_or(0),
+        }
+    }
+
+    /// Whether it holds no rows.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// How its steps ran (a graphed sequence's), `None` for a contiguous one.
+    pub fn graph_stats(&self) -> Option<&GraphStats> {
+        match &self.kv {
+            SequenceKv::Contiguous(_) => None,
+            SequenceKv::Graphed(g) => Some(g.graphs.stats()),
+        }
+    }
+
+    /// Keeps the first `len` rows.
+    fn truncate(&mut self, len: usize) -> Result<()> {
+        match &mut self.kv {
+            SequenceKv::Contiguous(cache) => cache.truncate(len),
+            SequenceKv::Graphed(g) => g.pool.truncate_sequence(g.seq, len)?,
+        }
+        Ok(())
+    }
+
+    /// Appends `ids` at `start_pos..` and returns the logits after the last of them, `[vocab]`.
+    fn forward_last(
+        &mut self,
+        model: &Glm5ForCausalLM,
+        ids: &[u32],
+        start_pos: usize,
+    ) -> Result<Tensor> {
+        let logits = match &mut self.kv {
+            SequenceKv::Contiguous(cache) => {
+                let logits = model.forward(ids, start_pos, cache)?;
+                logits.get(logits.dim(0)? - 1)?
+            }
+            SequenceKv::Graphed(g) => {
+                if start_pos + ids.len() > g.capacity {
+                    return Err(glm5_models::ModelError::CacheFull {
+                        needed: start_pos + ids.len(),
+                        capacity: g.capacity,
+                    }
+                    .into());
+                }
+                let batch = [SeqChunk {
+                    seq: g.seq,
+                    tokens: ids,
+                    start_pos,
+                }];
+                model
+                    .forward_batch_graphed(&mut g.graphs, &batch, &mut g.pool)?
+                    .squeeze(0)?
+            }
+        };
+        Ok(logits)
+    }
 }
+
+/// Decode graphs a graphed sequence keeps (one per block-table width it grows through).
+const GRAPHS_PER_SEQUENCE: usize = 8;
 
 /// Streams generated tokens; created by [`crate::Glm5::generate`]. Iterate it, then read
 /// [`Generation::finish_reason`] and [`Generation::stats`].
 pub struct Generation<'a> {
     model: &'a Glm5ForCausalLM,
-    cache: KvCache,
+    /// The KV rows (its `tokens` unused while generating: they are `self.tokens`).
+    cache: SequenceCache,
     tokens: Vec<u32>,
     prompt_len: usize,
     next_logits: Option<Tensor>,
@@ -245,10 +356,8 @@ impl<'a> Generation<'a> {
         if prompt.is_empty() {
             return Err(Error::EmptyPrompt);
         }
-        let SequenceCache {
-            mut cache,
-            tokens: cached,
-        } = sequence;
+        let mut cache = sequence;
+        let cached = std::mem::take(&mut cache.tokens);
         let limit = cache.capacity();
         if prompt.len() >= limit {
             return Err(Error::PromptTooLong {
@@ -264,14 +373,13 @@ impl<'a> Generation<'a> {
             .take_while(|(a, b)| a == b)
             .count();
         let reuse = shared.min(cache.len()).min(prompt.len() - 1);
-        cache.truncate(reuse);
+        cache.truncate(reuse)?;
         tracing::debug!(
             prompt_tokens = prompt.len(),
             reused_from_cache = reuse,
             "prefill"
         );
-        let logits = model.forward(&prompt[reuse..], reuse, &mut cache)?;
-        let last = logits.get(logits.dim(0)? - 1)?;
+        let last = cache.forward_last(model, &prompt[reuse..], reuse)?;
         let stats = GenerationStats {
             prompt_tokens: prompt.len(),
             prompt_time: started.elapsed(),
@@ -317,8 +425,8 @@ impl<'a> Generation<'a> {
         let mut tokens = self.tokens;
         tokens.truncate(cached);
         SequenceCache {
-            cache: self.cache,
             tokens,
+            ..self.cache
         }
     }
 
@@ -357,9 +465,9 @@ impl<'a> Generation<'a> {
                 self.finish = Some(FinishReason::ContextFull);
             } else {
                 let logits = self
-                    .model
-                    .forward(&[id], self.tokens.len() - 1, &mut self.cache)?;
-                self.next_logits = Some(logits.squeeze(0)?);
+                    .cache
+                    .forward_last(self.model, &[id], self.tokens.len() - 1)?;
+                self.next_logits = Some(logits);
             }
         } else {
             self.finish = Some(FinishReason::MaxTokens);

@@ -185,6 +185,10 @@ struct GenerateArgs {
     /// KV cache size in tokens for --chat (default: min(8192, the model's context)).
     #[arg(long)]
     max_context: Option<usize>,
+    /// Replay decode steps from CUDA graphs (the sequence in a paged pool of its own; a graph per GPU's
+    /// run of layers); stderr says when they cannot be.
+    #[arg(long)]
+    cuda_graphs: bool,
 }
 
 fn dtype(arg: DTypeArg) -> DType {
@@ -515,6 +519,12 @@ fn generate(args: GenerateArgs) -> Result<(), Box<dyn std::error::Error>> {
         enable_thinking: !args.no_think,
     };
     let mut messages: Vec<Message> = args.system.iter().map(Message::system).collect();
+    if args.cuda_graphs {
+        match model.model().decode_graph_blocker(1) {
+            None => eprintln!("[decode steps replayed from CUDA graphs]"),
+            Some(why) => eprintln!("[--cuda-graphs: decode steps run eagerly: {why}]"),
+        }
+    }
 
     if let Some(prompt) = &args.prompt {
         let text = if args.raw {
@@ -523,7 +533,11 @@ fn generate(args: GenerateArgs) -> Result<(), Box<dyn std::error::Error>> {
             messages.push(Message::user(prompt));
             model.apply_chat_template(&messages, &chat_options)?
         };
-        stream(&mut model.generate(&text, &params)?)?;
+        let mut generation = match args.cuda_graphs {
+            true => model.generate_graphed(&text, &params)?,
+            false => model.generate(&text, &params)?,
+        };
+        stream(&mut generation)?;
         return Ok(());
     }
 
@@ -539,7 +553,13 @@ fn generate(args: GenerateArgs) -> Result<(), Box<dyn std::error::Error>> {
         )?,
         None => 8192.min(max_positions),
     };
-    let mut sequence = Some(SequenceCache::new(model.new_cache(context)?));
+    let new_sequence = |model: &Glm5| -> Result<SequenceCache, Box<dyn std::error::Error>> {
+        Ok(match args.cuda_graphs {
+            true => SequenceCache::graphed(model.model(), context)?,
+            false => SequenceCache::new(model.new_cache(context)?),
+        })
+    };
+    let mut sequence = Some(new_sequence(&model)?);
     let stdin = std::io::stdin();
     let first_turn = messages.len();
     loop {
@@ -562,6 +582,7 @@ fn generate(args: GenerateArgs) -> Result<(), Box<dyn std::error::Error>> {
             &params,
             context,
             &mut sequence,
+            &new_sequence,
         );
         match turn {
             Ok(reply) => messages.push(Message::assistant(&reply)),
@@ -682,6 +703,9 @@ fn serve(args: ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
 /// One `--chat` turn: the conversation rendered and tokenised (the new line refused first when its bytes
 /// alone cannot fit), then the answer streamed. `sequence` keeps the KV cache across turns; a failed
 /// generation leaves it `None`, and the next turn starts a fresh one.
+/// Makes an empty sequence for a chat (graphed or contiguous, as `--cuda-graphs` says).
+type NewSequence<'a> = dyn Fn(&Glm5) -> Result<SequenceCache, Box<dyn std::error::Error>> + 'a;
+
 fn chat_turn(
     model: &Glm5,
     messages: &[Message],
@@ -689,6 +713,7 @@ fn chat_turn(
     params: &GenerationParams,
     context: usize,
     sequence: &mut Option<SequenceCache>,
+    new_sequence: &NewSequence<'_>,
 ) -> Result<String, Box<dyn std::error::Error>> {
     let line = messages.last().map_or("", |m| m.content.as_str());
     let tokenizer = model.tokenizer();
@@ -712,7 +737,7 @@ fn chat_turn(
     }
     let cache = match sequence.take() {
         Some(cache) => cache,
-        None => SequenceCache::new(model.new_cache(context)?),
+        None => new_sequence(model)?,
     };
     let mut generation = model.generate_ids(prompt, params, cache)?;
     let reply = stream(&mut generation);

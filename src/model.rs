@@ -381,6 +381,28 @@ impl Glm5 {
     /// Streams the continuation of `prompt` (text, used as is: render chats with
     /// [`Glm5::apply_chat_template`] first).
     pub fn generate(&self, prompt: &str, params: &GenerationParams) -> Result<Generation<'_>> {
+        let (ids, capacity) = self.prompt_and_capacity(prompt, params)?;
+        self.generate_ids(ids, params, SequenceCache::new(self.new_cache(capacity)?))
+    }
+
+    /// [`Self::generate`] in a paged pool of its own whose decode steps are replayed from CUDA graphs where
+    /// the model allows ([`SequenceCache::graphed`]; the same tokens).
+    pub fn generate_graphed(
+        &self,
+        prompt: &str,
+        params: &GenerationParams,
+    ) -> Result<Generation<'_>> {
+        let (ids, capacity) = self.prompt_and_capacity(prompt, params)?;
+        let sequence = SequenceCache::graphed(&self.model, capacity)?;
+        self.generate_ids(ids, params, sequence)
+    }
+
+    /// `prompt`'s ids and the cache a generation of them needs.
+    fn prompt_and_capacity(
+        &self,
+        prompt: &str,
+        params: &GenerationParams,
+    ) -> Result<(Vec<u32>, usize)> {
         let max_positions = self.model.config().max_position_embeddings;
         // Refused before tokenising when far too long; the count is checked below.
         let ids = self
@@ -397,7 +419,7 @@ impl Glm5 {
                 limit: max_positions,
             });
         }
-        self.generate_ids(ids, params, SequenceCache::new(self.new_cache(capacity)?))
+        Ok((ids, capacity))
     }
 
     /// Streams the continuation of `prompt_ids` in `sequence`, reusing the cached tokens the prompt starts

@@ -515,7 +515,7 @@ fn split_model_batches_and_graph_layout_equal_one_device() {
         .iter()
         .map(|&(seed, len)| tokens(seed, len, config.vocab_size))
         .collect();
-    let mut rows_of = |model: &Glm5ForCausalLM| {
+    let rows_of = |model: &Glm5ForCausalLM| {
         let mut pool = pool(model, 8);
         let ids: Vec<SeqId> = seqs.iter().map(|_| pool.add_sequence()).collect();
         let prompts: Vec<SeqChunk> = seqs

@@ -284,3 +284,64 @@ fn a_follow_up_turn_reusing_the_cache_equals_a_fresh_run() {
         .collect();
     assert_eq!(reused, fresh);
 }
+
+/// A graphed sequence (a paged pool of its own, decode steps through `forward_batch_graphed`, eager on the
+/// CPU) generates the tokens of a contiguous one, with sampling, and reuses its cache across turns the same
+/// way: each turn's tokens equal a fresh contiguous run's.
+#[test]
+fn graphed_sequences_generate_the_tokens_of_contiguous_ones() {
+    let model = model();
+    let params = GenerationParams {
+        max_new_tokens: 9,
+        temperature: 0.8,
+        top_p: Some(0.9),
+        seed: 7,
+        ..Default::default()
+    };
+    let tokens = |generation: glm5::Generation<'_>| -> (Vec<u32>, SequenceCache) {
+        let mut generation = generation;
+        generation.by_ref().for_each(|t| drop(t.unwrap()));
+        (generation.generated().to_vec(), generation.into_sequence())
+    };
+    let (contiguous, _) = tokens(model.generate(PROMPT, &params).unwrap());
+    let (graphed, sequence) = tokens(model.generate_graphed(PROMPT, &params).unwrap());
+    assert_eq!(graphed, contiguous);
+    let stats = sequence.graph_stats().expect("a graphed sequence").clone();
+    assert_eq!(
+        stats.eager,
+        graphed.len(),
+        "on the CPU every step is eager: {stats:?}"
+    );
+    assert!(stats
+        .last_eager_reason
+        .is_some_and(|why| why.contains("CUDA")));
+
+    // Turn one in a graphed sequence with room for a second.
+    let turn1 = model.tokenizer().encode(PROMPT).unwrap();
+    let graphed_cache = SequenceCache::graphed(model.model(), 128).unwrap();
+    let (reply, sequence) = tokens(model.generate_ids(turn1, &params, graphed_cache).unwrap());
+    assert_eq!(reply, contiguous);
+
+    // A second turn in the same graphed sequence, against a fresh contiguous run of it.
+    let turn2: Vec<u32> = sequence
+        .tokens
+        .iter()
+        .copied()
+        .chain(model.tokenizer().encode(" And then?").unwrap())
+        .collect();
+    let reused_len = sequence.len();
+    assert_eq!(reused_len, sequence.tokens.len());
+    let (reused, sequence) = tokens(
+        model
+            .generate_ids(turn2.clone(), &params, sequence)
+            .unwrap(),
+    );
+    let fresh_cache = SequenceCache::new(model.new_cache(128).unwrap());
+    let (fresh, _) = tokens(
+        model
+            .generate_ids(turn2.clone(), &params, fresh_cache)
+            .unwrap(),
+    );
+    assert_eq!(reused, fresh);
+    assert!(sequence.len() > reused_len);
+}
