@@ -452,15 +452,19 @@ fn pool_sizes_are_checked() {
 mod decode_steps;
 use decode_steps::{decode_both_ways, decode_shapes, DecodePath};
 
-/// The inputs a decode graph reads (block tables padded to a power-of-two width, RoPE rows gathered on the
-/// device, the indexer bounded by the table's capacity), run eagerly: the same logits as `forward_batch`,
-/// at the width the graphs pick and at a much wider one.
+/// The inputs a decode graph reads (rows padded to the capture size with copies of the last sequence, block
+/// tables padded to a power-of-two width, RoPE rows gathered on the device, the indexer bounded by the
+/// table's capacity), run eagerly: the same logits as `forward_batch`, at the sizes the graphs pick and at
+/// much larger ones.
 #[test]
 fn graph_layout_decode_equals_forward_batch() {
     let model = load("sparse_long", AttentionMode::Sparse, KeyFormat::Float);
-    for min_columns in [1, 16] {
-        let err = decode_both_ways(&model, BLOCK, DecodePath::Layout(min_columns));
-        assert!(err <= 1e-5, "{min_columns} columns: relative error {err}");
+    for (columns, rows) in [(1, 1), (16, 1), (1, 8)] {
+        let err = decode_both_ways(&model, BLOCK, DecodePath::Layout { columns, rows });
+        assert!(
+            err <= 1e-5,
+            "{columns} columns, {rows} rows: relative error {err}"
+        );
     }
 }
 
@@ -477,7 +481,7 @@ fn graphed_decode_on_the_cpu_runs_eagerly_and_says_why() {
     assert_eq!(err, 0.0, "the eager fallback is forward_batch itself");
     let stats = graphs.stats();
     assert_eq!((stats.captured, stats.replayed), (0, 0));
-    assert_eq!(stats.eager, 1 + decode_shapes(BLOCK).len());
+    assert_eq!(stats.eager, 1 + decode_shapes(BLOCK).len(), "every step");
     assert!(stats
         .last_eager_reason
         .as_deref()
@@ -545,7 +549,14 @@ fn split_model_batches_and_graph_layout_equal_one_device() {
         assert_eq!(max_diff(g, w), 0.0, "split vs one device");
     }
     assert_eq!(split.transfers(), 2, "one hop a step");
-    let err = decode_both_ways(&split, BLOCK, DecodePath::Layout(1));
+    let err = decode_both_ways(
+        &split,
+        BLOCK,
+        DecodePath::Layout {
+            columns: 1,
+            rows: 1,
+        },
+    );
     assert!(
         err <= 1e-5,
         "split model, graph layout: relative error {err}"

@@ -434,9 +434,11 @@ fn graphed_decode_on_gpu_equals_eager() {
         assert_eq!(model.decode_graph_blocker(3), None);
         // The graphs' layout run eagerly first (padded block tables, the indexer bounded by their capacity),
         // at the graphs' width and a wider one, which separates a layout error from a capture error.
-        for columns in [1, 16] {
-            let err = decode_both_ways(&model, BLOCK, DecodePath::Layout(columns));
-            println!("{dtype:?}: graph layout ({columns}+ columns) vs eager {err:.2e}");
+        for (columns, rows) in [(1, 1), (16, 8)] {
+            let err = decode_both_ways(&model, BLOCK, DecodePath::Layout { columns, rows });
+            println!(
+                "{dtype:?}: graph layout ({columns}+ columns, {rows}+ rows) vs eager {err:.2e}"
+            );
             assert!(
                 err <= bound,
                 "{dtype:?}: the graphs' layout differs from eager by {err}"

@@ -12,8 +12,8 @@ use glm5::{DecodeGraphs, Glm5ForCausalLM};
 pub enum DecodePath<'a> {
     /// `forward_batch_graphed` (prompt steps go through it too).
     Graphed(&'a mut DecodeGraphs),
-    /// `forward_batch_graph_layout` with at least this many block-table columns.
-    Layout(usize),
+    /// `forward_batch_graph_layout` with at least this many block-table columns and rows.
+    Layout { columns: usize, rows: usize },
 }
 
 /// Prompt lengths, then the decode steps: three sequences, then the first and last.
@@ -28,8 +28,9 @@ pub fn decode_batches() -> Vec<Vec<usize>> {
     steps
 }
 
-/// The `(batch, block-table columns)` shapes of the decode steps, each step's sequences holding their
-/// lengths after it in blocks of `block_size`, rounded up to a power of two (what a graph is captured for).
+/// The `(rows, block-table columns)` shapes the decode steps are captured at: each step's batch at its
+/// capture size (`DecodeGraphs::capture_rows`), and its sequences' lengths after it in blocks of
+/// `block_size`, rounded up to a power of two.
 pub fn decode_shapes(block_size: usize) -> Vec<(usize, usize)> {
     let mut lens = PROMPTS.to_vec();
     decode_batches()
@@ -43,7 +44,10 @@ pub fn decode_shapes(block_size: usize) -> Vec<(usize, usize)> {
                 .map(|&s| lens[s].div_ceil(block_size))
                 .max()
                 .unwrap();
-            (seqs.len(), blocks.next_power_of_two())
+            (
+                DecodeGraphs::capture_rows(seqs.len()),
+                blocks.next_power_of_two(),
+            )
         })
         .collect()
 }
@@ -102,7 +106,7 @@ pub fn decode_both_ways(
                 .forward_batch_graphed(graphs, &prompts, &mut tested)
                 .unwrap();
         }
-        DecodePath::Layout(_) => {
+        DecodePath::Layout { .. } => {
             model.forward_batch(&prompts, &mut tested).unwrap();
         }
     }
@@ -117,8 +121,8 @@ pub fn decode_both_ways(
             DecodePath::Graphed(graphs) => model
                 .forward_batch_graphed(graphs, &batch, &mut tested)
                 .unwrap(),
-            DecodePath::Layout(columns) => model
-                .forward_batch_graph_layout(&batch, &mut tested, *columns)
+            DecodePath::Layout { columns, rows } => model
+                .forward_batch_graph_layout(&batch, &mut tested, *columns, *rows)
                 .unwrap(),
         });
         assert_eq!(got.len(), batch.len());

@@ -3,8 +3,11 @@
 //! them).
 //!
 //! [`Glm5ForCausalLM::forward_batch_graphed`] runs a decode step (one token per sequence) of `B` sequences
-//! whose block tables fit `C` columns from graphs captured for `(B, C)`: `C` is the step's block count
-//! rounded up to a power of two, so a growing sequence is captured again only when its blocks double. Each
+//! whose block tables fit `C` columns from graphs captured for `(R, C)`: `R` is the next capture size at or
+//! above `B` (1, 2, 4, 8, 16, 24, 32, 48, ... 256), its rows past `B` repeating the last sequence (the same
+//! token at the same position writes the same KV row with the same values; their logits are dropped), and
+//! `C` is the step's block count rounded up to a power of two, so a growing sequence is captured again only
+//! when its blocks double. Each
 //! segment of the forward pass on one GPU (the embeddings, its layers, the head; several where the plan
 //! places layers over several GPUs) is one graph; the host hands the hidden state from one segment's output
 //! tensor to the next one's input tensor between replays, ordered by stream waits
@@ -85,22 +88,46 @@ struct DecodeValues {
 }
 
 impl DecodeValues {
-    fn of(batch: &[SeqChunk], step: &StepLayout, columns: usize) -> Self {
+    /// The step's values for a `(rows, C)` graph: its `B` sequences, then `rows - B` copies of the last one
+    /// (module docs: a padded row repeats the last sequence's token, so it writes the same KV row with the
+    /// same values, and its logits are dropped).
+    fn of(batch: &[SeqChunk], step: &StepLayout, columns: usize, rows: usize) -> Self {
         let b = step.batch;
-        let mut block_table = vec![0; b * columns];
+        let mut block_table = vec![0; rows * columns];
         for (row, blocks) in step.block_table.chunks(step.max_blocks.max(1)).enumerate() {
             block_table[row * columns..row * columns + blocks.len()].copy_from_slice(blocks);
         }
+        let last = b - 1;
+        for row in b..rows {
+            block_table.copy_within(last * columns..(last + 1) * columns, row * columns);
+        }
+        // Row r's value of a per-sequence list: its own, or the last sequence's for a padded row.
+        let padded =
+            |values: Vec<i64>| -> Vec<i64> { (0..rows).map(|r| values[r.min(last)]).collect() };
+        let ids = padded(batch.iter().map(|e| e.tokens[0] as i64).collect());
+        let positions = padded(step.positions.iter().map(|&p| p as i64).collect());
+        let seq_lens = padded(step.seq_lens.iter().map(|&l| l as i64).collect());
+        let write_rows = padded(step.write_rows.iter().map(|&r| r as i64).collect());
         Self {
-            ids: batch.iter().map(|e| e.tokens[0]).collect(),
-            positions: step.positions.iter().map(|&p| p as u32).collect(),
+            ids: ids.iter().map(|&v| v as u32).collect(),
+            positions: positions.iter().map(|&p| p as u32).collect(),
             block_table,
-            seq_lens: step.seq_lens.clone(),
-            token_seq: step.token_seq.clone(),
-            write_rows: step.write_rows.clone(),
-            visible: step.positions.iter().map(|&p| p as i32 + 1).collect(),
+            seq_lens: seq_lens.iter().map(|&l| l as i32).collect(),
+            // One token a sequence: token r belongs to row r.
+            token_seq: (0..rows as i32).collect(),
+            write_rows: write_rows.iter().map(|&r| r as u32).collect(),
+            visible: positions.iter().map(|&p| p as i32 + 1).collect(),
         }
     }
+}
+
+/// [`DecodeGraphs::capture_rows`].
+fn graph_rows(batch: usize) -> usize {
+    const SIZES: [usize; 13] = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256];
+    SIZES
+        .into_iter()
+        .find(|&size| size >= batch)
+        .unwrap_or(batch)
 }
 
 /// A step's inputs on the devices that read them: the token ids on the embeddings' device, and the layout
@@ -247,6 +274,13 @@ impl DecodeGraphs {
         &self.stats
     }
 
+    /// The batch size a decode step of `batch` sequences is captured at: the next of a few sizes (as vLLM
+    /// captures), so that batches that grow and shrink share graphs; the rows past `batch` repeat its last
+    /// sequence. Past the largest size, the batch itself.
+    pub fn capture_rows(batch: usize) -> usize {
+        graph_rows(batch)
+    }
+
     /// Graphs held now.
     pub fn len(&self) -> usize {
         self.captured.len()
@@ -358,9 +392,9 @@ impl Glm5ForCausalLM {
         }
     }
 
-    /// A decode step run eagerly through the tensors a `(B, C)` graph reads, `C` at least `min_columns`
-    /// (the graph path's layout: padded block tables, RoPE rows gathered on the device, the indexer
-    /// bounded by the columns' capacity). It checks that layout on any device, the CPU included, where no
+    /// A decode step run eagerly through the tensors a `(rows, C)` graph reads, `C` at least `min_columns`
+    /// and `rows` the capture size of at least `min_rows` (the graph path's layout: padded rows and block
+    /// tables, RoPE rows gathered on the device, the indexer bounded by the columns' capacity). It checks that layout on any device, the CPU included, where no
     /// graph is captured; the logits equal [`Self::forward_batch`]'s.
     #[doc(hidden)]
     pub fn forward_batch_graph_layout(
@@ -368,6 +402,7 @@ impl Glm5ForCausalLM {
         batch: &[SeqChunk],
         pool: &mut PagedKvCache,
         min_columns: usize,
+        min_rows: usize,
     ) -> Result<Tensor> {
         if batch.iter().any(|e| e.tokens.len() != 1) {
             return Err(ModelError::CacheShape(
@@ -391,9 +426,11 @@ impl Glm5ForCausalLM {
                     )?);
                 }
             }
-            let values = DecodeValues::of(batch, &step, columns);
+            let rows = graph_rows(batch.len().max(min_rows));
+            let values = DecodeValues::of(batch, &step, columns, rows);
             let inputs = StepInputs::new(self, &values, columns, block_size, &tables)?;
-            self.forward_paged(&inputs.ids, pool, |d| inputs.device_step(d), None)
+            let logits = self.forward_paged(&inputs.ids, pool, |d| inputs.device_step(d), None)?;
+            Ok(logits.narrow(0, 0, batch.len())?)
         };
         match run() {
             Ok(logits) => {
@@ -418,7 +455,7 @@ impl Glm5ForCausalLM {
             false => {
                 Some("the step has prompt chunks (graphs are captured for decode steps)".into())
             }
-            true => self.decode_graph_blocker(batch.len()),
+            true => self.decode_graph_blocker(graph_rows(batch.len())),
         };
         if let Some(why) = blocker {
             graphs.eager(why);
@@ -426,14 +463,16 @@ impl Glm5ForCausalLM {
         }
         graphs.bind(self, pool)?;
         let columns = step.max_blocks.next_power_of_two();
-        let key = (batch.len(), columns);
+        let rows = graph_rows(batch.len());
+        let key = (rows, columns);
         if let Some((_, why)) = graphs.refused.iter().find(|(k, _)| *k == key) {
             let why = why.clone();
             graphs.eager(why);
             return self.run_step(batch, step, pool, false);
         }
         graphs.clock += 1;
-        let values = DecodeValues::of(batch, step, columns);
+        let values = DecodeValues::of(batch, step, columns, rows);
+        let real = |logits: Tensor| -> Result<Tensor> { Ok(logits.narrow(0, 0, batch.len())?) };
         if let Some(at) = graphs
             .captured
             .iter()
@@ -447,23 +486,20 @@ impl Glm5ForCausalLM {
             return match replayed {
                 Ok(logits) => {
                     graphs.stats.replayed += 1;
-                    Ok(logits)
+                    real(logits)
                 }
                 Err(e) => {
                     // A failed replay wrote at most this step's KV rows, which the eager run writes
                     // again; this shape runs eagerly from now on.
                     graphs.captured.remove(at);
-                    let why = format!(
-                        "replaying the ({}, {columns}) graph failed: {e}",
-                        batch.len()
-                    );
+                    let why = format!("replaying the ({rows}, {columns}) graph failed: {e}");
                     graphs.refused.push((key, why.clone()));
                     graphs.eager(why);
                     self.run_step(batch, step, pool, false)
                 }
             };
         }
-        self.capture_decode(graphs, values, key, pool)
+        real(self.capture_decode(graphs, values, key, pool)?)
     }
 
     /// Captures the `(B, C)` step and returns its logits: run once eagerly over the graphs' tensors (which
