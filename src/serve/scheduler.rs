@@ -206,8 +206,8 @@ pub struct SchedulerConfig {
     pub cuda_graphs: bool,
 }
 
-/// Decode-step graphs the engine keeps: one per (batch, block-table width) it meets, the least recently
-/// used dropped first.
+/// Decode-step graphs the engine keeps: one per (capture size, block-table width) it meets, the least
+/// recently used dropped first.
 const MAX_DECODE_GRAPHS: usize = 32;
 
 /// Why a request was not queued.
