@@ -13,7 +13,7 @@ use glm5::{
 
 #[path = "common/fixtures.rs"]
 mod fixtures;
-use fixtures::{fixture_dir, reference};
+use fixtures::{fixture_dir, load_split, reference};
 
 const BLOCK: usize = 4;
 
@@ -494,58 +494,15 @@ fn graphed_decode_on_the_cpu_runs_eagerly_and_says_why() {
 #[test]
 fn split_model_batches_and_graph_layout_equal_one_device() {
     let single = load("sparse_long", AttentionMode::Sparse, KeyFormat::Float);
-    let dir = fixture_dir("sparse_long");
-    let config = Config::from_file(dir.join("config.json")).unwrap();
-    let n = config.num_hidden_layers;
-    let mut options = PlanOptions::new(DType::F32, AttentionMode::Sparse);
-    options.layer_devices = Some((0..n).map(|l| usize::from(l >= n / 2)).collect());
-    let plan = Plan::build(
-        &config,
-        vec![DeviceDesc::of(&Device::Cpu).unwrap(); 2],
-        &options,
-        &Registry::builtin(),
-    )
-    .unwrap();
-    assert_eq!(plan.boundaries(), vec![(n / 2, 0, 1)]);
-    let split = Glm5ForCausalLM::load_planned(
-        &config,
-        &Checkpoint::open(&dir).unwrap(),
-        plan,
-        &[Device::Cpu, Device::Cpu],
-    )
-    .unwrap();
-    // One mixed step (prompt chunks of different lengths), then a decode step, on both models.
-    let seqs: Vec<Vec<u32>> = [(1, 7), (2, 3)]
-        .iter()
-        .map(|&(seed, len)| tokens(seed, len, config.vocab_size))
-        .collect();
-    let rows_of = |model: &Glm5ForCausalLM| {
-        let mut pool = pool(model, 8);
-        let ids: Vec<SeqId> = seqs.iter().map(|_| pool.add_sequence()).collect();
-        let prompts: Vec<SeqChunk> = seqs
-            .iter()
-            .zip(&ids)
-            .map(|(s, &seq)| SeqChunk {
-                seq,
-                tokens: &s[..s.len() - 1],
-                start_pos: 0,
-            })
-            .collect();
-        let mut out = rows(&model.forward_batch_all(&prompts, &mut pool).unwrap());
-        let last: Vec<SeqChunk> = seqs
-            .iter()
-            .zip(&ids)
-            .map(|(s, &seq)| SeqChunk {
-                seq,
-                tokens: &s[s.len() - 1..],
-                start_pos: s.len() - 1,
-            })
-            .collect();
-        out.extend(rows(&model.forward_batch(&last, &mut pool).unwrap()));
-        out
-    };
-    let (want, got) = (rows_of(&single), rows_of(&split));
-    for (g, w) in got.iter().zip(&want) {
+    let split = load_split("sparse_long", &[Device::Cpu, Device::Cpu]);
+    // Prompt chunks of different lengths in one step, then a decode step of both.
+    let vocab = single.config().vocab_size;
+    let seqs = vec![tokens(1, 7, vocab), tokens(2, 3, vocab)];
+    let schedule = vec![vec![(0, 6), (1, 2)], vec![(0, 1), (1, 1)]];
+    let want = run_schedule(&single, &mut pool(&single, 8), &seqs, &schedule);
+    let got = run_schedule(&split, &mut pool(&split, 8), &seqs, &schedule);
+    assert_eq!(got.concat().len(), want.concat().len());
+    for (g, w) in got.iter().flatten().zip(want.iter().flatten()) {
         assert_eq!(max_diff(g, w), 0.0, "split vs one device");
     }
     assert_eq!(split.transfers(), 2, "one hop a step");

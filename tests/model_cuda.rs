@@ -7,7 +7,9 @@ use glm5::{AttentionMode, Glm5ForCausalLM};
 
 #[path = "common/fixtures.rs"]
 mod fixtures;
-use fixtures::{decode_rows, fixture_dir, logit_rows, max_abs_diff, reference, relative_l2};
+use fixtures::{
+    decode_rows, fixture_dir, load_split, logit_rows, max_abs_diff, reference, relative_l2,
+};
 
 /// The fixture `name` on `device` in `dtype`: prefill of `decode_from` ids, then decode (every logit row).
 fn logits(
@@ -83,38 +85,16 @@ fn bf16_on_gpu_stays_close_to_f32() {
 /// boundary every forward, and each layer's KV cache lives on its device.
 #[test]
 fn layers_split_over_cuda_and_cpu_match_all_cpu() {
-    use glm5::models::Checkpoint;
-    use glm5::{Config, DeviceDesc, Plan, PlanOptions, Registry};
     let gpu = Device::new_cuda(0).unwrap();
     for name in FIXTURES {
         let (ids, _) = reference(name);
-        let dir = fixture_dir(name);
-        let config = Config::from_file(dir.join("config.json")).unwrap();
-        let n = config.num_hidden_layers;
         let cpu_rows = logits(name, DType::F32, &Device::Cpu, &ids, 6);
 
-        let mut options = PlanOptions::new(DType::F32, AttentionMode::Sparse);
-        options.layer_devices = Some((0..n).map(|l| usize::from(l >= n / 2)).collect());
-        let devices = [gpu.clone(), Device::Cpu];
-        let plan = Plan::build(
-            &config,
-            devices.iter().map(|d| DeviceDesc::of(d).unwrap()).collect(),
-            &options,
-            &Registry::builtin(),
-        )
-        .unwrap();
-        assert_eq!(plan.boundaries(), vec![(n / 2, 0, 1)]);
+        let model = load_split(name, &[gpu.clone(), Device::Cpu]);
         println!(
             "{name}: sparse_mla on cuda:0 = {}",
-            plan.layers[0].ops[0].backend()
+            model.plan().layers[0].ops[0].backend()
         );
-        let model = Glm5ForCausalLM::load_planned(
-            &config,
-            &Checkpoint::open(&dir).unwrap(),
-            plan,
-            &devices,
-        )
-        .unwrap();
         let split_rows = decode_rows(&model, &ids, 6);
         assert_eq!(model.transfers(), 1 + ids.len() - 6);
         let err = max_abs_diff(&split_rows, &cpu_rows);
@@ -464,8 +444,6 @@ fn graphed_decode_on_gpu_equals_eager() {
 /// and so do decode steps replayed from one graph per device's segment.
 #[test]
 fn layers_over_two_streams_without_event_tracking_match_one_device() {
-    use glm5::models::Checkpoint;
-    use glm5::{Config, DeviceDesc, Plan, PlanOptions, Registry};
     let devices = [
         Device::new_cuda_with_stream(0).unwrap(),
         Device::new_cuda_with_stream(0).unwrap(),
@@ -475,27 +453,8 @@ fn layers_over_two_streams_without_event_tracking_match_one_device() {
     glm5::plan_cli::without_event_tracking(std::slice::from_ref(&one));
     for name in FIXTURES {
         let (ids, _) = reference(name);
-        let dir = fixture_dir(name);
-        let config = Config::from_file(dir.join("config.json")).unwrap();
-        let n = config.num_hidden_layers;
         let alone = logits(name, DType::F32, &one, &ids, 6);
-        let mut options = PlanOptions::new(DType::F32, AttentionMode::Sparse);
-        options.layer_devices = Some((0..n).map(|l| usize::from(l >= n / 2)).collect());
-        let plan = Plan::build(
-            &config,
-            devices.iter().map(|d| DeviceDesc::of(d).unwrap()).collect(),
-            &options,
-            &Registry::builtin(),
-        )
-        .unwrap();
-        assert_eq!(plan.boundaries(), vec![(n / 2, 0, 1)]);
-        let model = Glm5ForCausalLM::load_planned(
-            &config,
-            &Checkpoint::open(&dir).unwrap(),
-            plan,
-            &devices,
-        )
-        .unwrap();
+        let model = load_split(name, &devices);
         let split = decode_rows(&model, &ids, 6);
         assert_eq!(model.transfers(), 1 + ids.len() - 6);
         let err = max_abs_diff(&split, &alone);

@@ -18,7 +18,7 @@ use glm5::{
 
 #[path = "common/fixtures.rs"]
 mod fixtures;
-use fixtures::{decode_rows, fixture_dir, max_abs_diff};
+use fixtures::{decode_rows, fixture_dir, load_split, max_abs_diff};
 
 #[test]
 fn a_model_split_over_two_devices_moves_hidden_states_and_matches_one_device() {
@@ -36,23 +36,7 @@ fn a_model_split_over_two_devices_moves_hidden_states_and_matches_one_device() {
         assert_eq!(single.transfers(), 0);
 
         // Layers 0..n/2 on plan device 0, the rest (and lm_head) on plan device 1: both the CPU.
-        let mut options = PlanOptions::new(DType::F32, AttentionMode::Sparse);
-        options.layer_devices = Some((0..n).map(|l| usize::from(l >= n / 2)).collect());
-        let plan = Plan::build(
-            &config,
-            vec![DeviceDesc::of(&Device::Cpu).unwrap(); 2],
-            &options,
-            &Registry::builtin(),
-        )
-        .unwrap();
-        assert_eq!(plan.boundaries(), vec![(n / 2, 0, 1)]);
-        let split = Glm5ForCausalLM::load_planned(
-            &config,
-            &Checkpoint::open(&dir).unwrap(),
-            plan,
-            &[Device::Cpu, Device::Cpu],
-        )
-        .unwrap();
+        let split = load_split(name, &[Device::Cpu, Device::Cpu]);
         let got = decode_rows(&split, &ids, 12);
         let calls = 1 + ids.len() - 12;
         assert_eq!(

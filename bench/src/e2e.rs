@@ -356,19 +356,24 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
         .map(|i| (i * 7919 % config.vocab_size) as u32)
         .collect();
 
-    // Prefill of `prefill` tokens from an empty cache (the second of two runs).
-    let mut prefill_ms = 0.0;
-    for _ in 0..2 {
+    // One prefill of `prefill` tokens from an empty cache, in ms (`profiled`: with a profile active).
+    let prefill = |profiled: bool| -> Result<f64> {
         let mut cache = model.new_cache(args.prefill + 1).map_err(cuda)?;
         device.synchronize()?;
+        if profiled {
+            profile::start();
+        }
         let start = Instant::now();
         model
             .forward(&ids[..args.prefill], 0, &mut cache)
             .map_err(cuda)?
             .argmax(1)?
             .to_vec1::<u32>()?;
-        prefill_ms = start.elapsed().as_secs_f64() * 1e3;
-    }
+        Ok(start.elapsed().as_secs_f64() * 1e3)
+    };
+    // The second of two runs.
+    prefill(false)?;
+    let prefill_ms = prefill(false)?;
     let active_params: u64 = bf16_step_bytes / 2;
     let prefill_flops = 2.0 * active_params as f64 * args.prefill as f64;
     println!(
@@ -381,16 +386,7 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
     // A third, profiled prefill: where its time goes (each part synchronised around itself, which costs a
     // prefill little next to its length).
     {
-        let mut cache = model.new_cache(args.prefill + 1).map_err(cuda)?;
-        device.synchronize()?;
-        profile::start();
-        let start = Instant::now();
-        model
-            .forward(&ids[..args.prefill], 0, &mut cache)
-            .map_err(cuda)?
-            .argmax(1)?
-            .to_vec1::<u32>()?;
-        let total_ms = start.elapsed().as_secs_f64() * 1e3;
+        let total_ms = prefill(true)?;
         let parts = profile::finish().unwrap_or_default();
         println!(
             "prefill split (ms, one profiled run of {total_ms:.1}): attention {:.1}, indexer {:.1}, MoE {:.1}, dense MLP {:.1}, rest {:.1}",

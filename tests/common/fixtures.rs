@@ -4,7 +4,8 @@
 use std::path::PathBuf;
 
 use glm5::candle_core::{DType, Device, Tensor};
-use glm5::Glm5ForCausalLM;
+use glm5::models::Checkpoint;
+use glm5::{AttentionMode, Config, DeviceDesc, Glm5ForCausalLM, Plan, PlanOptions, Registry};
 
 pub fn fixture_dir(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -84,4 +85,25 @@ pub fn second_worst_relative_l2(got: &[Vec<f32>], want: &[Vec<f32>]) -> f32 {
         .collect();
     per.sort_by(|a, b| b.total_cmp(a));
     per.get(1).or(per.first()).copied().unwrap_or(0.0)
+}
+
+/// The fixture `name` in f32 with sparse attention, its layers split over two plan devices: the first half
+/// on `devices[0]` (with the embeddings), the rest and `lm_head` on `devices[1]`, one hidden-state hop at
+/// layer n/2 (checked in the plan).
+#[allow(dead_code)] // not every test crate that includes this module splits a model
+pub fn load_split(name: &str, devices: &[Device; 2]) -> Glm5ForCausalLM {
+    let dir = fixture_dir(name);
+    let config = Config::from_file(dir.join("config.json")).unwrap();
+    let n = config.num_hidden_layers;
+    let mut options = PlanOptions::new(DType::F32, AttentionMode::Sparse);
+    options.layer_devices = Some((0..n).map(|l| usize::from(l >= n / 2)).collect());
+    let plan = Plan::build(
+        &config,
+        devices.iter().map(|d| DeviceDesc::of(d).unwrap()).collect(),
+        &options,
+        &Registry::builtin(),
+    )
+    .unwrap();
+    assert_eq!(plan.boundaries(), vec![(n / 2, 0, 1)]);
+    Glm5ForCausalLM::load_planned(&config, &Checkpoint::open(&dir).unwrap(), plan, devices).unwrap()
 }

@@ -378,18 +378,9 @@ impl Glm5ForCausalLM {
         batch: &[SeqChunk],
         pool: &mut PagedKvCache,
     ) -> Result<Tensor> {
-        self.check_batch(batch, pool)?;
-        let step = pool.begin_step(batch)?;
-        match self.run_graphed(graphs, batch, &step, pool) {
-            Ok(logits) => {
-                pool.commit(&step);
-                Ok(logits)
-            }
-            Err(e) => {
-                pool.rollback(&step);
-                Err(e)
-            }
-        }
+        self.in_step(batch, pool, |step, pool| {
+            self.run_graphed(graphs, batch, step, pool)
+        })
     }
 
     /// A decode step run eagerly through the tensors a `(rows, C)` graph reads, `C` at least `min_columns`
@@ -409,39 +400,16 @@ impl Glm5ForCausalLM {
                 "a graph's layout holds one token per sequence".into(),
             ));
         }
-        self.check_batch(batch, pool)?;
-        let step = pool.begin_step(batch)?;
-        let columns = step.max_blocks.max(min_columns).next_power_of_two();
-        let block_size = pool.block_size();
-        let run = || -> Result<Tensor> {
-            let mut tables: Vec<Option<Rope>> = vec![None; self.devices.len()];
-            for layer in &self.plan.layers {
-                if tables[layer.device].is_none() {
-                    tables[layer.device] = Some(Rope::at_positions(
-                        &self.config,
-                        0,
-                        columns * block_size,
-                        self.dtype,
-                        &self.devices[layer.device],
-                    )?);
-                }
-            }
+        self.in_step(batch, pool, |step, pool| {
+            let columns = step.max_blocks.max(min_columns).next_power_of_two();
+            let block_size = pool.block_size();
+            let tables = DecodeGraphs::new(1).rope_tables(self, columns * block_size)?;
             let rows = graph_rows(batch.len().max(min_rows));
-            let values = DecodeValues::of(batch, &step, columns, rows);
+            let values = DecodeValues::of(batch, step, columns, rows);
             let inputs = StepInputs::new(self, &values, columns, block_size, &tables)?;
             let logits = self.forward_paged(&inputs.ids, pool, |d| inputs.device_step(d), None)?;
             Ok(logits.narrow(0, 0, batch.len())?)
-        };
-        match run() {
-            Ok(logits) => {
-                pool.commit(&step);
-                Ok(logits)
-            }
-            Err(e) => {
-                pool.rollback(&step);
-                Err(e)
-            }
-        }
+        })
     }
 
     fn run_graphed(

@@ -573,9 +573,22 @@ impl Glm5ForCausalLM {
         pool: &mut PagedKvCache,
         all_logits: bool,
     ) -> Result<Tensor> {
+        self.in_step(batch, pool, |step, pool| {
+            self.run_step(batch, step, pool, all_logits)
+        })
+    }
+
+    /// Checks `batch`, takes the blocks its tokens need from `pool`, runs `run` over its layout, and
+    /// commits the step, or on error gives the blocks back (the pool as before).
+    fn in_step(
+        &self,
+        batch: &[SeqChunk],
+        pool: &mut PagedKvCache,
+        run: impl FnOnce(&StepLayout, &PagedKvCache) -> Result<Tensor>,
+    ) -> Result<Tensor> {
         self.check_batch(batch, pool)?;
         let step = pool.begin_step(batch)?;
-        match self.run_step(batch, &step, pool, all_logits) {
+        match run(&step, pool) {
             Ok(logits) => {
                 pool.commit(&step);
                 Ok(logits)

@@ -312,35 +312,29 @@ pub(super) fn experts_grouped_gemm(
     let (h_ptr, _) = device_address(&h)?;
     let (y_ptr, _) = device_address(&y)?;
     let bytes = dtype.size_in_bytes() as u64;
-    let gate_up_problems: Vec<Problem> = grouped
-        .runs
-        .iter()
-        .map(|&(e, first, rows)| Problem {
-            out: two_inter,
-            n_rows: rows,
-            k: hidden,
-            a: gate_up_ptr + (e * two_inter * hidden) as u64 * bytes,
-            b: xs_ptr + (first * hidden) as u64 * bytes,
-            c: h_ptr + (first * two_inter) as u64 * bytes,
-            ldc: two_inter,
-        })
-        .collect();
+    // One problem per run of sorted rows: its expert's [out, k] matrix of the stack at `weights` times the
+    // run's k-wide rows at `input`, into its out-wide rows at `output`.
+    let problems =
+        |(out, k): (usize, usize), weights: u64, input: u64, output: u64| -> Vec<Problem> {
+            grouped
+                .runs
+                .iter()
+                .map(|&(e, first, rows)| Problem {
+                    out,
+                    n_rows: rows,
+                    k,
+                    a: weights + (e * out * k) as u64 * bytes,
+                    b: input + (first * k) as u64 * bytes,
+                    c: output + (first * out) as u64 * bytes,
+                    ldc: out,
+                })
+                .collect()
+        };
+    let gate_up_problems = problems((two_inter, hidden), gate_up_ptr, xs_ptr, h_ptr);
     grouped_gemm(&dev, device, dtype, &gate_up_problems)?;
     let act = silu_times_up(&h, inter)?;
     let (act_ptr, _) = device_address(&act)?;
-    let down_problems: Vec<Problem> = grouped
-        .runs
-        .iter()
-        .map(|&(e, first, rows)| Problem {
-            out: hidden,
-            n_rows: rows,
-            k: inter,
-            a: down_ptr + (e * hidden * inter) as u64 * bytes,
-            b: act_ptr + (first * inter) as u64 * bytes,
-            c: y_ptr + (first * hidden) as u64 * bytes,
-            ldc: hidden,
-        })
-        .collect();
+    let down_problems = problems((hidden, inter), down_ptr, act_ptr, y_ptr);
     grouped_gemm(&dev, device, dtype, &down_problems)?;
     combine(&y, routes, &grouped, tokens, dtype)
 }
@@ -392,47 +386,38 @@ pub(super) fn experts_bucketed_gemm(
     let mut buckets: Vec<usize> = blocks.iter().map(|b| b.3).collect();
     buckets.sort_unstable();
     buckets.dedup();
-    for &padded in &buckets {
-        let members = || blocks.iter().filter(move |b| b.3 == padded);
-        let gate_up_addresses: Vec<(u64, u64, u64)> = members()
-            .map(|&(e, first, _, _, at)| {
-                (
-                    gate_up_ptr + (e * two_inter * hidden) as u64 * bytes,
-                    xs_ptr + (first * hidden) as u64 * bytes,
-                    h_ptr + (at * two_inter) as u64 * bytes,
-                )
-            })
-            .collect();
-        batched_gemm(
-            &dev,
-            device,
-            dtype,
-            (two_inter, padded, hidden, two_inter),
-            &gate_up_addresses,
-        )?;
-    }
+    // One batched GEMM per bucket: each block's expert [out, k] matrix of the stack at `weights` times its
+    // k-wide input rows at `input` (from the block's row `input_row` picks), into its padded out-wide rows at
+    // `output`.
+    let run_buckets = |(out, k): (usize, usize),
+                       weights: u64,
+                       input: u64,
+                       input_row: fn(&(usize, usize, usize, usize, usize)) -> usize,
+                       output: u64|
+     -> Result<()> {
+        for &padded in &buckets {
+            let addresses: Vec<(u64, u64, u64)> = blocks
+                .iter()
+                .filter(|b| b.3 == padded)
+                .map(|block| {
+                    let (e, at) = (block.0, block.4);
+                    (
+                        weights + (e * out * k) as u64 * bytes,
+                        input + (input_row(block) * k) as u64 * bytes,
+                        output + (at * out) as u64 * bytes,
+                    )
+                })
+                .collect();
+            batched_gemm(&dev, device, dtype, (out, padded, k, out), &addresses)?;
+        }
+        Ok(())
+    };
+    // Gate and up read the gathered rows in sorted order (a block's first sorted row); down reads the
+    // activations in the padded blocks' rows.
+    run_buckets((two_inter, hidden), gate_up_ptr, xs_ptr, |b| b.1, h_ptr)?;
     let act = silu_times_up(&h, inter)?;
     let (act_ptr, _) = device_address(&act)?;
-    for &padded in &buckets {
-        let down_addresses: Vec<(u64, u64, u64)> = blocks
-            .iter()
-            .filter(|b| b.3 == padded)
-            .map(|&(e, _, _, _, at)| {
-                (
-                    down_ptr + (e * hidden * inter) as u64 * bytes,
-                    act_ptr + (at * inter) as u64 * bytes,
-                    y_ptr + (at * hidden) as u64 * bytes,
-                )
-            })
-            .collect();
-        batched_gemm(
-            &dev,
-            device,
-            dtype,
-            (hidden, padded, inter, hidden),
-            &down_addresses,
-        )?;
-    }
+    run_buckets((hidden, inter), down_ptr, act_ptr, |b| b.4, y_ptr)?;
     // Each sorted row's output from its block.
     let mut from_block = vec![0u32; n_assign];
     for &(_, first, rows, _, at) in &blocks {
