@@ -18,6 +18,9 @@ pub enum Error {
     /// A sampling or stopping setting is out of range.
     #[error("invalid generation parameter: {0}")]
     InvalidParams(String),
+    /// The probabilities of a step cannot be sampled from (negative, NaN, or all zero).
+    #[error("cannot sample the next token: {0}")]
+    Sampling(String),
     /// Generation was asked to continue an empty prompt.
     #[error("the prompt is empty")]
     EmptyPrompt,

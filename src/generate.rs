@@ -7,10 +7,10 @@
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Tensor, D};
-use candle_transformers::generation::{LogitsProcessor, Sampling};
 
 use crate::error::{Error, Result};
 use crate::models::{PagedCacheOptions, PagedKvCache, SeqChunk, SeqId, DEFAULT_BLOCK_SIZE};
+pub use crate::sampling::{apply_min_p, Sampler};
 use crate::tokenizer::TokenStream;
 use crate::{DecodeGraphs, Glm5ForCausalLM, GraphStats, KvCache};
 
@@ -86,65 +86,6 @@ impl GenerationParams {
         }
         Ok(())
     }
-}
-
-/// Picks next tokens from logits: repetition penalty, then temperature / top-k / top-p / min-p through
-/// candle-transformers' `LogitsProcessor`.
-pub struct Sampler {
-    processor: LogitsProcessor,
-    min_p: Option<f64>,
-    repetition_penalty: f32,
-    repeat_last_n: usize,
-}
-
-impl Sampler {
-    /// A sampler for `params` (its seed starts the random generator).
-    pub fn new(params: &GenerationParams) -> Self {
-        let temperature = params.temperature;
-        let sampling = match (temperature > 0.0, params.top_k, params.top_p) {
-            (false, _, _) => Sampling::ArgMax,
-            (true, None, None) => Sampling::All { temperature },
-            (true, Some(k), None) => Sampling::TopK { k, temperature },
-            (true, None, Some(p)) => Sampling::TopP { p, temperature },
-            (true, Some(k), Some(p)) => Sampling::TopKThenTopP { k, p, temperature },
-        };
-        Self {
-            processor: LogitsProcessor::from_sampling(params.seed, sampling),
-            min_p: params.min_p.filter(|_| temperature > 0.0),
-            repetition_penalty: params.repetition_penalty,
-            repeat_last_n: params.repeat_last_n,
-        }
-    }
-
-    /// The next token given `logits` `[vocab]` and the tokens so far.
-    pub fn sample(&mut self, logits: &Tensor, history: &[u32]) -> Result<u32> {
-        let logits = if self.repetition_penalty == 1.0 {
-            logits.clone()
-        } else {
-            let recent = &history[history.len().saturating_sub(self.repeat_last_n)..];
-            candle_transformers::utils::apply_repeat_penalty(
-                logits,
-                self.repetition_penalty,
-                recent,
-            )?
-        };
-        let min_p = self.min_p;
-        Ok(self.processor.sample_f(&logits, |probs| {
-            if let Some(min_p) = min_p {
-                apply_min_p(probs, min_p);
-            }
-        })?)
-    }
-}
-
-/// Zeroes every probability below `min_p` times the largest one.
-pub fn apply_min_p(probs: &mut [f32], min_p: f64) {
-    let max = probs.iter().copied().fold(0.0f32, f32::max);
-    let threshold = (max as f64 * min_p) as f32;
-    probs
-        .iter_mut()
-        .filter(|p| **p < threshold)
-        .for_each(|p| *p = 0.0);
 }
 
 /// Why generation ended.

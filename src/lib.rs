@@ -14,6 +14,7 @@ pub mod hub_gguf;
 pub mod model;
 pub mod plan_cli;
 pub mod reasoning;
+pub mod sampling;
 pub mod serve;
 pub mod tokenizer;
 pub mod tool_calls;

@@ -345,3 +345,179 @@ fn graphed_sequences_generate_the_tokens_of_contiguous_ones() {
     assert_eq!(reused, fresh);
     assert!(sequence.len() > reused_len);
 }
+
+/// Logits of `vocab` tokens from a small generator: `spread` scales them (large: a few likely tokens; small:
+/// a flat distribution), and `levels` > 0 rounds them to that many steps so that equal values (ties) occur.
+fn random_logits(vocab: usize, spread: f32, levels: f32, state: &mut u64) -> Vec<f32> {
+    (0..vocab)
+        .map(|_| {
+            *state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let u = (*state >> 40) as f32 / (1u64 << 24) as f32; // [0, 1)
+            let v = spread * (u * 2.0 - 1.0).powi(3);
+            if levels > 0.0 {
+                (v * levels).round() / levels
+            } else {
+                v
+            }
+        })
+        .collect()
+}
+
+/// glm5's sampler draws the same tokens as candle-transformers' LogitsProcessor for the same seed, in every
+/// rule: its top-p sorts only candidates above a threshold (lowered until the walk decides) instead of the
+/// whole vocabulary, which must keep exactly the same tokens, ties included.
+#[test]
+fn sampler_draws_logits_processors_tokens() {
+    use candle_transformers::generation::{LogitsProcessor, Sampling};
+    let mut state = 7u64;
+    let mut cases = 0;
+    for (vocab, spread, levels) in [
+        (5, 3.0, 0.0),
+        (1000, 12.0, 0.0),
+        (1000, 0.5, 0.0),
+        (4096, 20.0, 2.0),
+        (4096, 8.0, 1.0),
+        (30_000, 25.0, 0.0),
+    ] {
+        let values = random_logits(vocab, spread, levels, &mut state);
+        let rules: Vec<(Option<usize>, Option<f64>, Option<f64>)> = vec![
+            (None, None, None),
+            (None, Some(0.1), None),
+            (None, Some(0.5), None),
+            (None, Some(0.9), None),
+            (None, Some(0.95), None),
+            (None, Some(0.999), None),
+            (Some(3), None, None),
+            (Some(50), Some(0.8), None),
+            (Some(50), Some(1.0), None),
+            (Some(vocab + 1), Some(0.7), None),
+            (None, Some(0.95), Some(0.05)),
+        ];
+        for (top_k, top_p, min_p) in rules {
+            for temperature in [0.7, 1.0, 1.6] {
+                let params = GenerationParams {
+                    temperature,
+                    top_k,
+                    top_p,
+                    min_p,
+                    seed: cases,
+                    ..Default::default()
+                };
+                let sampling = match (top_k, top_p) {
+                    (None, None) => Sampling::All { temperature },
+                    (Some(k), None) => Sampling::TopK { k, temperature },
+                    (None, Some(p)) => Sampling::TopP { p, temperature },
+                    (Some(k), Some(p)) => Sampling::TopKThenTopP { k, p, temperature },
+                };
+                let mut reference = LogitsProcessor::from_sampling(cases, sampling);
+                let mut sampler = Sampler::new(&params);
+                let tensor = logits(&values);
+                for draw in 0..40 {
+                    let expected = reference
+                        .sample_f(&tensor, |probs| {
+                            if let Some(min_p) = min_p {
+                                apply_min_p(probs, min_p);
+                            }
+                        })
+                        .unwrap();
+                    assert_eq!(
+                        sampler.sample(&tensor, &[]).unwrap(),
+                        expected,
+                        "vocab {vocab}, spread {spread}, levels {levels}, top_k {top_k:?}, top_p {top_p:?}, \
+                         min_p {min_p:?}, temperature {temperature}, draw {draw}"
+                    );
+                }
+                cases += 1;
+            }
+        }
+    }
+}
+
+/// `keep_top_p` zeroes what sorting the whole vector and walking it zeroes: the smallest prefix (by
+/// probability, equal ones in index order) whose running sum reaches p, on vectors whose nucleus lies below
+/// the first thresholds too (a flat tail holding most of the mass).
+#[test]
+fn keep_top_p_equals_the_whole_sort() {
+    let reference = |probs: &[f32], p: f32| {
+        let mut order: Vec<usize> = (0..probs.len()).collect();
+        order.sort_by(|&i, &j| probs[j].total_cmp(&probs[i]));
+        let mut out = probs.to_vec();
+        let mut sum = 0.0f32;
+        for i in order {
+            if sum >= p {
+                out[i] = 0.0;
+            } else {
+                sum += probs[i];
+            }
+        }
+        out
+    };
+    let mut state = 11u64;
+    for (head, tail) in [(1, 5000), (3, 100_000), (10, 40), (0, 2000)] {
+        // `head` tokens of 0.2 / head each, the rest of the mass spread flat (ties) or randomly over `tail`.
+        for flat in [true, false] {
+            let noise = random_logits(tail, 1.0, 0.0, &mut state);
+            let mut probs: Vec<f32> = (0..head).map(|_| 0.2 / head as f32).collect();
+            let tail_mass = if head == 0 { 1.0 } else { 0.8 };
+            let weights: Vec<f32> = noise
+                .iter()
+                .map(|v| if flat { 1.0 } else { v.abs() + 0.01 })
+                .collect();
+            let total: f32 = weights.iter().sum();
+            probs.extend(weights.iter().map(|w| tail_mass * w / total));
+            for p in [0.05, 0.19, 0.2, 0.21, 0.5, 0.95, 1.0] {
+                let mut fast = probs.clone();
+                glm5::sampling::keep_top_p(&mut fast, p);
+                assert_eq!(
+                    fast,
+                    reference(&probs, p),
+                    "head {head}, tail {tail}, flat {flat}, p {p}"
+                );
+            }
+        }
+    }
+}
+
+/// One step's rows sampled together (one read-back for the greedy rows, one for the sampled ones) give
+/// each row's sampler the tokens it draws alone, row by row, penalised rows included.
+#[test]
+fn sample_rows_equals_each_row_alone() {
+    use glm5::sampling::sample_rows;
+    let mut state = 3u64;
+    let (rows, vocab) = (7, 3000);
+    let all: Vec<f32> = (0..rows)
+        .flat_map(|r| random_logits(vocab, 4.0 + r as f32 * 2.0, 0.0, &mut state))
+        .collect();
+    let batch = Tensor::from_vec(all, (rows, vocab), &Device::Cpu).unwrap();
+    let params: Vec<GenerationParams> = (0..rows)
+        .map(|r| GenerationParams {
+            temperature: [0.0, 1.0, 0.6, 0.0, 1.3, 1.0, 0.8][r],
+            top_p: [None, Some(0.9), None, None, Some(0.5), None, Some(0.95)][r],
+            top_k: [None, None, Some(20), None, None, None, None][r],
+            repetition_penalty: if r == 5 { 1.3 } else { 1.0 },
+            seed: 100 + r as u64,
+            ..Default::default()
+        })
+        .collect();
+    let histories: Vec<Vec<u32>> = (0..rows).map(|r| vec![r as u32, 17, 2999]).collect();
+    let mut together: Vec<Sampler> = params.iter().map(Sampler::new).collect();
+    let mut alone: Vec<Sampler> = params.iter().map(Sampler::new).collect();
+    for step in 0..20 {
+        let mut refs: Vec<&mut Sampler> = together.iter_mut().collect();
+        let history_refs: Vec<&[u32]> = histories.iter().map(Vec::as_slice).collect();
+        let ids = sample_rows(&mut refs, &batch, &history_refs).unwrap();
+        for (r, id) in ids.into_iter().enumerate() {
+            let expected = alone[r]
+                .sample(&batch.get(r).unwrap(), &histories[r])
+                .unwrap();
+            assert_eq!(id.unwrap(), expected, "row {r}, step {step}");
+        }
+    }
+    let mut refs: Vec<&mut Sampler> = together.iter_mut().collect();
+    assert!(matches!(
+        sample_rows(&mut refs[..2], &batch, &[&[], &[]]),
+        Err(Error::Sampling(_))
+    ));
+}

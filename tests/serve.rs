@@ -158,7 +158,12 @@ fn reference(model: &Glm5, prompt: &str, max_tokens: usize, stop: &[&str]) -> Va
         stop_strings: stop.iter().map(|s| s.to_string()).collect(),
         ..Default::default()
     };
-    let mut generation = model.generate(prompt, &params).unwrap();
+    library_reply(model, prompt, &params)
+}
+
+/// The library's continuation of `prompt` under `params`, as [`reference`] reports it.
+fn library_reply(model: &Glm5, prompt: &str, params: &GenerationParams) -> Value {
+    let mut generation = model.generate(prompt, params).unwrap();
     let text: String = generation.by_ref().map(|t| t.unwrap().text).collect();
     json!({
         "text": text,
@@ -661,4 +666,72 @@ fn preempted_sequences_resume_with_their_solo_tokens() {
         assert!(metrics.contains(line), "{line} missing:\n{metrics}");
     }
     assert!(server.log().contains("preempted"), "{}", server.log());
+}
+
+/// Sampled requests running in one batch (greedy, top-p, top-k, plain temperature, each with its seed) get
+/// the tokens the library samples for each alone with the same settings: the server samples a step's
+/// sequences together (one read-back for the greedy rows, one for the others) with the same draws.
+#[test]
+fn batched_sampled_replies_equal_the_librarys_seeded_ones() {
+    let model = model();
+    let max_tokens = 24;
+    let settings = [
+        json!({"temperature": 0}),
+        json!({"temperature": 1.0, "top_p": 0.9, "seed": 11}),
+        // top_p 1 is off (the server's default is the model's generation_config.json's 0.95).
+        json!({"temperature": 0.7, "top_k": 5, "top_p": 1.0, "seed": 12}),
+        json!({"temperature": 1.3, "top_p": 1.0, "seed": 13}),
+        json!({"temperature": 0.9, "top_p": 0.6, "top_k": 40, "min_p": 0.05, "seed": 14}),
+    ];
+    let server = Server::start(&["--max-seqs", "8"]);
+    let threads: Vec<_> = settings
+        .iter()
+        .enumerate()
+        .map(|(i, setting)| {
+            let mut body = json!({"model": MODEL, "prompt": format!("Story {i}: once upon a time"),
+                "max_tokens": max_tokens});
+            body.as_object_mut()
+                .unwrap()
+                .extend(setting.as_object().unwrap().clone());
+            let url = format!("{}/v1/completions", server.url);
+            std::thread::spawn(move || {
+                let out = Command::new("curl")
+                    .args([
+                        "-sS",
+                        "--max-time",
+                        "120",
+                        "-H",
+                        "content-type: application/json",
+                        "-d",
+                    ])
+                    .arg(body.to_string())
+                    .arg(url)
+                    .output()
+                    .expect("curl is needed for this test");
+                serde_json::from_slice::<Value>(&out.stdout).unwrap()
+            })
+        })
+        .collect();
+    for (i, (setting, thread)) in settings.iter().zip(threads).enumerate() {
+        let value = thread.join().unwrap();
+        let number = |key: &str| setting.get(key).and_then(Value::as_f64);
+        let params = GenerationParams {
+            max_new_tokens: max_tokens,
+            temperature: number("temperature").unwrap(),
+            top_p: number("top_p").filter(|p| *p != 1.0),
+            top_k: number("top_k").map(|k| k as usize),
+            min_p: number("min_p"),
+            seed: number("seed").map_or(0, |s| s as u64),
+            ..Default::default()
+        };
+        let expect = library_reply(&model, &format!("Story {i}: once upon a time"), &params);
+        assert_eq!(
+            value["choices"][0]["text"], expect["text"],
+            "{setting}: {value}"
+        );
+        assert_eq!(
+            value["usage"]["completion_tokens"], expect["completion_tokens"],
+            "{setting}"
+        );
+    }
 }

@@ -30,6 +30,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use crate::error::Result;
 use crate::generate::{take_text_before_stop, GenerationParams, Sampler};
 use crate::models::{PagedCacheOptions, PagedKvCache, SeqChunk, SeqId, DEFAULT_BLOCK_SIZE};
+use crate::sampling::sample_rows;
 use crate::tokenizer::{TokenStream, Tokenizer};
 use crate::{DecodeGraphs, FinishReason, Glm5ForCausalLM};
 
@@ -674,8 +675,13 @@ impl Engine {
             }
             None => model.forward_batch(&batch, pool),
         };
+        let mut picks: Vec<Option<Result<u32>>> = (0..batch.len()).map(|_| None).collect();
         let outputs: Vec<Result<Tensor>> = match stepped {
-            Ok(logits) => (0..batch.len()).map(|i| Ok(logits.get(i)?)).collect(),
+            Ok(logits) => {
+                drop(batch);
+                picks = sample_ready(running, pool, &logits);
+                (0..running.len()).map(|i| Ok(logits.get(i)?)).collect()
+            }
             Err(e) => {
                 tracing::warn!(error = %e, sequences = batch.len(),
                     "batched step failed: running its sequences one at a time");
@@ -689,9 +695,9 @@ impl Engine {
                     .collect()
             }
         };
-        drop(batch);
-        for (seq, logits) in running.iter_mut().zip(outputs) {
-            if let Err(e) = logits.and_then(|logits| seq.advance(logits, pool, &self.config)) {
+        for ((seq, logits), pick) in running.iter_mut().zip(outputs).zip(picks) {
+            if let Err(e) = logits.and_then(|logits| seq.advance(logits, pick, pool, &self.config))
+            {
                 tracing::warn!(request_id = %seq.request.request_id, error = %e, "sequence failed");
                 fail(&seq.request, &e.to_string());
                 seq.done = true;
@@ -734,11 +740,19 @@ impl Running<'_> {
         (computed, (self.tokens.len() - computed).min(chunk))
     }
 
+    /// Whether the pool holds all its tokens, so that the step's logits give its next one.
+    fn samples(&self, pool: &PagedKvCache) -> bool {
+        pool.seq_len(self.seq)
+            .is_ok_and(|computed| computed >= self.tokens.len())
+    }
+
     /// After a step: nothing more while tokens remain to be computed (a prompt, or a recomputation after
-    /// preemption); otherwise sample from `logits`, report, and stop when due.
+    /// preemption); otherwise take the token sampled with the step's other sequences (`pick`), or sample
+    /// one from `logits`, report, and stop when due.
     fn advance(
         &mut self,
         logits: Tensor,
+        pick: Option<Result<u32>>,
         pool: &PagedKvCache,
         config: &SchedulerConfig,
     ) -> Result<()> {
@@ -749,7 +763,10 @@ impl Running<'_> {
             Some(_) => Some(log_softmax(&logits)?),
             None => None,
         };
-        let id = self.sampler.sample(&logits, &self.tokens)?;
+        let id = match pick {
+            Some(id) => id?,
+            None => self.sampler.sample(&logits, &self.tokens)?,
+        };
         let logprobs = log_softmax.map(|lps| TokenLogprobs {
             logprob: lps[id as usize],
             top: top_k(&lps, self.request.logprobs.unwrap_or(0)),
@@ -809,6 +826,48 @@ impl Running<'_> {
         self.done = true;
         Ok(())
     }
+}
+
+/// The next tokens of the sequences a step completed, sampled together from the step's `logits` (one
+/// read-back for the greedy rows, one for the sampled ones: `sample_rows`); `None` for the others, and for
+/// all of them if the read fails (each then samples on its own and fails alone).
+fn sample_ready(
+    running: &mut [Running<'_>],
+    pool: &PagedKvCache,
+    logits: &Tensor,
+) -> Vec<Option<Result<u32>>> {
+    let mut picks: Vec<Option<Result<u32>>> = (0..running.len()).map(|_| None).collect();
+    let ready: Vec<usize> = (0..running.len())
+        .filter(|&r| running[r].samples(pool))
+        .collect();
+    if ready.is_empty() {
+        return picks;
+    }
+    let every_row = ready.len() == running.len();
+    let rows = || -> Result<Tensor> {
+        if every_row {
+            return Ok(logits.clone());
+        }
+        let index: Vec<u32> = ready.iter().map(|&r| r as u32).collect();
+        Ok(logits.index_select(&Tensor::new(index.as_slice(), logits.device())?, 0)?)
+    };
+    let (mut samplers, histories): (Vec<&mut Sampler>, Vec<&[u32]>) = running
+        .iter_mut()
+        .enumerate()
+        .filter(|(r, _)| ready.binary_search(r).is_ok())
+        .map(|(_, seq)| (&mut seq.sampler, seq.tokens.as_slice()))
+        .unzip();
+    match rows().and_then(|rows| sample_rows(&mut samplers, &rows, &histories)) {
+        Ok(ids) => {
+            for (&r, id) in ready.iter().zip(ids) {
+                picks[r] = Some(id);
+            }
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "sampling the step's sequences together failed: each samples alone")
+        }
+    }
+    picks
 }
 
 fn fail(request: &SeqRequest, message: &str) {

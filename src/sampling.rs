@@ -1,0 +1,276 @@
+//! Picking next tokens from logits: repetition penalty, then temperature / top-k / top-p / min-p.
+//!
+//! The rules and their random draws are candle-transformers' `LogitsProcessor`'s, token for token for the
+//! same seed (the tests compare them). Two things it lacks are why this is written here:
+//! - Its top-p sorts the whole vocabulary for every token (GLM-5's 154,880 entries: milliseconds a token,
+//!   the order of a whole decode step). Here only the candidates above a threshold are sorted, the threshold
+//!   lowered until the walk over them decides: the same tokens kept, in O(vocabulary).
+//! - It reads one sequence's logits back at a time. [`sample_rows`] takes one step's logits of many
+//!   sequences and reads them back once for the greedy rows and once for the sampled ones.
+
+use candle_core::{DType, Tensor, D};
+use rand::distr::weighted::WeightedIndex;
+use rand::distr::Distribution;
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+
+use crate::error::{Error, Result};
+use crate::generate::GenerationParams;
+
+/// How the next token is drawn from the probabilities (after min-p), as `LogitsProcessor`'s `Sampling`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Rule {
+    Greedy,
+    All,
+    TopK(usize),
+    TopP(f32),
+    TopKThenTopP(usize, f32),
+}
+
+/// Picks one sequence's next tokens: see the module.
+pub struct Sampler {
+    rule: Rule,
+    temperature: f64,
+    min_p: Option<f64>,
+    repetition_penalty: f32,
+    repeat_last_n: usize,
+    rng: StdRng,
+}
+
+impl Sampler {
+    /// A sampler for `params` (its seed starts the random generator).
+    pub fn new(params: &GenerationParams) -> Self {
+        let temperature = params.temperature;
+        let rule = match (temperature > 0.0, params.top_k, params.top_p) {
+            (false, _, _) => Rule::Greedy,
+            (true, None, None) => Rule::All,
+            (true, Some(k), None) => Rule::TopK(k),
+            (true, None, Some(p)) => Rule::TopP(p as f32),
+            (true, Some(k), Some(p)) => Rule::TopKThenTopP(k, p as f32),
+        };
+        // LogitsProcessor's TopP samples from everything where p is outside (0, 1); the top-k variant
+        // walks whatever p it is given.
+        let rule = match rule {
+            Rule::TopP(p) if !(p > 0.0 && p < 1.0) => Rule::All,
+            rule => rule,
+        };
+        Self {
+            rule,
+            temperature,
+            min_p: params.min_p.filter(|_| temperature > 0.0),
+            repetition_penalty: params.repetition_penalty,
+            repeat_last_n: params.repeat_last_n,
+            rng: StdRng::seed_from_u64(params.seed),
+        }
+    }
+
+    fn penalises(&self) -> bool {
+        self.repetition_penalty != 1.0
+    }
+
+    /// The next token given `logits` `[vocab]` and the tokens so far.
+    pub fn sample(&mut self, logits: &Tensor, history: &[u32]) -> Result<u32> {
+        let logits = if self.penalises() {
+            let recent = &history[history.len().saturating_sub(self.repeat_last_n)..];
+            candle_transformers::utils::apply_repeat_penalty(
+                logits,
+                self.repetition_penalty,
+                recent,
+            )?
+        } else {
+            logits.clone()
+        };
+        let logits = logits.to_dtype(DType::F32)?;
+        if self.rule == Rule::Greedy {
+            return Ok(logits.argmax(D::Minus1)?.to_scalar::<u32>()?);
+        }
+        let mut probs =
+            candle_nn::ops::softmax_last_dim(&(logits / self.temperature)?)?.to_vec1::<f32>()?;
+        self.pick(&mut probs)
+    }
+
+    /// The next token from the softmax of the (penalised) logits over the temperature.
+    fn pick(&mut self, probs: &mut [f32]) -> Result<u32> {
+        if let Some(min_p) = self.min_p {
+            apply_min_p(probs, min_p);
+        }
+        match self.rule {
+            Rule::Greedy => unreachable!("greedy rows are picked by argmax"),
+            Rule::All => self.multinomial(probs),
+            Rule::TopP(p) => self.top_p(probs, p),
+            Rule::TopK(k) | Rule::TopKThenTopP(k, _) if k >= probs.len() => match self.rule {
+                Rule::TopKThenTopP(_, p) => self.top_p(probs, p),
+                _ => self.multinomial(probs),
+            },
+            Rule::TopK(k) => {
+                let (indices, weights) = largest(probs, k);
+                Ok(indices[self.multinomial(&weights)? as usize] as u32)
+            }
+            Rule::TopKThenTopP(k, p) => {
+                let (indices, mut weights) = largest(probs, k);
+                let sum: f32 = weights.iter().sum();
+                let index = if p <= 0.0 || p >= sum {
+                    self.multinomial(&weights)?
+                } else {
+                    self.top_p(&mut weights, p)?
+                };
+                Ok(indices[index as usize] as u32)
+            }
+        }
+    }
+
+    /// One draw of an index with probability proportional to its weight.
+    fn multinomial(&mut self, weights: &[f32]) -> Result<u32> {
+        let distribution = WeightedIndex::new(weights)
+            .map_err(|e| Error::Sampling(format!("cannot sample these probabilities: {e}")))?;
+        Ok(distribution.sample(&mut self.rng) as u32)
+    }
+
+    /// Nucleus sampling: [`keep_top_p`], then one draw over the kept tokens. Drawing over them alone (in
+    /// index order) gives the draw over the whole vector with the rest zeroed: the running sums at the kept
+    /// tokens are the same f32 values, since adding a zero changes none.
+    fn top_p(&mut self, probs: &mut [f32], p: f32) -> Result<u32> {
+        keep_top_p(probs, p);
+        let kept: Vec<usize> = (0..probs.len()).filter(|&i| probs[i] != 0.0).collect();
+        if kept.is_empty() {
+            return self.multinomial(probs); // its error: nothing to sample
+        }
+        let weights: Vec<f32> = kept.iter().map(|&i| probs[i]).collect();
+        Ok(kept[self.multinomial(&weights)? as usize] as u32)
+    }
+}
+
+/// The `k` largest probabilities and their indices, in `select_nth_unstable_by`'s order (as
+/// `LogitsProcessor`'s top-k takes them, so that a draw over them picks the same token).
+fn largest(probs: &[f32], k: usize) -> (Vec<usize>, Vec<f32>) {
+    let mut order: Vec<usize> = (0..probs.len()).collect();
+    let (indices, _, _) = order.select_nth_unstable_by(k, |&i, &j| probs[j].total_cmp(&probs[i]));
+    let weights = indices.iter().map(|&i| probs[i]).collect();
+    (indices.to_vec(), weights)
+}
+
+/// Zeroes what `LogitsProcessor`'s top-p zeroes: walking the probabilities from the largest (equal ones in
+/// index order), each is kept while the sum of those before it is below `top_p`. Only the candidates at or
+/// above a threshold (a fraction of the largest probability) are sorted; when the walk runs past them
+/// without reaching `top_p`, the threshold is lowered, down to zero (the whole vector).
+pub fn keep_top_p(probs: &mut [f32], top_p: f32) {
+    let largest = probs.iter().copied().max_by(f32::total_cmp).unwrap_or(0.0);
+    for shift in [8, 16, 32, 64, i32::MAX] {
+        let threshold = if shift == i32::MAX {
+            0.0
+        } else {
+            largest * 2f32.powi(-shift)
+        };
+        let mut candidates: Vec<usize> = (0..probs.len())
+            .filter(|&i| probs[i].total_cmp(&threshold).is_ge())
+            .collect();
+        // Stable: equal probabilities stay in index order, as the whole vector's sort leaves them.
+        candidates.sort_by(|&i, &j| probs[j].total_cmp(&probs[i]));
+        let mut sum = 0.0f32;
+        let mut kept = None;
+        for (n, &i) in candidates.iter().enumerate() {
+            if sum >= top_p {
+                kept = Some(n);
+                break;
+            }
+            sum += probs[i];
+        }
+        // The walk over every candidate ended at or above top_p: the next (smaller) one would be dropped.
+        if kept.is_none() && sum >= top_p {
+            kept = Some(candidates.len());
+        }
+        let Some(kept) = kept.or((threshold == 0.0).then_some(candidates.len())) else {
+            continue;
+        };
+        // The kept ones are exactly those ordered before the last kept one (value, then index).
+        let Some(&last) = kept.checked_sub(1).map(|n| &candidates[n]) else {
+            probs.iter_mut().for_each(|p| *p = 0.0);
+            return;
+        };
+        let last_value = probs[last];
+        for (i, p) in probs.iter_mut().enumerate() {
+            let keep = match p.total_cmp(&last_value) {
+                std::cmp::Ordering::Greater => true,
+                std::cmp::Ordering::Equal => i <= last,
+                std::cmp::Ordering::Less => false,
+            };
+            if !keep {
+                *p = 0.0;
+            }
+        }
+        return;
+    }
+}
+
+/// Zeroes every probability below `min_p` times the largest one.
+pub fn apply_min_p(probs: &mut [f32], min_p: f64) {
+    let max = probs.iter().copied().fold(0.0f32, f32::max);
+    let threshold = (max as f64 * min_p) as f32;
+    probs
+        .iter_mut()
+        .filter(|p| **p < threshold)
+        .for_each(|p| *p = 0.0);
+}
+
+/// The next token of every row of one step's `logits` `[rows, vocab]`, row `r` by `samplers[r]` after
+/// `histories[r]`: the same tokens as [`Sampler::sample`] row by row, but the greedy rows' argmax and
+/// the sampled rows' probabilities each come back in one read (rows with a repetition penalty still go one
+/// at a time). The outer error is a failed read of the step; a row that cannot be sampled (NaN
+/// probabilities) fails alone.
+pub fn sample_rows(
+    samplers: &mut [&mut Sampler],
+    logits: &Tensor,
+    histories: &[&[u32]],
+) -> Result<Vec<Result<u32>>> {
+    let rows = logits.dim(0)?;
+    if samplers.len() != rows || histories.len() != rows {
+        return Err(Error::Sampling(format!(
+            "{rows} rows of logits for {} samplers and {} histories",
+            samplers.len(),
+            histories.len()
+        )));
+    }
+    let mut ids: Vec<Result<u32>> = (0..rows).map(|_| Ok(0)).collect();
+    let (mut greedy, mut sampled) = (Vec::new(), Vec::new());
+    for (r, sampler) in samplers.iter_mut().enumerate() {
+        if sampler.penalises() {
+            ids[r] = sampler.sample(&logits.get(r)?, histories[r]);
+        } else if sampler.rule == Rule::Greedy {
+            greedy.push(r);
+        } else {
+            sampled.push(r);
+        }
+    }
+    let select = |picked: &[usize]| -> Result<Tensor> {
+        let logits = if picked.len() == rows {
+            logits.clone()
+        } else {
+            let index: Vec<u32> = picked.iter().map(|&r| r as u32).collect();
+            logits.index_select(&Tensor::new(index.as_slice(), logits.device())?, 0)?
+        };
+        Ok(logits.to_dtype(DType::F32)?)
+    };
+    if !greedy.is_empty() {
+        let picked = select(&greedy)?.argmax(D::Minus1)?.to_vec1::<u32>()?;
+        for (&r, id) in greedy.iter().zip(picked) {
+            ids[r] = Ok(id);
+        }
+    }
+    if !sampled.is_empty() {
+        // Each row over its own temperature, as `logits / temperature` (one f32 product per value).
+        let inverse: Vec<f32> = sampled
+            .iter()
+            .map(|&r| (1.0 / samplers[r].temperature) as f32)
+            .collect();
+        let inverse = Tensor::from_vec(inverse, (sampled.len(), 1), logits.device())?;
+        let scaled = select(&sampled)?.broadcast_mul(&inverse)?;
+        let vocab = scaled.dim(1)?;
+        let mut probs = candle_nn::ops::softmax_last_dim(&scaled)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        for (&r, row) in sampled.iter().zip(probs.chunks_mut(vocab)) {
+            ids[r] = samplers[r].pick(row);
+        }
+    }
+    Ok(ids)
+}
