@@ -128,6 +128,9 @@ enum Command {
         /// The server's --cuda-graphs: decode steps replayed from CUDA graphs.
         #[arg(long)]
         cuda_graphs: bool,
+        /// Requests sample at temperature 1 with top-p 0.95 (GLM-5's defaults) instead of greedily.
+        #[arg(long)]
+        sampled: bool,
     },
 }
 
@@ -188,6 +191,7 @@ fn main() -> glm5::candle_core::Result<()> {
         requests,
         prefill_chunk,
         cuda_graphs,
+        sampled,
     }) = &cli.command
     {
         return serve::serve_rows(&serve::ServeArgs {
@@ -198,6 +202,7 @@ fn main() -> glm5::candle_core::Result<()> {
             requests: *requests,
             prefill_chunk: *prefill_chunk,
             cuda_graphs: *cuda_graphs,
+            sampled: *sampled,
         });
     }
     let device = Device::new_cuda(0)?;

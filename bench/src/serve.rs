@@ -31,6 +31,8 @@ pub struct ServeArgs {
     pub prefill_chunk: usize,
     /// The server's --cuda-graphs.
     pub cuda_graphs: bool,
+    /// Requests sample (temperature 1, top-p 0.95) instead of greedily.
+    pub sampled: bool,
 }
 
 /// Median time of a batch-1 decode step through `forward` (the argmax read back every step, as
@@ -114,6 +116,7 @@ pub fn serve_rows(args: &ServeArgs) -> Result<()> {
         vocab_size: config.vocab_size,
         model: MODEL.into(),
         seed: 2026,
+        sampled: args.sampled,
     };
     let direct = direct_decode_step(&model, &device, &spec(1).prompt(0, 0), args.max_tokens)?;
     println!(
@@ -146,10 +149,11 @@ pub fn serve_rows(args: &ServeArgs) -> Result<()> {
     let load = LoadGenerator::new(server.url()).map_err(cuda)?;
     println!(
         "glm5 serve in-process at {} (--max-seqs {max_streams}, --kv-budget {kv_budget}, --prefill-chunk {}{}); \
-         each level first runs one unmeasured round of 2-token requests",
+         requests {}; each level first runs one unmeasured round of 2-token requests",
         server.url(),
         args.prefill_chunk,
-        if args.cuda_graphs { ", --cuda-graphs" } else { "" }
+        if args.cuda_graphs { ", --cuda-graphs" } else { "" },
+        if args.sampled { "sampled at temperature 1, top-p 0.95" } else { "greedy" }
     );
     println!("{}", LevelReport::markdown_header());
     let mut failures = Vec::new();

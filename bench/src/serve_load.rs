@@ -11,8 +11,9 @@
 //!   word per id of the model's vocabulary (`t0`, `t1`, ...; GLM-5's own tokenizer is not available offline
 //!   and the embedded model's covers only its own small vocabulary). So every generated token is one
 //!   non-empty server-sent event, and the text names the ids ([`word_ids`]).
-//! - Every request is greedy (`temperature: 0`) with `ignore_eos` (vLLM's field, which `glm5 serve` honours)
-//!   and no stop strings, so each one generates exactly `max_tokens` tokens whatever the weights.
+//! - Every request is greedy (`temperature: 0`; or, with [`LoadSpec::sampled`], temperature 1 and top-p 0.95)
+//!   with `ignore_eos` (vLLM's field, which `glm5 serve` honours) and no stop strings, so each one generates
+//!   exactly `max_tokens` tokens whatever the weights.
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -214,6 +215,9 @@ pub struct LoadSpec {
     pub model: String,
     /// Seed of the prompts (with the stream count, the stream and the request index).
     pub seed: u64,
+    /// Requests sample at temperature 1 with top-p 0.95 (GLM-5's generation_config.json) instead of
+    /// greedily: the server's sampling on the host is then part of every step.
+    pub sampled: bool,
 }
 
 impl LoadSpec {
@@ -259,7 +263,9 @@ impl LoadSpec {
             "model": self.model,
             "prompt": prompt,
             "max_tokens": self.max_tokens,
-            "temperature": 0,
+            "temperature": if self.sampled { 1.0 } else { 0.0 },
+            "top_p": if self.sampled { 0.95 } else { 1.0 },
+            "seed": self.seed,
             "ignore_eos": true,
             "stream": true,
             "stream_options": {"include_usage": true},
@@ -714,6 +720,7 @@ mod tests {
             vocab_size: 154_880,
             model: "m".into(),
             seed: 1,
+            sampled: false,
         };
         let prompts: Vec<Vec<u32>> = (0..4)
             .flat_map(|s| (0..2).map(move |i| (s, i)))

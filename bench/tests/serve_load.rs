@@ -53,6 +53,7 @@ fn concurrent_streams_generate_max_tokens_each_equal_to_their_solo_greedy_tokens
             vocab_size: config.vocab_size,
             model: MODEL.into(),
             seed: 48,
+            sampled: false,
         })
         .collect();
     // Expected tokens of every prompt, before the model moves into the server.
