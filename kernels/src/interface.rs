@@ -238,8 +238,21 @@ pub mod dsa_indexer {
 pub mod weight_only {
     /// Most activation rows one mat-vec launch takes (each warp keeps one f32 sum per row).
     pub const MAX_ROWS: usize = 16;
-    /// Warps per block; each computes one output column.
+    /// Warps per block: groups of [`column_warps`] of them, each computing one output column.
     pub const WARPS: usize = 4;
+
+    /// Warps reading one output column of a mat-vec whose rows hold `chunks_per_row` chunks (the weights a
+    /// thread takes at a time): the most, a power of two up to [`WARPS`], that still give each thread at
+    /// least two chunks. One warp per column leaves a long row's reads to 32 threads one after another, and
+    /// the launch with a long last wave (GLM-5's [6144, 16384] FP8 mat-vec reached 41% of the copy rate so);
+    /// splitting the row keeps more loads in flight with shorter-lived blocks.
+    pub const fn column_warps(chunks_per_row: usize) -> usize {
+        let mut warps = WARPS;
+        while warps > 1 && chunks_per_row < 2 * 32 * warps {
+            warps /= 2;
+        }
+        warps
+    }
     /// Threads of the dequantise kernel's blocks.
     pub const DEQUANTIZE_THREADS: usize = 256;
 }

@@ -3,9 +3,10 @@
 // iq_matmul/mod.rs; decoders: iq_formats.cuh).
 //
 //   iq_matvec[_r1]_<format>_<dtype> rows m <= MAX_ROWS (_r1: m = 1, batch-1 decode, without the other row
-//                                   slots' tests): one warp per output column n; lane l decodes the
-//                                   32-value sub-blocks l, l + 32, ... of the column's row and multiplies
-//                                   each with all m activation rows, so every weight byte is read once.
+//                                   slots' tests): a group of warps per output column n (ColumnSplit in
+//                                   weight_formats.cuh); its threads decode the column's 32-value sub-blocks
+//                                   in turn and multiply each with all m activation rows, so every weight
+//                                   byte is read once.
 //   iq_dequantize_<format>_<dtype>  the whole W in the activations' dtype (one thread per sub-block), for
 //                                   the many-row (prefill) path's matmul.
 
@@ -23,22 +24,17 @@ constexpr int MAX_ROWS = GLM5_WEIGHT_ONLY_MAX_ROWS;
 constexpr int WARPS = GLM5_WEIGHT_ONLY_WARPS;
 constexpr int DEQUANTIZE_THREADS = GLM5_WEIGHT_ONLY_DEQUANTIZE_THREADS;
 
-template <typename T> __device__ __forceinline__ T from_float(float v);
-template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
-
 template <Format F, int ROWS, typename T>
 __device__ __forceinline__ void iq_matvec(const T* __restrict__ x, const uint8_t* __restrict__ w, T* __restrict__ y,
-                                          int m, int n, int k) {
-    const int col = blockIdx.x * WARPS + threadIdx.x / 32;
-    const int lane = threadIdx.x % 32;
-    if (col >= n) return;
-    const uint8_t* row = w + static_cast<size_t>(col) * row_bytes<F>(k);
-    const int subs = k / 32;
+                                          int m, int n, int k, int column_warps) {
+    const ColumnSplit at = column_split<WARPS>(column_warps);
+    // A group past the last column reads nothing but still meets the barrier in store_split_rows.
+    const int subs = at.col < n ? k / 32 : 0;
+    const uint8_t* row = w + static_cast<size_t>(at.col < n ? at.col : 0) * row_bytes<F>(k);
     float acc[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) acc[r] = 0.0f;
-    for (int sb = lane; sb < subs; sb += 32) {
+    for (int sb = at.first; sb < subs; sb += at.stride) {
         int ib;
         const uint8_t* block = block_of<F>(row, sb, ib);
 #pragma unroll
@@ -56,15 +52,7 @@ __device__ __forceinline__ void iq_matvec(const T* __restrict__ x, const uint8_t
             }
         }
     }
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-        if (r < m) {
-            float total = acc[r];
-#pragma unroll
-            for (int offset = 16; offset > 0; offset >>= 1) total += __shfl_xor_sync(0xffffffff, total, offset);
-            if (lane == 0) y[static_cast<size_t>(r) * n + col] = from_float<T>(total);
-        }
-    }
+    store_split_rows<WARPS>(acc, at, column_warps, y, m, n);
 }
 
 template <Format F, typename T>
@@ -86,12 +74,14 @@ __device__ __forceinline__ void iq_dequantize(const uint8_t* __restrict__ w, T* 
 
 #define IQ_KERNELS(NAME, F, SUFFIX, T)                                                                         \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                  \
-        iq_matvec_##NAME##_##SUFFIX(const T* x, const uint8_t* w, T* y, int m, int n, int k) {               \
-        iq_matvec<F, MAX_ROWS, T>(x, w, y, m, n, k);                                                          \
+        iq_matvec_##NAME##_##SUFFIX(const T* x, const uint8_t* w, T* y, int m, int n, int k,                 \
+                                    int column_warps) {                                                       \
+        iq_matvec<F, MAX_ROWS, T>(x, w, y, m, n, k, column_warps);                                            \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                  \
-        iq_matvec_r1_##NAME##_##SUFFIX(const T* x, const uint8_t* w, T* y, int m, int n, int k) {            \
-        iq_matvec<F, 1, T>(x, w, y, m, n, k);                                                                 \
+        iq_matvec_r1_##NAME##_##SUFFIX(const T* x, const uint8_t* w, T* y, int m, int n, int k,              \
+                                       int column_warps) {                                                    \
+        iq_matvec<F, 1, T>(x, w, y, m, n, k, column_warps);                                                   \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(DEQUANTIZE_THREADS)                                          \
         iq_dequantize_##NAME##_##SUFFIX(const uint8_t* w, T* out, int n, int k) {                            \

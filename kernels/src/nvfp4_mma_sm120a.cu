@@ -187,10 +187,6 @@ __device__ __forceinline__ void load_stage(Stage& st, const Nvfp4MmaParams& p, i
     }
 }
 
-template <typename T> __device__ __forceinline__ T from_float(float v);
-template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
-
 template <typename T>
 __device__ __forceinline__ void nvfp4_mma(const Nvfp4MmaParams& p) {
     __shared__ Stage stages[2];

@@ -80,6 +80,59 @@ __device__ __forceinline__ void e2m1x16_to_float(const uint2& bytes, const uint3
     }
 }
 
+template <typename T> __device__ __forceinline__ T from_float(float v);
+template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffff, v, offset);
+    return v;
+}
+
+/// Where a thread of a weight-only mat-vec block works. The block's `WARPS` warps form groups of
+/// `column_warps` (a power of two dividing `WARPS`, chosen by the launcher from the row's length), each group
+/// one output column; the group's lanes take the column's chunks (16 or 32 weights) `first`, `first +
+/// stride`, ... So a long row is read by several warps at once, and a launch has more, shorter-lived warps
+/// than columns: more loads in flight, and a short last wave.
+struct ColumnSplit {
+    int col;     // the group's output column (may be >= n in the last block: then it reads nothing)
+    int first;   // the thread's first chunk of the row
+    int stride;  // chunks between its consecutive ones: 32 * column_warps
+    int warp;
+    int lane;
+};
+
+template <int WARPS>
+__device__ __forceinline__ ColumnSplit column_split(int column_warps) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    return {static_cast<int>(blockIdx.x) * (WARPS / column_warps) + warp / column_warps,
+            (warp % column_warps) * 32 + lane, 32 * column_warps, warp, lane};
+}
+
+/// y[r, col] = the sum of `acc[r]` over the thread's group, for every row r < m: each warp's sum by shuffles,
+/// then the group's warps' in shared memory, written by the group's first warp (lane r for row r). Every
+/// thread of the block calls it (it holds a barrier).
+template <int WARPS, int ROWS, typename T>
+__device__ __forceinline__ void store_split_rows(const float (&acc)[ROWS], const ColumnSplit& at, int column_warps,
+                                                 T* y, int m, int n) {
+    static_assert(ROWS <= 32, "one lane writes each row");
+    __shared__ float partial[WARPS][ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        if (r < m) {
+            const float total = warp_sum(acc[r]);
+            if (at.lane == 0) partial[at.warp][r] = total;
+        }
+    }
+    __syncthreads();
+    if (at.warp % column_warps == 0 && at.lane < m && at.col < n) {
+        float sum = 0.0f;
+        for (int w = 0; w < column_warps; ++w) sum += partial[at.warp + w][at.lane];
+        y[static_cast<size_t>(at.lane) * n + at.col] = from_float<T>(sum);
+    }
+}
+
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 

@@ -9,11 +9,12 @@
 // `*_matvec_r1_*` are the same kernels for one activation row (batch-1 decode): the general ones test each of
 // their MAX_ROWS row slots per 16 weights, which for m = 1 costs more than the row's own arithmetic.
 //
-// Mat-vec: one warp per output column n, all m <= MAX_ROWS activation rows at once, so every weight byte is
-// read once per launch. A lane takes 16 consecutive weights per chunk (one 16-byte FP8 load or one 8-byte
-// NVFP4 group with its scale), which lie in one scale block (the launcher checks K % 16 == 0 and, for FP8,
-// bk % 16 == 0); the 32 lanes of a warp read 512 consecutive weights, coalesced, and each lane loads several
-// chunks before multiplying any. x is read in 16-byte vectors through the cache (it is small and every
+// Mat-vec: a group of warps per output column n (`column_warps` of them, more for longer rows: ColumnSplit in
+// weight_formats.cuh), all m <= MAX_ROWS activation rows at once, so every weight byte is read once per
+// launch. A thread takes 16 consecutive weights per chunk (one 16-byte FP8 load or one 8-byte NVFP4 group
+// with its scale), which lie in one scale block (the launcher checks K % 16 == 0 and, for FP8,
+// bk % 16 == 0); the group's consecutive threads read consecutive chunks, coalesced, and each loads several
+// chunks before multiplying any. The group's sums meet in shared memory. x is read in 16-byte vectors through the cache (it is small and every
 // warp reads all of it). The decoders are in weight_formats.cuh; NVFP4's looks each byte's two codes up in a
 // 256-entry table of half2 patterns that every block fills in shared memory first (one load instead of the bit
 // operations that took most of the loop's instructions).
@@ -34,16 +35,6 @@ constexpr int DEQUANTIZE_THREADS = GLM5_WEIGHT_ONLY_DEQUANTIZE_THREADS;
 constexpr int FP8_UNROLL = 4;
 constexpr int NVFP4_UNROLL = 8;
 
-template <typename T> __device__ __forceinline__ T from_float(float v);
-template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffff, v, offset);
-    return v;
-}
-
 /// acc[r] += scale · Σ_j w[j] · x[r, k0 + j] for every row r < m (m <= ROWS).
 template <int ROWS, typename T>
 __device__ __forceinline__ void accumulate(float (&acc)[ROWS], const float (&w)[16], float scale, const T* x,
@@ -59,37 +50,25 @@ __device__ __forceinline__ void accumulate(float (&acc)[ROWS], const float (&w)[
 }
 
 template <int ROWS, typename T>
-__device__ __forceinline__ void store_rows(float (&acc)[ROWS], T* y, int m, int n, int col) {
-    const int lane = threadIdx.x % 32;
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-        if (r < m) {
-            const float total = warp_sum(acc[r]);
-            if (lane == 0) y[static_cast<size_t>(r) * n + col] = from_float<T>(total);
-        }
-    }
-}
-
-template <int ROWS, typename T>
 __device__ __forceinline__ void fp8_matvec(const T* __restrict__ x, const uint8_t* __restrict__ w,
                                            const float* __restrict__ scale_inv, T* __restrict__ y, int m, int n,
-                                           int k, int block_n, int block_k) {
-    const int col = blockIdx.x * WARPS + threadIdx.x / 32;
-    const int lane = threadIdx.x % 32;
-    if (col >= n) return;
+                                           int k, int block_n, int block_k, int column_warps) {
+    const ColumnSplit at = column_split<WARPS>(column_warps);
+    // A group past the last column reads nothing but still meets the barrier in store_split_rows.
+    const int chunks = at.col < n ? k / 16 : 0;
+    const int col = at.col < n ? at.col : 0;
     const int scale_cols = (k + block_k - 1) / block_k;
     const float* scales = scale_inv + static_cast<size_t>(col / block_n) * scale_cols;
     const uint4* row = reinterpret_cast<const uint4*>(w + static_cast<size_t>(col) * k);
-    const int chunks = k / 16;
     float acc[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) acc[r] = 0.0f;
-    for (int c0 = lane; c0 < chunks; c0 += 32 * FP8_UNROLL) {
+    for (int c0 = at.first; c0 < chunks; c0 += at.stride * FP8_UNROLL) {
         uint4 raw[FP8_UNROLL];
         float scale[FP8_UNROLL];
 #pragma unroll
         for (int u = 0; u < FP8_UNROLL; ++u) {
-            const int c = c0 + 32 * u;
+            const int c = c0 + at.stride * u;
             if (c < chunks) {
                 raw[u] = __ldg(row + c);
                 scale[u] = __ldg(scales + c * 16 / block_k);
@@ -97,7 +76,7 @@ __device__ __forceinline__ void fp8_matvec(const T* __restrict__ x, const uint8_
         }
 #pragma unroll
         for (int u = 0; u < FP8_UNROLL; ++u) {
-            const int c = c0 + 32 * u;
+            const int c = c0 + at.stride * u;
             if (c < chunks) {
                 float wv[16];
                 fp8x16_to_float(raw[u], wv);
@@ -105,31 +84,30 @@ __device__ __forceinline__ void fp8_matvec(const T* __restrict__ x, const uint8_
             }
         }
     }
-    store_rows<ROWS>(acc, y, m, n, col);
+    store_split_rows<WARPS>(acc, at, column_warps, y, m, n);
 }
 
 template <int ROWS, typename T>
 __device__ __forceinline__ void nvfp4_matvec(const T* __restrict__ x, const uint8_t* __restrict__ packed,
                                              const uint8_t* __restrict__ scales, float global_scale,
-                                             T* __restrict__ y, int m, int n, int k) {
+                                             T* __restrict__ y, int m, int n, int k, int column_warps) {
     __shared__ uint32_t e2m1_pairs[256];
     fill_e2m1_pair_table(e2m1_pairs);
     __syncthreads();
-    const int col = blockIdx.x * WARPS + threadIdx.x / 32;
-    const int lane = threadIdx.x % 32;
-    if (col >= n) return;
+    const ColumnSplit at = column_split<WARPS>(column_warps);
+    const int chunks = at.col < n ? k / 16 : 0;
+    const int col = at.col < n ? at.col : 0;
     const uint2* row = reinterpret_cast<const uint2*>(packed + static_cast<size_t>(col) * (k / 2));
     const uint8_t* row_scales = scales + static_cast<size_t>(col) * (k / 16);
-    const int chunks = k / 16;
     float acc[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) acc[r] = 0.0f;
-    for (int c0 = lane; c0 < chunks; c0 += 32 * NVFP4_UNROLL) {
+    for (int c0 = at.first; c0 < chunks; c0 += at.stride * NVFP4_UNROLL) {
         uint2 raw[NVFP4_UNROLL];
         uint8_t scale[NVFP4_UNROLL];
 #pragma unroll
         for (int u = 0; u < NVFP4_UNROLL; ++u) {
-            const int c = c0 + 32 * u;
+            const int c = c0 + at.stride * u;
             if (c < chunks) {
                 raw[u] = __ldg(row + c);
                 scale[u] = __ldg(row_scales + c);
@@ -137,7 +115,7 @@ __device__ __forceinline__ void nvfp4_matvec(const T* __restrict__ x, const uint
         }
 #pragma unroll
         for (int u = 0; u < NVFP4_UNROLL; ++u) {
-            const int c = c0 + 32 * u;
+            const int c = c0 + at.stride * u;
             if (c < chunks) {
                 float wv[16];
                 e2m1x16_to_float(raw[u], e2m1_pairs, wv);
@@ -148,7 +126,7 @@ __device__ __forceinline__ void nvfp4_matvec(const T* __restrict__ x, const uint
     }
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) acc[r] *= global_scale;
-    store_rows<ROWS>(acc, y, m, n, col);
+    store_split_rows<WARPS>(acc, at, column_warps, y, m, n);
 }
 
 template <typename T>
@@ -181,23 +159,23 @@ __device__ __forceinline__ void nvfp4_dequantize(const uint8_t* __restrict__ pac
 #define WEIGHT_ONLY_KERNELS(SUFFIX, T)                                                                          \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                   \
         fp8_matvec_##SUFFIX(const T* x, const uint8_t* w, const float* scale_inv, T* y, int m, int n, int k,  \
-                            int block_n, int block_k) {                                                        \
-        fp8_matvec<MAX_ROWS, T>(x, w, scale_inv, y, m, n, k, block_n, block_k);                                \
+                            int block_n, int block_k, int column_warps) {                                      \
+        fp8_matvec<MAX_ROWS, T>(x, w, scale_inv, y, m, n, k, block_n, block_k, column_warps);                  \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                   \
         fp8_matvec_r1_##SUFFIX(const T* x, const uint8_t* w, const float* scale_inv, T* y, int m, int n,      \
-                               int k, int block_n, int block_k) {                                              \
-        fp8_matvec<1, T>(x, w, scale_inv, y, m, n, k, block_n, block_k);                                       \
+                               int k, int block_n, int block_k, int column_warps) {                            \
+        fp8_matvec<1, T>(x, w, scale_inv, y, m, n, k, block_n, block_k, column_warps);                         \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                   \
         nvfp4_matvec_##SUFFIX(const T* x, const uint8_t* packed, const uint8_t* scales, float global_scale,   \
-                              T* y, int m, int n, int k) {                                                     \
-        nvfp4_matvec<MAX_ROWS, T>(x, packed, scales, global_scale, y, m, n, k);                                \
+                              T* y, int m, int n, int k, int column_warps) {                                   \
+        nvfp4_matvec<MAX_ROWS, T>(x, packed, scales, global_scale, y, m, n, k, column_warps);                  \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                   \
         nvfp4_matvec_r1_##SUFFIX(const T* x, const uint8_t* packed, const uint8_t* scales,                    \
-                                 float global_scale, T* y, int m, int n, int k) {                              \
-        nvfp4_matvec<1, T>(x, packed, scales, global_scale, y, m, n, k);                                       \
+                                 float global_scale, T* y, int m, int n, int k, int column_warps) {            \
+        nvfp4_matvec<1, T>(x, packed, scales, global_scale, y, m, n, k, column_warps);                         \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(DEQUANTIZE_THREADS)                                           \
         fp8_dequantize_##SUFFIX(const uint8_t* w, const float* scale_inv, T* out, int n, int k, int block_n,  \

@@ -3,21 +3,23 @@
 
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::{DType, Tensor};
-use glm5_kernels::interface::weight_only::{DEQUANTIZE_THREADS, MAX_ROWS, WARPS};
+use glm5_kernels::interface::weight_only::{column_warps, DEQUANTIZE_THREADS, MAX_ROWS, WARPS};
 
 use crate::cuda::{cuda_err, device_address, kernel, kernel_name};
 use crate::error::Result;
 
-/// A kernel file: its module name and fatbin.
+/// A kernel file: its module name and fatbin, and the weights a mat-vec thread takes at a time (a chunk).
 pub(crate) struct KernelFile {
     pub module: &'static str,
     pub fatbin: &'static [u8],
+    pub chunk_values: usize,
 }
 
 /// `weight_only_matmul.cu`.
 pub(crate) const WEIGHT_ONLY: KernelFile = KernelFile {
     module: "weight_only_matmul",
     fatbin: glm5_kernels::WEIGHT_ONLY_MATMUL,
+    chunk_values: 16,
 };
 
 /// The weight's kernel arguments: its device pointers, then an optional f32 (NVFP4's global scale).
@@ -27,7 +29,7 @@ pub(crate) struct WeightArgs<'a> {
 }
 
 /// Runs the mat-vec kernel `stem` of `file` for `x` `[m, k]` (`m <= MAX_ROWS`) into a new `[m, n]` tensor:
-/// `(x, weight..., y, m, n, k, tail...)`.
+/// `(x, weight..., y, m, n, k, tail..., column_warps)`.
 pub(crate) fn matvec(
     file: &KernelFile,
     stem: &str,
@@ -44,8 +46,8 @@ pub(crate) fn matvec(
     } else {
         x.copy()?
     };
-    // Every output is written by the kernel (one warp per column, all m rows): no fill, which would cost two
-    // more launches per projection on the decode path.
+    // Every output is written by the kernel (one group of warps per column, all m rows): no fill, which would
+    // cost two more launches per projection on the decode path.
     // SAFETY: `y` is only read after the kernel has written all of it.
     let y = unsafe { Tensor::empty((m, n), x.dtype(), x.device())? };
     let (x_ptr, dev) = device_address(x)?;
@@ -64,12 +66,13 @@ pub(crate) fn matvec(
         &kernel_name(&stem, x.dtype())?,
     )?;
     let stream = dev.cuda_stream();
+    let column_warps = column_warps(k / file.chunk_values);
     let cfg = LaunchConfig {
-        grid_dim: (n.div_ceil(WARPS) as u32, 1, 1),
+        grid_dim: (n.div_ceil(WARPS / column_warps) as u32, 1, 1),
         block_dim: ((WARPS * 32) as u32, 1, 1),
         shared_mem_bytes: 0,
     };
-    let (m_arg, n_arg, k_arg) = (m as i32, n as i32, k as i32);
+    let (m_arg, n_arg, k_arg, warps_arg) = (m as i32, n as i32, k as i32, column_warps as i32);
     let mut builder = stream.launch_builder(&func);
     builder.arg(&x_ptr);
     push_weight(&mut builder, weight);
@@ -77,6 +80,7 @@ pub(crate) fn matvec(
     for value in tail {
         builder.arg(value);
     }
+    builder.arg(&warps_arg);
     // SAFETY: the arguments match the kernel's signature; every pointer is a live device allocation of the
     // size the kernel reads or writes (checked by the callers: x [m, k], the weight's parts, y [m, n]).
     unsafe { builder.launch(cfg) }.map_err(cuda_err)?;

@@ -16,7 +16,7 @@ use candle_core::{DType, Device, Tensor};
 use common::quantized::{experts as quantized_experts, iq_blocks, Format};
 use common::{rng, uniform};
 use glm5_kernels::emu::{launch, DeviceBuffer, LaunchConfig};
-use glm5_kernels::interface::weight_only::{DEQUANTIZE_THREADS, MAX_ROWS, WARPS};
+use glm5_kernels::interface::weight_only::{column_warps, DEQUANTIZE_THREADS, MAX_ROWS, WARPS};
 use glm5_ops::iq_matmul::{self, IqFormat, IqWeight};
 use glm5_ops::moe::{experts_reference, route_reference, QuantizedExperts, Routes};
 use glm5_ops::{fp8_matmul, nvfp4_matmul};
@@ -114,8 +114,16 @@ fn run<F: Fn()>(config: LaunchConfig, kernel: F) {
 
 // ---- the weight-only kernels' launches, as `weight_only_cuda.rs` makes them ---------------------------
 
-fn matvec_config(n: usize) -> LaunchConfig {
-    LaunchConfig::new((n.div_ceil(WARPS) as u32, 1, 1), (WARPS * 32) as u32)
+/// The launch of a mat-vec of `n` columns whose rows hold `chunks` chunks, and its `column_warps` argument.
+fn matvec_config(n: usize, chunks: usize) -> (LaunchConfig, i32) {
+    let warps = column_warps(chunks);
+    (
+        LaunchConfig::new(
+            (n.div_ceil(WARPS / warps) as u32, 1, 1),
+            (WARPS * 32) as u32,
+        ),
+        warps as i32,
+    )
 }
 
 fn dequantize_config(items: usize) -> LaunchConfig {
@@ -189,7 +197,7 @@ fn row_counts() -> [(usize, bool); 4] {
 
 // ---- i-quants ------------------------------------------------------------------------------------------
 
-type IqMatvec = unsafe extern "C" fn(Ptr, *const u8, MutPtr, i32, i32, i32);
+type IqMatvec = unsafe extern "C" fn(Ptr, *const u8, MutPtr, i32, i32, i32, i32);
 type IqDequantize = unsafe extern "C" fn(*const u8, MutPtr, i32, i32);
 
 struct IqKernels {
@@ -202,10 +210,10 @@ macro_rules! iq_kernels {
     ($($variant:ident => $name:ident),* $(,)?) => { paste::paste! {
         extern "C" {
             $(
-                fn [<iq_matvec_ $name _f32>](x: Ptr, w: *const u8, y: MutPtr, m: i32, n: i32, k: i32);
-                fn [<iq_matvec_ $name _bf16>](x: Ptr, w: *const u8, y: MutPtr, m: i32, n: i32, k: i32);
-                fn [<iq_matvec_r1_ $name _f32>](x: Ptr, w: *const u8, y: MutPtr, m: i32, n: i32, k: i32);
-                fn [<iq_matvec_r1_ $name _bf16>](x: Ptr, w: *const u8, y: MutPtr, m: i32, n: i32, k: i32);
+                fn [<iq_matvec_ $name _f32>](x: Ptr, w: *const u8, y: MutPtr, m: i32, n: i32, k: i32, column_warps: i32);
+                fn [<iq_matvec_ $name _bf16>](x: Ptr, w: *const u8, y: MutPtr, m: i32, n: i32, k: i32, column_warps: i32);
+                fn [<iq_matvec_r1_ $name _f32>](x: Ptr, w: *const u8, y: MutPtr, m: i32, n: i32, k: i32, column_warps: i32);
+                fn [<iq_matvec_r1_ $name _bf16>](x: Ptr, w: *const u8, y: MutPtr, m: i32, n: i32, k: i32, column_warps: i32);
                 fn [<iq_dequantize_ $name _f32>](w: *const u8, out: MutPtr, n: i32, k: i32);
                 fn [<iq_dequantize_ $name _bf16>](w: *const u8, out: MutPtr, n: i32, k: i32);
             )*
@@ -230,11 +238,11 @@ iq_kernels! {
 #[test]
 fn iq_kernels_equal_the_reference() {
     // 13 columns (not a multiple of a block's WARPS), and rows of fewer and of more sub-blocks than the 32
-    // lanes of a warp.
+    // lanes of a warp, and long enough for 2 warps a column (4096: 128 sub-blocks).
     let n = 13;
     for (fi, format) in IqFormat::ALL.into_iter().enumerate() {
         let kernels = iq_kernels(format);
-        for k in [3 * 256, 5 * 256] {
+        for k in [3 * 256, 5 * 256, 16 * 256] {
             let blocks = iq_blocks(&mut rng(4700 + fi as u64), format, n, k);
             let w = IqWeight::new(format, blocks.clone(), k).unwrap();
             let dense = iq_matmul::reference::dequantize(&w).unwrap();
@@ -257,8 +265,17 @@ fn iq_kernels_equal_the_reference() {
                     } else {
                         kernels.matvec[d]
                     };
-                    run(matvec_config(n), || unsafe {
-                        f(x, device_blocks.ptr(), y, m as i32, n as i32, k as i32)
+                    let (config, warps) = matvec_config(n, k / 32);
+                    run(config, || unsafe {
+                        f(
+                            x,
+                            device_blocks.ptr(),
+                            y,
+                            m as i32,
+                            n as i32,
+                            k as i32,
+                            warps,
+                        )
                     });
                 },
             );
@@ -268,9 +285,10 @@ fn iq_kernels_equal_the_reference() {
 
 // ---- FP8 and NVFP4 -------------------------------------------------------------------------------------
 
-type Fp8Matvec = unsafe extern "C" fn(Ptr, *const u8, *const f32, MutPtr, i32, i32, i32, i32, i32);
+type Fp8Matvec =
+    unsafe extern "C" fn(Ptr, *const u8, *const f32, MutPtr, i32, i32, i32, i32, i32, i32);
 type Fp8Dequantize = unsafe extern "C" fn(*const u8, *const f32, MutPtr, i32, i32, i32, i32);
-type Nvfp4Matvec = unsafe extern "C" fn(Ptr, *const u8, *const u8, f32, MutPtr, i32, i32, i32);
+type Nvfp4Matvec = unsafe extern "C" fn(Ptr, *const u8, *const u8, f32, MutPtr, i32, i32, i32, i32);
 type Nvfp4Dequantize = unsafe extern "C" fn(*const u8, *const u8, f32, MutPtr, i32, i32);
 
 extern "C" {
@@ -284,6 +302,7 @@ extern "C" {
         k: i32,
         bn: i32,
         bk: i32,
+        column_warps: i32,
     );
     fn fp8_matvec_bf16(
         x: Ptr,
@@ -295,6 +314,7 @@ extern "C" {
         k: i32,
         bn: i32,
         bk: i32,
+        column_warps: i32,
     );
     fn fp8_matvec_r1_f32(
         x: Ptr,
@@ -306,6 +326,7 @@ extern "C" {
         k: i32,
         bn: i32,
         bk: i32,
+        column_warps: i32,
     );
     fn fp8_matvec_r1_bf16(
         x: Ptr,
@@ -317,6 +338,7 @@ extern "C" {
         k: i32,
         bn: i32,
         bk: i32,
+        column_warps: i32,
     );
     fn fp8_dequantize_f32(
         w: *const u8,
@@ -345,6 +367,7 @@ extern "C" {
         m: i32,
         n: i32,
         k: i32,
+        column_warps: i32,
     );
     fn nvfp4_matvec_bf16(
         x: Ptr,
@@ -355,6 +378,7 @@ extern "C" {
         m: i32,
         n: i32,
         k: i32,
+        column_warps: i32,
     );
     fn nvfp4_matvec_r1_f32(
         x: Ptr,
@@ -365,6 +389,7 @@ extern "C" {
         m: i32,
         n: i32,
         k: i32,
+        column_warps: i32,
     );
     fn nvfp4_matvec_r1_bf16(
         x: Ptr,
@@ -375,6 +400,7 @@ extern "C" {
         m: i32,
         n: i32,
         k: i32,
+        column_warps: i32,
     );
     fn nvfp4_dequantize_f32(p: *const u8, s: *const u8, g: f32, out: MutPtr, n: i32, k: i32);
     fn nvfp4_dequantize_bf16(p: *const u8, s: *const u8, g: f32, out: MutPtr, n: i32, k: i32);
@@ -439,11 +465,14 @@ fn assert_dequantized(what: &str, got: &[f32], dense: &Tensor, dtype: DType) {
 #[test]
 fn fp8_kernels_equal_the_reference() {
     // GLM-5-FP8's 128x128 blocks with a partial last block row (13 of 128) and column (656 = 5 blocks + 16),
-    // and small blocks that split a warp's 512 weights.
+    // small blocks that split a warp's 512 weights, and rows long enough for 2 and 4 warps a column (with
+    // column counts that leave the last block's groups partly past n).
     for (seed, (n, k), block) in [
         (4720, (13, 656), [128, 128]),
         (4721, (21, 1056), [8, 32]),
         (4722, (37, 160), [16, 48]),
+        (4723, (7, 2176), [128, 128]),
+        (4724, (5, 4240), [128, 128]),
     ] {
         let w = common::quantized::fp8(&mut rng(seed), n, k, block);
         let dense = fp8_matmul::reference::dequantize(&w).unwrap();
@@ -467,7 +496,8 @@ fn fp8_kernels_equal_the_reference() {
                 } else {
                     FP8_MATVEC[d]
                 };
-                run(matvec_config(n), || unsafe {
+                let (config, warps) = matvec_config(n, k / 16);
+                run(config, || unsafe {
                     f(
                         x,
                         bytes.ptr(),
@@ -478,6 +508,7 @@ fn fp8_kernels_equal_the_reference() {
                         k as i32,
                         bn,
                         bk,
+                        warps,
                     )
                 });
             },
@@ -487,9 +518,14 @@ fn fp8_kernels_equal_the_reference() {
 
 #[test]
 fn nvfp4_kernels_equal_the_reference() {
-    // Rows of fewer 16-value groups than a warp has lanes (160), of one partial unrolled pass (1024) and of
-    // several (8224).
-    for (seed, (n, k)) in [(4730, (13, 160)), (4731, (9, 1024)), (4732, (5, 8224))] {
+    // Rows of fewer 16-value groups than a warp has lanes (160), of one partial unrolled pass (1024), of
+    // several (8224: 4 warps a column) and read by 2 warps a column (2080).
+    for (seed, (n, k)) in [
+        (4730, (13, 160)),
+        (4731, (9, 1024)),
+        (4732, (5, 8224)),
+        (4733, (11, 2080)),
+    ] {
         let w = common::quantized::nvfp4(&mut rng(seed), n, k);
         let dense = nvfp4_matmul::reference::dequantize(&w).unwrap();
         let (packed, scales) = (bytes_of(&w.packed), bytes_of(&w.scales));
@@ -512,7 +548,8 @@ fn nvfp4_kernels_equal_the_reference() {
                 } else {
                     NVFP4_MATVEC[d]
                 };
-                run(matvec_config(n), || unsafe {
+                let (config, warps) = matvec_config(n, k / 16);
+                run(config, || unsafe {
                     f(
                         x,
                         packed.ptr(),
@@ -522,6 +559,7 @@ fn nvfp4_kernels_equal_the_reference() {
                         m as i32,
                         n as i32,
                         k as i32,
+                        warps,
                     )
                 });
             },

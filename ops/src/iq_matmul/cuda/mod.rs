@@ -11,6 +11,7 @@ use crate::weight_only_cuda::{self, KernelFile, WeightArgs};
 const FILE: KernelFile = KernelFile {
     module: "iq_matmul",
     fatbin: glm5_kernels::IQ_MATMUL,
+    chunk_values: 32,
 };
 
 /// `iq_matvec_<format>` / `iq_dequantize_<format>`.
