@@ -98,10 +98,8 @@ impl Sampler {
             Rule::Greedy => unreachable!("greedy rows are picked by argmax"),
             Rule::All => self.multinomial(probs),
             Rule::TopP(p) => self.top_p(probs, p),
-            Rule::TopK(k) | Rule::TopKThenTopP(k, _) if k >= probs.len() => match self.rule {
-                Rule::TopKThenTopP(_, p) => self.top_p(probs, p),
-                _ => self.multinomial(probs),
-            },
+            Rule::TopK(k) if k >= probs.len() => self.multinomial(probs),
+            Rule::TopKThenTopP(k, p) if k >= probs.len() => self.top_p(probs, p),
             Rule::TopK(k) => {
                 let (indices, weights) = largest(probs, k);
                 Ok(indices[self.multinomial(&weights)? as usize] as u32)
@@ -212,40 +210,51 @@ pub fn apply_min_p(probs: &mut [f32], min_p: f64) {
         .for_each(|p| *p = 0.0);
 }
 
-/// The next token of every row of one step's `logits` `[rows, vocab]`, row `r` by `samplers[r]` after
-/// `histories[r]`: the same tokens as [`Sampler::sample`] row by row, but the greedy rows' argmax and
-/// the sampled rows' probabilities each come back in one read (rows with a repetition penalty still go one
-/// at a time). The outer error is a failed read of the step; a row that cannot be sampled (NaN
+/// The next tokens of several sequences from one step's `logits` `[batch, vocab]`: `samplers[j]` after
+/// `histories[j]` from row `rows[j]`. The same tokens as [`Sampler::sample`] row by row, but the greedy rows'
+/// argmax and the sampled rows' probabilities each come back in one read (rows with a repetition penalty
+/// still go one at a time). The outer error is a failed read of the step; a row that cannot be sampled (NaN
 /// probabilities) fails alone.
 pub fn sample_rows(
     samplers: &mut [&mut Sampler],
     logits: &Tensor,
+    rows: &[usize],
     histories: &[&[u32]],
 ) -> Result<Vec<Result<u32>>> {
-    let rows = logits.dim(0)?;
-    if samplers.len() != rows || histories.len() != rows {
+    let batch = logits.dim(0)?;
+    if samplers.len() != rows.len() || histories.len() != rows.len() {
         return Err(Error::Sampling(format!(
-            "{rows} rows of logits for {} samplers and {} histories",
+            "{} rows for {} samplers and {} histories",
+            rows.len(),
             samplers.len(),
             histories.len()
         )));
     }
-    let mut ids: Vec<Result<u32>> = (0..rows).map(|_| Ok(0)).collect();
+    if let Some(&row) = rows.iter().find(|&&row| row >= batch) {
+        return Err(Error::Sampling(format!(
+            "row {row} of a step of {batch} rows"
+        )));
+    }
+    let mut ids: Vec<Result<u32>> = rows.iter().map(|_| Ok(0)).collect();
+    // Indices into `samplers` (and `ids`), by how they sample.
     let (mut greedy, mut sampled) = (Vec::new(), Vec::new());
     for (r, sampler) in samplers.iter_mut().enumerate() {
         if sampler.penalises() {
-            ids[r] = sampler.sample(&logits.get(r)?, histories[r]);
+            ids[r] = sampler.sample(&logits.get(rows[r])?, histories[r]);
         } else if sampler.rule == Rule::Greedy {
             greedy.push(r);
         } else {
             sampled.push(r);
         }
     }
+    // The logits rows of `picked`, selected on the device unless they are the whole step in order.
     let select = |picked: &[usize]| -> Result<Tensor> {
-        let logits = if picked.len() == rows {
+        let in_order =
+            picked.len() == batch && picked.iter().enumerate().all(|(j, &r)| rows[r] == j);
+        let logits = if in_order {
             logits.clone()
         } else {
-            let index: Vec<u32> = picked.iter().map(|&r| r as u32).collect();
+            let index: Vec<u32> = picked.iter().map(|&r| rows[r] as u32).collect();
             logits.index_select(&Tensor::new(index.as_slice(), logits.device())?, 0)?
         };
         Ok(logits.to_dtype(DType::F32)?)

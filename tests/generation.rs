@@ -502,12 +502,13 @@ fn sample_rows_equals_each_row_alone() {
         })
         .collect();
     let histories: Vec<Vec<u32>> = (0..rows).map(|r| vec![r as u32, 17, 2999]).collect();
+    let all_rows: Vec<usize> = (0..rows).collect();
     let mut together: Vec<Sampler> = params.iter().map(Sampler::new).collect();
     let mut alone: Vec<Sampler> = params.iter().map(Sampler::new).collect();
     for step in 0..20 {
         let mut refs: Vec<&mut Sampler> = together.iter_mut().collect();
         let history_refs: Vec<&[u32]> = histories.iter().map(Vec::as_slice).collect();
-        let ids = sample_rows(&mut refs, &batch, &history_refs).unwrap();
+        let ids = sample_rows(&mut refs, &batch, &all_rows, &history_refs).unwrap();
         for (r, id) in ids.into_iter().enumerate() {
             let expected = alone[r]
                 .sample(&batch.get(r).unwrap(), &histories[r])
@@ -515,9 +516,29 @@ fn sample_rows_equals_each_row_alone() {
             assert_eq!(id.unwrap(), expected, "row {r}, step {step}");
         }
     }
+    // Some of the step's rows, out of order (as the server passes the sequences whose tokens are all
+    // computed): each sampler reads its own row.
+    let picked = [6usize, 3, 1, 0];
+    let mut subset: Vec<Sampler> = picked.iter().map(|&r| Sampler::new(&params[r])).collect();
+    let mut subset_alone: Vec<Sampler> = picked.iter().map(|&r| Sampler::new(&params[r])).collect();
+    let picked_histories: Vec<&[u32]> = picked.iter().map(|&r| histories[r].as_slice()).collect();
+    for step in 0..10 {
+        let mut refs: Vec<&mut Sampler> = subset.iter_mut().collect();
+        let ids = sample_rows(&mut refs, &batch, &picked, &picked_histories).unwrap();
+        for ((j, id), &r) in ids.into_iter().enumerate().zip(&picked) {
+            let expected = subset_alone[j]
+                .sample(&batch.get(r).unwrap(), &histories[r])
+                .unwrap();
+            assert_eq!(id.unwrap(), expected, "picked row {r}, step {step}");
+        }
+    }
     let mut refs: Vec<&mut Sampler> = together.iter_mut().collect();
     assert!(matches!(
-        sample_rows(&mut refs[..2], &batch, &[&[], &[]]),
+        sample_rows(&mut refs[..2], &batch, &all_rows, &[&[], &[]]),
+        Err(Error::Sampling(_))
+    ));
+    assert!(matches!(
+        sample_rows(&mut refs[..1], &batch, &[rows], &[&[]]),
         Err(Error::Sampling(_))
     ));
 }

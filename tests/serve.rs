@@ -592,6 +592,28 @@ fn load_on_loopback_loses_and_corrupts_nothing() {
     assert!(out.contains("lost 0, corrupted 0"), "{out}");
 }
 
+/// `body` posted to the server's `/v1/completions` by curl on a thread of its own (so that requests run at
+/// once); the thread returns the JSON reply.
+fn complete_in_thread(server: &Server, body: Value) -> std::thread::JoinHandle<Value> {
+    let url = format!("{}/v1/completions", server.url);
+    std::thread::spawn(move || {
+        let out = Command::new("curl")
+            .args([
+                "-sS",
+                "--max-time",
+                "120",
+                "-H",
+                "content-type: application/json",
+                "-d",
+            ])
+            .arg(body.to_string())
+            .arg(url)
+            .output()
+            .expect("curl is needed for this test");
+        serde_json::from_slice::<Value>(&out.stdout).unwrap()
+    })
+}
+
 /// A pool too small for the requests running at once: sequences are preempted (their blocks freed) and
 /// recomputed later, yet every reply equals the library's solo greedy reply and nothing fails.
 #[test]
@@ -619,16 +641,7 @@ fn preempted_sequences_resume_with_their_solo_tokens() {
         .iter()
         .map(|(prompt, _)| {
             let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0});
-            let url = format!("{}/v1/completions", server.url);
-            std::thread::spawn(move || {
-                let out = Command::new("curl")
-                    .args(["-sS", "--max-time", "120", "-H", "content-type: application/json", "-d"])
-                    .arg(body.to_string())
-                    .arg(url)
-                    .output()
-                    .expect("curl is needed for this test");
-                serde_json::from_slice::<Value>(&out.stdout).unwrap()
-            })
+            complete_in_thread(&server, body)
         })
         .collect();
     for ((prompt, expect), thread) in expects.iter().zip(threads) {
@@ -683,33 +696,17 @@ fn batched_sampled_replies_equal_the_librarys_seeded_ones() {
         json!({"temperature": 1.3, "top_p": 1.0, "seed": 13}),
         json!({"temperature": 0.9, "top_p": 0.6, "top_k": 40, "min_p": 0.05, "seed": 14}),
     ];
+    let story = |i: usize| format!("Story {i}: once upon a time");
     let server = Server::start(&["--max-seqs", "8"]);
     let threads: Vec<_> = settings
         .iter()
         .enumerate()
         .map(|(i, setting)| {
-            let mut body = json!({"model": MODEL, "prompt": format!("Story {i}: once upon a time"),
-                "max_tokens": max_tokens});
+            let mut body = json!({"model": MODEL, "prompt": story(i), "max_tokens": max_tokens});
             body.as_object_mut()
                 .unwrap()
                 .extend(setting.as_object().unwrap().clone());
-            let url = format!("{}/v1/completions", server.url);
-            std::thread::spawn(move || {
-                let out = Command::new("curl")
-                    .args([
-                        "-sS",
-                        "--max-time",
-                        "120",
-                        "-H",
-                        "content-type: application/json",
-                        "-d",
-                    ])
-                    .arg(body.to_string())
-                    .arg(url)
-                    .output()
-                    .expect("curl is needed for this test");
-                serde_json::from_slice::<Value>(&out.stdout).unwrap()
-            })
+            complete_in_thread(&server, body)
         })
         .collect();
     for (i, (setting, thread)) in settings.iter().zip(threads).enumerate() {
@@ -724,7 +721,7 @@ fn batched_sampled_replies_equal_the_librarys_seeded_ones() {
             seed: number("seed").map_or(0, |s| s as u64),
             ..Default::default()
         };
-        let expect = library_reply(&model, &format!("Story {i}: once upon a time"), &params);
+        let expect = library_reply(&model, &story(i), &params);
         assert_eq!(
             value["choices"][0]["text"], expect["text"],
             "{setting}: {value}"

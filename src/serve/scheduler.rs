@@ -843,21 +843,13 @@ fn sample_ready(
     if ready.is_empty() {
         return picks;
     }
-    let every_row = ready.len() == running.len();
-    let rows = || -> Result<Tensor> {
-        if every_row {
-            return Ok(logits.clone());
-        }
-        let index: Vec<u32> = ready.iter().map(|&r| r as u32).collect();
-        Ok(logits.index_select(&Tensor::new(index.as_slice(), logits.device())?, 0)?)
-    };
     let (mut samplers, histories): (Vec<&mut Sampler>, Vec<&[u32]>) = running
         .iter_mut()
         .enumerate()
         .filter(|(r, _)| ready.binary_search(r).is_ok())
         .map(|(_, seq)| (&mut seq.sampler, seq.tokens.as_slice()))
         .unzip();
-    match rows().and_then(|rows| sample_rows(&mut samplers, &rows, &histories)) {
+    match sample_rows(&mut samplers, logits, &ready, &histories) {
         Ok(ids) => {
             for (&r, id) in ready.iter().zip(ids) {
                 picks[r] = Some(id);
