@@ -220,6 +220,7 @@ fn config(vocab_size: usize, eos: &[u32]) -> serde_json::Value {
         "rms_norm_eps": 1e-5,
         "attention_bias": false,
         "tie_word_embeddings": false,
+        "num_nextn_predict_layers": 1,
         "eos_token_id": eos,
         "pad_token_id": eos[0],
         "dtype": "bfloat16",
@@ -242,25 +243,26 @@ fn tensor_specs(c: &glm5::Config) -> Vec<(String, Vec<usize>, char)> {
         linear(specs, format!("{p}.up_proj.weight"), inter, h);
         linear(specs, format!("{p}.down_proj.weight"), h, inter);
     };
-    for l in 0..c.num_hidden_layers {
+    // One decoder block stored as `model.layers.{l}`.
+    let block = |specs: &mut Vec<_>, l: usize, kind: glm5::models::MlpKind| {
         let p = format!("model.layers.{l}");
         let a = format!("{p}.self_attn");
         let heads = c.num_attention_heads;
         specs.push((format!("{p}.input_layernorm.weight"), vec![h], '1'));
-        linear(&mut specs, format!("{a}.q_a_proj.weight"), c.q_lora_rank, h);
+        linear(specs, format!("{a}.q_a_proj.weight"), c.q_lora_rank, h);
         specs.push((
             format!("{a}.q_a_layernorm.weight"),
             vec![c.q_lora_rank],
             '1',
         ));
         linear(
-            &mut specs,
+            specs,
             format!("{a}.q_b_proj.weight"),
             heads * c.qk_head_dim(),
             c.q_lora_rank,
         );
         linear(
-            &mut specs,
+            specs,
             format!("{a}.kv_a_proj_with_mqa.weight"),
             c.latent_dim(),
             h,
@@ -271,29 +273,19 @@ fn tensor_specs(c: &glm5::Config) -> Vec<(String, Vec<usize>, char)> {
             '1',
         ));
         linear(
-            &mut specs,
+            specs,
             format!("{a}.kv_b_proj.weight"),
             heads * (c.qk_nope_head_dim + c.v_head_dim),
             c.kv_lora_rank,
         );
+        linear(specs, format!("{a}.o_proj.weight"), h, heads * c.v_head_dim);
         linear(
-            &mut specs,
-            format!("{a}.o_proj.weight"),
-            h,
-            heads * c.v_head_dim,
-        );
-        linear(
-            &mut specs,
+            specs,
             format!("{a}.indexer.wq_b.weight"),
             c.index_n_heads * c.index_head_dim,
             c.q_lora_rank,
         );
-        linear(
-            &mut specs,
-            format!("{a}.indexer.wk.weight"),
-            c.index_head_dim,
-            h,
-        );
+        linear(specs, format!("{a}.indexer.wk.weight"), c.index_head_dim, h);
         specs.push((
             format!("{a}.indexer.k_norm.weight"),
             vec![c.index_head_dim],
@@ -305,23 +297,16 @@ fn tensor_specs(c: &glm5::Config) -> Vec<(String, Vec<usize>, char)> {
             '0',
         ));
         linear(
-            &mut specs,
+            specs,
             format!("{a}.indexer.weights_proj.weight"),
             c.index_n_heads,
             h,
         );
         specs.push((format!("{p}.post_attention_layernorm.weight"), vec![h], '1'));
-        match c.mlp_layer_types[l] {
-            glm5::models::MlpKind::Dense => {
-                mlp(&mut specs, format!("{p}.mlp"), c.intermediate_size)
-            }
+        match kind {
+            glm5::models::MlpKind::Dense => mlp(specs, format!("{p}.mlp"), c.intermediate_size),
             glm5::models::MlpKind::MoE => {
-                linear(
-                    &mut specs,
-                    format!("{p}.mlp.gate.weight"),
-                    c.n_routed_experts,
-                    h,
-                );
+                linear(specs, format!("{p}.mlp.gate.weight"), c.n_routed_experts, h);
                 specs.push((
                     format!("{p}.mlp.gate.e_score_correction_bias"),
                     vec![c.n_routed_experts],
@@ -329,21 +314,39 @@ fn tensor_specs(c: &glm5::Config) -> Vec<(String, Vec<usize>, char)> {
                 ));
                 for e in 0..c.n_routed_experts {
                     mlp(
-                        &mut specs,
+                        specs,
                         format!("{p}.mlp.experts.{e}"),
                         c.moe_intermediate_size,
                     );
                 }
                 mlp(
-                    &mut specs,
+                    specs,
                     format!("{p}.mlp.shared_experts"),
                     c.moe_intermediate_size * c.n_shared_experts,
                 );
             }
         }
+    };
+    for l in 0..c.num_hidden_layers {
+        block(&mut specs, l, c.mlp_layer_types[l]);
     }
     specs.push(("model.norm.weight".to_string(), vec![h], '1'));
     linear(&mut specs, "lm_head.weight".to_string(), c.vocab_size, h);
+    // The MTP layer last (the tensors before it keep their random values when it is added): an MoE block,
+    // its input norms, eh_proj and its head's norm; it shares the embeddings and lm_head.
+    if c.num_nextn_predict_layers > 0 {
+        let n = c.num_hidden_layers;
+        block(&mut specs, n, glm5::models::MlpKind::MoE);
+        for norm in ["enorm", "hnorm", "shared_head.norm"] {
+            specs.push((format!("model.layers.{n}.{norm}.weight"), vec![h], '1'));
+        }
+        linear(
+            &mut specs,
+            format!("model.layers.{n}.eh_proj.weight"),
+            h,
+            2 * h,
+        );
+    }
     specs
 }
 

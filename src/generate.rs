@@ -3,13 +3,22 @@
 //! Prefill runs the whole prompt once; every decode step runs one token through the KV cache. Each step
 //! yields the newly completed text (never half a UTF-8 character), holding back text that could still
 //! become a stop string.
+//!
+//! Speculative decoding (a sequence made by [`SequenceCache::speculative`], for a model loaded with its MTP
+//! layer): before a decode step the MTP layer drafts the token after the next one, and the step runs both
+//! (the next token and the draft) through the model at once. The next token is sampled as always, the draft
+//! checked against it ([`Sampler::sample_draft`]): where it stands, the step's second row already holds the
+//! logits after it, and the following token needs no model step of its own; where it does not, its KV row
+//! is dropped. Greedy tokens are exactly those of plain decoding; sampled ones follow the same distribution.
 
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Tensor, D};
 
 use crate::error::{Error, Result};
-use crate::models::{PagedCacheOptions, PagedKvCache, SeqChunk, SeqId, DEFAULT_BLOCK_SIZE};
+use crate::models::{
+    MtpCache, PagedCacheOptions, PagedKvCache, SeqChunk, SeqId, DEFAULT_BLOCK_SIZE,
+};
 pub use crate::sampling::{apply_min_p, Sampler};
 use crate::tokenizer::TokenStream;
 use crate::{DecodeGraphs, Glm5ForCausalLM, GraphStats, KvCache};
@@ -121,6 +130,10 @@ pub struct GenerationStats {
     pub generated_tokens: usize,
     /// Time of sampling and decoding them.
     pub generation_time: Duration,
+    /// Speculative decoding: tokens the MTP layer drafted and the model checked.
+    pub draft_tokens: usize,
+    /// Of those, the ones that stood (each saved a model step).
+    pub accepted_draft_tokens: usize,
 }
 
 impl GenerationStats {
@@ -140,8 +153,18 @@ impl GenerationStats {
 /// from CUDA graphs where the model allows ([`Self::graphed`]).
 pub struct SequenceCache {
     kv: SequenceKv,
+    /// The MTP layer's rows and inputs, for speculative decoding ([`Self::speculative`]).
+    draft: Option<Drafter>,
     /// The tokens whose rows it holds, in order.
     pub tokens: Vec<u32>,
+}
+
+/// The MTP draft's state of one sequence: its KV rows for positions `0..cache.len()`, and the main model's
+/// hidden states of the next positions (`[1, hidden]` each, in order), whose rows the draft adds once the
+/// token after each is known. Together they cover every position the main cache holds.
+struct Drafter {
+    cache: MtpCache,
+    hidden: Vec<Tensor>,
 }
 
 enum SequenceKv {
@@ -163,8 +186,27 @@ impl SequenceCache {
         cache.clear();
         Self {
             kv: SequenceKv::Contiguous(cache),
+            draft: None,
             tokens: Vec::new(),
         }
+    }
+
+    /// An empty sequence of up to `capacity` tokens decoded speculatively with `model`'s MTP layer (module
+    /// docs); the model must have been loaded with it ([`crate::LoadOptions::mtp`]).
+    pub fn speculative(model: &Glm5ForCausalLM, capacity: usize) -> Result<Self> {
+        Ok(Self {
+            kv: SequenceKv::Contiguous(model.new_cache(capacity)?),
+            draft: Some(Drafter {
+                cache: model.new_mtp_cache(capacity)?,
+                hidden: Vec::new(),
+            }),
+            tokens: Vec::new(),
+        })
+    }
+
+    /// Whether its decode steps are speculative.
+    pub fn is_speculative(&self) -> bool {
+        self.draft.is_some()
     }
 
     /// An empty sequence of up to `capacity` tokens in a paged pool of its own on `model`'s devices, its
@@ -184,6 +226,7 @@ impl SequenceCache {
                 graphs: DecodeGraphs::new(GRAPHS_PER_SEQUENCE),
                 capacity,
             })),
+            draft: None,
             tokens: Vec::new(),
         })
     }
@@ -217,13 +260,43 @@ impl SequenceCache {
         }
     }
 
-    /// Keeps the first `len` rows.
+    /// Rows a prompt whose first `shared` tokens are `self.tokens`' can keep: those in the cache, and with
+    /// a draft, only as far as its state stays whole (its row at `i` read the token at `i + 1`).
+    fn reusable(&self, shared: usize) -> usize {
+        let rows = shared.min(self.len());
+        match &self.draft {
+            None => rows,
+            Some(draft) => {
+                let drafted = draft.cache.len().min(shared.saturating_sub(1));
+                // Rows dropped from the draft's cache need the main model's hidden states again.
+                rows.min(match drafted < draft.cache.len() {
+                    true => drafted,
+                    false => drafted + draft.hidden.len(),
+                })
+            }
+        }
+    }
+
+    /// Keeps the first `len` rows (the draft's state with them).
     fn truncate(&mut self, len: usize) -> Result<()> {
         match &mut self.kv {
             SequenceKv::Contiguous(cache) => cache.truncate(len),
             SequenceKv::Graphed(g) => g.pool.truncate_sequence(g.seq, len)?,
         }
+        self.forget_draft_rows(len);
         Ok(())
+    }
+
+    /// Keeps the draft's state of the first `len` positions.
+    fn forget_draft_rows(&mut self, len: usize) {
+        if let Some(draft) = &mut self.draft {
+            if len < draft.cache.len() {
+                draft.cache.truncate(len);
+                draft.hidden.clear();
+            } else {
+                draft.hidden.truncate(len - draft.cache.len());
+            }
+        }
     }
 
     /// Appends `ids` at `start_pos..` and returns the logits after the last of them, `[vocab]`.
@@ -234,8 +307,8 @@ impl SequenceCache {
         start_pos: usize,
     ) -> Result<Tensor> {
         let logits = match &mut self.kv {
-            SequenceKv::Contiguous(cache) => {
-                let logits = model.forward(ids, start_pos, cache)?;
+            SequenceKv::Contiguous(_) => {
+                let logits = self.forward_rows(model, ids, start_pos)?;
                 logits.get(logits.dim(0)? - 1)?
             }
             SequenceKv::Graphed(g) => {
@@ -258,6 +331,48 @@ impl SequenceCache {
         };
         Ok(logits)
     }
+
+    /// Appends `ids` at `start_pos..` to a contiguous cache and returns the logits of every one of them,
+    /// `[len, vocab]`; with a draft, their hidden states wait for it.
+    fn forward_rows(
+        &mut self,
+        model: &Glm5ForCausalLM,
+        ids: &[u32],
+        start_pos: usize,
+    ) -> Result<Tensor> {
+        let SequenceKv::Contiguous(cache) = &mut self.kv else {
+            return Err(Error::InvalidParams(
+                "speculative decoding needs a contiguous KV cache, not a graphed sequence".into(),
+            ));
+        };
+        let Some(draft) = &mut self.draft else {
+            return Ok(model.forward(ids, start_pos, cache)?);
+        };
+        let (logits, hidden) = model.forward_with_hidden(ids, start_pos, cache)?;
+        for row in 0..ids.len() {
+            draft.hidden.push(hidden.narrow(0, row, 1)?);
+        }
+        Ok(logits)
+    }
+
+    /// The MTP layer's guess of the token after `tokens`' last (whose own row is not cached yet): its rows
+    /// for the waiting hidden states run first, each with the token after its position. `None` without a
+    /// draft or a waiting hidden state.
+    fn draft(&mut self, model: &Glm5ForCausalLM, tokens: &[u32]) -> Result<Option<u32>> {
+        let Some(draft) = &mut self.draft else {
+            return Ok(None);
+        };
+        let start = draft.cache.len();
+        let waiting = draft.hidden.len();
+        if waiting == 0 || start + waiting >= tokens.len() {
+            return Ok(None);
+        }
+        let hidden = Tensor::cat(&draft.hidden, 0)?;
+        let next = &tokens[start + 1..start + waiting + 1];
+        let logits = model.forward_mtp(next, &hidden, start, &mut draft.cache)?;
+        draft.hidden.clear();
+        Ok(Some(argmax(&logits.get(waiting - 1)?)?))
+    }
 }
 
 /// Decode graphs a graphed sequence keeps (one per block-table width it grows through).
@@ -272,6 +387,9 @@ pub struct Generation<'a> {
     tokens: Vec<u32>,
     prompt_len: usize,
     next_logits: Option<Tensor>,
+    /// The token the MTP layer drafted for the next position, already run through the model after it, and
+    /// the logits that run gave for the position after the draft.
+    drafted: Option<(u32, Tensor)>,
     sampler: Sampler,
     stream: TokenStream<'a>,
     stop_ids: Vec<u32>,
@@ -313,7 +431,7 @@ impl<'a> Generation<'a> {
             .zip(&prompt)
             .take_while(|(a, b)| a == b)
             .count();
-        let reuse = shared.min(cache.len()).min(prompt.len() - 1);
+        let reuse = cache.reusable(shared).min(prompt.len() - 1);
         cache.truncate(reuse)?;
         tracing::debug!(
             prompt_tokens = prompt.len(),
@@ -334,6 +452,7 @@ impl<'a> Generation<'a> {
             prompt_len: prompt.len(),
             tokens: prompt,
             next_logits: Some(last),
+            drafted: None,
             sampler: Sampler::new(params),
             stream,
             stop_ids,
@@ -362,13 +481,15 @@ impl<'a> Generation<'a> {
 
     /// Hands the cache back (holding the prompt and the generated tokens) for a follow-up turn.
     pub fn into_sequence(self) -> SequenceCache {
-        let cached = self.cache.len();
+        let mut cache = self.cache;
         let mut tokens = self.tokens;
-        tokens.truncate(cached);
-        SequenceCache {
-            tokens,
-            ..self.cache
+        // A draft's row past the last token (generation ended before the draft was checked) goes.
+        if let SequenceKv::Contiguous(kv) = &mut cache.kv {
+            kv.truncate(tokens.len());
+            cache.forget_draft_rows(tokens.len());
         }
+        tokens.truncate(cache.len());
+        SequenceCache { tokens, ..cache }
     }
 
     fn step(&mut self) -> Result<Option<GeneratedToken>> {
@@ -380,7 +501,15 @@ impl<'a> Generation<'a> {
         }
         let started = Instant::now();
         check_logits(&logits, self.generated().len(), self.tokens.len())?;
-        let id = self.sampler.sample(&logits, &self.tokens)?;
+        let (id, after_draft) = match self.drafted.take() {
+            Some((draft, after)) => {
+                let (id, stands) = self.sampler.sample_draft(&logits, &self.tokens, draft)?;
+                self.stats.draft_tokens += 1;
+                self.stats.accepted_draft_tokens += usize::from(stands);
+                (id, Some(after).filter(|_| stands))
+            }
+            None => (self.sampler.sample(&logits, &self.tokens)?, None),
+        };
         if self.stop_ids.contains(&id) {
             self.stats.generation_time += started.elapsed();
             return self.end(FinishReason::EndOfSequence(id));
@@ -402,13 +531,11 @@ impl<'a> Generation<'a> {
             }
         };
         if self.generated().len() < self.max_new_tokens {
-            if self.cache.len() + 1 > self.cache.capacity() {
-                self.finish = Some(FinishReason::ContextFull);
+            if let Some(after) = after_draft {
+                // The draft stood: its row is cached and the step gave the logits after it.
+                self.next_logits = Some(after);
             } else {
-                let logits = self
-                    .cache
-                    .forward_last(self.model, &[id], self.tokens.len() - 1)?;
-                self.next_logits = Some(logits);
+                self.decode(id)?;
             }
         } else {
             self.finish = Some(FinishReason::MaxTokens);
@@ -420,6 +547,38 @@ impl<'a> Generation<'a> {
             text
         };
         Ok(Some(GeneratedToken { id: Some(id), text }))
+    }
+
+    /// Runs the newest token `id` (position `tokens.len() - 1`; a rejected draft's row after it dropped),
+    /// with the MTP layer's draft after it where the sequence has one and room for both.
+    fn decode(&mut self, id: u32) -> Result<()> {
+        let position = self.tokens.len() - 1;
+        if self.cache.len() > position {
+            self.cache.truncate(position)?;
+        }
+        if position + 1 > self.cache.capacity() {
+            self.finish = Some(FinishReason::ContextFull);
+            return Ok(());
+        }
+        let room = position + 2 <= self.cache.capacity()
+            && self.generated().len() + 1 < self.max_new_tokens;
+        let draft = match room {
+            true => self.cache.draft(self.model, &self.tokens)?,
+            false => None,
+        };
+        match draft {
+            Some(draft) => {
+                let logits = self
+                    .cache
+                    .forward_rows(self.model, &[id, draft], position)?;
+                self.next_logits = Some(logits.get(0)?);
+                self.drafted = Some((draft, logits.get(1)?));
+            }
+            None => {
+                self.next_logits = Some(self.cache.forward_last(self.model, &[id], position)?);
+            }
+        }
+        Ok(())
     }
 
     fn flush(&mut self) -> Result<String> {

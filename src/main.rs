@@ -74,6 +74,9 @@ struct PlanArgs {
     /// Tokens of KV cache to reserve per layer (default: min(8192, the model's context)).
     #[arg(long)]
     context: Option<usize>,
+    /// Place the MTP layer too (speculative decoding's draft; generate --mtp).
+    #[arg(long)]
+    mtp: bool,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -189,6 +192,11 @@ struct GenerateArgs {
     /// run of layers); stderr says when they cannot be.
     #[arg(long)]
     cuda_graphs: bool,
+    /// Speculative decoding with the checkpoint's MTP layer: it drafts the token after next, checked in the
+    /// same model step as the next token (greedy output unchanged; sampled output from the same
+    /// distribution). Loads the MTP layer (one more MoE layer of weights and KV cache).
+    #[arg(long, conflicts_with = "cuda_graphs")]
+    mtp: bool,
 }
 
 fn dtype(arg: DTypeArg) -> DType {
@@ -364,6 +372,7 @@ fn plan(args: PlanArgs) -> Result<(), Box<dyn std::error::Error>> {
             .map(|m| parse_layer_map(m, &names, config.num_hidden_layers))
             .transpose()?,
         index_keys: index_cache(args.index_cache),
+        mtp: args.mtp,
     };
     let registry = Registry::builtin();
     // A GGUF file's tensors count at the size they are kept in (quantised matrices stay quantised), as do
@@ -442,12 +451,21 @@ fn stream(generation: &mut Generation) -> Result<String, Box<dyn std::error::Err
         stats.generation_tokens_per_second(),
         generation.finish_reason(),
     );
+    if stats.draft_tokens > 0 {
+        eprintln!(
+            "[MTP drafts: {} of {} accepted ({:.0}%)]",
+            stats.accepted_draft_tokens,
+            stats.draft_tokens,
+            100.0 * stats.accepted_draft_tokens as f64 / stats.draft_tokens as f64
+        );
+    }
     Ok(text)
 }
 
 /// Loads the model `--model` names (default: the embedded one) on the devices the arguments give, and
 /// says on stderr what was loaded.
-fn load_model(args: &ModelArgs) -> Result<Glm5, Box<dyn std::error::Error>> {
+/// `mtp`: with the MTP layer, for speculative decoding.
+fn load_model(args: &ModelArgs, mtp: bool) -> Result<Glm5, Box<dyn std::error::Error>> {
     let mut hub = HubOptions::from_env();
     hub.revision = args.revision.clone().or(hub.revision);
     hub.offline |= args.offline;
@@ -490,6 +508,7 @@ fn load_model(args: &ModelArgs) -> Result<Glm5, Box<dyn std::error::Error>> {
         dtype: args.dtype.map(dtype),
         attention: attention(args.attention),
         index_keys: index_cache(args.index_cache),
+        mtp,
         layer_map,
         hub,
         ..Default::default()
@@ -512,7 +531,7 @@ fn load_model(args: &ModelArgs) -> Result<Glm5, Box<dyn std::error::Error>> {
 }
 
 fn generate(args: GenerateArgs) -> Result<(), Box<dyn std::error::Error>> {
-    let model = load_model(&args.model)?;
+    let model = load_model(&args.model, args.mtp)?;
     let params = generation_params(&args, model.sampling_defaults());
     let chat_options = ChatOptions {
         add_generation_prompt: true,
@@ -556,7 +575,7 @@ fn generate(args: GenerateArgs) -> Result<(), Box<dyn std::error::Error>> {
     let new_sequence = |model: &Glm5| -> Result<SequenceCache, Box<dyn std::error::Error>> {
         Ok(match args.cuda_graphs {
             true => SequenceCache::graphed(model.model(), context)?,
-            false => SequenceCache::new(model.new_cache(context)?),
+            false => model.new_sequence(context)?,
         })
     };
     let mut sequence = Some(new_sequence(&model)?);
@@ -664,7 +683,7 @@ fn serve(args: ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
         .host
         .parse()
         .map_err(|_| format!("--host must be an IP address, got {:?}", args.host))?;
-    let model = load_model(&args.model)?;
+    let model = load_model(&args.model, false)?;
     let context = model.model().config().max_position_embeddings;
     let name = args
         .served_model_name

@@ -40,6 +40,8 @@ pub struct LoadOptions {
     pub attention: AttentionMode,
     /// How the indexer key cache stores keys: the model's dtype (default) or FP8 with a scale per key.
     pub index_keys: KeyFormat,
+    /// Load the checkpoint's MTP layer for speculative decoding (`--mtp`; [`GenerationParams::speculative`]).
+    pub mtp: bool,
     /// Revision, offline mode, endpoint and cache of Hub downloads.
     pub hub: HubOptions,
 }
@@ -56,6 +58,7 @@ impl Default for LoadOptions {
             dtype: None,
             attention: AttentionMode::Sparse,
             index_keys: KeyFormat::Float,
+            mtp: false,
             hub: HubOptions::from_env(),
         }
     }
@@ -100,6 +103,7 @@ impl LoadOptions {
             forced: forced_backends(&self.backends, std::env::var(BACKEND_ENV).ok().as_deref())?,
             layer_devices: self.layer_map.clone(),
             index_keys: self.index_keys,
+            mtp: self.mtp,
         };
         Ok(Plan::build_sized(
             config,
@@ -161,6 +165,12 @@ impl Glm5 {
     /// Loads a llama.cpp GGUF model (`.gguf` file, one part of a split set, or a directory holding one):
     /// config, tokenizer and chat template from its metadata, quantised matrices kept quantised.
     pub fn from_gguf(path: &Path, label: &str, options: &LoadOptions) -> Result<Self> {
+        if options.mtp {
+            return Err(Error::InvalidOption(
+                "--mtp needs a safetensors checkpoint: a GGUF file's MTP block (its nextn tensors) is not read yet"
+                    .into(),
+            ));
+        }
         let (config, checkpoint) = Checkpoint::open_gguf(path)?;
         let plan = options.plan_sized(&config, &|t| {
             checkpoint.resident_bytes(&t.name, &t.shape, t.dtype)
@@ -382,7 +392,16 @@ impl Glm5 {
     /// [`Glm5::apply_chat_template`] first).
     pub fn generate(&self, prompt: &str, params: &GenerationParams) -> Result<Generation<'_>> {
         let (ids, capacity) = self.prompt_and_capacity(prompt, params)?;
-        self.generate_ids(ids, params, SequenceCache::new(self.new_cache(capacity)?))
+        self.generate_ids(ids, params, self.new_sequence(capacity)?)
+    }
+
+    /// An empty sequence of up to `capacity` tokens for [`Self::generate_ids`]: decoded speculatively with
+    /// the MTP layer where the model was loaded with it ([`LoadOptions::mtp`]).
+    pub fn new_sequence(&self, capacity: usize) -> Result<SequenceCache> {
+        match self.model.has_mtp() {
+            true => SequenceCache::speculative(&self.model, capacity),
+            false => Ok(SequenceCache::new(self.new_cache(capacity)?)),
+        }
     }
 
     /// [`Self::generate`] in a paged pool of its own whose decode steps are replayed from CUDA graphs where

@@ -253,12 +253,15 @@ pub fn render(plan: &Plan, config: &Config, label: &str, registry: &Registry) ->
         "{:>5}  {:<8} {:<6} {:<5} {:>10} {:>10} {:>11}  {:<16} dsa_indexer",
         "layer", "device", "mlp", "dtype", "params", "weights", "KV/1K tok", "sparse_mla"
     );
-    for l in &plan.layers {
+    for l in plan.all_layers() {
         let backend = |op| l.op(op).map_or("-", |o| o.backend());
         let _ = writeln!(
             s,
             "{:>5}  {:<8} {:<6} {:<5} {:>10} {:>10} {:>11}  {:<16} {}",
-            l.layer,
+            match l.layer == n {
+                true => format!("MTP {n}"),
+                false => l.layer.to_string(),
+            },
             plan.devices[l.device].name,
             format!("{:?}", l.mlp).to_lowercase(),
             dtype_name(l.dtype),
@@ -271,8 +274,14 @@ pub fn render(plan: &Plan, config: &Config, label: &str, registry: &Registry) ->
     }
     let _ = writeln!(
         s,
-        "embeddings on {}, final norm + lm_head on {}",
-        plan.devices[plan.embed_device].name, plan.devices[plan.head_device].name
+        "embeddings on {}, final norm + lm_head{} on {}",
+        plan.devices[plan.embed_device].name,
+        if plan.mtp.is_some() {
+            " + the MTP layer (speculative decoding's draft)"
+        } else {
+            ""
+        },
+        plan.devices[plan.head_device].name
     );
     for (at, from, to) in plan.boundaries() {
         let what = if at == n {
@@ -291,7 +300,7 @@ pub fn render(plan: &Plan, config: &Config, label: &str, registry: &Registry) ->
     let _ = writeln!(s, "\nbackends not chosen, and why:");
     for op in Op::ALL {
         let mut groups: Vec<(String, Vec<usize>)> = Vec::new();
-        for l in &plan.layers {
+        for l in plan.all_layers() {
             let text = match l.op(op).and_then(|o| o.choice.as_ref()) {
                 None => "    (not run: dense mode skips the indexer)\n".to_string(),
                 Some(choice) if choice.rejected.is_empty() => {

@@ -7,12 +7,14 @@
 //!   lowered until the walk over them decides: the same tokens kept, in O(vocabulary).
 //! - It reads one sequence's logits back at a time. [`sample_rows`] takes one step's logits of many
 //!   sequences and reads them back once for the greedy rows and once for the sampled ones.
+//! - Speculative decoding: [`Sampler::sample_draft`] decides whether a drafted token stands, keeping the
+//!   distribution of the tokens exactly that of [`Sampler::sample`].
 
 use candle_core::{DType, Tensor, D};
 use rand::distr::weighted::WeightedIndex;
 use rand::distr::Distribution;
 use rand::rngs::StdRng;
-use rand::SeedableRng;
+use rand::{Rng, SeedableRng};
 
 use crate::error::{Error, Result};
 use crate::generate::GenerationParams;
@@ -70,6 +72,58 @@ impl Sampler {
 
     /// The next token given `logits` `[vocab]` and the tokens so far.
     pub fn sample(&mut self, logits: &Tensor, history: &[u32]) -> Result<u32> {
+        let logits = self.penalised(logits, history)?;
+        if self.rule == Rule::Greedy {
+            return Ok(logits.argmax(D::Minus1)?.to_scalar::<u32>()?);
+        }
+        let mut probs =
+            candle_nn::ops::softmax_last_dim(&(logits / self.temperature)?)?.to_vec1::<f32>()?;
+        self.pick(&mut probs)
+    }
+
+    /// The next token where speculative decoding drafted `draft` (its drafter chose it without sampling):
+    /// `(token, whether it is the draft)`. Greedy: the argmax, the draft standing where it is that. Sampled:
+    /// the draft stands with its probability `q` under this sampler's rules (temperature, min-p, top-k,
+    /// top-p), else a token is drawn from the others in proportion to theirs. Each token `t` so comes out
+    /// with probability `q` (`t` the draft) or `(1 - q) · p_t / (1 - q) = p_t`: the distribution
+    /// [`Self::sample`] draws from (not its draws: the random stream is used differently).
+    pub fn sample_draft(
+        &mut self,
+        logits: &Tensor,
+        history: &[u32],
+        draft: u32,
+    ) -> Result<(u32, bool)> {
+        let vocab = logits.dim(D::Minus1)?;
+        if draft as usize >= vocab {
+            return Err(Error::Sampling(format!(
+                "draft token {draft} is outside the vocabulary of {vocab}"
+            )));
+        }
+        let logits = self.penalised(logits, history)?;
+        if self.rule == Rule::Greedy {
+            let id = logits.argmax(D::Minus1)?.to_scalar::<u32>()?;
+            return Ok((id, id == draft));
+        }
+        let mut weights =
+            candle_nn::ops::softmax_last_dim(&(logits / self.temperature)?)?.to_vec1::<f32>()?;
+        self.keep_candidates(&mut weights);
+        let draft_weight = weights[draft as usize];
+        let total: f64 = weights.iter().map(|&w| w as f64).sum();
+        // NaN probabilities sum to NaN, which fails this too.
+        if total.is_nan() || total <= 0.0 {
+            return Err(Error::Sampling(format!(
+                "no token has a positive probability (sum {total})"
+            )));
+        }
+        if self.rng.random::<f64>() < draft_weight as f64 / total {
+            return Ok((draft, true));
+        }
+        weights[draft as usize] = 0.0;
+        Ok((self.multinomial(&weights)?, false))
+    }
+
+    /// `logits` with the repetition penalty over the recent `history` applied, in f32.
+    fn penalised(&self, logits: &Tensor, history: &[u32]) -> Result<Tensor> {
         let logits = if self.penalises() {
             let recent = &history[history.len().saturating_sub(self.repeat_last_n)..];
             candle_transformers::utils::apply_repeat_penalty(
@@ -80,13 +134,42 @@ impl Sampler {
         } else {
             logits.clone()
         };
-        let logits = logits.to_dtype(DType::F32)?;
-        if self.rule == Rule::Greedy {
-            return Ok(logits.argmax(D::Minus1)?.to_scalar::<u32>()?);
+        Ok(logits.to_dtype(DType::F32)?)
+    }
+
+    /// Zeroes the probabilities [`Self::pick`] never draws (min-p, then the rule's top-k / top-p), leaving
+    /// the weights it draws the rest with.
+    fn keep_candidates(&self, probs: &mut [f32]) {
+        if let Some(min_p) = self.min_p {
+            apply_min_p(probs, min_p);
         }
-        let mut probs =
-            candle_nn::ops::softmax_last_dim(&(logits / self.temperature)?)?.to_vec1::<f32>()?;
-        self.pick(&mut probs)
+        let keep_only = |probs: &mut [f32], kept: &[usize], weights: &[f32]| {
+            probs.iter_mut().for_each(|p| *p = 0.0);
+            for (&i, &w) in kept.iter().zip(weights) {
+                probs[i] = w;
+            }
+        };
+        match self.rule {
+            Rule::Greedy | Rule::All => {}
+            Rule::TopP(p) => keep_top_p(probs, p),
+            Rule::TopK(k) | Rule::TopKThenTopP(k, _) if k >= probs.len() => {
+                if let Rule::TopKThenTopP(_, p) = self.rule {
+                    keep_top_p(probs, p)
+                }
+            }
+            Rule::TopK(k) => {
+                let (indices, weights) = largest(probs, k);
+                keep_only(probs, &indices, &weights);
+            }
+            Rule::TopKThenTopP(k, p) => {
+                let (indices, mut weights) = largest(probs, k);
+                let sum: f32 = weights.iter().sum();
+                if p > 0.0 && p < sum {
+                    keep_top_p(&mut weights, p);
+                }
+                keep_only(probs, &indices, &weights);
+            }
+        }
     }
 
     /// The next token from the softmax of the (penalised) logits over the temperature.

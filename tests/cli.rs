@@ -203,3 +203,67 @@ fn plan_labels_dense_mode_and_rejects_an_invalid_forced_backend() {
         "{stdout}"
     );
 }
+
+#[test]
+fn plan_and_generate_with_the_mtp_layer() {
+    // GLM-5 with its MTP layer on 16 x 96 GB: one more row, with the head, and its bytes in the total.
+    let out = glm5(&[
+        "plan",
+        "--model",
+        GLM5_CONFIG,
+        "--assume",
+        "sm_120:96GB x16",
+        "--mtp",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let config = glm5::Config::from_file(GLM5_CONFIG).unwrap();
+    let n = config.num_hidden_layers;
+    let mtp_row = stdout
+        .lines()
+        .find(|l| l.trim_start().starts_with(&format!("MTP {n}")))
+        .unwrap_or_else(|| panic!("no MTP row: {stdout}"));
+    assert!(
+        mtp_row.contains("cuda:15") && mtp_row.contains("moe"),
+        "{mtp_row}"
+    );
+    let mtp_bytes = glm5::models::sizes::bytes(&glm5::models::sizes::mtp_tensors(
+        &config,
+        glm5::candle_core::DType::BF16,
+    ));
+    let (_, weights) = glm5_bf16_weight_bytes();
+    assert!(
+        stdout.contains(&format!("weights: {} B", weights + mtp_bytes)),
+        "{stdout}"
+    );
+    assert!(stdout.contains("the MTP layer"), "{stdout}");
+
+    // generate --mtp on the embedded model: greedy text as without it, and the drafts counted.
+    let args = [
+        "generate",
+        "--prompt",
+        "Hello there",
+        "--max-new-tokens",
+        "12",
+        "--temperature",
+        "0",
+    ];
+    let plain = glm5(&args);
+    let mut with_mtp = args.to_vec();
+    with_mtp.push("--mtp");
+    let speculative = glm5(&with_mtp);
+    let stderr = String::from_utf8_lossy(&speculative.stderr);
+    assert!(speculative.status.success(), "{stderr}");
+    assert_eq!(speculative.stdout, plain.stdout);
+    assert!(stderr.contains("MTP drafts:"), "{stderr}");
+
+    // With --cuda-graphs it is refused in one line.
+    with_mtp.push("--cuda-graphs");
+    let out = glm5(&with_mtp);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--mtp"));
+}

@@ -56,8 +56,18 @@ fn hf_defaults_fill_absent_fields() {
         config,
         Config {
             eos_token_ids: vec![],
+            // HF's config has no MTP field (it never loads the layer): none unless the config says so.
+            num_nextn_predict_layers: 0,
             ..glm5
         }
+    );
+    let too_many = parse_edited(|c| {
+        c.insert("num_nextn_predict_layers".into(), 1_000_000.into());
+    })
+    .unwrap_err();
+    assert!(
+        too_many.to_string().contains("num_nextn_predict_layers"),
+        "{too_many}"
     );
 }
 

@@ -78,7 +78,16 @@ fn config_from_gguf_metadata_equals_the_hf_config() {
     // GGUF stores the epsilon as f32.
     assert!((from_gguf.rms_norm_eps - hf.rms_norm_eps).abs() < 1e-12);
     from_gguf.rms_norm_eps = hf.rms_norm_eps;
-    assert_eq!(from_gguf, hf);
+    // The fixtures were converted before the tiny model had its MTP layer, and glm5 does not read a GGUF
+    // file's MTP block: none on either count.
+    assert_eq!(from_gguf.num_nextn_predict_layers, 0);
+    assert_eq!(
+        from_gguf,
+        Config {
+            num_nextn_predict_layers: 0,
+            ..hf
+        }
+    );
 }
 
 #[test]

@@ -165,17 +165,28 @@ impl KvCache {
         index_keys: KeyFormat,
         layer_devices: &[&Device],
     ) -> Result<Self> {
-        if capacity == 0 || capacity > config.max_position_embeddings {
-            return Err(ModelError::CacheShape(format!(
-                "capacity {capacity} must be in 1..={} (max_position_embeddings)",
-                config.max_position_embeddings
-            )));
-        }
         if layer_devices.len() != config.num_hidden_layers {
             return Err(ModelError::CacheShape(format!(
                 "{} layer devices for {} layers",
                 layer_devices.len(),
                 config.num_hidden_layers
+            )));
+        }
+        Self::of_layers(config, capacity, dtype, index_keys, layer_devices)
+    }
+
+    /// A cache of `layer_devices.len()` layers (the MTP layer's: one).
+    pub(crate) fn of_layers(
+        config: &Config,
+        capacity: usize,
+        dtype: DType,
+        index_keys: KeyFormat,
+        layer_devices: &[&Device],
+    ) -> Result<Self> {
+        if capacity == 0 || capacity > config.max_position_embeddings {
+            return Err(ModelError::CacheShape(format!(
+                "capacity {capacity} must be in 1..={} (max_position_embeddings)",
+                config.max_position_embeddings
             )));
         }
         let layers = layer_devices

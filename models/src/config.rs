@@ -51,6 +51,10 @@ pub struct Config {
     pub topk_group: usize,
     pub norm_topk_prob: bool,
     pub routed_scaling_factor: f64,
+    /// Multi-token-prediction (MTP) layers stored after the decoder layers, as
+    /// `model.layers.{num_hidden_layers + i}.*` [1]: a decoder block (MoE) that drafts the token after next
+    /// for speculative decoding. glm5 drafts with the first; 0 where the checkpoint has none.
+    pub num_nextn_predict_layers: usize,
     /// How the checkpoint stores its linear layers, if quantised (`quantization_config`, or the
     /// `hf_quant_config.json` beside `config.json`).
     pub quantization: Option<crate::quantization::Quantization>,
@@ -83,6 +87,8 @@ pub mod limits {
     pub const ROUTED_EXPERTS: usize = 1 << 12;
     /// `n_shared_experts` [1].
     pub const SHARED_EXPERTS: usize = 64;
+    /// `num_nextn_predict_layers` [1].
+    pub const NEXTN_LAYERS: usize = 64;
     /// Entries of `eos_token_id` [3].
     pub const EOS_TOKEN_IDS: usize = 1024;
     /// Parameters of the whole model [about 7.4e11]: 2^46, 70 trillion.
@@ -235,6 +241,7 @@ struct RawConfig {
     topk_group: Option<usize>,
     norm_topk_prob: Option<bool>,
     routed_scaling_factor: Option<f64>,
+    num_nextn_predict_layers: Option<usize>,
     scoring_func: Option<String>,
     topk_method: Option<String>,
     quantization_config: Option<serde_json::Value>,
@@ -512,6 +519,15 @@ impl RawConfig {
             )?,
             norm_topk_prob: self.norm_topk_prob.unwrap_or(true),
             routed_scaling_factor: self.routed_scaling_factor.unwrap_or(2.5),
+            num_nextn_predict_layers: match self.num_nextn_predict_layers.unwrap_or(0) {
+                n if n > limits::NEXTN_LAYERS => {
+                    return Err(invalid(
+                        "num_nextn_predict_layers",
+                        format!("is {n}, more than the limit of {}", limits::NEXTN_LAYERS),
+                    ))
+                }
+                n => n,
+            },
             quantization: self
                 .quantization_config
                 .as_ref()

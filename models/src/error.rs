@@ -72,6 +72,12 @@ pub enum ModelError {
     },
     #[error("empty input: forward needs at least one token")]
     EmptyInput,
+    #[error("the model was loaded without its MTP layer (load it with PlanOptions::mtp / --mtp)")]
+    NoMtpLayer,
+    #[error(
+        "the MTP layer takes one hidden state per token: {tokens} tokens, hidden states {hidden:?}"
+    )]
+    MtpInput { tokens: usize, hidden: Vec<usize> },
     #[error("positions {start}..{end} exceed the model's context of {max_positions} tokens")]
     ContextOverflow {
         start: usize,
@@ -168,6 +174,8 @@ impl From<PlanError> for ModelError {
 pub enum PlanError {
     #[error("a plan needs at least one device")]
     NoDevices,
+    #[error("speculative decoding with MTP needs the checkpoint's MTP layer, and this config has none (num_nextn_predict_layers is 0)")]
+    NoMtpLayer,
     #[error("the layer map has {found} entries for {layers} layers")]
     LayerMapLength { found: usize, layers: usize },
     #[error(

@@ -17,7 +17,7 @@ pub mod weights;
 pub use cache::KvCache;
 pub use config::{Config, MlpKind};
 pub use error::{ModelError, Result};
-pub use glm5::{DecodeGraphs, Glm5ForCausalLM, GraphStats, LayerBackends, RowOps};
+pub use glm5::{DecodeGraphs, Glm5ForCausalLM, GraphStats, LayerBackends, MtpCache, RowOps};
 pub use paged_cache::{PagedCacheOptions, PagedKvCache, SeqChunk, SeqId, DEFAULT_BLOCK_SIZE};
 pub use plan::{
     fmt_bytes, AttentionMode, DeviceUsage, LayerPlan, OpPlan, Plan, PlanError, PlanOptions,

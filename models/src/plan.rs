@@ -11,7 +11,9 @@
 //!    With `options.layer_devices` the map is the user's; otherwise the layers are split in order into
 //!    contiguous runs, each device filled up to its share of the total in proportion to its memory and never
 //!    past its memory. A plan that does not fit fails with [`PlanError::DoesNotFit`], naming the device
-//!    where placement ran out and the bytes missing.
+//!    where placement ran out and the bytes missing. With `options.mtp` the first MTP layer (speculative
+//!    decoding's draft block, [`Plan::mtp`]) goes with the head, whose `lm_head` it shares, and its weights
+//!    and KV cache count there.
 //! 2. **Dispatch.** For each layer and op, [`glm5_ops::Registry::dispatch`] on the layer's device with the
 //!    [`OpSpec`] the config implies: the user's forced backend if it validates, else the first valid one by
 //!    priority; no valid backend fails the build with every candidate's reasons. [`AttentionMode::Dense`]
@@ -60,6 +62,8 @@ pub struct PlanOptions {
     pub layer_devices: Option<Vec<usize>>,
     /// How the indexer key cache stores keys (`--index-cache`).
     pub index_keys: KeyFormat,
+    /// Load the first MTP layer as speculative decoding's draft (`--mtp`); the config must have one.
+    pub mtp: bool,
 }
 
 impl PlanOptions {
@@ -71,6 +75,7 @@ impl PlanOptions {
             forced: BTreeMap::new(),
             layer_devices: None,
             index_keys: KeyFormat::Float,
+            mtp: false,
         }
     }
 }
@@ -150,6 +155,8 @@ pub struct Plan {
     /// Norm and lm_head (a tied head counts here only when it is a copy on another device).
     pub head_bytes: u64,
     pub layers: Vec<LayerPlan>,
+    /// The first MTP layer (`model.layers.{num_hidden_layers}`), on the head's device, when asked for.
+    pub mtp: Option<LayerPlan>,
 }
 
 /// The spec one op of every layer asks for.
@@ -232,6 +239,17 @@ impl Plan {
         let head = sizes::head_tensors(config, dtype);
         let (embed_params, embed_bytes) = (sizes::params(&embed), bytes(&embed));
         let (mut head_params, mut head_bytes) = (sizes::params(&head), bytes(&head));
+        let mtp_sizes = if options.mtp {
+            if config.num_nextn_predict_layers == 0 {
+                return Err(PlanError::NoMtpLayer);
+            }
+            let t = sizes::mtp_tensors(config, dtype);
+            Some((sizes::params(&t), bytes(&t)))
+        } else {
+            None
+        };
+        // The MTP layer travels with the head: its weights and its own KV cache for the context.
+        let mtp_cost = mtp_sizes.map_or(0, |(_, bytes)| bytes + per_token * context as u64);
 
         let layer_cost: Vec<u64> = layer_sizes
             .iter()
@@ -275,10 +293,18 @@ impl Plan {
                 .enumerate()
                 .map(|(l, &c)| (format!("layer {l}"), c)),
         );
-        items.push(("the final norm and lm_head".into(), head_bytes));
-        let weights_total: u64 =
-            embed_bytes + head_bytes + layer_sizes.iter().map(|&(_, b)| b).sum::<u64>();
-        let cache_total = per_token * context as u64 * n as u64;
+        let head_item = if options.mtp {
+            "the final norm, lm_head and the MTP layer"
+        } else {
+            "the final norm and lm_head"
+        };
+        items.push((head_item.into(), head_bytes + mtp_cost));
+        let weights_total: u64 = embed_bytes
+            + head_bytes
+            + mtp_sizes.map_or(0, |(_, bytes)| bytes)
+            + layer_sizes.iter().map(|&(_, b)| b).sum::<u64>();
+        let layers_with_cache = n as u64 + u64::from(options.mtp);
+        let cache_total = per_token * context as u64 * layers_with_cache;
         let capacity: Vec<u64> = devices.iter().map(|d| d.memory_bytes).collect();
         let available: u64 = capacity.iter().fold(0u64, |a, &c| a.saturating_add(c));
 
@@ -304,7 +330,7 @@ impl Plan {
         if tied_copy && head_device == embed_device {
             head_params -= embed_params;
             head_bytes -= embed_bytes;
-            items[n + 1].1 = head_bytes;
+            items[n + 1].1 = head_bytes + mtp_cost;
         }
         // Every device's total against its memory (catches user maps; automatic placement already fits).
         let mut used = vec![0u64; devices.len()];
@@ -323,38 +349,53 @@ impl Plan {
             }
         }
 
-        let mut layers = Vec::with_capacity(n);
-        for (layer, &(params, weight_bytes)) in layer_sizes.iter().enumerate() {
-            let device = assignment[layer + 1];
-            let mut ops = Vec::new();
-            for op in Op::ALL {
-                let spec = op_spec(config, op, dtype, options.attention, options.index_keys);
-                let choice = if op == Op::DsaIndexer && options.attention == AttentionMode::Dense {
-                    None
-                } else {
-                    Some(
-                        registry
-                            .dispatch(
-                                &spec,
-                                &devices[device],
-                                options.forced.get(&op).map(String::as_str),
+        let layer_plan =
+            |layer: usize, device: usize, mlp: MlpKind, (params, weight_bytes): (u64, u64)| {
+                let mut ops = Vec::new();
+                for op in Op::ALL {
+                    let spec = op_spec(config, op, dtype, options.attention, options.index_keys);
+                    let choice =
+                        if op == Op::DsaIndexer && options.attention == AttentionMode::Dense {
+                            None
+                        } else {
+                            Some(
+                                registry
+                                    .dispatch(
+                                        &spec,
+                                        &devices[device],
+                                        options.forced.get(&op).map(String::as_str),
+                                    )
+                                    .map_err(|source| PlanError::Dispatch { layer, source })?,
                             )
-                            .map_err(|source| PlanError::Dispatch { layer, source })?,
-                    )
-                };
-                ops.push(OpPlan { op, spec, choice });
-            }
-            layers.push(LayerPlan {
-                layer,
-                device,
-                mlp: config.mlp_layer_types[layer],
-                dtype,
-                params,
-                weight_bytes,
-                cache_bytes_per_token: per_token,
-                ops,
-            });
-        }
+                        };
+                    ops.push(OpPlan { op, spec, choice });
+                }
+                Ok(LayerPlan {
+                    layer,
+                    device,
+                    mlp,
+                    dtype,
+                    params,
+                    weight_bytes,
+                    cache_bytes_per_token: per_token,
+                    ops,
+                })
+            };
+        let layers = layer_sizes
+            .iter()
+            .enumerate()
+            .map(|(layer, &sizes)| {
+                layer_plan(
+                    layer,
+                    assignment[layer + 1],
+                    config.mlp_layer_types[layer],
+                    sizes,
+                )
+            })
+            .collect::<Result<Vec<_>, PlanError>>()?;
+        let mtp = mtp_sizes
+            .map(|sizes| layer_plan(n, head_device, MlpKind::MoE, sizes))
+            .transpose()?;
         Ok(Plan {
             devices,
             dtype,
@@ -368,28 +409,34 @@ impl Plan {
             head_params,
             head_bytes,
             layers,
+            mtp,
         })
     }
 
     /// Parameters the plan holds (a tied head counted once unless copied).
     pub fn params(&self) -> u64 {
-        self.embed_params + self.head_params + self.layers.iter().map(|l| l.params).sum::<u64>()
+        self.embed_params + self.head_params + self.all_layers().map(|l| l.params).sum::<u64>()
     }
 
     pub fn weight_bytes(&self) -> u64 {
-        self.embed_bytes + self.head_bytes + self.layers.iter().map(|l| l.weight_bytes).sum::<u64>()
+        self.embed_bytes + self.head_bytes + self.all_layers().map(|l| l.weight_bytes).sum::<u64>()
     }
 
-    /// KV-cache bytes per token over all layers.
+    /// KV-cache bytes per token over all layers (the MTP layer's included).
     pub fn cache_bytes_per_token(&self) -> u64 {
-        self.layers.iter().map(|l| l.cache_bytes_per_token).sum()
+        self.all_layers().map(|l| l.cache_bytes_per_token).sum()
+    }
+
+    /// The decoder layers, then the MTP layer if the plan has one.
+    pub fn all_layers(&self) -> impl Iterator<Item = &LayerPlan> {
+        self.layers.iter().chain(&self.mtp)
     }
 
     /// Per device: layers, weights, cache, what is left and the context it could hold.
     pub fn device_usage(&self) -> Vec<DeviceUsage> {
         (0..self.devices.len())
             .map(|d| {
-                let on: Vec<&LayerPlan> = self.layers.iter().filter(|l| l.device == d).collect();
+                let on: Vec<&LayerPlan> = self.all_layers().filter(|l| l.device == d).collect();
                 let mut params: u64 = on.iter().map(|l| l.params).sum();
                 let mut weight_bytes: u64 = on.iter().map(|l| l.weight_bytes).sum();
                 if self.embed_device == d {

@@ -2,8 +2,10 @@
 //! and the dtype they are kept in, spec §2) and the KV-cache bytes per token. Placement sizes devices with
 //! these numbers before any weight is read.
 //!
-//! Contract: [`layer_tensors`], [`embedding_tensors`] and [`head_tensors`] list exactly the tensors
-//! `glm5.rs` asks the checkpoint for (the MTP layer `model.layers.{num_hidden_layers}.*` is never loaded),
+//! Contract: [`layer_tensors`], [`embedding_tensors`], [`head_tensors`] and [`mtp_tensors`] list exactly the
+//! tensors `glm5.rs` asks the checkpoint for (the MTP layer `model.layers.{num_hidden_layers}.*` only when
+//! speculative decoding asks for it; its copies of the embeddings and lm_head are never read: it shares the
+//! main model's),
 //! with the router's `gate.weight` and `e_score_correction_bias` in f32 (the model routes in f32) and every
 //! other tensor in the model dtype. `lm_head.weight` is listed unless the embeddings are tied.
 //!
@@ -87,6 +89,34 @@ pub fn head_tensors(config: &Config, dtype: DType) -> Vec<TensorInfo> {
 
 /// Every tensor of decoder layer `layer` (spec §2: attention, indexer, dense MLP or MoE, norms).
 pub fn layer_tensors(config: &Config, layer: usize, dtype: DType) -> Vec<TensorInfo> {
+    block_tensors(config, layer, config.mlp_layer_types[layer], dtype)
+}
+
+/// The first MTP layer's tensors (`model.layers.{num_hidden_layers}`): its decoder block (an MoE block), the
+/// two input norms, `eh_proj` (`[hidden, 2·hidden]`) and its head's norm (`shared_head.norm`).
+pub fn mtp_tensors(config: &Config, dtype: DType) -> Vec<TensorInfo> {
+    let layer = config.num_hidden_layers;
+    let h = config.hidden_size;
+    let p = format!("model.layers.{layer}");
+    let mut t = block_tensors(config, layer, MlpKind::MoE, dtype);
+    for norm in ["enorm", "hnorm", "shared_head.norm"] {
+        t.push(TensorInfo::new(format!("{p}.{norm}.weight"), &[h], dtype));
+    }
+    t.push(TensorInfo::new(
+        format!("{p}.eh_proj.weight"),
+        &[h, h.saturating_mul(2)],
+        dtype,
+    ));
+    t
+}
+
+/// The tensors of the decoder block stored as `model.layers.{layer}`, with `mlp` as its feed-forward.
+fn block_tensors(
+    config: &Config,
+    layer: usize,
+    mlp_kind: MlpKind,
+    dtype: DType,
+) -> Vec<TensorInfo> {
     let p = format!("model.layers.{layer}");
     let h = config.hidden_size;
     let heads = config.num_attention_heads;
@@ -154,7 +184,7 @@ pub fn layer_tensors(config: &Config, layer: usize, dtype: DType) -> Vec<TensorI
         add(format!("{prefix}.up_proj.weight"), &[width, h], dtype);
         add(format!("{prefix}.down_proj.weight"), &[h, width], dtype);
     };
-    match config.mlp_layer_types[layer] {
+    match mlp_kind {
         MlpKind::Dense => mlp(&m, config.intermediate_size),
         MlpKind::MoE => {
             for e in 0..config.n_routed_experts {

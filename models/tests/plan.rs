@@ -116,17 +116,72 @@ fn the_tensor_list_is_exactly_the_tiny_checkpoints() {
         .into_iter()
         .chain(sizes::head_tensors(&c, DType::F32))
         .chain((0..c.num_hidden_layers).flat_map(|l| sizes::layer_tensors(&c, l, DType::F32)))
+        .chain(sizes::mtp_tensors(&c, DType::F32))
         .map(|t| (t.name, t.shape))
         .collect();
     let mut stored: Vec<(String, Vec<usize>)> = file
         .tensors()
         .into_iter()
         .map(|(name, view)| (name, view.shape().to_vec()))
-        .filter(|(name, _)| !name.starts_with(&format!("model.layers.{}.", c.num_hidden_layers)))
         .collect();
     listed.sort();
     stored.sort();
     assert_eq!(listed, stored);
+}
+
+#[test]
+fn the_mtp_layer_has_the_specs_size_and_goes_with_the_head() {
+    let c = glm5();
+    assert_eq!(c.num_nextn_predict_layers, 1);
+    let mtp = sizes::mtp_tensors(&c, DType::BF16);
+    // Spec: the MTP layer is an MoE block plus eh_proj (6144 x 12288) and three norms: 9.95 B.
+    let moe_layer = sizes::params(&sizes::layer_tensors(&c, 3, DType::BF16));
+    assert_eq!(sizes::params(&mtp), moe_layer + 6144 * 12288 + 3 * 6144);
+    assert!((sizes::params(&mtp) as f64 - 9.95e9).abs() < 0.01e9);
+    assert!(mtp.iter().all(|t| t.name.starts_with("model.layers.78.")));
+
+    let devices = assumed("sm_120:96GB", 16);
+    let without = Plan::build(
+        &c,
+        devices.clone(),
+        &bf16(AttentionMode::Sparse),
+        &Registry::builtin(),
+    )
+    .unwrap();
+    let options = PlanOptions {
+        mtp: true,
+        ..bf16(AttentionMode::Sparse)
+    };
+    let with = Plan::build(&c, devices, &options, &Registry::builtin()).unwrap();
+    let layer = with.mtp.as_ref().expect("the plan has the MTP layer");
+    assert_eq!(
+        (layer.layer, layer.device, layer.mlp),
+        (78, with.head_device, MlpKind::MoE)
+    );
+    assert_eq!(layer.op(Op::SparseMla).unwrap().backend(), "cuda-bf16-mma");
+    assert_eq!(
+        with.weight_bytes(),
+        without.weight_bytes() + sizes::bytes(&mtp)
+    );
+    assert_eq!(
+        with.cache_bytes_per_token(),
+        without.cache_bytes_per_token() + 1408
+    );
+    let head = &with.device_usage()[with.head_device];
+    assert!(head.layers.contains(&78));
+    assert!(head.weight_bytes + head.cache_bytes <= 96 * GIB);
+
+    // A config without an MTP layer cannot give one.
+    let mut none = c.clone();
+    none.num_nextn_predict_layers = 0;
+    let err = Plan::build(
+        &none,
+        assumed("sm_120:96GB", 16),
+        &options,
+        &Registry::builtin(),
+    )
+    .unwrap_err();
+    assert!(matches!(err, PlanError::NoMtpLayer), "{err}");
 }
 
 #[test]

@@ -13,6 +13,7 @@ mod attention;
 mod graph;
 mod linear;
 mod moe;
+mod mtp;
 mod rope;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -34,6 +35,8 @@ use attention::{all_causal_positions, causal_positions_of, Attention, LayerKv, P
 pub use graph::{DecodeGraphs, GraphStats};
 use linear::{Loader, Proj, RmsNorm};
 use moe::{Mlp, MoE};
+pub use mtp::MtpCache;
+use mtp::MtpLayer;
 use rope::Rope;
 
 /// A run of the forward pass on one plan device: the embeddings (first segment), layers, the head (last).
@@ -71,7 +74,7 @@ impl DecoderLayer {
     fn load(config: &Config, loader: &Loader, plan: &LayerPlan) -> Result<Self> {
         let layer = plan.layer;
         let prefix = format!("model.layers.{layer}");
-        let mlp = match config.mlp_layer_types[layer] {
+        let mlp = match plan.mlp {
             MlpKind::Dense => FeedForward::Dense(Mlp::load(
                 loader,
                 &format!("{prefix}.mlp"),
@@ -120,7 +123,7 @@ impl DecoderLayer {
     }
 }
 
-/// The implementations one decoder layer runs.
+/// The implementations one decoder layer (or the MTP layer) runs.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LayerBackends {
     pub layer: usize,
@@ -163,6 +166,8 @@ pub struct Glm5ForCausalLM {
     layers: Vec<DecoderLayer>,
     norm: RmsNorm,
     lm_head: Proj,
+    /// The MTP layer (speculative decoding's draft), when the plan asked for it.
+    mtp: Option<MtpLayer>,
     mode: AttentionMode,
     dtype: DType,
     /// Hidden-state copies between plan devices so far.
@@ -278,12 +283,18 @@ impl Glm5ForCausalLM {
             .iter()
             .map(|layer| DecoderLayer::load(config, &loaders[layer.device], layer))
             .collect::<Result<Vec<_>>>()?;
+        let mtp = plan
+            .mtp
+            .as_ref()
+            .map(|layer| MtpLayer::load(config, &loaders[layer.device], layer))
+            .transpose()?;
         Ok(Self {
             config: config.clone(),
             embed_tokens,
             layers,
             norm: head_loader.rms_norm("model.norm", hidden, config.rms_norm_eps)?,
             lm_head,
+            mtp,
             mode: plan.attention,
             dtype,
             devices: devices.to_vec(),
@@ -355,12 +366,15 @@ impl Glm5ForCausalLM {
         }
     }
 
-    /// What runs where, per layer, as the plan bound it.
+    /// What runs where, per layer (the MTP layer last, if loaded), as the plan bound it.
     pub fn layer_backends(&self) -> Vec<LayerBackends> {
-        self.plan
+        let built = self
             .layers
             .iter()
-            .zip(&self.layers)
+            .chain(self.mtp.as_ref().map(MtpLayer::block));
+        self.plan
+            .all_layers()
+            .zip(built)
             .map(|(layer, built)| LayerBackends {
                 layer: layer.layer,
                 mlp: layer.mlp,
@@ -496,7 +510,7 @@ impl Glm5ForCausalLM {
         start_pos: usize,
         cache: &mut KvCache,
     ) -> Result<Tensor> {
-        self.run(input_ids, start_pos, cache, None)
+        Ok(self.run(input_ids, start_pos, cache, None)?.0)
     }
 
     /// [`Self::forward`], also returning every layer's attended positions `[len, K]` (i32, -1 padded): the
@@ -508,7 +522,7 @@ impl Glm5ForCausalLM {
         cache: &mut KvCache,
     ) -> Result<(Tensor, Vec<Tensor>)> {
         let mut selections = Vec::with_capacity(self.layers.len());
-        let logits = self.run(input_ids, start_pos, cache, Some(&mut selections))?;
+        let (logits, _) = self.run(input_ids, start_pos, cache, Some(&mut selections))?;
         Ok((logits, selections))
     }
 
@@ -759,7 +773,7 @@ impl Glm5ForCausalLM {
         start_pos: usize,
         cache: &mut KvCache,
         mut selections: Option<&mut Vec<Tensor>>,
-    ) -> Result<Tensor> {
+    ) -> Result<(Tensor, Tensor)> {
         let t = input_ids.len();
         if t == 0 {
             return Err(ModelError::EmptyInput);
@@ -836,9 +850,8 @@ impl Glm5ForCausalLM {
             x = self.transfer(&x, self.plan.head_device)?;
         }
         cache.advance(t);
-        Ok(self
-            .lm_head
-            .forward(&self.norm.forward(&x)?)?
-            .to_dtype(DType::F32)?)
+        let hidden = self.norm.forward(&x)?;
+        let logits = self.lm_head.forward(&hidden)?.to_dtype(DType::F32)?;
+        Ok((logits, hidden))
     }
 }
