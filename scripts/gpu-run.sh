@@ -123,7 +123,8 @@ for step in $steps; do
     e2e)
       # The whole model step (docs/performance.md): bf16 with HF transformers in the same call, then the
       # quantised formats.
-      timeout 500 /tmp/glm5-bin/glm5-bench e2e --hf bench/hf_e2e.py 2>&1 | tee "$OUT/e2e-bf16.txt"; [ ${PIPESTATUS[0]} = 0 ] || status=1
+      # --mtp: speculative decoding's steps with the MTP layer too (batch 1).
+      timeout 500 /tmp/glm5-bin/glm5-bench e2e --hf bench/hf_e2e.py --mtp 2>&1 | tee "$OUT/e2e-bf16.txt"; [ ${PIPESTATUS[0]} = 0 ] || status=1
       for w in fp8 nvfp4 q4k; do
         timeout 300 /tmp/glm5-bin/glm5-bench e2e --weights $w --contexts 4096 --batches 8,64 2>&1 | tee "$OUT/e2e-$w.txt"; [ ${PIPESTATUS[0]} = 0 ] || status=1
       done

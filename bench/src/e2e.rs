@@ -119,6 +119,8 @@ pub struct E2eArgs {
     pub batches: Vec<usize>,
     /// HF transformers' timing script (`bench/hf_e2e.py`), run after glm5 in the same call.
     pub hf_script: Option<String>,
+    /// Also time speculative decoding's steps with the MTP layer ([`mtp_rows`]).
+    pub mtp: bool,
 }
 
 /// Bytes of the tensors a batch-1 decode step reads: every non-expert weight of every layer, `top_k` routed
@@ -167,9 +169,11 @@ pub fn load_slice(
     weights: &Checkpoint,
     device: &Device,
     context: usize,
+    mtp: bool,
 ) -> Result<Glm5ForCausalLM> {
     let mut options = PlanOptions::new(DType::BF16, AttentionMode::Sparse);
     options.context = Some(context);
+    options.mtp = mtp;
     let plan = Plan::build(
         config,
         vec![DeviceDesc::of(device).map_err(cuda)?],
@@ -212,6 +216,108 @@ fn set_pool_release_threshold(device: &Device, bytes: u64) -> Result<()> {
             "the memory pool's release threshold: {other:?}"
         ))),
     }
+}
+
+/// Speculative decoding's parts at batch 1 after a prefill of `context` tokens, median ms over `steps`
+/// each: the plain one-token step, the two-token step that checks a draft (both rows' argmax read back,
+/// as `Generation` samples them), and the MTP layer's draft over 1 row (after a dropped draft) and 2 rows
+/// (after a standing one). With acceptance `a`, a step gives `1 + a` tokens in `verify + a·mtp2 +
+/// (1 - a)·mtp1`: the rows project tokens/s at a few rates (the drafts of random weights never stand, so
+/// the rate is the real model's, not measurable here).
+fn mtp_rows(model: &Glm5ForCausalLM, vocab: usize, context: usize, steps: usize) -> Result<()> {
+    let ids: Vec<u32> = (0..context + 4 * steps + 16)
+        .map(|i| (i * 7919 % vocab) as u32)
+        .collect();
+    let mut cache = model.new_cache(ids.len()).map_err(cuda)?;
+    let mut draft_cache = model.new_mtp_cache(ids.len()).map_err(cuda)?;
+    let (_, hidden) = model
+        .forward_with_hidden(&ids[..context], 0, &mut cache)
+        .map_err(cuda)?;
+    // The draft's rows of the prompt, as the first speculative step runs them.
+    model
+        .forward_mtp(
+            &ids[1..context],
+            &hidden.narrow(0, 0, context - 1)?,
+            0,
+            &mut draft_cache,
+        )
+        .map_err(cuda)?;
+    let mut pos = context;
+    let (mut plain, mut verify, mut one_row, mut two_rows) = (vec![], vec![], vec![], vec![]);
+    for round in 0..steps + 2 {
+        // One plain step and one checking step per round, and the draft's rows after them (one position
+        // behind the main cache, as in generation; the hidden states stand in by shape: this times them).
+        let start = Instant::now();
+        let (_, h1) = model
+            .forward_with_hidden(&ids[pos..pos + 1], pos, &mut cache)
+            .map_err(cuda)?;
+        h1.argmax(1)?.to_vec1::<u32>()?;
+        let plain_s = start.elapsed().as_secs_f64();
+        let start = Instant::now();
+        let (logits, h2) = model
+            .forward_with_hidden(&ids[pos + 1..pos + 3], pos + 1, &mut cache)
+            .map_err(cuda)?;
+        logits.argmax(1)?.to_vec1::<u32>()?;
+        let verify_s = start.elapsed().as_secs_f64();
+        let start = Instant::now();
+        model
+            .forward_mtp(
+                &ids[pos..pos + 1],
+                &hidden_row(&h1)?,
+                pos - 1,
+                &mut draft_cache,
+            )
+            .map_err(cuda)?
+            .argmax(1)?
+            .to_vec1::<u32>()?;
+        let one_s = start.elapsed().as_secs_f64();
+        let start = Instant::now();
+        model
+            .forward_mtp(&ids[pos + 1..pos + 3], &h2, pos, &mut draft_cache)
+            .map_err(cuda)?
+            .argmax(1)?
+            .to_vec1::<u32>()?;
+        let two_s = start.elapsed().as_secs_f64();
+        if round >= 2 {
+            plain.push(plain_s);
+            verify.push(verify_s);
+            one_row.push(one_s);
+            two_rows.push(two_s);
+        }
+        pos += 3;
+    }
+    let (plain, verify, one_row, two_rows) = (
+        median(plain) * 1e3,
+        median(verify) * 1e3,
+        median(one_row) * 1e3,
+        median(two_rows) * 1e3,
+    );
+    println!(
+        "speculative decoding with the MTP layer, batch 1, context {context}: plain step {plain:.2} ms; \
+         checking step (2 tokens) {verify:.2} ms; MTP draft {one_row:.2} ms over 1 row, {two_rows:.2} ms over 2"
+    );
+    let rates: Vec<String> = [0.6, 0.8, 0.9]
+        .iter()
+        .map(|a| {
+            let step = verify + a * two_rows + (1.0 - a) * one_row;
+            format!(
+                "{a}: {:.0} tok/s ({:.2}x)",
+                (1.0 + a) / step * 1e3,
+                (1.0 + a) / step * plain
+            )
+        })
+        .collect();
+    println!(
+        "  projected at acceptance {} against {:.0} tok/s plain",
+        rates.join(", "),
+        1e3 / plain
+    );
+    Ok(())
+}
+
+/// The last row of `hidden`, `[1, hidden]`.
+fn hidden_row(hidden: &glm5::candle_core::Tensor) -> Result<glm5::candle_core::Tensor> {
+    Ok(hidden.narrow(0, hidden.dim(0)? - 1, 1)?)
 }
 
 /// Median ms of `steps` batch-1 decode steps (argmax read back) after a prefill of `context` tokens.
@@ -275,6 +381,7 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
             &checkpoint,
             &device,
             tracking_context + args.steps + 8,
+            false,
         )?;
         batch1_step_ms(&model, config.vocab_size, tracking_context, args.steps)?
     };
@@ -289,6 +396,7 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
         &checkpoint,
         &device,
         max_context + 2 * args.steps + 16,
+        args.mtp,
     )?;
     device.synchronize()?;
     let untracked_ms = batch1_step_ms(&model, config.vocab_size, tracking_context, args.steps)?;
@@ -699,6 +807,11 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
             full_bytes as f64 / 1e9,
             args.weights.label()
         );
+    }
+
+    if args.mtp {
+        let context = args.contexts.first().copied().unwrap_or(args.prefill);
+        mtp_rows(&model, config.vocab_size, context, args.steps)?;
     }
 
     if let Some(script) = &args.hf_script {

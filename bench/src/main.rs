@@ -103,6 +103,9 @@ enum Command {
         /// HF transformers' timing script (bench/hf_e2e.py) to run on the same slice afterwards.
         #[arg(long)]
         hf: Option<String>,
+        /// Also load the MTP layer and time speculative decoding's steps (batch 1, the first context).
+        #[arg(long)]
+        mtp: bool,
     },
     /// `glm5 serve` in-process on e2e's GLM-5 slice, driven over loopback HTTP by concurrent streaming
     /// clients: tokens/s, time to first token and inter-token latency per stream count.
@@ -171,6 +174,7 @@ fn main() -> glm5::candle_core::Result<()> {
         prefill,
         batches,
         hf,
+        mtp,
     }) = &cli.command
     {
         return e2e::e2e_rows(&e2e::E2eArgs {
@@ -181,6 +185,7 @@ fn main() -> glm5::candle_core::Result<()> {
             prefill: *prefill,
             batches: batches.clone(),
             hf_script: hf.clone(),
+            mtp: *mtp,
         });
     }
     if let Some(Command::Serve {

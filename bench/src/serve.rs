@@ -93,6 +93,7 @@ pub fn serve_rows(args: &ServeArgs) -> Result<()> {
         &glm5::Checkpoint::random(2026, 0.02),
         &device,
         context,
+        false,
     )?;
     device.synchronize()?;
     println!(
