@@ -457,6 +457,23 @@ fn glm5_fp8_fits_8_h200_and_nvfp4_fits_8_rtx_pro_6000_with_context_left() {
     }
     // The bf16 model does not fit 8 x 141 GB; its FP8 checkpoint does.
     assert!(Plan::build(&bf16, assumed("sm_90:141GB", 8), &options, &registry).is_err());
+
+    // With the MTP layer (speculative decoding): the NVFP4 export keeps it bf16 (`model.layers.78*` is in
+    // its exclude list), 9.95 B parameters at 2 bytes, and it still fits 8 x 96 GB with its context.
+    let nvfp4 = Config::from_file(asset("glm5_nvfp4").join("config.json")).unwrap();
+    let with_mtp = PlanOptions {
+        mtp: true,
+        ..options.clone()
+    };
+    let without = Plan::build(&nvfp4, assumed("sm_120:96GB", 8), &options, &registry).unwrap();
+    let with = Plan::build(&nvfp4, assumed("sm_120:96GB", 8), &with_mtp, &registry).unwrap();
+    let mtp_bytes = with.weight_bytes() - without.weight_bytes();
+    let mtp_bf16 =
+        glm5::models::sizes::bytes(&glm5::models::sizes::mtp_tensors(&nvfp4, DType::BF16));
+    assert_eq!(mtp_bytes, mtp_bf16, "the excluded MTP layer counts at bf16");
+    assert!((19.5e9..20.5e9).contains(&(mtp_bytes as f64)), "{mtp_bytes}");
+    let head = &with.device_usage()[with.head_device];
+    assert!(head.free_bytes > 0 && head.max_context_tokens.unwrap_or(0) >= 100_000, "{head:?}");
 }
 
 /// bf16 activations on the CPU (the reference path): the quantised models drift from their f32 run no
