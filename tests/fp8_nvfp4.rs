@@ -471,9 +471,15 @@ fn glm5_fp8_fits_8_h200_and_nvfp4_fits_8_rtx_pro_6000_with_context_left() {
     let mtp_bf16 =
         glm5::models::sizes::bytes(&glm5::models::sizes::mtp_tensors(&nvfp4, DType::BF16));
     assert_eq!(mtp_bytes, mtp_bf16, "the excluded MTP layer counts at bf16");
-    assert!((19.5e9..20.5e9).contains(&(mtp_bytes as f64)), "{mtp_bytes}");
+    assert!(
+        (19.5e9..20.5e9).contains(&(mtp_bytes as f64)),
+        "{mtp_bytes}"
+    );
     let head = &with.device_usage()[with.head_device];
-    assert!(head.free_bytes > 0 && head.max_context_tokens.unwrap_or(0) >= 100_000, "{head:?}");
+    assert!(
+        head.free_bytes > 0 && head.max_context_tokens.unwrap_or(0) >= 100_000,
+        "{head:?}"
+    );
 }
 
 /// bf16 activations on the CPU (the reference path): the quantised models drift from their f32 run no

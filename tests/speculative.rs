@@ -44,22 +44,28 @@ fn zero(weights: &mut HashMap<String, Tensor>, name: &str) {
     weights.insert(name.to_string(), zeros);
 }
 
-/// The generated tokens and the (drafted, accepted) counts.
-fn generate(model: &Glm5, prompt: &str, params: &GenerationParams) -> (Vec<u32>, usize, usize) {
+/// What a generation gave: its tokens, text and finish reason.
+type Output = (Vec<u32>, String, Option<glm5::FinishReason>);
+
+/// The generation's output and the (drafted, accepted) counts.
+fn generate(model: &Glm5, prompt: &str, params: &GenerationParams) -> (Output, usize, usize) {
     let mut generation = model.generate(prompt, params).unwrap();
+    let mut text = String::new();
     for token in generation.by_ref() {
-        token.unwrap();
+        text.push_str(&token.unwrap().text);
     }
-    let stats = generation.stats();
-    (
+    let stats = generation.stats().clone();
+    let output = (
         generation.generated().to_vec(),
-        stats.draft_tokens,
-        stats.accepted_draft_tokens,
-    )
+        text,
+        generation.finish_reason().cloned(),
+    );
+    (output, stats.draft_tokens, stats.accepted_draft_tokens)
 }
 
-/// Greedy tokens with and without the MTP layer, every prompt and a few lengths (odd and even, so that
-/// generations end both right after a standing draft and right before one); returns the drafts' totals.
+/// Greedy output with and without the MTP layer, every prompt and a few lengths (odd and even, so that
+/// generations end both right after a standing draft and right before one), and stopped by a token the
+/// plain run generates mid-way; returns the drafts' totals.
 fn compare_greedy(dir: &Path) -> (usize, usize) {
     let (plain, speculative) = (load(dir, false), load(dir, true));
     let (mut drafted, mut accepted) = (0, 0);
@@ -71,11 +77,22 @@ fn compare_greedy(dir: &Path) -> (usize, usize) {
             };
             let (want, none, _) = generate(&plain, prompt, &params);
             assert_eq!(none, 0, "no drafts without the MTP layer");
-            let (got, d, a) = generate(&speculative, prompt, &params);
-            assert_eq!(got, want, "{prompt:?}, {max_new_tokens} tokens");
-            assert!(a <= d);
-            drafted += d;
-            accepted += a;
+            let mut runs = vec![(params.clone(), want.clone())];
+            if let Some(&stop) = want.0.get(5) {
+                let stopped = GenerationParams {
+                    stop_token_ids: vec![stop],
+                    ..params
+                };
+                let (want, _, _) = generate(&plain, prompt, &stopped);
+                runs.push((stopped, want));
+            }
+            for (params, want) in runs {
+                let (got, d, a) = generate(&speculative, prompt, &params);
+                assert_eq!(got, want, "{prompt:?}, {params:?}");
+                assert!(a <= d);
+                drafted += d;
+                accepted += a;
+            }
         }
     }
     (drafted, accepted)
