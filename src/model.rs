@@ -40,7 +40,8 @@ pub struct LoadOptions {
     pub attention: AttentionMode,
     /// How the indexer key cache stores keys: the model's dtype (default) or FP8 with a scale per key.
     pub index_keys: KeyFormat,
-    /// Load the checkpoint's MTP layer for speculative decoding (`--mtp`; [`GenerationParams::speculative`]).
+    /// Load the checkpoint's MTP layer: [`Glm5::generate`] then decodes speculatively (`--mtp`;
+    /// [`SequenceCache::speculative`]).
     pub mtp: bool,
     /// Revision, offline mode, endpoint and cache of Hub downloads.
     pub hub: HubOptions,
