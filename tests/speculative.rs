@@ -348,6 +348,25 @@ fn mtp_logits_equal_the_formula_where_its_block_adds_nothing() {
 }
 
 #[test]
+fn a_checkpoint_without_the_mtp_tensors_is_a_typed_error_naming_one() {
+    // The config says there is an MTP layer; the weights lack it.
+    let dir = tempfile::tempdir().unwrap();
+    write_variant(dir.path(), |w| {
+        w.retain(|name, _| !name.starts_with("model.layers.3."))
+    });
+    let options = LoadOptions {
+        mtp: true,
+        ..Default::default()
+    };
+    let err = Glm5::from_pretrained(dir.path().to_str().unwrap(), &options)
+        .err()
+        .expect("the MTP layer is missing");
+    assert!(err.to_string().contains("model.layers.3."), "{err}");
+    // Without --mtp the same checkpoint loads.
+    assert!(!load(dir.path(), false).model().has_mtp());
+}
+
+#[test]
 fn without_the_mtp_layer_drafting_is_a_typed_error() {
     let model = Glm5::embedded(&LoadOptions::default()).unwrap();
     assert!(!model.model().has_mtp());
