@@ -442,6 +442,12 @@ fn non_finite_logits_fail_naming_the_step() {
         })
     ));
     assert!(glm5::generate::check_logits(&tensor(&[1.0, f32::NEG_INFINITY, 0.0]), 0, 1).is_ok());
+    // Finite logits whose sum overflows pass; +inf and NaN together are NaN.
+    assert!(glm5::generate::check_logits(&tensor(&[f32::MAX, f32::MAX]), 0, 1).is_ok());
+    assert!(matches!(
+        glm5::generate::check_logits(&tensor(&[f32::INFINITY, f32::NAN]), 0, 1),
+        Err(Error::NonFiniteLogits { what: "NaN", .. })
+    ));
 }
 
 fn glm5_bin(args: &[&str], stdin: Option<&str>) -> Output {
