@@ -318,6 +318,11 @@ fn plan(args: PlanArgs) -> Result<(), Box<dyn std::error::Error>> {
         }
         _ => None,
     };
+    if gguf.is_some() && args.mtp {
+        return Err(
+            "--mtp: glm5 does not read a GGUF file's MTP block (its nextn tensors) yet".into(),
+        );
+    }
     let (config, label) = match (&args.model, &gguf) {
         (Some(path), Some(gguf)) => {
             let note = match gguf.check_types() {
