@@ -77,6 +77,9 @@ struct PlanArgs {
     /// Place the MTP layer too (speculative decoding's draft; generate --mtp).
     #[arg(long)]
     mtp: bool,
+    /// Size the checkpoint's unquantised projections as FP8 (generate/serve --fp8-projections).
+    #[arg(long)]
+    fp8_projections: bool,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -146,6 +149,11 @@ struct ModelArgs {
     /// How the DSA indexer's key cache stores keys.
     #[arg(long, value_enum, default_value = "float")]
     index_cache: IndexCacheArg,
+    /// Quantise the checkpoint's unquantised projections (attention, indexer, dense MLPs; not the routed
+    /// experts) to block-scaled FP8 (128x128, as GLM-5-FP8) while loading: an NVFP4 export keeps its attention
+    /// bf16, which is then half the bytes each token reads.
+    #[arg(long)]
+    fp8_projections: bool,
 }
 
 #[derive(Args)]
@@ -323,6 +331,9 @@ fn plan(args: PlanArgs) -> Result<(), Box<dyn std::error::Error>> {
             "--mtp: glm5 does not read a GGUF file's MTP block (its nextn tensors) yet".into(),
         );
     }
+    if gguf.is_some() && args.fp8_projections {
+        return Err("--fp8-projections: a GGUF file's matrices are already quantised".into());
+    }
     let (config, label) = match (&args.model, &gguf) {
         (Some(path), Some(gguf)) => {
             let note = match gguf.check_types() {
@@ -378,6 +389,7 @@ fn plan(args: PlanArgs) -> Result<(), Box<dyn std::error::Error>> {
             .transpose()?,
         index_keys: index_cache(args.index_cache),
         mtp: args.mtp,
+        fp8_projections: args.fp8_projections,
     };
     let registry = Registry::builtin();
     // A GGUF file's tensors count at the size they are kept in (quantised matrices stay quantised), as do
@@ -514,6 +526,7 @@ fn load_model(args: &ModelArgs, mtp: bool) -> Result<Glm5, Box<dyn std::error::E
         attention: attention(args.attention),
         index_keys: index_cache(args.index_cache),
         mtp,
+        fp8_projections: args.fp8_projections,
         layer_map,
         hub,
         ..Default::default()

@@ -43,6 +43,10 @@ pub struct LoadOptions {
     /// Load the checkpoint's MTP layer: [`Glm5::generate`] then decodes speculatively (`--mtp`;
     /// [`SequenceCache::speculative`]).
     pub mtp: bool,
+    /// Quantise the checkpoint's unquantised projections (attention, indexer, dense MLPs) to block-scaled FP8
+    /// as they load (`--fp8-projections`; `glm5_models::sizes::quantized_at_load`): for the bf16 attention an
+    /// NVFP4 export keeps, half the bytes every token reads.
+    pub fp8_projections: bool,
     /// Revision, offline mode, endpoint and cache of Hub downloads.
     pub hub: HubOptions,
 }
@@ -60,6 +64,7 @@ impl Default for LoadOptions {
             attention: AttentionMode::Sparse,
             index_keys: KeyFormat::Float,
             mtp: false,
+            fp8_projections: false,
             hub: HubOptions::from_env(),
         }
     }
@@ -105,6 +110,7 @@ impl LoadOptions {
             layer_devices: self.layer_map.clone(),
             index_keys: self.index_keys,
             mtp: self.mtp,
+            fp8_projections: self.fp8_projections,
         };
         Ok(Plan::build_sized(
             config,
@@ -169,6 +175,12 @@ impl Glm5 {
         if options.mtp {
             return Err(Error::InvalidOption(
                 "--mtp needs a safetensors checkpoint: a GGUF file's MTP block (its nextn tensors) is not read yet"
+                    .into(),
+            ));
+        }
+        if options.fp8_projections {
+            return Err(Error::InvalidOption(
+                "--fp8-projections quantises safetensors checkpoints; a GGUF file's matrices are already quantised"
                     .into(),
             ));
         }

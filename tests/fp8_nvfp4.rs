@@ -480,6 +480,21 @@ fn glm5_fp8_fits_8_h200_and_nvfp4_fits_8_rtx_pro_6000_with_context_left() {
         head.free_bytes > 0 && head.max_context_tokens.unwrap_or(0) >= 100_000,
         "{head:?}"
     );
+
+    // FP8 at load for what the export keeps bf16: the 78 layers' attention and indexer projections (12.44 B
+    // parameters without kv_b_proj and weights_proj) and the three dense MLPs (0.68 B) go from 2 bytes a
+    // weight to 1 and a scale per 128x128 block: about 13.1 GB less.
+    let fp8 = PlanOptions {
+        fp8_projections: true,
+        ..options.clone()
+    };
+    let quantised = Plan::build(&nvfp4, assumed("sm_120:96GB", 8), &fp8, &registry).unwrap();
+    let saved = without.weight_bytes() - quantised.weight_bytes();
+    println!(
+        "nvfp4 with --fp8-projections: {:.2} GB less",
+        saved as f64 / 1e9
+    );
+    assert!((12.9e9..13.3e9).contains(&(saved as f64)), "{saved}");
 }
 
 /// bf16 activations on the CPU (the reference path): the quantised models drift from their f32 run no
@@ -536,4 +551,112 @@ fn plan_names_the_nvfp4_backends() {
         );
         assert!(line.contains(expect), "{assume}: {line}");
     }
+}
+
+#[test]
+fn quantising_at_load_reproduces_the_published_fp8_rule() {
+    // The fixtures' FP8 weights were quantised by ml_dtypes (amax / 448 per block, round to nearest even):
+    // glm5's quantiser, given their dequantised values, gives back the same codes and (to the last bit of
+    // amax / 448) the same scales.
+    for (case, block) in [("fp8_block128", [128, 128]), ("fp8_block16", [16, 16])] {
+        let dir = case_dir(case);
+        let stored =
+            glm5::candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu)
+                .unwrap();
+        let dequantized = glm5::candle_core::safetensors::load(
+            dir.join("dequantized/model.safetensors"),
+            &Device::Cpu,
+        )
+        .unwrap();
+        let mut checked = 0;
+        for scale_name in stored.keys().filter(|n| n.ends_with("_scale_inv")) {
+            let weight = scale_name.trim_end_matches("_scale_inv");
+            let q = glm5::ops::fp8_matmul::reference::quantize_block(&dequantized[weight], block)
+                .unwrap();
+            let want_codes: Vec<u8> = stored[weight]
+                .to_dtype(DType::F32)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+                .iter()
+                .map(|&v| glm5::ops::fp8_matmul::reference::e4m3_satfinite(v))
+                .collect();
+            let got_codes: Vec<u8> = q.weight.flatten_all().unwrap().to_vec1().unwrap();
+            assert_eq!(got_codes, want_codes, "{case}: {weight}");
+            let want: Vec<f32> = stored[scale_name].flatten_all().unwrap().to_vec1().unwrap();
+            let got: Vec<f32> = q.scale_inv.flatten_all().unwrap().to_vec1().unwrap();
+            for (g, w) in got.iter().zip(&want) {
+                assert!(
+                    (g - w).abs() <= w.abs() * 2f32.powi(-22),
+                    "{case}: {weight}: {g} vs {w}"
+                );
+            }
+            checked += 1;
+        }
+        assert!(checked > 20, "{case}: {checked} weights");
+    }
+    // A value the scale cannot hold is an error naming its place.
+    let bad = Tensor::new(&[[1.0f32, f32::NAN]], &Device::Cpu).unwrap();
+    let err = glm5::ops::fp8_matmul::reference::quantize_block(&bad, [128, 128]).unwrap_err();
+    assert!(err.to_string().contains("[0, 1]"), "{err}");
+}
+
+#[test]
+fn fp8_projections_quantise_an_nvfp4_exports_bf16_attention_at_load() {
+    // The NVFP4 fixture keeps attention unquantised (as the published exports do). Loaded with
+    // fp8_projections, its logits equal the same checkpoint with those matrices replaced by the FP8
+    // round trip of the published rule, loaded plainly.
+    let case = "nvfp4";
+    let config = glm5::Config::from_file(case_dir(case).join("config.json")).unwrap();
+    let stored = glm5::candle_core::safetensors::load(
+        case_dir(case).join("model.safetensors"),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let mut names: Vec<String> = stored
+        .iter()
+        .filter(|(name, t)| {
+            t.dims().len() == 2
+                && glm5::models::sizes::quantized_at_load(&config, name, [t.dims()[0], t.dims()[1]])
+        })
+        .map(|(name, _)| name.clone())
+        .collect();
+    names.sort();
+    // Three layers' q_a, q_b, kv_a, o_proj, indexer wq_b and wk (kv_b is expanded; weights_proj stays).
+    assert_eq!(names.len(), 3 * 6, "{names:?}");
+    assert!(names.iter().all(|n| n.contains(".self_attn.")), "{names:?}");
+    let round_trip = edited(case, |tensors| {
+        for name in &names {
+            let q = glm5::ops::fp8_matmul::reference::quantize_block(
+                &tensors[name],
+                glm5::models::sizes::FP8_AT_LOAD_BLOCK,
+            )
+            .unwrap();
+            let values = glm5::ops::fp8_matmul::reference::dequantize(&q).unwrap();
+            tensors.insert(name.clone(), values);
+        }
+    });
+    let options = glm5::models::PlanOptions {
+        fp8_projections: true,
+        ..glm5::models::PlanOptions::new(DType::F32, AttentionMode::Sparse)
+    };
+    let plan = glm5::Plan::build(
+        &config,
+        vec![glm5::DeviceDesc::of(&Device::Cpu).unwrap()],
+        &options,
+        &glm5::Registry::builtin(),
+    )
+    .unwrap();
+    let checkpoint = Checkpoint::open(&case_dir(case)).unwrap();
+    let model = Glm5ForCausalLM::load_planned(&config, &checkpoint, plan, &[Device::Cpu]).unwrap();
+    let (ids, _) = reference("dense_equiv");
+    let got = decode_rows(&model, &ids, ids.len() / 2);
+    let want = logits(round_trip.path());
+    let err = max_abs_diff(&got, &want);
+    assert!(err < 1e-4, "max |at load - round trip| = {err}");
+    // And the FP8 round trip moved them: the projections really were quantised.
+    let plain = logits(&case_dir(case));
+    assert!(max_abs_diff(&plain, &want) > 1e-3);
 }

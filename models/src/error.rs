@@ -39,6 +39,12 @@ pub enum ModelError {
     Checkpoint { path: PathBuf, reason: String },
     #[error("checkpoint has no tensor `{name}`")]
     MissingTensor { name: String },
+    #[error("tensor `{tensor}` cannot be quantised to FP8 at load: {source}")]
+    QuantizeAtLoad {
+        tensor: String,
+        #[source]
+        source: Box<glm5_ops::OpError>,
+    },
     #[error("tensor `{name}` has shape {found:?}, expected {expected:?}")]
     TensorShape {
         name: String,

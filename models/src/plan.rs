@@ -64,6 +64,9 @@ pub struct PlanOptions {
     pub index_keys: KeyFormat,
     /// Load the first MTP layer as speculative decoding's draft (`--mtp`); the config must have one.
     pub mtp: bool,
+    /// Quantise the checkpoint's unquantised projections to block-scaled FP8 at load (`--fp8-projections`,
+    /// [`sizes::quantized_at_load`]).
+    pub fp8_projections: bool,
 }
 
 impl PlanOptions {
@@ -76,6 +79,7 @@ impl PlanOptions {
             layer_devices: None,
             index_keys: KeyFormat::Float,
             mtp: false,
+            fp8_projections: false,
         }
     }
 }
@@ -157,6 +161,8 @@ pub struct Plan {
     pub layers: Vec<LayerPlan>,
     /// The first MTP layer (`model.layers.{num_hidden_layers}`), on the head's device, when asked for.
     pub mtp: Option<LayerPlan>,
+    /// Whether the loader quantises unquantised projections to FP8 ([`PlanOptions::fp8_projections`]).
+    pub fp8_projections: bool,
 }
 
 /// The spec one op of every layer asks for.
@@ -217,7 +223,21 @@ impl Plan {
         registry: &Registry,
         resident_bytes: &dyn Fn(&sizes::TensorInfo) -> u64,
     ) -> Result<Plan, PlanError> {
-        let bytes = |t: &[sizes::TensorInfo]| t.iter().map(resident_bytes).sum::<u64>();
+        // Projections quantised at load cost their FP8 bytes.
+        let fp8 = crate::quantization::Quantization::Fp8Block {
+            block: sizes::FP8_AT_LOAD_BLOCK,
+            modules_to_not_convert: Vec::new(),
+        };
+        let resident = |t: &sizes::TensorInfo| match t.shape.as_slice() {
+            &[out, inp]
+                if options.fp8_projections
+                    && sizes::quantized_at_load(config, &t.name, [out, inp]) =>
+            {
+                fp8.matrix_bytes(out, inp)
+            }
+            _ => resident_bytes(t),
+        };
+        let bytes = |t: &[sizes::TensorInfo]| t.iter().map(resident).sum::<u64>();
         if devices.is_empty() {
             return Err(PlanError::NoDevices);
         }
@@ -410,6 +430,7 @@ impl Plan {
             head_bytes,
             layers,
             mtp,
+            fp8_projections: options.fp8_projections,
         })
     }
 

@@ -213,6 +213,29 @@ fn block_tensors(
     t
 }
 
+/// The FP8 block size of projections quantised at load ([`quantized_at_load`]): the published GLM-5-FP8's.
+pub const FP8_AT_LOAD_BLOCK: [usize; 2] = [128, 128];
+
+/// Whether `--fp8-projections` quantises the `[out, in]` weight `name` at load: a projection the loader reads
+/// one at a time (attention, the indexer, the dense MLPs, the MTP layer's `eh_proj`; not the stacked experts,
+/// nor `kv_b_proj`, which attention expands) that GLM-5-FP8's recipe quantises, that the checkpoint keeps
+/// unquantised, and whose rows the FP8 kernels take (`in` a multiple of 16).
+pub fn quantized_at_load(config: &Config, name: &str, shape: [usize; 2]) -> bool {
+    let recipe = crate::quantization::Quantization::Fp8Block {
+        block: FP8_AT_LOAD_BLOCK,
+        modules_to_not_convert: Vec::new(),
+    };
+    recipe.quantizes(name)
+        && !name.contains(".mlp.experts.")
+        && !name.contains(".mlp.shared_experts.")
+        && !name.ends_with("kv_b_proj.weight")
+        && shape[1].is_multiple_of(16)
+        && !config
+            .quantization
+            .as_ref()
+            .is_some_and(|q| q.quantizes(name))
+}
+
 /// Bytes `t` takes on the device once loaded: its elements at its dtype, or, in a quantised checkpoint, the
 /// quantised bytes and scales of a matrix the format's recipe quantises
 /// ([`crate::quantization::Quantization::quantizes`]). Attention's `kv_b_proj` counts at its dtype: the

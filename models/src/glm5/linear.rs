@@ -6,7 +6,9 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::Linear;
 use glm5_ops::DeviceDesc;
 
+use crate::config::Config;
 use crate::error::{ModelError, Result};
+use crate::sizes::{quantized_at_load, FP8_AT_LOAD_BLOCK};
 use crate::weights::{Checkpoint, Matrix};
 
 /// Fetches tensors by checkpoint name with the shapes the config implies.
@@ -16,6 +18,9 @@ pub(super) struct Loader<'a> {
     pub(super) device: &'a Device,
     /// The plan's description of `device`: what quantised weights are dispatched on.
     pub(super) desc: &'a DeviceDesc,
+    pub(super) config: &'a Config,
+    /// Quantise unquantised projections to FP8 as they are read ([`quantized_at_load`]).
+    pub(super) fp8_projections: bool,
 }
 
 impl Loader<'_> {
@@ -30,39 +35,57 @@ impl Loader<'_> {
     /// A bias-free `nn.Linear` stored as `[out, in]`, quantised if the checkpoint keeps it so.
     pub(super) fn linear(&self, prefix: &str, in_dim: usize, out_dim: usize) -> Result<Proj> {
         let name = format!("{prefix}.weight");
-        Ok(
-            match self
-                .checkpoint
-                .matrix(&name, [out_dim, in_dim], self.dtype, self.device)?
+        Ok(match self.matrix(&name, [out_dim, in_dim])? {
+            Matrix::Dense(weight) => Proj::Dense(Linear::new(weight, None)),
+            Matrix::Quantized(weight) => {
+                // The weight's format must have a quantized_matmul backend on this device.
+                glm5_ops::quantized_matmul::dispatch(weight.dtype(), self.desc).map_err(
+                    |source| ModelError::QuantizedMatmul {
+                        tensor: name.clone(),
+                        source: Box::new(source),
+                    },
+                )?;
+                Proj::Quantized(QMatMul::from_arc(weight)?)
+            }
+            Matrix::Fp8Block(weight) => {
+                let chosen = glm5_ops::fp8_matmul::dispatch(&weight, self.desc)
+                    .map_err(|source| weight_only_error(&name, source))?;
+                Proj::Fp8Block(weight, glm5_ops::fp8_matmul::Fp8Prefill::of(&chosen))
+            }
+            Matrix::Nvfp4(weight) => {
+                let chosen = glm5_ops::nvfp4_matmul::dispatch(&weight, self.desc)
+                    .map_err(|source| weight_only_error(&name, source))?;
+                Proj::Nvfp4(weight, glm5_ops::nvfp4_matmul::Prefill::of(&chosen))
+            }
+            Matrix::Iq(weight) => {
+                glm5_ops::iq_matmul::dispatch(&weight, self.desc)
+                    .map_err(|source| weight_only_error(&name, source))?;
+                Proj::Iq(weight)
+            }
+        })
+    }
+
+    /// The `[out, in]` matrix `name` on the device: as the checkpoint keeps it, or quantised to FP8 here
+    /// (on the CPU, from f32) where `fp8_projections` asks for it.
+    fn matrix(&self, name: &str, shape: [usize; 2]) -> Result<Matrix> {
+        if self.fp8_projections && quantized_at_load(self.config, name, shape) {
+            if let Matrix::Dense(w) =
+                self.checkpoint
+                    .matrix(name, shape, DType::F32, &Device::Cpu)?
             {
-                Matrix::Dense(weight) => Proj::Dense(Linear::new(weight, None)),
-                Matrix::Quantized(weight) => {
-                    // The weight's format must have a quantized_matmul backend on this device.
-                    glm5_ops::quantized_matmul::dispatch(weight.dtype(), self.desc).map_err(
-                        |source| ModelError::QuantizedMatmul {
-                            tensor: name.clone(),
-                            source: Box::new(source),
-                        },
-                    )?;
-                    Proj::Quantized(QMatMul::from_arc(weight)?)
-                }
-                Matrix::Fp8Block(weight) => {
-                    let chosen = glm5_ops::fp8_matmul::dispatch(&weight, self.desc)
-                        .map_err(|source| weight_only_error(&name, source))?;
-                    Proj::Fp8Block(weight, glm5_ops::fp8_matmul::Fp8Prefill::of(&chosen))
-                }
-                Matrix::Nvfp4(weight) => {
-                    let chosen = glm5_ops::nvfp4_matmul::dispatch(&weight, self.desc)
-                        .map_err(|source| weight_only_error(&name, source))?;
-                    Proj::Nvfp4(weight, glm5_ops::nvfp4_matmul::Prefill::of(&chosen))
-                }
-                Matrix::Iq(weight) => {
-                    glm5_ops::iq_matmul::dispatch(&weight, self.desc)
-                        .map_err(|source| weight_only_error(&name, source))?;
-                    Proj::Iq(weight)
-                }
-            },
-        )
+                let q = glm5_ops::fp8_matmul::reference::quantize_block(&w, FP8_AT_LOAD_BLOCK)
+                    .map_err(|source| ModelError::QuantizeAtLoad {
+                        tensor: name.to_string(),
+                        source: Box::new(source),
+                    })?;
+                return Ok(Matrix::Fp8Block(glm5_ops::fp8_matmul::Fp8BlockWeight {
+                    weight: q.weight.to_device(self.device)?,
+                    scale_inv: q.scale_inv.to_device(self.device)?,
+                    block: q.block,
+                }));
+            }
+        }
+        self.checkpoint.matrix(name, shape, self.dtype, self.device)
     }
 
     pub(super) fn rms_norm(&self, prefix: &str, dim: usize, eps: f64) -> Result<RmsNorm> {

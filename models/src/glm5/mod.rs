@@ -264,6 +264,8 @@ impl Glm5ForCausalLM {
                 dtype,
                 device,
                 desc,
+                config,
+                fp8_projections: plan.fp8_projections,
             })
             .collect();
         let (vocab, hidden) = (config.vocab_size, config.hidden_size);

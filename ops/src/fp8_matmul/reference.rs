@@ -37,6 +37,80 @@ pub fn dequantize(w: &Fp8BlockWeight) -> Result<Tensor> {
     Ok(Tensor::from_vec(values, (out, inp), w.weight.device())?)
 }
 
+/// A float matrix `[out, in]` quantised to block-scaled FP8 on the CPU, as the published FP8 checkpoints are:
+/// per `block` tile the scale is `amax / 448` (1 for an all-zero tile), each value the e4m3 code of
+/// `value / scale` ([`e4m3_satfinite`]). `scale_inv` holds the scales (the multiplier
+/// [`dequantize`] applies). Row blocks are shared out over the CPU's threads. A non-finite value is an error
+/// naming its position (its tile's scale would be meaningless).
+pub fn quantize_block(w: &Tensor, block: [usize; 2]) -> Result<Fp8BlockWeight> {
+    let (out, inp) = w.dims2()?;
+    let [bo, bi] = block;
+    if bo == 0 || bi == 0 {
+        return Err(OpError::Unsupported(
+            "fp8 quantisation: block sizes must be at least 1".into(),
+        ));
+    }
+    let values: Vec<f32> = w
+        .to_device(&candle_core::Device::Cpu)?
+        .to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_vec1()?;
+    if let Some(at) = values.iter().position(|v| !v.is_finite()) {
+        return Err(OpError::Unsupported(format!(
+            "fp8 quantisation: value {} at [{}, {}] is not finite",
+            values[at],
+            at / inp.max(1),
+            at % inp.max(1)
+        )));
+    }
+    let (row_blocks, col_blocks) = (out.div_ceil(bo), inp.div_ceil(bi));
+    let mut codes = vec![0u8; out * inp];
+    let mut scales = vec![0f32; row_blocks * col_blocks];
+    // One row block: its tiles' scales, then its rows' codes.
+    let quantize_rows = |rb: usize, codes: &mut [u8], scales: &mut [f32]| {
+        let rows = rb * bo..((rb + 1) * bo).min(out);
+        for (cb, scale) in scales.iter_mut().enumerate() {
+            let cols = cb * bi..((cb + 1) * bi).min(inp);
+            let amax = rows
+                .clone()
+                .flat_map(|r| values[r * inp + cols.start..r * inp + cols.end].iter())
+                .fold(0f32, |m, v| m.max(v.abs()));
+            *scale = if amax > 0.0 { amax / E4M3_MAX } else { 1.0 };
+        }
+        for (i, r) in rows.enumerate() {
+            for c in 0..inp {
+                codes[i * inp + c] = e4m3_satfinite(values[r * inp + c] / scales[c / bi]);
+            }
+        }
+    };
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let per_thread = row_blocks.div_ceil(threads).max(1);
+    std::thread::scope(|scope| {
+        for (t, (codes, scales)) in codes
+            .chunks_mut(per_thread * bo * inp)
+            .zip(scales.chunks_mut(per_thread * col_blocks))
+            .enumerate()
+        {
+            let quantize_rows = &quantize_rows;
+            scope.spawn(move || {
+                for (i, (codes, scales)) in codes
+                    .chunks_mut(bo * inp)
+                    .zip(scales.chunks_mut(col_blocks))
+                    .enumerate()
+                {
+                    quantize_rows(t * per_thread + i, codes, scales);
+                }
+            });
+        }
+    });
+    let cpu = candle_core::Device::Cpu;
+    Ok(Fp8BlockWeight {
+        weight: Tensor::from_vec(codes, (out, inp), &cpu)?,
+        scale_inv: Tensor::from_vec(scales, (row_blocks, col_blocks), &cpu)?,
+        block,
+    })
+}
+
 /// `x · Wᵀ` for `x` `[rows, in]`, in f32.
 pub fn fp8_matmul(x: &Tensor, w: &Fp8BlockWeight) -> Result<Tensor> {
     Ok(x.to_dtype(DType::F32)?.matmul(&dequantize(w)?.t()?)?)
