@@ -82,9 +82,21 @@ impl WeightFormat {
                 block: [128, 128],
                 modules_to_not_convert: vec![],
             }),
+            // The published ModelOpt export's exclude list: attention, the router, the dense layers' MLPs,
+            // the MTP layer and lm_head stay bf16.
             Self::Nvfp4 => Some(glm5::models::Quantization::Nvfp4 {
                 group_size: 16,
-                exclude_modules: vec![],
+                exclude_modules: [
+                    "lm_head",
+                    "model.layers.*.self_attn*",
+                    "model.layers.*.mlp.gate",
+                    "model.layers.0.mlp*",
+                    "model.layers.1.mlp*",
+                    "model.layers.2.mlp*",
+                    "model.layers.78*",
+                ]
+                .map(String::from)
+                .to_vec(),
             }),
         }
     }
@@ -121,13 +133,29 @@ pub struct E2eArgs {
     pub hf_script: Option<String>,
     /// Also time speculative decoding's steps with the MTP layer ([`mtp_rows`]).
     pub mtp: bool,
+    /// Quantise the unquantised projections to FP8 at load (`--fp8-projections`).
+    pub fp8_projections: bool,
 }
 
 /// Bytes of the tensors a batch-1 decode step reads: every non-expert weight of every layer, `top_k` routed
 /// experts and the shared expert per MoE layer, the final norm and lm_head (the embedding row is noise), each
 /// at its size in `checkpoint` (quantised sizes for quantised matrices).
-fn decode_weight_bytes(config: &Config, dtype: DType, checkpoint: &Checkpoint) -> (u64, u64) {
-    let bytes = |t: &TensorInfo| checkpoint.resident_bytes(&t.name, &t.shape, t.dtype);
+fn decode_weight_bytes(
+    config: &Config,
+    dtype: DType,
+    checkpoint: &Checkpoint,
+    fp8_projections: bool,
+) -> (u64, u64) {
+    let fp8 = glm5::models::Quantization::Fp8Block {
+        block: sizes::FP8_AT_LOAD_BLOCK,
+        modules_to_not_convert: vec![],
+    };
+    let bytes = |t: &TensorInfo| match t.shape.as_slice() {
+        &[out, inp] if fp8_projections && sizes::quantized_at_load(config, &t.name, [out, inp]) => {
+            fp8.matrix_bytes(out, inp)
+        }
+        _ => checkpoint.resident_bytes(&t.name, &t.shape, t.dtype),
+    };
     let mut total = 0u64;
     let mut head = 0u64;
     for layer in 0..config.num_hidden_layers {
@@ -170,10 +198,12 @@ pub fn load_slice(
     device: &Device,
     context: usize,
     mtp: bool,
+    fp8_projections: bool,
 ) -> Result<Glm5ForCausalLM> {
     let mut options = PlanOptions::new(DType::BF16, AttentionMode::Sparse);
     options.context = Some(context);
     options.mtp = mtp;
+    options.fp8_projections = fp8_projections;
     let plan = Plan::build(
         config,
         vec![DeviceDesc::of(device).map_err(cuda)?],
@@ -382,6 +412,7 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
             &device,
             tracking_context + args.steps + 8,
             false,
+            args.fp8_projections,
         )?;
         batch1_step_ms(&model, config.vocab_size, tracking_context, args.steps)?
     };
@@ -397,6 +428,7 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
         &device,
         max_context + 2 * args.steps + 16,
         args.mtp,
+        args.fp8_projections,
     )?;
     device.synchronize()?;
     let untracked_ms = batch1_step_ms(&model, config.vocab_size, tracking_context, args.steps)?;
@@ -410,10 +442,18 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
             "random weights: linear layers {} as a llama.cpp Q4_K_M file quantises them, lm_head / embeddings / kv_b bf16, router f32",
             args.weights.label()
         ),
-        WeightFormat::Fp8 | WeightFormat::Nvfp4 => format!(
-            "random weights: linear layers {} as the published checkpoints quantise them, embeddings / norms / router / indexer weights_proj / kv_b / lm_head bf16",
+        WeightFormat::Fp8 => format!(
+            "random weights: linear layers {} as the published checkpoint quantises them, embeddings / norms / router / indexer weights_proj / kv_b / lm_head bf16",
             args.weights.label()
         ),
+        WeightFormat::Nvfp4 => format!(
+            "random weights: the MoE layers' experts {} as the published export quantises them; attention, the dense layers' MLPs, embeddings, router and lm_head bf16",
+            args.weights.label()
+        ),
+    };
+    let weights = match args.fp8_projections {
+        true => format!("{weights}; the unquantised projections FP8 at load (--fp8-projections)"),
+        false => weights,
     };
     println!(
         "GLM-5 slice: {} layers ({dense_layers} dense + {} MoE) at real sizes, {weights}, one H200-class GPU (loaded in {:.1} s)",
@@ -432,10 +472,15 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
     println!(
         "(batch-1 step at context {tracking_context}: {tracked_ms:.2} ms with cudarc's event tracking, {untracked_ms:.2} ms without, as glm5's CLI runs and every row below; {held_ms:.2} ms without and with the memory pool keeping freed memory, which the rows below don't)"
     );
-    let (step_bytes, head_bytes) = decode_weight_bytes(&config, DType::BF16, &checkpoint);
+    let (step_bytes, head_bytes) =
+        decode_weight_bytes(&config, DType::BF16, &checkpoint, args.fp8_projections);
     // The weights one token multiplies, counted at bf16's 2 bytes a parameter.
-    let (bf16_step_bytes, _) =
-        decode_weight_bytes(&config, DType::BF16, &random_checkpoint(WeightFormat::Bf16));
+    let (bf16_step_bytes, _) = decode_weight_bytes(
+        &config,
+        DType::BF16,
+        &random_checkpoint(WeightFormat::Bf16),
+        false,
+    );
     let floor = step_bytes as f64 / copy;
     let fp8_peak = if args.weights == WeightFormat::Fp8 {
         let mma = crate::ceilings::mma_e4m3_peak(&device)?;
@@ -777,8 +822,9 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
     // Projection to the full model: per-layer times of the slice (dense and MoE layers from the split, scaled
     // to the unprofiled step), times GLM-5's layer counts, plus the head.
     if let Some((parts, profiled_ms, n)) = last_profile {
-        let full = glm5::Config::from_json(include_str!("../../tests/assets/glm5_config.json"))
+        let mut full = glm5::Config::from_json(include_str!("../../tests/assets/glm5_config.json"))
             .map_err(cuda)?;
+        full.quantization = config.quantization.clone();
         let full_dense = full
             .mlp_layer_types
             .iter()
@@ -798,7 +844,8 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
             + moe_per_layer * full_moe as f64
             + dense_per_layer * full_dense as f64
             + rest;
-        let (full_bytes, _) = decode_weight_bytes(&full, DType::BF16, &checkpoint);
+        let (full_bytes, _) =
+            decode_weight_bytes(&full, DType::BF16, &checkpoint, args.fp8_projections);
         println!(
             "projection, all {} layers, batch 1, last context: {projected:.1} ms/token ({:.1} tok/s) on one GPU's bandwidth (floor {:.1} ms for {:.0} GB of {}); over 8 GPUs by layers the same time per token plus 7 hidden-state hops",
             full.num_hidden_layers,

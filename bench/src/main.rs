@@ -106,6 +106,9 @@ enum Command {
         /// Also load the MTP layer and time speculative decoding's steps (batch 1, the first context).
         #[arg(long)]
         mtp: bool,
+        /// Quantise the projections the weights keep unquantised to FP8 at load (glm5 --fp8-projections).
+        #[arg(long)]
+        fp8_projections: bool,
     },
     /// `glm5 serve` in-process on e2e's GLM-5 slice, driven over loopback HTTP by concurrent streaming
     /// clients: tokens/s, time to first token and inter-token latency per stream count.
@@ -175,6 +178,7 @@ fn main() -> glm5::candle_core::Result<()> {
         batches,
         hf,
         mtp,
+        fp8_projections,
     }) = &cli.command
     {
         return e2e::e2e_rows(&e2e::E2eArgs {
@@ -186,6 +190,7 @@ fn main() -> glm5::candle_core::Result<()> {
             batches: batches.clone(),
             hf_script: hf.clone(),
             mtp: *mtp,
+            fp8_projections: *fp8_projections,
         });
     }
     if let Some(Command::Serve {

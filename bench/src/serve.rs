@@ -94,6 +94,7 @@ pub fn serve_rows(args: &ServeArgs) -> Result<()> {
         &device,
         context,
         false,
+        false,
     )?;
     device.synchronize()?;
     println!(
