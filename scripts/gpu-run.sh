@@ -128,6 +128,8 @@ for step in $steps; do
       for w in fp8 nvfp4 q4k; do
         timeout 300 /tmp/glm5-bin/glm5-bench e2e --weights $w --contexts 4096 --batches 8,64 2>&1 | tee "$OUT/e2e-$w.txt"; [ ${PIPESTATUS[0]} = 0 ] || status=1
       done
+      # The NVFP4 export's bf16 attention quantised to FP8 at load (glm5 --fp8-projections).
+      timeout 300 /tmp/glm5-bin/glm5-bench e2e --weights nvfp4 --fp8-projections --contexts 4096 --batches 8 2>&1 | tee "$OUT/e2e-nvfp4-fp8-projections.txt"; [ ${PIPESTATUS[0]} = 0 ] || status=1
       # i-quant GGUF mixes (IQ4_XS and IQ2_S experts as published): decode at 1 and 8 sequences.
       for w in iq4_xs iq2_s; do
         timeout 300 /tmp/glm5-bin/glm5-bench e2e --weights $w --contexts 4096 --batches 8 2>&1 | tee "$OUT/e2e-$w.txt"; [ ${PIPESTATUS[0]} = 0 ] || status=1
