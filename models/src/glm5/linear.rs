@@ -32,7 +32,8 @@ impl Loader<'_> {
         self.checkpoint.tensor(name, shape, DType::F32, self.device)
     }
 
-    /// A bias-free `nn.Linear` stored as `[out, in]`, quantised if the checkpoint keeps it so.
+    /// A bias-free `nn.Linear` stored as `[out, in]`, quantised if the checkpoint keeps it so (or, with
+    /// `fp8_projections`, if it is one of the projections FP8 takes at load).
     pub(super) fn linear(&self, prefix: &str, in_dim: usize, out_dim: usize) -> Result<Proj> {
         let name = format!("{prefix}.weight");
         Ok(match self.matrix(&name, [out_dim, in_dim])? {
