@@ -649,7 +649,7 @@ fn fp8_projections_quantise_an_nvfp4_exports_bf16_attention_at_load() {
         &glm5::Registry::builtin(),
     )
     .unwrap();
-    let checkpoint = Checkpoint::open(&case_dir(case)).unwrap();
+    let checkpoint = Checkpoint::open(case_dir(case)).unwrap();
     let model = Glm5ForCausalLM::load_planned(&config, &checkpoint, plan, &[Device::Cpu]).unwrap();
     let (ids, _) = reference("dense_equiv");
     let got = decode_rows(&model, &ids, ids.len() / 2);

@@ -347,7 +347,7 @@ fn mtp_rows(model: &Glm5ForCausalLM, vocab: usize, context: usize, steps: usize)
 
 /// The last row of `hidden`, `[1, hidden]`.
 fn hidden_row(hidden: &glm5::candle_core::Tensor) -> Result<glm5::candle_core::Tensor> {
-    Ok(hidden.narrow(0, hidden.dim(0)? - 1, 1)?)
+    hidden.narrow(0, hidden.dim(0)? - 1, 1)
 }
 
 /// Median ms of `steps` batch-1 decode steps (argmax read back) after a prefill of `context` tokens.
