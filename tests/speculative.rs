@@ -204,13 +204,7 @@ fn mtp_rows_together_equal_rows_one_by_one() {
                 &mut one_by_one,
             )
             .unwrap();
-        let want: Vec<f32> = all.get(i).unwrap().to_vec1().unwrap();
-        let got: Vec<f32> = row.get(0).unwrap().to_vec1().unwrap();
-        let worst = want
-            .iter()
-            .zip(&got)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0f32, f32::max);
+        let worst = max_abs(&(all.get(i).unwrap() - row.get(0).unwrap()).unwrap());
         assert!(worst < 1e-4, "row {i}: {worst}");
     }
     assert_eq!(together.len(), rows);
@@ -222,6 +216,16 @@ fn mtp_rows_together_equal_rows_one_by_one() {
     assert!(model
         .forward_mtp(&next[..1], &hidden.narrow(0, 0, 1).unwrap(), 3, &mut fresh)
         .is_err());
+}
+
+/// The largest |value| of `t`.
+fn max_abs(t: &Tensor) -> f32 {
+    t.abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
 }
 
 /// RMSNorm of every row of `x` `[rows, d]` times `w`, in f32 (the model's epsilon).
@@ -325,21 +329,7 @@ fn mtp_logits_equal_the_formula_where_its_block_adds_nothing() {
         let want = rms_norm(&x, &f32("model.layers.3.shared_head.norm.weight"), eps)
             .matmul(&f32("lm_head.weight").t().unwrap())
             .unwrap();
-        let worst = (got - &want)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
-        let scale = want
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
+        let (worst, scale) = (max_abs(&(got - &want).unwrap()), max_abs(&want));
         assert!(
             worst <= 1e-4 * scale,
             "start {start}: {worst} (logits up to {scale})"

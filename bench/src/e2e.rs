@@ -146,15 +146,11 @@ fn decode_weight_bytes(
     checkpoint: &Checkpoint,
     fp8_projections: bool,
 ) -> (u64, u64) {
-    let fp8 = glm5::models::Quantization::Fp8Block {
-        block: sizes::FP8_AT_LOAD_BLOCK,
-        modules_to_not_convert: vec![],
-    };
-    let bytes = |t: &TensorInfo| match t.shape.as_slice() {
-        &[out, inp] if fp8_projections && sizes::quantized_at_load(config, &t.name, [out, inp]) => {
-            fp8.matrix_bytes(out, inp)
-        }
-        _ => checkpoint.resident_bytes(&t.name, &t.shape, t.dtype),
+    let bytes = |t: &TensorInfo| {
+        fp8_projections
+            .then(|| sizes::fp8_at_load_bytes(config, t))
+            .flatten()
+            .unwrap_or_else(|| checkpoint.resident_bytes(&t.name, &t.shape, t.dtype))
     };
     let mut total = 0u64;
     let mut head = 0u64;

@@ -224,18 +224,12 @@ impl Plan {
         resident_bytes: &dyn Fn(&sizes::TensorInfo) -> u64,
     ) -> Result<Plan, PlanError> {
         // Projections quantised at load cost their FP8 bytes.
-        let fp8 = crate::quantization::Quantization::Fp8Block {
-            block: sizes::FP8_AT_LOAD_BLOCK,
-            modules_to_not_convert: Vec::new(),
-        };
-        let resident = |t: &sizes::TensorInfo| match t.shape.as_slice() {
-            &[out, inp]
-                if options.fp8_projections
-                    && sizes::quantized_at_load(config, &t.name, [out, inp]) =>
-            {
-                fp8.matrix_bytes(out, inp)
-            }
-            _ => resident_bytes(t),
+        let resident = |t: &sizes::TensorInfo| {
+            options
+                .fp8_projections
+                .then(|| sizes::fp8_at_load_bytes(config, t))
+                .flatten()
+                .unwrap_or_else(|| resident_bytes(t))
         };
         let bytes = |t: &[sizes::TensorInfo]| t.iter().map(resident).sum::<u64>();
         if devices.is_empty() {

@@ -221,11 +221,7 @@ pub const FP8_AT_LOAD_BLOCK: [usize; 2] = [128, 128];
 /// nor `kv_b_proj`, which attention expands) that GLM-5-FP8's recipe quantises, that the checkpoint keeps
 /// unquantised, and whose rows the FP8 kernels take (`in` a multiple of 16).
 pub fn quantized_at_load(config: &Config, name: &str, shape: [usize; 2]) -> bool {
-    let recipe = crate::quantization::Quantization::Fp8Block {
-        block: FP8_AT_LOAD_BLOCK,
-        modules_to_not_convert: Vec::new(),
-    };
-    recipe.quantizes(name)
+    fp8_at_load_recipe().quantizes(name)
         && !name.contains(".mlp.experts.")
         && !name.contains(".mlp.shared_experts.")
         && !name.ends_with("kv_b_proj.weight")
@@ -234,6 +230,25 @@ pub fn quantized_at_load(config: &Config, name: &str, shape: [usize; 2]) -> bool
             .quantization
             .as_ref()
             .is_some_and(|q| q.quantizes(name))
+}
+
+/// GLM-5-FP8's recipe, what FP8 at load follows.
+fn fp8_at_load_recipe() -> crate::quantization::Quantization {
+    crate::quantization::Quantization::Fp8Block {
+        block: FP8_AT_LOAD_BLOCK,
+        modules_to_not_convert: Vec::new(),
+    }
+}
+
+/// Bytes `t` takes once loaded with `--fp8-projections` where it is one of the projections quantised at load
+/// ([`quantized_at_load`]): its FP8 codes and block scales; `None` for any other tensor.
+pub fn fp8_at_load_bytes(config: &Config, t: &TensorInfo) -> Option<u64> {
+    match t.shape.as_slice() {
+        &[out, inp] if quantized_at_load(config, &t.name, [out, inp]) => {
+            Some(fp8_at_load_recipe().matrix_bytes(out, inp))
+        }
+        _ => None,
+    }
 }
 
 /// Bytes `t` takes on the device once loaded: its elements at its dtype, or, in a quantised checkpoint, the

@@ -557,28 +557,36 @@ impl Glm5ForCausalLM {
                 )));
             }
         }
-        let max_positions = self.config.max_position_embeddings;
         for entry in batch {
-            if let Some((i, &token)) = entry
-                .tokens
-                .iter()
-                .enumerate()
-                .find(|(_, &id)| id as usize >= self.config.vocab_size)
-            {
-                return Err(ModelError::TokenOutOfRange {
-                    token,
-                    position: entry.start_pos + i,
-                    vocab_size: self.config.vocab_size,
-                });
-            }
-            let end = entry.start_pos.saturating_add(entry.tokens.len());
-            if end > max_positions {
-                return Err(ModelError::ContextOverflow {
-                    start: entry.start_pos,
-                    end,
-                    max_positions,
-                });
-            }
+            self.check_tokens(entry.tokens, entry.start_pos)?;
+        }
+        Ok(())
+    }
+
+    /// Checks `ids`, the tokens at positions `first..`: each in the vocabulary, all within the context.
+    fn check_tokens(&self, ids: &[u32], first: usize) -> Result<()> {
+        let vocab_size = self.config.vocab_size;
+        if let Some((i, &token)) = ids
+            .iter()
+            .enumerate()
+            .find(|(_, &id)| id as usize >= vocab_size)
+        {
+            return Err(ModelError::TokenOutOfRange {
+                token,
+                position: first + i,
+                vocab_size,
+            });
+        }
+        let (end, max_positions) = (
+            first.saturating_add(ids.len()),
+            self.config.max_position_embeddings,
+        );
+        if end > max_positions {
+            return Err(ModelError::ContextOverflow {
+                start: first,
+                end,
+                max_positions,
+            });
         }
         Ok(())
     }
@@ -780,25 +788,7 @@ impl Glm5ForCausalLM {
         if t == 0 {
             return Err(ModelError::EmptyInput);
         }
-        if let Some((position, &token)) = input_ids
-            .iter()
-            .enumerate()
-            .find(|(_, &id)| id as usize >= self.config.vocab_size)
-        {
-            return Err(ModelError::TokenOutOfRange {
-                token,
-                position: start_pos + position,
-                vocab_size: self.config.vocab_size,
-            });
-        }
-        let max_positions = self.config.max_position_embeddings;
-        if start_pos + t > max_positions {
-            return Err(ModelError::ContextOverflow {
-                start: start_pos,
-                end: start_pos + t,
-                max_positions,
-            });
-        }
+        self.check_tokens(input_ids, start_pos)?;
         if cache.layers.len() != self.layers.len() {
             return Err(ModelError::CacheShape(format!(
                 "{} layers, model has {}",

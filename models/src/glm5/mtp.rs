@@ -132,26 +132,8 @@ impl Glm5ForCausalLM {
                 hidden: hidden.dims().to_vec(),
             });
         }
-        if let Some((i, &token)) = next_ids
-            .iter()
-            .enumerate()
-            .find(|(_, &id)| id as usize >= self.config.vocab_size)
-        {
-            return Err(ModelError::TokenOutOfRange {
-                token,
-                position: start_pos + i + 1,
-                vocab_size: self.config.vocab_size,
-            });
-        }
         // The draft at position p reads the token at p + 1.
-        let max_positions = self.config.max_position_embeddings;
-        if start_pos + t >= max_positions {
-            return Err(ModelError::ContextOverflow {
-                start: start_pos,
-                end: start_pos + t + 1,
-                max_positions,
-            });
-        }
+        self.check_tokens(next_ids, start_pos + 1)?;
         cache.cache.check_append(start_pos, t)?;
 
         let device: &Device = &self.devices[self.plan.head_device];
