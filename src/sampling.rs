@@ -1,10 +1,10 @@
 //! Picking next tokens from logits: repetition penalty, then temperature / top-k / top-p / min-p.
 //!
 //! The rules and their random draws are candle-transformers' `LogitsProcessor`'s, token for token for the
-//! same seed (the tests compare them). Two things it lacks are why this is written here:
+//! same seed (the tests compare them). What it lacks is why this is written here:
 //! - Its top-p sorts the whole vocabulary for every token (GLM-5's 154,880 entries: milliseconds a token,
-//!   the order of a whole decode step). Here only the candidates above a threshold are sorted, the threshold
-//!   lowered until the walk over them decides: the same tokens kept, in O(vocabulary).
+//!   the order of a whole decode step). Here only the candidates above a threshold are sorted, by a radix
+//!   sort, the threshold lowered until the walk over them decides: the same tokens kept, in O(vocabulary).
 //! - It reads one sequence's logits back at a time. [`sample_rows`] takes one step's logits of many
 //!   sequences and reads them back once for the greedy rows and once for the sampled ones.
 //! - Speculative decoding: [`Sampler::sample_draft`] decides whether a drafted token stands, keeping the
@@ -242,11 +242,7 @@ pub fn keep_top_p(probs: &mut [f32], top_p: f32) {
         } else {
             largest * 2f32.powi(-shift)
         };
-        let mut candidates: Vec<usize> = (0..probs.len())
-            .filter(|&i| probs[i].total_cmp(&threshold).is_ge())
-            .collect();
-        // Stable: equal probabilities stay in index order, as the whole vector's sort leaves them.
-        candidates.sort_by(|&i, &j| probs[j].total_cmp(&probs[i]));
+        let candidates = descending(probs, |p| p.total_cmp(&threshold).is_ge());
         let mut sum = 0.0f32;
         let mut kept = None;
         for (n, &i) in candidates.iter().enumerate() {
@@ -254,7 +250,7 @@ pub fn keep_top_p(probs: &mut [f32], top_p: f32) {
                 kept = Some(n);
                 break;
             }
-            sum += probs[i];
+            sum += probs[i as usize];
         }
         // The walk over every candidate ended at or above top_p: the next (smaller) one would be dropped.
         if kept.is_none() && sum >= top_p {
@@ -268,7 +264,7 @@ pub fn keep_top_p(probs: &mut [f32], top_p: f32) {
             probs.iter_mut().for_each(|p| *p = 0.0);
             return;
         };
-        let last_value = probs[last];
+        let (last, last_value) = (last as usize, probs[last as usize]);
         for (i, p) in probs.iter_mut().enumerate() {
             let keep = match p.total_cmp(&last_value) {
                 std::cmp::Ordering::Greater => true,
@@ -281,6 +277,50 @@ pub fn keep_top_p(probs: &mut [f32], top_p: f32) {
         }
         return;
     }
+}
+
+/// The indices of the `probs` that `keep` keeps, largest first, equal ones in index order: the order of a
+/// stable sort by `total_cmp`, by a radix sort (three passes of 11 bits over a key that orders as
+/// `total_cmp` does). GLM-5's flat distributions keep most of its 154,880 entries, which a comparison
+/// sort took milliseconds a token over.
+fn descending(probs: &[f32], keep: impl Fn(f32) -> bool) -> Vec<u32> {
+    // total_cmp's order as unsigned integers: negative values' magnitude bits flipped, the sign bit set
+    // for non-negative ones; then complemented for largest first.
+    let key = |p: f32| {
+        let bits = p.to_bits();
+        let ordered = if bits >> 31 == 1 { !bits } else { bits | 1 << 31 };
+        !ordered
+    };
+    let mut items: Vec<(u32, u32)> = probs
+        .iter()
+        .enumerate()
+        .filter(|(_, &p)| keep(p))
+        .map(|(i, &p)| (key(p), i as u32))
+        .collect();
+    let mut spare = vec![(0u32, 0u32); items.len()];
+    const DIGIT: u32 = 11;
+    for pass in 0..3 {
+        let shift = pass * DIGIT;
+        let digit = |k: u32| ((k >> shift) & ((1 << DIGIT) - 1)) as usize;
+        let mut starts = vec![0usize; 1 << DIGIT];
+        for &(k, _) in &items {
+            starts[digit(k)] += 1;
+        }
+        let mut next = 0;
+        for start in starts.iter_mut() {
+            let count = *start;
+            *start = next;
+            next += count;
+        }
+        // In input order within a digit: stable, so index order survives among equal keys.
+        for &item in &items {
+            let d = digit(item.0);
+            spare[starts[d]] = item;
+            starts[d] += 1;
+        }
+        std::mem::swap(&mut items, &mut spare);
+    }
+    items.into_iter().map(|(_, i)| i).collect()
 }
 
 /// Zeroes every probability below `min_p` times the largest one.
