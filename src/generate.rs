@@ -474,6 +474,11 @@ impl<'a> Generation<'a> {
         &self.stats
     }
 
+    /// How its decode steps ran where the sequence replays CUDA graphs ([`SequenceCache::graph_stats`]).
+    pub fn graph_stats(&self) -> Option<&GraphStats> {
+        self.cache.graph_stats()
+    }
+
     /// The generated token ids so far.
     pub fn generated(&self) -> &[u32] {
         &self.tokens[self.prompt_len..]

@@ -196,14 +196,15 @@ struct GenerateArgs {
     /// KV cache size in tokens for --chat (default: min(8192, the model's context)).
     #[arg(long)]
     max_context: Option<usize>,
-    /// Replay decode steps from CUDA graphs (the sequence in a paged pool of its own; a graph per GPU's
-    /// run of layers); stderr says when they cannot be.
+    /// Launch every op of a decode step from the host instead of replaying the step from CUDA graphs
+    /// (graphs are the default where every layer is on a GPU; stderr says when they cannot be).
     #[arg(long)]
-    cuda_graphs: bool,
+    enforce_eager: bool,
     /// Speculative decoding with the checkpoint's MTP layer: it drafts the token after next, checked in the
     /// same model step as the next token (greedy output unchanged; sampled output from the same
-    /// distribution). Loads the MTP layer (one more MoE layer of weights and KV cache).
-    #[arg(long, conflicts_with = "cuda_graphs")]
+    /// distribution). Loads the MTP layer (one more MoE layer of weights and KV cache). Its steps run
+    /// eagerly.
+    #[arg(long)]
     mtp: bool,
 }
 
@@ -468,6 +469,18 @@ fn stream(generation: &mut Generation) -> Result<String, Box<dyn std::error::Err
         stats.generation_tokens_per_second(),
         generation.finish_reason(),
     );
+    if let Some(graphs) = generation.graph_stats() {
+        eprintln!(
+            "[decode graphs: {} captured, {} replayed, {} eager{}]",
+            graphs.captured,
+            graphs.replayed,
+            graphs.eager,
+            match &graphs.last_eager_reason {
+                Some(why) => format!(" (last: {why})"),
+                None => String::new(),
+            }
+        );
+    }
     if stats.draft_tokens > 0 {
         eprintln!(
             "[MTP drafts: {} of {} accepted ({:.0}%)]",
@@ -556,11 +569,9 @@ fn generate(args: GenerateArgs) -> Result<(), Box<dyn std::error::Error>> {
         enable_thinking: !args.no_think,
     };
     let mut messages: Vec<Message> = args.system.iter().map(Message::system).collect();
-    if args.cuda_graphs {
-        match model.model().decode_graph_blocker(1) {
-            None => eprintln!("[decode steps replayed from CUDA graphs]"),
-            Some(why) => eprintln!("[--cuda-graphs: decode steps run eagerly: {why}]"),
-        }
+    let cuda_graphs = use_cuda_graphs(&model, args.enforce_eager, args.mtp);
+    if cuda_graphs {
+        eprintln!("[decode steps replayed from CUDA graphs]");
     }
 
     if let Some(prompt) = &args.prompt {
@@ -570,7 +581,7 @@ fn generate(args: GenerateArgs) -> Result<(), Box<dyn std::error::Error>> {
             messages.push(Message::user(prompt));
             model.apply_chat_template(&messages, &chat_options)?
         };
-        let mut generation = match args.cuda_graphs {
+        let mut generation = match cuda_graphs {
             true => model.generate_graphed(&text, &params)?,
             false => model.generate(&text, &params)?,
         };
@@ -591,7 +602,7 @@ fn generate(args: GenerateArgs) -> Result<(), Box<dyn std::error::Error>> {
         None => 8192.min(max_positions),
     };
     let new_sequence = |model: &Glm5| -> Result<SequenceCache, Box<dyn std::error::Error>> {
-        Ok(match args.cuda_graphs {
+        Ok(match cuda_graphs {
             true => SequenceCache::graphed(model.model(), context)?,
             false => model.new_sequence(context)?,
         })
@@ -673,11 +684,11 @@ struct ServeArgs {
     /// Seconds running requests may take to finish after SIGTERM / ctrl-c before they are cancelled.
     #[arg(long, default_value_t = 30.0)]
     shutdown_grace: f64,
-    /// Replay decode steps from CUDA graphs (one per batch size and block-table width, a graph per GPU's
-    /// run of layers); steps with prompt chunks, or that the graphs cannot take, run eagerly (/metrics
-    /// counts both).
+    /// Launch every op of a step from the host. By default decode steps replay CUDA graphs (one per batch
+    /// size and block-table width, a graph per GPU's run of layers) where every layer is on a GPU; steps
+    /// with prompt chunks, or that the graphs cannot take, run eagerly (/metrics counts both).
     #[arg(long)]
-    cuda_graphs: bool,
+    enforce_eager: bool,
 }
 
 fn serve(args: ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
@@ -722,14 +733,11 @@ fn serve(args: ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
         max_body_bytes: args.max_body_bytes,
         read_timeout,
         shutdown_grace,
-        cuda_graphs: args.cuda_graphs,
+        cuda_graphs: !args.enforce_eager,
         ..glm5::serve::ServeOptions::new((host, args.port).into(), name)
     };
-    if args.cuda_graphs {
-        match model.model().decode_graph_blocker(1) {
-            None => eprintln!("glm5 serve: decode steps replayed from CUDA graphs"),
-            Some(why) => eprintln!("glm5 serve: --cuda-graphs: steps run eagerly: {why}"),
-        }
+    if use_cuda_graphs(&model, args.enforce_eager, false) {
+        eprintln!("glm5 serve: decode steps replayed from CUDA graphs");
     }
     glm5::serve::run(model, options, |addr| {
         eprintln!("glm5 serve: listening on http://{addr}");
@@ -737,12 +745,30 @@ fn serve(args: ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
+/// Whether decode steps replay CUDA graphs: the default where every layer is on a GPU and the graphs can
+/// take a step, unless `--enforce-eager` or `--mtp` (whose steps run eagerly) says otherwise. Where the
+/// model is on a GPU and they cannot be used, stderr says why.
+fn use_cuda_graphs(model: &Glm5, enforce_eager: bool, mtp: bool) -> bool {
+    let on_gpu = model.model().plan().devices.iter().any(|d| !d.is_cpu());
+    if enforce_eager || !on_gpu {
+        return false;
+    }
+    let blocker = match mtp {
+        true => Some("speculative decoding (--mtp) runs its steps eagerly".to_string()),
+        false => model.model().decode_graph_blocker(1),
+    };
+    if let Some(why) = &blocker {
+        eprintln!("[decode steps run eagerly: {why}]");
+    }
+    blocker.is_none()
+}
+
+/// Makes an empty sequence for a chat (graphed or contiguous, as decode steps run).
+type NewSequence<'a> = dyn Fn(&Glm5) -> Result<SequenceCache, Box<dyn std::error::Error>> + 'a;
+
 /// One `--chat` turn: the conversation rendered and tokenised (the new line refused first when its bytes
 /// alone cannot fit), then the answer streamed. `sequence` keeps the KV cache across turns; a failed
 /// generation leaves it `None`, and the next turn starts a fresh one.
-/// Makes an empty sequence for a chat (graphed or contiguous, as `--cuda-graphs` says).
-type NewSequence<'a> = dyn Fn(&Glm5) -> Result<SequenceCache, Box<dyn std::error::Error>> + 'a;
-
 fn chat_turn(
     model: &Glm5,
     messages: &[Message],

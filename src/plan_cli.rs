@@ -429,10 +429,10 @@ pub fn render(plan: &Plan, config: &Config, label: &str, registry: &Registry) ->
         let on_cpu = used.iter().filter(|&&d| plan.devices[d].is_cpu()).count();
         let _ = writeln!(
             s,
-            "decode steps on CUDA: `--cuda-graphs` (generate, serve) replays them from CUDA graphs (one per batch size \
+            "decode steps on CUDA: generate and serve replay them from CUDA graphs (one per batch size \
              and block-table width, a graph per GPU's run of layers{}) when every layer is on a GPU and the \
              step's experts run on the mat-vecs (the grouped GEMM counts each expert's rows on the host); \
-             otherwise each op is launched from the host (eager){}",
+             otherwise, or with `--enforce-eager`, each op is launched from the host (eager){}",
             match used.len() {
                 1 => String::new(),
                 n => format!("; here {n} devices, the hidden state handed between their graphs"),

@@ -400,8 +400,34 @@ pub fn sample_rows(
         let mut probs = candle_nn::ops::softmax_last_dim(&scaled)?
             .flatten_all()?
             .to_vec1::<f32>()?;
-        for (&r, row) in sampled.iter().zip(probs.chunks_mut(vocab)) {
-            ids[r] = samplers[r].pick(row);
+        // Each sampled row with its sampler and its id's slot, in `sampled`'s (ascending) order.
+        let mut jobs: Vec<(&mut Sampler, &mut [f32], &mut Result<u32>)> = samplers
+            .iter_mut()
+            .zip(ids.iter_mut())
+            .enumerate()
+            .filter(|(r, _)| sampled.binary_search(r).is_ok())
+            .zip(probs.chunks_mut(vocab))
+            .map(|((_, (sampler, id)), row)| (&mut **sampler, row, id))
+            .collect();
+        // Rows over the CPU's threads: a flat distribution's nucleus is most of the vocabulary, a
+        // millisecond or more a row.
+        let threads = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .min(jobs.len());
+        let pick_all = |chunk: &mut [(&mut Sampler, &mut [f32], &mut Result<u32>)]| {
+            for (sampler, row, id) in chunk.iter_mut() {
+                **id = sampler.pick(row);
+            }
+        };
+        if threads <= 1 {
+            pick_all(&mut jobs);
+        } else {
+            let per_thread = jobs.len().div_ceil(threads);
+            std::thread::scope(|scope| {
+                for chunk in jobs.chunks_mut(per_thread) {
+                    scope.spawn(move || pick_all(chunk));
+                }
+            });
         }
     }
     Ok(ids)

@@ -406,11 +406,11 @@ fn openai_client_gets_the_librarys_tokens_tools_reasoning_and_errors() {
 }
 
 /// curl, streaming and not: the same text as the library, `data: [DONE]` last.
-/// Also with `--cuda-graphs`, which on the CPU runs every step eagerly (and /metrics counts them so).
+/// With decode graphs on (the default), which on the CPU run every step eagerly (and /metrics counts them so).
 #[test]
 fn curl_streams_server_sent_events() {
     let model = model();
-    let server = Server::start(&["--cuda-graphs"]);
+    let server = Server::start(&[]);
     let prompt = "Once upon a time";
     let expect = reference(&model, prompt, 10, &[]);
     let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 10, "temperature": 0, "stream": true});

@@ -131,9 +131,9 @@ enum Command {
         /// The server's --prefill-chunk.
         #[arg(long, default_value_t = 512)]
         prefill_chunk: usize,
-        /// The server's --cuda-graphs: decode steps replayed from CUDA graphs.
+        /// The server's --enforce-eager: every step launched from the host, no decode graphs.
         #[arg(long)]
-        cuda_graphs: bool,
+        enforce_eager: bool,
         /// Requests sample at temperature 1 with top-p 0.95 (GLM-5's defaults) instead of greedily.
         #[arg(long)]
         sampled: bool,
@@ -200,7 +200,7 @@ fn main() -> glm5::candle_core::Result<()> {
         max_tokens,
         requests,
         prefill_chunk,
-        cuda_graphs,
+        enforce_eager,
         sampled,
     }) = &cli.command
     {
@@ -211,7 +211,7 @@ fn main() -> glm5::candle_core::Result<()> {
             max_tokens: *max_tokens,
             requests: *requests,
             prefill_chunk: *prefill_chunk,
-            cuda_graphs: *cuda_graphs,
+            cuda_graphs: !*enforce_eager,
             sampled: *sampled,
         });
     }

@@ -29,7 +29,7 @@ pub struct ServeArgs {
     /// Requests each client sends, one after another.
     pub requests: usize,
     pub prefill_chunk: usize,
-    /// The server's --cuda-graphs.
+    /// Decode graphs on (the server's default; off: --enforce-eager).
     pub cuda_graphs: bool,
     /// Requests sample (temperature 1, top-p 0.95) instead of greedily.
     pub sampled: bool,
@@ -154,7 +154,7 @@ pub fn serve_rows(args: &ServeArgs) -> Result<()> {
          requests {}; each level first runs one unmeasured round of 2-token requests",
         server.url(),
         args.prefill_chunk,
-        if args.cuda_graphs { ", --cuda-graphs" } else { "" },
+        if args.cuda_graphs { "" } else { ", --enforce-eager" },
         if args.sampled { "sampled at temperature 1, top-p 0.95" } else { "greedy" }
     );
     println!("{}", LevelReport::markdown_header());

@@ -83,7 +83,7 @@ pub struct Metrics {
     pub kv_block_tokens: usize,
     /// Running sequences whose blocks were freed to make room (to be recomputed).
     pub preemptions: AtomicU64,
-    /// Steps through the decode graphs (`--cuda-graphs`): `[replayed, captured, eager]`.
+    /// Steps by how they ran (decode graphs unless `--enforce-eager`): `[replayed, captured, eager]`.
     graph_steps: [AtomicU64; 3],
     /// Engine step durations.
     pub step_seconds: Histogram,
@@ -162,7 +162,7 @@ impl Metrics {
         }
         let _ = writeln!(
             out,
-            "# HELP glm5_engine_steps_by_path_total Engine steps with --cuda-graphs by how they ran: replayed from a decode graph, captured, or eager.\n# TYPE glm5_engine_steps_by_path_total counter"
+            "# HELP glm5_engine_steps_by_path_total Engine steps by how they ran (decode graphs unless --enforce-eager): replayed from a decode graph, captured, or eager.\n# TYPE glm5_engine_steps_by_path_total counter"
         );
         for (path, count) in ["graph_replay", "graph_capture", "eager"]
             .iter()

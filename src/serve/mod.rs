@@ -65,7 +65,7 @@ pub struct ServeOptions {
     /// How long running requests may finish after SIGTERM / ctrl-c before they are cancelled.
     pub shutdown_grace: Duration,
     /// Replay decode steps from CUDA graphs where the model allows it
-    /// ([`crate::Glm5ForCausalLM::forward_batch_graphed`]); other steps run eagerly.
+    /// ([`crate::Glm5ForCausalLM::forward_batch_graphed`]; the default); other steps run eagerly.
     pub cuda_graphs: bool,
 }
 
@@ -84,7 +84,7 @@ impl ServeOptions {
             max_body_bytes: 8 << 20,
             read_timeout: Duration::from_secs(30),
             shutdown_grace: Duration::from_secs(30),
-            cuda_graphs: false,
+            cuda_graphs: true,
         }
     }
 }
