@@ -12,6 +12,8 @@ for f in "$GPU_DIR"/*.xz; do xz -dc "$f" > "/tmp/glm5-bin/$(basename "$f" .xz)";
 export GLM5_REPO_ROOT=$PWD
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
 steps=${*:-tests sanitize bench}
+# GLM-5 layers of the bf16 slices: 6 (3 dense + 3 MoE, 58 GB of experts) where the card holds them, else 5.
+LAYERS=${LAYERS:-$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1 | awk '{print ($1 > 100000) ? 6 : 5}')}
 status=0
 for step in $steps; do
   case $step in
@@ -123,8 +125,9 @@ for step in $steps; do
     e2e)
       # The whole model step (docs/performance.md): bf16 with HF transformers in the same call, then the
       # quantised formats.
-      # --mtp: speculative decoding's steps with the MTP layer too (batch 1).
-      timeout 500 /tmp/glm5-bin/glm5-bench e2e --hf bench/hf_e2e.py --mtp 2>&1 | tee "$OUT/e2e-bf16.txt"; [ ${PIPESTATUS[0]} = 0 ] || status=1
+      timeout 500 /tmp/glm5-bin/glm5-bench e2e --layers $LAYERS --hf bench/hf_e2e.py 2>&1 | tee "$OUT/e2e-bf16.txt"; [ ${PIPESTATUS[0]} = 0 ] || status=1
+      # Speculative decoding's steps with the MTP layer (one more MoE layer of weights: one layer fewer).
+      timeout 300 /tmp/glm5-bin/glm5-bench e2e --layers $((LAYERS - 1)) --mtp --contexts 4096 --batches 8 2>&1 | tee "$OUT/e2e-mtp.txt"; [ ${PIPESTATUS[0]} = 0 ] || status=1
       for w in fp8 nvfp4 q4k; do
         timeout 300 /tmp/glm5-bin/glm5-bench e2e --weights $w --contexts 4096 --batches 8,64 2>&1 | tee "$OUT/e2e-$w.txt"; [ ${PIPESTATUS[0]} = 0 ] || status=1
       done
@@ -149,12 +152,12 @@ for step in $steps; do
       echo "sm_120a: block-scaled FP4 MMA (OMMA.SF) instructions in nvfp4_mma_sm120a.fatbin: $(cuobjdump --dump-sass "$GPU_DIR"/nvfp4_mma_sm120a.fatbin 2>&1 | grep -c 'OMMA\.SF')" | tee -a "$OUT/sass.txt"
       cuobjdump --list-elf --list-ptx "$GPU_DIR"/sparse_mla.fatbin | tee -a "$OUT/sass.txt" ;;
     serve)
-      # `glm5 serve` in-process on a 6-layer GLM-5 slice under 1, 8, 32 and 64 streaming clients.
-      timeout 500 /tmp/glm5-bin/glm5-bench serve 2>&1 | tee "$OUT/serve.txt"; [ ${PIPESTATUS[0]} = 0 ] || status=1
+      # `glm5 serve` in-process on a GLM-5 slice under 1, 8, 32 and 64 streaming clients.
+      timeout 500 /tmp/glm5-bin/glm5-bench serve --layers $LAYERS 2>&1 | tee "$OUT/serve.txt"; [ ${PIPESTATUS[0]} = 0 ] || status=1
       # The same with every op launched from the host (no decode graphs).
-      timeout 300 /tmp/glm5-bin/glm5-bench serve --enforce-eager --streams 1,8 2>&1 | tee "$OUT/serve-eager.txt"; [ ${PIPESTATUS[0]} = 0 ] || status=1
+      timeout 300 /tmp/glm5-bin/glm5-bench serve --layers $LAYERS --enforce-eager --streams 1,8 2>&1 | tee "$OUT/serve-eager.txt"; [ ${PIPESTATUS[0]} = 0 ] || status=1
       # Sampled requests (temperature 1, top-p 0.95, GLM-5's defaults): the host's sampling in every step.
-      timeout 300 /tmp/glm5-bin/glm5-bench serve --sampled --streams 1,64 2>&1 | tee "$OUT/serve-sampled.txt"; [ ${PIPESTATUS[0]} = 0 ] || status=1 ;;
+      timeout 300 /tmp/glm5-bin/glm5-bench serve --layers $LAYERS --sampled --streams 1,64 2>&1 | tee "$OUT/serve-sampled.txt"; [ ${PIPESTATUS[0]} = 0 ] || status=1 ;;
   esac
 done
 exit $status
