@@ -412,25 +412,37 @@ pub(super) fn random_tensor(
     let name_hash = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
         (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
     });
-    let mut state = seed ^ name_hash;
+    let state = seed ^ name_hash;
     if device.is_cuda() {
         device.set_seed(state)?;
         return Ok(Tensor::randn(0f32, std as f32, shape, device)?.to_dtype(dtype)?);
     }
     let count: usize = shape.iter().product();
-    let mut next = || {
-        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = state;
+    // SplitMix64: the k-th draw (from 1) mixes `state + k * GAMMA`, so every value can be computed on its
+    // own, and the CPU's threads fill their parts of the tensor with the values one sequence would draw.
+    const GAMMA: u64 = 0x9e37_79b9_7f4a_7c15;
+    let uniform = |k: u64| {
+        let mut z = state.wrapping_add(k.wrapping_mul(GAMMA));
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
         ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
     };
-    let values: Vec<f32> = (0..count)
-        .map(|_| {
-            // Box-Muller on two uniforms in (0, 1].
-            let (u, v) = (1.0 - next(), next());
-            ((-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos() * std) as f32
-        })
-        .collect();
+    let mut values = vec![0f32; count];
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let per_thread = count.div_ceil(threads).max(1);
+    std::thread::scope(|scope| {
+        for (t, part) in values.chunks_mut(per_thread).enumerate() {
+            let uniform = &uniform;
+            scope.spawn(move || {
+                for (j, value) in part.iter_mut().enumerate() {
+                    let k = (t * per_thread + j) as u64;
+                    // Box-Muller on two uniforms in (0, 1]: draws 2k + 1 and 2k + 2.
+                    let (u, v) = (1.0 - uniform(2 * k + 1), uniform(2 * k + 2));
+                    *value =
+                        ((-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos() * std) as f32;
+                }
+            });
+        }
+    });
     Ok(Tensor::from_vec(values, shape, device)?.to_dtype(dtype)?)
 }
