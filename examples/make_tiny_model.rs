@@ -227,7 +227,8 @@ fn config(vocab_size: usize, eos: &[u32]) -> serde_json::Value {
     })
 }
 
-/// Every tensor the model loads, `(name, shape, kind)`; `kind` 'w' = random 1/sqrt(fan_in), '1' = ones, '0' = zeros.
+/// Every tensor the model loads, `(name, shape, kind)`; `kind` 'w' = random 1/sqrt(fan_in), '1' = ones, 'n' = random
+/// around one (a norm's scale), '0' = zeros.
 fn tensor_specs(c: &glm5::Config) -> Vec<(String, Vec<usize>, char)> {
     let h = c.hidden_size;
     let mut specs = vec![(
@@ -337,8 +338,9 @@ fn tensor_specs(c: &glm5::Config) -> Vec<(String, Vec<usize>, char)> {
     if c.num_nextn_predict_layers > 0 {
         let n = c.num_hidden_layers;
         block(&mut specs, n, glm5::models::MlpKind::MoE);
+        // Distinct scales, so that a loader which swaps two of these norms changes the draft.
         for norm in ["enorm", "hnorm", "shared_head.norm"] {
-            specs.push((format!("model.layers.{n}.{norm}.weight"), vec![h], '1'));
+            specs.push((format!("model.layers.{n}.{norm}.weight"), vec![h], 'n'));
         }
         linear(
             &mut specs,
@@ -410,6 +412,7 @@ fn main() -> Result<(), Error> {
         let data: Vec<f32> = match kind {
             'w' => (0..n).map(|_| rng.normal() * std).collect(),
             '1' => vec![1.0; n],
+            'n' => (0..n).map(|_| 1.0 + 0.25 * rng.normal()).collect(),
             _ => vec![0.0; n],
         };
         tensors.insert(

@@ -327,11 +327,6 @@ fn plan(args: PlanArgs) -> Result<(), Box<dyn std::error::Error>> {
         }
         _ => None,
     };
-    if gguf.is_some() && args.mtp {
-        return Err(
-            "--mtp: glm5 does not read a GGUF file's MTP block (its nextn tensors) yet".into(),
-        );
-    }
     if gguf.is_some() && args.fp8_projections {
         return Err("--fp8-projections: a GGUF file's matrices are already quantised".into());
     }

@@ -172,12 +172,6 @@ impl Glm5 {
     /// Loads a llama.cpp GGUF model (`.gguf` file, one part of a split set, or a directory holding one):
     /// config, tokenizer and chat template from its metadata, quantised matrices kept quantised.
     pub fn from_gguf(path: &Path, label: &str, options: &LoadOptions) -> Result<Self> {
-        if options.mtp {
-            return Err(Error::InvalidOption(
-                "--mtp needs a safetensors checkpoint: a GGUF file's MTP block (its nextn tensors) is not read yet"
-                    .into(),
-            ));
-        }
         if options.fp8_projections {
             return Err(Error::InvalidOption(
                 "--fp8-projections quantises safetensors checkpoints; a GGUF file's matrices are already quantised"

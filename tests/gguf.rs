@@ -78,16 +78,51 @@ fn config_from_gguf_metadata_equals_the_hf_config() {
     // GGUF stores the epsilon as f32.
     assert!((from_gguf.rms_norm_eps - hf.rms_norm_eps).abs() < 1e-12);
     from_gguf.rms_norm_eps = hf.rms_norm_eps;
-    // The fixtures were converted before the tiny model had its MTP layer, and glm5 does not read a GGUF
-    // file's MTP block: none on either count.
+    // The fixtures were converted before the tiny model had its MTP layer: none counted.
     assert_eq!(from_gguf.num_nextn_predict_layers, 0);
     assert_eq!(
         from_gguf,
         Config {
             num_nextn_predict_layers: 0,
-            ..hf
+            ..hf.clone()
         }
     );
+    // With the MTP block appended (block_count 4, nextn_predict_layers 1): three main layers and one MTP.
+    let with_mtp = GgufModel::open(fixture("tiny-glm5-mtp-F32.gguf")).unwrap();
+    let mut from_gguf = GgufSource::new(with_mtp).unwrap().config().clone();
+    from_gguf.rms_norm_eps = hf.rms_norm_eps;
+    assert_eq!(from_gguf, hf);
+}
+
+/// The MTP block appended as llama.cpp's converter appends GLM-DSA's (`tests/fixtures/gguf/add_mtp_block.py`:
+/// gguf-py's own name map, the experts stacked and kv_b split as for every block): loaded with the MTP layer,
+/// the GGUF model's drafts and logits equal the safetensors model's. The tiny model's enorm, hnorm and
+/// shared-head norm have distinct scales, so a swapped mapping fails this.
+#[test]
+fn gguf_mtp_block_drafts_as_the_safetensors_model() {
+    let options = glm5::LoadOptions {
+        mtp: true,
+        ..Default::default()
+    };
+    let load = |path: &Path| glm5::Glm5::from_pretrained(path.to_str().unwrap(), &options).unwrap();
+    let drafts = |model: &glm5::Glm5| -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+        let model = model.model();
+        let ids = tiny_ids();
+        let mut cache = model.new_cache(ids.len()).unwrap();
+        let (logits, hidden) = model.forward_with_hidden(&ids, 0, &mut cache).unwrap();
+        let rows = ids.len() - 1;
+        let mut draft_cache = model.new_mtp_cache(rows).unwrap();
+        let draft = model
+            .forward_mtp(&ids[1..], &hidden.narrow(0, 0, rows).unwrap(), 0, &mut draft_cache)
+            .unwrap();
+        (logits.to_vec2().unwrap(), draft.to_vec2().unwrap())
+    };
+    let (want_logits, want_drafts) = drafts(&load(&tiny_dir()));
+    let (logits, drafts) = drafts(&load(&fixture("tiny-glm5-mtp-F32.gguf")));
+    let (main_diff, draft_diff) = (max_abs(&logits, &want_logits), max_abs(&drafts, &want_drafts));
+    println!("tiny F32 GGUF with MTP vs safetensors: logits max |Δ| = {main_diff:.3e}, drafts {draft_diff:.3e}");
+    assert!(main_diff <= 1e-5, "logits differ by {main_diff}");
+    assert!(draft_diff <= 1e-5, "drafts differ by {draft_diff}");
 }
 
 #[test]

@@ -74,6 +74,7 @@ pub fn config_from_gguf(gguf: &GgufModel) -> Result<Config> {
             )
         })?;
     put("num_hidden_layers", json!(layers));
+    put("num_nextn_predict_layers", json!(nextn));
     put("hidden_size", json!(need("embedding_length")?));
     put("intermediate_size", json!(need("feed_forward_length")?));
     put("max_position_embeddings", json!(need("context_length")?));

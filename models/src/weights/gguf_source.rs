@@ -11,8 +11,11 @@
 //! * `kv_b_proj` is stored split for the absorbed form: `attn_k_b` is `W_UK` per head transposed, torch shape
 //!   `[heads, kv_lora_rank, qk_nope_head_dim]`, and `attn_v_b` is `W_UV`, `[heads, v_head_dim, kv_lora_rank]`.
 //!   [`GgufSource`] joins them back into `kv_b_proj` `[heads·(nope+v), kv_lora_rank]`.
-//! * `token_embd`, `output_norm`, `output` (absent when tied). The MTP block (`blk.{num_hidden_layers}`,
-//!   with its `nextn.*` tensors) is never read.
+//! * `token_embd`, `output_norm`, `output` (absent when tied).
+//! * The MTP block, appended as `blk.{num_hidden_layers}` (`block_count` counts it, `nextn_predict_layers`
+//!   says so): a decoder block under the names above plus `nextn.{eh_proj, enorm, hnorm,
+//!   shared_head_norm}`; read only when the MTP layer is loaded. Its `nextn.embed_tokens` and
+//!   `nextn.shared_head_head`, where a file has them, are never read (the layer uses the model's own).
 
 use std::path::Path;
 use std::sync::Arc;
@@ -63,6 +66,11 @@ const LAYER_NAMES: &[(&str, &str)] = &[
         "mlp.shared_experts.down_proj.weight",
         "ffn_down_shexp.weight",
     ),
+    // The MTP (NextN) block's own tensors, in `blk.{num_hidden_layers}`.
+    ("eh_proj.weight", "nextn.eh_proj.weight"),
+    ("enorm.weight", "nextn.enorm.weight"),
+    ("hnorm.weight", "nextn.hnorm.weight"),
+    ("shared_head.norm.weight", "nextn.shared_head_norm.weight"),
 ];
 
 /// Where a Hugging Face tensor lives in the GGUF file.
@@ -173,7 +181,8 @@ impl GgufSource {
         Ok(())
     }
 
-    /// Tensors of the MTP (NextN) blocks after the main layers, which glm5 does not run yet.
+    /// Tensors of the MTP (NextN) blocks after the main layers (loaded only with the MTP layer; their types
+    /// are checked when they are read).
     pub fn is_mtp(&self, name: &str) -> bool {
         name.strip_prefix("blk.")
             .and_then(|rest| rest.split_once('.'))
