@@ -478,6 +478,7 @@ fn curl_streams_server_sent_events() {
         "glm5_requests_total{outcome=\"success\"} 2",
         "glm5_queue_length 0",
         "glm5_step_seconds_count",
+        "glm5_sample_seconds_count",
         "glm5_kv_blocks_in_use 0",
         "glm5_time_to_first_token_seconds_bucket",
     ] {
@@ -505,6 +506,12 @@ fn curl_streams_server_sent_events() {
     assert_eq!(
         value("glm5_engine_steps_by_path_total{path=\"graph_replay\"}"),
         0
+    );
+    // Every step of these requests picks a token (no prompt is longer than a chunk).
+    assert_eq!(
+        value("glm5_sample_seconds_count"),
+        value("glm5_step_seconds_count"),
+        "{metrics}"
     );
 }
 

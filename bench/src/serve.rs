@@ -177,7 +177,8 @@ pub fn serve_rows(args: &ServeArgs) -> Result<()> {
         "(tok/s, all streams: generated tokens over the level's wall time, prefills included; per stream: \
          each request's tokens after its first over their span, averaged; TTFT from sending the request; \
          inter-token: gaps between a stream's token events as the client read them; server step: \
-         glm5_step_seconds sum over count for the level; last column: all streams' tok/s over the batch-1 \
+         glm5_step_seconds sum over count for the level; of which sampling: glm5_sample_seconds, the host's \
+         picking of the next tokens after the device's work, per step; last column: all streams' tok/s over the batch-1 \
          `forward` rate)"
     );
     for failure in &failures {

@@ -329,6 +329,8 @@ pub struct ServerCounters {
     pub steps: u64,
     /// Seconds the steps took, summed.
     pub step_seconds: f64,
+    /// Of those, seconds of picking the next tokens on the host (after the device's work), summed.
+    pub sample_seconds: f64,
     /// Tokens generated (counted when a sequence ends).
     pub generation_tokens: u64,
     /// Sequences preempted for lack of KV blocks.
@@ -351,6 +353,7 @@ impl ServerCounters {
         Ok(Self {
             steps: value("glm5_step_seconds_count")? as u64,
             step_seconds: value("glm5_step_seconds_sum")?,
+            sample_seconds: value("glm5_sample_seconds_sum")?,
             generation_tokens: value("glm5_generation_tokens_total")? as u64,
             preemptions: value("glm5_preemptions_total")? as u64,
             running: value("glm5_running_sequences")? as u64,
@@ -441,6 +444,16 @@ impl LevelReport {
         })
     }
 
+    /// Mean host sampling time per engine step over the level (part of [`Self::server_step`]).
+    pub fn server_sampling(&self) -> Option<Duration> {
+        let steps = self.server_steps();
+        (steps > 0).then(|| {
+            Duration::from_secs_f64(
+                (self.after.sample_seconds - self.before.sample_seconds).max(0.0) / steps as f64,
+            )
+        })
+    }
+
     /// Tokens the server counted as generated over the level.
     pub fn server_generated_tokens(&self) -> u64 {
         self.after
@@ -457,7 +470,7 @@ impl LevelReport {
 
     /// The header of [`LevelReport::markdown_row`]'s table.
     pub fn markdown_header() -> &'static str {
-        "| streams | requests ok / failed | tok/s, all streams | tok/s per stream | TTFT p50 / p99 ms | inter-token p50 / p99 ms | server step ms (steps) | preemptions | all streams / batch-1 `forward` |\n|---|---|---|---|---|---|---|---|---|"
+        "| streams | requests ok / failed | tok/s, all streams | tok/s per stream | TTFT p50 / p99 ms | inter-token p50 / p99 ms | server step ms (steps) | of which sampling ms | preemptions | all streams / batch-1 `forward` |\n|---|---|---|---|---|---|---|---|---|---|"
     }
 
     /// This level as a table row; `direct_step` is the batch-1 decode step measured through `forward`.
@@ -470,7 +483,7 @@ impl LevelReport {
             format!("{:.2}x", self.tokens_per_second() * d.as_secs_f64())
         });
         format!(
-            "| {} | {} / {} | {:.1} | {} | {} / {} | {} / {} | {} ({}) | {} | {} |",
+            "| {} | {} / {} | {:.1} | {} | {} / {} | {} / {} | {} ({}) | {} | {} | {} |",
             self.spec.streams,
             self.outcomes.len() - self.failed(),
             self.failed(),
@@ -483,6 +496,7 @@ impl LevelReport {
             ms(percentile(&itl, 0.99)),
             ms(self.server_step()),
             self.server_steps(),
+            ms(self.server_sampling()),
             self.preemptions(),
             speedup,
         )
@@ -743,12 +757,14 @@ mod tests {
         let metrics = glm5::serve::metrics::Metrics::new(10, 64);
         metrics.observe_step(Duration::from_millis(3));
         metrics.observe_step(Duration::from_millis(5));
+        metrics.sample_seconds.observe(0.002);
         metrics
             .generation_tokens
             .fetch_add(42, std::sync::atomic::Ordering::Relaxed);
         let counters = ServerCounters::parse(&metrics.render()).unwrap();
         assert_eq!(counters.steps, 2);
         assert!((counters.step_seconds - 0.008).abs() < 1e-9);
+        assert!((counters.sample_seconds - 0.002).abs() < 1e-9);
         assert_eq!(counters.generation_tokens, 42);
         assert_eq!(
             (counters.preemptions, counters.running, counters.waiting),

@@ -87,6 +87,9 @@ pub struct Metrics {
     graph_steps: [AtomicU64; 3],
     /// Engine step durations.
     pub step_seconds: Histogram,
+    /// Of a step, picking its sequences' next tokens on the host after the device's work: the logits' read-back
+    /// and the sampling rules (a flat distribution's top-p sorts most of the vocabulary).
+    pub sample_seconds: Histogram,
     /// Time from a request's arrival to its first token.
     pub ttft_seconds: Histogram,
     /// Whole request durations.
@@ -111,6 +114,7 @@ impl Metrics {
             preemptions: AtomicU64::new(0),
             graph_steps: Default::default(),
             step_seconds: Histogram::new(LATENCY_BUCKETS),
+            sample_seconds: Histogram::new(LATENCY_BUCKETS),
             ttft_seconds: Histogram::new(LATENCY_BUCKETS),
             request_seconds: Histogram::new(LATENCY_BUCKETS),
         }
@@ -250,6 +254,11 @@ impl Metrics {
             &mut out,
             "glm5_step_seconds",
             "Duration of one engine step.",
+        );
+        self.sample_seconds.render(
+            &mut out,
+            "glm5_sample_seconds",
+            "Of an engine step, picking the sequences' next tokens on the host once the device's work is done.",
         );
         self.ttft_seconds.render(
             &mut out,

@@ -679,7 +679,13 @@ impl Engine {
         let outputs: Vec<Result<Tensor>> = match stepped {
             Ok(logits) => {
                 drop(batch);
+                // Timed from the end of the device's work (the read-back would wait for it anyway).
+                let _ = logits.device().synchronize();
+                let sampling = Instant::now();
                 picks = sample_ready(running, pool, &logits);
+                self.metrics
+                    .sample_seconds
+                    .observe(sampling.elapsed().as_secs_f64());
                 (0..running.len()).map(|i| Ok(logits.get(i)?)).collect()
             }
             Err(e) => {
