@@ -288,7 +288,11 @@ fn descending(probs: &[f32], keep: impl Fn(f32) -> bool) -> Vec<u32> {
     // for non-negative ones; then complemented for largest first.
     let key = |p: f32| {
         let bits = p.to_bits();
-        let ordered = if bits >> 31 == 1 { !bits } else { bits | 1 << 31 };
+        let ordered = if bits >> 31 == 1 {
+            !bits
+        } else {
+            bits | 1 << 31
+        };
         !ordered
     };
     let mut items: Vec<(u32, u32)> = probs

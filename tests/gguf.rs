@@ -113,13 +113,21 @@ fn gguf_mtp_block_drafts_as_the_safetensors_model() {
         let rows = ids.len() - 1;
         let mut draft_cache = model.new_mtp_cache(rows).unwrap();
         let draft = model
-            .forward_mtp(&ids[1..], &hidden.narrow(0, 0, rows).unwrap(), 0, &mut draft_cache)
+            .forward_mtp(
+                &ids[1..],
+                &hidden.narrow(0, 0, rows).unwrap(),
+                0,
+                &mut draft_cache,
+            )
             .unwrap();
         (logits.to_vec2().unwrap(), draft.to_vec2().unwrap())
     };
     let (want_logits, want_drafts) = drafts(&load(&tiny_dir()));
     let (logits, drafts) = drafts(&load(&fixture("tiny-glm5-mtp-F32.gguf")));
-    let (main_diff, draft_diff) = (max_abs(&logits, &want_logits), max_abs(&drafts, &want_drafts));
+    let (main_diff, draft_diff) = (
+        max_abs(&logits, &want_logits),
+        max_abs(&drafts, &want_drafts),
+    );
     println!("tiny F32 GGUF with MTP vs safetensors: logits max |Δ| = {main_diff:.3e}, drafts {draft_diff:.3e}");
     assert!(main_diff <= 1e-5, "logits differ by {main_diff}");
     assert!(draft_diff <= 1e-5, "drafts differ by {draft_diff}");
