@@ -18,6 +18,16 @@ fn case_dir(case: &str) -> PathBuf {
     fixture_dir("quantized").join(case)
 }
 
+/// A quantised case's tensors as stored, and the f32 values they stand for (`dequantized/`).
+fn stored_and_dequantized(dir: &Path) -> (HashMap<String, Tensor>, HashMap<String, Tensor>) {
+    let load =
+        |file: &str| glm5::candle_core::safetensors::load(dir.join(file), &Device::Cpu).unwrap();
+    (
+        load("model.safetensors"),
+        load("dequantized/model.safetensors"),
+    )
+}
+
 fn load(dir: &Path) -> glm5::models::Result<Glm5ForCausalLM> {
     Glm5ForCausalLM::from_dir(dir, DType::F32, &Device::Cpu, AttentionMode::Sparse)
 }
@@ -88,14 +98,7 @@ fn dequantisation_matches_ml_dtypes_exactly() {
     ] {
         let dir = case_dir(case);
         let checkpoint = Checkpoint::open(&dir).unwrap();
-        let stored =
-            glm5::candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu)
-                .unwrap();
-        let expected = glm5::candle_core::safetensors::load(
-            dir.join("dequantized/model.safetensors"),
-            &Device::Cpu,
-        )
-        .unwrap();
+        let (stored, expected) = stored_and_dequantized(&dir);
         let mut quantized = 0;
         for name in stored.keys().filter(|n| n.ends_with(marker)) {
             let weight = format!(
@@ -559,15 +562,7 @@ fn quantising_at_load_reproduces_the_published_fp8_rule() {
     // glm5's quantiser, given their dequantised values, gives back the same codes and (to the last bit of
     // amax / 448) the same scales.
     for (case, block) in [("fp8_block128", [128, 128]), ("fp8_block16", [16, 16])] {
-        let dir = case_dir(case);
-        let stored =
-            glm5::candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu)
-                .unwrap();
-        let dequantized = glm5::candle_core::safetensors::load(
-            dir.join("dequantized/model.safetensors"),
-            &Device::Cpu,
-        )
-        .unwrap();
+        let (stored, dequantized) = stored_and_dequantized(&case_dir(case));
         let mut checked = 0;
         for scale_name in stored.keys().filter(|n| n.ends_with("_scale_inv")) {
             let weight = scale_name.trim_end_matches("_scale_inv");

@@ -340,40 +340,34 @@ fn mtp_rows(
         "speculative decoding with the MTP layer, batch 1, context {context}: plain step {plain:.2} ms; \
          checking step (2 tokens) {verify:.2} ms; MTP draft {one_row:.2} ms over 1 row, {two_rows:.2} ms over 2"
     );
-    let rates: Vec<String> = [0.6, 0.8, 0.9]
-        .iter()
-        .map(|a| {
-            let step = verify + a * two_rows + (1.0 - a) * one_row;
-            format!(
-                "{a}: {:.0} tok/s ({:.2}x)",
-                (1.0 + a) / step * 1e3,
-                (1.0 + a) / step * plain
-            )
-        })
-        .collect();
+    // Tokens/s at acceptance 0.6 / 0.8 / 0.9 for a checking step of `verify` ms against a plain one of
+    // `plain` ms, the draft's steps as measured; `digits` after the point.
+    let rates = |verify: f64, plain: f64, digits: usize| -> String {
+        [0.6, 0.8, 0.9]
+            .iter()
+            .map(|a| {
+                let step = verify + a * two_rows + (1.0 - a) * one_row;
+                format!(
+                    "{a}: {:.digits$} tok/s ({:.2}x)",
+                    (1.0 + a) / step * 1e3,
+                    (1.0 + a) / step * plain
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
     println!(
         "  projected at acceptance {} against {:.0} tok/s plain",
-        rates.join(", "),
+        rates(verify, plain, 0),
         1e3 / plain
     );
     // The whole model: the checking step costs the projected plain step times the slice's checking/plain
     // ratio (the second token's extra experts and rows grow with the layers); the draft does not grow.
     if let Some(full_plain) = full_model_step_ms {
         let full_verify = full_plain * verify / plain;
-        let rates: Vec<String> = [0.6, 0.8, 0.9]
-            .iter()
-            .map(|a| {
-                let step = full_verify + a * two_rows + (1.0 - a) * one_row;
-                format!(
-                    "{a}: {:.1} tok/s ({:.2}x)",
-                    (1.0 + a) / step * 1e3,
-                    (1.0 + a) / step * full_plain
-                )
-            })
-            .collect();
         println!(
             "  all layers (plain step {full_plain:.1} ms as projected above, checking step {full_verify:.1} ms): at acceptance {} against {:.1} tok/s plain",
-            rates.join(", "),
+            rates(full_verify, full_plain, 1),
             1e3 / full_plain
         );
     }
@@ -862,7 +856,8 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
     let mut full = glm5::Config::from_json(include_str!("../../tests/assets/glm5_config.json"))
         .map_err(cuda)?;
     full.quantization = config.quantization.clone();
-    let (full_bytes, _) = decode_weight_bytes(&full, DType::BF16, &checkpoint, args.fp8_projections);
+    let (full_bytes, _) =
+        decode_weight_bytes(&full, DType::BF16, &checkpoint, args.fp8_projections);
     let full_floor_ms = full_bytes as f64 / copy * 1e3;
     let projected_ms = full_floor_ms * best_batch1_ratio;
     if best_batch1_ratio.is_finite() {
