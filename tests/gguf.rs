@@ -237,10 +237,10 @@ fn quantised_gguf_logits_track_the_references() {
     }
 }
 
-/// Every quantised projection run as the model runs it (candle's `QMatMul`, activations in 8-bit blocks)
-/// against a dense f32 product, relative L2 over 40 rows: the Q8_0 file's against the F32 file's weights
-/// (quantisation and kernel, within 2e-2), the Q4_K_M file's against its own weights expanded (the Q4_K and
-/// Q6_K kernels alone, within 2e-2).
+/// Every quantised projection run as the model runs it (candle's `QMatMul`, activations in 8-bit blocks, or
+/// glm5's `iq_matmul` for the formats it decodes itself: Q4_K) against a dense f32 product, relative L2 over 40
+/// rows: the Q8_0 file's against the F32 file's weights (quantisation and kernel, within 2e-2), the Q4_K_M
+/// file's against its own weights expanded (the Q4_K and Q6_K kernels alone, within 2e-2).
 #[test]
 fn each_quantised_projection_tracks_the_dense_product() {
     use glm5::candle_core::quantized::QMatMul;
@@ -263,22 +263,22 @@ fn each_quantised_projection_tracks_the_dense_product() {
         let (mut checked, mut worst) = (0, 0f32);
         for (name, shape) in names {
             let [out, inp] = shape[..] else { continue };
-            let Ok(Matrix::Quantized(q)) =
-                quantised.matrix(&name, [out, inp], DType::F32, &Device::Cpu)
-            else {
+            let matrix = quantised.matrix(&name, [out, inp], DType::F32, &Device::Cpu);
+            if !matches!(matrix, Ok(Matrix::Quantized(_) | Matrix::Iq(_))) {
                 continue;
-            };
+            }
             let w = dense
                 .tensor(&name, &[out, inp], DType::F32, &Device::Cpu)
                 .unwrap();
             let x = Tensor::randn(0f32, 1f32, (40, inp), &Device::Cpu).unwrap();
             let want: Vec<Vec<f32>> = x.matmul(&w.t().unwrap()).unwrap().to_vec2().unwrap();
-            let got: Vec<Vec<f32>> = QMatMul::from_arc(q)
-                .unwrap()
-                .forward(&x)
-                .unwrap()
-                .to_vec2()
-                .unwrap();
+            let got: Vec<Vec<f32>> = match matrix.unwrap() {
+                Matrix::Quantized(q) => QMatMul::from_arc(q).unwrap().forward(&x).unwrap(),
+                Matrix::Iq(w) => glm5::ops::iq_matmul::iq_matmul(&x, &w).unwrap(),
+                _ => unreachable!(),
+            }
+            .to_vec2()
+            .unwrap();
             let error = max_relative_l2(&[got.concat()], &[want.concat()]);
             assert!(error <= 2e-2, "{file} {name}: {error}");
             checked += 1;
@@ -294,15 +294,25 @@ fn quantised_matrices_stay_quantised_and_are_sized_as_stored() {
     let (config, checkpoint) = Checkpoint::open_gguf(fixture("wide-Q4_K_M.gguf")).unwrap();
     let h = config.hidden_size;
     let name = "model.layers.0.self_attn.q_a_proj.weight";
+    // Q4_K: kept as the file's blocks for glm5's own kernels.
     match checkpoint
         .matrix(name, [config.q_lora_rank, h], DType::F32, &Device::Cpu)
         .unwrap()
     {
-        Matrix::Quantized(q) => {
-            assert_eq!(q.dtype(), GgmlDType::Q4K);
-            assert_eq!(q.shape().dims(), &[config.q_lora_rank, h]);
+        Matrix::Iq(w) => {
+            assert_eq!(w.format, glm5::ops::iq_matmul::IqFormat::Q4K);
+            assert_eq!(w.dims().unwrap(), (config.q_lora_rank, h));
         }
         _ => panic!("{name} was expanded"),
+    }
+    // Q6_K (the shared expert's down_proj): a candle QTensor.
+    let shexp = "model.layers.1.mlp.shared_experts.down_proj.weight";
+    match checkpoint
+        .matrix(shexp, [h, config.moe_intermediate_size], DType::F32, &Device::Cpu)
+        .unwrap()
+    {
+        Matrix::Quantized(q) => assert_eq!(q.dtype(), GgmlDType::Q6K),
+        _ => panic!("{shexp} was not kept as a QTensor"),
     }
     // 256 × 256 Q4_K: 256 blocks of 144 bytes, a quarter-and-a-bit of its f32 size.
     assert_eq!(
@@ -1151,7 +1161,7 @@ fn plan_cli_reads_a_gguf_file() {
 fn random_q4k_source_builds_valid_blocks() {
     use glm5::models::weights::random_q4k::{q4k_bytes, RandomQ4kSource};
     let std = 0.02;
-    let source = RandomQ4kSource::new(7, std);
+    let source = RandomQ4kSource::candle(7, std);
     let (experts, out, inp) = (3, 32, 512);
     let stacked = source
         .stacked_experts(
@@ -1195,6 +1205,42 @@ fn random_q4k_source_builds_valid_blocks() {
         );
     }
     assert_eq!(q4k_bytes(256), 144);
+    // The same blocks as glm5 holds a GGUF file's Q4_K tensors: glm5's decoder gives candle's values bit for
+    // bit, and the stacked experts are the same bytes.
+    let ours = RandomQ4kSource::new(7, std);
+    let stacked_ours = ours
+        .stacked_iq_experts(
+            "model.layers.3.mlp",
+            "gate_proj",
+            [experts, out, inp],
+            &Device::Cpu,
+        )
+        .unwrap()
+        .unwrap();
+    assert_eq!(stacked_ours.format, glm5::ops::iq_matmul::IqFormat::Q4K);
+    for e in 0..experts {
+        let name = format!("model.layers.3.mlp.experts.{e}.gate_proj.weight");
+        let Matrix::Iq(one) = ours
+            .matrix(&name, [out, inp], DType::BF16, &Device::Cpu)
+            .unwrap()
+        else {
+            panic!("{name} is not held as glm5's Q4_K")
+        };
+        assert_eq!(
+            one.blocks.to_vec2::<u8>().unwrap(),
+            stacked_ours.blocks.get(e).unwrap().to_vec2::<u8>().unwrap()
+        );
+        let decoded = glm5::ops::iq_matmul::reference::dequantize(&one).unwrap();
+        let candle_values: Vec<f32> = all.get(e).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let glm5_values: Vec<f32> = decoded.flatten_all().unwrap().to_vec1().unwrap();
+        assert!(
+            glm5_values
+                .iter()
+                .zip(&candle_values)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "expert {e}: glm5's Q4_K values differ from candle's"
+        );
+    }
     for (name, shape) in [
         ("lm_head.weight", [64usize, 512]),
         ("model.layers.0.self_attn.q_a_proj.weight", [32, 100]), // not whole blocks

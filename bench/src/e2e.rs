@@ -28,8 +28,10 @@ use crate::timing::median;
 pub enum WeightFormat {
     Bf16,
     /// Every linear layer a llama.cpp Q4_K_M file quantises as random Q4_K blocks, lm_head in bf16
-    /// (`glm5::models::weights::random_q4k`).
+    /// (`glm5::models::weights::random_q4k`), multiplied by glm5's kernels as a GGUF file's Q4_K tensors are.
     Q4K,
+    /// The same blocks through candle's `QMatMul` and candle-nn's GGUF MoE kernels (the peer).
+    Q4kCandle,
     /// Block-scaled FP8 as `zai-org/GLM-5-FP8` (128x128 blocks) where that recipe quantises.
     Fp8,
     /// NVFP4 as ModelOpt exports it (groups of 16) where that recipe quantises.
@@ -46,6 +48,7 @@ impl std::str::FromStr for WeightFormat {
         match s.to_ascii_lowercase().as_str() {
             "bf16" => Ok(Self::Bf16),
             "q4k" | "q4_k" => Ok(Self::Q4K),
+            "q4k-candle" => Ok(Self::Q4kCandle),
             "fp8" => Ok(Self::Fp8),
             "nvfp4" => Ok(Self::Nvfp4),
             other => IqFormat::ALL
@@ -54,7 +57,7 @@ impl std::str::FromStr for WeightFormat {
                 .map(Self::Iq)
                 .ok_or_else(|| {
                     format!(
-                        "unknown weight format {other:?} (bf16, q4k, fp8, nvfp4, or an i-quant: iq1_s, iq1_m, \
+                        "unknown weight format {other:?} (bf16, q4k, q4k-candle, fp8, nvfp4, or an i-quant: iq1_s, iq1_m, \
                          iq2_xxs, iq2_xs, iq2_s, iq3_xxs, iq3_s, iq4_nl, iq4_xs)"
                     )
                 }),
@@ -68,6 +71,7 @@ impl WeightFormat {
         match self {
             Self::Bf16 => "bf16",
             Self::Q4K => "Q4_K",
+            Self::Q4kCandle => "Q4_K (candle)",
             Self::Fp8 => "FP8 (128x128 blocks)",
             Self::Nvfp4 => "NVFP4",
             Self::Iq(format) => format.name(),
@@ -77,7 +81,7 @@ impl WeightFormat {
     /// The published safetensors recipe's quantisation (FP8, NVFP4; `None` otherwise).
     fn quantization(self) -> Option<glm5::models::Quantization> {
         match self {
-            Self::Bf16 | Self::Q4K | Self::Iq(_) => None,
+            Self::Bf16 | Self::Q4K | Self::Q4kCandle | Self::Iq(_) => None,
             Self::Fp8 => Some(glm5::models::Quantization::Fp8Block {
                 block: [128, 128],
                 modules_to_not_convert: vec![],
@@ -109,6 +113,9 @@ pub fn random_checkpoint(format: WeightFormat) -> Checkpoint {
         WeightFormat::Bf16 => Checkpoint::random(seed, std),
         WeightFormat::Q4K => {
             Checkpoint::from_source(Box::new(RandomQ4kSource::new(seed, std)), Format::Random)
+        }
+        WeightFormat::Q4kCandle => {
+            Checkpoint::from_source(Box::new(RandomQ4kSource::candle(seed, std)), Format::Random)
         }
         WeightFormat::Iq(iq) => {
             Checkpoint::from_source(Box::new(RandomIqSource::new(seed, std, iq)), Format::Random)
@@ -467,7 +474,7 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
     set_pool_release_threshold(&device, 0)?;
     let weights = match args.weights {
         WeightFormat::Bf16 => "random bf16 weights".to_string(),
-        WeightFormat::Q4K | WeightFormat::Iq(_) => format!(
+        WeightFormat::Q4K | WeightFormat::Q4kCandle | WeightFormat::Iq(_) => format!(
             "random weights: linear layers {} as a llama.cpp Q4_K_M file quantises them, lm_head / embeddings / kv_b bf16, router f32",
             args.weights.label()
         ),

@@ -99,8 +99,17 @@ pub fn matvec_rows(device: &Device, copy: f64) -> Result<()> {
                 })?;
             }
         }
-        // Q4_K through candle's QMatMul.
+        // Q4_K through glm5's kernel, then the same blocks through candle's QMatMul.
         let q4k = glm5::models::weights::random_q4k::RandomQ4kSource::new(7, 0.02);
+        if let glm5::models::Matrix::Iq(w) =
+            glm5::models::TensorSource::matrix(&q4k, name, [n, k], DType::BF16, device)
+                .map_err(cuda)?
+        {
+            row("Q4_K (glm5)", w.blocks.elem_count(), &|| {
+                iq_matmul(&x, &w).map(drop).map_err(cuda)
+            })?;
+        }
+        let q4k = glm5::models::weights::random_q4k::RandomQ4kSource::candle(7, 0.02);
         if let glm5::models::Matrix::Quantized(w) =
             glm5::models::TensorSource::matrix(&q4k, name, [n, k], DType::BF16, device)
                 .map_err(cuda)?

@@ -97,9 +97,10 @@ pub fn moe_rows(device: &Device, copy: f64, gemm: f64) -> Result<()> {
 }
 
 /// `glm5-bench moe-gguf`: one GLM-5 MoE layer's 256 routed experts as random Q4_K blocks stacked as GGUF
-/// stores them (`glm5::models::weights::random_quantized`), by each of candle-nn's GGUF MoE kernels
-/// (`glm5_ops::moe::experts_gguf_with`): µs per call against the floor of the Q4_K bytes of the experts the
-/// routes touch. The shared expert is not in it (the model runs it as its own `QMatMul` chain).
+/// stores them (`glm5::models::weights::random_q4k`), by glm5's grouped kernels (`glm5_ops::moe::
+/// quantized_experts`, how a GGUF file's Q4_K experts run) and by each of candle-nn's GGUF MoE kernels
+/// (`glm5_ops::moe::experts_gguf_with`, the peer): µs per call against the floor of the Q4_K bytes of the
+/// experts the routes touch. The shared expert is not in it (the model runs it as its own chain).
 pub fn moe_gguf_rows(device: &Device, copy: f64) -> Result<()> {
     use glm5::models::weights::random_q4k::{q4k_bytes, RandomQ4kSource};
     use glm5::models::TensorSource;
@@ -119,7 +120,7 @@ pub fn moe_gguf_rows(device: &Device, copy: f64) -> Result<()> {
         normalise: config.norm_topk_prob,
         scaling: config.routed_scaling_factor as f32,
     };
-    let source = RandomQ4kSource::new(2026, 0.02);
+    let source = RandomQ4kSource::candle(2026, 0.02);
     let load = |proj: &str, shape: [usize; 3]| -> Result<_> {
         source
             .stacked_experts("model.layers.3.mlp", proj, shape, device)
@@ -129,6 +130,18 @@ pub fn moe_gguf_rows(device: &Device, copy: f64) -> Result<()> {
     let gate = load("gate_proj", [routed, inter, hidden])?;
     let up = load("up_proj", [routed, inter, hidden])?;
     let down = load("down_proj", [routed, hidden, inter])?;
+    // The same blocks as glm5's grouped kernels take them (a GGUF file's Q4_K experts).
+    let ours = RandomQ4kSource::new(2026, 0.02);
+    let load_ours = |proj: &str, shape: [usize; 3]| -> Result<_> {
+        ours.stacked_iq_experts("model.layers.3.mlp", proj, shape, device)
+            .map_err(cuda)?
+            .ok_or_else(|| cuda("rows are not whole Q4_K blocks"))
+    };
+    let glm5_experts = glm5::ops::moe::QuantizedExperts::Iq {
+        gate: load_ours("gate_proj", [routed, inter, hidden])?,
+        up: load_ours("up_proj", [routed, inter, hidden])?,
+        down: load_ours("down_proj", [routed, hidden, inter])?,
+    };
     let bias = Tensor::zeros(routed, DType::F32, device)?;
     let expert_bytes = q4k_bytes(3 * (hidden * inter) as u64) as f64;
     println!(
@@ -136,8 +149,8 @@ pub fn moe_gguf_rows(device: &Device, copy: f64) -> Result<()> {
         rule.top_k,
         copy / 1e9
     );
-    println!("| tokens | experts touched | floor µs | mat-vec µs | WMMA µs | indexed µs | best / floor |");
-    println!("|---|---|---|---|---|---|---|");
+    println!("| tokens | experts touched | floor µs | glm5 µs | candle mat-vec µs | WMMA µs | indexed µs | glm5 / floor | candle's best / floor |");
+    println!("|---|---|---|---|---|---|---|---|---|");
     for tokens in [1usize, 4, 8, 16, 32, 64, 256, 1024, 4096] {
         let x = Tensor::randn(0f32, 1.0, (tokens, hidden), device)?.to_dtype(DType::BF16)?;
         let logits = Tensor::randn(0f32, 1.0, (tokens, routed), device)?;
@@ -160,6 +173,12 @@ pub fn moe_gguf_rows(device: &Device, copy: f64) -> Result<()> {
                     .map_err(cuda)
             })?))
         };
+        // glm5's grouped mat-vecs (decode's token counts; prefill dequantises and runs a grouped GEMM).
+        let glm5_s = median_seconds(device, if tokens >= 1024 { 3 } else { 5 }, 3, || {
+            glm5::ops::moe::quantized_experts(&x, &routes, &glm5_experts)
+                .map(|_| ())
+                .map_err(cuda)
+        })?;
         let matvec = time(GgufExpertsImpl::MatVec)?;
         let wmma = time(GgufExpertsImpl::Wmma)?;
         let indexed = time(GgufExpertsImpl::Indexed)?;
@@ -169,12 +188,14 @@ pub fn moe_gguf_rows(device: &Device, copy: f64) -> Result<()> {
             .fold(f64::INFINITY, f64::min);
         let us = |t: Option<f64>| t.map_or("-".to_string(), |t| format!("{:.0}", t * 1e6));
         println!(
-            "| {tokens} | {} | {:.0} | {} | {} | {} | {:.2}x |",
+            "| {tokens} | {} | {:.0} | {:.0} | {} | {} | {} | {:.2}x | {:.2}x |",
             touched.len(),
             floor * 1e6,
+            glm5_s * 1e6,
             us(matvec),
             us(wmma),
             us(indexed),
+            glm5_s / floor,
             best / floor
         );
     }

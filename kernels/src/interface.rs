@@ -255,6 +255,10 @@ pub mod weight_only {
     }
     /// Threads of the dequantise kernel's blocks.
     pub const DEQUANTIZE_THREADS: usize = 256;
+    /// The Q4_K tensor-core mat-vec (`iq_matmul.cu`): output rows per block (an mma's M), and the most warps
+    /// splitting a block's rows along `in`.
+    pub const Q4K_MMA_ROW_TILE: usize = 16;
+    pub const Q4K_MMA_MAX_WARPS: usize = 8;
 }
 
 /// The constants of `nvfp4_mma_sm120a.cu` (`GLM5_NVFP4_MMA_*` in the header): the W4A4 GEMM on sm_120a's
@@ -354,6 +358,7 @@ pub const CONSTANTS: &[(&str, usize)] = &[
     ),
     ("GLM5_WEIGHT_ONLY_MAX_ROWS", weight_only::MAX_ROWS),
     ("GLM5_WEIGHT_ONLY_WARPS", weight_only::WARPS),
+    ("GLM5_Q4K_MMA_MAX_WARPS", weight_only::Q4K_MMA_MAX_WARPS),
     (
         "GLM5_WEIGHT_ONLY_DEQUANTIZE_THREADS",
         weight_only::DEQUANTIZE_THREADS,

@@ -14,7 +14,7 @@
 namespace glm5 {
 namespace iq {
 
-enum Format { IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M, IQ4_NL, IQ4_XS };
+enum Format { IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M, IQ4_NL, IQ4_XS, Q4_K };
 
 constexpr float IQ1_DELTA = 0.125f;
 
@@ -36,6 +36,7 @@ GLM5_IQ_BYTES(IQ1_S, 50)
 GLM5_IQ_BYTES(IQ1_M, 56)
 GLM5_IQ_BYTES(IQ4_NL, 18)
 GLM5_IQ_BYTES(IQ4_XS, 136)
+GLM5_IQ_BYTES(Q4_K, 144)
 #undef GLM5_IQ_BYTES
 
 __device__ __forceinline__ uint16_t u16_at(const uint8_t* b, int at) {
@@ -197,6 +198,64 @@ template <> __device__ __forceinline__ float decode_half<IQ4_XS>(const uint8_t* 
     return dl;
 }
 
+// Q4_K (ggml's block_q4_K, a K-quant: 144 bytes, so every block of a row of whole blocks is 16-byte aligned):
+// f16 `d` and `dmin`, 12 bytes of the 8 sub-blocks' 6-bit scales `sc` and mins `m`, then 128 bytes of 4-bit
+// values: bytes 32j .. 32j + 31 hold sub-block 2j in their low nibbles and 2j + 1 in their high ones. A value
+// is d1·q − m1 with d1 = d·sc and m1 = dmin·m, so the decoder gives the values themselves (scale 1).
+
+/// What one 16-value chunk of a Q4_K block reads: the block's first 16 bytes (scales) and the 16 bytes holding
+/// its values.
+struct Q4kChunk {
+    uint4 head;
+    uint4 qs;
+    int sub;
+};
+
+/// Sub-block `sub`'s d1 = d·sc and m1 = dmin·m from the block's first 16 bytes `head` (ggml's order).
+__device__ __forceinline__ void q4k_scale_min(const uint4& head, int sub, float& d1, float& m1) {
+    const float d = __half2float(__ushort_as_half(static_cast<uint16_t>(head.x & 0xffff)));
+    const float dmin = __half2float(__ushort_as_half(static_cast<uint16_t>(head.x >> 16)));
+    // ggml's get_scale_min_k4: sub-blocks 0-3 take the low 6 bits of scale bytes t and t + 4; 4-7 a nibble of
+    // byte t + 8 each, with the top 2 bits of bytes t and t + 4 (t = sub % 4).
+    const int t = 8 * (sub & 3);
+    const uint32_t a = (head.y >> t) & 0xff, b = (head.z >> t) & 0xff, e = (head.w >> t) & 0xff;
+    const uint32_t sc = sub < 4 ? a & 63 : (e & 0xf) | ((a >> 6) << 4);
+    const uint32_t m = sub < 4 ? b & 63 : (e >> 4) | ((b >> 6) << 4);
+    d1 = d * static_cast<float>(sc);
+    m1 = dmin * static_cast<float>(m);
+}
+
+/// Half `h` of sub-block `sub` of the Q4_K block at `b`: two 16-byte loads.
+__device__ __forceinline__ Q4kChunk q4k_load(const uint8_t* b, int sub, int h) {
+    const uint4* v = reinterpret_cast<const uint4*>(b);
+    return {__ldg(v), __ldg(v + 1 + 2 * (sub / 2) + h), sub};
+}
+
+/// The chunk's values: `EXACT` in ggml's f32 operations (d1·q rounded, then − m1), else d1·q − m1 in one fma
+/// (the mat-vecs: one instruction a value fewer, within an ulp of the value).
+template <bool EXACT> __device__ __forceinline__ void q4k_values(const Q4kChunk& c, float (&w)[16]) {
+    float d1, m1;
+    q4k_scale_min(c.head, c.sub, d1, m1);
+    const uint32_t words[4] = {c.qs.x, c.qs.y, c.qs.z, c.qs.w};
+    const int shift = 4 * (c.sub & 1);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const uint32_t nibbles = (words[i] >> shift) & 0x0f0f0f0f;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            // Byte j as the low mantissa byte of 2^23, minus 2^23: the value q exactly, without a conversion
+            // instruction (a quarter-rate unit).
+            const float q = __uint_as_float(__byte_perm(nibbles, 0x4b000000, 0x7540 + j)) - 8388608.0f;
+            w[4 * i + j] = EXACT ? __fsub_rn(__fmul_rn(d1, q), m1) : fmaf(d1, q, -m1);
+        }
+    }
+}
+
+template <> __device__ __forceinline__ float decode_half<Q4_K>(const uint8_t* b, int ib, int h, float (&w)[16]) {
+    q4k_values<true>(q4k_load(b, ib, h), w);
+    return 1.0f;
+}
+
 /// Sub-block `ib` (0..7; IQ4_NL: 0) of the block at `b` into `w`.
 template <Format F> __device__ __forceinline__ void decode(const uint8_t* b, int ib, float (&w)[32]) {
     float half_values[16];
@@ -219,6 +278,42 @@ template <Format F> __device__ __forceinline__ const uint8_t* block_of(const uin
     ib = sb % SUBS;
     return row + static_cast<size_t>(sb / SUBS) * Bytes<F>::value;
 }
+
+/// The 16-value chunks of a row, in value order (chunk c: half c % 2 of sub-block c / 2), as the mat-vecs
+/// stream them: `load` issues a chunk's loads, so that `UNROLL` chunks are in flight before the first is
+/// decoded; `decode` gives its values before their scale, and the scale (`decode_half`). The i-quants' loads
+/// happen in `decode`, byte by byte (their blocks are 2-byte aligned at best).
+template <Format F> struct Chunks {
+    static constexpr int UNROLL = 2;
+    struct Chunk {
+        const uint8_t* block;
+        int ib;
+        int h;
+    };
+    static __device__ __forceinline__ Chunk load(const uint8_t* row, int c) {
+        int ib;
+        const uint8_t* block = block_of<F>(row, c / 2, ib);
+        return {block, ib, c % 2};
+    }
+    static __device__ __forceinline__ float decode(const Chunk& chunk, float (&w)[16]) {
+        return decode_half<F>(chunk.block, chunk.ib, chunk.h, w);
+    }
+};
+
+/// Q4_K: two 16-byte loads a chunk, four chunks in flight (64 bytes a lane, as the FP8 mat-vec).
+template <> struct Chunks<Q4_K> {
+    static constexpr int UNROLL = 4;
+    using Chunk = Q4kChunk;
+    static __device__ __forceinline__ Chunk load(const uint8_t* row, int c) {
+        int ib;
+        const uint8_t* block = block_of<Q4_K>(row, c / 2, ib);
+        return q4k_load(block, ib, c % 2);
+    }
+    static __device__ __forceinline__ float decode(const Chunk& chunk, float (&w)[16]) {
+        q4k_values<false>(chunk, w);
+        return 1.0f;
+    }
+};
 
 }  // namespace iq
 }  // namespace glm5

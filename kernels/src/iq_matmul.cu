@@ -14,7 +14,9 @@
 #include <stdint.h>
 
 #include "glm5_interface.h"
+#include "bf16_mma.cuh"
 #include "iq_formats.cuh"
+#include "q4k_mma.cuh"
 #include "weight_formats.cuh"
 
 using namespace glm5;
@@ -27,28 +29,29 @@ constexpr int DEQUANTIZE_THREADS = GLM5_WEIGHT_ONLY_DEQUANTIZE_THREADS;
 template <Format F, int ROWS, typename T>
 __device__ __forceinline__ void iq_matvec(const T* __restrict__ x, const uint8_t* __restrict__ w, T* __restrict__ y,
                                           int m, int n, int k, int column_warps) {
+    using C = Chunks<F>;
     const ColumnSplit at = column_split<WARPS>(column_warps);
     // A group past the last column reads nothing but still meets the barrier in store_split_rows.
-    const int subs = at.col < n ? k / 32 : 0;
+    const int chunks = at.col < n ? k / 16 : 0;
     const uint8_t* row = w + static_cast<size_t>(at.col < n ? at.col : 0) * row_bytes<F>(k);
     float acc[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) acc[r] = 0.0f;
-    for (int sb = at.first; sb < subs; sb += at.stride) {
-        int ib;
-        const uint8_t* block = block_of<F>(row, sb, ib);
+    for (int c0 = at.first; c0 < chunks; c0 += at.stride * C::UNROLL) {
+        typename C::Chunk chunk[C::UNROLL];
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            // The half's values before their scale, which multiplies each row's sum of 16 products once.
-            float wv[16];
-            const float scale = decode_half<F>(block, ib, half, wv);
+        for (int u = 0; u < C::UNROLL; ++u) {
+            const int c = c0 + at.stride * u;
+            if (c < chunks) chunk[u] = C::load(row, c);
+        }
 #pragma unroll
-            for (int r = 0; r < ROWS; ++r) {
-                if (r < m) {
-                    float xv[16];
-                    load16(x + static_cast<size_t>(r) * k + 32 * sb + 16 * half, xv);
-                    acc[r] = fmaf(dot16(wv, xv), scale, acc[r]);
-                }
+        for (int u = 0; u < C::UNROLL; ++u) {
+            const int c = c0 + at.stride * u;
+            if (c < chunks) {
+                // The chunk's values before their scale, which multiplies each row's sum of 16 products once.
+                float wv[16];
+                const float scale = C::decode(chunk[u], wv);
+                accumulate<ROWS>(acc, wv, scale, x, m, k, 16 * c);
             }
         }
     }
@@ -70,6 +73,61 @@ __device__ __forceinline__ void iq_dequantize(const uint8_t* __restrict__ w, T* 
 #pragma unroll
         for (int j = 0; j < 32; ++j) o[j] = from_float<T>(wv[j]);
     }
+}
+
+// ---- Q4_K on the tensor cores ---------------------------------------------------------------------------
+//
+// q4k_mma_matvec{8,16}_bf16: Q4_K times bf16 activations, m <= 8 or <= 16 rows (one or two mma N tiles), on the
+// tensor cores (q4k_mma.cuh). A block of `blockDim.x / 32` warps owns 16 output rows; its warps split the
+// rows' blocks (warp w takes blocks w, w + warps, ...), two blocks' loads in flight, and meet in shared memory.
+
+template <int TILES>
+__device__ __forceinline__ void q4k_mma_matvec(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ w,
+                                               __nv_bfloat16* __restrict__ y, int m, int n, int k) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+    const int g = lane / 4, t = lane % 4;
+    const int blocks = k / 256, row0 = blockIdx.x * 16;
+    const uint8_t* rows[2];
+    q4k_mma::tile_rows(w, row0, n, k, g, rows);
+    const __nv_bfloat16* x_rows[TILES];
+#pragma unroll
+    for (int j = 0; j < TILES; ++j) x_rows[j] = 8 * j + g < m ? x + static_cast<size_t>(8 * j + g) * k : nullptr;
+    float acc[TILES][4];
+#pragma unroll
+    for (int j = 0; j < TILES; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[j][i] = 0.0f;
+    constexpr int U = 2;
+    for (int b0 = warp; b0 < blocks; b0 += warps * U) {
+        q4k_mma::Block block[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+            if (b0 + u * warps < blocks) block[u] = q4k_mma::load(rows, b0 + u * warps, t);
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+            if (b0 + u * warps < blocks)
+#pragma unroll
+                for (int j = 0; j < TILES; ++j) q4k_mma::accumulate(block[u], x_rows[j], b0 + u * warps, t, acc[j]);
+    }
+    q4k_mma::sum_over_warps(acc);
+    if (warp != 0) return;
+#pragma unroll
+    for (int j = 0; j < TILES; ++j) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int row = row0 + g + 8 * (i / 2), xrow = 8 * j + 2 * t + i % 2;
+            if (row < n && xrow < m) y[static_cast<size_t>(xrow) * n + row] = __float2bfloat16(acc[j][i]);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(q4k_mma::MAX_WARPS * 32)
+    q4k_mma_matvec8_bf16(const __nv_bfloat16* x, const uint8_t* w, __nv_bfloat16* y, int m, int n, int k) {
+    q4k_mma_matvec<1>(x, w, y, m, n, k);
+}
+extern "C" __global__ void __launch_bounds__(q4k_mma::MAX_WARPS * 32)
+    q4k_mma_matvec16_bf16(const __nv_bfloat16* x, const uint8_t* w, __nv_bfloat16* y, int m, int n, int k) {
+    q4k_mma_matvec<2>(x, w, y, m, n, k);
 }
 
 #define IQ_KERNELS(NAME, F, SUFFIX, T)                                                                         \
@@ -101,3 +159,4 @@ IQ_FORMAT(iq1_s, IQ1_S)
 IQ_FORMAT(iq1_m, IQ1_M)
 IQ_FORMAT(iq4_nl, IQ4_NL)
 IQ_FORMAT(iq4_xs, IQ4_XS)
+IQ_FORMAT(q4_k, Q4_K)

@@ -26,6 +26,9 @@
 //   moe_{gate_up,down}_<i-quant>_*  the same over GGUF i-quant experts as the file stacks them, [E, rows,
 //                      row bytes] per projection (gate and up two tensors of one format; decoders in
 //                      iq_formats.cuh).
+//   moe_{gate_up,down}_q4_k_mma_bf16  Q4_K experts with bf16 activations on the tensor cores (q4k_mma.cuh):
+//                      per (active expert, 16 output rows), the block's warps splitting the rows' Q4_K
+//                      blocks, the expert's tokens 8 at a time.
 //
 // Decode reads each chosen expert's weights exactly once however many tokens chose it; the kernels are
 // bandwidth-bound mat-vecs, meant for a few tokens per expert (decode of 1..64 sequences).
@@ -33,7 +36,9 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include "bf16_mma.cuh"
 #include "iq_formats.cuh"
+#include "q4k_mma.cuh"
 #include "weight_formats.cuh"
 
 #define MOE_ROUTE_MAX_EXPERTS 1024
@@ -431,14 +436,12 @@ struct Nvfp4Row {
     }
 };
 
-// A row of a stacked GGUF i-quant projection [E, rows, row bytes], in chunks of 16 values (half a 32-value
-// sub-block; its scale, inside the block, is the chunk's): the loads happen in `decode`, byte by byte.
+// A row of a stacked GGUF block-format projection [E, rows, row bytes], in its 16-value chunks (`Chunks` in
+// iq_formats.cuh: the chunk's scale is inside the block).
 template <glm5::iq::Format F>
 struct IqRow {
-    struct Chunk {
-        int c;
-    };
-    static constexpr int UNROLL = 2;
+    using Chunk = typename glm5::iq::Chunks<F>::Chunk;
+    static constexpr int UNROLL = glm5::iq::Chunks<F>::UNROLL;
     const uint8_t* row;
     float row_scale;
 
@@ -446,11 +449,9 @@ struct IqRow {
         row = blocks + ((size_t)expert * rows + r) * glm5::iq::row_bytes<F>(k);
         row_scale = 1.0f;
     }
-    __device__ __forceinline__ Chunk load(int c) const { return {c}; }
+    __device__ __forceinline__ Chunk load(int c) const { return glm5::iq::Chunks<F>::load(row, c); }
     __device__ __forceinline__ float decode(const Chunk& chunk, float (&w)[16]) const {
-        int ib;
-        const uint8_t* block = glm5::iq::block_of<F>(row, chunk.c / 2, ib);
-        return glm5::iq::decode_half<F>(block, ib, chunk.c % 2, w);
+        return glm5::iq::Chunks<F>::decode(chunk, w);
     }
 };
 
@@ -654,3 +655,83 @@ MOE_IQ_FORMAT(iq1_s, IQ1_S)
 MOE_IQ_FORMAT(iq1_m, IQ1_M)
 MOE_IQ_FORMAT(iq4_nl, IQ4_NL)
 MOE_IQ_FORMAT(iq4_xs, IQ4_XS)
+MOE_IQ_FORMAT(q4_k, Q4_K)
+
+// ---- Q4_K experts on the tensor cores (bf16) ---------------------------------------------------------------
+
+extern "C" __global__ void __launch_bounds__(glm5::q4k_mma::MAX_WARPS * 32) moe_gate_up_q4_k_mma_bf16(
+    const __nv_bfloat16* x, const uint8_t* gate, const uint8_t* up, const int* sorted, const int* offsets,
+    const int* active, const int* active_count, int slots, int hidden, int inter, __nv_bfloat16* h) {
+    namespace q = glm5::q4k_mma;
+    if ((int)blockIdx.x >= *active_count) return;
+    const int expert = active[blockIdx.x];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32, g = lane / 4, t = lane % 4;
+    const int row0 = blockIdx.y * 16, blocks = hidden / 256;
+    const size_t expert_bytes = (size_t)inter * blocks * q::BLOCK_BYTES;
+    const uint8_t *gate_rows[2], *up_rows[2];
+    q::tile_rows(gate + expert * expert_bytes, row0, inter, hidden, g, gate_rows);
+    q::tile_rows(up + expert * expert_bytes, row0, inter, hidden, g, up_rows);
+    const int begin = offsets[expert], end = offsets[expert + 1];
+    for (int m0 = begin; m0 < end; m0 += 8) {
+        const int m = min(8, end - m0);
+        const __nv_bfloat16* x_row = g < m ? x + (size_t)(sorted[m0 + g] / slots) * hidden : nullptr;
+        float acc[2][4] = {};  // gate, up
+        for (int b = warp; b < blocks; b += warps) {
+            const q::Block gate_block = q::load(gate_rows, b, t), up_block = q::load(up_rows, b, t);
+            q::accumulate(gate_block, x_row, b, t, acc[0]);
+            q::accumulate(up_block, x_row, b, t, acc[1]);
+        }
+        q::sum_over_warps(acc);
+        if (warp == 0) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int row = row0 + g + 8 * (i / 2), j = 2 * t + i % 2;
+                if (row < inter && j < m) {
+                    // As gate_up_quantized: each projection rounded, silu(gate) rounded, the product stored.
+                    const float gate_v = round_to(acc[0][i], x), up_v = round_to(acc[1][i], x);
+                    const float act = round_to(gate_v / (1.0f + expf(-gate_v)), x);
+                    store(h + (size_t)sorted[m0 + j] * inter + row, act * up_v);
+                }
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(glm5::q4k_mma::MAX_WARPS * 32) moe_down_q4_k_mma_bf16(
+    const __nv_bfloat16* h, const uint8_t* down, const float* gates, const int* sorted, const int* offsets,
+    const int* active, const int* active_count, int hidden, int inter, float* y) {
+    namespace q = glm5::q4k_mma;
+    if ((int)blockIdx.x >= *active_count) return;
+    const int expert = active[blockIdx.x];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32, g = lane / 4, t = lane % 4;
+    const int row0 = blockIdx.y * 16, blocks = inter / 256;
+    const uint8_t* rows[2];
+    q::tile_rows(down + expert * (size_t)hidden * blocks * q::BLOCK_BYTES, row0, hidden, inter, g, rows);
+    const int begin = offsets[expert], end = offsets[expert + 1];
+    constexpr int U = 2;
+    for (int m0 = begin; m0 < end; m0 += 8) {
+        const int m = min(8, end - m0);
+        const __nv_bfloat16* x_row = g < m ? h + (size_t)sorted[m0 + g] * inter : nullptr;
+        float acc[1][4] = {};
+        for (int b0 = warp; b0 < blocks; b0 += warps * U) {
+            q::Block block[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+                if (b0 + u * warps < blocks) block[u] = q::load(rows, b0 + u * warps, t);
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+                if (b0 + u * warps < blocks) q::accumulate(block[u], x_row, b0 + u * warps, t, acc[0]);
+        }
+        q::sum_over_warps(acc);
+        if (warp == 0) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int row = row0 + g + 8 * (i / 2), j = 2 * t + i % 2;
+                if (row < hidden && j < m) {
+                    const int a = sorted[m0 + j];
+                    y[(size_t)a * hidden + row] = gates[a] * acc[0][i];
+                }
+            }
+        }
+    }
+}

@@ -168,4 +168,18 @@ __device__ __forceinline__ float dot16(const float (&w)[16], const float (&x)[16
     return d;
 }
 
+/// acc[r] += scale · Σ_j w[j] · x[r, k0 + j] for every row r < m (m <= ROWS).
+template <int ROWS, typename T>
+__device__ __forceinline__ void accumulate(float (&acc)[ROWS], const float (&w)[16], float scale, const T* x,
+                                           int m, int k, int k0) {
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        if (r < m) {
+            float xv[16];
+            load16(x + static_cast<size_t>(r) * k + k0, xv);
+            acc[r] = fmaf(dot16(w, xv), scale, acc[r]);
+        }
+    }
+}
+
 }  // namespace glm5

@@ -35,20 +35,6 @@ constexpr int DEQUANTIZE_THREADS = GLM5_WEIGHT_ONLY_DEQUANTIZE_THREADS;
 constexpr int FP8_UNROLL = 4;
 constexpr int NVFP4_UNROLL = 8;
 
-/// acc[r] += scale · Σ_j w[j] · x[r, k0 + j] for every row r < m (m <= ROWS).
-template <int ROWS, typename T>
-__device__ __forceinline__ void accumulate(float (&acc)[ROWS], const float (&w)[16], float scale, const T* x,
-                                           int m, int k, int k0) {
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-        if (r < m) {
-            float xv[16];
-            load16(x + static_cast<size_t>(r) * k + k0, xv);
-            acc[r] = fmaf(dot16(w, xv), scale, acc[r]);
-        }
-    }
-}
-
 template <int ROWS, typename T>
 __device__ __forceinline__ void fp8_matvec(const T* __restrict__ x, const uint8_t* __restrict__ w,
                                            const float* __restrict__ scale_inv, T* __restrict__ y, int m, int n,

@@ -16,7 +16,9 @@ use candle_core::{DType, Device, Tensor};
 use common::quantized::{experts as quantized_experts, iq_blocks, Format};
 use common::{rng, uniform};
 use glm5_kernels::emu::{launch, DeviceBuffer, LaunchConfig};
-use glm5_kernels::interface::weight_only::{column_warps, DEQUANTIZE_THREADS, MAX_ROWS, WARPS};
+use glm5_kernels::interface::weight_only::{
+    column_warps, DEQUANTIZE_THREADS, MAX_ROWS, Q4K_MMA_MAX_WARPS, Q4K_MMA_ROW_TILE, WARPS,
+};
 use glm5_ops::iq_matmul::{self, IqFormat, IqWeight};
 use glm5_ops::moe::{experts_reference, route_reference, QuantizedExperts, Routes};
 use glm5_ops::{fp8_matmul, nvfp4_matmul};
@@ -232,7 +234,7 @@ macro_rules! iq_kernels {
 
 iq_kernels! {
     Iq2Xxs => iq2_xxs, Iq2Xs => iq2_xs, Iq2S => iq2_s, Iq3Xxs => iq3_xxs, Iq3S => iq3_s,
-    Iq1S => iq1_s, Iq1M => iq1_m, Iq4Nl => iq4_nl, Iq4Xs => iq4_xs,
+    Iq1S => iq1_s, Iq1M => iq1_m, Iq4Nl => iq4_nl, Iq4Xs => iq4_xs, Q4K => q4_k,
 }
 
 #[test]
@@ -265,7 +267,7 @@ fn iq_kernels_equal_the_reference() {
                     } else {
                         kernels.matvec[d]
                     };
-                    let (config, warps) = matvec_config(n, k / 32);
+                    let (config, warps) = matvec_config(n, k / 16);
                     run(config, || unsafe {
                         f(
                             x,
@@ -278,6 +280,59 @@ fn iq_kernels_equal_the_reference() {
                         )
                     });
                 },
+            );
+        }
+    }
+}
+
+// ---- Q4_K on the tensor cores --------------------------------------------------------------------------
+
+extern "C" {
+    fn q4k_mma_matvec8_bf16(x: Ptr, w: *const u8, y: MutPtr, m: i32, n: i32, k: i32);
+    fn q4k_mma_matvec16_bf16(x: Ptr, w: *const u8, y: MutPtr, m: i32, n: i32, k: i32);
+}
+
+#[test]
+fn q4k_mma_matvec_equals_the_reference() {
+    // 37 rows (a partial last tile of 16); rows of 1 block (one warp), 5 (three warps, one with a partial
+    // pair of blocks) and 40 (the most warps, five blocks each); every activation row count of both kernels.
+    let n = 37;
+    for k in [256, 5 * 256, 40 * 256] {
+        let blocks = iq_blocks(&mut rng(4790 + k as u64), IqFormat::Q4K, n, k);
+        let w = IqWeight::new(IqFormat::Q4K, blocks.clone(), k).unwrap();
+        let dense = iq_matmul::reference::dequantize(&w).unwrap();
+        let device_blocks = bytes_of(&blocks);
+        let warps = (k / 256 / 2).clamp(1, Q4K_MMA_MAX_WARPS);
+        let config = LaunchConfig::new(
+            (n.div_ceil(Q4K_MMA_ROW_TILE) as u32, 1, 1),
+            (warps * 32) as u32,
+        );
+        for m in [1, 3, 8, 9, 16] {
+            let x = activations(4795 + m as u64, m * k, DType::BF16);
+            let (want, magnitude) = reference_product(&x, (m, k), &dense);
+            let device_x = Values::from_f32(&x, DType::BF16);
+            let y = Values::nan(m * n, DType::BF16);
+            let f = if m <= 8 {
+                q4k_mma_matvec8_bf16
+            } else {
+                q4k_mma_matvec16_bf16
+            };
+            run(config, || unsafe {
+                f(
+                    device_x.ptr(),
+                    device_blocks.ptr(),
+                    y.mut_ptr(),
+                    m as i32,
+                    n as i32,
+                    k as i32,
+                )
+            });
+            assert_close(
+                &format!("Q4_K mma k={k} m={m}"),
+                &y.to_f32(),
+                &want,
+                &magnitude,
+                DType::BF16,
             );
         }
     }
@@ -786,9 +841,37 @@ macro_rules! moe_iq_kernels {
     }};
 }
 
+extern "C" {
+    fn moe_gate_up_q4_k_mma_bf16(
+        x: Ptr,
+        gate: *const u8,
+        up: *const u8,
+        sorted: I32s,
+        offsets: I32s,
+        active: I32s,
+        active_count: I32s,
+        slots: i32,
+        hidden: i32,
+        inter: i32,
+        h: MutPtr,
+    );
+    fn moe_down_q4_k_mma_bf16(
+        h: Ptr,
+        down: *const u8,
+        gates: *const f32,
+        sorted: I32s,
+        offsets: I32s,
+        active: I32s,
+        active_count: I32s,
+        hidden: i32,
+        inter: i32,
+        y: *mut f32,
+    );
+}
+
 moe_iq_kernels! {
     Iq2Xxs => iq2_xxs, Iq2Xs => iq2_xs, Iq2S => iq2_s, Iq3Xxs => iq3_xxs, Iq3S => iq3_s,
-    Iq1S => iq1_s, Iq1M => iq1_m, Iq4Nl => iq4_nl, Iq4Xs => iq4_xs,
+    Iq1S => iq1_s, Iq1M => iq1_m, Iq4Nl => iq4_nl, Iq4Xs => iq4_xs, Q4K => q4_k,
 }
 
 /// Stacked experts in emulated device memory, as `moe/cuda.rs` passes them.
@@ -1007,8 +1090,25 @@ fn emulated_experts(
             up,
             down,
         } => {
-            let f = moe_iq_kernels(*gate_up_format).0[one][d];
-            let g = moe_iq_kernels(*down_format).1[one][d];
+            // Q4_K with bf16 activations: the tensor-core kernels, launched as moe/cuda.rs launches them.
+            let mma = |format: IqFormat| format == IqFormat::Q4K && dtype == DType::BF16;
+            let mma_config = |rows: usize, k: usize| {
+                let warps = (k / 256 / 2).clamp(1, Q4K_MMA_MAX_WARPS);
+                LaunchConfig::new(
+                    (blocks, rows.div_ceil(Q4K_MMA_ROW_TILE) as u32, 1),
+                    (warps * 32) as u32,
+                )
+            };
+            let (f, gate_up_config): (IqGateUp, _) = if mma(*gate_up_format) {
+                (moe_gate_up_q4_k_mma_bf16, mma_config(inter, hidden))
+            } else {
+                (moe_iq_kernels(*gate_up_format).0[one][d], gate_up_config)
+            };
+            let (g, down_config): (IqDown, _) = if mma(*down_format) {
+                (moe_down_q4_k_mma_bf16, mma_config(hidden, inter))
+            } else {
+                (moe_iq_kernels(*down_format).1[one][d], down_config)
+            };
             run(gate_up_config, || unsafe {
                 f(
                     x.ptr(),
@@ -1242,6 +1342,8 @@ fn moe_quantized_experts_equal_the_reference() {
         (iq(IqFormat::Iq2Xs, IqFormat::Iq3Xxs), (256, 256)),
         (iq(IqFormat::Iq1S, IqFormat::Iq1M), (256, 256)),
         (iq(IqFormat::Iq4Nl, IqFormat::Iq4Nl), (96, 160)),
+        (iq(IqFormat::Q4K, IqFormat::Iq4Xs), (512, 768)),
+        (iq(IqFormat::Iq3S, IqFormat::Q4K), (256, 256)),
     ]
     .into_iter()
     .enumerate()

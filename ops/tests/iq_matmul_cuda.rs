@@ -149,6 +149,7 @@ fn glm5_projection_sizes_match_the_reference() {
         IqFormat::Iq3S,
         IqFormat::Iq4Xs,
         IqFormat::Iq1M,
+        IqFormat::Q4K,
     ] {
         for (out, inp) in [(2048, 6144), (6144, 2048), (37, 512)] {
             seed += 1;

@@ -255,6 +255,13 @@ fn quantized_experts_reference_equals_per_token_arithmetic_on_the_dequantised_we
             },
             (96, 64),
         ),
+        (
+            Format::Iq {
+                gate_up: IqFormat::Q4K,
+                down: IqFormat::Q4K,
+            },
+            (256, 512),
+        ),
     ] {
         let (weights, gate_up, down) = experts(&mut r, &format, (n_experts, h, i), &Device::Cpu);
         let x = uniform(&mut r, t * h);

@@ -251,6 +251,8 @@ fn quantized_experts_on_gpu_equal_the_reference() {
         (iq(IqFormat::Iq2Xs, IqFormat::Iq3Xxs), (256, 256)),
         (iq(IqFormat::Iq1S, IqFormat::Iq1M), (512, 256)),
         (iq(IqFormat::Iq4Nl, IqFormat::Iq4Nl), (96, 160)),
+        (iq(IqFormat::Q4K, IqFormat::Q4K), (768, 512)),
+        (iq(IqFormat::Iq3S, IqFormat::Q4K), (256, 256)),
     ] {
         let (weights, gate_up, down) = quantized(&mut r, &format, (n_experts, hidden, inter), &gpu);
         for dtype in [DType::F32, DType::BF16] {

@@ -25,7 +25,8 @@ pub struct RandomIqSource {
     scale: half::f16,
 }
 
-/// Writes the f16 super-scale `d` into one block (byte 0, or IQ1_M's four sub-scale words' top nibbles).
+/// Writes the f16 super-scale `d` into one block (byte 0, or IQ1_M's four sub-scale words' top nibbles; Q4_K's
+/// `dmin` too).
 fn set_scale(format: IqFormat, block: &mut [u8], d: half::f16) {
     let bits = d.to_bits();
     if format == IqFormat::Iq1M {
@@ -37,6 +38,10 @@ fn set_scale(format: IqFormat, block: &mut [u8], d: half::f16) {
         }
     } else {
         block[..2].copy_from_slice(&bits.to_le_bytes());
+    }
+    if format == IqFormat::Q4K {
+        // dmin, the mins' scale: as `d`, so values d·sc·q − dmin·m take both signs.
+        block[2..4].copy_from_slice(&bits.to_le_bytes());
     }
 }
 

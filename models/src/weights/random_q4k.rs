@@ -1,6 +1,8 @@
 //! Made-up weights kept quantised, for timing quantised checkpoints without one: [`RandomQ4kSource`] is
 //! [`RandomSource`] with every matrix a llama.cpp Q4_K_M file stores quantised returned as random but valid
-//! Q4_K blocks ([`Matrix::Quantized`]), and the routed experts stacked `[E, out, in]` as GGUF stores them.
+//! Q4_K blocks, and the routed experts stacked `[E, out, in]` as GGUF stores them: as a GGUF file's Q4_K
+//! tensors load ([`Matrix::Iq`], glm5's kernels), or, with [`RandomQ4kSource::candle`], as candle's `QTensor`s
+//! ([`Matrix::Quantized`]: `QMatMul` and candle-nn's GGUF MoE kernels), the peer the benches compare with.
 //!
 //! Which matrices: llama-quantize's rule as the fixtures show it (`tests/fixtures/gguf/types.txt`): every
 //! linear weight (attention, indexer `wq_b`/`wk`/`weights_proj`, dense MLP, shared and routed experts) is
@@ -19,6 +21,9 @@ use std::sync::Arc;
 use candle_core::quantized::{ggml_file::qtensor_from_ggml, GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 
+use glm5_ops::iq_matmul::{IqFormat, IqWeight};
+use glm5_ops::moe::StackedIq;
+
 use super::gguf_source::is_linear;
 use super::safetensors::RandomSource;
 use super::{Matrix, TensorSource};
@@ -31,12 +36,24 @@ const Q4K_BLOCK_BYTES: usize = 144;
 /// Random weights, linear layers as Q4_K blocks (module docs).
 pub struct RandomQ4kSource {
     pub dense: RandomSource,
+    /// The blocks as candle's `QTensor`s instead of glm5's [`IqWeight`]s.
+    pub via_candle: bool,
 }
 
 impl RandomQ4kSource {
+    /// The blocks as a GGUF file's Q4_K tensors load: glm5's kernels multiply them.
     pub fn new(seed: u64, std: f64) -> Self {
         Self {
             dense: RandomSource { seed, std },
+            via_candle: false,
+        }
+    }
+
+    /// The same blocks as candle's `QTensor`s.
+    pub fn candle(seed: u64, std: f64) -> Self {
+        Self {
+            via_candle: true,
+            ..Self::new(seed, std)
         }
     }
 }
@@ -111,21 +128,19 @@ fn q4k_blocks(name: &str, seed: u64, std: f64, blocks: usize, out: &mut Vec<u8>)
 }
 
 /// One matrix `[out, in]` of random Q4_K blocks.
-fn q4k_matrix(
-    name: &str,
-    seed: u64,
-    std: f64,
-    shape: [usize; 2],
-    device: &Device,
-) -> Result<QTensor> {
+fn q4k_matrix(name: &str, seed: u64, std: f64, shape: [usize; 2]) -> Vec<u8> {
     let mut bytes = Vec::new();
     q4k_blocks(name, seed, std, shape[0] * shape[1] / QK_K, &mut bytes);
-    Ok(qtensor_from_ggml(
-        GgmlDType::Q4K,
-        &bytes,
-        shape.to_vec(),
-        device,
-    )?)
+    bytes
+}
+
+/// The routed experts' projection `proj` of `prefix`, `[E, out, in]`, each expert's blocks from its own name.
+fn q4k_experts(prefix: &str, proj: &str, seed: u64, std: f64, [experts, out, inp]: [usize; 3]) -> Vec<u8> {
+    let per_expert = out * inp / QK_K * Q4K_BLOCK_BYTES;
+    fill_experts(experts, per_expert, |e, expert_bytes| {
+        let name = format!("{prefix}.experts.{e}.{proj}.weight");
+        expert_bytes.copy_from_slice(&q4k_matrix(&name, seed, std, [out, inp]));
+    })
 }
 
 impl TensorSource for RandomQ4kSource {
@@ -147,13 +162,18 @@ impl TensorSource for RandomQ4kSource {
         if !quantised_in_q4k(name) || !shape[1].is_multiple_of(QK_K) {
             return self.dense.matrix(name, shape, dtype, device);
         }
-        Ok(Matrix::Quantized(Arc::new(q4k_matrix(
-            name,
-            self.dense.seed,
-            self.dense.std,
-            shape,
-            device,
-        )?)))
+        let bytes = q4k_matrix(name, self.dense.seed, self.dense.std, shape);
+        if self.via_candle {
+            return Ok(Matrix::Quantized(Arc::new(qtensor_from_ggml(
+                GgmlDType::Q4K,
+                &bytes,
+                shape.to_vec(),
+                device,
+            )?)));
+        }
+        let row = IqFormat::Q4K.row_bytes(shape[1]).expect("whole blocks");
+        let blocks = Tensor::from_vec(bytes, (shape[0], row), &Device::Cpu)?.to_device(device)?;
+        Ok(Matrix::Iq(IqWeight::new(IqFormat::Q4K, blocks, shape[1])?))
     }
 
     fn resident_bytes(&self, name: &str, shape: &[usize], dtype: DType) -> u64 {
@@ -172,7 +192,7 @@ impl TensorSource for RandomQ4kSource {
         _proj: &str,
         shape: [usize; 3],
     ) -> Result<Option<GgmlDType>> {
-        Ok(shape[2].is_multiple_of(QK_K).then_some(GgmlDType::Q4K))
+        Ok((self.via_candle && shape[2].is_multiple_of(QK_K)).then_some(GgmlDType::Q4K))
     }
 
     fn stacked_experts(
@@ -182,28 +202,32 @@ impl TensorSource for RandomQ4kSource {
         shape: [usize; 3],
         device: &Device,
     ) -> Result<Option<QTensor>> {
-        if !shape[2].is_multiple_of(QK_K) {
+        if !self.via_candle || !shape[2].is_multiple_of(QK_K) {
             return Ok(None);
         }
-        let [experts, out, inp] = shape;
-        let per_expert = out * inp / QK_K * Q4K_BLOCK_BYTES;
-        let (seed, std) = (self.dense.seed, self.dense.std);
-        let bytes = fill_experts(experts, per_expert, |e, expert_bytes| {
-            let mut blocks = Vec::with_capacity(per_expert);
-            q4k_blocks(
-                &format!("{prefix}.experts.{e}.{proj}.weight"),
-                seed,
-                std,
-                out * inp / QK_K,
-                &mut blocks,
-            );
-            expert_bytes.copy_from_slice(&blocks);
-        });
+        let bytes = q4k_experts(prefix, proj, self.dense.seed, self.dense.std, shape);
         Ok(Some(qtensor_from_ggml(
             GgmlDType::Q4K,
             &bytes,
             shape.to_vec(),
             device,
         )?))
+    }
+
+    fn stacked_iq_experts(
+        &self,
+        prefix: &str,
+        proj: &str,
+        shape: [usize; 3],
+        device: &Device,
+    ) -> Result<Option<StackedIq>> {
+        let [experts, out, inp] = shape;
+        if self.via_candle || !inp.is_multiple_of(QK_K) {
+            return Ok(None);
+        }
+        let bytes = q4k_experts(prefix, proj, self.dense.seed, self.dense.std, shape);
+        let row = IqFormat::Q4K.row_bytes(inp).expect("whole blocks");
+        let blocks = Tensor::from_vec(bytes, (experts, out, row), &Device::Cpu)?.to_device(device)?;
+        Ok(Some(StackedIq::new(IqFormat::Q4K, blocks, inp)?))
     }
 }

@@ -1,10 +1,13 @@
-//! `iq_matmul(x, w) -> y`: a linear layer whose weight stays in one of llama.cpp's i-quant GGUF formats
-//! (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ4_NL, IQ4_XS), multiplied with the weight
-//! dequantised in the kernel (weight-only: activations are not quantised).
+//! `iq_matmul(x, w) -> y`: a linear layer whose weight stays in one of the GGUF block formats glm5 decodes
+//! itself: llama.cpp's i-quants (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ4_NL, IQ4_XS) and the
+//! K-quant Q4_K, multiplied with the weight dequantised in the kernel (weight-only: activations are not
+//! quantised).
 //!
 //! candle 0.11 has no i-quant types (`GgmlDType` cannot hold them), and the published GLM-5 GGUFs use them
 //! (unsloth's `UD-IQ*` files, IQ4_XS / IQ3_S / IQ2_S expert mixes), so glm5 keeps their blocks as raw bytes
-//! and decodes them itself.
+//! and decodes them itself. candle has Q4_K, the bulk of a Q4_K_M file, but its CUDA mat-vec reads GLM-5's
+//! projections at 19-30% of the copy bandwidth (`glm5-bench matvec`), so Q4_K is decoded here too; the other
+//! K-quants and Q8_0 stay with candle's `QMatMul` (`quantized_matmul`).
 //!
 //! # Contract
 //!
@@ -39,7 +42,8 @@ pub const MAX_ROWS: usize = glm5_kernels::interface::weight_only::MAX_ROWS;
 /// Values sharing one scale (and decoded together) inside a block: the kernels' unit of work.
 pub const SUB_BLOCK: usize = 32;
 
-/// One of ggml's i-quant formats: its name, ggml type id and block geometry (ggml-common.h's `block_iq*`).
+/// One of the GGUF block formats glm5 decodes: its name, ggml type id and block geometry (ggml-common.h's
+/// `block_iq*`, `block_q4_K`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum IqFormat {
     Iq2Xxs,
@@ -51,10 +55,13 @@ pub enum IqFormat {
     Iq2S,
     Iq4Xs,
     Iq1M,
+    /// Q4_K, a K-quant (candle has it, but its CUDA mat-vec reaches 19-30% of the copy bandwidth on GLM-5's
+    /// projections; this family's reaches the FP8/NVFP4 mat-vecs' rate).
+    Q4K,
 }
 
 impl IqFormat {
-    pub const ALL: [IqFormat; 9] = [
+    pub const ALL: [IqFormat; 10] = [
         IqFormat::Iq2Xxs,
         IqFormat::Iq2Xs,
         IqFormat::Iq3Xxs,
@@ -64,9 +71,10 @@ impl IqFormat {
         IqFormat::Iq2S,
         IqFormat::Iq4Xs,
         IqFormat::Iq1M,
+        IqFormat::Q4K,
     ];
 
-    /// The format of ggml type id `id`, if it is an i-quant.
+    /// The format of ggml type id `id`, if glm5 decodes it.
     pub fn from_ggml_id(id: u32) -> Option<Self> {
         Self::ALL.into_iter().find(|f| f.ggml_id() == id)
     }
@@ -83,6 +91,7 @@ impl IqFormat {
             IqFormat::Iq2S => 22,
             IqFormat::Iq4Xs => 23,
             IqFormat::Iq1M => 29,
+            IqFormat::Q4K => 12,
         }
     }
 
@@ -97,6 +106,7 @@ impl IqFormat {
             IqFormat::Iq2S => "IQ2_S",
             IqFormat::Iq4Xs => "IQ4_XS",
             IqFormat::Iq1M => "IQ1_M",
+            IqFormat::Q4K => "Q4_K",
         }
     }
 
@@ -120,6 +130,7 @@ impl IqFormat {
             IqFormat::Iq2S => 82,
             IqFormat::Iq4Xs => 136,
             IqFormat::Iq1M => 56,
+            IqFormat::Q4K => 144,
         }
     }
 

@@ -15,6 +15,8 @@
 //! | IQ4_NL | 18 (32 values) | 16 bytes of 4-bit indices into 16 non-linear values | `d · kvalues[q]` |
 //! | IQ4_XS | 136 | u16 of 2 high scale bits ×8, 4 bytes of low scale nibbles, 128 bytes of 4-bit indices | `d·(ls−32) · kvalues[q]` |
 //!
+//! | Q4_K (a K-quant) | 144 | f16 `dmin`, 12 bytes of 6-bit scales `sc` and mins `m` (`q4k_scale_min`), 128 bytes of 4-bit `q`: bytes 32j.. hold sub-block 2j in low nibbles, 2j+1 in high | `d·sc·q − dmin·m` |
+//!
 //! Sign bits: IQ2_XXS, IQ2_XS and IQ3_XXS store 7 per 8 values (`KSIGNS_IQ2XS` supplies the 8th: the count of
 //! negatives is even); IQ2_S and IQ3_S store all 8.
 
@@ -213,6 +215,32 @@ pub fn decode_block(format: IqFormat, b: &[u8], out: &mut [f32]) {
                 }
             }
         }
+        IqFormat::Q4K => {
+            let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+            let (scales, qs) = (&b[4..16], &b[16..144]);
+            for sub in 0..8 {
+                let (sc, m) = q4k_scale_min(scales, sub);
+                let (d1, m1) = (d * sc as f32, dmin * m as f32);
+                let bytes = &qs[32 * (sub / 2)..32 * (sub / 2) + 32];
+                for (l, &byte) in bytes.iter().enumerate() {
+                    out[32 * sub + l] = d1 * (byte >> (4 * (sub % 2)) & 0xf) as f32 - m1;
+                }
+            }
+        }
+    }
+}
+
+/// Q4_K's scale and min of sub-block `sub` (ggml's `get_scale_min_k4`): 6 bits each, sub-blocks 0-3 in the low
+/// bits of bytes `sub` and `sub + 4`, 4-7 in a nibble of byte `sub + 4` with the top bits of bytes `sub - 4` and
+/// `sub`.
+fn q4k_scale_min(q: &[u8], sub: usize) -> (u8, u8) {
+    if sub < 4 {
+        (q[sub] & 63, q[sub + 4] & 63)
+    } else {
+        (
+            (q[sub + 4] & 0xf) | (q[sub - 4] >> 6) << 4,
+            (q[sub + 4] >> 4) | (q[sub] >> 6) << 4,
+        )
     }
 }
 

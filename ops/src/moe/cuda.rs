@@ -3,7 +3,10 @@
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::{DType, Tensor};
 
+use glm5_kernels::interface::weight_only::{Q4K_MMA_MAX_WARPS, Q4K_MMA_ROW_TILE};
+
 use super::quantized::{QuantizedExperts, StackedFp8, StackedNvfp4};
+use crate::iq_matmul::IqFormat;
 use super::{RouteRule, Routes};
 use crate::cuda::{cuda_err, device_address, kernel};
 use crate::error::Result;
@@ -202,15 +205,51 @@ fn grouped_experts(
     gate_up_args: &[Arg],
     down_args: &[Arg],
 ) -> Result<Tensor> {
-    grouped_experts_named(x, routes, dims, (stem, stem), gate_up_args, down_args)
+    let kernel = || MatVec::WarpPerRow(stem.to_string());
+    grouped_experts_with(x, routes, dims, (kernel(), kernel()), gate_up_args, down_args)
 }
 
-/// [`grouped_experts`] with the gate/up and down kernels' stems apart.
-fn grouped_experts_named(
+/// Which grouped mat-vec kernel runs a projection, and its launch geometry.
+enum MatVec {
+    /// `moe_{gate_up,down}_[t1_]{stem}{suffix}`: a warp per output row, `MATVEC_WARPS` rows a block.
+    WarpPerRow(String),
+    /// `moe_{gate_up,down}_q4_k_mma_bf16`: 16 output rows a block of `warps` warps.
+    Q4kMma { warps: usize },
+}
+
+impl MatVec {
+    /// The kernel's name for `projection` ("gate_up" or "down"), with `t1_` for one token where it has one.
+    fn name(&self, projection: &str, one_token: bool, suffix: &str) -> String {
+        match self {
+            MatVec::WarpPerRow(stem) => {
+                let one = if one_token { "t1_" } else { "" };
+                format!("moe_{projection}_{one}{stem}{suffix}")
+            }
+            MatVec::Q4kMma { .. } => format!("moe_{projection}_q4_k_mma_bf16"),
+        }
+    }
+
+    /// (blocks along the output rows, threads a block) for `rows` output rows.
+    fn geometry(&self, rows: usize) -> (u32, u32) {
+        match self {
+            MatVec::WarpPerRow(_) => (
+                rows.div_ceil(MATVEC_WARPS) as u32,
+                (MATVEC_WARPS * 32) as u32,
+            ),
+            MatVec::Q4kMma { warps } => (
+                rows.div_ceil(Q4K_MMA_ROW_TILE) as u32,
+                (warps * 32) as u32,
+            ),
+        }
+    }
+}
+
+/// [`grouped_experts`] with the gate/up and down kernels chosen apart.
+fn grouped_experts_with(
     x: &Tensor,
     routes: &Routes,
     (n_experts, hidden, inter): (usize, usize, usize),
-    (gate_up_stem, down_stem): (&str, &str),
+    (gate_up_kernel, down_kernel): (MatVec, MatVec),
     gate_up_args: &[Arg],
     down_args: &[Arg],
 ) -> Result<Tensor> {
@@ -249,15 +288,14 @@ fn grouped_experts_named(
     let (hidden_arg, inter_arg) = (hidden as i32, inter as i32);
     // At most min(E, assignments) experts are active: one block row each, idle ones return at once.
     let expert_blocks = n_experts.min(n_assign) as u32;
-    let threads = (MATVEC_WARPS * 32) as u32;
     // One token (batch-1 decode): every expert has at most one assignment, so the kernels built for one
     // (`t1_`) skip the other token slots' tests.
-    let one = if tokens == 1 { "t1_" } else { "" };
+    let one = tokens == 1;
     let gate_up_fn = kernel(
         &dev,
         "moe",
         glm5_kernels::MOE,
-        &format!("moe_gate_up_{one}{gate_up_stem}{suffix}"),
+        &gate_up_kernel.name("gate_up", one, suffix),
     )?;
     let mut builder = stream.launch_builder(&gate_up_fn);
     builder.arg(&x_ptr);
@@ -268,7 +306,8 @@ fn grouped_experts_named(
         .arg(&hidden_arg)
         .arg(&inter_arg)
         .arg(&h_ptr);
-    let grid = (expert_blocks, inter.div_ceil(MATVEC_WARPS) as u32, 1);
+    let (row_blocks, threads) = gate_up_kernel.geometry(inter);
+    let grid = (expert_blocks, row_blocks, 1);
     // SAFETY: the arguments match the kernel's signature (moe.cu); x [T, H], h [T·slots, I], the weights
     // and the grouping are live device allocations of the sizes the kernel reads (checked by the callers).
     unsafe { builder.launch(launch_config(grid, threads, 0)) }.map_err(cuda_err)?;
@@ -277,7 +316,7 @@ fn grouped_experts_named(
         &dev,
         "moe",
         glm5_kernels::MOE,
-        &format!("moe_down_{one}{down_stem}{suffix}"),
+        &down_kernel.name("down", one, suffix),
     )?;
     let mut builder = stream.launch_builder(&down_fn);
     builder.arg(&h_ptr);
@@ -285,7 +324,8 @@ fn grouped_experts_named(
     builder.arg(&gates_ptr);
     push_args(&mut builder, &grouping_args);
     builder.arg(&hidden_arg).arg(&inter_arg).arg(&y_ptr);
-    let grid = (expert_blocks, hidden.div_ceil(MATVEC_WARPS) as u32, 1);
+    let (row_blocks, threads) = down_kernel.geometry(hidden);
+    let grid = (expert_blocks, row_blocks, 1);
     // SAFETY: as above; y is [T·slots, H] f32.
     unsafe { builder.launch(launch_config(grid, threads, 0)) }.map_err(cuda_err)?;
 
@@ -380,20 +420,28 @@ pub(super) fn quantized_experts(
             grouped_experts(x, routes, dims, "nvfp4_", &args(gate_up)?, &args(down)?)
         }
         QuantizedExperts::Iq { gate, up, down } => {
-            // One kernel name per format pair: gate/up's format for moe_gate_up_*, down's for moe_down_*.
+            // One kernel name per format pair: gate/up's format for moe_gate_up_*, down's for moe_down_*;
+            // Q4_K with bf16 activations on the tensor cores (`*_q4_k_mma_bf16`).
             let (gate_blocks, up_blocks, down_blocks) = (
                 gate.blocks.contiguous()?,
                 up.blocks.contiguous()?,
                 down.blocks.contiguous()?,
             );
-            grouped_experts_named(
+            let kernel_of = |format: IqFormat, k: usize| {
+                if format == IqFormat::Q4K && x.dtype() == DType::BF16 {
+                    MatVec::Q4kMma {
+                        warps: (k / 256 / 2).clamp(1, Q4K_MMA_MAX_WARPS),
+                    }
+                } else {
+                    MatVec::WarpPerRow(format!("{}_", format.name().to_ascii_lowercase()))
+                }
+            };
+            let (_, hidden, inter) = dims;
+            grouped_experts_with(
                 x,
                 routes,
                 dims,
-                (
-                    &format!("{}_", gate.format.name().to_ascii_lowercase()),
-                    &format!("{}_", down.format.name().to_ascii_lowercase()),
-                ),
+                (kernel_of(gate.format, hidden), kernel_of(down.format, inter)),
                 &[
                     Arg::Ptr(device_address(&gate_blocks)?.0),
                     Arg::Ptr(device_address(&up_blocks)?.0),

@@ -100,6 +100,11 @@ pub mod quantized {
             } else {
                 block[..2].copy_from_slice(&d.to_le_bytes());
             }
+            if format == IqFormat::Q4K {
+                // dmin: a min of up to 63·dmin against values up to 15·63·d.
+                let dmin = half::f16::from_f32(rng.random_range(0.5..1.5) / 128.0).to_bits();
+                block[2..4].copy_from_slice(&dmin.to_le_bytes());
+            }
         }
         Tensor::from_vec(bytes, (rows, row), &Device::Cpu).unwrap()
     }

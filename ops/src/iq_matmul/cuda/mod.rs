@@ -3,15 +3,20 @@
 
 use candle_core::{DType, Tensor};
 
-use super::{IqWeight, MAX_ROWS};
+use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use glm5_kernels::interface::weight_only::{Q4K_MMA_MAX_WARPS, Q4K_MMA_ROW_TILE};
+
+use super::{IqFormat, IqWeight, MAX_ROWS};
+use crate::cuda::{cuda_err, kernel};
 use crate::cuda::device_address;
+use crate::error::OpError;
 use crate::error::Result;
 use crate::weight_only_cuda::{self, KernelFile, WeightArgs};
 
 const FILE: KernelFile = KernelFile {
     module: "iq_matmul",
     fatbin: glm5_kernels::IQ_MATMUL,
-    chunk_values: 32,
+    chunk_values: 16,
 };
 
 /// `iq_matvec_<format>` / `iq_dequantize_<format>`.
@@ -23,6 +28,9 @@ fn stem(kind: &str, w: &IqWeight) -> String {
 pub(crate) fn iq_matmul(x: &Tensor, w: &IqWeight) -> Result<Tensor> {
     w.check()?;
     let (n, _) = w.dims()?;
+    if w.format == IqFormat::Q4K && x.dtype() == DType::BF16 && x.dim(0)? <= MAX_ROWS {
+        return q4k_mma_matvec(x, w);
+    }
     if x.dim(0)? <= MAX_ROWS {
         let blocks = w.blocks.contiguous()?;
         let pointers = [device_address(&blocks)?.0];
@@ -62,4 +70,55 @@ pub(crate) fn dequantize(w: &IqWeight, dtype: DType) -> Result<Tensor> {
         &[n as i32, k as i32],
     )?;
     Ok(dense.to_dtype(dtype)?)
+}
+
+/// Q4_K times bf16 rows on the tensor cores (`q4k_mma_matvec{8,16}_bf16`): a block of warps per 16 output rows,
+/// its warps splitting the row's 256-value blocks, about two blocks a warp (each warp keeps two in flight).
+fn q4k_mma_matvec(x: &Tensor, w: &IqWeight) -> Result<Tensor> {
+    let (m, k) = x.dims2()?;
+    let (n, _) = w.dims()?;
+    // The kernel reads x and the blocks in 16-byte vectors (a Q4_K block is 144 bytes: every block of an
+    // aligned row is aligned).
+    let x = &if device_address(x)?.0 % 16 == 0 {
+        x.clone()
+    } else {
+        x.copy()?
+    };
+    let blocks = w.blocks.contiguous()?;
+    let (w_ptr, dev) = device_address(&blocks)?;
+    if w_ptr % 16 != 0 {
+        return Err(OpError::Unsupported(format!(
+            "iq_matmul: Q4_K blocks at device address {w_ptr:#x}, not 16-byte aligned"
+        )));
+    }
+    // SAFETY: every element is written by the kernel (each output row by its block's first warp).
+    let y = unsafe { Tensor::empty((m, n), x.dtype(), x.device())? };
+    let (x_ptr, _) = device_address(x)?;
+    let (y_ptr, _) = device_address(&y)?;
+    let name = if m <= 8 {
+        "q4k_mma_matvec8_bf16"
+    } else {
+        "q4k_mma_matvec16_bf16"
+    };
+    let func = kernel(&dev, FILE.module, FILE.fatbin, name)?;
+    let warps = (k / 256 / 2).clamp(1, Q4K_MMA_MAX_WARPS);
+    let cfg = LaunchConfig {
+        grid_dim: (n.div_ceil(Q4K_MMA_ROW_TILE) as u32, 1, 1),
+        block_dim: ((warps * 32) as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (m_arg, n_arg, k_arg) = (m as i32, n as i32, k as i32);
+    let stream = dev.cuda_stream();
+    let mut builder = stream.launch_builder(&func);
+    builder
+        .arg(&x_ptr)
+        .arg(&w_ptr)
+        .arg(&y_ptr)
+        .arg(&m_arg)
+        .arg(&n_arg)
+        .arg(&k_arg);
+    // SAFETY: the arguments match the kernel's signature: x [m, k] bf16, the blocks [n, k / 256 · 144] bytes,
+    // y [m, n] bf16, m <= 16.
+    unsafe { builder.launch(cfg) }.map_err(cuda_err)?;
+    Ok(y)
 }

@@ -1,0 +1,52 @@
+// The emulator's versions of kernels/src/bf16_mma.cuh (its inline PTX), with the same signatures.
+//
+// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32, from the PTX ISA's fragment layouts (groupID
+// g = lane / 4, threadID_in_group t = lane % 4), written here independently of the kernel; the low half of a
+// register holds the lower index:
+//   A 16 x 16: a0 = A[g][2t, 2t + 1], a1 = A[g + 8][2t, 2t + 1], a2 = A[g][2t + 8, 2t + 9], a3 = A[g + 8][2t + 8, ..].
+//   B 16 x 8: b0 = B[2t, 2t + 1][g], b1 = B[2t + 8, 2t + 9][g].
+//   C, D 16 x 8 f32: d0 = D[g][2t], d1 = D[g][2t + 1], d2 = D[g + 8][2t], d3 = D[g + 8][2t + 1].
+// The products are exact in f32; the sum here runs in f32 in ascending k, which the tensor cores do not
+// promise, so results agree with the GPU's to the f32 rounding of a 16-term sum, not bit for bit.
+#pragma once
+
+#include "cuda_emu.h"
+
+inline float glm5_emu_bf16_half(uint32_t reg, unsigned half) {
+    return glm5_emu_bits_to_float((half ? reg >> 16 : reg & 0xffff) << 16);
+}
+
+inline void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+    struct Fragment {
+        uint32_t a[4], b[2];
+    };
+    const Fragment mine = {{a[0], a[1], a[2], a[3]}, {b[0], b[1]}};
+    Fragment all[32];
+    glm5_emu_warp_gather(&mine, sizeof(Fragment), all);
+    const unsigned lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    auto a_at = [&](unsigned row, unsigned k) {
+        const unsigned owner = 4 * (row % 8) + (k % 8) / 2;
+        return glm5_emu_bf16_half(all[owner].a[row / 8 + 2 * (k / 8)], k % 2);
+    };
+    auto b_at = [&](unsigned k, unsigned col) {
+        const unsigned owner = 4 * col + (k % 8) / 2;
+        return glm5_emu_bf16_half(all[owner].b[k / 8], k % 2);
+    };
+    for (unsigned half = 0; half < 2; ++half) {
+        for (unsigned c = 0; c < 2; ++c) {
+            const unsigned row = g + 8 * half, col = 2 * t + c;
+            float sum = 0.0f;
+            for (unsigned k = 0; k < 16; ++k) sum += a_at(row, k) * b_at(k, col);
+            d[2 * half + c] += sum;
+        }
+    }
+}
+
+inline uint32_t bf16x2_sub(uint32_t a, uint32_t b) {
+    uint32_t d = 0;
+    for (unsigned half = 0; half < 2; ++half) {
+        const __nv_bfloat16 v = __float2bfloat16(glm5_emu_bf16_half(a, half) - glm5_emu_bf16_half(b, half));
+        d |= static_cast<uint32_t>(v.__x) << (16 * half);
+    }
+    return d;
+}

@@ -1,0 +1,24 @@
+// The inline-PTX instructions of the Q4_K tensor-core mat-vec (q4k_mma.cuh): mma.sync m16n8k16 over bf16 with
+// f32 accumulation, and a bf16x2 subtraction. Kept apart so that the CPU emulator (kernels/emu) can put its own
+// versions of these functions in their place (kernels/emu/include/bf16_mma.cuh) and run the rest as it is.
+#pragma once
+
+#include <stdint.h>
+
+/// d += A · B for one m16n8k16 product (PTX fragment layouts: groupID g = lane / 4, t = lane % 4; A row-major,
+/// a[0] = A[g][2t, 2t + 1], a[1] = A[g + 8][2t, 2t + 1], a[2] = A[g][2t + 8, 2t + 9], a[3] = A[g + 8][2t + 8, ..];
+/// b[0] = B[2t, 2t + 1][g], b[1] = B[2t + 8, 2t + 9][g]; d[0..1] = D[g][2t, 2t + 1], d[2..3] = D[g + 8][..]).
+__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+/// a − b for two bf16 in a register each (round to nearest).
+__device__ __forceinline__ uint32_t bf16x2_sub(uint32_t a, uint32_t b) {
+    uint32_t d;
+    asm("sub.rn.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
