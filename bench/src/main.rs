@@ -81,8 +81,9 @@ enum Command {
     },
     /// The whole model step on one GPU: decode and prefill of a GLM-5 slice against its weight-byte floor.
     E2e {
-        /// Weights: bf16; q4k (random Q4_K blocks for every linear layer a Q4_K_M file quantises); fp8 or
-        /// nvfp4 (the matrices the published GLM-5-FP8 / NVFP4 checkpoints quantise, in that format).
+        /// Weights: bf16; q4k (random Q4_K blocks for every linear layer a Q4_K_M file quantises, glm5's
+        /// kernels) or q4k-candle (the same blocks through candle's); fp8 or nvfp4 (the matrices the published
+        /// GLM-5-FP8 / NVFP4 checkpoints quantise, in that format); an i-quant (iq4_xs, ...).
         #[arg(long, default_value = "bf16")]
         weights: e2e::WeightFormat,
         /// Layers of GLM-5 to build (the first ones: dense, then MoE).

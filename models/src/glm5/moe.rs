@@ -174,7 +174,7 @@ struct GgufExperts {
 /// Why quantised experts run one by one (`experts_implementation`).
 const PER_EXPERT: &str = "per-expert quantised";
 const PER_EXPERT_IQ: &str =
-    "per-expert i-quant (the grouped kernels take gate and up in one i-quant format: one iq_matmul per chosen expert)";
+    "per-expert glm5 block format (the grouped kernels take experts whose three projections are all in glm5's formats, gate and up in one: one iq_matmul per chosen expert)";
 
 const PER_EXPERT_UNSUPPORTED: &str = "per-expert quantised (block type or row width not taken by candle-nn's GGUF MoE kernels: Q8_0, Q2_K-Q6_K)";
 
@@ -373,7 +373,8 @@ impl MoE {
                     shared_expert: shared,
                 });
             }
-            let why = if experts.iter().any(|m| {
+            // On CUDA, say why glm5's grouped kernels did not take them; the CPU always runs them one by one.
+            let why = if loader.device.is_cuda() && experts.iter().any(|m| {
                 [&m.gate_proj, &m.up_proj, &m.down_proj]
                     .iter()
                     .any(|p| matches!(p, Proj::Iq(_)))
