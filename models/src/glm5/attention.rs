@@ -205,7 +205,8 @@ impl Indexer {
 /// Dense ones (bf16, f16, f32, no bias; of one dtype) form one group. Block-scaled FP8 ones with one block
 /// shape form another, their row blocks stacked with their scales: parts whose rows are whole blocks first,
 /// then at most one whose last block is partial (`kv_a_proj_with_mqa`'s 576 rows), the stacked weight
-/// dispatched as loaded ones are. Other formats stay one projection each.
+/// dispatched as loaded ones are. GGUF blocks of one format glm5 decodes (`iq_matmul`: Q4_K, i-quants) form
+/// another, their rows stacked (every row is its own blocks). Other formats stay one projection each.
 struct InputProjections {
     groups: Vec<ProjectionGroup>,
 }
@@ -229,11 +230,12 @@ impl ProjectionGroup {
 impl InputProjections {
     fn new(projections: [Proj; 4], loader: &Loader) -> Result<Self> {
         let mut singles: Vec<(usize, Proj)> = Vec::new();
-        let (mut dense, mut fp8) = (Vec::new(), Vec::new());
+        let (mut dense, mut fp8, mut blocks) = (Vec::new(), Vec::new(), Vec::new());
         for (which, proj) in projections.into_iter().enumerate() {
             match proj {
                 Proj::Dense(linear) if linear.bias().is_none() => dense.push((which, linear)),
                 Proj::Fp8Block(weight, prefill) => fp8.push((which, weight, prefill)),
+                Proj::Iq(weight) => blocks.push((which, weight)),
                 other => singles.push((which, other)),
             }
         }
@@ -284,10 +286,55 @@ impl InputProjections {
             }
             groups.extend(Self::stack_fp8(members, loader)?);
         }
+        // GGUF blocks: one group per format and input width (in practice one).
+        while let Some((which, first)) = blocks.pop() {
+            let key = (first.format, first.in_dim);
+            let mut members = vec![(which, first)];
+            let mut rest = Vec::new();
+            for (w, weight) in blocks.drain(..) {
+                if (weight.format, weight.in_dim) == key {
+                    members.push((w, weight));
+                } else {
+                    rest.push((w, weight));
+                }
+            }
+            blocks = rest;
+            members.sort_by_key(|(w, _)| *w);
+            groups.push(Self::stack_blocks(members, loader)?);
+        }
         for (which, proj) in singles {
             groups.push(ProjectionGroup::single(which, proj)?);
         }
         Ok(Self { groups })
+    }
+
+    /// GGUF-block parts of one format and input width, in output order, as one weight (rows are
+    /// independent blocks: stacking them changes no value), dispatched as a loaded weight is.
+    fn stack_blocks(
+        members: Vec<(usize, glm5_ops::iq_matmul::IqWeight)>,
+        loader: &Loader,
+    ) -> Result<ProjectionGroup> {
+        if members.len() == 1 {
+            let (which, weight) = members.into_iter().next().expect("one member");
+            return ProjectionGroup::single(which, Proj::Iq(weight));
+        }
+        let mut parts = Vec::with_capacity(members.len());
+        for (which, weight) in &members {
+            parts.push((*which, weight.dims()?.0));
+        }
+        let bytes: Vec<&Tensor> = members.iter().map(|(_, w)| &w.blocks).collect();
+        let (format, in_dim) = (members[0].1.format, members[0].1.in_dim);
+        let stacked = glm5_ops::iq_matmul::IqWeight::new(format, Tensor::cat(&bytes, 0)?, in_dim)?;
+        glm5_ops::iq_matmul::dispatch(&stacked, loader.desc).map_err(|source| {
+            ModelError::WeightOnlyMatmul {
+                tensor: "the attention's stacked input projections".to_string(),
+                source: Box::new(source),
+            }
+        })?;
+        Ok(ProjectionGroup {
+            proj: Proj::Iq(stacked),
+            parts,
+        })
     }
 
     /// Dense parts of one dtype and device, in output order, as one matrix.
