@@ -270,9 +270,10 @@ fn quantised_weights(
             {
                 continue;
             }
-            let format = match (t.ggml_type.candle(), IqFormat::from_ggml_id(t.ggml_type.id)) {
-                (Some(c), _) => WeightFormat::Gguf(c, t.ggml_type.name),
-                (None, Some(iq)) => WeightFormat::Iq(iq),
+            // glm5's own block kernels first (Q4_K, which candle also has, runs on them), then candle's.
+            let format = match (IqFormat::from_ggml_id(t.ggml_type.id), t.ggml_type.candle()) {
+                (Some(iq), _) => WeightFormat::Iq(iq),
+                (None, Some(c)) => WeightFormat::Gguf(c, t.ggml_type.name),
                 (None, None) => continue, // the header note says the file cannot run
             };
             match out.iter_mut().find(|w| w.format == format) {

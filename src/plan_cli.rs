@@ -419,8 +419,9 @@ pub fn render(plan: &Plan, config: &Config, label: &str, registry: &Registry) ->
             s,
             "\nMoE experts on CUDA, by tokens a step: bf16/f32 experts by glm5's grouped mat-vecs below \
              {GROUPED_GEMM_MIN_TOKENS}, cuBLAS's grouped GEMM from {GROUPED_GEMM_MIN_TOKENS}; FP8 / NVFP4 / \
-             i-quant experts by the mat-vecs up to {MATVEC_MAX_TOKENS}, then dequantised + the grouped GEMM; \
-             GGUF K-quant experts by candle-nn's GGUF MoE kernels (mat-vec up to {GGUF_MATVEC_MAX_TOKENS}, \
+             i-quant / Q4_K experts by the mat-vecs up to {MATVEC_MAX_TOKENS} (Q4_K with bf16 activations on the \
+             tensor cores), then dequantised + the grouped GEMM; the other GGUF K-quants and Q8_0 (and a layer \
+             mixing them with Q4_K) by candle-nn's GGUF MoE kernels (mat-vec up to {GGUF_MATVEC_MAX_TOKENS}, \
              WMMA above)"
         );
         let mut used: Vec<usize> = plan.layers.iter().map(|l| l.device).collect();

@@ -308,7 +308,12 @@ fn quantised_matrices_stay_quantised_and_are_sized_as_stored() {
     // Q6_K (the shared expert's down_proj): a candle QTensor.
     let shexp = "model.layers.1.mlp.shared_experts.down_proj.weight";
     match checkpoint
-        .matrix(shexp, [h, config.moe_intermediate_size], DType::F32, &Device::Cpu)
+        .matrix(
+            shexp,
+            [h, config.moe_intermediate_size],
+            DType::F32,
+            &Device::Cpu,
+        )
         .unwrap()
     {
         Matrix::Quantized(q) => assert_eq!(q.dtype(), GgmlDType::Q6K),
@@ -1231,7 +1236,13 @@ fn random_q4k_source_builds_valid_blocks() {
             stacked_ours.blocks.get(e).unwrap().to_vec2::<u8>().unwrap()
         );
         let decoded = glm5::ops::iq_matmul::reference::dequantize(&one).unwrap();
-        let candle_values: Vec<f32> = all.get(e).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let candle_values: Vec<f32> = all
+            .get(e)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
         let glm5_values: Vec<f32> = decoded.flatten_all().unwrap().to_vec1().unwrap();
         assert!(
             glm5_values
@@ -1441,13 +1452,14 @@ fn plan_names_the_backend_of_each_quantised_format() {
         );
         String::from_utf8_lossy(&out.stdout).into_owned()
     };
-    let text = plan("wide-IQ.gguf", "sm_120:96GB,sm_80:80GB");
-    let line = |prefix: &str| {
+    let line_of = |text: &str, prefix: &str| {
         text.lines()
             .find(|l| l.trim_start().starts_with(prefix))
             .unwrap_or_else(|| panic!("no line {prefix:?} in\n{text}"))
             .to_string()
     };
+    let text = plan("wide-IQ.gguf", "sm_120:96GB,sm_80:80GB");
+    let line = |prefix: &str| line_of(&text, prefix);
     let iq4 = line("IQ4_XS on cuda:0 (3 tensors)");
     assert!(
         iq4.contains("decode iq-w16-cuda, prefill iq-w16-cuda")
@@ -1459,10 +1471,13 @@ fn plan_names_the_backend_of_each_quantised_format() {
         sm80.contains("CANNOT RUN") && sm80.contains("compute capability"),
         "{sm80}"
     );
+    // Q4_K on glm5's own kernels, Q6_K on candle's.
     let text = plan("wide-Q4_K_M.gguf", "sm_90:141GB");
+    let q4k = line_of(&text, "Q4_K on cuda:0");
     assert!(
-        text.lines()
-            .any(|l| l.contains("Q4_K on cuda:0") && l.contains("candle-qmatmul-cuda")),
-        "{text}"
+        q4k.contains("decode iq-w16-cuda, prefill iq-w16-cuda"),
+        "{q4k}"
     );
+    let q6k = line_of(&text, "Q6_K on cuda:0");
+    assert!(q6k.contains("candle-qmatmul-cuda"), "{q6k}");
 }

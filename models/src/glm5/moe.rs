@@ -2,6 +2,7 @@
 
 use candle_core::quantized::QTensor;
 use candle_core::{DType, Module, Tensor};
+use glm5_ops::iq_matmul::IqFormat;
 use glm5_ops::moe::{self, RouteRule, Routes};
 
 use super::linear::{Loader, Proj};
@@ -374,11 +375,12 @@ impl MoE {
                 });
             }
             // On CUDA, say why glm5's grouped kernels did not take them; the CPU always runs them one by one.
-            let why = if loader.device.is_cuda() && experts.iter().any(|m| {
-                [&m.gate_proj, &m.up_proj, &m.down_proj]
-                    .iter()
-                    .any(|p| matches!(p, Proj::Iq(_)))
-            }) {
+            let why = if loader.device.is_cuda()
+                && experts.iter().any(|m| {
+                    [&m.gate_proj, &m.up_proj, &m.down_proj]
+                        .iter()
+                        .any(|p| matches!(p, Proj::Iq(_)))
+                }) {
                 PER_EXPERT_IQ
             } else {
                 why
@@ -500,6 +502,9 @@ impl MoE {
                 }
                 moe::QuantizedExperts::Nvfp4 { .. } => {
                     "moe-matvec nvfp4 (decode), dequantise + cuBLAS grouped GEMM (prefill)"
+                }
+                moe::QuantizedExperts::Iq { gate, .. } if gate.format == IqFormat::Q4K => {
+                    "moe-matvec i-quant / Q4_K (decode; Q4_K with bf16 on the tensor cores), dequantise + cuBLAS grouped GEMM (prefill)"
                 }
                 moe::QuantizedExperts::Iq { .. } => {
                     "moe-matvec i-quant (decode), dequantise + cuBLAS grouped GEMM (prefill)"

@@ -135,7 +135,13 @@ fn q4k_matrix(name: &str, seed: u64, std: f64, shape: [usize; 2]) -> Vec<u8> {
 }
 
 /// The routed experts' projection `proj` of `prefix`, `[E, out, in]`, each expert's blocks from its own name.
-fn q4k_experts(prefix: &str, proj: &str, seed: u64, std: f64, [experts, out, inp]: [usize; 3]) -> Vec<u8> {
+fn q4k_experts(
+    prefix: &str,
+    proj: &str,
+    seed: u64,
+    std: f64,
+    [experts, out, inp]: [usize; 3],
+) -> Vec<u8> {
     let per_expert = out * inp / QK_K * Q4K_BLOCK_BYTES;
     fill_experts(experts, per_expert, |e, expert_bytes| {
         let name = format!("{prefix}.experts.{e}.{proj}.weight");
@@ -227,7 +233,8 @@ impl TensorSource for RandomQ4kSource {
         }
         let bytes = q4k_experts(prefix, proj, self.dense.seed, self.dense.std, shape);
         let row = IqFormat::Q4K.row_bytes(inp).expect("whole blocks");
-        let blocks = Tensor::from_vec(bytes, (experts, out, row), &Device::Cpu)?.to_device(device)?;
+        let blocks =
+            Tensor::from_vec(bytes, (experts, out, row), &Device::Cpu)?.to_device(device)?;
         Ok(Some(StackedIq::new(IqFormat::Q4K, blocks, inp)?))
     }
 }

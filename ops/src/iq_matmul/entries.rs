@@ -12,9 +12,10 @@ pub fn backends() -> Vec<WeightOnlyBackend> {
     vec![
         WeightOnlyBackend {
             name: "iq-w16-cuda",
-            description: "glm5's i-quant kernels: a mat-vec decoding the GGUF blocks in registers (f32 \
-                          accumulation) up to MAX_ROWS rows; above, dequantise to the activations' dtype and \
-                          use candle's matmul",
+            description: "glm5's GGUF block kernels (i-quants, Q4_K): a mat-vec decoding the blocks in \
+                          registers (f32 accumulation) up to MAX_ROWS rows, Q4_K's 2..MAX_ROWS bf16 rows on \
+                          the tensor cores; above, dequantise to the activations' dtype and use candle's \
+                          matmul",
             devices: DeviceMatch::Cuda(
                 [9, 12]
                     .into_iter()

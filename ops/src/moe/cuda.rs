@@ -6,10 +6,10 @@ use candle_core::{DType, Tensor};
 use glm5_kernels::interface::weight_only::{Q4K_MMA_MAX_WARPS, Q4K_MMA_ROW_TILE};
 
 use super::quantized::{QuantizedExperts, StackedFp8, StackedNvfp4};
-use crate::iq_matmul::IqFormat;
 use super::{RouteRule, Routes};
 use crate::cuda::{cuda_err, device_address, kernel};
 use crate::error::Result;
+use crate::iq_matmul::IqFormat;
 
 /// Warps per block of the mat-vec kernels (`MOE_WARPS`): each block covers this many output rows.
 const MATVEC_WARPS: usize = 8;
@@ -206,7 +206,14 @@ fn grouped_experts(
     down_args: &[Arg],
 ) -> Result<Tensor> {
     let kernel = || MatVec::WarpPerRow(stem.to_string());
-    grouped_experts_with(x, routes, dims, (kernel(), kernel()), gate_up_args, down_args)
+    grouped_experts_with(
+        x,
+        routes,
+        dims,
+        (kernel(), kernel()),
+        gate_up_args,
+        down_args,
+    )
 }
 
 /// Which grouped mat-vec kernel runs a projection, and its launch geometry.
@@ -236,10 +243,9 @@ impl MatVec {
                 rows.div_ceil(MATVEC_WARPS) as u32,
                 (MATVEC_WARPS * 32) as u32,
             ),
-            MatVec::Q4kMma { warps } => (
-                rows.div_ceil(Q4K_MMA_ROW_TILE) as u32,
-                (warps * 32) as u32,
-            ),
+            MatVec::Q4kMma { warps } => {
+                (rows.div_ceil(Q4K_MMA_ROW_TILE) as u32, (warps * 32) as u32)
+            }
         }
     }
 }
@@ -441,7 +447,10 @@ pub(super) fn quantized_experts(
                 x,
                 routes,
                 dims,
-                (kernel_of(gate.format, hidden), kernel_of(down.format, inter)),
+                (
+                    kernel_of(gate.format, hidden),
+                    kernel_of(down.format, inter),
+                ),
                 &[
                     Arg::Ptr(device_address(&gate_blocks)?.0),
                     Arg::Ptr(device_address(&up_blocks)?.0),

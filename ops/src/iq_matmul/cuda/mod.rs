@@ -7,8 +7,8 @@ use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use glm5_kernels::interface::weight_only::{Q4K_MMA_MAX_WARPS, Q4K_MMA_ROW_TILE};
 
 use super::{IqFormat, IqWeight, MAX_ROWS};
-use crate::cuda::{cuda_err, kernel};
 use crate::cuda::device_address;
+use crate::cuda::{cuda_err, kernel};
 use crate::error::OpError;
 use crate::error::Result;
 use crate::weight_only_cuda::{self, KernelFile, WeightArgs};
@@ -31,7 +31,8 @@ pub(crate) fn iq_matmul(x: &Tensor, w: &IqWeight) -> Result<Tensor> {
     // Q4_K with 2..=MAX_ROWS bf16 rows: the tensor-core kernel. One row stays on the FFMA mat-vec, whose
     // n · column_warps warps keep more loads in flight than the n / 16 blocks of 16 rows (measured on the
     // H100: GLM-5's batch-1 Q4_K step 2.65 ms with it, 2.74 ms with the tensor-core kernel for every count).
-    if w.format == IqFormat::Q4K && x.dtype() == DType::BF16 && (2..=MAX_ROWS).contains(&x.dim(0)?) {
+    if w.format == IqFormat::Q4K && x.dtype() == DType::BF16 && (2..=MAX_ROWS).contains(&x.dim(0)?)
+    {
         return q4k_mma_matvec(x, w);
     }
     if x.dim(0)? <= MAX_ROWS {
