@@ -11,9 +11,16 @@ use crate::error::{ModelError, Result};
 
 /// §3.1 `down(silu(gate(x)) ⊙ up(x))`: the dense MLP, each routed expert and the shared expert.
 pub(super) struct Mlp {
-    gate_proj: Proj,
-    up_proj: Proj,
+    gate_up: GateUp,
     down_proj: Proj,
+}
+
+/// `gate_proj` and `up_proj`: two weights, or, when both are GGUF blocks of one format glm5 decodes (Q4_K,
+/// i-quants), one weight of the gate rows then the up rows (every row is its own blocks: no value changes),
+/// multiplied in one launch and split after.
+enum GateUp {
+    Apart { gate: Proj, up: Proj },
+    Stacked { proj: Proj, intermediate: usize },
 }
 
 impl Mlp {
@@ -23,24 +30,66 @@ impl Mlp {
         hidden: usize,
         intermediate: usize,
     ) -> Result<Self> {
+        let gate = loader.linear(&format!("{prefix}.gate_proj"), hidden, intermediate)?;
+        let up = loader.linear(&format!("{prefix}.up_proj"), hidden, intermediate)?;
+        let gate_up = match (gate, up) {
+            (Proj::Iq(g), Proj::Iq(u)) if (g.format, g.in_dim) == (u.format, u.in_dim) => {
+                let stacked = glm5_ops::iq_matmul::IqWeight::new(
+                    g.format,
+                    Tensor::cat(&[&g.blocks, &u.blocks], 0)?,
+                    g.in_dim,
+                )?;
+                glm5_ops::iq_matmul::dispatch(&stacked, loader.desc).map_err(|source| {
+                    ModelError::WeightOnlyMatmul {
+                        tensor: format!("{prefix}.gate_proj + up_proj (stacked)"),
+                        source: Box::new(source),
+                    }
+                })?;
+                GateUp::Stacked {
+                    proj: Proj::Iq(stacked),
+                    intermediate,
+                }
+            }
+            (gate, up) => GateUp::Apart { gate, up },
+        };
         Ok(Self {
-            gate_proj: loader.linear(&format!("{prefix}.gate_proj"), hidden, intermediate)?,
-            up_proj: loader.linear(&format!("{prefix}.up_proj"), hidden, intermediate)?,
+            gate_up,
             down_proj: loader.linear(&format!("{prefix}.down_proj"), intermediate, hidden)?,
         })
     }
 }
 
 impl Mlp {
+    /// Its weights as loaded: gate and up apart (None where they are stacked), down.
+    fn parts(&self) -> Option<[&Proj; 3]> {
+        match &self.gate_up {
+            GateUp::Apart { gate, up } => Some([gate, up, &self.down_proj]),
+            GateUp::Stacked { .. } => None,
+        }
+    }
+
+    /// Whether any of its weights is in GGUF blocks glm5 decodes.
+    fn has_gguf_blocks(&self) -> bool {
+        match &self.gate_up {
+            GateUp::Apart { gate, up } => [gate, up, &self.down_proj]
+                .iter()
+                .any(|p| matches!(p, Proj::Iq(_))),
+            GateUp::Stacked { .. } => true,
+        }
+    }
+
     fn is_dense(&self) -> bool {
-        [&self.gate_proj, &self.up_proj, &self.down_proj]
-            .iter()
-            .all(|p| p.dense_weight().is_some())
+        self.parts()
+            .is_some_and(|parts| parts.iter().all(|p| p.dense_weight().is_some()))
     }
 
     /// `[2I, hidden]`: the gate rows, then the up rows (dense weights only).
     fn gate_up_rows(&self) -> Result<Tensor> {
-        match (self.gate_proj.dense_weight(), self.up_proj.dense_weight()) {
+        let (gate, up) = match &self.gate_up {
+            GateUp::Apart { gate, up } => (gate.dense_weight(), up.dense_weight()),
+            GateUp::Stacked { .. } => (None, None),
+        };
+        match (gate, up) {
             (Some(gate), Some(up)) => Ok(Tensor::cat(&[gate, up], 0)?),
             _ => Err(crate::error::ModelError::PlanDevices(
                 "stacking a quantised expert".into(),
@@ -71,12 +120,9 @@ fn stack_quantized(mlps: &[&Mlp]) -> Option<moe::QuantizedExperts> {
             _ => None,
         }
     }
-    fn parts<'a>(mlp: &&'a Mlp) -> [&'a Proj; 3] {
-        [&mlp.gate_proj, &mlp.up_proj, &mlp.down_proj]
-    }
     if let Some(all) = mlps
         .iter()
-        .map(|m| parts(m).map(fp8).into_iter().collect::<Option<Vec<_>>>())
+        .map(|m| m.parts()?.map(fp8).into_iter().collect::<Option<Vec<_>>>())
         .collect::<Option<Vec<_>>>()
     {
         let gate_up: Vec<Vec<_>> = all.iter().map(|p| vec![p[0], p[1]]).collect();
@@ -88,7 +134,12 @@ fn stack_quantized(mlps: &[&Mlp]) -> Option<moe::QuantizedExperts> {
     }
     let all = mlps
         .iter()
-        .map(|m| parts(m).map(nvfp4).into_iter().collect::<Option<Vec<_>>>())
+        .map(|m| {
+            m.parts()?
+                .map(nvfp4)
+                .into_iter()
+                .collect::<Option<Vec<_>>>()
+        })
         .collect::<Option<Vec<_>>>()?;
     let gate_up: Vec<Vec<_>> = all.iter().map(|p| vec![p[0], p[1]]).collect();
     let down: Vec<Vec<_>> = all.iter().map(|p| vec![p[2]]).collect();
@@ -97,22 +148,32 @@ fn stack_quantized(mlps: &[&Mlp]) -> Option<moe::QuantizedExperts> {
         Proj::Nvfp4(_, prefill) => *prefill,
         _ => glm5_ops::nvfp4_matmul::Prefill::W4a16,
     };
-    let first = mlps.first()?;
+    let [first_gate, _, first_down] = mlps.first()?.parts()?;
     Some(moe::QuantizedExperts::Nvfp4 {
         gate_up: moe::StackedNvfp4::stack(&gate_up)
             .ok()?
-            .with_prefill(prefill(&first.gate_proj)),
+            .with_prefill(prefill(first_gate)),
         down: moe::StackedNvfp4::stack(&down)
             .ok()?
-            .with_prefill(prefill(&first.down_proj)),
+            .with_prefill(prefill(first_down)),
     })
 }
 
 impl Module for Mlp {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let gated =
-            (candle_nn::ops::silu(&self.gate_proj.forward(x)?)? * self.up_proj.forward(x)?)?;
-        self.down_proj.forward(&gated)
+        let (gate, up) = match &self.gate_up {
+            GateUp::Apart { gate, up } => (gate.forward(x)?, up.forward(x)?),
+            GateUp::Stacked { proj, intermediate } => {
+                let both = proj.forward(x)?;
+                let last = both.rank() - 1;
+                (
+                    both.narrow(last, 0, *intermediate)?,
+                    both.narrow(last, *intermediate, *intermediate)?,
+                )
+            }
+        };
+        self.down_proj
+            .forward(&(candle_nn::ops::silu(&gate)? * up)?)
     }
 }
 
@@ -375,12 +436,7 @@ impl MoE {
                 });
             }
             // On CUDA, say why glm5's grouped kernels did not take them; the CPU always runs them one by one.
-            let why = if loader.device.is_cuda()
-                && experts.iter().any(|m| {
-                    [&m.gate_proj, &m.up_proj, &m.down_proj]
-                        .iter()
-                        .any(|p| matches!(p, Proj::Iq(_)))
-                }) {
+            let why = if loader.device.is_cuda() && experts.iter().any(Mlp::has_gguf_blocks) {
                 PER_EXPERT_IQ
             } else {
                 why
