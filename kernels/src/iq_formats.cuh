@@ -1,8 +1,10 @@
-// Decoders of llama.cpp's i-quant GGUF formats: one 32-value sub-block of a block into floats, in ggml's f32
-// order (`dequantize_row_iq*`), so every value equals the CPU reference's (glm5-ops iq_matmul/reference.rs,
-// which has the layout table). The lookup tables are generated from kernels/src/iq_grids.rs.
+// Decoders of the GGUF block formats glm5 decodes, llama.cpp's i-quants and Q4_K: one 32-value sub-block of a
+// block into floats, in ggml's f32 order (`dequantize_row_iq*`, `dequantize_row_q4_K`), so every value equals
+// the CPU reference's (glm5-ops iq_matmul/reference.rs, which has the layout table). The lookup tables are
+// generated from kernels/src/iq_grids.rs.
 //
-// Blocks are 2-byte aligned at best (66, 74, ... bytes), so wider fields are read as u16 pairs.
+// I-quant blocks are 2-byte aligned at best (66, 74, ... bytes), so wider fields are read as u16 pairs;
+// Q4_K's (144 bytes) are 16-byte aligned and read in 16-byte vectors.
 
 #pragma once
 

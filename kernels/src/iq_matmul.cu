@@ -1,12 +1,13 @@
-// Weight-only matmuls over llama.cpp's i-quant GGUF formats: y[m, n] = sum_k x[m, k] * W[n, k], W kept as the
-// GGUF file's blocks in global memory and decoded in registers, f32 accumulation (contract: glm5-ops
-// iq_matmul/mod.rs; decoders: iq_formats.cuh).
+// Weight-only matmuls over the GGUF block formats glm5 decodes (llama.cpp's i-quants, Q4_K):
+// y[m, n] = sum_k x[m, k] * W[n, k], W kept as the GGUF file's blocks in global memory and decoded in
+// registers, f32 accumulation (contract: glm5-ops iq_matmul/mod.rs; decoders: iq_formats.cuh).
 //
 //   iq_matvec[_r1]_<format>_<dtype> rows m <= MAX_ROWS (_r1: m = 1, batch-1 decode, without the other row
 //                                   slots' tests): a group of warps per output column n (ColumnSplit in
-//                                   weight_formats.cuh); its threads decode the column's 32-value sub-blocks
-//                                   in turn and multiply each with all m activation rows, so every weight
-//                                   byte is read once.
+//                                   weight_formats.cuh); its threads decode the column's 16-value chunks
+//                                   (`Chunks` in iq_formats.cuh, several in flight) and multiply each with
+//                                   all m activation rows, so every weight byte is read once.
+//   q4k_mma_matvec{8,16}_bf16       Q4_K, bf16 rows m <= 8 / 16, on the tensor cores (below).
 //   iq_dequantize_<format>_<dtype>  the whole W in the activations' dtype (one thread per sub-block), for
 //                                   the many-row (prefill) path's matmul.
 

@@ -2,8 +2,9 @@
 // mat-vec (iq_matmul.cu) and the grouped experts (moe.cu).
 //
 // The FFMA mat-vecs spend ~6 instructions a Q4_K weight (nibble to float, d1·q − m1, the product, x to f32);
-// here one mma multiplies 16 weight rows by 8 activation rows over 16 values, and a weight costs ~1.5
-// instructions (its nibble placed in a bf16 128 + q by a byte permute and a mask, minus 128: exact). Per
+// here one mma multiplies 16 weight rows by 8 activation rows over 16 values, and decoding a weight costs
+// ~1.5 instructions (its nibble placed in a bf16 128 + q by a byte permute and a mask, minus 128: exact);
+// each sub-block's scales and the sums' scaling add ~30 a warp per 512 weights. Per
 // 32-value sub-block s of a block, with q the 4-bit values, d1 = d·sc and m1 = dmin·m (ggml's order):
 //
 //   y[j][r] += d1[r][s] · Σ_l q[r][l] x[j][l]  −  m1[r][s] · Σ_l x[j][l]
