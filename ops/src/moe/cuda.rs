@@ -433,6 +433,15 @@ pub(super) fn quantized_experts(
                 up.blocks.contiguous()?,
                 down.blocks.contiguous()?,
             );
+            for (format, blocks) in [
+                (gate.format, &gate_blocks),
+                (up.format, &up_blocks),
+                (down.format, &down_blocks),
+            ] {
+                if format == IqFormat::Q4K {
+                    crate::iq_matmul::cuda::check_q4k_alignment(blocks)?;
+                }
+            }
             let kernel_of = |format: IqFormat, k: usize| {
                 if format == IqFormat::Q4K && x.dtype() == DType::BF16 {
                     MatVec::Q4kMma {

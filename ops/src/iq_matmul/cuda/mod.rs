@@ -28,9 +28,12 @@ fn stem(kind: &str, w: &IqWeight) -> String {
 pub(crate) fn iq_matmul(x: &Tensor, w: &IqWeight) -> Result<Tensor> {
     w.check()?;
     let (n, _) = w.dims()?;
+    if w.format == IqFormat::Q4K {
+        check_q4k_alignment(&w.blocks.contiguous()?)?;
+    }
     // Q4_K with 2..=MAX_ROWS bf16 rows: the tensor-core kernel. One row stays on the FFMA mat-vec, whose
-    // n · column_warps warps keep more loads in flight than the n / 16 blocks of 16 rows (measured on the
-    // H100: GLM-5's batch-1 Q4_K step 2.65 ms with it, 2.74 ms with the tensor-core kernel for every count).
+    // n · column_warps warps keep more loads in flight than the n / 16 blocks of 16 rows (H100, separate
+    // runs: GLM-5's batch-1 Q4_K step 2.57 ms with it, 2.74 ms with the tensor-core kernel for every count).
     if w.format == IqFormat::Q4K && x.dtype() == DType::BF16 && (2..=MAX_ROWS).contains(&x.dim(0)?)
     {
         return q4k_mma_matvec(x, w);
@@ -90,11 +93,6 @@ fn q4k_mma_matvec(x: &Tensor, w: &IqWeight) -> Result<Tensor> {
     };
     let blocks = w.blocks.contiguous()?;
     let (w_ptr, dev) = device_address(&blocks)?;
-    if w_ptr % 16 != 0 {
-        return Err(OpError::Unsupported(format!(
-            "iq_matmul: Q4_K blocks at device address {w_ptr:#x}, not 16-byte aligned"
-        )));
-    }
     // SAFETY: every element is written by the kernel (each output row by its block's first warp).
     let y = unsafe { Tensor::empty((m, n), x.dtype(), x.device())? };
     let (x_ptr, _) = device_address(x)?;
@@ -125,4 +123,16 @@ fn q4k_mma_matvec(x: &Tensor, w: &IqWeight) -> Result<Tensor> {
     // y [m, n] bf16, m <= 16.
     unsafe { builder.launch(cfg) }.map_err(cuda_err)?;
     Ok(y)
+}
+
+/// Q4_K's kernels read its blocks in 16-byte vectors (a block is 144 bytes: every block of a 16-byte aligned
+/// row is aligned): a weight starting elsewhere (a view into other bytes) is a typed error, not a fault.
+pub(crate) fn check_q4k_alignment(blocks: &Tensor) -> Result<()> {
+    let (address, _) = device_address(blocks)?;
+    if address % 16 != 0 {
+        return Err(OpError::Unsupported(format!(
+            "iq_matmul: Q4_K blocks at device address {address:#x}, not 16-byte aligned"
+        )));
+    }
+    Ok(())
 }
