@@ -252,6 +252,23 @@ fn load_stacked_iq(
         config.hidden_size,
         config.moe_intermediate_size,
     );
+    let projections = [
+        ("gate_proj", [e, inter, hidden]),
+        ("up_proj", [e, inter, hidden]),
+        ("down_proj", [e, hidden, inter]),
+    ];
+    // From the headers first: a layer mixing these formats with others (Q4_K gate/up, Q6_K down) reads none
+    // of its experts here.
+    let mut formats = Vec::with_capacity(projections.len());
+    for (proj, shape) in projections {
+        match loader.checkpoint.stacked_iq_format(prefix, proj, shape)? {
+            Some(format) => formats.push(format),
+            None => return Ok(None),
+        }
+    }
+    if formats[0] != formats[1] {
+        return Ok(None);
+    }
     let load = |proj: &str, shape: [usize; 3]| {
         loader
             .checkpoint

@@ -411,6 +411,17 @@ impl TensorSource for GgufSource {
         }
     }
 
+    fn stacked_iq_format(
+        &self,
+        prefix: &str,
+        proj: &str,
+        shape: [usize; 3],
+    ) -> Result<Option<IqFormat>> {
+        Ok(self
+            .stacked_info(prefix, proj, shape)?
+            .and_then(|info| IqFormat::from_ggml_id(info.ggml_type.id)))
+    }
+
     fn stacked_iq_experts(
         &self,
         prefix: &str,

@@ -41,8 +41,8 @@ pub enum Matrix {
     Fp8Block(glm5_ops::fp8_matmul::Fp8BlockWeight),
     /// NVFP4 (ModelOpt), multiplied by `glm5_ops::nvfp4_matmul`.
     Nvfp4(glm5_ops::nvfp4_matmul::Nvfp4Weight),
-    /// llama.cpp's i-quant blocks (GGUF IQ1_S ... IQ4_XS, which candle cannot hold), multiplied by
-    /// `glm5_ops::iq_matmul`.
+    /// GGUF blocks glm5 decodes itself (llama.cpp's i-quants, which candle cannot hold, and Q4_K), multiplied
+    /// by `glm5_ops::iq_matmul`.
     Iq(glm5_ops::iq_matmul::IqWeight),
 }
 
@@ -85,9 +85,20 @@ pub trait TensorSource: Send + Sync {
         Ok(None)
     }
 
-    /// The routed experts' projection `proj` of the MoE block `prefix` when the source stores all experts as one
-    /// `[n_experts, out, in]` tensor in a GGUF i-quant format (which candle cannot hold), kept as its blocks on
-    /// `device`; `None` otherwise.
+    /// The format of the routed experts' projection `proj` of the MoE block `prefix` when the source stores
+    /// all experts as one `[n_experts, out, in]` tensor in GGUF blocks glm5 decodes itself (i-quants, Q4_K);
+    /// `None` otherwise. Reads headers only.
+    fn stacked_iq_format(
+        &self,
+        prefix: &str,
+        proj: &str,
+        shape: [usize; 3],
+    ) -> Result<Option<glm5_ops::iq_matmul::IqFormat>> {
+        let _ = (prefix, proj, shape);
+        Ok(None)
+    }
+
+    /// That stacked tensor ([`Self::stacked_iq_format`]), kept as its blocks on `device`; `None` otherwise.
     fn stacked_iq_experts(
         &self,
         prefix: &str,
@@ -263,6 +274,16 @@ impl Checkpoint {
         device: &Device,
     ) -> Result<Option<QTensor>> {
         self.source.stacked_experts(prefix, proj, shape, device)
+    }
+
+    /// [`TensorSource::stacked_iq_format`].
+    pub fn stacked_iq_format(
+        &self,
+        prefix: &str,
+        proj: &str,
+        shape: [usize; 3],
+    ) -> Result<Option<glm5_ops::iq_matmul::IqFormat>> {
+        self.source.stacked_iq_format(prefix, proj, shape)
     }
 
     /// [`TensorSource::stacked_iq_experts`].

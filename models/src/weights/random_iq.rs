@@ -108,6 +108,15 @@ impl TensorSource for RandomIqSource {
         Ok(Matrix::Iq(IqWeight::new(self.format, tensor, shape[1])?))
     }
 
+    fn stacked_iq_format(
+        &self,
+        _prefix: &str,
+        _proj: &str,
+        shape: [usize; 3],
+    ) -> Result<Option<IqFormat>> {
+        Ok(self.format.row_bytes(shape[2]).map(|_| self.format))
+    }
+
     fn stacked_iq_experts(
         &self,
         prefix: &str,

@@ -220,6 +220,15 @@ impl TensorSource for RandomQ4kSource {
         )?))
     }
 
+    fn stacked_iq_format(
+        &self,
+        _prefix: &str,
+        _proj: &str,
+        shape: [usize; 3],
+    ) -> Result<Option<IqFormat>> {
+        Ok((!self.via_candle && shape[2].is_multiple_of(QK_K)).then_some(IqFormat::Q4K))
+    }
+
     fn stacked_iq_experts(
         &self,
         prefix: &str,
