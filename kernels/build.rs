@@ -169,7 +169,7 @@ mod emu {
     /// `emu/include` has its own version of (`fp4_mma_sm120a.cuh`).
     const EMULATED: &[&str] = &[
         "weight_only_matmul",
-        "iq_matmul",
+        "gguf_matmul",
         "moe",
         "rms_norm",
         "attention_rows",

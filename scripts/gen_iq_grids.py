@@ -11,7 +11,7 @@ from gguf import quants
 HEADER = """\
 //! The lookup tables of llama.cpp's i-quant GGUF formats, exactly as ggml defines them (`ggml-common.h`; ggml
 //! is MIT-licensed, Copyright (c) 2023-2024 The ggml authors). Written by `scripts/gen_iq_grids.py` from
-//! gguf-py: do not edit. One source for the CPU reference (`glm5_ops::iq_matmul`) and the CUDA kernels
+//! gguf-py: do not edit. One source for the CPU reference (`glm5_ops::gguf_matmul`) and the CUDA kernels
 //! (`kernels/build.rs` writes them into `glm5_iq_grids.h`).
 //!
 //! A grid entry packs 8 (u64) or 4 (u32) byte values, value `j` in byte `j` (little-endian): unsigned

@@ -17,7 +17,7 @@ cargo test --release --features cuda --workspace --no-run  # shows any compile e
 cargo test --release --features cuda --workspace --no-run --message-format=json 2>/dev/null |
   python3 -c '
 import json, sys
-wanted = {"sparse_mla_cuda", "dsa_indexer_cuda", "moe_cuda", "rms_norm_cuda", "model_cuda", "multi_gpu", "fp8_nvfp4_cuda", "iq_matmul_cuda", "gguf_cuda"}
+wanted = {"sparse_mla_cuda", "dsa_indexer_cuda", "moe_cuda", "rms_norm_cuda", "model_cuda", "multi_gpu", "fp8_nvfp4_cuda", "gguf_matmul_cuda", "gguf_cuda"}
 asked = set(sys.argv[1:])
 if asked:
     wanted &= asked

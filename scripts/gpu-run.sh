@@ -19,9 +19,9 @@ for step in $steps; do
   case $step in
     tests|kernel-tests|model-tests)
       case $step in
-        kernel-tests) names="sparse_mla_cuda dsa_indexer_cuda moe_cuda rms_norm_cuda iq_matmul_cuda" ;;
+        kernel-tests) names="sparse_mla_cuda dsa_indexer_cuda moe_cuda rms_norm_cuda gguf_matmul_cuda" ;;
         model-tests) names="model_cuda fp8_nvfp4_cuda gguf_cuda" ;;
-        *) names="sparse_mla_cuda dsa_indexer_cuda moe_cuda rms_norm_cuda iq_matmul_cuda model_cuda fp8_nvfp4_cuda gguf_cuda" ;;
+        *) names="sparse_mla_cuda dsa_indexer_cuda moe_cuda rms_norm_cuda gguf_matmul_cuda model_cuda fp8_nvfp4_cuda gguf_cuda" ;;
       esac
       for t in $names; do
         [ -x /tmp/glm5-bin/$t ] || { echo "test $t: not packed (scripts/gpu-build.sh NAME...)"; continue; }
@@ -41,7 +41,7 @@ for step in $steps; do
         suffix=""; [ $v = main ] || suffix=-$v
         for tool in memcheck racecheck; do
           for t in "sparse_mla_cuda bf16_kernel prefill_tokens wgmma_kernel" "dsa_indexer_cuda selected_sets equal_scores f32_kernel fp8_quantisation crowded repeated" \
-            "moe_cuda" "rms_norm_cuda" "fp8_nvfp4_cuda kernels_match fp8_w8a8_quantiser" "iq_matmul_cuda every_format" \
+            "moe_cuda" "rms_norm_cuda" "fp8_nvfp4_cuda kernels_match fp8_w8a8_quantiser" "gguf_matmul_cuda every_format" \
             "model_cuda graphed_decode_on_gpu_equals_eager"; do
             set -- $t; bin=$1$suffix; shift
             [ -x /tmp/glm5-bin/$bin ] || continue  # a variant packed without it

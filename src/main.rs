@@ -251,7 +251,7 @@ fn quantised_weights(
     gguf: Option<&glm5::models::weights::gguf_source::GgufSource>,
     dtype: DType,
 ) -> Vec<glm5::plan_cli::QuantisedWeights> {
-    use glm5::ops::iq_matmul::IqFormat;
+    use glm5::ops::gguf_matmul::GgufFormat;
     use glm5::plan_cli::{QuantisedWeights, WeightFormat};
     let mut out: Vec<QuantisedWeights> = Vec::new();
     if let Some(gguf) = gguf {
@@ -271,8 +271,11 @@ fn quantised_weights(
                 continue;
             }
             // glm5's own block kernels first (Q4_K, which candle also has, runs on them), then candle's.
-            let format = match (IqFormat::from_ggml_id(t.ggml_type.id), t.ggml_type.candle()) {
-                (Some(iq), _) => WeightFormat::Iq(iq),
+            let format = match (
+                GgufFormat::from_ggml_id(t.ggml_type.id),
+                t.ggml_type.candle(),
+            ) {
+                (Some(iq), _) => WeightFormat::GgufBlocks(iq),
                 (None, Some(c)) => WeightFormat::Gguf(c, t.ggml_type.name),
                 (None, None) => continue, // the header note says the file cannot run
             };

@@ -466,8 +466,8 @@ pub struct QuantisedWeights {
 pub enum WeightFormat {
     /// A GGUF block type candle's `QMatMul` computes with, and its ggml name.
     Gguf(candle_core::quantized::GgmlDType, &'static str),
-    /// A GGUF i-quant (`iq_matmul`).
-    Iq(glm5_ops::iq_matmul::IqFormat),
+    /// A GGUF i-quant (`gguf_matmul`).
+    GgufBlocks(glm5_ops::gguf_matmul::GgufFormat),
     /// Block-scaled FP8 (`fp8_matmul`).
     Fp8 {
         /// `[block_out, block_in]`.
@@ -481,7 +481,7 @@ impl std::fmt::Display for WeightFormat {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             WeightFormat::Gguf(_, name) => f.write_str(name),
-            WeightFormat::Iq(t) => write!(f, "{t}"),
+            WeightFormat::GgufBlocks(t) => write!(f, "{t}"),
             WeightFormat::Fp8 { block } => write!(f, "FP8 ({}x{} blocks)", block[0], block[1]),
             WeightFormat::Nvfp4 => write!(f, "NVFP4"),
         }
@@ -549,9 +549,9 @@ pub fn render_weight_backends(devices: &[DeviceDesc], weights: &[QuantisedWeight
                 }
                 _ => {
                     let (op, backends, [block_out, block_in]) = match w.format {
-                        WeightFormat::Iq(f) => (
-                            "iq_matmul",
-                            glm5_ops::iq_matmul::backends(),
+                        WeightFormat::GgufBlocks(f) => (
+                            "gguf_matmul",
+                            glm5_ops::gguf_matmul::backends(),
                             [1, f.block_values()],
                         ),
                         WeightFormat::Fp8 { block } => {

@@ -238,7 +238,7 @@ fn quantised_gguf_logits_track_the_references() {
 }
 
 /// Every quantised projection run as the model runs it (candle's `QMatMul`, activations in 8-bit blocks, or
-/// glm5's `iq_matmul` for the formats it decodes itself: Q4_K) against a dense f32 product, relative L2 over 40
+/// glm5's `gguf_matmul` for the formats it decodes itself: Q4_K) against a dense f32 product, relative L2 over 40
 /// rows: the Q8_0 file's against the F32 file's weights (quantisation and kernel, within 2e-2), the Q4_K_M
 /// file's against its own weights expanded (the Q4_K and Q6_K kernels alone, within 2e-2).
 #[test]
@@ -264,7 +264,7 @@ fn each_quantised_projection_tracks_the_dense_product() {
         for (name, shape) in names {
             let [out, inp] = shape[..] else { continue };
             let matrix = quantised.matrix(&name, [out, inp], DType::F32, &Device::Cpu);
-            if !matches!(matrix, Ok(Matrix::Quantized(_) | Matrix::Iq(_))) {
+            if !matches!(matrix, Ok(Matrix::Quantized(_) | Matrix::GgufBlocks(_))) {
                 continue;
             }
             let w = dense
@@ -274,7 +274,7 @@ fn each_quantised_projection_tracks_the_dense_product() {
             let want: Vec<Vec<f32>> = x.matmul(&w.t().unwrap()).unwrap().to_vec2().unwrap();
             let got: Vec<Vec<f32>> = match matrix.unwrap() {
                 Matrix::Quantized(q) => QMatMul::from_arc(q).unwrap().forward(&x).unwrap(),
-                Matrix::Iq(w) => glm5::ops::iq_matmul::iq_matmul(&x, &w).unwrap(),
+                Matrix::GgufBlocks(w) => glm5::ops::gguf_matmul::gguf_matmul(&x, &w).unwrap(),
                 _ => unreachable!(),
             }
             .to_vec2()
@@ -299,8 +299,8 @@ fn quantised_matrices_stay_quantised_and_are_sized_as_stored() {
         .matrix(name, [config.q_lora_rank, h], DType::F32, &Device::Cpu)
         .unwrap()
     {
-        Matrix::Iq(w) => {
-            assert_eq!(w.format, glm5::ops::iq_matmul::IqFormat::Q4K);
+        Matrix::GgufBlocks(w) => {
+            assert_eq!(w.format, glm5::ops::gguf_matmul::GgufFormat::Q4K);
             assert_eq!(w.dims().unwrap(), (config.q_lora_rank, h));
         }
         _ => panic!("{name} was expanded"),
@@ -1214,7 +1214,7 @@ fn random_q4k_source_builds_valid_blocks() {
     // bit, and the stacked experts are the same bytes.
     let ours = RandomQ4kSource::new(7, std);
     let stacked_ours = ours
-        .stacked_iq_experts(
+        .stacked_gguf_block_experts(
             "model.layers.3.mlp",
             "gate_proj",
             [experts, out, inp],
@@ -1222,10 +1222,10 @@ fn random_q4k_source_builds_valid_blocks() {
         )
         .unwrap()
         .unwrap();
-    assert_eq!(stacked_ours.format, glm5::ops::iq_matmul::IqFormat::Q4K);
+    assert_eq!(stacked_ours.format, glm5::ops::gguf_matmul::GgufFormat::Q4K);
     for e in 0..experts {
         let name = format!("model.layers.3.mlp.experts.{e}.gate_proj.weight");
-        let Matrix::Iq(one) = ours
+        let Matrix::GgufBlocks(one) = ours
             .matrix(&name, [out, inp], DType::BF16, &Device::Cpu)
             .unwrap()
         else {
@@ -1235,7 +1235,7 @@ fn random_q4k_source_builds_valid_blocks() {
             one.blocks.to_vec2::<u8>().unwrap(),
             stacked_ours.blocks.get(e).unwrap().to_vec2::<u8>().unwrap()
         );
-        let decoded = glm5::ops::iq_matmul::reference::dequantize(&one).unwrap();
+        let decoded = glm5::ops::gguf_matmul::reference::dequantize(&one).unwrap();
         let candle_values: Vec<f32> = all
             .get(e)
             .unwrap()
@@ -1372,20 +1372,20 @@ fn i_quant_gguf_logits_equal_the_model_dequantised_by_gguf_py() {
 #[test]
 fn random_iq_source_builds_blocks_at_the_requested_scale() {
     use glm5::models::weights::random_iq::RandomIqSource;
-    use glm5::ops::iq_matmul::{self, IqFormat};
+    use glm5::ops::gguf_matmul::{self, GgufFormat};
     let std = 0.02;
-    for format in IqFormat::ALL {
+    for format in GgufFormat::ALL {
         let source = RandomIqSource::new(7, std, format);
         let name = "model.layers.3.mlp.experts.1.gate_proj.weight";
         let (out, inp) = (32, 512);
-        let Matrix::Iq(w) = source
+        let Matrix::GgufBlocks(w) = source
             .matrix(name, [out, inp], DType::BF16, &Device::Cpu)
             .unwrap()
         else {
             panic!("{format}: {name} is not an i-quant matrix")
         };
         assert_eq!(w.format, format);
-        let values: Vec<f32> = iq_matmul::reference::dequantize(&w)
+        let values: Vec<f32> = gguf_matmul::reference::dequantize(&w)
             .unwrap()
             .flatten_all()
             .unwrap()
@@ -1401,7 +1401,7 @@ fn random_iq_source_builds_blocks_at_the_requested_scale() {
         );
         // The stacked experts hold each expert's own matrix.
         let stacked = source
-            .stacked_iq_experts(
+            .stacked_gguf_block_experts(
                 "model.layers.3.mlp",
                 "gate_proj",
                 [3, out, inp],
@@ -1409,9 +1409,10 @@ fn random_iq_source_builds_blocks_at_the_requested_scale() {
             )
             .unwrap()
             .unwrap();
-        let expert = iq_matmul::IqWeight::new(format, stacked.blocks.get(1).unwrap(), inp).unwrap();
+        let expert =
+            gguf_matmul::GgufWeight::new(format, stacked.blocks.get(1).unwrap(), inp).unwrap();
         assert_eq!(
-            iq_matmul::reference::dequantize(&expert)
+            gguf_matmul::reference::dequantize(&expert)
                 .unwrap()
                 .flatten_all()
                 .unwrap()
@@ -1462,8 +1463,8 @@ fn plan_names_the_backend_of_each_quantised_format() {
     let line = |prefix: &str| line_of(&text, prefix);
     let iq4 = line("IQ4_XS on cuda:0 (3 tensors)");
     assert!(
-        iq4.contains("decode iq-w16-cuda, prefill iq-w16-cuda")
-            && iq4.contains("iq-reference-cpu: needs device cpu"),
+        iq4.contains("decode gguf-w16-cuda, prefill gguf-w16-cuda")
+            && iq4.contains("gguf-reference-cpu: needs device cpu"),
         "{iq4}"
     );
     let sm80 = line("IQ4_XS on cuda:1");
@@ -1475,7 +1476,7 @@ fn plan_names_the_backend_of_each_quantised_format() {
     let text = plan("wide-Q4_K_M.gguf", "sm_90:141GB");
     let q4k = line_of(&text, "Q4_K on cuda:0");
     assert!(
-        q4k.contains("decode iq-w16-cuda, prefill iq-w16-cuda"),
+        q4k.contains("decode gguf-w16-cuda, prefill gguf-w16-cuda"),
         "{q4k}"
     );
     let q6k = line_of(&text, "Q6_K on cuda:0");

@@ -16,7 +16,7 @@ use glm5::models::weights::random_iq::RandomIqSource;
 use glm5::models::weights::random_q4k::RandomQ4kSource;
 use glm5::models::weights::Format;
 use glm5::models::{DecodeGraphs, PagedCacheOptions, RowOps, SeqChunk, SeqId, DEFAULT_BLOCK_SIZE};
-use glm5::ops::iq_matmul::IqFormat;
+use glm5::ops::gguf_matmul::GgufFormat;
 use glm5::{AttentionMode, Checkpoint, Config, DeviceDesc, Glm5ForCausalLM, Plan, PlanOptions};
 
 use crate::cuda;
@@ -38,7 +38,7 @@ pub enum WeightFormat {
     Nvfp4,
     /// One of llama.cpp's i-quant formats for every linear layer Q4_K covers
     /// (`glm5::models::weights::random_iq`).
-    Iq(IqFormat),
+    GgufBlocks(GgufFormat),
 }
 
 impl std::str::FromStr for WeightFormat {
@@ -51,10 +51,10 @@ impl std::str::FromStr for WeightFormat {
             "q4k-candle" => Ok(Self::Q4kCandle),
             "fp8" => Ok(Self::Fp8),
             "nvfp4" => Ok(Self::Nvfp4),
-            other => IqFormat::ALL
+            other => GgufFormat::ALL
                 .into_iter()
                 .find(|f| f.name().eq_ignore_ascii_case(other))
-                .map(Self::Iq)
+                .map(Self::GgufBlocks)
                 .ok_or_else(|| {
                     format!(
                         "unknown weight format {other:?} (bf16, q4k, q4k-candle, fp8, nvfp4, or an i-quant: iq1_s, iq1_m, \
@@ -74,14 +74,14 @@ impl WeightFormat {
             Self::Q4kCandle => "Q4_K (candle)",
             Self::Fp8 => "FP8 (128x128 blocks)",
             Self::Nvfp4 => "NVFP4",
-            Self::Iq(format) => format.name(),
+            Self::GgufBlocks(format) => format.name(),
         }
     }
 
     /// The published safetensors recipe's quantisation (FP8, NVFP4; `None` otherwise).
     fn quantization(self) -> Option<glm5::models::Quantization> {
         match self {
-            Self::Bf16 | Self::Q4K | Self::Q4kCandle | Self::Iq(_) => None,
+            Self::Bf16 | Self::Q4K | Self::Q4kCandle | Self::GgufBlocks(_) => None,
             Self::Fp8 => Some(glm5::models::Quantization::Fp8Block {
                 block: [128, 128],
                 modules_to_not_convert: vec![],
@@ -117,7 +117,7 @@ pub fn random_checkpoint(format: WeightFormat) -> Checkpoint {
         WeightFormat::Q4kCandle => {
             Checkpoint::from_source(Box::new(RandomQ4kSource::candle(seed, std)), Format::Random)
         }
-        WeightFormat::Iq(iq) => {
+        WeightFormat::GgufBlocks(iq) => {
             Checkpoint::from_source(Box::new(RandomIqSource::new(seed, std, iq)), Format::Random)
         }
         WeightFormat::Fp8 | WeightFormat::Nvfp4 => Checkpoint::random_quantized(
@@ -474,7 +474,7 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
     set_pool_release_threshold(&device, 0)?;
     let weights = match args.weights {
         WeightFormat::Bf16 => "random bf16 weights".to_string(),
-        WeightFormat::Q4K | WeightFormat::Q4kCandle | WeightFormat::Iq(_) => format!(
+        WeightFormat::Q4K | WeightFormat::Q4kCandle | WeightFormat::GgufBlocks(_) => format!(
             "random weights: linear layers {} as a llama.cpp Q4_K_M file quantises them, lm_head / embeddings / kv_b bf16, router f32",
             args.weights.label()
         ),

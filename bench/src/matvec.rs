@@ -6,7 +6,7 @@
 use glm5::candle_core::quantized::QMatMul;
 use glm5::candle_core::{DType, Device, Module, Result, Tensor};
 use glm5::ops::fp8_matmul::{fp8_matmul, Fp8BlockWeight};
-use glm5::ops::iq_matmul::{iq_matmul, IqFormat};
+use glm5::ops::gguf_matmul::{gguf_matmul, GgufFormat};
 use glm5::ops::nvfp4_matmul::{nvfp4_matmul, Nvfp4Weight};
 
 use crate::timing::{cold_seconds, median_seconds};
@@ -83,30 +83,30 @@ pub fn matvec_rows(device: &Device, copy: f64) -> Result<()> {
         // The i-quants and Q4_K from the e2e bench's random sources (their blocks as the formats store them).
         let name = "model.layers.3.mlp.experts.0.gate_proj.weight";
         for format in [
-            IqFormat::Iq4Xs,
-            IqFormat::Iq3S,
-            IqFormat::Iq2S,
-            IqFormat::Iq2Xxs,
-            IqFormat::Iq1M,
+            GgufFormat::Iq4Xs,
+            GgufFormat::Iq3S,
+            GgufFormat::Iq2S,
+            GgufFormat::Iq2Xxs,
+            GgufFormat::Iq1M,
         ] {
             let source = glm5::models::weights::random_iq::RandomIqSource::new(7, 0.02, format);
-            if let glm5::models::Matrix::Iq(w) =
+            if let glm5::models::Matrix::GgufBlocks(w) =
                 glm5::models::TensorSource::matrix(&source, name, [n, k], DType::BF16, device)
                     .map_err(cuda)?
             {
                 row(format.name(), w.blocks.elem_count(), &|| {
-                    iq_matmul(&x, &w).map(drop).map_err(cuda)
+                    gguf_matmul(&x, &w).map(drop).map_err(cuda)
                 })?;
             }
         }
         // Q4_K through glm5's kernel, then the same blocks through candle's QMatMul.
         let q4k = glm5::models::weights::random_q4k::RandomQ4kSource::new(7, 0.02);
-        if let glm5::models::Matrix::Iq(w) =
+        if let glm5::models::Matrix::GgufBlocks(w) =
             glm5::models::TensorSource::matrix(&q4k, name, [n, k], DType::BF16, device)
                 .map_err(cuda)?
         {
             row("Q4_K (glm5)", w.blocks.elem_count(), &|| {
-                iq_matmul(&x, &w).map(drop).map_err(cuda)
+                gguf_matmul(&x, &w).map(drop).map_err(cuda)
             })?;
         }
         let q4k = glm5::models::weights::random_q4k::RandomQ4kSource::candle(7, 0.02);

@@ -133,11 +133,11 @@ pub fn moe_gguf_rows(device: &Device, copy: f64) -> Result<()> {
     // The same blocks as glm5's grouped kernels take them (a GGUF file's Q4_K experts).
     let ours = RandomQ4kSource::new(2026, 0.02);
     let load_ours = |proj: &str, shape: [usize; 3]| -> Result<_> {
-        ours.stacked_iq_experts("model.layers.3.mlp", proj, shape, device)
+        ours.stacked_gguf_block_experts("model.layers.3.mlp", proj, shape, device)
             .map_err(cuda)?
             .ok_or_else(|| cuda("rows are not whole Q4_K blocks"))
     };
-    let glm5_experts = glm5::ops::moe::QuantizedExperts::Iq {
+    let glm5_experts = glm5::ops::moe::QuantizedExperts::GgufBlocks {
         gate: load_ours("gate_proj", [routed, inter, hidden])?,
         up: load_ours("up_proj", [routed, inter, hidden])?,
         down: load_ours("down_proj", [routed, hidden, inter])?,

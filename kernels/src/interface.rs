@@ -255,7 +255,7 @@ pub mod weight_only {
     }
     /// Threads of the dequantise kernel's blocks.
     pub const DEQUANTIZE_THREADS: usize = 256;
-    /// The Q4_K tensor-core mat-vec (`iq_matmul.cu`): output rows per block (an mma's M), and the most warps
+    /// The Q4_K tensor-core mat-vec (`gguf_matmul.cu`): output rows per block (an mma's M), and the most warps
     /// splitting a block's rows along `in`.
     pub const Q4K_MMA_ROW_TILE: usize = 16;
     pub const Q4K_MMA_MAX_WARPS: usize = 8;

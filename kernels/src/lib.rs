@@ -50,9 +50,10 @@ pub const ATTENTION_ROWS: &[u8] =
 pub const WEIGHT_ONLY_MATMUL: &[u8] =
     include_bytes!(concat!(env!("OUT_DIR"), "/weight_only_matmul.fatbin"));
 
-/// `iq_matmul.cu`: mat-vec and dequantise kernels over llama.cpp's i-quant GGUF blocks (IQ1_S ... IQ4_XS).
+/// `gguf_matmul.cu`: mat-vec and dequantise kernels over the GGUF blocks glm5 decodes (llama.cpp's i-quants
+/// IQ1_S ... IQ4_XS, and Q4_K, with its tensor-core mat-vec).
 #[cfg(feature = "cuda")]
-pub const IQ_MATMUL: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/iq_matmul.fatbin"));
+pub const GGUF_MATMUL: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/gguf_matmul.fatbin"));
 
 /// `nvfp4_mma_sm120a.cu`: the NVFP4 W4A4 GEMM on the block-scaled FP4 tensor-core MMA and its activation
 /// quantiser, SASS for sm_120a only (RTX PRO 6000 / RTX 5090).

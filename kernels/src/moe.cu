@@ -25,7 +25,7 @@
 //                      (gate_up: the gate rows, then the up rows).
 //   moe_{gate_up,down}_<i-quant>_*  the same over GGUF i-quant experts as the file stacks them, [E, rows,
 //                      row bytes] per projection (gate and up two tensors of one format; decoders in
-//                      iq_formats.cuh).
+//                      gguf_formats.cuh).
 //   moe_{gate_up,down}_q4_k_mma_bf16  Q4_K experts with bf16 activations on the tensor cores (q4k_mma.cuh):
 //                      per (active expert, 16 output rows), the block's warps splitting the rows' Q4_K
 //                      blocks, the expert's tokens 8 at a time.
@@ -37,7 +37,7 @@
 #include <stdint.h>
 
 #include "bf16_mma.cuh"
-#include "iq_formats.cuh"
+#include "gguf_formats.cuh"
 #include "q4k_mma.cuh"
 #include "weight_formats.cuh"
 
@@ -437,21 +437,21 @@ struct Nvfp4Row {
 };
 
 // A row of a stacked GGUF block-format projection [E, rows, row bytes], in its 16-value chunks (`Chunks` in
-// iq_formats.cuh: the chunk's scale is inside the block).
-template <glm5::iq::Format F>
-struct IqRow {
-    using Chunk = typename glm5::iq::Chunks<F>::Chunk;
-    static constexpr int UNROLL = glm5::iq::Chunks<F>::UNROLL;
+// gguf_formats.cuh: the chunk's scale is inside the block).
+template <glm5::gguf::Format F>
+struct GgufRow {
+    using Chunk = typename glm5::gguf::Chunks<F>::Chunk;
+    static constexpr int UNROLL = glm5::gguf::Chunks<F>::UNROLL;
     const uint8_t* row;
     float row_scale;
 
-    __device__ IqRow(const uint8_t* blocks, int expert, int rows, int r, int k) {
-        row = blocks + ((size_t)expert * rows + r) * glm5::iq::row_bytes<F>(k);
+    __device__ GgufRow(const uint8_t* blocks, int expert, int rows, int r, int k) {
+        row = blocks + ((size_t)expert * rows + r) * glm5::gguf::row_bytes<F>(k);
         row_scale = 1.0f;
     }
-    __device__ __forceinline__ Chunk load(int c) const { return glm5::iq::Chunks<F>::load(row, c); }
+    __device__ __forceinline__ Chunk load(int c) const { return glm5::gguf::Chunks<F>::load(row, c); }
     __device__ __forceinline__ float decode(const Chunk& chunk, float (&w)[16]) const {
-        return glm5::iq::Chunks<F>::decode(chunk, w);
+        return glm5::gguf::Chunks<F>::decode(chunk, w);
     }
 };
 
@@ -623,39 +623,39 @@ __device__ void down_quantized(const T* __restrict__ h, const Row& row, int expe
 MOE_QUANTIZED_INSTANCES(bf16, __nv_bfloat16)
 MOE_QUANTIZED_INSTANCES(f32, float)
 
-#define MOE_IQ_INSTANCES(TAG, TOKENS, NAME, F, SUFFIX, T)                                                                  \
+#define MOE_GGUF_INSTANCES(TAG, TOKENS, NAME, F, SUFFIX, T)                                                                  \
     extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_gate_up_##TAG##NAME##_##SUFFIX(              \
         const T* x, const uint8_t* gate, const uint8_t* up, const int* sorted, const int* offsets,           \
         const int* active, const int* active_count, int slots, int hidden, int inter, T* h) {                \
         MOE_QUANTIZED_PROLOGUE(inter)                                                                        \
-        const IqRow<glm5::iq::F> gate_row(gate, expert, inter, out_row, hidden);                             \
-        const IqRow<glm5::iq::F> up_row(up, expert, inter, out_row, hidden);                                 \
+        const GgufRow<glm5::gguf::F> gate_row(gate, expert, inter, out_row, hidden);                             \
+        const GgufRow<glm5::gguf::F> up_row(up, expert, inter, out_row, hidden);                                 \
         gate_up_quantized<TOKENS, T>(x, gate_row, up_row, expert, sorted, offsets, slots, hidden, inter, out_row, h); \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_down_##TAG##NAME##_##SUFFIX(                 \
         const T* h, const uint8_t* down, const float* gates, const int* sorted, const int* offsets,          \
         const int* active, const int* active_count, int hidden, int inter, float* y) {                       \
         MOE_QUANTIZED_PROLOGUE(hidden)                                                                       \
-        const IqRow<glm5::iq::F> row(down, expert, hidden, out_row, inter);                                  \
+        const GgufRow<glm5::gguf::F> row(down, expert, hidden, out_row, inter);                                  \
         down_quantized<TOKENS, T>(h, row, expert, gates, sorted, offsets, hidden, inter, out_row, y);                \
     }
 
-#define MOE_IQ_FORMAT(NAME, F)                                              \
-    MOE_IQ_INSTANCES(, MOE_TOKENS_PER_PASS, NAME, F, bf16, __nv_bfloat16)   \
-    MOE_IQ_INSTANCES(, MOE_TOKENS_PER_PASS, NAME, F, f32, float)            \
-    MOE_IQ_INSTANCES(t1_, 1, NAME, F, bf16, __nv_bfloat16)                  \
-    MOE_IQ_INSTANCES(t1_, 1, NAME, F, f32, float)
+#define MOE_GGUF_FORMAT(NAME, F)                                              \
+    MOE_GGUF_INSTANCES(, MOE_TOKENS_PER_PASS, NAME, F, bf16, __nv_bfloat16)   \
+    MOE_GGUF_INSTANCES(, MOE_TOKENS_PER_PASS, NAME, F, f32, float)            \
+    MOE_GGUF_INSTANCES(t1_, 1, NAME, F, bf16, __nv_bfloat16)                  \
+    MOE_GGUF_INSTANCES(t1_, 1, NAME, F, f32, float)
 
-MOE_IQ_FORMAT(iq2_xxs, IQ2_XXS)
-MOE_IQ_FORMAT(iq2_xs, IQ2_XS)
-MOE_IQ_FORMAT(iq2_s, IQ2_S)
-MOE_IQ_FORMAT(iq3_xxs, IQ3_XXS)
-MOE_IQ_FORMAT(iq3_s, IQ3_S)
-MOE_IQ_FORMAT(iq1_s, IQ1_S)
-MOE_IQ_FORMAT(iq1_m, IQ1_M)
-MOE_IQ_FORMAT(iq4_nl, IQ4_NL)
-MOE_IQ_FORMAT(iq4_xs, IQ4_XS)
-MOE_IQ_FORMAT(q4_k, Q4_K)
+MOE_GGUF_FORMAT(iq2_xxs, IQ2_XXS)
+MOE_GGUF_FORMAT(iq2_xs, IQ2_XS)
+MOE_GGUF_FORMAT(iq2_s, IQ2_S)
+MOE_GGUF_FORMAT(iq3_xxs, IQ3_XXS)
+MOE_GGUF_FORMAT(iq3_s, IQ3_S)
+MOE_GGUF_FORMAT(iq1_s, IQ1_S)
+MOE_GGUF_FORMAT(iq1_m, IQ1_M)
+MOE_GGUF_FORMAT(iq4_nl, IQ4_NL)
+MOE_GGUF_FORMAT(iq4_xs, IQ4_XS)
+MOE_GGUF_FORMAT(q4_k, Q4_K)
 
 // ---- Q4_K experts on the tensor cores (bf16) ---------------------------------------------------------------
 

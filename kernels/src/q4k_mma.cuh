@@ -1,5 +1,5 @@
 // Q4_K rows times bf16 activation rows on the tensor cores (mma.sync m16n8k16), shared by the weight-only
-// mat-vec (iq_matmul.cu) and the grouped experts (moe.cu).
+// mat-vec (gguf_matmul.cu) and the grouped experts (moe.cu).
 //
 // The FFMA mat-vecs spend ~6 instructions a Q4_K weight (nibble to float, d1·q − m1, the product, x to f32);
 // here one mma multiplies 16 weight rows by 8 activation rows over 16 values, and decoding a weight costs
@@ -27,7 +27,7 @@
 // mma_bf16_16816 and bf16x2_sub: the includer includes bf16_mma.cuh first (itself, so that the CPU emulator's
 // include path puts its own versions in their place).
 #include "glm5_interface.h"
-#include "iq_formats.cuh"
+#include "gguf_formats.cuh"
 
 namespace glm5 {
 namespace q4k_mma {
@@ -90,7 +90,7 @@ __device__ __forceinline__ void accumulate(const Block& block, const __nv_bfloat
         mma_bf16_16816(sx, ones, b_hi);
         float d1[2], m1[2];
 #pragma unroll
-        for (int r = 0; r < 2; ++r) iq::q4k_scale_min(block.head[r], s, d1[r], m1[r]);
+        for (int r = 0; r < 2; ++r) gguf::q4k_scale_min(block.head[r], s, d1[r], m1[r]);
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[i] = fmaf(d1[i / 2], qx[i], fmaf(-m1[i / 2], sx[i], acc[i]));
     }

@@ -9,7 +9,7 @@
 //! device, and the model picks one per layer and op when its graph is built, from the device's description
 //! (`device.rs`, read from hardware by `probe.rs`).
 //!
-//! The weight-only quantised matmuls (`fp8_matmul`: W8A16, `nvfp4_matmul`: W4A16, `iq_matmul`: GGUF's
+//! The weight-only quantised matmuls (`fp8_matmul`: W8A16, `nvfp4_matmul`: W4A16, `gguf_matmul`: GGUF's
 //! i-quants) and GGUF's `quantized_matmul` (candle's `QMatMul`) have their own small backend lists (`weight_only.rs`, `quantized_matmul/entries.rs`):
 //! they are chosen per weight when the graph is built.
 //!
@@ -28,9 +28,9 @@ pub mod device;
 pub mod dsa_indexer;
 pub mod error;
 pub mod fp8_matmul;
+pub mod gguf_matmul;
 pub mod index_key_rows;
 pub mod index_keys;
-pub mod iq_matmul;
 pub mod latent_rows;
 pub mod moe;
 pub mod nvfp4_matmul;

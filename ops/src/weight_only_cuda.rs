@@ -1,5 +1,5 @@
 //! The launchers of the weight-only mat-vec and dequantise kernels, shared by `fp8_matmul` and `nvfp4_matmul`
-//! (`weight_only_matmul.cu`) and `iq_matmul` (`iq_matmul.cu`) on CUDA.
+//! (`weight_only_matmul.cu`) and `gguf_matmul` (`gguf_matmul.cu`) on CUDA.
 
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::{DType, Tensor};

@@ -13,13 +13,13 @@ mod common;
 use std::ffi::c_void;
 
 use candle_core::{DType, Device, Tensor};
-use common::quantized::{experts as quantized_experts, iq_blocks, Format};
+use common::quantized::{experts as quantized_experts, gguf_blocks, Format};
 use common::{rng, uniform};
 use glm5_kernels::emu::{launch, DeviceBuffer, LaunchConfig};
 use glm5_kernels::interface::weight_only::{
     column_warps, DEQUANTIZE_THREADS, MAX_ROWS, Q4K_MMA_MAX_WARPS, Q4K_MMA_ROW_TILE, WARPS,
 };
-use glm5_ops::iq_matmul::{self, IqFormat, IqWeight};
+use glm5_ops::gguf_matmul::{self, GgufFormat, GgufWeight};
 use glm5_ops::moe::{experts_reference, route_reference, QuantizedExperts, Routes};
 use glm5_ops::{fp8_matmul, nvfp4_matmul};
 use half::bf16;
@@ -212,20 +212,20 @@ macro_rules! iq_kernels {
     ($($variant:ident => $name:ident),* $(,)?) => { paste::paste! {
         extern "C" {
             $(
-                fn [<iq_matvec_ $name _f32>](x: Ptr, w: *const u8, y: MutPtr, m: i32, n: i32, k: i32, column_warps: i32);
-                fn [<iq_matvec_ $name _bf16>](x: Ptr, w: *const u8, y: MutPtr, m: i32, n: i32, k: i32, column_warps: i32);
-                fn [<iq_matvec_r1_ $name _f32>](x: Ptr, w: *const u8, y: MutPtr, m: i32, n: i32, k: i32, column_warps: i32);
-                fn [<iq_matvec_r1_ $name _bf16>](x: Ptr, w: *const u8, y: MutPtr, m: i32, n: i32, k: i32, column_warps: i32);
-                fn [<iq_dequantize_ $name _f32>](w: *const u8, out: MutPtr, n: i32, k: i32);
-                fn [<iq_dequantize_ $name _bf16>](w: *const u8, out: MutPtr, n: i32, k: i32);
+                fn [<gguf_matvec_ $name _f32>](x: Ptr, w: *const u8, y: MutPtr, m: i32, n: i32, k: i32, column_warps: i32);
+                fn [<gguf_matvec_ $name _bf16>](x: Ptr, w: *const u8, y: MutPtr, m: i32, n: i32, k: i32, column_warps: i32);
+                fn [<gguf_matvec_r1_ $name _f32>](x: Ptr, w: *const u8, y: MutPtr, m: i32, n: i32, k: i32, column_warps: i32);
+                fn [<gguf_matvec_r1_ $name _bf16>](x: Ptr, w: *const u8, y: MutPtr, m: i32, n: i32, k: i32, column_warps: i32);
+                fn [<gguf_dequantize_ $name _f32>](w: *const u8, out: MutPtr, n: i32, k: i32);
+                fn [<gguf_dequantize_ $name _bf16>](w: *const u8, out: MutPtr, n: i32, k: i32);
             )*
         }
-        fn iq_kernels(format: IqFormat) -> IqKernels {
+        fn iq_kernels(format: GgufFormat) -> IqKernels {
             match format {
-                $(IqFormat::$variant => IqKernels {
-                    matvec: [[<iq_matvec_ $name _f32>], [<iq_matvec_ $name _bf16>]],
-                    matvec_r1: [[<iq_matvec_r1_ $name _f32>], [<iq_matvec_r1_ $name _bf16>]],
-                    dequantize: [[<iq_dequantize_ $name _f32>], [<iq_dequantize_ $name _bf16>]],
+                $(GgufFormat::$variant => IqKernels {
+                    matvec: [[<gguf_matvec_ $name _f32>], [<gguf_matvec_ $name _bf16>]],
+                    matvec_r1: [[<gguf_matvec_r1_ $name _f32>], [<gguf_matvec_r1_ $name _bf16>]],
+                    dequantize: [[<gguf_dequantize_ $name _f32>], [<gguf_dequantize_ $name _bf16>]],
                 },)*
             }
         }
@@ -238,16 +238,16 @@ iq_kernels! {
 }
 
 #[test]
-fn iq_kernels_equal_the_reference() {
+fn gguf_block_kernels_equal_the_reference() {
     // 13 columns (not a multiple of a block's WARPS), and rows of fewer and of more sub-blocks than the 32
     // lanes of a warp, and long enough for 2 warps a column (4096: 128 sub-blocks).
     let n = 13;
-    for (fi, format) in IqFormat::ALL.into_iter().enumerate() {
+    for (fi, format) in GgufFormat::ALL.into_iter().enumerate() {
         let kernels = iq_kernels(format);
         for k in [3 * 256, 5 * 256, 16 * 256] {
-            let blocks = iq_blocks(&mut rng(4700 + fi as u64), format, n, k);
-            let w = IqWeight::new(format, blocks.clone(), k).unwrap();
-            let dense = iq_matmul::reference::dequantize(&w).unwrap();
+            let blocks = gguf_blocks(&mut rng(4700 + fi as u64), format, n, k);
+            let w = GgufWeight::new(format, blocks.clone(), k).unwrap();
+            let dense = gguf_matmul::reference::dequantize(&w).unwrap();
             let device_blocks = bytes_of(&blocks);
             check_weight_only_kernels(
                 &format!("{format} k={k}"),
@@ -298,9 +298,9 @@ fn q4k_mma_matvec_equals_the_reference() {
     // pair of blocks) and 40 (the most warps, five blocks each); every activation row count of both kernels.
     let n = 37;
     for k in [256, 5 * 256, 40 * 256] {
-        let blocks = iq_blocks(&mut rng(4790 + k as u64), IqFormat::Q4K, n, k);
-        let w = IqWeight::new(IqFormat::Q4K, blocks.clone(), k).unwrap();
-        let dense = iq_matmul::reference::dequantize(&w).unwrap();
+        let blocks = gguf_blocks(&mut rng(4790 + k as u64), GgufFormat::Q4K, n, k);
+        let w = GgufWeight::new(GgufFormat::Q4K, blocks.clone(), k).unwrap();
+        let dense = gguf_matmul::reference::dequantize(&w).unwrap();
         let device_blocks = bytes_of(&blocks);
         let warps = (k / 256 / 2).clamp(1, Q4K_MMA_MAX_WARPS);
         let config = LaunchConfig::new(
@@ -833,9 +833,9 @@ macro_rules! moe_iq_kernels {
                 (Ptr, *const u8, *const u8, I32s, I32s, I32s, I32s, i32, i32, i32, MutPtr),
                 (Ptr, *const u8, *const f32, I32s, I32s, I32s, I32s, i32, i32, *mut f32));
         )*
-        fn moe_iq_kernels(format: IqFormat) -> ([[IqGateUp; 2]; 2], [[IqDown; 2]; 2]) {
+        fn moe_iq_kernels(format: GgufFormat) -> ([[IqGateUp; 2]; 2], [[IqDown; 2]; 2]) {
             match format {
-                $(IqFormat::$variant => ([<IQ_ $stem:upper _GATE_UP>], [<IQ_ $stem:upper _DOWN>]),)*
+                $(GgufFormat::$variant => ([<IQ_ $stem:upper _GATE_UP>], [<IQ_ $stem:upper _DOWN>]),)*
             }
         }
     }};
@@ -889,9 +889,9 @@ enum DeviceExperts {
         gate_up: (DeviceBuffer<u8>, DeviceBuffer<u8>, DeviceBuffer<f32>),
         down: (DeviceBuffer<u8>, DeviceBuffer<u8>, DeviceBuffer<f32>),
     },
-    Iq {
-        gate_up_format: IqFormat,
-        down_format: IqFormat,
+    GgufBlocks {
+        gate_up_format: GgufFormat,
+        down_format: GgufFormat,
         gate: DeviceBuffer<u8>,
         up: DeviceBuffer<u8>,
         down: DeviceBuffer<u8>,
@@ -918,7 +918,7 @@ impl DeviceExperts {
                     floats_of(&down.global_scales),
                 ),
             },
-            QuantizedExperts::Iq { gate, up, down } => DeviceExperts::Iq {
+            QuantizedExperts::GgufBlocks { gate, up, down } => DeviceExperts::GgufBlocks {
                 gate_up_format: gate.format,
                 down_format: down.format,
                 gate: bytes_of(&gate.blocks),
@@ -1083,7 +1083,7 @@ fn emulated_experts(
                 )
             });
         }
-        DeviceExperts::Iq {
+        DeviceExperts::GgufBlocks {
             gate_up_format,
             down_format,
             gate,
@@ -1091,7 +1091,7 @@ fn emulated_experts(
             down,
         } => {
             // Q4_K with bf16 activations: the tensor-core kernels, launched as moe/cuda.rs launches them.
-            let mma = |format: IqFormat| format == IqFormat::Q4K && dtype == DType::BF16;
+            let mma = |format: GgufFormat| format == GgufFormat::Q4K && dtype == DType::BF16;
             let mma_config = |rows: usize, k: usize| {
                 let warps = (k / 256 / 2).clamp(1, Q4K_MMA_MAX_WARPS);
                 LaunchConfig::new(
@@ -1332,18 +1332,18 @@ fn moe_dense_experts_equal_the_reference() {
 #[test]
 fn moe_quantized_experts_equal_the_reference() {
     let n_experts = 13;
-    let iq = |gate_up, down| Format::Iq { gate_up, down };
+    let iq = |gate_up, down| Format::GgufBlocks { gate_up, down };
     for (seed, (format, (hidden, inter))) in [
         (Format::Fp8 { block: [128, 128] }, (272, 48)),
         (Format::Fp8 { block: [16, 32] }, (272, 48)),
         (Format::Nvfp4, (272, 48)),
-        (iq(IqFormat::Iq3S, IqFormat::Iq4Xs), (512, 256)),
-        (iq(IqFormat::Iq2Xxs, IqFormat::Iq2S), (256, 512)),
-        (iq(IqFormat::Iq2Xs, IqFormat::Iq3Xxs), (256, 256)),
-        (iq(IqFormat::Iq1S, IqFormat::Iq1M), (256, 256)),
-        (iq(IqFormat::Iq4Nl, IqFormat::Iq4Nl), (96, 160)),
-        (iq(IqFormat::Q4K, IqFormat::Iq4Xs), (512, 768)),
-        (iq(IqFormat::Iq3S, IqFormat::Q4K), (256, 256)),
+        (iq(GgufFormat::Iq3S, GgufFormat::Iq4Xs), (512, 256)),
+        (iq(GgufFormat::Iq2Xxs, GgufFormat::Iq2S), (256, 512)),
+        (iq(GgufFormat::Iq2Xs, GgufFormat::Iq3Xxs), (256, 256)),
+        (iq(GgufFormat::Iq1S, GgufFormat::Iq1M), (256, 256)),
+        (iq(GgufFormat::Iq4Nl, GgufFormat::Iq4Nl), (96, 160)),
+        (iq(GgufFormat::Q4K, GgufFormat::Iq4Xs), (512, 768)),
+        (iq(GgufFormat::Iq3S, GgufFormat::Q4K), (256, 256)),
     ]
     .into_iter()
     .enumerate()
@@ -1358,7 +1358,7 @@ fn moe_quantized_experts_equal_the_reference() {
         let label = match format {
             Format::Fp8 { block } => format!("FP8 {block:?}"),
             Format::Nvfp4 => "NVFP4".to_string(),
-            Format::Iq { gate_up, down } => format!("{gate_up} gate/up, {down} down"),
+            Format::GgufBlocks { gate_up, down } => format!("{gate_up} gate/up, {down} down"),
         };
         check_experts(
             &format!("{label} experts"),

@@ -227,7 +227,7 @@ fn experts_reference_equals_per_token_arithmetic() {
 #[test]
 fn quantized_experts_reference_equals_per_token_arithmetic_on_the_dequantised_weights() {
     use common::quantized::{experts, Format};
-    use glm5_ops::iq_matmul::IqFormat;
+    use glm5_ops::gguf_matmul::GgufFormat;
     let mut r = rng(4901);
     let (t, n_experts, slots) = (6, 5, 3);
     for (format, (h, i)) in [
@@ -235,30 +235,30 @@ fn quantized_experts_reference_equals_per_token_arithmetic_on_the_dequantised_we
         (Format::Fp8 { block: [16, 32] }, (80, 48)),
         (Format::Nvfp4, (80, 48)),
         (
-            Format::Iq {
-                gate_up: IqFormat::Iq3S,
-                down: IqFormat::Iq4Xs,
+            Format::GgufBlocks {
+                gate_up: GgufFormat::Iq3S,
+                down: GgufFormat::Iq4Xs,
             },
             (512, 256),
         ),
         (
-            Format::Iq {
-                gate_up: IqFormat::Iq2Xxs,
-                down: IqFormat::Iq1M,
+            Format::GgufBlocks {
+                gate_up: GgufFormat::Iq2Xxs,
+                down: GgufFormat::Iq1M,
             },
             (256, 512),
         ),
         (
-            Format::Iq {
-                gate_up: IqFormat::Iq4Nl,
-                down: IqFormat::Iq4Nl,
+            Format::GgufBlocks {
+                gate_up: GgufFormat::Iq4Nl,
+                down: GgufFormat::Iq4Nl,
             },
             (96, 64),
         ),
         (
-            Format::Iq {
-                gate_up: IqFormat::Q4K,
-                down: IqFormat::Q4K,
+            Format::GgufBlocks {
+                gate_up: GgufFormat::Q4K,
+                down: GgufFormat::Q4K,
             },
             (256, 512),
         ),

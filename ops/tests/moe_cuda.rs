@@ -236,23 +236,23 @@ fn prefill_experts_by_grouped_gemm_equal_the_reference() {
 #[test]
 fn quantized_experts_on_gpu_equal_the_reference() {
     use common::quantized::{experts as quantized, Format};
-    use glm5_ops::iq_matmul::IqFormat;
+    use glm5_ops::gguf_matmul::GgufFormat;
     use glm5_ops::moe::{quantized_experts, quantized_experts_backend};
     let gpu = gpu();
     let mut r = rng(4903);
     let n_experts = 13;
-    let iq = |gate_up, down| Format::Iq { gate_up, down };
+    let iq = |gate_up, down| Format::GgufBlocks { gate_up, down };
     for (format, (hidden, inter)) in [
         (Format::Fp8 { block: [128, 128] }, (272, 48)),
         (Format::Fp8 { block: [16, 32] }, (272, 48)),
         (Format::Nvfp4, (272, 48)),
-        (iq(IqFormat::Iq3S, IqFormat::Iq4Xs), (768, 256)),
-        (iq(IqFormat::Iq2Xxs, IqFormat::Iq2S), (256, 512)),
-        (iq(IqFormat::Iq2Xs, IqFormat::Iq3Xxs), (256, 256)),
-        (iq(IqFormat::Iq1S, IqFormat::Iq1M), (512, 256)),
-        (iq(IqFormat::Iq4Nl, IqFormat::Iq4Nl), (96, 160)),
-        (iq(IqFormat::Q4K, IqFormat::Q4K), (768, 512)),
-        (iq(IqFormat::Iq3S, IqFormat::Q4K), (256, 256)),
+        (iq(GgufFormat::Iq3S, GgufFormat::Iq4Xs), (768, 256)),
+        (iq(GgufFormat::Iq2Xxs, GgufFormat::Iq2S), (256, 512)),
+        (iq(GgufFormat::Iq2Xs, GgufFormat::Iq3Xxs), (256, 256)),
+        (iq(GgufFormat::Iq1S, GgufFormat::Iq1M), (512, 256)),
+        (iq(GgufFormat::Iq4Nl, GgufFormat::Iq4Nl), (96, 160)),
+        (iq(GgufFormat::Q4K, GgufFormat::Q4K), (768, 512)),
+        (iq(GgufFormat::Iq3S, GgufFormat::Q4K), (256, 256)),
     ] {
         let (weights, gate_up, down) = quantized(&mut r, &format, (n_experts, hidden, inter), &gpu);
         for dtype in [DType::F32, DType::BF16] {

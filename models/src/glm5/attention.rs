@@ -205,7 +205,7 @@ impl Indexer {
 /// Dense ones (bf16, f16, f32, no bias; of one dtype) form one group. Block-scaled FP8 ones with one block
 /// shape form another, their row blocks stacked with their scales: parts whose rows are whole blocks first,
 /// then at most one whose last block is partial (`kv_a_proj_with_mqa`'s 576 rows), the stacked weight
-/// dispatched as loaded ones are. GGUF blocks of one format glm5 decodes (`iq_matmul`: Q4_K, i-quants) form
+/// dispatched as loaded ones are. GGUF blocks of one format glm5 decodes (`gguf_matmul`: Q4_K, i-quants) form
 /// another, their rows stacked (every row is its own blocks). Other formats stay one projection each.
 struct InputProjections {
     groups: Vec<ProjectionGroup>,
@@ -235,7 +235,7 @@ impl InputProjections {
             match proj {
                 Proj::Dense(linear) if linear.bias().is_none() => dense.push((which, linear)),
                 Proj::Fp8Block(weight, prefill) => fp8.push((which, weight, prefill)),
-                Proj::Iq(weight) => blocks.push((which, weight)),
+                Proj::GgufBlocks(weight) => blocks.push((which, weight)),
                 other => singles.push((which, other)),
             }
         }
@@ -311,12 +311,12 @@ impl InputProjections {
     /// GGUF-block parts of one format and input width, in output order, as one weight (rows are
     /// independent blocks: stacking them changes no value), dispatched as a loaded weight is.
     fn stack_blocks(
-        members: Vec<(usize, glm5_ops::iq_matmul::IqWeight)>,
+        members: Vec<(usize, glm5_ops::gguf_matmul::GgufWeight)>,
         loader: &Loader,
     ) -> Result<ProjectionGroup> {
         if members.len() == 1 {
             let (which, weight) = members.into_iter().next().expect("one member");
-            return ProjectionGroup::single(which, Proj::Iq(weight));
+            return ProjectionGroup::single(which, Proj::GgufBlocks(weight));
         }
         let mut parts = Vec::with_capacity(members.len());
         for (which, weight) in &members {
@@ -324,15 +324,16 @@ impl InputProjections {
         }
         let bytes: Vec<&Tensor> = members.iter().map(|(_, w)| &w.blocks).collect();
         let (format, in_dim) = (members[0].1.format, members[0].1.in_dim);
-        let stacked = glm5_ops::iq_matmul::IqWeight::new(format, Tensor::cat(&bytes, 0)?, in_dim)?;
-        glm5_ops::iq_matmul::dispatch(&stacked, loader.desc).map_err(|source| {
+        let stacked =
+            glm5_ops::gguf_matmul::GgufWeight::new(format, Tensor::cat(&bytes, 0)?, in_dim)?;
+        glm5_ops::gguf_matmul::dispatch(&stacked, loader.desc).map_err(|source| {
             ModelError::WeightOnlyMatmul {
                 tensor: "the attention's stacked input projections".to_string(),
                 source: Box::new(source),
             }
         })?;
         Ok(ProjectionGroup {
-            proj: Proj::Iq(stacked),
+            proj: Proj::GgufBlocks(stacked),
             parts,
         })
     }

@@ -58,10 +58,10 @@ impl Loader<'_> {
                     .map_err(|source| weight_only_error(&name, source))?;
                 Proj::Nvfp4(weight, glm5_ops::nvfp4_matmul::Prefill::of(&chosen))
             }
-            Matrix::Iq(weight) => {
-                glm5_ops::iq_matmul::dispatch(&weight, self.desc)
+            Matrix::GgufBlocks(weight) => {
+                glm5_ops::gguf_matmul::dispatch(&weight, self.desc)
                     .map_err(|source| weight_only_error(&name, source))?;
-                Proj::Iq(weight)
+                Proj::GgufBlocks(weight)
             }
         })
     }
@@ -124,7 +124,7 @@ pub(super) enum Proj {
         glm5_ops::nvfp4_matmul::Nvfp4Weight,
         glm5_ops::nvfp4_matmul::Prefill,
     ),
-    Iq(glm5_ops::iq_matmul::IqWeight),
+    GgufBlocks(glm5_ops::gguf_matmul::GgufWeight),
 }
 
 fn op_error(e: glm5_ops::OpError) -> candle_core::Error {
@@ -157,7 +157,9 @@ impl Module for Proj {
             Proj::Nvfp4(weight, prefill) => {
                 glm5_ops::nvfp4_matmul::nvfp4_matmul_with(x, weight, *prefill).map_err(op_error)
             }
-            Proj::Iq(weight) => glm5_ops::iq_matmul::iq_matmul(x, weight).map_err(op_error),
+            Proj::GgufBlocks(weight) => {
+                glm5_ops::gguf_matmul::gguf_matmul(x, weight).map_err(op_error)
+            }
         }
     }
 }

@@ -2,7 +2,7 @@
 
 use candle_core::quantized::QTensor;
 use candle_core::{DType, Module, Tensor};
-use glm5_ops::iq_matmul::IqFormat;
+use glm5_ops::gguf_matmul::GgufFormat;
 use glm5_ops::moe::{self, RouteRule, Routes};
 
 use super::linear::{Loader, Proj};
@@ -33,20 +33,22 @@ impl Mlp {
         let gate = loader.linear(&format!("{prefix}.gate_proj"), hidden, intermediate)?;
         let up = loader.linear(&format!("{prefix}.up_proj"), hidden, intermediate)?;
         let gate_up = match (gate, up) {
-            (Proj::Iq(g), Proj::Iq(u)) if (g.format, g.in_dim) == (u.format, u.in_dim) => {
-                let stacked = glm5_ops::iq_matmul::IqWeight::new(
+            (Proj::GgufBlocks(g), Proj::GgufBlocks(u))
+                if (g.format, g.in_dim) == (u.format, u.in_dim) =>
+            {
+                let stacked = glm5_ops::gguf_matmul::GgufWeight::new(
                     g.format,
                     Tensor::cat(&[&g.blocks, &u.blocks], 0)?,
                     g.in_dim,
                 )?;
-                glm5_ops::iq_matmul::dispatch(&stacked, loader.desc).map_err(|source| {
+                glm5_ops::gguf_matmul::dispatch(&stacked, loader.desc).map_err(|source| {
                     ModelError::WeightOnlyMatmul {
                         tensor: format!("{prefix}.gate_proj + up_proj (stacked)"),
                         source: Box::new(source),
                     }
                 })?;
                 GateUp::Stacked {
-                    proj: Proj::Iq(stacked),
+                    proj: Proj::GgufBlocks(stacked),
                     intermediate,
                 }
             }
@@ -73,7 +75,7 @@ impl Mlp {
         match &self.gate_up {
             GateUp::Apart { gate, up } => [gate, up, &self.down_proj]
                 .iter()
-                .any(|p| matches!(p, Proj::Iq(_))),
+                .any(|p| matches!(p, Proj::GgufBlocks(_))),
             GateUp::Stacked { .. } => true,
         }
     }
@@ -235,8 +237,8 @@ struct GgufExperts {
 
 /// Why quantised experts run one by one (`experts_implementation`).
 const PER_EXPERT: &str = "per-expert quantised";
-const PER_EXPERT_IQ: &str =
-    "per-expert glm5 block format (the grouped kernels take experts whose three projections are all in glm5's formats, gate and up in one: one iq_matmul per chosen expert)";
+const PER_EXPERT_GGUF_BLOCKS: &str =
+    "per-expert glm5 block format (the grouped kernels take experts whose three projections are all in glm5's formats, gate and up in one: one gguf_matmul per chosen expert)";
 
 const PER_EXPERT_UNSUPPORTED: &str = "per-expert quantised (block type or row width not taken by candle-nn's GGUF MoE kernels: Q8_0, Q2_K-Q6_K)";
 
@@ -261,7 +263,10 @@ fn load_stacked_iq(
     // of its experts here.
     let mut formats = Vec::with_capacity(projections.len());
     for (proj, shape) in projections {
-        match loader.checkpoint.stacked_iq_format(prefix, proj, shape)? {
+        match loader
+            .checkpoint
+            .stacked_gguf_block_format(prefix, proj, shape)?
+        {
             Some(format) => formats.push(format),
             None => return Ok(None),
         }
@@ -272,7 +277,7 @@ fn load_stacked_iq(
     let load = |proj: &str, shape: [usize; 3]| {
         loader
             .checkpoint
-            .stacked_iq_experts(prefix, proj, shape, loader.device)
+            .stacked_gguf_block_experts(prefix, proj, shape, loader.device)
     };
     let Some(gate) = load("gate_proj", [e, inter, hidden])? else {
         return Ok(None);
@@ -284,18 +289,21 @@ fn load_stacked_iq(
     let Some(down) = load("down_proj", [e, hidden, inter])? else {
         return Ok(None);
     };
-    // Each projection must have an iq_matmul backend on this device, as each expert's would.
+    // Each projection must have an gguf_matmul backend on this device, as each expert's would.
     for (proj, stacked) in [("gate_proj", &gate), ("up_proj", &up), ("down_proj", &down)] {
-        let expert =
-            glm5_ops::iq_matmul::IqWeight::new(stacked.format, stacked.blocks.get(0)?, stacked.k)?;
-        glm5_ops::iq_matmul::dispatch(&expert, loader.desc).map_err(|source| {
+        let expert = glm5_ops::gguf_matmul::GgufWeight::new(
+            stacked.format,
+            stacked.blocks.get(0)?,
+            stacked.k,
+        )?;
+        glm5_ops::gguf_matmul::dispatch(&expert, loader.desc).map_err(|source| {
             ModelError::WeightOnlyMatmul {
                 tensor: format!("{prefix}.experts.*.{proj}.weight"),
                 source: Box::new(source),
             }
         })?;
     }
-    Ok(Some(moe::QuantizedExperts::Iq { gate, up, down }))
+    Ok(Some(moe::QuantizedExperts::GgufBlocks { gate, up, down }))
 }
 
 /// What [`load_stacked_gguf`] found.
@@ -454,7 +462,7 @@ impl MoE {
             }
             // On CUDA, say why glm5's grouped kernels did not take them; the CPU always runs them one by one.
             let why = if loader.device.is_cuda() && experts.iter().any(Mlp::has_gguf_blocks) {
-                PER_EXPERT_IQ
+                PER_EXPERT_GGUF_BLOCKS
             } else {
                 why
             };
@@ -576,17 +584,17 @@ impl MoE {
                 moe::QuantizedExperts::Nvfp4 { .. } => {
                     "moe-matvec nvfp4 (decode), dequantise + cuBLAS grouped GEMM (prefill)"
                 }
-                moe::QuantizedExperts::Iq { gate, .. } if gate.format == IqFormat::Q4K => {
+                moe::QuantizedExperts::GgufBlocks { gate, .. } if gate.format == GgufFormat::Q4K => {
                     "moe-matvec i-quant / Q4_K (decode; Q4_K with bf16 on the tensor cores), dequantise + cuBLAS grouped GEMM (prefill)"
                 }
-                moe::QuantizedExperts::Iq { .. } => {
+                moe::QuantizedExperts::GgufBlocks { .. } => {
                     "moe-matvec i-quant (decode), dequantise + cuBLAS grouped GEMM (prefill)"
                 }
             },
             (Experts::Quantized { weights, .. }, false) => match weights {
                 moe::QuantizedExperts::Fp8 { .. } => "per-expert fp8 reference",
                 moe::QuantizedExperts::Nvfp4 { .. } => "per-expert nvfp4 reference",
-                moe::QuantizedExperts::Iq { .. } => "per-expert i-quant reference",
+                moe::QuantizedExperts::GgufBlocks { .. } => "per-expert i-quant reference",
             },
             (Experts::PerExpert { why, .. }, _) => why,
             (Experts::StackedGguf(_), _) => {

@@ -23,7 +23,7 @@ use std::sync::Arc;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 
-use glm5_ops::iq_matmul::{self, IqFormat, IqWeight};
+use glm5_ops::gguf_matmul::{self, GgufFormat, GgufWeight};
 
 use super::gguf::{GgufError, GgufModel, GgufTensor};
 use super::gguf_config::config_from_gguf;
@@ -169,7 +169,7 @@ impl GgufSource {
                 continue;
             }
             if tensor.ggml_type.candle().is_none()
-                && IqFormat::from_ggml_id(tensor.ggml_type.id).is_none()
+                && GgufFormat::from_ggml_id(tensor.ggml_type.id).is_none()
             {
                 return Err(GgufError::UnsupportedType {
                     tensor: tensor.name.clone(),
@@ -295,10 +295,10 @@ impl GgufSource {
     fn iq_weight(
         &self,
         info: &GgufTensor,
-        format: IqFormat,
+        format: GgufFormat,
         slice: Option<usize>,
         device: &Device,
-    ) -> Result<IqWeight> {
+    ) -> Result<GgufWeight> {
         let in_dim = *info.dims.first().unwrap_or(&0) as usize;
         let row_bytes = format
             .row_bytes(in_dim)
@@ -313,7 +313,7 @@ impl GgufSource {
         let rows = data.len() / row_bytes;
         let blocks = Tensor::from_vec(data, (rows, row_bytes), &Device::Cpu)?.to_device(device)?;
         Ok(
-            IqWeight::new(format, blocks, in_dim).map_err(|e| GgufError::BadTensor {
+            GgufWeight::new(format, blocks, in_dim).map_err(|e| GgufError::BadTensor {
                 path: self.model.part_path(info).to_path_buf(),
                 tensor: info.name.clone(),
                 reason: e.to_string(),
@@ -328,13 +328,13 @@ impl GgufSource {
         slice: Option<usize>,
         device: &Device,
     ) -> Result<Tensor> {
-        if let Some(format) = IqFormat::from_ggml_id(info.ggml_type.id) {
+        if let Some(format) = GgufFormat::from_ggml_id(info.ggml_type.id) {
             let w = self.iq_weight(info, format, slice, &Device::Cpu)?;
             let mut shape = info.shape();
             if slice.is_some() {
                 shape.remove(0);
             }
-            let values = iq_matmul::reference::dequantize(&w)?;
+            let values = gguf_matmul::reference::dequantize(&w)?;
             return Ok(values.reshape(shape)?.to_device(device)?);
         }
         Ok(self
@@ -375,8 +375,10 @@ impl TensorSource for GgufSource {
         device: &Device,
     ) -> Result<Matrix> {
         let (info, slice) = self.locate(name, &shape)?;
-        if let Some(format) = IqFormat::from_ggml_id(info.ggml_type.id) {
-            return Ok(Matrix::Iq(self.iq_weight(info, format, slice, device)?));
+        if let Some(format) = GgufFormat::from_ggml_id(info.ggml_type.id) {
+            return Ok(Matrix::GgufBlocks(
+                self.iq_weight(info, format, slice, device)?,
+            ));
         }
         if info.ggml_type.is_float() {
             let q = self.model.qtensor(info, slice, device)?;
@@ -411,35 +413,37 @@ impl TensorSource for GgufSource {
         }
     }
 
-    fn stacked_iq_format(
+    fn stacked_gguf_block_format(
         &self,
         prefix: &str,
         proj: &str,
         shape: [usize; 3],
-    ) -> Result<Option<IqFormat>> {
+    ) -> Result<Option<GgufFormat>> {
         Ok(self
             .stacked_info(prefix, proj, shape)?
-            .and_then(|info| IqFormat::from_ggml_id(info.ggml_type.id)))
+            .and_then(|info| GgufFormat::from_ggml_id(info.ggml_type.id)))
     }
 
-    fn stacked_iq_experts(
+    fn stacked_gguf_block_experts(
         &self,
         prefix: &str,
         proj: &str,
         shape: [usize; 3],
         device: &Device,
-    ) -> Result<Option<glm5_ops::moe::StackedIq>> {
+    ) -> Result<Option<glm5_ops::moe::StackedGgufBlocks>> {
         let Some(info) = self.stacked_info(prefix, proj, shape)? else {
             return Ok(None);
         };
-        let Some(format) = IqFormat::from_ggml_id(info.ggml_type.id) else {
+        let Some(format) = GgufFormat::from_ggml_id(info.ggml_type.id) else {
             return Ok(None);
         };
         let [experts, rows, k] = shape;
         let w = self.iq_weight(info, format, None, device)?;
         let row_bytes = w.blocks.dim(1)?;
         let blocks = w.blocks.reshape((experts, rows, row_bytes))?;
-        Ok(Some(glm5_ops::moe::StackedIq::new(format, blocks, k)?))
+        Ok(Some(glm5_ops::moe::StackedGgufBlocks::new(
+            format, blocks, k,
+        )?))
     }
 
     fn resident_bytes(&self, name: &str, shape: &[usize], dtype: DType) -> u64 {

@@ -7,7 +7,7 @@
 //!   random i-quant blocks; [`random_quantized`]: random FP8 or NVFP4 weights).
 //! * [`gguf`] / [`gguf_source`]: llama.cpp GGUF files (architecture `glm-dsa`), one file or split parts, whose
 //!   quantised matrices stay quantised ([`Matrix::Quantized`], multiplied by candle's `QMatMul`; the i-quants,
-//!   which candle lacks, as [`Matrix::Iq`], multiplied by `glm5_ops::iq_matmul`).
+//!   which candle lacks, as [`Matrix::GgufBlocks`], multiplied by `glm5_ops::gguf_matmul`).
 //!
 //! The model asks for every tensor by its Hugging Face checkpoint name with the shape the config implies; a
 //! source that stores it under another name or layout (GGUF) translates. A missing or misshapen tensor is an
@@ -42,8 +42,8 @@ pub enum Matrix {
     /// NVFP4 (ModelOpt), multiplied by `glm5_ops::nvfp4_matmul`.
     Nvfp4(glm5_ops::nvfp4_matmul::Nvfp4Weight),
     /// GGUF blocks glm5 decodes itself (llama.cpp's i-quants, which candle cannot hold, and Q4_K), multiplied
-    /// by `glm5_ops::iq_matmul`.
-    Iq(glm5_ops::iq_matmul::IqWeight),
+    /// by `glm5_ops::gguf_matmul`.
+    GgufBlocks(glm5_ops::gguf_matmul::GgufWeight),
 }
 
 /// Where weights come from: one implementation per checkpoint format.
@@ -88,24 +88,24 @@ pub trait TensorSource: Send + Sync {
     /// The format of the routed experts' projection `proj` of the MoE block `prefix` when the source stores
     /// all experts as one `[n_experts, out, in]` tensor in GGUF blocks glm5 decodes itself (i-quants, Q4_K);
     /// `None` otherwise. Reads headers only.
-    fn stacked_iq_format(
+    fn stacked_gguf_block_format(
         &self,
         prefix: &str,
         proj: &str,
         shape: [usize; 3],
-    ) -> Result<Option<glm5_ops::iq_matmul::IqFormat>> {
+    ) -> Result<Option<glm5_ops::gguf_matmul::GgufFormat>> {
         let _ = (prefix, proj, shape);
         Ok(None)
     }
 
-    /// That stacked tensor ([`Self::stacked_iq_format`]), kept as its blocks on `device`; `None` otherwise.
-    fn stacked_iq_experts(
+    /// That stacked tensor ([`Self::stacked_gguf_block_format`]), kept as its blocks on `device`; `None` otherwise.
+    fn stacked_gguf_block_experts(
         &self,
         prefix: &str,
         proj: &str,
         shape: [usize; 3],
         device: &Device,
-    ) -> Result<Option<glm5_ops::moe::StackedIq>> {
+    ) -> Result<Option<glm5_ops::moe::StackedGgufBlocks>> {
         let _ = (prefix, proj, shape, device);
         Ok(None)
     }
@@ -276,24 +276,25 @@ impl Checkpoint {
         self.source.stacked_experts(prefix, proj, shape, device)
     }
 
-    /// [`TensorSource::stacked_iq_format`].
-    pub fn stacked_iq_format(
+    /// [`TensorSource::stacked_gguf_block_format`].
+    pub fn stacked_gguf_block_format(
         &self,
         prefix: &str,
         proj: &str,
         shape: [usize; 3],
-    ) -> Result<Option<glm5_ops::iq_matmul::IqFormat>> {
-        self.source.stacked_iq_format(prefix, proj, shape)
+    ) -> Result<Option<glm5_ops::gguf_matmul::GgufFormat>> {
+        self.source.stacked_gguf_block_format(prefix, proj, shape)
     }
 
-    /// [`TensorSource::stacked_iq_experts`].
-    pub fn stacked_iq_experts(
+    /// [`TensorSource::stacked_gguf_block_experts`].
+    pub fn stacked_gguf_block_experts(
         &self,
         prefix: &str,
         proj: &str,
         shape: [usize; 3],
         device: &Device,
-    ) -> Result<Option<glm5_ops::moe::StackedIq>> {
-        self.source.stacked_iq_experts(prefix, proj, shape, device)
+    ) -> Result<Option<glm5_ops::moe::StackedGgufBlocks>> {
+        self.source
+            .stacked_gguf_block_experts(prefix, proj, shape, device)
     }
 }

@@ -1,7 +1,7 @@
 //! Made-up weights in one of llama.cpp's i-quant formats, for timing i-quant GGUF files without one:
 //! [`RandomIqSource`] is [`RandomSource`] with every matrix a llama.cpp quantisation stores quantised (the rule
 //! of [`super::random_q4k`]: every linear layer but `lm_head`, rows of whole blocks) returned as random i-quant
-//! blocks ([`Matrix::Iq`]), and the routed experts stacked `[E, out, in]` as GGUF stores them (each expert's
+//! blocks ([`Matrix::GgufBlocks`]), and the routed experts stacked `[E, out, in]` as GGUF stores them (each expert's
 //! blocks from its own name, so the stacked tensor and the per-expert matrices agree).
 //!
 //! The blocks are random bytes with each block's f16 scale set so the values have about the source's standard
@@ -9,7 +9,7 @@
 //! seed and the tensor name.
 
 use candle_core::{DType, Device, Tensor};
-use glm5_ops::iq_matmul::{reference, IqFormat, IqWeight};
+use glm5_ops::gguf_matmul::{reference, GgufFormat, GgufWeight};
 
 use super::gguf_source::is_linear;
 use super::random_q4k::{fill_experts, name_stream, quantised_in_q4k, splitmix};
@@ -20,16 +20,16 @@ use crate::error::Result;
 /// Random weights, linear layers as i-quant blocks of one format (module docs).
 pub struct RandomIqSource {
     pub dense: RandomSource,
-    pub format: IqFormat,
+    pub format: GgufFormat,
     /// The f16 scale that gives values of about `dense.std`.
     scale: half::f16,
 }
 
 /// Writes the f16 super-scale `d` into one block (byte 0, or IQ1_M's four sub-scale words' top nibbles; Q4_K's
 /// `dmin` too).
-fn set_scale(format: IqFormat, block: &mut [u8], d: half::f16) {
+fn set_scale(format: GgufFormat, block: &mut [u8], d: half::f16) {
     let bits = d.to_bits();
-    if format == IqFormat::Iq1M {
+    if format == GgufFormat::Iq1M {
         for i in 0..4 {
             let at = 48 + 2 * i;
             let word = u16::from_le_bytes([block[at], block[at + 1]]);
@@ -39,14 +39,20 @@ fn set_scale(format: IqFormat, block: &mut [u8], d: half::f16) {
     } else {
         block[..2].copy_from_slice(&bits.to_le_bytes());
     }
-    if format == IqFormat::Q4K {
+    if format == GgufFormat::Q4K {
         // dmin, the mins' scale: as `d`, so values d·sc·q − dmin·m take both signs.
         block[2..4].copy_from_slice(&bits.to_le_bytes());
     }
 }
 
 /// `blocks` random blocks of `format` with scale `d`, for the tensor `name`.
-fn random_blocks(format: IqFormat, name: &str, seed: u64, d: half::f16, blocks: usize) -> Vec<u8> {
+fn random_blocks(
+    format: GgufFormat,
+    name: &str,
+    seed: u64,
+    d: half::f16,
+    blocks: usize,
+) -> Vec<u8> {
     let mut state = name_stream(seed, name);
     let mut bytes = vec![0u8; blocks * format.block_bytes()];
     for chunk in bytes.chunks_mut(8) {
@@ -60,7 +66,7 @@ fn random_blocks(format: IqFormat, name: &str, seed: u64, d: half::f16, blocks: 
 }
 
 impl RandomIqSource {
-    pub fn new(seed: u64, std: f64, format: IqFormat) -> Self {
+    pub fn new(seed: u64, std: f64, format: GgufFormat) -> Self {
         // The values' RMS with a unit scale, over 64 random blocks.
         let unit = reference::dequantize_bytes(
             format,
@@ -105,25 +111,29 @@ impl TensorSource for RandomIqSource {
         let bytes = random_blocks(self.format, name, self.dense.seed, self.scale, blocks);
         let row = self.format.row_bytes(shape[1]).expect("whole blocks");
         let tensor = Tensor::from_vec(bytes, (shape[0], row), &Device::Cpu)?.to_device(device)?;
-        Ok(Matrix::Iq(IqWeight::new(self.format, tensor, shape[1])?))
+        Ok(Matrix::GgufBlocks(GgufWeight::new(
+            self.format,
+            tensor,
+            shape[1],
+        )?))
     }
 
-    fn stacked_iq_format(
+    fn stacked_gguf_block_format(
         &self,
         _prefix: &str,
         _proj: &str,
         shape: [usize; 3],
-    ) -> Result<Option<IqFormat>> {
+    ) -> Result<Option<GgufFormat>> {
         Ok(self.format.row_bytes(shape[2]).map(|_| self.format))
     }
 
-    fn stacked_iq_experts(
+    fn stacked_gguf_block_experts(
         &self,
         prefix: &str,
         proj: &str,
         shape: [usize; 3],
         device: &Device,
-    ) -> Result<Option<glm5_ops::moe::StackedIq>> {
+    ) -> Result<Option<glm5_ops::moe::StackedGgufBlocks>> {
         let [experts, out, inp] = shape;
         let Some(row) = self.format.row_bytes(inp) else {
             return Ok(None);
@@ -137,7 +147,9 @@ impl TensorSource for RandomIqSource {
         });
         let blocks =
             Tensor::from_vec(bytes, (experts, out, row), &Device::Cpu)?.to_device(device)?;
-        Ok(Some(glm5_ops::moe::StackedIq::new(format, blocks, inp)?))
+        Ok(Some(glm5_ops::moe::StackedGgufBlocks::new(
+            format, blocks, inp,
+        )?))
     }
 
     fn resident_bytes(&self, name: &str, shape: &[usize], dtype: DType) -> u64 {

@@ -1,7 +1,7 @@
 //! Made-up weights kept quantised, for timing quantised checkpoints without one: [`RandomQ4kSource`] is
 //! [`RandomSource`] with every matrix a llama.cpp Q4_K_M file stores quantised returned as random but valid
 //! Q4_K blocks, and the routed experts stacked `[E, out, in]` as GGUF stores them: as a GGUF file's Q4_K
-//! tensors load ([`Matrix::Iq`], glm5's kernels), or, with [`RandomQ4kSource::candle`], as candle's `QTensor`s
+//! tensors load ([`Matrix::GgufBlocks`], glm5's kernels), or, with [`RandomQ4kSource::candle`], as candle's `QTensor`s
 //! ([`Matrix::Quantized`]: `QMatMul` and candle-nn's GGUF MoE kernels), the peer the benches compare with.
 //!
 //! Which matrices: llama-quantize's rule as the fixtures show it (`tests/fixtures/gguf/types.txt`): every
@@ -21,8 +21,8 @@ use std::sync::Arc;
 use candle_core::quantized::{ggml_file::qtensor_from_ggml, GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 
-use glm5_ops::iq_matmul::{IqFormat, IqWeight};
-use glm5_ops::moe::StackedIq;
+use glm5_ops::gguf_matmul::{GgufFormat, GgufWeight};
+use glm5_ops::moe::StackedGgufBlocks;
 
 use super::gguf_source::is_linear;
 use super::safetensors::RandomSource;
@@ -36,7 +36,7 @@ const Q4K_BLOCK_BYTES: usize = 144;
 /// Random weights, linear layers as Q4_K blocks (module docs).
 pub struct RandomQ4kSource {
     pub dense: RandomSource,
-    /// The blocks as candle's `QTensor`s instead of glm5's [`IqWeight`]s.
+    /// The blocks as candle's `QTensor`s instead of glm5's [`GgufWeight`]s.
     pub via_candle: bool,
 }
 
@@ -177,9 +177,13 @@ impl TensorSource for RandomQ4kSource {
                 device,
             )?)));
         }
-        let row = IqFormat::Q4K.row_bytes(shape[1]).expect("whole blocks");
+        let row = GgufFormat::Q4K.row_bytes(shape[1]).expect("whole blocks");
         let blocks = Tensor::from_vec(bytes, (shape[0], row), &Device::Cpu)?.to_device(device)?;
-        Ok(Matrix::Iq(IqWeight::new(IqFormat::Q4K, blocks, shape[1])?))
+        Ok(Matrix::GgufBlocks(GgufWeight::new(
+            GgufFormat::Q4K,
+            blocks,
+            shape[1],
+        )?))
     }
 
     fn resident_bytes(&self, name: &str, shape: &[usize], dtype: DType) -> u64 {
@@ -220,30 +224,30 @@ impl TensorSource for RandomQ4kSource {
         )?))
     }
 
-    fn stacked_iq_format(
+    fn stacked_gguf_block_format(
         &self,
         _prefix: &str,
         _proj: &str,
         shape: [usize; 3],
-    ) -> Result<Option<IqFormat>> {
-        Ok((!self.via_candle && shape[2].is_multiple_of(QK_K)).then_some(IqFormat::Q4K))
+    ) -> Result<Option<GgufFormat>> {
+        Ok((!self.via_candle && shape[2].is_multiple_of(QK_K)).then_some(GgufFormat::Q4K))
     }
 
-    fn stacked_iq_experts(
+    fn stacked_gguf_block_experts(
         &self,
         prefix: &str,
         proj: &str,
         shape: [usize; 3],
         device: &Device,
-    ) -> Result<Option<StackedIq>> {
+    ) -> Result<Option<StackedGgufBlocks>> {
         let [experts, out, inp] = shape;
         if self.via_candle || !inp.is_multiple_of(QK_K) {
             return Ok(None);
         }
         let bytes = q4k_experts(prefix, proj, self.dense.seed, self.dense.std, shape);
-        let row = IqFormat::Q4K.row_bytes(inp).expect("whole blocks");
+        let row = GgufFormat::Q4K.row_bytes(inp).expect("whole blocks");
         let blocks =
             Tensor::from_vec(bytes, (experts, out, row), &Device::Cpu)?.to_device(device)?;
-        Ok(Some(StackedIq::new(IqFormat::Q4K, blocks, inp)?))
+        Ok(Some(StackedGgufBlocks::new(GgufFormat::Q4K, blocks, inp)?))
     }
 }

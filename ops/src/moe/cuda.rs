@@ -9,7 +9,7 @@ use super::quantized::{QuantizedExperts, StackedFp8, StackedNvfp4};
 use super::{RouteRule, Routes};
 use crate::cuda::{cuda_err, device_address, kernel};
 use crate::error::Result;
-use crate::iq_matmul::IqFormat;
+use crate::gguf_matmul::GgufFormat;
 
 /// Warps per block of the mat-vec kernels (`MOE_WARPS`): each block covers this many output rows.
 const MATVEC_WARPS: usize = 8;
@@ -425,7 +425,7 @@ pub(super) fn quantized_experts(
             };
             grouped_experts(x, routes, dims, "nvfp4_", &args(gate_up)?, &args(down)?)
         }
-        QuantizedExperts::Iq { gate, up, down } => {
+        QuantizedExperts::GgufBlocks { gate, up, down } => {
             // One kernel name per format pair: gate/up's format for moe_gate_up_*, down's for moe_down_*;
             // Q4_K with bf16 activations on the tensor cores (`*_q4_k_mma_bf16`).
             let (gate_blocks, up_blocks, down_blocks) = (
@@ -438,12 +438,12 @@ pub(super) fn quantized_experts(
                 (up.format, &up_blocks),
                 (down.format, &down_blocks),
             ] {
-                if format == IqFormat::Q4K {
-                    crate::iq_matmul::cuda::check_q4k_alignment(blocks)?;
+                if format == GgufFormat::Q4K {
+                    crate::gguf_matmul::cuda::check_q4k_alignment(blocks)?;
                 }
             }
-            let kernel_of = |format: IqFormat, k: usize| {
-                if format == IqFormat::Q4K && x.dtype() == DType::BF16 {
+            let kernel_of = |format: GgufFormat, k: usize| {
+                if format == GgufFormat::Q4K && x.dtype() == DType::BF16 {
                     MatVec::Q4kMma {
                         warps: (k / 256 / 2).clamp(1, Q4K_MMA_MAX_WARPS),
                     }

@@ -83,7 +83,7 @@ mod reference;
 
 pub use quantized::{
     quantized_experts, quantized_experts_backend, quantized_experts_backend_at,
-    quantized_experts_with, QuantizedExperts, StackedFp8, StackedIq, StackedNvfp4,
+    quantized_experts_with, QuantizedExperts, StackedFp8, StackedGgufBlocks, StackedNvfp4,
 };
 
 /// Experts the routing kernel handles (one thread each).

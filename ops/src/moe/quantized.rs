@@ -15,8 +15,8 @@
 //!   `global_scales` `F32 [E', parts]`; `prefill`: with [`Prefill::W4a4Sm120`] an expert's projection of
 //!   more than `nvfp4_matmul::MAX_ROWS` tokens is W4A4 (its activations rounded to NVFP4 first,
 //!   `nvfp4_matmul` contract) instead of the exact product above.
-//! * [`StackedIq`]: GGUF i-quant experts as the file stacks them, `blocks` `U8 [E, rows, row bytes]` (scales
-//!   inside the blocks), one tensor per projection: [`QuantizedExperts::Iq`] keeps gate and up apart (two
+//! * [`StackedGgufBlocks`]: GGUF i-quant experts as the file stacks them, `blocks` `U8 [E, rows, row bytes]` (scales
+//!   inside the blocks), one tensor per projection: [`QuantizedExperts::GgufBlocks`] keeps gate and up apart (two
 //!   tensors of one format; down may have another).
 //!
 //! # Implementations
@@ -35,7 +35,7 @@ use candle_core::{DType, Tensor};
 use super::{ExpertsBackend, ExpertsImpl, Routes, MATVEC_MAX_TOKENS};
 use crate::error::{OpError, Result};
 use crate::fp8_matmul::{fp8_matmul, Fp8BlockWeight};
-use crate::iq_matmul::{iq_matmul, IqFormat, IqWeight};
+use crate::gguf_matmul::{gguf_matmul, GgufFormat, GgufWeight};
 use crate::nvfp4_matmul::{nvfp4_matmul_with, Nvfp4Weight, Prefill, GROUP};
 
 /// A stacked block-scaled FP8 projection (module contract).
@@ -62,17 +62,17 @@ pub struct StackedNvfp4 {
 
 /// One projection of GGUF i-quant experts, stacked as the file stores it (module contract).
 #[derive(Debug, Clone)]
-pub struct StackedIq {
-    pub format: IqFormat,
+pub struct StackedGgufBlocks {
+    pub format: GgufFormat,
     /// `U8 [E, rows, row_bytes(k)]`.
     pub blocks: Tensor,
     /// Values per row.
     pub k: usize,
 }
 
-impl StackedIq {
+impl StackedGgufBlocks {
     /// Checks the bytes hold `[E, rows, k]` values of `format`.
-    pub fn new(format: IqFormat, blocks: Tensor, k: usize) -> Result<Self> {
+    pub fn new(format: GgufFormat, blocks: Tensor, k: usize) -> Result<Self> {
         let stacked = Self { format, blocks, k };
         stacked.dims()?;
         Ok(stacked)
@@ -97,8 +97,8 @@ impl StackedIq {
     }
 
     /// Expert `e`'s matrix as a weight of its own (a view).
-    fn expert(&self, e: usize) -> Result<IqWeight> {
-        IqWeight::new(self.format, self.blocks.get(e)?, self.k)
+    fn expert(&self, e: usize) -> Result<GgufWeight> {
+        GgufWeight::new(self.format, self.blocks.get(e)?, self.k)
     }
 }
 
@@ -114,10 +114,10 @@ pub enum QuantizedExperts {
         down: StackedNvfp4,
     },
     /// GGUF i-quants: gate and up of one format, down of any.
-    Iq {
-        gate: StackedIq,
-        up: StackedIq,
-        down: StackedIq,
+    GgufBlocks {
+        gate: StackedGgufBlocks,
+        up: StackedGgufBlocks,
+        down: StackedGgufBlocks,
     },
 }
 
@@ -302,7 +302,7 @@ impl StackedNvfp4 {
 impl QuantizedExperts {
     /// `(E', hidden, inter)`, after checking both projections agree.
     pub fn dims(&self) -> Result<(usize, usize, usize)> {
-        if let QuantizedExperts::Iq { gate, up, down } = self {
+        if let QuantizedExperts::GgufBlocks { gate, up, down } = self {
             let (e, inter, hidden) = gate.dims()?;
             if up.dims()? != (e, inter, hidden)
                 || down.dims()? != (e, hidden, inter)
@@ -330,7 +330,7 @@ impl QuantizedExperts {
                 down.check()?;
                 (gate_up.dims()?, down.dims()?)
             }
-            QuantizedExperts::Iq { .. } => unreachable!("returned above"),
+            QuantizedExperts::GgufBlocks { .. } => unreachable!("returned above"),
         };
         let inter = two_inter / 2;
         if gate_up_parts != 2 || down != (e, hidden, inter, 1) {
@@ -348,7 +348,7 @@ impl QuantizedExperts {
         match self {
             QuantizedExperts::Fp8 { .. } => "fp8",
             QuantizedExperts::Nvfp4 { .. } => "nvfp4",
-            QuantizedExperts::Iq { .. } => "i-quant",
+            QuantizedExperts::GgufBlocks { .. } => "i-quant",
         }
     }
 
@@ -372,13 +372,13 @@ impl QuantizedExperts {
                 };
                 crate::nvfp4_matmul::cuda::dequantize_to(&part, dtype)
             }
-            QuantizedExperts::Iq { gate, up, down } => {
+            QuantizedExperts::GgufBlocks { gate, up, down } => {
                 let stacked = match which {
                     Projection::Gate => gate,
                     Projection::Up => up,
                     Projection::Down => down,
                 };
-                crate::iq_matmul::cuda::dequantize(&stacked.expert(e)?, dtype)
+                crate::gguf_matmul::cuda::dequantize(&stacked.expert(e)?, dtype)
             }
         }
     }
@@ -396,10 +396,10 @@ impl QuantizedExperts {
                 Projection::Up => nvfp4_matmul_with(x, &gate_up.part(e, 1)?, gate_up.prefill),
                 Projection::Down => nvfp4_matmul_with(x, &down.part(e, 0)?, down.prefill),
             },
-            QuantizedExperts::Iq { gate, up, down } => match which {
-                Projection::Gate => iq_matmul(x, &gate.expert(e)?),
-                Projection::Up => iq_matmul(x, &up.expert(e)?),
-                Projection::Down => iq_matmul(x, &down.expert(e)?),
+            QuantizedExperts::GgufBlocks { gate, up, down } => match which {
+                Projection::Gate => gguf_matmul(x, &gate.expert(e)?),
+                Projection::Up => gguf_matmul(x, &up.expert(e)?),
+                Projection::Down => gguf_matmul(x, &down.expert(e)?),
             },
         }
     }

@@ -67,8 +67,8 @@ pub fn route_rules() -> Vec<(usize, glm5_ops::moe::RouteRule)> {
 pub mod quantized {
     use super::*;
     use glm5_ops::fp8_matmul::{self, Fp8BlockWeight};
-    use glm5_ops::iq_matmul::{self, IqFormat};
-    use glm5_ops::moe::{QuantizedExperts, StackedFp8, StackedIq, StackedNvfp4};
+    use glm5_ops::gguf_matmul::{self, GgufFormat};
+    use glm5_ops::moe::{QuantizedExperts, StackedFp8, StackedGgufBlocks, StackedNvfp4};
     use glm5_ops::nvfp4_matmul::{self, Nvfp4Weight};
 
     pub enum Format {
@@ -77,20 +77,20 @@ pub mod quantized {
         },
         Nvfp4,
         /// GGUF i-quants: gate and up in one format, down in another.
-        Iq {
-            gate_up: IqFormat,
-            down: IqFormat,
+        GgufBlocks {
+            gate_up: GgufFormat,
+            down: GgufFormat,
         },
     }
 
     /// Random blocks of `format`, `U8 [rows, row bytes]` on the CPU, each block's f16 scale set (at byte 0, or
     /// over IQ1_M's sub-scale words) so values stay O(1e-1).
-    pub fn iq_blocks(rng: &mut StdRng, format: IqFormat, rows: usize, k: usize) -> Tensor {
+    pub fn gguf_blocks(rng: &mut StdRng, format: GgufFormat, rows: usize, k: usize) -> Tensor {
         let row = format.row_bytes(k).expect("whole blocks");
         let mut bytes: Vec<u8> = (0..rows * row).map(|_| rng.random()).collect();
         for block in bytes.chunks_exact_mut(format.block_bytes()) {
             let d = half::f16::from_f32(rng.random_range(0.5..1.5) / 256.0).to_bits();
-            if format == IqFormat::Iq1M {
+            if format == GgufFormat::Iq1M {
                 for i in 0..4 {
                     let at = 48 + 2 * i;
                     let word = u16::from_le_bytes([block[at], block[at + 1]]);
@@ -100,7 +100,7 @@ pub mod quantized {
             } else {
                 block[..2].copy_from_slice(&d.to_le_bytes());
             }
-            if format == IqFormat::Q4K {
+            if format == GgufFormat::Q4K {
                 // dmin: a min of up to 63·dmin against values up to 15·63·d.
                 let dmin = half::f16::from_f32(rng.random_range(0.5..1.5) / 128.0).to_bits();
                 block[2..4].copy_from_slice(&dmin.to_le_bytes());
@@ -224,25 +224,30 @@ pub mod quantized {
                 };
                 (weights, gate_up, down)
             }
-            Format::Iq {
+            Format::GgufBlocks {
                 gate_up: gu_format,
                 down: down_format,
             } => {
-                let mut stacked = |format: IqFormat, rows: usize, k: usize| {
-                    let blocks = iq_blocks(rng, format, n_experts * rows, k);
+                let mut stacked = |format: GgufFormat, rows: usize, k: usize| {
+                    let blocks = gguf_blocks(rng, format, n_experts * rows, k);
                     let bytes = blocks.dim(1).unwrap();
-                    StackedIq::new(format, blocks.reshape((n_experts, rows, bytes)).unwrap(), k)
-                        .unwrap()
+                    StackedGgufBlocks::new(
+                        format,
+                        blocks.reshape((n_experts, rows, bytes)).unwrap(),
+                        k,
+                    )
+                    .unwrap()
                 };
                 let (gate, up, down_w) = (
                     stacked(*gu_format, inter, hidden),
                     stacked(*gu_format, inter, hidden),
                     stacked(*down_format, hidden, inter),
                 );
-                let dense = |w: &StackedIq, e: usize| {
+                let dense = |w: &StackedGgufBlocks, e: usize| {
                     let expert =
-                        iq_matmul::IqWeight::new(w.format, w.blocks.get(e).unwrap(), w.k).unwrap();
-                    iq_matmul::reference::dequantize(&expert).unwrap()
+                        gguf_matmul::GgufWeight::new(w.format, w.blocks.get(e).unwrap(), w.k)
+                            .unwrap();
+                    gguf_matmul::reference::dequantize(&expert).unwrap()
                 };
                 let gate_up = stack(
                     (0..n_experts)
@@ -250,10 +255,11 @@ pub mod quantized {
                         .collect(),
                 );
                 let down = stack((0..n_experts).map(|e| dense(&down_w, e)).collect());
-                let moved = |w: StackedIq| {
-                    StackedIq::new(w.format, w.blocks.to_device(device).unwrap(), w.k).unwrap()
+                let moved = |w: StackedGgufBlocks| {
+                    StackedGgufBlocks::new(w.format, w.blocks.to_device(device).unwrap(), w.k)
+                        .unwrap()
                 };
-                let weights = QuantizedExperts::Iq {
+                let weights = QuantizedExperts::GgufBlocks {
                     gate: moved(gate),
                     up: moved(up),
                     down: moved(down_w),

@@ -1,5 +1,5 @@
 //! The i-quant CUDA kernels (mat-vec up to MAX_ROWS rows, dequantise above) against the CPU reference (itself
-//! checked bit for bit against gguf-py in iq_matmul.rs), on the fixture's random blocks of every format and on
+//! checked bit for bit against gguf-py in gguf_matmul.rs), on the fixture's random blocks of every format and on
 //! random blocks at GLM-5's projection sizes; outputs land in memory filled with NaN just before. Needs a GPU:
 //! built with `--features cuda` and run by `scripts/gpu-run.sh` on the GPU machine.
 #![cfg(feature = "cuda")]
@@ -10,9 +10,9 @@ mod common;
 use std::path::PathBuf;
 
 use candle_core::{DType, Device, Tensor};
-use common::quantized::iq_blocks;
+use common::quantized::gguf_blocks;
 use common::{rng, uniform};
-use glm5_ops::iq_matmul::{self, reference, IqFormat, IqWeight, MAX_ROWS};
+use glm5_ops::gguf_matmul::{self, reference, GgufFormat, GgufWeight, MAX_ROWS};
 
 fn gpu() -> Device {
     Device::new_cuda(0).expect("a CUDA device")
@@ -74,20 +74,20 @@ fn worst_ratio(got: &Tensor, want: &Tensor, x: &Tensor, dense: &Tensor) -> f32 {
 
 /// One weight on the GPU against the CPU reference (bounds: [`worst_ratio`]), for mat-vec row counts and
 /// the dequantise path.
-fn check(format: IqFormat, blocks: &Tensor, inp: usize, seed: u64) {
+fn check(format: GgufFormat, blocks: &Tensor, inp: usize, seed: u64) {
     let gpu = gpu();
-    let cpu_w = IqWeight::new(format, blocks.clone(), inp).unwrap();
-    let gpu_w = IqWeight::new(format, blocks.to_device(&gpu).unwrap(), inp).unwrap();
+    let cpu_w = GgufWeight::new(format, blocks.clone(), inp).unwrap();
+    let gpu_w = GgufWeight::new(format, blocks.to_device(&gpu).unwrap(), inp).unwrap();
     assert_eq!(
-        iq_matmul::dispatch(&gpu_w, &glm5_ops::DeviceDesc::of(&gpu).unwrap())
+        gguf_matmul::dispatch(&gpu_w, &glm5_ops::DeviceDesc::of(&gpu).unwrap())
             .unwrap()
             .decode
             .name,
-        "iq-w16-cuda"
+        "gguf-w16-cuda"
     );
     // The GPU's decoded values are the reference's, bit for bit.
     poison(&gpu, blocks.elem_count() * 32);
-    let dense = iq_matmul::dequantize(&gpu_w, DType::F32)
+    let dense = gguf_matmul::dequantize(&gpu_w, DType::F32)
         .unwrap()
         .to_device(&Device::Cpu)
         .unwrap();
@@ -109,9 +109,9 @@ fn check(format: IqFormat, blocks: &Tensor, inp: usize, seed: u64) {
         let x = Tensor::from_vec(uniform(&mut r, rows * inp), (rows, inp), &Device::Cpu).unwrap();
         for dtype in [DType::F32, DType::BF16] {
             let x = x.to_dtype(dtype).unwrap();
-            let want = iq_matmul::iq_matmul(&x.to_dtype(DType::F32).unwrap(), &cpu_w).unwrap();
+            let want = gguf_matmul::gguf_matmul(&x.to_dtype(DType::F32).unwrap(), &cpu_w).unwrap();
             poison(&gpu, rows * blocks.dim(0).unwrap() * 8);
-            let got = iq_matmul::iq_matmul(&x.to_device(&gpu).unwrap(), &gpu_w).unwrap();
+            let got = gguf_matmul::gguf_matmul(&x.to_device(&gpu).unwrap(), &gpu_w).unwrap();
             assert_eq!(got.dtype(), dtype);
             let ratio = worst_ratio(&got.to_device(&Device::Cpu).unwrap(), &want, &x, &dense);
             println!(
@@ -129,7 +129,7 @@ fn check(format: IqFormat, blocks: &Tensor, inp: usize, seed: u64) {
 #[test]
 fn every_format_on_the_gpu_matches_the_reference() {
     let fixture = fixture();
-    for (i, format) in IqFormat::ALL.into_iter().enumerate() {
+    for (i, format) in GgufFormat::ALL.into_iter().enumerate() {
         let blocks = fixture[&format!("{}.blocks", format.name())].clone();
         let inp = fixture[&format!("{}.values", format.name())]
             .dim(1)
@@ -144,18 +144,18 @@ fn glm5_projection_sizes_match_the_reference() {
     // mixes give experts, and an output width that is not a multiple of the block of warps.
     let mut seed = 900;
     for format in [
-        IqFormat::Iq2Xxs,
-        IqFormat::Iq2S,
-        IqFormat::Iq3S,
-        IqFormat::Iq4Xs,
-        IqFormat::Iq1M,
-        IqFormat::Q4K,
+        GgufFormat::Iq2Xxs,
+        GgufFormat::Iq2S,
+        GgufFormat::Iq3S,
+        GgufFormat::Iq4Xs,
+        GgufFormat::Iq1M,
+        GgufFormat::Q4K,
     ] {
         for (out, inp) in [(2048, 6144), (6144, 2048), (37, 512)] {
             seed += 1;
             check(
                 format,
-                &iq_blocks(&mut rng(seed), format, out, inp),
+                &gguf_blocks(&mut rng(seed), format, out, inp),
                 inp,
                 seed,
             );

@@ -1,6 +1,6 @@
 //! The i-quant decoders against gguf-py's numpy dequantisation (ggml's own Python reader; fixture made by
 //! tests/fixtures/gguf/make_iq_fixtures.py): every value of random blocks of every format, bit for bit; and
-//! `iq_matmul` on the CPU against the product with those values.
+//! `gguf_matmul` on the CPU against the product with those values.
 
 #[allow(dead_code)]
 mod common;
@@ -8,7 +8,7 @@ mod common;
 use std::path::PathBuf;
 
 use candle_core::{DType, Device, Tensor};
-use glm5_ops::iq_matmul::{self, reference, IqFormat, IqWeight};
+use glm5_ops::gguf_matmul::{self, reference, GgufFormat, GgufWeight};
 use glm5_ops::{DeviceDesc, OpError};
 
 fn fixture() -> std::collections::HashMap<String, Tensor> {
@@ -19,7 +19,7 @@ fn fixture() -> std::collections::HashMap<String, Tensor> {
 
 fn parts(
     fixture: &std::collections::HashMap<String, Tensor>,
-    format: IqFormat,
+    format: GgufFormat,
 ) -> (Tensor, Tensor) {
     (
         fixture[&format!("{}.blocks", format.name())].clone(),
@@ -30,7 +30,7 @@ fn parts(
 #[test]
 fn every_format_decodes_exactly_as_gguf_py() {
     let fixture = fixture();
-    for format in IqFormat::ALL {
+    for format in GgufFormat::ALL {
         let (blocks, values) = parts(&fixture, format);
         let bytes = blocks.flatten_all().unwrap().to_vec1::<u8>().unwrap();
         let ours = reference::dequantize_bytes(format, &bytes);
@@ -61,23 +61,23 @@ fn every_format_decodes_exactly_as_gguf_py() {
 }
 
 #[test]
-fn iq_matmul_on_the_cpu_is_the_product_with_the_decoded_values() {
+fn gguf_matmul_on_the_cpu_is_the_product_with_the_decoded_values() {
     let fixture = fixture();
     let mut rng = common::rng(7);
-    for format in IqFormat::ALL {
+    for format in GgufFormat::ALL {
         let (blocks, values) = parts(&fixture, format);
         let (out, inp) = values.dims2().unwrap();
-        let w = IqWeight::new(format, blocks, inp).unwrap();
+        let w = GgufWeight::new(format, blocks, inp).unwrap();
         assert_eq!(
-            iq_matmul::dispatch(&w, &DeviceDesc::cpu(1 << 30))
+            gguf_matmul::dispatch(&w, &DeviceDesc::cpu(1 << 30))
                 .unwrap()
                 .decode
                 .name,
-            "iq-reference-cpu"
+            "gguf-reference-cpu"
         );
         for rows in [1, 3] {
             let x = common::uniform(&mut rng, rows * inp);
-            let y = iq_matmul::iq_matmul(
+            let y = gguf_matmul::gguf_matmul(
                 &Tensor::from_vec(x.clone(), (rows, inp), &Device::Cpu).unwrap(),
                 &w,
             )
@@ -103,7 +103,10 @@ fn iq_matmul_on_the_cpu_is_the_product_with_the_decoded_values() {
         }
         // bf16 activations: the output comes back in bf16.
         let x = Tensor::ones((2, inp), DType::BF16, &Device::Cpu).unwrap();
-        assert_eq!(iq_matmul::iq_matmul(&x, &w).unwrap().dtype(), DType::BF16);
+        assert_eq!(
+            gguf_matmul::gguf_matmul(&x, &w).unwrap().dtype(),
+            DType::BF16
+        );
     }
 }
 
@@ -111,60 +114,61 @@ fn iq_matmul_on_the_cpu_is_the_product_with_the_decoded_values() {
 fn malformed_weights_are_typed_errors() {
     let bytes = Tensor::zeros((4, 136), DType::U8, &Device::Cpu).unwrap();
     // 256 values of IQ4_XS are 136 bytes: 512 would need 272.
-    let err = IqWeight::new(IqFormat::Iq4Xs, bytes.clone(), 512).unwrap_err();
+    let err = GgufWeight::new(GgufFormat::Iq4Xs, bytes.clone(), 512).unwrap_err();
     assert!(matches!(err, OpError::Shape { arg: "blocks", .. }), "{err}");
     assert!(err.to_string().contains("272"), "{err}");
     // Not a whole number of blocks.
-    let err = IqWeight::new(IqFormat::Iq4Xs, bytes.clone(), 100).unwrap_err();
+    let err = GgufWeight::new(GgufFormat::Iq4Xs, bytes.clone(), 100).unwrap_err();
     assert!(err.to_string().contains("multiple of 256"), "{err}");
     // Not bytes.
-    let err = IqWeight::new(IqFormat::Iq4Xs, bytes.to_dtype(DType::F32).unwrap(), 256).unwrap_err();
+    let err =
+        GgufWeight::new(GgufFormat::Iq4Xs, bytes.to_dtype(DType::F32).unwrap(), 256).unwrap_err();
     assert!(err.to_string().contains("U8"), "{err}");
     // x of the wrong width.
-    let w = IqWeight::new(IqFormat::Iq4Xs, bytes, 256).unwrap();
+    let w = GgufWeight::new(GgufFormat::Iq4Xs, bytes, 256).unwrap();
     let x = Tensor::zeros((1, 128), DType::F32, &Device::Cpu).unwrap();
     assert!(matches!(
-        iq_matmul::iq_matmul(&x, &w),
+        gguf_matmul::gguf_matmul(&x, &w),
         Err(OpError::Shape { arg: "x", .. })
     ));
     // Integer activations.
     let x = Tensor::zeros((1, 256), DType::U8, &Device::Cpu).unwrap();
     assert!(matches!(
-        iq_matmul::iq_matmul(&x, &w),
+        gguf_matmul::gguf_matmul(&x, &w),
         Err(OpError::NotFloat { .. })
     ));
 }
 
 #[test]
 fn formats_round_trip_through_their_ggml_ids() {
-    for format in IqFormat::ALL {
-        assert_eq!(IqFormat::from_ggml_id(format.ggml_id()), Some(format));
+    for format in GgufFormat::ALL {
+        assert_eq!(GgufFormat::from_ggml_id(format.ggml_id()), Some(format));
         assert_eq!(
             format.row_bytes(format.block_values()),
             Some(format.block_bytes())
         );
     }
-    assert_eq!(IqFormat::from_ggml_id(8), None); // Q8_0
+    assert_eq!(GgufFormat::from_ggml_id(8), None); // Q8_0
 }
 
 #[test]
 fn dispatch_names_the_backend_per_device_with_reasons() {
     let bytes = Tensor::zeros((4, 136), DType::U8, &Device::Cpu).unwrap();
-    let w = IqWeight::new(IqFormat::Iq4Xs, bytes, 256).unwrap();
+    let w = GgufWeight::new(GgufFormat::Iq4Xs, bytes, 256).unwrap();
     for arch in ["sm_90", "sm_120"] {
         let device = DeviceDesc::assume(&format!("{arch}:96GB"), 0).unwrap();
         assert_eq!(
-            iq_matmul::dispatch(&w, &device).unwrap().decode.name,
-            "iq-w16-cuda",
+            gguf_matmul::dispatch(&w, &device).unwrap().decode.name,
+            "gguf-w16-cuda",
             "{arch}"
         );
     }
     // No kernel is built for sm_80: the error names every backend and why.
-    let err = iq_matmul::dispatch(&w, &DeviceDesc::assume("sm_80:80GB", 0).unwrap()).unwrap_err();
+    let err = gguf_matmul::dispatch(&w, &DeviceDesc::assume("sm_80:80GB", 0).unwrap()).unwrap_err();
     let text = err.to_string();
     assert!(
-        text.contains("iq-w16-cuda") && text.contains("compute capability"),
+        text.contains("gguf-w16-cuda") && text.contains("compute capability"),
         "{text}"
     );
-    assert!(text.contains("iq-reference-cpu"), "{text}");
+    assert!(text.contains("gguf-reference-cpu"), "{text}");
 }

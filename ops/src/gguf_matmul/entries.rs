@@ -1,17 +1,17 @@
-//! The backends of `iq_matmul` (contract in `mod.rs`, dispatch rule in `weight_only.rs`).
+//! The backends of `gguf_matmul` (contract in `mod.rs`, dispatch rule in `weight_only.rs`).
 
-use super::{IqWeight, SUB_BLOCK};
+use super::{GgufWeight, SUB_BLOCK};
 use crate::device::{DeviceDesc, DeviceFamily};
 use crate::registry::{Arch, DeviceMatch, Reason};
 use crate::weight_only::{
     self, Rows, WeightOnlyBackend, WeightOnlyChoice, WeightOnlyDispatchError, WeightShape,
 };
 
-/// `iq_matmul`'s backends: glm5's CUDA kernels (sm_90 and sm_120 SASS) and the CPU reference.
+/// `gguf_matmul`'s backends: glm5's CUDA kernels (sm_90 and sm_120 SASS) and the CPU reference.
 pub fn backends() -> Vec<WeightOnlyBackend> {
     vec![
         WeightOnlyBackend {
-            name: "iq-w16-cuda",
+            name: "gguf-w16-cuda",
             description: "glm5's GGUF block kernels (i-quants, Q4_K): a mat-vec decoding the blocks in \
                           registers (f32 accumulation) up to MAX_ROWS rows, Q4_K's 2..MAX_ROWS bf16 rows on \
                           the tensor cores; above, dequantise to the activations' dtype and use candle's \
@@ -39,7 +39,7 @@ pub fn backends() -> Vec<WeightOnlyBackend> {
             runtime_reasons: |_| vec![],
         },
         WeightOnlyBackend {
-            name: "iq-reference-cpu",
+            name: "gguf-reference-cpu",
             description: "the reference: decode to f32 as ggml does, then candle's matmul",
             devices: DeviceMatch::Cpu,
             priority: vec![(DeviceFamily::Cpu, 0)],
@@ -52,7 +52,7 @@ pub fn backends() -> Vec<WeightOnlyBackend> {
 
 /// The backends for `w` on `device` (decode and prefill rows).
 pub fn dispatch(
-    w: &IqWeight,
+    w: &GgufWeight,
     device: &DeviceDesc,
 ) -> Result<WeightOnlyChoice, WeightOnlyDispatchError> {
     let (out_dim, in_dim) = w.dims().unwrap_or((0, 0));
@@ -62,5 +62,5 @@ pub fn dispatch(
         block_in: w.format.block_values(),
         block_out: 1,
     };
-    weight_only::dispatch_rows("iq_matmul", backends(), &shape, device)
+    weight_only::dispatch_rows("gguf_matmul", backends(), &shape, device)
 }

@@ -1,6 +1,6 @@
 // Decoders of the GGUF block formats glm5 decodes, llama.cpp's i-quants and Q4_K: one 32-value sub-block of a
 // block into floats, in ggml's f32 order (`dequantize_row_iq*`, `dequantize_row_q4_K`), so every value equals
-// the CPU reference's (glm5-ops iq_matmul/reference.rs, which has the layout table). The lookup tables are
+// the CPU reference's (glm5-ops gguf_matmul/reference.rs, which has the layout table). The lookup tables are
 // generated from kernels/src/iq_grids.rs.
 //
 // I-quant blocks are 2-byte aligned at best (66, 74, ... bytes), so wider fields are read as u16 pairs;
@@ -14,7 +14,7 @@
 #include "glm5_iq_grids.h"
 
 namespace glm5 {
-namespace iq {
+namespace gguf {
 
 enum Format { IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M, IQ4_NL, IQ4_XS, Q4_K };
 
@@ -317,5 +317,5 @@ template <> struct Chunks<Q4_K> {
     }
 };
 
-}  // namespace iq
+}  // namespace gguf
 }  // namespace glm5

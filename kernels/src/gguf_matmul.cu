@@ -1,14 +1,14 @@
 // Weight-only matmuls over the GGUF block formats glm5 decodes (llama.cpp's i-quants, Q4_K):
 // y[m, n] = sum_k x[m, k] * W[n, k], W kept as the GGUF file's blocks in global memory and decoded in
-// registers, f32 accumulation (contract: glm5-ops iq_matmul/mod.rs; decoders: iq_formats.cuh).
+// registers, f32 accumulation (contract: glm5-ops gguf_matmul/mod.rs; decoders: gguf_formats.cuh).
 //
-//   iq_matvec[_r1]_<format>_<dtype> rows m <= MAX_ROWS (_r1: m = 1, batch-1 decode, without the other row
+//   gguf_matvec[_r1]_<format>_<dtype> rows m <= MAX_ROWS (_r1: m = 1, batch-1 decode, without the other row
 //                                   slots' tests): a group of warps per output column n (ColumnSplit in
 //                                   weight_formats.cuh); its threads decode the column's 16-value chunks
-//                                   (`Chunks` in iq_formats.cuh, several in flight) and multiply each with
+//                                   (`Chunks` in gguf_formats.cuh, several in flight) and multiply each with
 //                                   all m activation rows, so every weight byte is read once.
 //   q4k_mma_matvec{8,16}_bf16       Q4_K, bf16 rows m <= 8 / 16, on the tensor cores (below).
-//   iq_dequantize_<format>_<dtype>  the whole W in the activations' dtype (one thread per sub-block), for
+//   gguf_dequantize_<format>_<dtype>  the whole W in the activations' dtype (one thread per sub-block), for
 //                                   the many-row (prefill) path's matmul.
 
 #include <cuda_bf16.h>
@@ -16,19 +16,19 @@
 
 #include "glm5_interface.h"
 #include "bf16_mma.cuh"
-#include "iq_formats.cuh"
+#include "gguf_formats.cuh"
 #include "q4k_mma.cuh"
 #include "weight_formats.cuh"
 
 using namespace glm5;
-using namespace glm5::iq;
+using namespace glm5::gguf;
 
 constexpr int MAX_ROWS = GLM5_WEIGHT_ONLY_MAX_ROWS;
 constexpr int WARPS = GLM5_WEIGHT_ONLY_WARPS;
 constexpr int DEQUANTIZE_THREADS = GLM5_WEIGHT_ONLY_DEQUANTIZE_THREADS;
 
 template <Format F, int ROWS, typename T>
-__device__ __forceinline__ void iq_matvec(const T* __restrict__ x, const uint8_t* __restrict__ w, T* __restrict__ y,
+__device__ __forceinline__ void gguf_matvec(const T* __restrict__ x, const uint8_t* __restrict__ w, T* __restrict__ y,
                                           int m, int n, int k, int column_warps) {
     using C = Chunks<F>;
     const ColumnSplit at = column_split<WARPS>(column_warps);
@@ -60,7 +60,7 @@ __device__ __forceinline__ void iq_matvec(const T* __restrict__ x, const uint8_t
 }
 
 template <Format F, typename T>
-__device__ __forceinline__ void iq_dequantize(const uint8_t* __restrict__ w, T* __restrict__ out, int n, int k) {
+__device__ __forceinline__ void gguf_dequantize(const uint8_t* __restrict__ w, T* __restrict__ out, int n, int k) {
     const int subs = k / 32;
     const size_t total = static_cast<size_t>(n) * subs;
     for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < total;
@@ -131,33 +131,33 @@ extern "C" __global__ void __launch_bounds__(q4k_mma::MAX_WARPS * 32)
     q4k_mma_matvec<2>(x, w, y, m, n, k);
 }
 
-#define IQ_KERNELS(NAME, F, SUFFIX, T)                                                                         \
+#define GGUF_KERNELS(NAME, F, SUFFIX, T)                                                                         \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                  \
-        iq_matvec_##NAME##_##SUFFIX(const T* x, const uint8_t* w, T* y, int m, int n, int k,                 \
+        gguf_matvec_##NAME##_##SUFFIX(const T* x, const uint8_t* w, T* y, int m, int n, int k,                 \
                                     int column_warps) {                                                       \
-        iq_matvec<F, MAX_ROWS, T>(x, w, y, m, n, k, column_warps);                                            \
+        gguf_matvec<F, MAX_ROWS, T>(x, w, y, m, n, k, column_warps);                                            \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                  \
-        iq_matvec_r1_##NAME##_##SUFFIX(const T* x, const uint8_t* w, T* y, int m, int n, int k,              \
+        gguf_matvec_r1_##NAME##_##SUFFIX(const T* x, const uint8_t* w, T* y, int m, int n, int k,              \
                                        int column_warps) {                                                    \
-        iq_matvec<F, 1, T>(x, w, y, m, n, k, column_warps);                                                   \
+        gguf_matvec<F, 1, T>(x, w, y, m, n, k, column_warps);                                                   \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(DEQUANTIZE_THREADS)                                          \
-        iq_dequantize_##NAME##_##SUFFIX(const uint8_t* w, T* out, int n, int k) {                            \
-        iq_dequantize<F, T>(w, out, n, k);                                                                    \
+        gguf_dequantize_##NAME##_##SUFFIX(const uint8_t* w, T* out, int n, int k) {                            \
+        gguf_dequantize<F, T>(w, out, n, k);                                                                    \
     }
 
-#define IQ_FORMAT(NAME, F)                   \
-    IQ_KERNELS(NAME, F, f32, float)          \
-    IQ_KERNELS(NAME, F, bf16, __nv_bfloat16)
+#define GGUF_FORMAT(NAME, F)                   \
+    GGUF_KERNELS(NAME, F, f32, float)          \
+    GGUF_KERNELS(NAME, F, bf16, __nv_bfloat16)
 
-IQ_FORMAT(iq2_xxs, IQ2_XXS)
-IQ_FORMAT(iq2_xs, IQ2_XS)
-IQ_FORMAT(iq2_s, IQ2_S)
-IQ_FORMAT(iq3_xxs, IQ3_XXS)
-IQ_FORMAT(iq3_s, IQ3_S)
-IQ_FORMAT(iq1_s, IQ1_S)
-IQ_FORMAT(iq1_m, IQ1_M)
-IQ_FORMAT(iq4_nl, IQ4_NL)
-IQ_FORMAT(iq4_xs, IQ4_XS)
-IQ_FORMAT(q4_k, Q4_K)
+GGUF_FORMAT(iq2_xxs, IQ2_XXS)
+GGUF_FORMAT(iq2_xs, IQ2_XS)
+GGUF_FORMAT(iq2_s, IQ2_S)
+GGUF_FORMAT(iq3_xxs, IQ3_XXS)
+GGUF_FORMAT(iq3_s, IQ3_S)
+GGUF_FORMAT(iq1_s, IQ1_S)
+GGUF_FORMAT(iq1_m, IQ1_M)
+GGUF_FORMAT(iq4_nl, IQ4_NL)
+GGUF_FORMAT(iq4_xs, IQ4_XS)
+GGUF_FORMAT(q4_k, Q4_K)

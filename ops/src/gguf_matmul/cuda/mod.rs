@@ -1,12 +1,12 @@
-//! `iq_matmul` on CUDA: the mat-vec kernel for up to `MAX_ROWS` rows, dequantise-then-matmul above
-//! (kernels in `kernels/src/iq_matmul.cu`).
+//! `gguf_matmul` on CUDA: the mat-vec kernel for up to `MAX_ROWS` rows, dequantise-then-matmul above
+//! (kernels in `kernels/src/gguf_matmul.cu`).
 
 use candle_core::{DType, Tensor};
 
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use glm5_kernels::interface::weight_only::{Q4K_MMA_MAX_WARPS, Q4K_MMA_ROW_TILE};
 
-use super::{IqFormat, IqWeight, MAX_ROWS};
+use super::{GgufFormat, GgufWeight, MAX_ROWS};
 use crate::cuda::device_address;
 use crate::cuda::{cuda_err, kernel};
 use crate::error::OpError;
@@ -14,27 +14,29 @@ use crate::error::Result;
 use crate::weight_only_cuda::{self, KernelFile, WeightArgs};
 
 const FILE: KernelFile = KernelFile {
-    module: "iq_matmul",
-    fatbin: glm5_kernels::IQ_MATMUL,
+    module: "gguf_matmul",
+    fatbin: glm5_kernels::GGUF_MATMUL,
     chunk_values: 16,
 };
 
-/// `iq_matvec_<format>` / `iq_dequantize_<format>`.
-fn stem(kind: &str, w: &IqWeight) -> String {
+/// `gguf_matvec_<format>` / `gguf_dequantize_<format>`.
+fn stem(kind: &str, w: &GgufWeight) -> String {
     format!("iq_{kind}_{}", w.format.name().to_ascii_lowercase())
 }
 
 /// `x` `[m, k]` (f32 or bf16, contiguous, on the weight's device) times `Wᵀ`, in `x`'s dtype.
-pub(crate) fn iq_matmul(x: &Tensor, w: &IqWeight) -> Result<Tensor> {
+pub(crate) fn gguf_matmul(x: &Tensor, w: &GgufWeight) -> Result<Tensor> {
     w.check()?;
     let (n, _) = w.dims()?;
-    if w.format == IqFormat::Q4K {
+    if w.format == GgufFormat::Q4K {
         check_q4k_alignment(&w.blocks.contiguous()?)?;
     }
     // Q4_K with 2..=MAX_ROWS bf16 rows: the tensor-core kernel. One row stays on the FFMA mat-vec, whose
     // n · column_warps warps keep more loads in flight than the n / 16 blocks of 16 rows (H100, separate
     // runs: GLM-5's batch-1 Q4_K step 2.57 ms with it, 2.74 ms with the tensor-core kernel for every count).
-    if w.format == IqFormat::Q4K && x.dtype() == DType::BF16 && (2..=MAX_ROWS).contains(&x.dim(0)?)
+    if w.format == GgufFormat::Q4K
+        && x.dtype() == DType::BF16
+        && (2..=MAX_ROWS).contains(&x.dim(0)?)
     {
         return q4k_mma_matvec(x, w);
     }
@@ -52,7 +54,7 @@ pub(crate) fn iq_matmul(x: &Tensor, w: &IqWeight) -> Result<Tensor> {
 }
 
 /// The whole weight as `dtype` (f32 or bf16; f16 through f32).
-pub(crate) fn dequantize(w: &IqWeight, dtype: DType) -> Result<Tensor> {
+pub(crate) fn dequantize(w: &GgufWeight, dtype: DType) -> Result<Tensor> {
     let (n, k) = w.dims()?;
     let kernel_dtype = if dtype == DType::BF16 {
         DType::BF16
@@ -81,7 +83,7 @@ pub(crate) fn dequantize(w: &IqWeight, dtype: DType) -> Result<Tensor> {
 
 /// Q4_K times bf16 rows on the tensor cores (`q4k_mma_matvec{8,16}_bf16`): a block of warps per 16 output rows,
 /// its warps splitting the row's 256-value blocks, about two blocks a warp (each warp keeps two in flight).
-fn q4k_mma_matvec(x: &Tensor, w: &IqWeight) -> Result<Tensor> {
+fn q4k_mma_matvec(x: &Tensor, w: &GgufWeight) -> Result<Tensor> {
     let (m, k) = x.dims2()?;
     let (n, _) = w.dims()?;
     // The kernel reads x and the blocks in 16-byte vectors (a Q4_K block is 144 bytes: every block of an
@@ -131,7 +133,7 @@ pub(crate) fn check_q4k_alignment(blocks: &Tensor) -> Result<()> {
     let (address, _) = device_address(blocks)?;
     if address % 16 != 0 {
         return Err(OpError::Unsupported(format!(
-            "iq_matmul: Q4_K blocks at device address {address:#x}, not 16-byte aligned"
+            "gguf_matmul: Q4_K blocks at device address {address:#x}, not 16-byte aligned"
         )));
     }
     Ok(())

@@ -26,7 +26,7 @@ use glm5_kernels::iq_grids::{
     KVALUES_IQ4NL,
 };
 
-use super::{IqFormat, IqWeight};
+use super::{GgufFormat, GgufWeight};
 use crate::error::Result;
 
 /// IQ1_S / IQ1_M's offset of every grid value, its sign stored per group.
@@ -58,11 +58,11 @@ fn sign(bits: u32, j: usize) -> f32 {
 }
 
 /// Decodes one block of `format` (`format.block_bytes()` bytes) into `out` (`format.block_values()`).
-pub fn decode_block(format: IqFormat, b: &[u8], out: &mut [f32]) {
+pub fn decode_block(format: GgufFormat, b: &[u8], out: &mut [f32]) {
     debug_assert_eq!(b.len(), format.block_bytes());
     debug_assert_eq!(out.len(), format.block_values());
     match format {
-        IqFormat::Iq2Xxs => {
+        GgufFormat::Iq2Xxs => {
             let d = f16_at(b, 0);
             for ib in 0..8 {
                 let q = &b[2 + 8 * ib..2 + 8 * ib + 8];
@@ -77,7 +77,7 @@ pub fn decode_block(format: IqFormat, b: &[u8], out: &mut [f32]) {
                 }
             }
         }
-        IqFormat::Iq2Xs => {
+        GgufFormat::Iq2Xs => {
             let d = f16_at(b, 0);
             let scales = &b[66..74];
             for ib in 0..8 {
@@ -93,7 +93,7 @@ pub fn decode_block(format: IqFormat, b: &[u8], out: &mut [f32]) {
                 }
             }
         }
-        IqFormat::Iq2S => {
+        GgufFormat::Iq2S => {
             let d = f16_at(b, 0);
             let (qs, signs, qh, scales) = (&b[2..34], &b[34..66], &b[66..74], &b[74..82]);
             for ib in 0..8 {
@@ -109,7 +109,7 @@ pub fn decode_block(format: IqFormat, b: &[u8], out: &mut [f32]) {
                 }
             }
         }
-        IqFormat::Iq3Xxs => {
+        GgufFormat::Iq3Xxs => {
             let d = f16_at(b, 0);
             let qs = &b[2..66];
             for ib in 0..8 {
@@ -130,7 +130,7 @@ pub fn decode_block(format: IqFormat, b: &[u8], out: &mut [f32]) {
                 }
             }
         }
-        IqFormat::Iq3S => {
+        GgufFormat::Iq3S => {
             let d = f16_at(b, 0);
             let (qs, qh, signs, scales) = (&b[2..66], &b[66..74], &b[74..106], &b[106..110]);
             for ib in 0..8 {
@@ -146,7 +146,7 @@ pub fn decode_block(format: IqFormat, b: &[u8], out: &mut [f32]) {
                 }
             }
         }
-        IqFormat::Iq1S => {
+        GgufFormat::Iq1S => {
             let d = f16_at(b, 0);
             let qs = &b[2..34];
             for ib in 0..8 {
@@ -165,7 +165,7 @@ pub fn decode_block(format: IqFormat, b: &[u8], out: &mut [f32]) {
                 }
             }
         }
-        IqFormat::Iq1M => {
+        GgufFormat::Iq1M => {
             let (qs, qh) = (&b[0..32], &b[32..48]);
             let sc = [u16_at(b, 48), u16_at(b, 50), u16_at(b, 52), u16_at(b, 54)];
             let d_bits = (sc[0] >> 12)
@@ -193,14 +193,14 @@ pub fn decode_block(format: IqFormat, b: &[u8], out: &mut [f32]) {
                 }
             }
         }
-        IqFormat::Iq4Nl => {
+        GgufFormat::Iq4Nl => {
             let d = f16_at(b, 0);
             for j in 0..16 {
                 out[j] = d * KVALUES_IQ4NL[(b[2 + j] & 0xf) as usize] as f32;
                 out[j + 16] = d * KVALUES_IQ4NL[(b[2 + j] >> 4) as usize] as f32;
             }
         }
-        IqFormat::Iq4Xs => {
+        GgufFormat::Iq4Xs => {
             let d = f16_at(b, 0);
             let scales_h = u16_at(b, 2) as u32;
             let (scales_l, qs) = (&b[4..8], &b[8..136]);
@@ -215,7 +215,7 @@ pub fn decode_block(format: IqFormat, b: &[u8], out: &mut [f32]) {
                 }
             }
         }
-        IqFormat::Q4K => {
+        GgufFormat::Q4K => {
             let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
             let (scales, qs) = (&b[4..16], &b[16..144]);
             for sub in 0..8 {
@@ -245,7 +245,7 @@ fn q4k_scale_min(q: &[u8], sub: usize) -> (u8, u8) {
 }
 
 /// Decodes `bytes` (whole blocks of `format`) into f32 values.
-pub fn dequantize_bytes(format: IqFormat, bytes: &[u8]) -> Vec<f32> {
+pub fn dequantize_bytes(format: GgufFormat, bytes: &[u8]) -> Vec<f32> {
     let (bb, bv) = (format.block_bytes(), format.block_values());
     let mut out = vec![0f32; bytes.len() / bb * bv];
     for (block, values) in bytes.chunks_exact(bb).zip(out.chunks_exact_mut(bv)) {
@@ -255,7 +255,7 @@ pub fn dequantize_bytes(format: IqFormat, bytes: &[u8]) -> Vec<f32> {
 }
 
 /// The whole weight in f32, `[out, in]`, on the CPU.
-pub fn dequantize(w: &IqWeight) -> Result<Tensor> {
+pub fn dequantize(w: &GgufWeight) -> Result<Tensor> {
     w.check()?;
     let (out, inp) = w.dims()?;
     let bytes = w
@@ -271,7 +271,7 @@ pub fn dequantize(w: &IqWeight) -> Result<Tensor> {
 }
 
 /// `x` `[m, in]` times `Wᵀ` in f32 on the CPU.
-pub fn iq_matmul(x: &Tensor, w: &IqWeight) -> Result<Tensor> {
+pub fn gguf_matmul(x: &Tensor, w: &GgufWeight) -> Result<Tensor> {
     let dense = dequantize(w)?.to_device(x.device())?;
     Ok(x.to_dtype(DType::F32)?.matmul(&dense.t()?)?)
 }

@@ -1,4 +1,4 @@
-//! `iq_matmul(x, w) -> y`: a linear layer whose weight stays in one of the GGUF block formats glm5 decodes
+//! `gguf_matmul(x, w) -> y`: a linear layer whose weight stays in one of the GGUF block formats glm5 decodes
 //! itself: llama.cpp's i-quants (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ4_NL, IQ4_XS) and the
 //! K-quant Q4_K, multiplied with the weight dequantised in the kernel (weight-only: activations are not
 //! quantised).
@@ -11,8 +11,8 @@
 //!
 //! # Contract
 //!
-//! * `w` is [`IqWeight`]: `blocks` `U8 [out, in / block_values · block_bytes]`, each row the ggml blocks of
-//!   one output row exactly as the GGUF file stores them, and its [`IqFormat`]. `in` is a multiple of the
+//! * `w` is [`GgufWeight`]: `blocks` `U8 [out, in / block_values · block_bytes]`, each row the ggml blocks of
+//!   one output row exactly as the GGUF file stores them, and its [`GgufFormat`]. `in` is a multiple of the
 //!   format's block (256 values; IQ4_NL: 32).
 //! * The weight stands for the values ggml's own dequantisation gives (`dequantize_row_iq*` in ggml-quants.c;
 //!   the formats in [`reference`], the lookup tables in `glm5_kernels::iq_grids`), computed in f32 in ggml's
@@ -45,7 +45,7 @@ pub const SUB_BLOCK: usize = 32;
 /// One of the GGUF block formats glm5 decodes: its name, ggml type id and block geometry (ggml-common.h's
 /// `block_iq*`, `block_q4_K`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum IqFormat {
+pub enum GgufFormat {
     Iq2Xxs,
     Iq2Xs,
     Iq3Xxs,
@@ -60,18 +60,18 @@ pub enum IqFormat {
     Q4K,
 }
 
-impl IqFormat {
-    pub const ALL: [IqFormat; 10] = [
-        IqFormat::Iq2Xxs,
-        IqFormat::Iq2Xs,
-        IqFormat::Iq3Xxs,
-        IqFormat::Iq1S,
-        IqFormat::Iq4Nl,
-        IqFormat::Iq3S,
-        IqFormat::Iq2S,
-        IqFormat::Iq4Xs,
-        IqFormat::Iq1M,
-        IqFormat::Q4K,
+impl GgufFormat {
+    pub const ALL: [GgufFormat; 10] = [
+        GgufFormat::Iq2Xxs,
+        GgufFormat::Iq2Xs,
+        GgufFormat::Iq3Xxs,
+        GgufFormat::Iq1S,
+        GgufFormat::Iq4Nl,
+        GgufFormat::Iq3S,
+        GgufFormat::Iq2S,
+        GgufFormat::Iq4Xs,
+        GgufFormat::Iq1M,
+        GgufFormat::Q4K,
     ];
 
     /// The format of ggml type id `id`, if glm5 decodes it.
@@ -82,38 +82,38 @@ impl IqFormat {
     /// `GGMLQuantizationType` id.
     pub fn ggml_id(self) -> u32 {
         match self {
-            IqFormat::Iq2Xxs => 16,
-            IqFormat::Iq2Xs => 17,
-            IqFormat::Iq3Xxs => 18,
-            IqFormat::Iq1S => 19,
-            IqFormat::Iq4Nl => 20,
-            IqFormat::Iq3S => 21,
-            IqFormat::Iq2S => 22,
-            IqFormat::Iq4Xs => 23,
-            IqFormat::Iq1M => 29,
-            IqFormat::Q4K => 12,
+            GgufFormat::Iq2Xxs => 16,
+            GgufFormat::Iq2Xs => 17,
+            GgufFormat::Iq3Xxs => 18,
+            GgufFormat::Iq1S => 19,
+            GgufFormat::Iq4Nl => 20,
+            GgufFormat::Iq3S => 21,
+            GgufFormat::Iq2S => 22,
+            GgufFormat::Iq4Xs => 23,
+            GgufFormat::Iq1M => 29,
+            GgufFormat::Q4K => 12,
         }
     }
 
     pub fn name(self) -> &'static str {
         match self {
-            IqFormat::Iq2Xxs => "IQ2_XXS",
-            IqFormat::Iq2Xs => "IQ2_XS",
-            IqFormat::Iq3Xxs => "IQ3_XXS",
-            IqFormat::Iq1S => "IQ1_S",
-            IqFormat::Iq4Nl => "IQ4_NL",
-            IqFormat::Iq3S => "IQ3_S",
-            IqFormat::Iq2S => "IQ2_S",
-            IqFormat::Iq4Xs => "IQ4_XS",
-            IqFormat::Iq1M => "IQ1_M",
-            IqFormat::Q4K => "Q4_K",
+            GgufFormat::Iq2Xxs => "IQ2_XXS",
+            GgufFormat::Iq2Xs => "IQ2_XS",
+            GgufFormat::Iq3Xxs => "IQ3_XXS",
+            GgufFormat::Iq1S => "IQ1_S",
+            GgufFormat::Iq4Nl => "IQ4_NL",
+            GgufFormat::Iq3S => "IQ3_S",
+            GgufFormat::Iq2S => "IQ2_S",
+            GgufFormat::Iq4Xs => "IQ4_XS",
+            GgufFormat::Iq1M => "IQ1_M",
+            GgufFormat::Q4K => "Q4_K",
         }
     }
 
     /// Values per block.
     pub fn block_values(self) -> usize {
         match self {
-            IqFormat::Iq4Nl => 32,
+            GgufFormat::Iq4Nl => 32,
             _ => 256,
         }
     }
@@ -121,16 +121,16 @@ impl IqFormat {
     /// Bytes per block.
     pub fn block_bytes(self) -> usize {
         match self {
-            IqFormat::Iq2Xxs => 66,
-            IqFormat::Iq2Xs => 74,
-            IqFormat::Iq3Xxs => 98,
-            IqFormat::Iq1S => 50,
-            IqFormat::Iq4Nl => 18,
-            IqFormat::Iq3S => 110,
-            IqFormat::Iq2S => 82,
-            IqFormat::Iq4Xs => 136,
-            IqFormat::Iq1M => 56,
-            IqFormat::Q4K => 144,
+            GgufFormat::Iq2Xxs => 66,
+            GgufFormat::Iq2Xs => 74,
+            GgufFormat::Iq3Xxs => 98,
+            GgufFormat::Iq1S => 50,
+            GgufFormat::Iq4Nl => 18,
+            GgufFormat::Iq3S => 110,
+            GgufFormat::Iq2S => 82,
+            GgufFormat::Iq4Xs => 136,
+            GgufFormat::Iq1M => 56,
+            GgufFormat::Q4K => 144,
         }
     }
 
@@ -142,7 +142,7 @@ impl IqFormat {
     }
 }
 
-impl std::fmt::Display for IqFormat {
+impl std::fmt::Display for GgufFormat {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())
     }
@@ -150,17 +150,17 @@ impl std::fmt::Display for IqFormat {
 
 /// An i-quant weight (module contract).
 #[derive(Debug, Clone)]
-pub struct IqWeight {
-    pub format: IqFormat,
+pub struct GgufWeight {
+    pub format: GgufFormat,
     /// `U8 [out, row_bytes(in)]`.
     pub blocks: Tensor,
     /// `in`: values per row.
     pub in_dim: usize,
 }
 
-impl IqWeight {
+impl GgufWeight {
     /// Checks the bytes hold `[out, in_dim]` values of `format`.
-    pub fn new(format: IqFormat, blocks: Tensor, in_dim: usize) -> Result<Self> {
+    pub fn new(format: GgufFormat, blocks: Tensor, in_dim: usize) -> Result<Self> {
         let w = Self {
             format,
             blocks,
@@ -179,7 +179,7 @@ impl IqWeight {
     pub fn check(&self) -> Result<()> {
         if self.blocks.dtype() != DType::U8 {
             return Err(OpError::Unsupported(format!(
-                "iq_matmul: {} blocks must be U8, found {:?}",
+                "gguf_matmul: {} blocks must be U8, found {:?}",
                 self.format,
                 self.blocks.dtype()
             )));
@@ -208,18 +208,18 @@ impl IqWeight {
 }
 
 /// `x · Wᵀ` in `x`'s dtype (see the module contract).
-pub fn iq_matmul(x: &Tensor, w: &IqWeight) -> Result<Tensor> {
-    crate::weight_only::apply("iq_matmul", x, w.dims()?, |x2| {
+pub fn gguf_matmul(x: &Tensor, w: &GgufWeight) -> Result<Tensor> {
+    crate::weight_only::apply("gguf_matmul", x, w.dims()?, |x2| {
         #[cfg(feature = "cuda")]
         if x2.device().is_cuda() {
-            return cuda::iq_matmul(&x2.contiguous()?, w);
+            return cuda::gguf_matmul(&x2.contiguous()?, w);
         }
-        reference::iq_matmul(x2, w)
+        reference::gguf_matmul(x2, w)
     })
 }
 
 /// The whole weight as `dtype` on its device (the reference's f32 values, rounded once to `dtype`).
-pub fn dequantize(w: &IqWeight, dtype: DType) -> Result<Tensor> {
+pub fn dequantize(w: &GgufWeight, dtype: DType) -> Result<Tensor> {
     w.check()?;
     if w.blocks.device().is_cuda() {
         #[cfg(feature = "cuda")]
