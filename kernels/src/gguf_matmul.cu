@@ -80,7 +80,7 @@ __device__ __forceinline__ void gguf_dequantize(const uint8_t* __restrict__ w, T
 //
 // q4k_mma_matvec{8,16}_bf16: Q4_K times bf16 activations, m <= 8 or <= 16 rows (one or two mma N tiles), on the
 // tensor cores (q4k_mma.cuh). A block of `blockDim.x / 32` warps owns 16 output rows; its warps split the
-// rows' blocks (warp w takes blocks w, w + warps, ...), two blocks' loads in flight, and meet in shared memory.
+// rows' blocks (`accumulate_warp_blocks`) and meet in shared memory.
 
 template <int TILES>
 __device__ __forceinline__ void q4k_mma_matvec(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ w,
@@ -98,18 +98,7 @@ __device__ __forceinline__ void q4k_mma_matvec(const __nv_bfloat16* __restrict__
     for (int j = 0; j < TILES; ++j)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[j][i] = 0.0f;
-    constexpr int U = 2;
-    for (int b0 = warp; b0 < blocks; b0 += warps * U) {
-        q4k_mma::Block block[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-            if (b0 + u * warps < blocks) block[u] = q4k_mma::load(rows, b0 + u * warps, t);
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-            if (b0 + u * warps < blocks)
-#pragma unroll
-                for (int j = 0; j < TILES; ++j) q4k_mma::accumulate(block[u], x_rows[j], b0 + u * warps, t, acc[j]);
-    }
+    q4k_mma::accumulate_warp_blocks(rows, x_rows, warp, warps, blocks, t, acc);
     q4k_mma::sum_over_warps(acc);
     if (warp != 0) return;
 #pragma unroll

@@ -708,20 +708,11 @@ extern "C" __global__ void __launch_bounds__(glm5::q4k_mma::MAX_WARPS * 32) moe_
     const uint8_t* rows[2];
     q::tile_rows(down + expert * (size_t)hidden * blocks * q::BLOCK_BYTES, row0, hidden, inter, g, rows);
     const int begin = offsets[expert], end = offsets[expert + 1];
-    constexpr int U = 2;
     for (int m0 = begin; m0 < end; m0 += 8) {
         const int m = min(8, end - m0);
-        const __nv_bfloat16* x_row = g < m ? h + (size_t)sorted[m0 + g] * inter : nullptr;
+        const __nv_bfloat16* const x_rows[1] = {g < m ? h + (size_t)sorted[m0 + g] * inter : nullptr};
         float acc[1][4] = {};
-        for (int b0 = warp; b0 < blocks; b0 += warps * U) {
-            q::Block block[U];
-#pragma unroll
-            for (int u = 0; u < U; ++u)
-                if (b0 + u * warps < blocks) block[u] = q::load(rows, b0 + u * warps, t);
-#pragma unroll
-            for (int u = 0; u < U; ++u)
-                if (b0 + u * warps < blocks) q::accumulate(block[u], x_row, b0 + u * warps, t, acc[0]);
-        }
+        q::accumulate_warp_blocks(rows, x_rows, warp, warps, blocks, t, acc);
         q::sum_over_warps(acc);
         if (warp == 0) {
 #pragma unroll

@@ -96,6 +96,27 @@ __device__ __forceinline__ void accumulate(const Block& block, const __nv_bfloat
     }
 }
 
+/// acc[j] += the warp's share of the rows' blocks (`warp`, `warp + warps`, ... below `blocks`) times the
+/// activation rows `x_rows[j]` (the lane's, as `accumulate` takes them): two blocks' loads in flight, each
+/// block decoded once for every j.
+template <int N>
+__device__ __forceinline__ void accumulate_warp_blocks(const uint8_t* const (&rows)[2],
+                                                       const __nv_bfloat16* const (&x_rows)[N], int warp,
+                                                       int warps, int blocks, int t, float (&acc)[N][4]) {
+    constexpr int U = 2;
+    for (int b0 = warp; b0 < blocks; b0 += warps * U) {
+        Block block[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+            if (b0 + u * warps < blocks) block[u] = load(rows, b0 + u * warps, t);
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+            if (b0 + u * warps < blocks)
+#pragma unroll
+                for (int j = 0; j < N; ++j) accumulate(block[u], x_rows[j], b0 + u * warps, t, acc[j]);
+    }
+}
+
 /// The lane's two row pointers for the 16-row tile starting at `row0` of a [rows, k] Q4_K matrix at `w`
 /// (rows past the last read the last; their sums are not written).
 __device__ __forceinline__ void tile_rows(const uint8_t* w, int row0, int rows, int k, int g,

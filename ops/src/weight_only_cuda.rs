@@ -40,12 +40,7 @@ pub(crate) fn matvec(
 ) -> Result<Tensor> {
     let (m, k) = x.dims2()?;
     debug_assert!(m <= MAX_ROWS);
-    // The kernel reads x in 16-byte vectors: a view starting mid-vector is copied to a fresh allocation.
-    let x = &if device_address(x)?.0 % 16 == 0 {
-        x.clone()
-    } else {
-        x.copy()?
-    };
+    let x = &vector_aligned(x)?;
     // Every output is written by the kernel (one group of warps per column, all m rows): no fill, which would
     // cost two more launches per projection on the decode path.
     // SAFETY: `y` is only read after the kernel has written all of it.
@@ -85,6 +80,16 @@ pub(crate) fn matvec(
     // size the kernel reads or writes (checked by the callers: x [m, k], the weight's parts, y [m, n]).
     unsafe { builder.launch(cfg) }.map_err(cuda_err)?;
     Ok(y)
+}
+
+/// `x` where its device address is 16-byte aligned, else a copy in a fresh allocation: the mat-vecs read
+/// activations in 16-byte vectors, and a view may start mid-vector.
+pub(crate) fn vector_aligned(x: &Tensor) -> Result<Tensor> {
+    Ok(if device_address(x)?.0 % 16 == 0 {
+        x.clone()
+    } else {
+        x.copy()?
+    })
 }
 
 fn push_weight<'a>(

@@ -322,16 +322,10 @@ impl InputProjections {
         for (which, weight) in &members {
             parts.push((*which, weight.dims()?.0));
         }
-        let bytes: Vec<&Tensor> = members.iter().map(|(_, w)| &w.blocks).collect();
-        let (format, in_dim) = (members[0].1.format, members[0].1.in_dim);
+        let weights: Vec<&glm5_ops::gguf_matmul::GgufWeight> =
+            members.iter().map(|(_, w)| w).collect();
         let stacked =
-            glm5_ops::gguf_matmul::GgufWeight::new(format, Tensor::cat(&bytes, 0)?, in_dim)?;
-        glm5_ops::gguf_matmul::dispatch(&stacked, loader.desc).map_err(|source| {
-            ModelError::WeightOnlyMatmul {
-                tensor: "the attention's stacked input projections".to_string(),
-                source: Box::new(source),
-            }
-        })?;
+            loader.stack_gguf_blocks(&weights, "the attention's stacked input projections")?;
         Ok(ProjectionGroup {
             proj: Proj::GgufBlocks(stacked),
             parts,

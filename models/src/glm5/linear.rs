@@ -89,6 +89,25 @@ impl Loader<'_> {
         self.checkpoint.matrix(name, shape, self.dtype, self.device)
     }
 
+    /// `parts` (GGUF blocks of one format and input width) as one weight, their rows in order (every row is
+    /// its own blocks: no value changes), dispatched as a loaded weight is; `what` names it in errors.
+    pub(super) fn stack_gguf_blocks(
+        &self,
+        parts: &[&glm5_ops::gguf_matmul::GgufWeight],
+        what: &str,
+    ) -> Result<glm5_ops::gguf_matmul::GgufWeight> {
+        let (format, in_dim) = match parts.first() {
+            Some(first) => (first.format, first.in_dim),
+            None => return Err(ModelError::PlanDevices(format!("{what}: nothing to stack"))),
+        };
+        let bytes: Vec<&Tensor> = parts.iter().map(|w| &w.blocks).collect();
+        let stacked =
+            glm5_ops::gguf_matmul::GgufWeight::new(format, Tensor::cat(&bytes, 0)?, in_dim)?;
+        glm5_ops::gguf_matmul::dispatch(&stacked, self.desc)
+            .map_err(|source| weight_only_error(what, source))?;
+        Ok(stacked)
+    }
+
     pub(super) fn rms_norm(&self, prefix: &str, dim: usize, eps: f64) -> Result<RmsNorm> {
         Ok(RmsNorm {
             weight: self.tensor(&format!("{prefix}.weight"), &[dim])?,

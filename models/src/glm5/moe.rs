@@ -36,19 +36,9 @@ impl Mlp {
             (Proj::GgufBlocks(g), Proj::GgufBlocks(u))
                 if (g.format, g.in_dim) == (u.format, u.in_dim) =>
             {
-                let stacked = glm5_ops::gguf_matmul::GgufWeight::new(
-                    g.format,
-                    Tensor::cat(&[&g.blocks, &u.blocks], 0)?,
-                    g.in_dim,
-                )?;
-                glm5_ops::gguf_matmul::dispatch(&stacked, loader.desc).map_err(|source| {
-                    ModelError::WeightOnlyMatmul {
-                        tensor: format!("{prefix}.gate_proj + up_proj (stacked)"),
-                        source: Box::new(source),
-                    }
-                })?;
+                let what = format!("{prefix}.gate_proj + up_proj (stacked)");
                 GateUp::Stacked {
-                    proj: Proj::GgufBlocks(stacked),
+                    proj: Proj::GgufBlocks(loader.stack_gguf_blocks(&[&g, &u], &what)?),
                     intermediate,
                 }
             }
@@ -242,23 +232,28 @@ const PER_EXPERT_GGUF_BLOCKS: &str =
 
 const PER_EXPERT_UNSUPPORTED: &str = "per-expert quantised (block type or row width not taken by candle-nn's GGUF MoE kernels: Q8_0, Q2_K-Q6_K)";
 
-/// The routed experts as the source stacks them in GGUF i-quant formats, when gate and up share a format
-/// (the grouped kernels' rule; published mixes do); `None` otherwise.
-fn load_stacked_iq(
-    config: &Config,
-    loader: &Loader,
-    prefix: &str,
-) -> Result<Option<moe::QuantizedExperts>> {
+/// The routed experts' projections as a source stacks them: `(name, [E, out, in])`.
+fn expert_projections(config: &Config) -> [(&'static str, [usize; 3]); 3] {
     let (e, hidden, inter) = (
         config.n_routed_experts,
         config.hidden_size,
         config.moe_intermediate_size,
     );
-    let projections = [
+    [
         ("gate_proj", [e, inter, hidden]),
         ("up_proj", [e, inter, hidden]),
         ("down_proj", [e, hidden, inter]),
-    ];
+    ]
+}
+
+/// The routed experts as the source stacks them in GGUF blocks glm5 decodes (i-quants, Q4_K), when gate
+/// and up share a format (the grouped kernels' rule; published mixes do); `None` otherwise.
+fn load_stacked_gguf_blocks(
+    config: &Config,
+    loader: &Loader,
+    prefix: &str,
+) -> Result<Option<moe::QuantizedExperts>> {
+    let projections = expert_projections(config);
     // From the headers first: a layer mixing these formats with others (Q4_K gate/up, Q6_K down) reads none
     // of its experts here.
     let mut formats = Vec::with_capacity(projections.len());
@@ -274,22 +269,19 @@ fn load_stacked_iq(
     if formats[0] != formats[1] {
         return Ok(None);
     }
-    let load = |proj: &str, shape: [usize; 3]| {
+    let load = |(proj, shape): (&str, [usize; 3])| {
         loader
             .checkpoint
             .stacked_gguf_block_experts(prefix, proj, shape, loader.device)
     };
-    let Some(gate) = load("gate_proj", [e, inter, hidden])? else {
+    let (Some(gate), Some(up), Some(down)) = (
+        load(projections[0])?,
+        load(projections[1])?,
+        load(projections[2])?,
+    ) else {
         return Ok(None);
     };
-    let Some(up) = load("up_proj", [e, inter, hidden])?.filter(|up| up.format == gate.format)
-    else {
-        return Ok(None);
-    };
-    let Some(down) = load("down_proj", [e, hidden, inter])? else {
-        return Ok(None);
-    };
-    // Each projection must have an gguf_matmul backend on this device, as each expert's would.
+    // Each projection must have a gguf_matmul backend on this device, as each expert's would.
     for (proj, stacked) in [("gate_proj", &gate), ("up_proj", &up), ("down_proj", &down)] {
         let expert = glm5_ops::gguf_matmul::GgufWeight::new(
             stacked.format,
@@ -321,16 +313,8 @@ fn load_stacked_gguf(config: &Config, loader: &Loader, prefix: &str) -> Result<S
     if !(loader.device.is_cuda() && cfg!(feature = "cuda")) {
         return Ok(StackedGguf::NotStacked);
     }
-    let (e, hidden, inter) = (
-        config.n_routed_experts,
-        config.hidden_size,
-        config.moe_intermediate_size,
-    );
-    let projections = [
-        ("gate_proj", [e, inter, hidden]),
-        ("up_proj", [e, inter, hidden]),
-        ("down_proj", [e, hidden, inter]),
-    ];
+    let (hidden, inter) = (config.hidden_size, config.moe_intermediate_size);
+    let projections = expert_projections(config);
     let mut formats = Vec::with_capacity(projections.len());
     for (proj, shape) in projections {
         match loader
@@ -402,7 +386,7 @@ impl MoE {
                 Mlp::load(loader, &format!("{prefix}.shared_experts"), hidden, width)
             })
             .transpose()?;
-        if let Some(weights) = load_stacked_iq(config, loader, prefix)? {
+        if let Some(weights) = load_stacked_gguf_blocks(config, loader, prefix)? {
             return Ok(Self {
                 router,
                 experts: Experts::Quantized {

@@ -212,7 +212,7 @@ impl TensorSource for RandomQ4kSource {
         shape: [usize; 3],
         device: &Device,
     ) -> Result<Option<QTensor>> {
-        if !self.via_candle || !shape[2].is_multiple_of(QK_K) {
+        if self.stacked_experts_format(prefix, proj, shape)?.is_none() {
             return Ok(None);
         }
         let bytes = q4k_experts(prefix, proj, self.dense.seed, self.dense.std, shape);
@@ -240,10 +240,13 @@ impl TensorSource for RandomQ4kSource {
         shape: [usize; 3],
         device: &Device,
     ) -> Result<Option<StackedGgufBlocks>> {
-        let [experts, out, inp] = shape;
-        if self.via_candle || !inp.is_multiple_of(QK_K) {
+        if self
+            .stacked_gguf_block_format(prefix, proj, shape)?
+            .is_none()
+        {
             return Ok(None);
         }
+        let [experts, out, inp] = shape;
         let bytes = q4k_experts(prefix, proj, self.dense.seed, self.dense.std, shape);
         let row = GgufFormat::Q4K.row_bytes(inp).expect("whole blocks");
         let blocks =

@@ -1,16 +1,13 @@
 //! `gguf_matmul` on CUDA: the mat-vec kernel for up to `MAX_ROWS` rows, dequantise-then-matmul above
 //! (kernels in `kernels/src/gguf_matmul.cu`).
 
-use candle_core::{DType, Tensor};
-
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::{DType, Tensor};
 use glm5_kernels::interface::weight_only::{Q4K_MMA_MAX_WARPS, Q4K_MMA_ROW_TILE};
 
 use super::{GgufFormat, GgufWeight, MAX_ROWS};
-use crate::cuda::device_address;
-use crate::cuda::{cuda_err, kernel};
-use crate::error::OpError;
-use crate::error::Result;
+use crate::cuda::{cuda_err, device_address, kernel};
+use crate::error::{OpError, Result};
 use crate::weight_only_cuda::{self, KernelFile, WeightArgs};
 
 const FILE: KernelFile = KernelFile {
@@ -28,8 +25,9 @@ fn stem(kind: &str, w: &GgufWeight) -> String {
 pub(crate) fn gguf_matmul(x: &Tensor, w: &GgufWeight) -> Result<Tensor> {
     w.check()?;
     let (n, _) = w.dims()?;
+    let blocks = w.blocks.contiguous()?;
     if w.format == GgufFormat::Q4K {
-        check_q4k_alignment(&w.blocks.contiguous()?)?;
+        check_q4k_alignment(&blocks)?;
     }
     // Q4_K with 2..=MAX_ROWS bf16 rows: the tensor-core kernel. One row stays on the FFMA mat-vec, whose
     // n · column_warps warps keep more loads in flight than the n / 16 blocks of 16 rows (H100, separate
@@ -38,10 +36,9 @@ pub(crate) fn gguf_matmul(x: &Tensor, w: &GgufWeight) -> Result<Tensor> {
         && x.dtype() == DType::BF16
         && (2..=MAX_ROWS).contains(&x.dim(0)?)
     {
-        return q4k_mma_matvec(x, w);
+        return q4k_mma_matvec(x, &blocks, n);
     }
     if x.dim(0)? <= MAX_ROWS {
-        let blocks = w.blocks.contiguous()?;
         let pointers = [device_address(&blocks)?.0];
         let args = WeightArgs {
             pointers: &pointers,
@@ -83,18 +80,11 @@ pub(crate) fn dequantize(w: &GgufWeight, dtype: DType) -> Result<Tensor> {
 
 /// Q4_K times bf16 rows on the tensor cores (`q4k_mma_matvec{8,16}_bf16`): a block of warps per 16 output rows,
 /// its warps splitting the row's 256-value blocks, about two blocks a warp (each warp keeps two in flight).
-fn q4k_mma_matvec(x: &Tensor, w: &GgufWeight) -> Result<Tensor> {
+/// `blocks`: the weight's, contiguous and checked aligned (`check_q4k_alignment`), `n` rows.
+fn q4k_mma_matvec(x: &Tensor, blocks: &Tensor, n: usize) -> Result<Tensor> {
     let (m, k) = x.dims2()?;
-    let (n, _) = w.dims()?;
-    // The kernel reads x and the blocks in 16-byte vectors (a Q4_K block is 144 bytes: every block of an
-    // aligned row is aligned).
-    let x = &if device_address(x)?.0 % 16 == 0 {
-        x.clone()
-    } else {
-        x.copy()?
-    };
-    let blocks = w.blocks.contiguous()?;
-    let (w_ptr, dev) = device_address(&blocks)?;
+    let x = &weight_only_cuda::vector_aligned(x)?;
+    let (w_ptr, dev) = device_address(blocks)?;
     // SAFETY: every element is written by the kernel (each output row by its block's first warp).
     let y = unsafe { Tensor::empty((m, n), x.dtype(), x.device())? };
     let (x_ptr, _) = device_address(x)?;
