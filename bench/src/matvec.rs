@@ -6,7 +6,7 @@
 use glm5::candle_core::quantized::QMatMul;
 use glm5::candle_core::{DType, Device, Module, Result, Tensor};
 use glm5::ops::fp8_matmul::{fp8_matmul, Fp8BlockWeight};
-use glm5::ops::gguf_matmul::{gguf_matmul, GgufFormat};
+use glm5::ops::gguf_matmul::{gguf_matmul, gguf_matmul_on_cuda_cores, GgufFormat};
 use glm5::ops::nvfp4_matmul::{nvfp4_matmul, Nvfp4Weight};
 
 use crate::timing::{cold_seconds, median_seconds};
@@ -99,7 +99,8 @@ pub fn matvec_rows(device: &Device, copy: f64) -> Result<()> {
                 })?;
             }
         }
-        // Q4_K through glm5's kernel, then the same blocks through candle's QMatMul.
+        // Q4_K through glm5's kernels (with one row the tensor-core kernel, then the FFMA mat-vec it replaced),
+        // then the same blocks through candle's QMatMul.
         let q4k = glm5::models::weights::random_q4k::RandomQ4kSource::new(7, 0.02);
         if let glm5::models::Matrix::GgufBlocks(w) =
             glm5::models::TensorSource::matrix(&q4k, name, [n, k], DType::BF16, device)
@@ -107,6 +108,9 @@ pub fn matvec_rows(device: &Device, copy: f64) -> Result<()> {
         {
             row("Q4_K (glm5)", w.blocks.elem_count(), &|| {
                 gguf_matmul(&x, &w).map(drop).map_err(cuda)
+            })?;
+            row("Q4_K (glm5, FFMA)", w.blocks.elem_count(), &|| {
+                gguf_matmul_on_cuda_cores(&x, &w).map(drop).map_err(cuda)
             })?;
         }
         let q4k = glm5::models::weights::random_q4k::RandomQ4kSource::candle(7, 0.02);

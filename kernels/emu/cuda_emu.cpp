@@ -212,7 +212,8 @@ extern "C" int glm5_emu_launch(const unsigned grid[3], const unsigned block[3], 
     Launch l;
     l.thunk = thunk;
     l.context = context;
-    l.dynamic_shared.assign(shared_bytes, 0xa5);  // poisoned: the kernel must write before it reads
+    // Poisoned: the kernel must write before it reads (0x7f7f.. is ~3.4e38 as f32 and as bf16, NaN as f16).
+    l.dynamic_shared.assign(shared_bytes, 0x7f);
     const size_t threads = static_cast<size_t>(block[0]) * block[1] * block[2];
     l.threads.resize(threads);
 

@@ -1,5 +1,5 @@
 // The inline-PTX instructions of the Q4_K tensor-core mat-vec (q4k_mma.cuh): mma.sync m16n8k16 over bf16 with
-// f32 accumulation, and a bf16x2 subtraction. Kept apart so that the CPU emulator (kernels/emu) can put its own
+// f32 accumulation, a bf16x2 subtraction and a three-input logic op. Kept apart so that the CPU emulator (kernels/emu) can put its own
 // versions of these functions in their place (kernels/emu/include/bf16_mma.cuh) and run the rest as it is.
 #pragma once
 
@@ -20,5 +20,12 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a
 __device__ __forceinline__ uint32_t bf16x2_sub(uint32_t a, uint32_t b) {
     uint32_t d;
     asm("sub.rn.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
+/// (a & B) | C in one instruction (nvcc splits a mask and an or with two constants into two).
+template <uint32_t B, uint32_t C> __device__ __forceinline__ uint32_t and_or(uint32_t a) {
+    uint32_t d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(d) : "r"(a), "n"(B), "n"(C));
     return d;
 }

@@ -8,6 +8,7 @@
 //                                   (`Chunks` in gguf_formats.cuh, several in flight) and multiply each with
 //                                   all m activation rows, so every weight byte is read once.
 //   q4k_mma_matvec{8,16}_bf16       Q4_K, bf16 rows m <= 8 / 16, on the tensor cores (below).
+//   q4k_mma_matvec1_bf16            Q4_K, one bf16 row, on the tensor cores (q4k_mma::row, below).
 //   gguf_dequantize_<format>_<dtype>  the whole W in the activations' dtype (one thread per sub-block), for
 //                                   the many-row (prefill) path's matmul.
 
@@ -118,6 +119,31 @@ extern "C" __global__ void __launch_bounds__(q4k_mma::MAX_WARPS * 32)
 extern "C" __global__ void __launch_bounds__(q4k_mma::MAX_WARPS * 32)
     q4k_mma_matvec16_bf16(const __nv_bfloat16* x, const uint8_t* w, __nv_bfloat16* y, int m, int n, int k) {
     q4k_mma_matvec<2>(x, w, y, m, n, k);
+}
+
+// q4k_mma_matvec1_bf16: one bf16 activation row (q4k_mma::row): a block of `blockDim.x / 32` warps owns 16 output
+// rows; its warps issue their first blocks' loads, stage x in shared memory (`row::staged_bytes(k)` of dynamic
+// shared memory), split the rows' blocks and meet in shared memory.
+constexpr int ROW_DEPTH = 2;
+
+extern "C" __global__ void __launch_bounds__(q4k_mma::MAX_WARPS * 32)
+    q4k_mma_matvec1_bf16(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ w,
+                         __nv_bfloat16* __restrict__ y, int n, int k) {
+    extern __shared__ __align__(16) uint8_t staged[];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+    const int g = lane / 4, t = lane % 4;
+    const int row0 = blockIdx.x * 16;
+    const uint8_t* rows[2];
+    q4k_mma::tile_rows(w, row0, n, k, g, rows);
+    q4k_mma::row::Stream<ROW_DEPTH> stream;
+    stream.start(rows, warp, warps, k / 256, t);
+    q4k_mma::row::stage(x, staged, k);
+    float acc = 0.0f;
+    stream.run(rows, staged, k, warp, warps, g, t, acc);
+    float sums[1][4] = {{acc, 0.0f, 0.0f, 0.0f}};
+    q4k_mma::sum_over_warps(sums);
+    const int out = row0 + g + 8 * (t / 2);
+    if (warp == 0 && t % 2 == 0 && out < n) y[out] = __float2bfloat16(sums[0][0]);
 }
 
 #define GGUF_KERNELS(NAME, F, SUFFIX, T)                                                                         \

@@ -259,6 +259,13 @@ pub mod weight_only {
     /// splitting a block's rows along `in`.
     pub const Q4K_MMA_ROW_TILE: usize = 16;
     pub const Q4K_MMA_MAX_WARPS: usize = 8;
+    /// The dynamic shared memory of the one-row Q4_K kernels (`q4k_mma::row::staged_bytes` in `q4k_mma.cuh`)
+    /// for `k` activations: the values (bf16), one f32 sum per 32, 128 bytes of zeros.
+    pub const fn q4k_row_staged_bytes(k: usize) -> usize {
+        2 * k + 4 * (k / 32) + 128
+    }
+    /// Dynamic shared memory a launch may take without opting in (CUDA's default limit).
+    pub const DEFAULT_DYNAMIC_SHARED_BYTES: usize = 48 * 1024;
 }
 
 /// The constants of `nvfp4_mma_sm120a.cu` (`GLM5_NVFP4_MMA_*` in the header): the W4A4 GEMM on sm_120a's

@@ -28,7 +28,7 @@
 //                      gguf_formats.cuh).
 //   moe_{gate_up,down}_q4_k_mma_bf16  Q4_K experts with bf16 activations on the tensor cores (q4k_mma.cuh):
 //                      per (active expert, 16 output rows), the block's warps splitting the rows' Q4_K
-//                      blocks, the expert's tokens 8 at a time.
+//                      blocks, the expert's tokens 8 at a time, or its one token as the one-row mat-vec.
 //
 // Decode reads each chosen expert's weights exactly once however many tokens chose it; the kernels are
 // bandwidth-bound mat-vecs, meant for a few tokens per expert (decode of 1..64 sequences).
@@ -658,6 +658,32 @@ MOE_GGUF_FORMAT(iq4_xs, IQ4_XS)
 MOE_GGUF_FORMAT(q4_k, Q4_K)
 
 // ---- Q4_K experts on the tensor cores (bf16) ---------------------------------------------------------------
+//
+// An expert with one token (every chosen expert at batch-1 decode, most at a few sequences) takes the one-row
+// kernels' path (q4k_mma::row): its activation row staged in the launch's dynamic shared memory
+// (`row::staged_bytes` of the row: the launcher always gives it), the warps splitting the row's blocks; gate/up's
+// warps split between the two matrices (even warps gate, odd up; one warp does both in turn). Several tokens take
+// `accumulate`, 8 at a time.
+
+namespace {
+
+constexpr int Q4K_ROW_DEPTH = 2;
+
+/// The one-row sums of `stream` (run by each warp) added over the warps whose index has parity `parity` (every
+/// warp when `stride` is 1), into lane (g, 0) / (g, 2) of warp 0 (rows g / g + 8). Every thread calls it.
+__device__ __forceinline__ float q4k_row_sum_over_warps(float acc, int parity, int stride) {
+    __shared__ float partial[glm5::q4k_mma::MAX_WARPS][32];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+    partial[warp][lane] = acc;
+    __syncthreads();
+    float sum = 0.0f;
+    for (int v = parity; v < warps; v += stride) sum += partial[v][lane];
+    __syncthreads();
+    return sum;
+}
+
+}  // namespace
+
 
 extern "C" __global__ void __launch_bounds__(glm5::q4k_mma::MAX_WARPS * 32) moe_gate_up_q4_k_mma_bf16(
     const __nv_bfloat16* x, const uint8_t* gate, const uint8_t* up, const int* sorted, const int* offsets,
@@ -672,6 +698,33 @@ extern "C" __global__ void __launch_bounds__(glm5::q4k_mma::MAX_WARPS * 32) moe_
     q::tile_rows(gate + expert * expert_bytes, row0, inter, hidden, g, gate_rows);
     q::tile_rows(up + expert * expert_bytes, row0, inter, hidden, g, up_rows);
     const int begin = offsets[expert], end = offsets[expert + 1];
+    if (end - begin == 1) {
+        extern __shared__ __align__(16) uint8_t staged[];
+        // Warp w streams matrix w % 2 (gate, up) over its blocks w / 2, w / 2 + warps / 2, ...; a lone warp both.
+        const int pairs = warps >= 2 ? warps / 2 + (warp % 2 == 0 ? warps % 2 : 0) : 1;
+        const int first = warps >= 2 ? warp / 2 : 0;
+        float acc[2] = {0.0f, 0.0f};  // gate, up
+        for (int p = 0; p < (warps >= 2 ? 1 : 2); ++p) {
+            const int matrix = warps >= 2 ? warp % 2 : p;
+            // Selected element by element: a runtime choice of array would put both in local memory.
+            const uint8_t* const rows[2] = {matrix == 0 ? gate_rows[0] : up_rows[0],
+                                            matrix == 0 ? gate_rows[1] : up_rows[1]};
+            q::row::Stream<Q4K_ROW_DEPTH> stream;
+            stream.start(rows, first, pairs, blocks, t);
+            if (p == 0) q::row::stage(x + (size_t)(sorted[begin] / slots) * hidden, staged, hidden);
+            stream.run(rows, staged, hidden, first, pairs, g, t, acc[matrix]);
+        }
+        const int stride = warps >= 2 ? 2 : 1;
+        const float gate_v = round_to(q4k_row_sum_over_warps(acc[0], 0, stride), x);
+        const float up_v = round_to(q4k_row_sum_over_warps(acc[1], warps >= 2 ? 1 : 0, stride), x);
+        const int row = row0 + g + 8 * (t / 2);
+        if (warp == 0 && t % 2 == 0 && row < inter) {
+            // As gate_up_quantized: each projection rounded, silu(gate) rounded, the product stored.
+            const float act = round_to(gate_v / (1.0f + expf(-gate_v)), x);
+            store(h + (size_t)sorted[begin] * inter + row, act * up_v);
+        }
+        return;
+    }
     for (int m0 = begin; m0 < end; m0 += 8) {
         const int m = min(8, end - m0);
         const __nv_bfloat16* x_row = g < m ? x + (size_t)(sorted[m0 + g] / slots) * hidden : nullptr;
@@ -708,6 +761,19 @@ extern "C" __global__ void __launch_bounds__(glm5::q4k_mma::MAX_WARPS * 32) moe_
     const uint8_t* rows[2];
     q::tile_rows(down + expert * (size_t)hidden * blocks * q::BLOCK_BYTES, row0, hidden, inter, g, rows);
     const int begin = offsets[expert], end = offsets[expert + 1];
+    if (end - begin == 1) {
+        extern __shared__ __align__(16) uint8_t staged[];
+        q::row::Stream<Q4K_ROW_DEPTH> stream;
+        stream.start(rows, warp, warps, blocks, t);
+        const int a = sorted[begin];
+        q::row::stage(h + (size_t)a * inter, staged, inter);
+        float acc = 0.0f;
+        stream.run(rows, staged, inter, warp, warps, g, t, acc);
+        const float sum = q4k_row_sum_over_warps(acc, 0, 1);
+        const int row = row0 + g + 8 * (t / 2);
+        if (warp == 0 && t % 2 == 0 && row < hidden) y[(size_t)a * hidden + row] = gates[a] * sum;
+        return;
+    }
     for (int m0 = begin; m0 < end; m0 += 8) {
         const int m = min(8, end - m0);
         const __nv_bfloat16* const x_rows[1] = {g < m ? h + (size_t)sorted[m0 + g] * inter : nullptr};

@@ -150,5 +150,175 @@ template <int N> __device__ __forceinline__ void sum_over_warps(float (&acc)[N][
     __syncthreads();
 }
 
+// ---- One activation row ----------------------------------------------------------------------------------
+//
+// With one activation row (batch-1 decode; an expert chosen by one token) `accumulate` leaves 7 of the mma's 8
+// columns empty and spends most of its instructions on each sub-block's scales. `row` spends the columns on the
+// scales instead. Lane (g, t) decodes, of rows g and g + 8, sub-block pair t (the block's bytes 16 + 32t ..:
+// values 64t .. 64t + 63, the low nibbles sub-block 2t, the high ones 2t + 1), and only lanes (t, t) and
+// (t + 4, t) give their activation values to the B operand: columns c and c + 4 of a product are pair c's sum
+// alone, per row. k-step i < 8 takes the low nibbles of the pair's byte word i, 8 + i its high ones, each into
+// its own accumulator (`lo`, `hi`), so after a block lane (g, t) holds the sums of sub-blocks 4(t % 2) ..
+// 4(t % 2) + 3 of both its rows, and scales those of row g (t < 2) or g + 8 (t >= 2), each by its own sc once. Within a k-step the slots pair as a word gives them (slot 2t ↔
+// byte 0, 2t + 1 ↔ byte 2, 2t + 8 ↔ byte 1, 2t + 9 ↔ byte 3); `stage` stores the activations permuted the
+// same way, so a lane's B operand is one shared-memory load.
+//
+// A weight is one mask under bf16 128's exponent (128 + q, exact; 7 instructions a word of 8 with the shifts);
+// the 128 comes off each sub-block's sum with the sub-block sums of x that `stage` writes:
+//
+//   y[r] += d · Σ_s sc[r][s] · (Σ_l (128 + q[r][l]) x[l] − 128 Σ_l x[l])  −  dmin · Σ_s m[r][s] · Σ_l x[l]
+namespace row {
+
+/// The shared memory `stage` fills for `k` activations: the permuted values, one f32 sum a sub-block, and 128
+/// bytes of zeros (the B operand of the lanes that give none).
+__host__ __device__ constexpr int staged_bytes(int k) { return 2 * k + 4 * (k / 32) + 128; }
+
+/// The activation row `x` (`k` bf16 values, 16-byte aligned) into shared memory at `staged` (16-byte aligned,
+/// `staged_bytes(k)`), by the whole block: values 8i .. 8i + 7 as the bf16 pairs (0, 2), (1, 3), (4, 6), (5, 7),
+/// and each 32-value sub-block's sum after the k values.
+__device__ __forceinline__ void stage(const __nv_bfloat16* x, uint8_t* staged, int k) {
+    const uint4* from = reinterpret_cast<const uint4*>(x);
+    uint4* to = reinterpret_cast<uint4*>(staged);
+    float* sums = reinterpret_cast<float*>(staged + 2 * k);
+    // k / 8 is a multiple of 32 and blockDim.x of 32: a warp's lanes stay in the loop together; a sub-block is
+    // four consecutive lanes' vectors.
+    for (int i = threadIdx.x; i < k / 8; i += blockDim.x) {
+        const uint4 v = __ldg(from + i);
+        to[i] = {__byte_perm(v.x, v.y, 0x5410), __byte_perm(v.x, v.y, 0x7632), __byte_perm(v.z, v.w, 0x5410),
+                 __byte_perm(v.z, v.w, 0x7632)};
+        const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+        float sum = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            sum += __uint_as_float(words[j] << 16) + __uint_as_float(words[j] & 0xffff0000u);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        if (i % 4 == 0) sums[i / 4] = sum;
+    }
+    if (threadIdx.x < 8) reinterpret_cast<uint4*>(sums + k / 32)[threadIdx.x] = {0, 0, 0, 0};
+    __syncthreads();
+}
+
+/// What one lane reads of one Q4_K block of its two rows: sub-block pair t's 32 bytes of both, and the 16-byte
+/// head (d, dmin, scales) of the row it scales (g for t < 2, g + 8 for t >= 2).
+struct Block {
+    uint4 qs[2][2];
+    uint4 head;
+};
+
+__device__ __forceinline__ Block load(const uint8_t* const (&rows)[2], int b, int t) {
+    Block block;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const uint4* at = reinterpret_cast<const uint4*>(rows[r] + static_cast<size_t>(b) * BLOCK_BYTES);
+        block.qs[r][0] = __ldg(at + 1 + 2 * t);
+        block.qs[r][1] = __ldg(at + 2 + 2 * t);
+    }
+    // (A select, not rows[t / 2]: a runtime index would put the array in local memory.)
+    const uint8_t* scaled_row = t >= 2 ? rows[1] : rows[0];
+    block.head = __ldg(reinterpret_cast<const uint4*>(scaled_row + static_cast<size_t>(b) * BLOCK_BYTES));
+    return block;
+}
+
+__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+/// The bf16 pair (128 + nibble of byte 0 or 1, 128 + the same nibble of byte 2 or 3) at bit `shift` (0, 4, 8, 12).
+__device__ __forceinline__ uint32_t offset_pair(uint32_t w, int shift) {
+    return and_or<0x000f000f, 0x43004300>(w >> shift);
+}
+
+/// Byte `j` of `w` as a float, exactly (the low mantissa byte of 2^23, minus 2^23).
+__device__ __forceinline__ float byte_value(uint32_t w, int j) {
+    return __uint_as_float(__byte_perm(w, 0x4b000000, 0x7540 + j)) - 8388608.0f;
+}
+
+/// acc += block `b`'s part of the lane's row (g for t < 2, g + 8 for t >= 2) times the activations `staged` by
+/// `stage` (the whole row): sub-blocks 4(t % 2) .. 4(t % 2) + 3. `mine`: the lane gives its activations to the
+/// B operand (g % 4 == t).
+__device__ __forceinline__ void accumulate(const Block& block, const uint8_t* staged, int k, bool mine, int b, int t,
+                                           float& acc) {
+    float lo[4] = {0.0f, 0.0f, 0.0f, 0.0f}, hi[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    // The lane's values of the pair, or the zeros after the sums (no predicated loads, no zeroing).
+    const uint4* pair = mine ? reinterpret_cast<const uint4*>(staged) + 32 * b + 8 * t
+                             : reinterpret_cast<const uint4*>(staged + 2 * k + 4 * (k / 32));
+#pragma unroll
+    for (int i = 0; i < 8; i += 2) {
+        // Values 4i .. 4i + 7 of the pair's even (low) and odd (high) sub-block: k-steps i and i + 1.
+        const uint4 even = pair[i / 2], odd = pair[4 + i / 2];
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            const int step = i + u;
+            const uint32_t w[2] = {word(block.qs[0][step / 4], step % 4), word(block.qs[1][step / 4], step % 4)};
+            const uint32_t b_even[2] = {word(even, 2 * u), word(even, 2 * u + 1)};
+            const uint32_t b_odd[2] = {word(odd, 2 * u), word(odd, 2 * u + 1)};
+            const uint32_t a_even[4] = {offset_pair(w[0], 0), offset_pair(w[1], 0), offset_pair(w[0], 8),
+                                        offset_pair(w[1], 8)};
+            const uint32_t a_odd[4] = {offset_pair(w[0], 4), offset_pair(w[1], 4), offset_pair(w[0], 12),
+                                       offset_pair(w[1], 12)};
+            mma_bf16_16816(lo, a_even, b_even);
+            mma_bf16_16816(hi, a_odd, b_odd);
+        }
+    }
+    // Column 2(t % 2) + c (or that + 4) is pair 2(t % 2) + c, so sub-block 4(t % 2) + j is lo[c] (j = 2c) or
+    // hi[c] (j = 2c + 1) for row g, lo / hi[2 + c] for row g + 8.
+    const int half = t % 2;
+    const float4 x_sums = reinterpret_cast<const float4*>(staged + 2 * k)[2 * b + half];
+    const float x_sum[4] = {x_sums.x, x_sums.y, x_sums.z, x_sums.w};
+    const bool upper = t >= 2;
+    const float sums[4] = {upper ? lo[2] : lo[0], upper ? hi[2] : hi[0], upper ? lo[3] : lo[1], upper ? hi[3] : hi[1]};
+    const uint4& head = block.head;
+    const float d = __half2float(__ushort_as_half(static_cast<uint16_t>(head.x & 0xffff)));
+    const float dmin = __half2float(__ushort_as_half(static_cast<uint16_t>(head.x >> 16)));
+    // ggml's get_scale_min_k4 for 4 sub-blocks at once: 0-3 the low 6 bits of scale bytes j and j + 4, 4-7 a
+    // nibble of byte j + 8 with the top 2 bits of bytes j and j + 4.
+    const uint32_t sc = half == 0 ? head.y & 0x3f3f3f3f : (head.w & 0x0f0f0f0f) | ((head.y >> 2) & 0x30303030);
+    const uint32_t m =
+        half == 0 ? head.z & 0x3f3f3f3f : ((head.w >> 4) & 0x0f0f0f0f) | ((head.z >> 2) & 0x30303030);
+    float scaled = 0.0f, mins = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        scaled = fmaf(byte_value(sc, j), fmaf(-128.0f, x_sum[j], sums[j]), scaled);
+        mins = fmaf(byte_value(m, j), x_sum[j], mins);
+    }
+    acc = fmaf(d, scaled, fmaf(-dmin, mins, acc));
+}
+
+/// acc[r] += the warp's share of row g + 8r's blocks (`warp`, `warp + warps`, ... below `blocks`) times the
+/// staged activations, each block's loads issued DEPTH blocks ahead of its use into a ring of DEPTH + 1
+/// (`start` issues the first DEPTH, before the activations are staged). Row g's sum lands in lane (g, 0), row
+/// g + 8's in lane (g, 2).
+template <int DEPTH> struct Stream {
+    static constexpr int RING = DEPTH + 1;
+    Block ring[RING];
+
+    __device__ __forceinline__ void start(const uint8_t* const (&rows)[2], int warp, int warps, int blocks, int t) {
+#pragma unroll
+        for (int d = 0; d < DEPTH; ++d)
+            if (warp + d * warps < blocks) ring[d] = load(rows, warp + d * warps, t);
+    }
+
+    __device__ __forceinline__ void run(const uint8_t* const (&rows)[2], const uint8_t* staged, int k, int warp,
+                                        int warps, int g, int t, float& acc) {
+        const int blocks = k / 256;
+        const bool mine = g % 4 == t;
+        for (int b0 = warp; b0 < blocks; b0 += RING * warps) {
+#pragma unroll
+            for (int d = 0; d < RING; ++d) {
+                const int b = b0 + d * warps;
+                if (b < blocks) {
+                    if (b + DEPTH * warps < blocks) ring[(d + DEPTH) % RING] = load(rows, b + DEPTH * warps, t);
+                    accumulate(ring[d], staged, k, mine, b, t, acc);
+                }
+            }
+        }
+        acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+    }
+};
+
+}  // namespace row
+
+
 }  // namespace q4k_mma
 }  // namespace glm5

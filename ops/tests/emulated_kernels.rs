@@ -17,7 +17,8 @@ use common::quantized::{experts as quantized_experts, gguf_blocks, Format};
 use common::{rng, uniform};
 use glm5_kernels::emu::{launch, DeviceBuffer, LaunchConfig};
 use glm5_kernels::interface::weight_only::{
-    column_warps, DEQUANTIZE_THREADS, MAX_ROWS, Q4K_MMA_MAX_WARPS, Q4K_MMA_ROW_TILE, WARPS,
+    column_warps, q4k_row_staged_bytes, DEQUANTIZE_THREADS, MAX_ROWS, Q4K_MMA_MAX_WARPS,
+    Q4K_MMA_ROW_TILE, WARPS,
 };
 use glm5_ops::gguf_matmul::{self, GgufFormat, GgufWeight};
 use glm5_ops::moe::{experts_reference, route_reference, QuantizedExperts, Routes};
@@ -290,6 +291,49 @@ fn gguf_block_kernels_equal_the_reference() {
 extern "C" {
     fn q4k_mma_matvec8_bf16(x: Ptr, w: *const u8, y: MutPtr, m: i32, n: i32, k: i32);
     fn q4k_mma_matvec16_bf16(x: Ptr, w: *const u8, y: MutPtr, m: i32, n: i32, k: i32);
+    fn q4k_mma_matvec1_bf16(x: Ptr, w: *const u8, y: MutPtr, n: i32, k: i32);
+}
+
+#[test]
+fn q4k_mma_matvec1_equals_the_reference() {
+    // One activation row: 37 rows (a partial last tile of 16); rows of 1 block (one warp), 5 (three warps,
+    // the first two blocks each, ahead of use) and 40 (the most warps, five blocks each); the activations as the
+    // launcher stages them (k bf16 values of dynamic shared memory).
+    let n = 37;
+    for k in [256, 5 * 256, 40 * 256] {
+        let blocks = gguf_blocks(&mut rng(4890 + k as u64), GgufFormat::Q4K, n, k);
+        let w = GgufWeight::new(GgufFormat::Q4K, blocks.clone(), k).unwrap();
+        let dense = gguf_matmul::reference::dequantize(&w).unwrap();
+        let device_blocks = bytes_of(&blocks);
+        let warps = (k / 256 / 2).clamp(1, Q4K_MMA_MAX_WARPS);
+        let config = LaunchConfig {
+            shared_bytes: q4k_row_staged_bytes(k),
+            ..LaunchConfig::new(
+                (n.div_ceil(Q4K_MMA_ROW_TILE) as u32, 1, 1),
+                (warps * 32) as u32,
+            )
+        };
+        let x = activations(4895 + k as u64, k, DType::BF16);
+        let (want, magnitude) = reference_product(&x, (1, k), &dense);
+        let device_x = Values::from_f32(&x, DType::BF16);
+        let y = Values::nan(n, DType::BF16);
+        run(config, || unsafe {
+            q4k_mma_matvec1_bf16(
+                device_x.ptr(),
+                device_blocks.ptr(),
+                y.mut_ptr(),
+                n as i32,
+                k as i32,
+            )
+        });
+        assert_close(
+            &format!("Q4_K one-row mma k={k}"),
+            &y.to_f32(),
+            &want,
+            &magnitude,
+            DType::BF16,
+        );
+    }
 }
 
 #[test]
@@ -1094,10 +1138,13 @@ fn emulated_experts(
             let mma = |format: GgufFormat| format == GgufFormat::Q4K && dtype == DType::BF16;
             let mma_config = |rows: usize, k: usize| {
                 let warps = (k / 256 / 2).clamp(1, Q4K_MMA_MAX_WARPS);
-                LaunchConfig::new(
-                    (blocks, rows.div_ceil(Q4K_MMA_ROW_TILE) as u32, 1),
-                    (warps * 32) as u32,
-                )
+                LaunchConfig {
+                    shared_bytes: q4k_row_staged_bytes(k),
+                    ..LaunchConfig::new(
+                        (blocks, rows.div_ceil(Q4K_MMA_ROW_TILE) as u32, 1),
+                        (warps * 32) as u32,
+                    )
+                }
             };
             let (f, gate_up_config): (IqGateUp, _) = if mma(*gate_up_format) {
                 (moe_gate_up_q4_k_mma_bf16, mma_config(inter, hidden))
@@ -1344,6 +1391,9 @@ fn moe_quantized_experts_equal_the_reference() {
         (iq(GgufFormat::Iq4Nl, GgufFormat::Iq4Nl), (96, 160)),
         (iq(GgufFormat::Q4K, GgufFormat::Iq4Xs), (512, 768)),
         (iq(GgufFormat::Iq3S, GgufFormat::Q4K), (256, 256)),
+        // Q4_K's tensor-core kernels with several warps: gate/up's three split between the two matrices (an odd
+        // count), down's two.
+        (iq(GgufFormat::Q4K, GgufFormat::Q4K), (1536, 1280)),
     ]
     .into_iter()
     .enumerate()

@@ -50,3 +50,5 @@ inline uint32_t bf16x2_sub(uint32_t a, uint32_t b) {
     }
     return d;
 }
+
+template <uint32_t B, uint32_t C> inline uint32_t and_or(uint32_t a) { return (a & B) | C; }

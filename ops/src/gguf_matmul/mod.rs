@@ -218,6 +218,19 @@ pub fn gguf_matmul(x: &Tensor, w: &GgufWeight) -> Result<Tensor> {
     })
 }
 
+/// [`gguf_matmul`] without the tensor-core kernels (Q4_K with bf16 rows takes the FFMA mat-vec as the other
+/// formats do): the matvec bench's comparison of the two on one device.
+#[doc(hidden)]
+pub fn gguf_matmul_on_cuda_cores(x: &Tensor, w: &GgufWeight) -> Result<Tensor> {
+    crate::weight_only::apply("gguf_matmul", x, w.dims()?, |x2| {
+        #[cfg(feature = "cuda")]
+        if x2.device().is_cuda() {
+            return cuda::gguf_matmul_with(&x2.contiguous()?, w, false);
+        }
+        reference::gguf_matmul(x2, w)
+    })
+}
+
 /// The whole weight as `dtype` on its device (the reference's f32 values, rounded once to `dtype`).
 pub fn dequantize(w: &GgufWeight, dtype: DType) -> Result<Tensor> {
     w.check()?;

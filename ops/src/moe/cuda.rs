@@ -3,7 +3,9 @@
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::{DType, Tensor};
 
-use glm5_kernels::interface::weight_only::{Q4K_MMA_MAX_WARPS, Q4K_MMA_ROW_TILE};
+use glm5_kernels::interface::weight_only::{
+    q4k_row_staged_bytes, DEFAULT_DYNAMIC_SHARED_BYTES, Q4K_MMA_MAX_WARPS, Q4K_MMA_ROW_TILE,
+};
 
 use super::quantized::{QuantizedExperts, StackedFp8, StackedNvfp4};
 use super::{RouteRule, Routes};
@@ -220,8 +222,9 @@ fn grouped_experts(
 enum MatVec {
     /// `moe_{gate_up,down}_[t1_]{stem}{suffix}`: a warp per output row, `MATVEC_WARPS` rows a block.
     WarpPerRow(String),
-    /// `moe_{gate_up,down}_q4_k_mma_bf16`: 16 output rows a block of `warps` warps.
-    Q4kMma { warps: usize },
+    /// `moe_{gate_up,down}_q4_k_mma_bf16`: 16 output rows a block of `warps` warps, `staged` bytes of dynamic
+    /// shared memory (an expert's one-token row, `q4k_row_staged_bytes` of the projection's input length).
+    Q4kMma { warps: usize, staged: usize },
 }
 
 impl MatVec {
@@ -236,16 +239,19 @@ impl MatVec {
         }
     }
 
-    /// (blocks along the output rows, threads a block) for `rows` output rows.
-    fn geometry(&self, rows: usize) -> (u32, u32) {
+    /// (blocks along the output rows, threads a block, dynamic shared memory bytes) for `rows` output rows.
+    fn geometry(&self, rows: usize) -> (u32, u32, u32) {
         match self {
             MatVec::WarpPerRow(_) => (
                 rows.div_ceil(MATVEC_WARPS) as u32,
                 (MATVEC_WARPS * 32) as u32,
+                0,
             ),
-            MatVec::Q4kMma { warps } => {
-                (rows.div_ceil(Q4K_MMA_ROW_TILE) as u32, (warps * 32) as u32)
-            }
+            MatVec::Q4kMma { warps, staged } => (
+                rows.div_ceil(Q4K_MMA_ROW_TILE) as u32,
+                (warps * 32) as u32,
+                *staged as u32,
+            ),
         }
     }
 }
@@ -312,11 +318,11 @@ fn grouped_experts_with(
         .arg(&hidden_arg)
         .arg(&inter_arg)
         .arg(&h_ptr);
-    let (row_blocks, threads) = gate_up_kernel.geometry(inter);
+    let (row_blocks, threads, shared) = gate_up_kernel.geometry(inter);
     let grid = (expert_blocks, row_blocks, 1);
     // SAFETY: the arguments match the kernel's signature (moe.cu); x [T, H], h [T·slots, I], the weights
     // and the grouping are live device allocations of the sizes the kernel reads (checked by the callers).
-    unsafe { builder.launch(launch_config(grid, threads, 0)) }.map_err(cuda_err)?;
+    unsafe { builder.launch(launch_config(grid, threads, shared)) }.map_err(cuda_err)?;
 
     let down_fn = kernel(
         &dev,
@@ -330,10 +336,10 @@ fn grouped_experts_with(
     builder.arg(&gates_ptr);
     push_args(&mut builder, &grouping_args);
     builder.arg(&hidden_arg).arg(&inter_arg).arg(&y_ptr);
-    let (row_blocks, threads) = down_kernel.geometry(hidden);
+    let (row_blocks, threads, shared) = down_kernel.geometry(hidden);
     let grid = (expert_blocks, row_blocks, 1);
     // SAFETY: as above; y is [T·slots, H] f32.
-    unsafe { builder.launch(launch_config(grid, threads, 0)) }.map_err(cuda_err)?;
+    unsafe { builder.launch(launch_config(grid, threads, shared)) }.map_err(cuda_err)?;
 
     combine(&y, tokens, slots, &out)?;
     Ok(out)
@@ -442,10 +448,17 @@ pub(super) fn quantized_experts(
                     crate::gguf_matmul::cuda::check_q4k_alignment(blocks)?;
                 }
             }
+            // (An input row too long to stage in the default shared memory, longer than any GLM-5 expert's,
+            // takes the FFMA kernels.)
             let kernel_of = |format: GgufFormat, k: usize| {
-                if format == GgufFormat::Q4K && x.dtype() == DType::BF16 {
+                let staged = q4k_row_staged_bytes(k);
+                if format == GgufFormat::Q4K
+                    && x.dtype() == DType::BF16
+                    && staged <= DEFAULT_DYNAMIC_SHARED_BYTES
+                {
                     MatVec::Q4kMma {
                         warps: (k / 256 / 2).clamp(1, Q4K_MMA_MAX_WARPS),
+                        staged,
                     }
                 } else {
                     MatVec::WarpPerRow(format!("{}_", format.name().to_ascii_lowercase()))

@@ -3,7 +3,9 @@
 
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::{DType, Tensor};
-use glm5_kernels::interface::weight_only::{Q4K_MMA_MAX_WARPS, Q4K_MMA_ROW_TILE};
+use glm5_kernels::interface::weight_only::{
+    q4k_row_staged_bytes, DEFAULT_DYNAMIC_SHARED_BYTES, Q4K_MMA_MAX_WARPS, Q4K_MMA_ROW_TILE,
+};
 
 use super::{GgufFormat, GgufWeight, MAX_ROWS};
 use crate::cuda::{cuda_err, device_address, kernel};
@@ -23,20 +25,29 @@ fn stem(kind: &str, w: &GgufWeight) -> String {
 
 /// `x` `[m, k]` (f32 or bf16, contiguous, on the weight's device) times `Wᵀ`, in `x`'s dtype.
 pub(crate) fn gguf_matmul(x: &Tensor, w: &GgufWeight) -> Result<Tensor> {
+    gguf_matmul_with(x, w, true)
+}
+
+/// [`gguf_matmul`], the tensor-core kernels only where `tensor_cores`.
+pub(crate) fn gguf_matmul_with(x: &Tensor, w: &GgufWeight, tensor_cores: bool) -> Result<Tensor> {
     w.check()?;
     let (n, _) = w.dims()?;
     let blocks = w.blocks.contiguous()?;
     if w.format == GgufFormat::Q4K {
         check_q4k_alignment(&blocks)?;
     }
-    // Q4_K with 2..=MAX_ROWS bf16 rows: the tensor-core kernel. One row stays on the FFMA mat-vec, whose
-    // n · column_warps warps keep more loads in flight than the n / 16 blocks of 16 rows (H100, separate
-    // runs: GLM-5's batch-1 Q4_K step 2.57 ms with it, 2.74 ms with the tensor-core kernel for every count).
-    if w.format == GgufFormat::Q4K
-        && x.dtype() == DType::BF16
-        && (2..=MAX_ROWS).contains(&x.dim(0)?)
-    {
-        return q4k_mma_matvec(x, &blocks, n);
+    // Q4_K with bf16 rows: the tensor-core kernels, one row (batch-1 decode) on its own (`q4k_mma::row`: the
+    // mma's columns carry the sub-block scales; sm_90 SASS, ~260 warp instructions per 16 rows of a block
+    // against ~630 for the several-row kernel with one row). A row too long to stage in the default shared
+    // memory (k above ~23K, longer than any GLM-5 projection's) takes the FFMA mat-vec.
+    if tensor_cores && w.format == GgufFormat::Q4K && x.dtype() == DType::BF16 {
+        let (m, k) = x.dims2()?;
+        if m == 1 && q4k_row_staged_bytes(k) <= DEFAULT_DYNAMIC_SHARED_BYTES {
+            return q4k_mma_matvec1(x, &blocks, n);
+        }
+        if (2..=MAX_ROWS).contains(&m) {
+            return q4k_mma_matvec(x, &blocks, n);
+        }
     }
     if x.dim(0)? <= MAX_ROWS {
         let pointers = [device_address(&blocks)?.0];
@@ -113,6 +124,38 @@ fn q4k_mma_matvec(x: &Tensor, blocks: &Tensor, n: usize) -> Result<Tensor> {
         .arg(&k_arg);
     // SAFETY: the arguments match the kernel's signature: x [m, k] bf16, the blocks [n, k / 256 · 144] bytes,
     // y [m, n] bf16, m <= 16.
+    unsafe { builder.launch(cfg) }.map_err(cuda_err)?;
+    Ok(y)
+}
+
+/// Q4_K times one bf16 row on the tensor cores (`q4k_mma_matvec1_bf16`): as `q4k_mma_matvec`, the row staged in
+/// shared memory (`q4k_row_staged_bytes(k)`, within the default limit: the caller checks).
+fn q4k_mma_matvec1(x: &Tensor, blocks: &Tensor, n: usize) -> Result<Tensor> {
+    let (_, k) = x.dims2()?;
+    let x = &weight_only_cuda::vector_aligned(x)?;
+    let (w_ptr, dev) = device_address(blocks)?;
+    // SAFETY: every element is written by the kernel (each output row by a lane of its block's first warp).
+    let y = unsafe { Tensor::empty((1, n), x.dtype(), x.device())? };
+    let (x_ptr, _) = device_address(x)?;
+    let (y_ptr, _) = device_address(&y)?;
+    let func = kernel(&dev, FILE.module, FILE.fatbin, "q4k_mma_matvec1_bf16")?;
+    let warps = (k / 256 / 2).clamp(1, Q4K_MMA_MAX_WARPS);
+    let cfg = LaunchConfig {
+        grid_dim: (n.div_ceil(Q4K_MMA_ROW_TILE) as u32, 1, 1),
+        block_dim: ((warps * 32) as u32, 1, 1),
+        shared_mem_bytes: q4k_row_staged_bytes(k) as u32,
+    };
+    let (n_arg, k_arg) = (n as i32, k as i32);
+    let stream = dev.cuda_stream();
+    let mut builder = stream.launch_builder(&func);
+    builder
+        .arg(&x_ptr)
+        .arg(&w_ptr)
+        .arg(&y_ptr)
+        .arg(&n_arg)
+        .arg(&k_arg);
+    // SAFETY: the arguments match the kernel's signature: x [1, k] bf16 (16-byte aligned), the blocks
+    // [n, k / 256 · 144] bytes, y [1, n] bf16; the shared memory is the kernel's staged_bytes(k).
     unsafe { builder.launch(cfg) }.map_err(cuda_err)?;
     Ok(y)
 }
