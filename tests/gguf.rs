@@ -238,7 +238,7 @@ fn quantised_gguf_logits_track_the_references() {
 }
 
 /// Every quantised projection run as the model runs it (candle's `QMatMul`, activations in 8-bit blocks, or
-/// glm5's `gguf_matmul` for the formats it decodes itself: Q4_K) against a dense f32 product, relative L2 over 40
+/// glm5's `gguf_matmul` for the formats it decodes itself: Q4_K, Q6_K) against a dense f32 product, relative L2 over 40
 /// rows: the Q8_0 file's against the F32 file's weights (quantisation and kernel, within 2e-2), the Q4_K_M
 /// file's against its own weights expanded (the Q4_K and Q6_K kernels alone, within 2e-2).
 #[test]
@@ -305,7 +305,7 @@ fn quantised_matrices_stay_quantised_and_are_sized_as_stored() {
         }
         _ => panic!("{name} was expanded"),
     }
-    // Q6_K (the shared expert's down_proj): a candle QTensor.
+    // Q6_K (the shared expert's down_proj): glm5's own kernels too.
     let shexp = "model.layers.1.mlp.shared_experts.down_proj.weight";
     match checkpoint
         .matrix(
@@ -316,8 +316,11 @@ fn quantised_matrices_stay_quantised_and_are_sized_as_stored() {
         )
         .unwrap()
     {
-        Matrix::Quantized(q) => assert_eq!(q.dtype(), GgmlDType::Q6K),
-        _ => panic!("{shexp} was not kept as a QTensor"),
+        Matrix::GgufBlocks(w) => {
+            assert_eq!(w.format, glm5::ops::gguf_matmul::GgufFormat::Q6K);
+            assert_eq!(w.dims().unwrap(), (h, config.moe_intermediate_size));
+        }
+        _ => panic!("{shexp} was not kept as the file's blocks"),
     }
     // 256 × 256 Q4_K: 256 blocks of 144 bytes, a quarter-and-a-bit of its f32 size.
     assert_eq!(
@@ -1356,7 +1359,7 @@ fn i_quant_gguf_logits_equal_the_model_dequantised_by_gguf_py() {
         .collect();
     let backends = backends.join("\n");
     assert!(
-        backends.contains("per-expert i-quant reference"),
+        backends.contains("per-expert GGUF-block reference"),
         "{backends}"
     );
     let ids: Vec<u32> = (0..24u32).map(|i| (i * 53 + 7) % 800).collect();
@@ -1472,13 +1475,13 @@ fn plan_names_the_backend_of_each_quantised_format() {
         sm80.contains("CANNOT RUN") && sm80.contains("compute capability"),
         "{sm80}"
     );
-    // Q4_K on glm5's own kernels, Q6_K on candle's.
+    // Q4_K and Q6_K on glm5's own kernels.
     let text = plan("wide-Q4_K_M.gguf", "sm_90:141GB");
-    let q4k = line_of(&text, "Q4_K on cuda:0");
-    assert!(
-        q4k.contains("decode gguf-w16-cuda, prefill gguf-w16-cuda"),
-        "{q4k}"
-    );
-    let q6k = line_of(&text, "Q6_K on cuda:0");
-    assert!(q6k.contains("candle-qmatmul-cuda"), "{q6k}");
+    for format in ["Q4_K", "Q6_K"] {
+        let line = line_of(&text, &format!("{format} on cuda:0"));
+        assert!(
+            line.contains("decode gguf-w16-cuda, prefill gguf-w16-cuda"),
+            "{line}"
+        );
+    }
 }

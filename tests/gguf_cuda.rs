@@ -1,7 +1,8 @@
-//! GGUF routed experts kept stacked on the GPU (one `QTensor` per projection, candle-nn's GGUF MoE kernels
-//! through `glm5_ops::moe::experts_gguf`) on llama.cpp's Q8_0 and Q4_K_M fixtures (`tests/fixtures/gguf`):
-//! each kernel against the experts computed in f32 from the same dequantised weights, and the whole model on
-//! the GPU against the CPU's per-expert `QMatMul` path, decode and prefill. Built with `--features cuda`.
+//! GGUF routed experts kept stacked on the GPU on llama.cpp's Q8_0 and Q4_K_M fixtures (`tests/fixtures/gguf`):
+//! candle-nn's GGUF MoE kernels (one `QTensor` per projection, through `glm5_ops::moe::experts_gguf`) each
+//! against the experts computed in f32 from the same dequantised weights; the whole model on the GPU (Q8_0's
+//! experts through candle-nn, Q4_K_M's Q4_K and Q6_K through glm5's own kernels) against the CPU's per-expert
+//! path, decode and prefill; and every i-quant on glm5's kernels. Built with `--features cuda`.
 #![cfg(feature = "cuda")]
 
 use std::path::PathBuf;
@@ -183,10 +184,13 @@ fn stacked_gguf_experts_on_gpu_match_the_cpu_per_expert_path() {
     let gpu = Device::new_cuda(0).unwrap();
     for file in FILES {
         let (config, cpu, on_gpu) = cpu_and_gpu(file, &gpu);
-        for (model, expected) in [
-            (&cpu, "per-expert quantised"),
-            (&on_gpu, "candle-nn GGUF MoE"),
-        ] {
+        // Q8_0 experts through candle-nn's kernels; Q4_K_M's (Q4_K, Q6_K) through glm5's own.
+        let expected = if file.contains("Q8_0") {
+            ["per-expert quantised", "candle-nn GGUF MoE"]
+        } else {
+            ["per-expert GGUF-block reference", "moe-matvec GGUF blocks"]
+        };
+        for (model, expected) in [(&cpu, expected[0]), (&on_gpu, expected[1])] {
             for layer in model.layer_backends() {
                 if layer.mlp == MlpKind::MoE {
                     assert!(
@@ -229,7 +233,7 @@ fn i_quant_gguf_on_gpu_matches_the_cpu() {
     for layer in on_gpu.layer_backends() {
         if layer.mlp == MlpKind::MoE {
             assert!(
-                layer.experts.starts_with("moe-matvec i-quant"),
+                layer.experts.starts_with("moe-matvec GGUF blocks"),
                 "{:?}",
                 layer.experts
             );

@@ -1,10 +1,10 @@
-// Decoders of the GGUF block formats glm5 decodes, llama.cpp's i-quants and Q4_K: one 32-value sub-block of a
-// block into floats, in ggml's f32 order (`dequantize_row_iq*`, `dequantize_row_q4_K`), so every value equals
-// the CPU reference's (glm5-ops gguf_matmul/reference.rs, which has the layout table). The lookup tables are
-// generated from kernels/src/iq_grids.rs.
+// Decoders of the GGUF block formats glm5 decodes, llama.cpp's i-quants, Q4_K and Q6_K: one 32-value sub-block
+// of a block into floats, in ggml's f32 order (`dequantize_row_iq*`, `dequantize_row_q4_K`, `_q6_K`), so every
+// value equals the CPU reference's (glm5-ops gguf_matmul/reference.rs, which has the layout table). The lookup
+// tables are generated from kernels/src/iq_grids.rs.
 //
-// I-quant blocks are 2-byte aligned at best (66, 74, ... bytes), so wider fields are read as u16 pairs;
-// Q4_K's (144 bytes) are 16-byte aligned and read in 16-byte vectors.
+// I-quant and Q6_K blocks are 2-byte aligned at best (66, 74, ..., 210 bytes), so wider fields are read as u16
+// pairs; Q4_K's (144 bytes) are 16-byte aligned and read in 16-byte vectors.
 
 #pragma once
 
@@ -16,7 +16,7 @@
 namespace glm5 {
 namespace gguf {
 
-enum Format { IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M, IQ4_NL, IQ4_XS, Q4_K };
+enum Format { IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M, IQ4_NL, IQ4_XS, Q4_K, Q6_K };
 
 constexpr float IQ1_DELTA = 0.125f;
 
@@ -39,6 +39,7 @@ GLM5_IQ_BYTES(IQ1_M, 56)
 GLM5_IQ_BYTES(IQ4_NL, 18)
 GLM5_IQ_BYTES(IQ4_XS, 136)
 GLM5_IQ_BYTES(Q4_K, 144)
+GLM5_IQ_BYTES(Q6_K, 210)
 #undef GLM5_IQ_BYTES
 
 __device__ __forceinline__ uint16_t u16_at(const uint8_t* b, int at) {
@@ -259,6 +260,57 @@ template <> __device__ __forceinline__ float decode_half<Q4_K>(const uint8_t* b,
 }
 
 /// Sub-block `ib` (0..7; IQ4_NL: 0) of the block at `b` into `w`.
+// Q6_K (ggml's block_q6_K, 210 bytes: a row's blocks are 2-byte aligned, read in 16-bit loads): 128 bytes `ql`
+// of low nibbles, 64 bytes `qh` of high bit pairs, 16 signed 8-bit scales (one per 16 values), f16 `d` last.
+// Sub-block ib (32 values) is quarter j = ib % 4 of half ib / 4: its value l is ql[64·half + 32·(j % 2) + l]'s
+// nibble j / 2 with qh[32·half + l]'s bits 2j .. 2j + 1 above it, minus 32; values 16h .. 16h + 15 have scale
+// d·sc[8·half + 2j + h] (ggml's order: d·sc, then times the value).
+
+/// What one 16-value chunk of a Q6_K block reads: 16 bytes of `ql`, 16 of `qh` (as 16-bit words), its scale
+/// byte and the block's `d`.
+struct Q6kChunk {
+    uint16_t ql[8], qh[8];
+    uint16_t d;
+    uint8_t sc;
+    int j;
+};
+
+/// Half `h` of sub-block `ib` of the Q6_K block at `b`.
+__device__ __forceinline__ Q6kChunk q6k_load(const uint8_t* b, int ib, int h) {
+    const int half = ib / 4, j = ib % 4;
+    const uint16_t* ql = reinterpret_cast<const uint16_t*>(b + 64 * half + 32 * (j % 2) + 16 * h);
+    const uint16_t* qh = reinterpret_cast<const uint16_t*>(b + 128 + 32 * half + 16 * h);
+    Q6kChunk c;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        c.ql[i] = __ldg(ql + i);
+        c.qh[i] = __ldg(qh + i);
+    }
+    c.d = __ldg(reinterpret_cast<const uint16_t*>(b + 208));
+    c.sc = __ldg(b + 192 + 8 * half + 2 * j + h);
+    c.j = j;
+    return c;
+}
+
+/// The chunk's 16 values q − 32 before their scale, and the scale d·sc.
+__device__ __forceinline__ float q6k_values(const Q6kChunk& c, float (&w)[16]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const uint32_t low = static_cast<uint32_t>(c.ql[2 * i]) | (static_cast<uint32_t>(c.ql[2 * i + 1]) << 16);
+        const uint32_t high = static_cast<uint32_t>(c.qh[2 * i]) | (static_cast<uint32_t>(c.qh[2 * i + 1]) << 16);
+        const uint32_t q = ((low >> (4 * (c.j / 2))) & 0x0f0f0f0f) | (((high >> (2 * c.j)) & 0x03030303) << 4);
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+            // Byte k as the low mantissa byte of 2^23, minus 2^23 + 32: q − 32 exactly.
+            w[4 * i + k] = __uint_as_float(__byte_perm(q, 0x4b000000, 0x7540 + k)) - 8388640.0f;
+    }
+    return __half2float(__ushort_as_half(c.d)) * static_cast<float>(static_cast<int8_t>(c.sc));
+}
+
+template <> __device__ __forceinline__ float decode_half<Q6_K>(const uint8_t* b, int ib, int h, float (&w)[16]) {
+    return q6k_values(q6k_load(b, ib, h), w);
+}
+
 template <Format F> __device__ __forceinline__ void decode(const uint8_t* b, int ib, float (&w)[32]) {
     float half_values[16];
 #pragma unroll
@@ -299,6 +351,20 @@ template <Format F> struct Chunks {
     }
     static __device__ __forceinline__ float decode(const Chunk& chunk, float (&w)[16]) {
         return decode_half<F>(chunk.block, chunk.ib, chunk.h, w);
+    }
+};
+
+/// Q6_K: sixteen 16-bit loads a chunk (with its scale and `d`), four chunks in flight.
+template <> struct Chunks<Q6_K> {
+    static constexpr int UNROLL = 4;
+    using Chunk = Q6kChunk;
+    static __device__ __forceinline__ Chunk load(const uint8_t* row, int c) {
+        int ib;
+        const uint8_t* block = block_of<Q6_K>(row, c / 2, ib);
+        return q6k_load(block, ib, c % 2);
+    }
+    static __device__ __forceinline__ float decode(const Chunk& chunk, float (&w)[16]) {
+        return q6k_values(chunk, w);
     }
 };
 

@@ -656,6 +656,7 @@ MOE_GGUF_FORMAT(iq1_m, IQ1_M)
 MOE_GGUF_FORMAT(iq4_nl, IQ4_NL)
 MOE_GGUF_FORMAT(iq4_xs, IQ4_XS)
 MOE_GGUF_FORMAT(q4_k, Q4_K)
+MOE_GGUF_FORMAT(q6_k, Q6_K)
 
 // ---- Q4_K experts on the tensor cores (bf16) ---------------------------------------------------------------
 //

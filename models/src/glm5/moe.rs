@@ -16,7 +16,7 @@ pub(super) struct Mlp {
 }
 
 /// `gate_proj` and `up_proj`: two weights, or, when both are GGUF blocks of one format glm5 decodes (Q4_K,
-/// i-quants), one weight of the gate rows then the up rows (every row is its own blocks: no value changes),
+/// Q6_K, i-quants), one weight of the gate rows then the up rows (every row is its own blocks: no value changes),
 /// multiplied in one launch and split after.
 enum GateUp {
     Apart { gate: Proj, up: Proj },
@@ -246,7 +246,7 @@ fn expert_projections(config: &Config) -> [(&'static str, [usize; 3]); 3] {
     ]
 }
 
-/// The routed experts as the source stacks them in GGUF blocks glm5 decodes (i-quants, Q4_K), when gate
+/// The routed experts as the source stacks them in GGUF blocks glm5 decodes (i-quants, Q4_K, Q6_K), when gate
 /// and up share a format (the grouped kernels' rule; published mixes do); `None` otherwise.
 fn load_stacked_gguf_blocks(
     config: &Config,
@@ -254,7 +254,7 @@ fn load_stacked_gguf_blocks(
     prefix: &str,
 ) -> Result<Option<moe::QuantizedExperts>> {
     let projections = expert_projections(config);
-    // From the headers first: a layer mixing these formats with others (Q4_K gate/up, Q6_K down) reads none
+    // From the headers first: a layer mixing these formats with others (Q4_K gate/up, Q5_K down) reads none
     // of its experts here.
     let mut formats = Vec::with_capacity(projections.len());
     for (proj, shape) in projections {
@@ -568,17 +568,19 @@ impl MoE {
                 moe::QuantizedExperts::Nvfp4 { .. } => {
                     "moe-matvec nvfp4 (decode), dequantise + cuBLAS grouped GEMM (prefill)"
                 }
-                moe::QuantizedExperts::GgufBlocks { gate, .. } if gate.format == GgufFormat::Q4K => {
-                    "moe-matvec i-quant / Q4_K (decode; Q4_K with bf16 on the tensor cores), dequantise + cuBLAS grouped GEMM (prefill)"
+                moe::QuantizedExperts::GgufBlocks { gate, down, .. }
+                    if gate.format == GgufFormat::Q4K || down.format == GgufFormat::Q4K =>
+                {
+                    "moe-matvec GGUF blocks (decode; Q4_K with bf16 on the tensor cores), dequantise + cuBLAS grouped GEMM (prefill)"
                 }
                 moe::QuantizedExperts::GgufBlocks { .. } => {
-                    "moe-matvec i-quant (decode), dequantise + cuBLAS grouped GEMM (prefill)"
+                    "moe-matvec GGUF blocks (decode), dequantise + cuBLAS grouped GEMM (prefill)"
                 }
             },
             (Experts::Quantized { weights, .. }, false) => match weights {
                 moe::QuantizedExperts::Fp8 { .. } => "per-expert fp8 reference",
                 moe::QuantizedExperts::Nvfp4 { .. } => "per-expert nvfp4 reference",
-                moe::QuantizedExperts::GgufBlocks { .. } => "per-expert i-quant reference",
+                moe::QuantizedExperts::GgufBlocks { .. } => "per-expert GGUF-block reference",
             },
             (Experts::PerExpert { why, .. }, _) => why,
             (Experts::StackedGguf(_), _) => {

@@ -25,20 +25,10 @@ pub struct RandomIqSource {
     scale: half::f16,
 }
 
-/// Writes the f16 super-scale `d` into one block (byte 0, or IQ1_M's four sub-scale words' top nibbles; Q4_K's
-/// `dmin` too).
+/// Writes the f16 super-scale `d` into one block (`GgufFormat::set_super_scale`; Q4_K's `dmin` too).
 fn set_scale(format: GgufFormat, block: &mut [u8], d: half::f16) {
     let bits = d.to_bits();
-    if format == GgufFormat::Iq1M {
-        for i in 0..4 {
-            let at = 48 + 2 * i;
-            let word = u16::from_le_bytes([block[at], block[at + 1]]);
-            let word = (word & 0x0fff) | (((bits >> (4 * i)) & 0xf) << 12);
-            block[at..at + 2].copy_from_slice(&word.to_le_bytes());
-        }
-    } else {
-        block[..2].copy_from_slice(&bits.to_le_bytes());
-    }
+    format.set_super_scale(block, bits);
     if format == GgufFormat::Q4K {
         // dmin, the mins' scale: as `d`, so values d·sc·q − dmin·m take both signs.
         block[2..4].copy_from_slice(&bits.to_le_bytes());

@@ -43,7 +43,7 @@ pub const MAX_ROWS: usize = glm5_kernels::interface::weight_only::MAX_ROWS;
 pub const SUB_BLOCK: usize = 32;
 
 /// One of the GGUF block formats glm5 decodes: its name, ggml type id and block geometry (ggml-common.h's
-/// `block_iq*`, `block_q4_K`).
+/// `block_iq*`, `block_q4_K`, `block_q6_K`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum GgufFormat {
     Iq2Xxs,
@@ -58,10 +58,13 @@ pub enum GgufFormat {
     /// Q4_K, a K-quant (candle has it, but its CUDA mat-vec reaches 19-30% of the copy bandwidth on GLM-5's
     /// projections; this family's reaches the FP8/NVFP4 mat-vecs' rate).
     Q4K,
+    /// Q6_K, the K-quant a Q4_K_M file keeps for `output` and about half the `ffn_down` (candle has it too;
+    /// in this family a layer mixing it with Q4_K runs every projection on glm5's kernels).
+    Q6K,
 }
 
 impl GgufFormat {
-    pub const ALL: [GgufFormat; 10] = [
+    pub const ALL: [GgufFormat; 11] = [
         GgufFormat::Iq2Xxs,
         GgufFormat::Iq2Xs,
         GgufFormat::Iq3Xxs,
@@ -72,6 +75,7 @@ impl GgufFormat {
         GgufFormat::Iq4Xs,
         GgufFormat::Iq1M,
         GgufFormat::Q4K,
+        GgufFormat::Q6K,
     ];
 
     /// The format of ggml type id `id`, if glm5 decodes it.
@@ -92,6 +96,7 @@ impl GgufFormat {
             GgufFormat::Iq4Xs => 23,
             GgufFormat::Iq1M => 29,
             GgufFormat::Q4K => 12,
+            GgufFormat::Q6K => 14,
         }
     }
 
@@ -107,6 +112,7 @@ impl GgufFormat {
             GgufFormat::Iq4Xs => "IQ4_XS",
             GgufFormat::Iq1M => "IQ1_M",
             GgufFormat::Q4K => "Q4_K",
+            GgufFormat::Q6K => "Q6_K",
         }
     }
 
@@ -131,6 +137,25 @@ impl GgufFormat {
             GgufFormat::Iq4Xs => 136,
             GgufFormat::Iq1M => 56,
             GgufFormat::Q4K => 144,
+            GgufFormat::Q6K => 210,
+        }
+    }
+
+    /// Writes `d` (f16 bits), the block's super-scale, where the format keeps it: the first two bytes, Q6_K's
+    /// last two, IQ1_M's split over the top nibbles of its four scale words (bytes 48..56). For random blocks
+    /// (tests, benches) whose scale must be finite.
+    pub fn set_super_scale(self, block: &mut [u8], d: u16) {
+        match self {
+            GgufFormat::Iq1M => {
+                for i in 0..4 {
+                    let at = 48 + 2 * i;
+                    let word = u16::from_le_bytes([block[at], block[at + 1]]);
+                    let word = (word & 0x0fff) | (((d >> (4 * i)) & 0xf) << 12);
+                    block[at..at + 2].copy_from_slice(&word.to_le_bytes());
+                }
+            }
+            GgufFormat::Q6K => block[208..210].copy_from_slice(&d.to_le_bytes()),
+            _ => block[..2].copy_from_slice(&d.to_le_bytes()),
         }
     }
 

@@ -16,6 +16,7 @@
 //! | IQ4_XS | 136 | u16 of 2 high scale bits ×8, 4 bytes of low scale nibbles, 128 bytes of 4-bit indices | `d·(ls−32) · kvalues[q]` |
 //!
 //! | Q4_K (a K-quant) | 144 | f16 `dmin`, 12 bytes of 6-bit scales `sc` and mins `m` (`q4k_scale_min`), 128 bytes of 4-bit `q`: bytes 32j.. hold sub-block 2j in low nibbles, 2j+1 in high | `d·sc·q − dmin·m` |
+//! | Q6_K (a K-quant) | 210 | `d` last: 128 bytes `ql` of low nibbles, 64 bytes `qh` of high bit pairs, 16 signed 8-bit scales `sc` (one per 16 values); per half of 128 values, value 32j + l (j < 4) is `ql[l + 32(j % 2)]`'s nibble j / 2 with bits 2j of `qh[l]` above it | `d·sc·(q − 32)` |
 //!
 //! Sign bits: IQ2_XXS, IQ2_XS and IQ3_XXS store 7 per 8 values (`KSIGNS_IQ2XS` supplies the 8th: the count of
 //! negatives is even); IQ2_S and IQ3_S store all 8.
@@ -227,7 +228,32 @@ pub fn decode_block(format: GgufFormat, b: &[u8], out: &mut [f32]) {
                 }
             }
         }
+        GgufFormat::Q6K => {
+            let d = f16_at(b, 208);
+            for half in 0..2 {
+                let (ql, qh) = (
+                    &b[64 * half..64 * half + 64],
+                    &b[128 + 32 * half..160 + 32 * half],
+                );
+                let sc = &b[192 + 8 * half..200 + 8 * half];
+                for j in 0..4 {
+                    for l in 0..32 {
+                        // ggml's order: (d · sc) · q.
+                        let scale = d * (sc[l / 16 + 2 * j] as i8) as f32;
+                        out[128 * half + 32 * j + l] = scale * q6k_value(ql, qh, j, l) as f32;
+                    }
+                }
+            }
+        }
     }
+}
+
+/// Q6_K's 6-bit value `l + 32j` (j < 4) of the 128-value half whose 64 `ql` and 32 `qh` bytes are given (ggml's
+/// `dequantize_row_q6_K`), minus 32.
+fn q6k_value(ql: &[u8], qh: &[u8], j: usize, l: usize) -> i32 {
+    let low = ql[l + 32 * (j % 2)] >> (4 * (j / 2)) & 0xf;
+    let high = qh[l] >> (2 * j) & 3;
+    (low | high << 4) as i32 - 32
 }
 
 /// Q4_K's scale and min of sub-block `sub` (ggml's `get_scale_min_k4`): 6 bits each, sub-blocks 0-3 in the low

@@ -444,9 +444,7 @@ pub(super) fn quantized_experts(
                 (up.format, &up_blocks),
                 (down.format, &down_blocks),
             ] {
-                if format == GgufFormat::Q4K {
-                    crate::gguf_matmul::cuda::check_q4k_alignment(blocks)?;
-                }
+                crate::gguf_matmul::cuda::check_alignment(format, blocks)?;
             }
             // (An input row too long to stage in the default shared memory, longer than any GLM-5 expert's,
             // takes the FFMA kernels.)

@@ -90,16 +90,7 @@ pub mod quantized {
         let mut bytes: Vec<u8> = (0..rows * row).map(|_| rng.random()).collect();
         for block in bytes.chunks_exact_mut(format.block_bytes()) {
             let d = half::f16::from_f32(rng.random_range(0.5..1.5) / 256.0).to_bits();
-            if format == GgufFormat::Iq1M {
-                for i in 0..4 {
-                    let at = 48 + 2 * i;
-                    let word = u16::from_le_bytes([block[at], block[at + 1]]);
-                    let word = (word & 0x0fff) | (((d >> (4 * i)) & 0xf) << 12);
-                    block[at..at + 2].copy_from_slice(&word.to_le_bytes());
-                }
-            } else {
-                block[..2].copy_from_slice(&d.to_le_bytes());
-            }
+            format.set_super_scale(block, d);
             if format == GgufFormat::Q4K {
                 // dmin: a min of up to 63·dmin against values up to 15·63·d.
                 let dmin = half::f16::from_f32(rng.random_range(0.5..1.5) / 128.0).to_bits();

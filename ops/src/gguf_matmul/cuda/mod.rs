@@ -33,9 +33,7 @@ pub(crate) fn gguf_matmul_with(x: &Tensor, w: &GgufWeight, tensor_cores: bool) -
     w.check()?;
     let (n, _) = w.dims()?;
     let blocks = w.blocks.contiguous()?;
-    if w.format == GgufFormat::Q4K {
-        check_q4k_alignment(&blocks)?;
-    }
+    check_alignment(w.format, &blocks)?;
     // Q4_K with bf16 rows: the tensor-core kernels, one row (batch-1 decode) on its own (`q4k_mma::row`: the
     // mma's columns carry the sub-block scales; sm_90 SASS, ~260 warp instructions per 16 rows of a block
     // against ~630 for the several-row kernel with one row). A row too long to stage in the default shared
@@ -91,7 +89,7 @@ pub(crate) fn dequantize(w: &GgufWeight, dtype: DType) -> Result<Tensor> {
 
 /// Q4_K times bf16 rows on the tensor cores (`q4k_mma_matvec{8,16}_bf16`): a block of warps per 16 output rows,
 /// its warps splitting the row's 256-value blocks, about two blocks a warp (each warp keeps two in flight).
-/// `blocks`: the weight's, contiguous and checked aligned (`check_q4k_alignment`), `n` rows.
+/// `blocks`: the weight's, contiguous and checked aligned (`check_alignment`), `n` rows.
 fn q4k_mma_matvec(x: &Tensor, blocks: &Tensor, n: usize) -> Result<Tensor> {
     let (m, k) = x.dims2()?;
     let x = &weight_only_cuda::vector_aligned(x)?;
@@ -160,13 +158,19 @@ fn q4k_mma_matvec1(x: &Tensor, blocks: &Tensor, n: usize) -> Result<Tensor> {
     Ok(y)
 }
 
-/// Q4_K's kernels read its blocks in 16-byte vectors (a block is 144 bytes: every block of a 16-byte aligned
-/// row is aligned): a weight starting elsewhere (a view into other bytes) is a typed error, not a fault.
-pub(crate) fn check_q4k_alignment(blocks: &Tensor) -> Result<()> {
+/// The kernels read Q4_K's blocks in 16-byte vectors (a block is 144 bytes: every block of a 16-byte aligned
+/// row is aligned) and Q6_K's in 16-bit words (210 bytes); the i-quants byte by byte. A weight starting
+/// elsewhere (a view into other bytes) is a typed error, not a fault.
+pub(crate) fn check_alignment(format: GgufFormat, blocks: &Tensor) -> Result<()> {
+    let alignment = match format {
+        GgufFormat::Q4K => 16,
+        GgufFormat::Q6K => 2,
+        _ => 1,
+    };
     let (address, _) = device_address(blocks)?;
-    if address % 16 != 0 {
+    if address % alignment != 0 {
         return Err(OpError::Unsupported(format!(
-            "gguf_matmul: Q4_K blocks at device address {address:#x}, not 16-byte aligned"
+            "gguf_matmul: {format} blocks at device address {address:#x}, not {alignment}-byte aligned"
         )));
     }
     Ok(())
