@@ -1272,6 +1272,83 @@ fn random_q4k_source_builds_valid_blocks() {
     }
 }
 
+/// The Q4_K_M mix of the same source (`glm5-bench e2e --weights q4_k_m`): Q6_K for lm_head and the even
+/// layers' `down_proj`s (dense, shared, routed), Q4_K elsewhere; Q6_K's blocks are sized as stored, decode to
+/// about the asked standard deviation, and glm5's Q6_K values equal candle's bit for bit.
+#[test]
+fn random_q4_k_m_source_mixes_q6k_where_llama_quantize_does() {
+    use glm5::models::weights::random_q4k::RandomQ4kSource;
+    use glm5::ops::gguf_matmul::{reference, GgufFormat};
+    let std = 0.02;
+    let ours = RandomQ4kSource::q4_k_m(7, std);
+    let theirs = RandomQ4kSource {
+        via_candle: true,
+        ..RandomQ4kSource::q4_k_m(7, std)
+    };
+    let (out, inp) = (32, 512);
+    for (name, want) in [
+        ("lm_head.weight", GgufFormat::Q6K),
+        ("model.layers.0.mlp.down_proj.weight", GgufFormat::Q6K),
+        ("model.layers.1.mlp.down_proj.weight", GgufFormat::Q4K),
+        ("model.layers.4.mlp.shared_experts.down_proj.weight", GgufFormat::Q6K),
+        ("model.layers.4.mlp.experts.2.down_proj.weight", GgufFormat::Q6K),
+        ("model.layers.3.mlp.experts.2.down_proj.weight", GgufFormat::Q4K),
+        ("model.layers.4.mlp.experts.2.up_proj.weight", GgufFormat::Q4K),
+        ("model.layers.4.self_attn.o_proj.weight", GgufFormat::Q4K),
+    ] {
+        let Matrix::GgufBlocks(w) = ours
+            .matrix(name, [out, inp], DType::BF16, &Device::Cpu)
+            .unwrap()
+        else {
+            panic!("{name} is not held as GGUF blocks")
+        };
+        assert_eq!(w.format, want, "{name}");
+        assert_eq!(
+            ours.resident_bytes(name, &[out, inp], DType::BF16),
+            (out * inp / 256 * want.block_bytes()) as u64
+        );
+        let values: Vec<f32> = reference::dequantize(&w)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let Matrix::Quantized(q) = theirs
+            .matrix(name, [out, inp], DType::BF16, &Device::Cpu)
+            .unwrap()
+        else {
+            panic!("{name} is not a candle QTensor")
+        };
+        let candle_values: Vec<f32> = q
+            .dequantize(&Device::Cpu)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        assert!(
+            values
+                .iter()
+                .zip(&candle_values)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{name}: glm5's {want} values differ from candle's"
+        );
+        let sd = (values.iter().map(|v| v * v).sum::<f32>() / values.len() as f32).sqrt();
+        assert!((sd / std as f32 - 1.0).abs() < 0.3, "{name}: {sd}");
+    }
+    // The stacked experts take the same format as each expert's matrix.
+    for (prefix, want) in [
+        ("model.layers.4.mlp", GgufFormat::Q6K),
+        ("model.layers.3.mlp", GgufFormat::Q4K),
+    ] {
+        let stacked = ours
+            .stacked_gguf_block_experts(prefix, "down_proj", [3, out, inp], &Device::Cpu)
+            .unwrap()
+            .unwrap();
+        assert_eq!(stacked.format, want, "{prefix}");
+    }
+}
+
 /// candle-nn's GGUF MoE kernels are CUDA only: on the CPU `experts_gguf` is a typed error, not a panic.
 #[test]
 fn gguf_experts_on_the_cpu_are_a_typed_error() {

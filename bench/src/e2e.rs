@@ -32,6 +32,11 @@ pub enum WeightFormat {
     Q4K,
     /// The same blocks through candle's `QMatMul` and candle-nn's GGUF MoE kernels (the peer).
     Q4kCandle,
+    /// Q4_K_M's mix (`RandomQ4kSource::q4_k_m`): Q4_K, with Q6_K for lm_head and the even layers'
+    /// `down_proj`s, through glm5's kernels.
+    Q4kM,
+    /// The same mix through candle's kernels.
+    Q4kMCandle,
     /// Block-scaled FP8 as `zai-org/GLM-5-FP8` (128x128 blocks) where that recipe quantises.
     Fp8,
     /// NVFP4 as ModelOpt exports it (groups of 16) where that recipe quantises.
@@ -49,6 +54,8 @@ impl std::str::FromStr for WeightFormat {
             "bf16" => Ok(Self::Bf16),
             "q4k" | "q4_k" => Ok(Self::Q4K),
             "q4k-candle" => Ok(Self::Q4kCandle),
+            "q4_k_m" | "q4k_m" => Ok(Self::Q4kM),
+            "q4_k_m-candle" | "q4k_m-candle" => Ok(Self::Q4kMCandle),
             "fp8" => Ok(Self::Fp8),
             "nvfp4" => Ok(Self::Nvfp4),
             other => GgufFormat::ALL
@@ -57,7 +64,7 @@ impl std::str::FromStr for WeightFormat {
                 .map(Self::GgufBlocks)
                 .ok_or_else(|| {
                     format!(
-                        "unknown weight format {other:?} (bf16, q4k, q4k-candle, fp8, nvfp4, or an i-quant: iq1_s, iq1_m, \
+                        "unknown weight format {other:?} (bf16, q4k, q4k-candle, q4_k_m, q4_k_m-candle, fp8, nvfp4, or an i-quant: iq1_s, iq1_m, \
                          iq2_xxs, iq2_xs, iq2_s, iq3_xxs, iq3_s, iq4_nl, iq4_xs)"
                     )
                 }),
@@ -72,6 +79,8 @@ impl WeightFormat {
             Self::Bf16 => "bf16",
             Self::Q4K => "Q4_K",
             Self::Q4kCandle => "Q4_K (candle)",
+            Self::Q4kM => "Q4_K_M (Q4_K + Q6_K)",
+            Self::Q4kMCandle => "Q4_K_M (Q4_K + Q6_K, candle)",
             Self::Fp8 => "FP8 (128x128 blocks)",
             Self::Nvfp4 => "NVFP4",
             Self::GgufBlocks(format) => format.name(),
@@ -81,7 +90,12 @@ impl WeightFormat {
     /// The published safetensors recipe's quantisation (FP8, NVFP4; `None` otherwise).
     fn quantization(self) -> Option<glm5::models::Quantization> {
         match self {
-            Self::Bf16 | Self::Q4K | Self::Q4kCandle | Self::GgufBlocks(_) => None,
+            Self::Bf16
+            | Self::Q4K
+            | Self::Q4kCandle
+            | Self::Q4kM
+            | Self::Q4kMCandle
+            | Self::GgufBlocks(_) => None,
             Self::Fp8 => Some(glm5::models::Quantization::Fp8Block {
                 block: [128, 128],
                 modules_to_not_convert: vec![],
@@ -117,6 +131,16 @@ pub fn random_checkpoint(format: WeightFormat) -> Checkpoint {
         WeightFormat::Q4kCandle => {
             Checkpoint::from_source(Box::new(RandomQ4kSource::candle(seed, std)), Format::Random)
         }
+        WeightFormat::Q4kM => {
+            Checkpoint::from_source(Box::new(RandomQ4kSource::q4_k_m(seed, std)), Format::Random)
+        }
+        WeightFormat::Q4kMCandle => Checkpoint::from_source(
+            Box::new(RandomQ4kSource {
+                via_candle: true,
+                ..RandomQ4kSource::q4_k_m(seed, std)
+            }),
+            Format::Random,
+        ),
         WeightFormat::GgufBlocks(iq) => {
             Checkpoint::from_source(Box::new(RandomIqSource::new(seed, std, iq)), Format::Random)
         }
@@ -474,6 +498,10 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
     set_pool_release_threshold(&device, 0)?;
     let weights = match args.weights {
         WeightFormat::Bf16 => "random bf16 weights".to_string(),
+        WeightFormat::Q4kM | WeightFormat::Q4kMCandle => format!(
+            "random weights: linear layers {} as a llama.cpp Q4_K_M file quantises them (lm_head and the even layers' down_proj Q6_K), embeddings / kv_b bf16, router f32",
+            args.weights.label()
+        ),
         WeightFormat::Q4K | WeightFormat::Q4kCandle | WeightFormat::GgufBlocks(_) => format!(
             "random weights: linear layers {} as a llama.cpp Q4_K_M file quantises them, lm_head / embeddings / kv_b bf16, router f32",
             args.weights.label()

@@ -82,7 +82,8 @@ enum Command {
     /// The whole model step on one GPU: decode and prefill of a GLM-5 slice against its weight-byte floor.
     E2e {
         /// Weights: bf16; q4k (random Q4_K blocks for every linear layer a Q4_K_M file quantises, glm5's
-        /// kernels) or q4k-candle (the same blocks through candle's); fp8 or nvfp4 (the matrices the published
+        /// kernels) or q4k-candle (the same blocks through candle's); q4_k_m / q4_k_m-candle (Q4_K_M's own mix,
+        /// Q6_K for lm_head and the even layers' down_proj); fp8 or nvfp4 (the matrices the published
         /// GLM-5-FP8 / NVFP4 checkpoints quantise, in that format); an i-quant (iq4_xs, ...).
         #[arg(long, default_value = "bf16")]
         weights: e2e::WeightFormat,
