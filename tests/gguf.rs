@@ -1290,10 +1290,22 @@ fn random_q4_k_m_source_mixes_q6k_where_llama_quantize_does() {
         ("lm_head.weight", GgufFormat::Q6K),
         ("model.layers.0.mlp.down_proj.weight", GgufFormat::Q6K),
         ("model.layers.1.mlp.down_proj.weight", GgufFormat::Q4K),
-        ("model.layers.4.mlp.shared_experts.down_proj.weight", GgufFormat::Q6K),
-        ("model.layers.4.mlp.experts.2.down_proj.weight", GgufFormat::Q6K),
-        ("model.layers.3.mlp.experts.2.down_proj.weight", GgufFormat::Q4K),
-        ("model.layers.4.mlp.experts.2.up_proj.weight", GgufFormat::Q4K),
+        (
+            "model.layers.4.mlp.shared_experts.down_proj.weight",
+            GgufFormat::Q6K,
+        ),
+        (
+            "model.layers.4.mlp.experts.2.down_proj.weight",
+            GgufFormat::Q6K,
+        ),
+        (
+            "model.layers.3.mlp.experts.2.down_proj.weight",
+            GgufFormat::Q4K,
+        ),
+        (
+            "model.layers.4.mlp.experts.2.up_proj.weight",
+            GgufFormat::Q4K,
+        ),
         ("model.layers.4.self_attn.o_proj.weight", GgufFormat::Q4K),
     ] {
         let Matrix::GgufBlocks(w) = ours

@@ -1,5 +1,6 @@
 // The inline-PTX instructions of the Q4_K tensor-core mat-vec (q4k_mma.cuh): mma.sync m16n8k16 over bf16 with
-// f32 accumulation, a bf16x2 subtraction and a three-input logic op. Kept apart so that the CPU emulator (kernels/emu) can put its own
+// f32 accumulation, a bf16x2 subtraction, a three-input logic op and the programmatic dependent launch's
+// grid-dependency controls. Kept apart so that the CPU emulator (kernels/emu) can put its own
 // versions of these functions in their place (kernels/emu/include/bf16_mma.cuh) and run the rest as it is.
 #pragma once
 
@@ -28,4 +29,12 @@ template <uint32_t B, uint32_t C> __device__ __forceinline__ uint32_t and_or(uin
     uint32_t d;
     asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(d) : "r"(a), "n"(B), "n"(C));
     return d;
+}
+
+/// A programmatic dependent launch's wait for the previous grid on the stream (its writes visible after it).
+__device__ __forceinline__ void wait_for_prior_grid() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+
+/// Lets the next grid on the stream, if launched as a programmatic dependent, be scheduled before this one ends.
+__device__ __forceinline__ void allow_dependent_grids() {
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 }

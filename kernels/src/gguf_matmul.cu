@@ -121,29 +121,39 @@ extern "C" __global__ void __launch_bounds__(q4k_mma::MAX_WARPS * 32)
     q4k_mma_matvec<2>(x, w, y, m, n, k);
 }
 
-// q4k_mma_matvec1_bf16: one bf16 activation row (q4k_mma::row): a block of `blockDim.x / 32` warps owns 16 output
-// rows; its warps issue their first blocks' loads, stage x in shared memory (`row::staged_bytes(k)` of dynamic
-// shared memory), split the rows' blocks and meet in shared memory.
+// q4k_mma_matvec1_bf16: one bf16 activation row (q4k_mma::row), launched as a programmatic dependent of the
+// step's previous kernel: a block of `blockDim.x / 32` warps owns 16 output rows; its warps issue their first
+// blocks' loads (weights only, so they overlap the previous kernel's tail), wait for that kernel (x is its
+// output), stage x in shared memory (`row::staged_bytes(k)` of dynamic shared memory), split the rows' blocks
+// and meet in shared memory.
 constexpr int ROW_DEPTH = 2;
 
-extern "C" __global__ void __launch_bounds__(q4k_mma::MAX_WARPS * 32)
-    q4k_mma_matvec1_bf16(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ w,
-                         __nv_bfloat16* __restrict__ y, int n, int k) {
+struct Q4kRowParams {
+    const __nv_bfloat16* x;
+    const uint8_t* w;
+    __nv_bfloat16* y;
+    int n, k;
+};
+GLM5_CHECK_Q4kRowParams();  // the layout of kernels/src/interface.rs
+
+extern "C" __global__ void __launch_bounds__(q4k_mma::MAX_WARPS * 32) q4k_mma_matvec1_bf16(Q4kRowParams p) {
     extern __shared__ __align__(16) uint8_t staged[];
+    allow_dependent_grids();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
     const int g = lane / 4, t = lane % 4;
     const int row0 = blockIdx.x * 16;
     const uint8_t* rows[2];
-    q4k_mma::tile_rows(w, row0, n, k, g, rows);
+    q4k_mma::tile_rows(p.w, row0, p.n, p.k, g, rows);
     q4k_mma::row::Stream<ROW_DEPTH> stream;
-    stream.start(rows, warp, warps, k / 256, t);
-    q4k_mma::row::stage(x, staged, k);
+    stream.start(rows, warp, warps, p.k / 256, t);
+    wait_for_prior_grid();
+    q4k_mma::row::stage(p.x, staged, p.k);
     float acc = 0.0f;
-    stream.run(rows, staged, k, warp, warps, g, t, acc);
+    stream.run(rows, staged, p.k, warp, warps, g, t, acc);
     float sums[1][4] = {{acc, 0.0f, 0.0f, 0.0f}};
     q4k_mma::sum_over_warps(sums);
     const int out = row0 + g + 8 * (t / 2);
-    if (warp == 0 && t % 2 == 0 && out < n) y[out] = __float2bfloat16(sums[0][0]);
+    if (warp == 0 && t % 2 == 0 && out < p.n) p.y[out] = __float2bfloat16(sums[0][0]);
 }
 
 #define GGUF_KERNELS(NAME, F, SUFFIX, T)                                                                         \

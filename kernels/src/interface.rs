@@ -172,6 +172,22 @@ c_struct! {
     }
 }
 
+c_struct! {
+    /// `Q4kRowParams` of `gguf_matmul.cu`: Q4_K times one bf16 activation row on the tensor cores
+    /// (`q4k_mma_matvec1_bf16`, a programmatic dependent launch; pointers as device addresses).
+    #[repr(C)]
+    pub struct Q4kRowParams {
+        /// `[1, k]` bf16, 16-byte aligned.
+        pub x: u64 => x,
+        /// `U8 [n, k / 256 · 144]`: the Q4_K blocks, 16-byte aligned.
+        pub w: u64 => w,
+        /// `[1, n]` bf16.
+        pub y: u64 => y,
+        pub n: i32 => n,
+        pub k: i32 => k,
+    }
+}
+
 /// The constants of `sparse_mla.cu` and `sparse_mla_sm90.cu` (`GLM5_SPARSE_MLA_*` in the header).
 pub mod sparse_mla {
     /// Keys per tile (`BN`).
@@ -415,6 +431,12 @@ pub const STRUCTS: &[(&str, usize, usize, &[(&str, usize)])] = &[
         core::mem::size_of::<Fp8QuantizeParams>(),
         core::mem::align_of::<Fp8QuantizeParams>(),
         Fp8QuantizeParams::FIELDS,
+    ),
+    (
+        "Q4kRowParams",
+        core::mem::size_of::<Q4kRowParams>(),
+        core::mem::align_of::<Q4kRowParams>(),
+        Q4kRowParams::FIELDS,
     ),
 ];
 

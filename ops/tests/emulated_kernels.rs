@@ -288,10 +288,12 @@ fn gguf_block_kernels_equal_the_reference() {
 
 // ---- Q4_K on the tensor cores --------------------------------------------------------------------------
 
+use glm5_kernels::interface::Q4kRowParams;
+
 extern "C" {
     fn q4k_mma_matvec8_bf16(x: Ptr, w: *const u8, y: MutPtr, m: i32, n: i32, k: i32);
     fn q4k_mma_matvec16_bf16(x: Ptr, w: *const u8, y: MutPtr, m: i32, n: i32, k: i32);
-    fn q4k_mma_matvec1_bf16(x: Ptr, w: *const u8, y: MutPtr, n: i32, k: i32);
+    fn q4k_mma_matvec1_bf16(p: Q4kRowParams);
 }
 
 #[test]
@@ -318,13 +320,13 @@ fn q4k_mma_matvec1_equals_the_reference() {
         let device_x = Values::from_f32(&x, DType::BF16);
         let y = Values::nan(n, DType::BF16);
         run(config, || unsafe {
-            q4k_mma_matvec1_bf16(
-                device_x.ptr(),
-                device_blocks.ptr(),
-                y.mut_ptr(),
-                n as i32,
-                k as i32,
-            )
+            q4k_mma_matvec1_bf16(Q4kRowParams {
+                x: device_x.ptr() as u64,
+                w: device_blocks.ptr() as u64,
+                y: y.mut_ptr() as u64,
+                n: n as i32,
+                k: k as i32,
+            })
         });
         assert_close(
             &format!("Q4_K one-row mma k={k}"),

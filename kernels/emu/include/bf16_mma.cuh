@@ -52,3 +52,7 @@ inline uint32_t bf16x2_sub(uint32_t a, uint32_t b) {
 }
 
 template <uint32_t B, uint32_t C> inline uint32_t and_or(uint32_t a) { return (a & B) | C; }
+
+// The emulator runs one launch at a time, in stream order: the previous grid has ended.
+inline void wait_for_prior_grid() {}
+inline void allow_dependent_grids() {}

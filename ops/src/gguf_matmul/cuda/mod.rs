@@ -1,14 +1,15 @@
 //! `gguf_matmul` on CUDA: the mat-vec kernel for up to `MAX_ROWS` rows, dequantise-then-matmul above
 //! (kernels in `kernels/src/gguf_matmul.cu`).
 
-use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::{DType, Tensor};
 use glm5_kernels::interface::weight_only::{
     q4k_row_staged_bytes, DEFAULT_DYNAMIC_SHARED_BYTES, Q4K_MMA_MAX_WARPS, Q4K_MMA_ROW_TILE,
 };
+use glm5_kernels::interface::Q4kRowParams;
 
 use super::{GgufFormat, GgufWeight, MAX_ROWS};
-use crate::cuda::{cuda_err, device_address, kernel};
+use crate::cuda::{cuda_err, device_address, kernel, launch_dependent};
 use crate::error::{OpError, Result};
 use crate::weight_only_cuda::{self, KernelFile, WeightArgs};
 
@@ -127,15 +128,21 @@ fn q4k_mma_matvec(x: &Tensor, blocks: &Tensor, n: usize) -> Result<Tensor> {
 }
 
 /// Q4_K times one bf16 row on the tensor cores (`q4k_mma_matvec1_bf16`): as `q4k_mma_matvec`, the row staged in
-/// shared memory (`q4k_row_staged_bytes(k)`, within the default limit: the caller checks).
+/// shared memory (`q4k_row_staged_bytes(k)`, within the default limit: the caller checks), launched as a
+/// programmatic dependent of the stream's previous kernel (its weight loads start during that kernel's tail).
 fn q4k_mma_matvec1(x: &Tensor, blocks: &Tensor, n: usize) -> Result<Tensor> {
     let (_, k) = x.dims2()?;
     let x = &weight_only_cuda::vector_aligned(x)?;
-    let (w_ptr, dev) = device_address(blocks)?;
+    let (w, dev) = device_address(blocks)?;
     // SAFETY: every element is written by the kernel (each output row by a lane of its block's first warp).
     let y = unsafe { Tensor::empty((1, n), x.dtype(), x.device())? };
-    let (x_ptr, _) = device_address(x)?;
-    let (y_ptr, _) = device_address(&y)?;
+    let params = RowParams(Q4kRowParams {
+        x: device_address(x)?.0,
+        w,
+        y: device_address(&y)?.0,
+        n: n as i32,
+        k: k as i32,
+    });
     let func = kernel(&dev, FILE.module, FILE.fatbin, "q4k_mma_matvec1_bf16")?;
     let warps = (k / 256 / 2).clamp(1, Q4K_MMA_MAX_WARPS);
     let cfg = LaunchConfig {
@@ -143,20 +150,19 @@ fn q4k_mma_matvec1(x: &Tensor, blocks: &Tensor, n: usize) -> Result<Tensor> {
         block_dim: ((warps * 32) as u32, 1, 1),
         shared_mem_bytes: q4k_row_staged_bytes(k) as u32,
     };
-    let (n_arg, k_arg) = (n as i32, k as i32);
-    let stream = dev.cuda_stream();
-    let mut builder = stream.launch_builder(&func);
-    builder
-        .arg(&x_ptr)
-        .arg(&w_ptr)
-        .arg(&y_ptr)
-        .arg(&n_arg)
-        .arg(&k_arg);
-    // SAFETY: the arguments match the kernel's signature: x [1, k] bf16 (16-byte aligned), the blocks
-    // [n, k / 256 · 144] bytes, y [1, n] bf16; the shared memory is the kernel's staged_bytes(k).
-    unsafe { builder.launch(cfg) }.map_err(cuda_err)?;
+    // SAFETY: the kernel takes one `Q4kRowParams` (layout checked at build time): x [1, k] bf16 (16-byte
+    // aligned), the blocks [n, k / 256 · 144] bytes (checked aligned), y [1, n] bf16, all live until the
+    // stream runs the launch; the shared memory is the kernel's staged_bytes(k).
+    unsafe { launch_dependent(&func, &dev.cuda_stream(), cfg, &params) }?;
     Ok(y)
 }
+
+/// The one-row kernel's parameter struct, passed by value.
+#[repr(transparent)]
+#[derive(Clone, Copy)]
+struct RowParams(Q4kRowParams);
+// SAFETY: plain-old-data with the C layout of the kernel's parameter struct (checked at build time).
+unsafe impl DeviceRepr for RowParams {}
 
 /// The kernels read Q4_K's blocks in 16-byte vectors (a block is 144 bytes: every block of a 16-byte aligned
 /// row is aligned) and Q6_K's in 16-bit words (210 bytes); the i-quants byte by byte. A weight starting
