@@ -688,6 +688,11 @@ struct ServeArgs {
     /// with prompt chunks, or that the graphs cannot take, run eagerly (/metrics counts both).
     #[arg(long)]
     enforce_eager: bool,
+    /// Forward calls a step's sequences are split into, all queued before the first is read back, so that
+    /// with the layers over several devices the devices work on different micro-batches at once (default:
+    /// one per run of layers on one device; 1 on one device).
+    #[arg(long)]
+    micro_batches: Option<usize>,
 }
 
 fn serve(args: ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
@@ -733,6 +738,7 @@ fn serve(args: ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
         read_timeout,
         shutdown_grace,
         cuda_graphs: !args.enforce_eager,
+        micro_batches: args.micro_batches,
         ..glm5::serve::ServeOptions::new((host, args.port).into(), name)
     };
     if use_cuda_graphs(&model, args.enforce_eager, false) {

@@ -576,7 +576,8 @@ fn sigterm_finishes_running_requests_then_exits() {
 #[test]
 fn load_on_loopback_loses_and_corrupts_nothing() {
     let model = model();
-    let server = Server::start(&["--max-seqs", "32"]);
+    // The layers over two devices (both the CPU): each step in two micro-batches by default.
+    let server = Server::start(&["--max-seqs", "32", "--devices", "cpu,cpu"]);
     let prompts: Vec<Value> = (0..8)
         .map(|i| {
             let content = format!("Tell me fact number {i} about the market.");
@@ -597,6 +598,7 @@ fn load_on_loopback_loses_and_corrupts_nothing() {
     let out = run_python("serve_load.py", &config);
     println!("{out}");
     assert!(out.contains("lost 0, corrupted 0"), "{out}");
+    assert!(server.log().contains("micro_batches=2"), "{}", server.log());
 }
 
 /// `body` posted to the server's `/v1/completions` by curl on a thread of its own (so that requests run at
@@ -642,8 +644,16 @@ fn preempted_sequences_resume_with_their_solo_tokens() {
         4,
         "prompts whose greedy reply reaches max_tokens"
     );
-    // Three blocks of 64 tokens: each sequence needs two by its end, so they cannot all keep theirs.
-    let server = Server::start(&["--kv-budget", "192", "--max-seqs", "4"]);
+    // Three blocks of 64 tokens: each sequence needs two by its end, so they cannot all keep theirs. Each
+    // step in two micro-batches, as a placement over two devices would split it.
+    let server = Server::start(&[
+        "--kv-budget",
+        "192",
+        "--max-seqs",
+        "4",
+        "--micro-batches",
+        "2",
+    ]);
     let threads: Vec<_> = expects
         .iter()
         .map(|(prompt, _)| {
@@ -690,9 +700,16 @@ fn preempted_sequences_resume_with_their_solo_tokens() {
 
 /// Sampled requests running in one batch (greedy, top-p, top-k, plain temperature, each with its seed) get
 /// the tokens the library samples for each alone with the same settings: the server samples a step's
-/// sequences together (one read-back for the greedy rows, one for the others) with the same draws.
+/// sequences together (one read-back for the greedy rows, one for the others) with the same draws; also with
+/// each step split into three micro-batches.
 #[test]
 fn batched_sampled_replies_equal_the_librarys_seeded_ones() {
+    for micro_batches in ["1", "3"] {
+        batched_sampled_replies_with(&["--max-seqs", "8", "--micro-batches", micro_batches]);
+    }
+}
+
+fn batched_sampled_replies_with(server_args: &[&str]) {
     let model = model();
     let max_tokens = 24;
     let settings = [
@@ -704,7 +721,7 @@ fn batched_sampled_replies_equal_the_librarys_seeded_ones() {
         json!({"temperature": 0.9, "top_p": 0.6, "top_k": 40, "min_p": 0.05, "seed": 14}),
     ];
     let story = |i: usize| format!("Story {i}: once upon a time");
-    let server = Server::start(&["--max-seqs", "8"]);
+    let server = Server::start(server_args);
     let threads: Vec<_> = settings
         .iter()
         .enumerate()

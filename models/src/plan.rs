@@ -201,6 +201,16 @@ pub fn op_spec(
 }
 
 impl Plan {
+    /// Runs of consecutive layers on one device, in layer order: the stages a step passes through (1 when
+    /// every layer is on one device).
+    pub fn pipeline_stages(&self) -> usize {
+        1 + self
+            .layers
+            .windows(2)
+            .filter(|pair| pair[0].device != pair[1].device)
+            .count()
+    }
+
     /// Placement then dispatch (module docs).
     pub fn build(
         config: &Config,

@@ -67,6 +67,9 @@ pub struct ServeOptions {
     /// Replay decode steps from CUDA graphs where the model allows it
     /// ([`crate::Glm5ForCausalLM::forward_batch_graphed`]; the default); other steps run eagerly.
     pub cuda_graphs: bool,
+    /// Forward calls a step is split into ([`scheduler::SchedulerConfig::micro_batches`]; `None`: one per
+    /// stage of the model's placement, [`StepModel::pipeline_stages`]).
+    pub micro_batches: Option<usize>,
 }
 
 impl ServeOptions {
@@ -85,6 +88,7 @@ impl ServeOptions {
             read_timeout: Duration::from_secs(30),
             shutdown_grace: Duration::from_secs(30),
             cuda_graphs: true,
+            micro_batches: None,
         }
     }
 }
@@ -198,9 +202,14 @@ pub async fn serve_model<M: StepModel + Send + 'static>(
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), ServeError> {
     let context = info.context;
-    if options.max_seqs == 0 || options.prefill_chunk == 0 || options.max_model_len < 2 {
+    if options.max_seqs == 0
+        || options.prefill_chunk == 0
+        || options.max_model_len < 2
+        || options.micro_batches == Some(0)
+    {
         return Err(ServeError::Option(
-            "--max-seqs and --prefill-chunk must be at least 1, --max-model-len at least 2".into(),
+            "--max-seqs, --prefill-chunk and --micro-batches must be at least 1, --max-model-len at least 2"
+                .into(),
         ));
     }
     if options.max_model_len > context {
@@ -234,6 +243,9 @@ pub async fn serve_model<M: StepModel + Send + 'static>(
         sampling_defaults: defaults,
         ..
     } = info;
+    let micro_batches = options
+        .micro_batches
+        .unwrap_or_else(|| model.pipeline_stages());
     let config = SchedulerConfig {
         max_seqs: options.max_seqs,
         max_queue: options.max_queue,
@@ -242,6 +254,7 @@ pub async fn serve_model<M: StepModel + Send + 'static>(
         prefill_chunk: options.prefill_chunk,
         eos_token_ids,
         cuda_graphs: options.cuda_graphs,
+        micro_batches,
     };
     // The engine thread runs every step on its own stream: what this thread queued must be done first.
     model.synchronize().map_err(ServeError::Device)?;
@@ -275,7 +288,7 @@ pub async fn serve_model<M: StepModel + Send + 'static>(
         source,
     })?;
     tracing::info!(%addr, model = %options.model_name, max_seqs = options.max_seqs,
-        max_model_len = options.max_model_len, kv_budget, "listening");
+        max_model_len = options.max_model_len, kv_budget, micro_batches, "listening");
     on_listening(addr);
 
     let graceful = GracefulShutdown::new();

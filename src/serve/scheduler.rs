@@ -3,7 +3,10 @@
 //!
 //! A step is one [`StepModel::forward_batch`] call over every running sequence: the next chunk of its prompt
 //! (at most `prefill_chunk` tokens, so one long prompt does not stall the decodes around it) or its last
-//! sampled token, all flattened into one pass over the pool. New requests are admitted between steps, so they
+//! sampled token, all flattened into one pass over the pool. With the layers over several devices the step is
+//! split into micro-batches (by default one per stage of the placement), every one issued before the first is
+//! read back: the device holding the first layers starts the second micro-batch while the next device runs
+//! the first, so the devices work at once instead of in turn. New requests are admitted between steps, so they
 //! join the next one, while fewer than `max_seqs` run and the pool has the blocks their prompts need beyond
 //! what the running prefills still need; the rest wait in a FIFO queue. A sequence whose client went away
 //! (its event channel closed) is stopped and its blocks freed before the next step.
@@ -64,6 +67,13 @@ pub trait StepModel {
     /// Waits for the device work the calling thread queued (the weights, the pool), before the engine
     /// thread's stream uses them ([`Glm5ForCausalLM::synchronize`]).
     fn synchronize(&self) -> Result<()>;
+
+    /// The stages of the model's placement a step passes through one after another (runs of layers on one
+    /// device; [`crate::Plan::pipeline_stages`]): the default number of micro-batches a step is split
+    /// into ([`SchedulerConfig::micro_batches`]).
+    fn pipeline_stages(&self) -> usize {
+        1
+    }
 }
 
 impl StepModel for Glm5ForCausalLM {
@@ -89,6 +99,10 @@ impl StepModel for Glm5ForCausalLM {
     fn synchronize(&self) -> Result<()> {
         Ok(Glm5ForCausalLM::synchronize(self)?)
     }
+
+    fn pipeline_stages(&self) -> usize {
+        self.plan().pipeline_stages()
+    }
 }
 
 impl StepModel for crate::Glm5 {
@@ -107,6 +121,10 @@ impl StepModel for crate::Glm5 {
         pool: &mut PagedKvCache,
     ) -> Result<Tensor> {
         StepModel::forward_batch_graphed(self.model(), graphs, batch, pool)
+    }
+
+    fn pipeline_stages(&self) -> usize {
+        StepModel::pipeline_stages(self.model())
     }
 
     fn synchronize(&self) -> Result<()> {
@@ -205,6 +223,10 @@ pub struct SchedulerConfig {
     pub eos_token_ids: Vec<u32>,
     /// Decode steps through [`StepModel::forward_batch_graphed`] (CUDA graphs where the model can).
     pub cuda_graphs: bool,
+    /// Forward calls a step's running sequences are split into, all issued before any is read back (1: one
+    /// call). With the layers over several devices, the devices then work on different micro-batches at
+    /// once instead of one after another.
+    pub micro_batches: usize,
 }
 
 /// Decode-step graphs the engine keeps: one per (capture size, block-table width) it meets, the least
@@ -667,40 +689,66 @@ impl Engine {
                 start_pos: start,
             })
             .collect();
-        let stepped = match graphs.as_mut() {
-            Some(graphs) => {
-                let stepped = model.forward_batch_graphed(graphs, &batch, pool);
-                self.metrics.observe_graphs(graphs.stats());
-                stepped
-            }
-            None => model.forward_batch(&batch, pool),
-        };
-        let mut picks: Vec<Option<Result<u32>>> = (0..batch.len()).map(|_| None).collect();
-        let outputs: Vec<Result<Tensor>> = match stepped {
-            Ok(logits) => {
-                drop(batch);
-                // Timed from the end of the device's work (the read-back would wait for it anyway).
-                let _ = logits.device().synchronize();
-                let sampling = Instant::now();
-                picks = sample_ready(running, pool, &logits);
-                self.metrics
-                    .sample_seconds
-                    .observe(sampling.elapsed().as_secs_f64());
-                (0..running.len()).map(|i| Ok(logits.get(i)?)).collect()
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, sequences = batch.len(),
+        // Every micro-batch's forward is queued before any is read back: the devices' streams order the work,
+        // so a device that finished its layers of one micro-batch goes on with the next.
+        let groups = micro_batches(batch.len(), self.config.micro_batches);
+        let mut stepped: Vec<Result<Tensor>> = Vec::with_capacity(groups.len());
+        for group in &groups {
+            let part = &batch[group.clone()];
+            stepped.push(match graphs.as_mut() {
+                Some(graphs) => {
+                    let stepped = model.forward_batch_graphed(graphs, part, pool);
+                    self.metrics.observe_graphs(graphs.stats());
+                    stepped
+                }
+                None => model.forward_batch(part, pool),
+            });
+        }
+        let mut outputs: Vec<Result<Tensor>> = Vec::with_capacity(batch.len());
+        let mut picks: Vec<Option<Result<u32>>> = Vec::with_capacity(batch.len());
+        let mut failed: Vec<(usize, SeqChunk)> = Vec::new();
+        for (group, stepped) in groups.iter().zip(&stepped) {
+            if let Err(e) = stepped {
+                tracing::warn!(error = %e, sequences = group.len(),
                     "batched step failed: running its sequences one at a time");
-                batch
-                    .iter()
-                    .map(|one| {
-                        Ok(model
-                            .forward_batch(std::slice::from_ref(one), pool)?
-                            .get(0)?)
-                    })
-                    .collect()
+                for i in group.clone() {
+                    failed.push((i, batch[i].clone()));
+                }
             }
-        };
+        }
+        // A failed micro-batch's sequences, one at a time (before the others' logits are read, while `batch`
+        // still borrows the running sequences' tokens).
+        let mut alone: Vec<(usize, Result<Tensor>)> = failed
+            .iter()
+            .map(|(i, one)| {
+                let logits = model
+                    .forward_batch(std::slice::from_ref(one), pool)
+                    .and_then(|l| Ok(l.get(0)?));
+                (*i, logits)
+            })
+            .collect();
+        drop(batch);
+        for (group, stepped) in groups.into_iter().zip(stepped) {
+            match stepped {
+                Ok(logits) => {
+                    // Timed from the end of the device's work (the read-back would wait for it anyway).
+                    let _ = logits.device().synchronize();
+                    let sampling = Instant::now();
+                    picks.extend(sample_ready(&mut running[group.clone()], pool, &logits));
+                    self.metrics
+                        .sample_seconds
+                        .observe(sampling.elapsed().as_secs_f64());
+                    outputs.extend((0..group.len()).map(|i| Ok(logits.get(i)?)));
+                }
+                Err(_) => {
+                    for i in group {
+                        let at = alone.iter().position(|(j, _)| *j == i).expect("ran alone");
+                        outputs.push(alone.swap_remove(at).1);
+                        picks.push(None);
+                    }
+                }
+            }
+        }
         for ((seq, logits), pick) in running.iter_mut().zip(outputs).zip(picks) {
             if let Err(e) = logits.and_then(|logits| seq.advance(logits, pick, pool, &self.config))
             {
@@ -834,6 +882,23 @@ impl Running<'_> {
     }
 }
 
+/// `count` sequences split into at most `micro_batches` runs of consecutive ones, as even as can be (the
+/// first ones a sequence longer).
+fn micro_batches(count: usize, micro_batches: usize) -> Vec<std::ops::Range<usize>> {
+    let parts = micro_batches.clamp(1, count.max(1));
+    let (size, longer) = (count / parts, count % parts);
+    let mut start = 0;
+    (0..parts)
+        .map(|p| {
+            let end = start + size + usize::from(p < longer);
+            let range = start..end;
+            start = end;
+            range
+        })
+        .filter(|r| !r.is_empty())
+        .collect()
+}
+
 /// The next tokens of the sequences a step completed, sampled together from the step's `logits` (one
 /// read-back for the greedy rows, one for the sampled ones: `sample_rows`); `None` for the others, and for
 /// all of them if the read fails (each then samples on its own and fails alone).
@@ -905,6 +970,28 @@ mod tests {
         assert_eq!(kv_reservation(10, 5, 1024), KV_BLOCK);
         assert_eq!(kv_reservation(KV_BLOCK, 1, 1024), 2 * KV_BLOCK);
         assert_eq!(kv_reservation(1000, 1000, 1024), 1024);
+    }
+
+    #[test]
+    fn micro_batches_cover_the_step_in_order_as_even_as_can_be() {
+        let sizes = |count, parts| -> Vec<usize> {
+            let groups = micro_batches(count, parts);
+            // Consecutive, from 0 to count, none empty.
+            let mut next = 0;
+            for group in &groups {
+                assert_eq!(group.start, next, "{groups:?}");
+                assert!(!group.is_empty(), "{groups:?}");
+                next = group.end;
+            }
+            assert_eq!(next, count, "{groups:?}");
+            groups.iter().map(|g| g.len()).collect()
+        };
+        assert_eq!(sizes(10, 1), [10]);
+        assert_eq!(sizes(10, 4), [3, 3, 2, 2]);
+        assert_eq!(sizes(3, 8), [1, 1, 1]);
+        assert_eq!(sizes(64, 8), [8; 8]);
+        assert_eq!(sizes(5, 0), [5]);
+        assert!(micro_batches(0, 4).is_empty());
     }
 
     #[test]
