@@ -712,7 +712,7 @@ impl Engine {
                 tracing::warn!(error = %e, sequences = group.len(),
                     "batched step failed: running its sequences one at a time");
                 for i in group.clone() {
-                    failed.push((i, batch[i].clone()));
+                    failed.push((i, batch[i]));
                 }
             }
         }
