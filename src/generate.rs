@@ -40,6 +40,12 @@ pub struct GenerationParams {
     pub repetition_penalty: f32,
     /// How many of the latest tokens the repetition penalty looks at.
     pub repeat_last_n: usize,
+    /// Subtracted from the logit of every token already generated (OpenAI's `presence_penalty`, in
+    /// [-2, 2]; the prompt's tokens do not count, as vLLM counts them); `0.0` is off.
+    pub presence_penalty: f32,
+    /// Subtracted from the logit of every generated token once per time it was generated (OpenAI's
+    /// `frequency_penalty`, in [-2, 2]); `0.0` is off.
+    pub frequency_penalty: f32,
     /// Seed of the sampler's random generator: the same seed gives the same tokens.
     pub seed: u64,
     /// Extra token ids that end generation (the model's eos ids always do).
@@ -58,6 +64,8 @@ impl Default for GenerationParams {
             min_p: None,
             repetition_penalty: 1.0,
             repeat_last_n: 64,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
             seed: 299_792_458,
             stop_token_ids: Vec::new(),
             stop_strings: Vec::new(),
@@ -89,6 +97,14 @@ impl GenerationParams {
                 "repetition_penalty must be > 0, got {}",
                 self.repetition_penalty
             ));
+        }
+        for (name, value) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if !(-2.0..=2.0).contains(&value) {
+                return bad(format!("{name} must be in [-2, 2], got {value}"));
+            }
         }
         if self.stop_strings.iter().any(String::is_empty) {
             return bad("stop strings must not be empty".into());

@@ -188,6 +188,12 @@ struct GenerateArgs {
     min_p: Option<f64>,
     #[arg(long, default_value_t = 1.0)]
     repetition_penalty: f32,
+    /// Subtracted from the logit of every token already generated (OpenAI's presence_penalty, in [-2, 2]).
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
+    presence_penalty: f32,
+    /// Subtracted from a generated token's logit once per time it was generated (in [-2, 2]).
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
+    frequency_penalty: f32,
     #[arg(long, default_value_t = 299_792_458)]
     seed: u64,
     /// Stop when the text contains this string (repeatable).
@@ -442,6 +448,8 @@ fn generation_params(args: &GenerateArgs, defaults: &GenerationParams) -> Genera
         top_p: args.top_p.or(defaults.top_p),
         min_p: args.min_p,
         repetition_penalty: args.repetition_penalty,
+        presence_penalty: args.presence_penalty,
+        frequency_penalty: args.frequency_penalty,
         seed: args.seed,
         stop_strings: args.stop.clone(),
         ..defaults.clone()

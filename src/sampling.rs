@@ -36,6 +36,10 @@ pub struct Sampler {
     min_p: Option<f64>,
     repetition_penalty: f32,
     repeat_last_n: usize,
+    presence_penalty: f32,
+    frequency_penalty: f32,
+    /// How often each token was generated, while a presence or frequency penalty needs it.
+    generated: std::collections::HashMap<u32, u32>,
     rng: StdRng,
 }
 
@@ -62,23 +66,40 @@ impl Sampler {
             min_p: params.min_p.filter(|_| temperature > 0.0),
             repetition_penalty: params.repetition_penalty,
             repeat_last_n: params.repeat_last_n,
+            presence_penalty: params.presence_penalty,
+            frequency_penalty: params.frequency_penalty,
+            generated: std::collections::HashMap::new(),
             rng: StdRng::seed_from_u64(params.seed),
         }
     }
 
     fn penalises(&self) -> bool {
-        self.repetition_penalty != 1.0
+        self.repetition_penalty != 1.0 || self.counts_generated()
+    }
+
+    fn counts_generated(&self) -> bool {
+        self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
+    }
+
+    /// `token`, counted as generated where a presence or frequency penalty needs the counts.
+    fn emit(&mut self, token: u32) -> u32 {
+        if self.counts_generated() {
+            *self.generated.entry(token).or_insert(0) += 1;
+        }
+        token
     }
 
     /// The next token given `logits` `[vocab]` and the tokens so far.
     pub fn sample(&mut self, logits: &Tensor, history: &[u32]) -> Result<u32> {
         let logits = self.penalised(logits, history)?;
         if self.rule == Rule::Greedy {
-            return Ok(logits.argmax(D::Minus1)?.to_scalar::<u32>()?);
+            let token = logits.argmax(D::Minus1)?.to_scalar::<u32>()?;
+            return Ok(self.emit(token));
         }
         let mut probs =
             candle_nn::ops::softmax_last_dim(&(logits / self.temperature)?)?.to_vec1::<f32>()?;
-        self.pick(&mut probs)
+        let token = self.pick(&mut probs)?;
+        Ok(self.emit(token))
     }
 
     /// The next token where speculative decoding drafted `draft` (its drafter chose it without sampling):
@@ -101,7 +122,7 @@ impl Sampler {
         }
         let logits = self.penalised(logits, history)?;
         if self.rule == Rule::Greedy {
-            let id = logits.argmax(D::Minus1)?.to_scalar::<u32>()?;
+            let id = self.emit(logits.argmax(D::Minus1)?.to_scalar::<u32>()?);
             return Ok((id, id == draft));
         }
         let mut weights =
@@ -116,15 +137,18 @@ impl Sampler {
             )));
         }
         if self.rng.random::<f64>() < draft_weight as f64 / total {
-            return Ok((draft, true));
+            return Ok((self.emit(draft), true));
         }
         weights[draft as usize] = 0.0;
-        Ok((self.multinomial(&weights)?, false))
+        let token = self.multinomial(&weights)?;
+        Ok((self.emit(token), false))
     }
 
-    /// `logits` with the repetition penalty over the recent `history` applied, in f32.
+    /// `logits` in f32 with the repetition penalty over the recent `history` applied, then the presence and
+    /// frequency penalties over the generated tokens (OpenAI's: `logit − count · frequency − presence` for
+    /// every token generated `count` > 0 times).
     fn penalised(&self, logits: &Tensor, history: &[u32]) -> Result<Tensor> {
-        let logits = if self.penalises() {
+        let logits = if self.repetition_penalty != 1.0 {
             let recent = &history[history.len().saturating_sub(self.repeat_last_n)..];
             candle_transformers::utils::apply_repeat_penalty(
                 logits,
@@ -134,7 +158,26 @@ impl Sampler {
         } else {
             logits.clone()
         };
-        Ok(logits.to_dtype(DType::F32)?)
+        let logits = logits.to_dtype(DType::F32)?;
+        if self.generated.is_empty() {
+            return Ok(logits);
+        }
+        let vocab = logits.dim(D::Minus1)?;
+        let (ids, penalties): (Vec<u32>, Vec<f32>) = self
+            .generated
+            .iter()
+            .filter(|(&id, _)| (id as usize) < vocab)
+            .map(|(&id, &count)| {
+                (
+                    id,
+                    -(count as f32 * self.frequency_penalty + self.presence_penalty),
+                )
+            })
+            .unzip();
+        let device = logits.device();
+        let ids = Tensor::from_vec(ids, penalties.len(), device)?;
+        let penalties = Tensor::from_vec(penalties, ids.dims1()?, device)?;
+        Ok(logits.index_add(&ids, &penalties, 0)?)
     }
 
     /// Zeroes the probabilities [`Self::pick`] never draws (min-p, then the rule's top-k / top-p), leaving

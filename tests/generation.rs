@@ -166,6 +166,54 @@ fn repetition_penalty_demotes_seen_tokens() {
     assert_eq!(penalised.sample(&logits(&values), &[0]).unwrap(), 1);
 }
 
+/// OpenAI's presence and frequency penalties, `logit − count · frequency − (count > 0) · presence` over the
+/// tokens the sampler generated (not the prompt's), against that formula run here step by step.
+#[test]
+fn presence_and_frequency_penalties_follow_openais_formula() {
+    // No two penalised logits within rounding of each other at any step (the order of the f32 sums differs).
+    let values = [2.0f32, 1.9, 1.13, -1.0];
+    for (presence, frequency) in [(0.5f32, 0.0f32), (0.0, 0.3), (0.2, 0.25), (-0.5, 0.0)] {
+        let mut sampler = Sampler::new(&GenerationParams {
+            presence_penalty: presence,
+            frequency_penalty: frequency,
+            ..Default::default()
+        });
+        let mut counts = [0u32; 4];
+        // The prompt holds token 0: it does not count.
+        let mut history = vec![0u32];
+        for step in 0..8 {
+            let penalised: Vec<f32> = values
+                .iter()
+                .zip(&counts)
+                .map(|(&v, &c)| v - c as f32 * frequency - if c > 0 { presence } else { 0.0 })
+                .collect();
+            let mut order: Vec<usize> = (0..4).collect();
+            order.sort_by(|&a, &b| penalised[b].total_cmp(&penalised[a]));
+            assert!(
+                penalised[order[0]] - penalised[order[1]] > 1e-3,
+                "a near tie would make the test depend on rounding: {penalised:?}"
+            );
+            let want = order[0] as u32;
+            let got = sampler.sample(&logits(&values), &history).unwrap();
+            assert_eq!(
+                got, want,
+                "presence {presence}, frequency {frequency}, step {step}: {penalised:?}"
+            );
+            counts[got as usize] += 1;
+            history.push(got);
+        }
+        if presence > 0.0 || frequency > 0.0 {
+            assert!(counts[1] > 0, "the penalty moved the choice: {counts:?}");
+        }
+    }
+    // Out of OpenAI's range: a typed error.
+    let params = GenerationParams {
+        presence_penalty: 2.5,
+        ..Default::default()
+    };
+    assert!(params.validate().is_err());
+}
+
 #[test]
 fn stop_token_ids_and_max_tokens_end_generation() {
     let model = model();

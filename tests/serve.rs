@@ -698,7 +698,8 @@ fn preempted_sequences_resume_with_their_solo_tokens() {
     assert!(server.log().contains("preempted"), "{}", server.log());
 }
 
-/// Sampled requests running in one batch (greedy, top-p, top-k, plain temperature, each with its seed) get
+/// Sampled requests running in one batch (greedy, top-p, top-k, plain temperature, presence and frequency
+/// penalties, each with its seed) get
 /// the tokens the library samples for each alone with the same settings: the server samples a step's
 /// sequences together (one read-back for the greedy rows, one for the others) with the same draws; also with
 /// each step split into three micro-batches.
@@ -719,6 +720,8 @@ fn batched_sampled_replies_with(server_args: &[&str]) {
         json!({"temperature": 0.7, "top_k": 5, "top_p": 1.0, "seed": 12}),
         json!({"temperature": 1.3, "top_p": 1.0, "seed": 13}),
         json!({"temperature": 0.9, "top_p": 0.6, "top_k": 40, "min_p": 0.05, "seed": 14}),
+        json!({"temperature": 0.8, "top_p": 1.0, "presence_penalty": 0.7, "frequency_penalty": 0.4, "seed": 15}),
+        json!({"temperature": 0, "frequency_penalty": 1.5}),
     ];
     let story = |i: usize| format!("Story {i}: once upon a time");
     let server = Server::start(server_args);
@@ -742,6 +745,8 @@ fn batched_sampled_replies_with(server_args: &[&str]) {
             top_p: number("top_p").filter(|p| *p != 1.0),
             top_k: number("top_k").map(|k| k as usize),
             min_p: number("min_p"),
+            presence_penalty: number("presence_penalty").unwrap_or(0.0) as f32,
+            frequency_penalty: number("frequency_penalty").unwrap_or(0.0) as f32,
             seed: number("seed").map_or(0, |s| s as u64),
             ..Default::default()
         };

@@ -58,9 +58,9 @@ pub struct Sampling {
     pub stream_options: Option<StreamOptions>,
     /// Repetition penalty (vLLM's extension; 1 = off).
     pub repetition_penalty: Option<f32>,
-    /// Not supported unless 0.
+    /// Subtracted from the logits of tokens already generated, in [-2, 2] (OpenAI's).
     pub presence_penalty: Option<f64>,
-    /// Not supported unless 0.
+    /// Subtracted from the logits of generated tokens once per time generated, in [-2, 2] (OpenAI's).
     pub frequency_penalty: Option<f64>,
 }
 
@@ -131,10 +131,13 @@ pub fn sampling_params(
         ("presence_penalty", sampling.presence_penalty),
         ("frequency_penalty", sampling.frequency_penalty),
     ] {
-        if value.is_some_and(|v| v != 0.0) {
+        if value.is_some_and(|v| !(-2.0..=2.0).contains(&v)) {
             return Err(ApiError::invalid_param(
                 name,
-                format!("{name} is not supported (use repetition_penalty)"),
+                format!(
+                    "{name} must be in [-2, 2], got {}",
+                    value.unwrap_or_default()
+                ),
             ));
         }
     }
@@ -160,6 +163,8 @@ pub fn sampling_params(
         top_p: sampling.top_p.or(defaults.top_p).filter(|p| *p != 1.0),
         min_p: sampling.min_p.filter(|p| *p != 0.0),
         repetition_penalty: sampling.repetition_penalty.unwrap_or(1.0),
+        presence_penalty: sampling.presence_penalty.unwrap_or(0.0) as f32,
+        frequency_penalty: sampling.frequency_penalty.unwrap_or(0.0) as f32,
         seed,
         stop_token_ids: sampling.stop_token_ids.clone().unwrap_or_default(),
         stop_strings,
