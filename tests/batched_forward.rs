@@ -311,6 +311,134 @@ fn ended_sequences_free_their_blocks_for_reuse() {
     }
 }
 
+/// A fork shares the whole blocks of another sequence's prefix: forks continuing it with their own tokens
+/// (in one step, alongside the source's own continuation) compute what each whole sequence computes alone;
+/// a shared block goes back to the pool only when its last holder lets go, and a truncation that would end
+/// inside a shared block ends at its start.
+#[test]
+fn forks_share_whole_prefix_blocks_until_the_last_holder_lets_go() {
+    let model = load("sparse_long", AttentionMode::Sparse, KeyFormat::Float);
+    let vocab = model.config().vocab_size;
+    let mut pool = pool(&model, 16);
+    let prefix = tokens(11, 14, vocab); // 3 whole blocks of 4 and 2 tokens
+    let a = pool.add_sequence();
+    model
+        .forward_batch(
+            &[SeqChunk {
+                seq: a,
+                tokens: &prefix,
+                start_pos: 0,
+            }],
+            &mut pool,
+        )
+        .unwrap();
+    assert_eq!(pool.blocks_in_use(), 4);
+    // Forks of 14 and of 9 tokens hold the whole blocks: 12 and 8 tokens.
+    let (b, c) = (pool.fork(a, 14).unwrap(), pool.fork(a, 9).unwrap());
+    assert_eq!(
+        (pool.seq_len(b).unwrap(), pool.seq_blocks(b).unwrap()),
+        (12, 3)
+    );
+    assert_eq!(
+        (pool.seq_len(c).unwrap(), pool.seq_blocks(c).unwrap()),
+        (8, 2)
+    );
+    assert_eq!(pool.blocks_in_use(), 4, "a fork takes no block");
+    assert_eq!(pool.exclusive_blocks(a).unwrap(), 1);
+    assert_eq!(pool.exclusive_blocks(c).unwrap(), 0);
+    // One step: the source goes on with its own tokens, each fork from its length with others.
+    let (tail_a, tail_b, tail_c) = (
+        tokens(12, 5, vocab),
+        tokens(13, 6, vocab),
+        tokens(14, 7, vocab),
+    );
+    let step = [
+        SeqChunk {
+            seq: a,
+            tokens: &tail_a,
+            start_pos: 14,
+        },
+        SeqChunk {
+            seq: b,
+            tokens: &tail_b,
+            start_pos: 12,
+        },
+        SeqChunk {
+            seq: c,
+            tokens: &tail_c,
+            start_pos: 8,
+        },
+    ];
+    let got = rows(&model.forward_batch_all(&step, &mut pool).unwrap());
+    let mut at = 0;
+    for (start, tail) in [(14, &tail_a), (12, &tail_b), (8, &tail_c)] {
+        let whole: Vec<u32> = prefix[..start].iter().chain(tail.iter()).copied().collect();
+        let want = alone(&model, &whole);
+        for (i, g) in got[at..at + tail.len()].iter().enumerate() {
+            let d = max_diff(g, &want[start + i]);
+            assert!(
+                d < 1e-5,
+                "sequence from {start}, position {}: {d}",
+                start + i
+            );
+        }
+        at += tail.len();
+    }
+    // a: 19 tokens in 5 blocks (2 its own); b: 18 in 5 (2 its own); c: 15 in 4 (2 its own).
+    assert_eq!(pool.blocks_in_use(), 3 + 2 + 2 + 2);
+    // Freeing the source keeps the blocks the forks hold.
+    assert_eq!(pool.free_sequence(a).unwrap(), 5);
+    assert_eq!(pool.blocks_in_use(), 3 + 2 + 2);
+    // b ends inside its own block: kept as asked. c would end inside a block b holds too: at its start.
+    pool.truncate_sequence(b, 13).unwrap();
+    assert_eq!(
+        (pool.seq_len(b).unwrap(), pool.seq_blocks(b).unwrap()),
+        (13, 4)
+    );
+    pool.truncate_sequence(c, 6).unwrap();
+    assert_eq!(
+        (pool.seq_len(c).unwrap(), pool.seq_blocks(c).unwrap()),
+        (4, 1)
+    );
+    // c goes on from 4: what it computes is the whole sequence's, and b's rows are untouched.
+    let tail = tokens(15, 3, vocab);
+    let more = [SeqChunk {
+        seq: c,
+        tokens: &tail,
+        start_pos: 4,
+    }];
+    let got = rows(&model.forward_batch_all(&more, &mut pool).unwrap());
+    let whole: Vec<u32> = prefix[..4].iter().chain(&tail).copied().collect();
+    let want = alone(&model, &whole);
+    for (i, g) in got.iter().enumerate() {
+        assert!(max_diff(g, &want[4 + i]) < 1e-5, "position {}", 4 + i);
+    }
+    let next = tokens(16, 2, vocab);
+    let more = [SeqChunk {
+        seq: b,
+        tokens: &next,
+        start_pos: 13,
+    }];
+    let got = rows(&model.forward_batch_all(&more, &mut pool).unwrap());
+    let whole: Vec<u32> = prefix[..12]
+        .iter()
+        .chain(&tail_b[..1])
+        .chain(&next)
+        .copied()
+        .collect();
+    let want = alone(&model, &whole);
+    for (i, g) in got.iter().enumerate() {
+        assert!(max_diff(g, &want[13 + i]) < 1e-5, "b position {}", 13 + i);
+    }
+    pool.free_sequence(b).unwrap();
+    pool.free_sequence(c).unwrap();
+    assert_eq!((pool.blocks_in_use(), pool.free_blocks()), (0, 16));
+    assert!(matches!(
+        pool.fork(a, 4),
+        Err(ModelError::UnknownSequence { .. })
+    ));
+}
+
 /// Asking for more blocks than are free is a typed error that changes nothing; freeing a sequence makes
 /// room.
 #[test]

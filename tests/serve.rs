@@ -698,6 +698,79 @@ fn preempted_sequences_resume_with_their_solo_tokens() {
     assert!(server.log().contains("preempted"), "{}", server.log());
 }
 
+/// Requests whose prompts start with what a running sequence has computed (a long shared system prompt) share
+/// its whole blocks instead of recomputing them: their usage reports whole blocks of cached tokens, and their
+/// replies equal the library's solo greedy replies, also while the sequence they share with goes on writing.
+#[test]
+fn prompts_sharing_a_running_prefix_share_its_blocks() {
+    let model = model();
+    let tokenizer = model.tokenizer();
+    let system: String = (0..40)
+        .map(|i| format!("Rule {i}: answer plainly. "))
+        .collect();
+    let prefix_tokens = tokenizer.encode(&system).unwrap().len();
+    assert!(
+        prefix_tokens > 2 * 64 && prefix_tokens % 64 != 0,
+        "a prefix of several blocks, not whole ones: {prefix_tokens} tokens"
+    );
+    let server = Server::start(&["--max-seqs", "8"]);
+    // The sequence the others share with: it runs (ignore_eos) long after they arrive.
+    let first = complete_in_thread(
+        &server,
+        json!({"model": MODEL, "prompt": format!("{system}Story:"), "max_tokens": 500,
+               "temperature": 0, "ignore_eos": true}),
+    );
+    // Until its prompt is computed (the running sequences' KV rows pass the prefix).
+    let started = Instant::now();
+    loop {
+        let metrics = Command::new("curl")
+            .args(["-sS", "--max-time", "10"])
+            .arg(format!("{}/metrics", server.url))
+            .output()
+            .unwrap();
+        let rows: usize = String::from_utf8_lossy(&metrics.stdout)
+            .lines()
+            .find_map(|l| l.strip_prefix("glm5_kv_tokens_in_use "))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0);
+        if rows > prefix_tokens {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the first prompt was not computed"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let prompts: Vec<String> = (0..3).map(|i| format!("{system}Question {i}:")).collect();
+    let threads: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            complete_in_thread(
+                &server,
+                json!({"model": MODEL, "prompt": p, "max_tokens": 12, "temperature": 0}),
+            )
+        })
+        .collect();
+    for (prompt, thread) in prompts.iter().zip(threads) {
+        let value = thread.join().unwrap();
+        let expect = reference(&model, prompt, 12, &[]);
+        assert_eq!(
+            value["choices"][0]["text"], expect["text"],
+            "{prompt}: {value}"
+        );
+        let cached = value["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0);
+        assert!(
+            cached >= 128 && cached % 64 == 0 && cached as usize <= prefix_tokens,
+            "whole shared blocks of the {prefix_tokens}-token prefix: {value}"
+        );
+    }
+    let first = first.join().unwrap();
+    assert_eq!(first["usage"]["completion_tokens"], 500, "{first}");
+}
+
 /// Sampled requests running in one batch (greedy, top-p, top-k, plain temperature, presence and frequency
 /// penalties, each with its seed) get
 /// the tokens the library samples for each alone with the same settings: the server samples a step's

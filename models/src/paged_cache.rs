@@ -9,8 +9,11 @@
 //!
 //! Every sequence has ONE block table, shared by all layers and both stores: position `s` of a sequence is
 //! row `s % block_size` of block `table[s / block_size]` everywhere. Blocks come from one free list as a
-//! sequence grows (a block is taken when its first row is written) and go back when the sequence is
-//! freed or truncated. Asking for more blocks than are free is a [`ModelError::PoolExhausted`] error that
+//! sequence grows (a block is taken when its first row is written) and go back when the last sequence
+//! holding them is freed or truncated. A sequence may start as a [`PagedKvCache::fork`] of another's prefix:
+//! it holds the same full blocks (counted per block), and since a sequence only writes past its length and a
+//! shared block is full, no row of a shared block is ever written again (a truncation that would end inside
+//! a shared block ends at its start instead). Asking for more blocks than are free is a [`ModelError::PoolExhausted`] error that
 //! changes nothing; the caller decides what to free (a server preempts a sequence and recomputes it later).
 //!
 //! The stores are allocated once, for `num_blocks` blocks, when the pool is made
@@ -194,6 +197,8 @@ pub struct PagedKvCache {
     num_blocks: usize,
     /// Free blocks; the next one taken is the last.
     free: Vec<u32>,
+    /// Per block, the sequences holding it (0 for a free block).
+    holders: Vec<u32>,
     seqs: BTreeMap<SeqId, SeqBlocks>,
     next_id: u64,
 }
@@ -267,6 +272,7 @@ impl PagedKvCache {
             block_size,
             num_blocks,
             free: (0..num_blocks as u32).rev().collect(),
+            holders: vec![0; num_blocks],
             seqs: BTreeMap::new(),
             next_id: 0,
         })
@@ -287,9 +293,59 @@ impl PagedKvCache {
         self.free.len()
     }
 
-    /// Blocks held by sequences.
+    /// Blocks held by sequences (a shared block once).
     pub fn blocks_in_use(&self) -> usize {
         self.num_blocks - self.free.len()
+    }
+
+    /// Blocks the sequences `seqs` hold, a block two of them share once (unknown ids hold none).
+    pub fn distinct_blocks(&self, seqs: impl IntoIterator<Item = SeqId>) -> usize {
+        let mut blocks: Vec<u32> = seqs
+            .into_iter()
+            .filter_map(|seq| self.seqs.get(&seq))
+            .flat_map(|s| s.blocks.iter().copied())
+            .collect();
+        blocks.sort_unstable();
+        blocks.dedup();
+        blocks.len()
+    }
+
+    /// Blocks of `seq` that no other sequence holds: what freeing it gives back.
+    pub fn exclusive_blocks(&self, seq: SeqId) -> Result<usize> {
+        Ok(self
+            .get(seq)?
+            .blocks
+            .iter()
+            .filter(|&&b| self.holders[b as usize] == 1)
+            .count())
+    }
+
+    /// A new sequence holding the whole blocks of `from`'s first `len` tokens (at most its length), shared
+    /// with it: the new sequence's length is those blocks' tokens, a multiple of the block size, and its
+    /// forwards continue from there.
+    pub fn fork(&mut self, from: SeqId, len: usize) -> Result<SeqId> {
+        let source = self.get(from)?;
+        let whole = len.min(source.len) / self.block_size;
+        let blocks = source.blocks[..whole].to_vec();
+        for &b in &blocks {
+            self.holders[b as usize] += 1;
+        }
+        let id = self.add_sequence();
+        let s = self.seqs.get_mut(&id).expect("just added");
+        s.len = whole * self.block_size;
+        s.blocks = blocks;
+        Ok(id)
+    }
+
+    /// `blocks` given up by one holder: each goes back to the free list when it was the last.
+    fn release(&mut self, blocks: Vec<u32>) {
+        for b in blocks.into_iter().rev() {
+            let holders = &mut self.holders[b as usize];
+            *holders -= 1;
+            if *holders == 0 {
+                self.free.push(b);
+            }
+        }
     }
 
     /// Blocks that `tokens` tokens occupy.
@@ -334,29 +390,34 @@ impl PagedKvCache {
             .saturating_sub(s.blocks.len()))
     }
 
-    /// Ends `seq`: its blocks go back to the pool. Returns how many.
+    /// Ends `seq`: it gives up its blocks (those no other sequence holds go back to the pool). Returns how
+    /// many it held.
     pub fn free_sequence(&mut self, seq: SeqId) -> Result<usize> {
         let s = self
             .seqs
             .remove(&seq)
             .ok_or(ModelError::UnknownSequence { seq: seq.get() })?;
         let n = s.blocks.len();
-        self.free.extend(s.blocks.into_iter().rev());
+        self.release(s.blocks);
         Ok(n)
     }
 
-    /// Keeps only the first `len` tokens of `seq` (e.g. a prompt prefix a new request shares), freeing the
-    /// blocks past them. A `len` beyond the sequence changes nothing.
+    /// Keeps only the first `len` tokens of `seq` (e.g. a prompt prefix a new request shares), giving up the
+    /// blocks past them; where `len` ends inside a block other sequences hold too, at that block's start
+    /// (the sequence will write past its length). A `len` beyond the sequence changes nothing.
     pub fn truncate_sequence(&mut self, seq: SeqId, len: usize) -> Result<()> {
         let block_size = self.block_size;
         let s = self
             .seqs
             .get_mut(&seq)
             .ok_or(ModelError::UnknownSequence { seq: seq.get() })?;
-        s.len = s.len.min(len);
-        let keep = s.len.div_ceil(block_size);
-        let freed = s.blocks.split_off(keep);
-        self.free.extend(freed.into_iter().rev());
+        let mut len = s.len.min(len);
+        if len % block_size != 0 && self.holders[s.blocks[len / block_size] as usize] > 1 {
+            len -= len % block_size;
+        }
+        s.len = len;
+        let freed = s.blocks.split_off(len.div_ceil(block_size));
+        self.release(freed);
         Ok(())
     }
 
@@ -401,7 +462,9 @@ impl PagedKvCache {
             let s = self.seqs.get_mut(&entry.seq).expect("checked above");
             before.push((entry.seq, s.blocks.len()));
             while s.blocks.len() < want {
-                s.blocks.push(self.free.pop().expect("counted above"));
+                let b = self.free.pop().expect("counted above");
+                self.holders[b as usize] = 1;
+                s.blocks.push(b);
             }
         }
         let max_blocks = batch
@@ -455,7 +518,7 @@ impl PagedKvCache {
         for &(seq, blocks) in &step.before {
             if let Some(s) = self.seqs.get_mut(&seq) {
                 let taken = s.blocks.split_off(blocks);
-                self.free.extend(taken.into_iter().rev());
+                self.release(taken);
             }
         }
     }

@@ -339,6 +339,27 @@ struct Idle {
     tokens: Vec<u32>,
 }
 
+/// How a new (or resumed) sequence starts from what the pool holds ([`State::prefix_reuse`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Reuse {
+    /// Take the kept sequence over, truncated to its first `n` tokens.
+    TakeOver(SeqId, usize),
+    /// Fork the running sequence's first `n` tokens (whole blocks, shared).
+    Fork(SeqId, usize),
+    /// Start empty.
+    Nothing,
+}
+
+impl Reuse {
+    /// The kept sequence it takes over (not to be evicted to make room for it).
+    fn kept(self) -> Option<SeqId> {
+        match self {
+            Reuse::TakeOver(seq, _) => Some(seq),
+            _ => None,
+        }
+    }
+}
+
 struct Running<'t> {
     request: SeqRequest,
     /// Its sequence in the pool.
@@ -390,8 +411,63 @@ impl State<'_> {
         }
     }
 
-    fn blocks_of(&self, seq: SeqId) -> usize {
-        self.pool.seq_blocks(seq).unwrap_or(0)
+    /// Where a sequence of `tokens` starts in the pool (module docs): the kept sequence whose computed
+    /// tokens share the longest prefix with them, taken over, or a fork of the whole blocks a running
+    /// sequence shares with them where that holds more; at least `tokens`' last is always computed, for its
+    /// logits.
+    fn prefix_reuse(&self, tokens: &[u32]) -> Reuse {
+        let limit = tokens.len().saturating_sub(1);
+        let shared = |seq: SeqId, held: &[u32]| {
+            let computed = self.pool.seq_len(seq).unwrap_or(0).min(held.len());
+            shared_prefix(&held[..computed], tokens).min(limit)
+        };
+        // The most recent kept sequence on ties (the queue's end).
+        let idle = self
+            .idle
+            .iter()
+            .map(|i| (i.seq, shared(i.seq, &i.tokens)))
+            .filter(|&(_, n)| n > 0)
+            .fold(None, |best: Option<(SeqId, usize)>, c| match best {
+                Some(b) if b.1 > c.1 => Some(b),
+                _ => Some(c),
+            });
+        let block = self.pool.block_size();
+        let running = self
+            .running
+            .iter()
+            .map(|r| (r.seq, shared(r.seq, &r.tokens) / block * block))
+            .filter(|&(_, n)| n > 0)
+            .max_by_key(|&(_, n)| n);
+        match (idle, running) {
+            (Some((seq, n)), Some((_, whole))) if n >= whole => Reuse::TakeOver(seq, n),
+            (Some((seq, n)), None) => Reuse::TakeOver(seq, n),
+            (_, Some((seq, whole))) => Reuse::Fork(seq, whole),
+            (None, None) => Reuse::Nothing,
+        }
+    }
+
+    /// Blocks a sequence of `tokens` tokens must take beyond what `reuse` gives it.
+    fn blocks_beyond(&self, tokens: usize, reuse: Reuse) -> usize {
+        let held = match reuse {
+            Reuse::TakeOver(_, n) => self.pool.blocks_for_tokens(n),
+            Reuse::Fork(_, n) => n / self.pool.block_size(),
+            Reuse::Nothing => 0,
+        };
+        self.pool.blocks_for_tokens(tokens).saturating_sub(held)
+    }
+
+    /// The sequence `reuse` says, and the tokens of its prompt it already holds.
+    fn start_sequence(&mut self, reuse: Reuse) -> (SeqId, usize) {
+        let started = match reuse {
+            Reuse::TakeOver(seq, n) => {
+                self.idle.retain(|idle| idle.seq != seq);
+                self.pool.truncate_sequence(seq, n).map(|()| seq)
+            }
+            Reuse::Fork(seq, n) => self.pool.fork(seq, n),
+            Reuse::Nothing => Ok(self.pool.add_sequence()),
+        };
+        let seq = started.unwrap_or_else(|_| self.pool.add_sequence());
+        (seq, self.pool.seq_len(seq).unwrap_or(0))
     }
 
     /// Blocks the running sequences still need to hold all their tokens (unfinished prefills).
@@ -411,11 +487,13 @@ impl State<'_> {
     /// still need are free; false, with nothing freed, when even all of them would not be enough.
     fn reserve(&mut self, need: usize, keep: Option<SeqId>) -> bool {
         let want = need + self.running_shortfall();
+        // What freeing them gives back: the blocks no other sequence holds (an underestimate where idle
+        // sequences share blocks only among themselves, so a reservation that passes holds).
         let evictable: usize = self
             .idle
             .iter()
             .filter(|i| Some(i.seq) != keep)
-            .map(|i| self.blocks_of(i.seq))
+            .map(|i| self.pool.exclusive_blocks(i.seq).unwrap_or(0))
             .sum();
         if self.pool.free_blocks() + evictable < want {
             return false;
@@ -559,11 +637,15 @@ impl Engine {
     fn admit<'t>(&self, tokenizer: &'t Tokenizer, state: &mut State<'t>) {
         while state.running.len() < self.config.max_seqs {
             if let Some(seq) = state.preempted.front() {
-                let need = state.pool.blocks_for_tokens(seq.tokens.len());
-                if !state.reserve(need, None) {
+                // It recomputes what no other sequence holds of its tokens.
+                let reuse = state.prefix_reuse(&seq.tokens);
+                let need = state.blocks_beyond(seq.tokens.len(), reuse);
+                if !state.reserve(need, reuse.kept()) {
                     return;
                 }
-                let seq = state.preempted.pop_front().expect("front exists");
+                let mut seq = state.preempted.pop_front().expect("front exists");
+                state.free(seq.seq);
+                (seq.seq, _) = state.start_sequence(reuse);
                 tracing::debug!(request_id = %seq.request.request_id, choice = seq.request.choice,
                     tokens = seq.tokens.len(), "resumed after preemption: recomputing its KV");
                 state.running.push(seq);
@@ -572,30 +654,13 @@ impl Engine {
             let Some(request) = state.waiting.front() else {
                 return;
             };
-            // The idle sequence sharing the longest prefix with the prompt (the most recent on ties); at
-            // least the last prompt token is always computed, for its logits.
-            let reuse = state
-                .idle
-                .iter()
-                .map(|idle| (idle.seq, shared_prefix(&idle.tokens, &request.prompt)))
-                .filter(|&(_, shared)| shared > 0)
-                .max_by_key(|&(_, shared)| shared)
-                .map(|(seq, shared)| (seq, shared.min(request.prompt.len() - 1)));
-            let pool = &state.pool;
-            let need = pool
-                .blocks_for_tokens(request.prompt.len())
-                .saturating_sub(reuse.map_or(0, |(_, n)| pool.blocks_for_tokens(n)));
-            if !state.reserve(need, reuse.map(|(seq, _)| seq)) {
+            // What a kept or running sequence holds of the prompt is not recomputed.
+            let reuse = state.prefix_reuse(&request.prompt);
+            let need = state.blocks_beyond(request.prompt.len(), reuse);
+            if !state.reserve(need, reuse.kept()) {
                 return; // wait for running sequences to finish
             }
-            let (seq, reused) = match reuse {
-                Some((seq, reused)) => {
-                    state.idle.retain(|idle| idle.seq != seq);
-                    let _ = state.pool.truncate_sequence(seq, reused);
-                    (seq, reused)
-                }
-                None => (state.pool.add_sequence(), 0),
-            };
+            let (seq, reused) = state.start_sequence(reuse);
             let request = state.waiting.pop_front().expect("front exists");
             self.queued.fetch_sub(1, Ordering::SeqCst);
             self.metrics
@@ -767,10 +832,9 @@ impl Engine {
             Ordering::Relaxed,
         );
         m.running.store(state.running.len(), Ordering::Relaxed);
-        m.kv_blocks_in_use.store(
-            state.running.iter().map(|s| state.blocks_of(s.seq)).sum(),
-            Ordering::Relaxed,
-        );
+        // Blocks the running sequences hold (a shared one once); the kept ones hold the rest.
+        let in_use = pool.distinct_blocks(state.running.iter().map(|s| s.seq));
+        m.kv_blocks_in_use.store(in_use, Ordering::Relaxed);
         m.kv_tokens_used.store(
             state
                 .running
@@ -779,10 +843,8 @@ impl Engine {
                 .sum(),
             Ordering::Relaxed,
         );
-        m.kv_blocks_cached.store(
-            state.idle.iter().map(|i| state.blocks_of(i.seq)).sum(),
-            Ordering::Relaxed,
-        );
+        m.kv_blocks_cached
+            .store(pool.blocks_in_use() - in_use, Ordering::Relaxed);
     }
 }
 
