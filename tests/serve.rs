@@ -710,7 +710,7 @@ fn prompts_sharing_a_running_prefix_share_its_blocks() {
         .collect();
     let prefix_tokens = tokenizer.encode(&system).unwrap().len();
     assert!(
-        prefix_tokens > 2 * 64 && prefix_tokens % 64 != 0,
+        prefix_tokens > 2 * 64 && !prefix_tokens.is_multiple_of(64),
         "a prefix of several blocks, not whole ones: {prefix_tokens} tokens"
     );
     let server = Server::start(&["--max-seqs", "8"]);
@@ -763,7 +763,7 @@ fn prompts_sharing_a_running_prefix_share_its_blocks() {
             .as_u64()
             .unwrap_or(0);
         assert!(
-            cached >= 128 && cached % 64 == 0 && cached as usize <= prefix_tokens,
+            cached >= 128 && cached.is_multiple_of(64) && cached as usize <= prefix_tokens,
             "whole shared blocks of the {prefix_tokens}-token prefix: {value}"
         );
     }
