@@ -276,7 +276,7 @@ fn quantised_weights(
             {
                 continue;
             }
-            // glm5's own block kernels first (Q4_K and Q6_K, which candle also has, run on them), then candle's.
+            // glm5's own block kernels first (the K-quants, which candle also has, run on them), then candle's.
             let format = match (
                 GgufFormat::from_ggml_id(t.ggml_type.id),
                 t.ggml_type.candle(),

@@ -238,7 +238,7 @@ fn quantised_gguf_logits_track_the_references() {
 }
 
 /// Every quantised projection run as the model runs it (candle's `QMatMul`, activations in 8-bit blocks, or
-/// glm5's `gguf_matmul` for the formats it decodes itself: Q4_K, Q6_K) against a dense f32 product, relative L2 over 40
+/// glm5's `gguf_matmul` for the formats it decodes itself: the K-quants) against a dense f32 product, relative L2 over 40
 /// rows: the Q8_0 file's against the F32 file's weights (quantisation and kernel, within 2e-2), the Q4_K_M
 /// file's against its own weights expanded (the Q4_K and Q6_K kernels alone, within 2e-2).
 #[test]

@@ -1,10 +1,11 @@
-// Decoders of the GGUF block formats glm5 decodes, llama.cpp's i-quants, Q4_K and Q6_K: one 32-value sub-block
-// of a block into floats, in ggml's f32 order (`dequantize_row_iq*`, `dequantize_row_q4_K`, `_q6_K`), so every
+// Decoders of the GGUF block formats glm5 decodes, llama.cpp's i-quants and K-quants: one 32-value sub-block
+// of a block into floats, in ggml's f32 order (`dequantize_row_iq*`, `dequantize_row_q2_K` ... `_q6_K`), so every
 // value equals the CPU reference's (glm5-ops gguf_matmul/reference.rs, which has the layout table). The lookup
 // tables are generated from kernels/src/iq_grids.rs.
 //
-// I-quant and Q6_K blocks are 2-byte aligned at best (66, 74, ..., 210 bytes), so wider fields are read as u16
-// pairs; Q4_K's (144 bytes) are 16-byte aligned and read in 16-byte vectors.
+// I-quant, Q2_K, Q3_K and Q6_K blocks are 2-byte aligned at best (66, 74, ..., 210 bytes), so wider fields are
+// read as u16 pairs (Q5_K's byte by byte too); Q4_K's (144 bytes) are 16-byte aligned and read in 16-byte
+// vectors.
 
 #pragma once
 
@@ -16,7 +17,7 @@
 namespace glm5 {
 namespace gguf {
 
-enum Format { IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M, IQ4_NL, IQ4_XS, Q4_K, Q6_K };
+enum Format { IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M, IQ4_NL, IQ4_XS, Q4_K, Q6_K, Q2_K, Q3_K, Q5_K };
 
 constexpr float IQ1_DELTA = 0.125f;
 
@@ -40,6 +41,9 @@ GLM5_IQ_BYTES(IQ4_NL, 18)
 GLM5_IQ_BYTES(IQ4_XS, 136)
 GLM5_IQ_BYTES(Q4_K, 144)
 GLM5_IQ_BYTES(Q6_K, 210)
+GLM5_IQ_BYTES(Q2_K, 84)
+GLM5_IQ_BYTES(Q3_K, 110)
+GLM5_IQ_BYTES(Q5_K, 176)
 #undef GLM5_IQ_BYTES
 
 __device__ __forceinline__ uint16_t u16_at(const uint8_t* b, int at) {
@@ -309,6 +313,59 @@ __device__ __forceinline__ float q6k_values(const Q6kChunk& c, float (&w)[16]) {
 
 template <> __device__ __forceinline__ float decode_half<Q6_K>(const uint8_t* b, int ib, int h, float (&w)[16]) {
     return q6k_values(q6k_load(b, ib, h), w);
+}
+
+// Q2_K, Q3_K, Q5_K (ggml's block_q2_K / q3_K / q5_K: 84, 110 and 176 bytes), read byte by byte as the
+// i-quants are. Sub-block ib (32 values) of a block of 256: for the 2-bit values of Q2_K and Q3_K, value
+// 128g + 32s + l is bits 2s of byte 32g + l (g = ib / 4, s = ib % 4); each 16 values have their own scale.
+
+// Q2_K: 16 bytes of scale (low nibble) and min (high) per 16 values, 64 bytes of 2-bit values, d, dmin.
+// A value is (d·sc)·q − dmin·m, given whole (scale 1).
+template <> __device__ __forceinline__ float decode_half<Q2_K>(const uint8_t* b, int ib, int h, float (&w)[16]) {
+    const int g = ib / 4, s = ib % 4;
+    const uint32_t sm = __ldg(b + 8 * g + 2 * s + h);
+    const float dl = f16_at(b, 80) * static_cast<float>(sm & 0xf);
+    const float ml = f16_at(b, 82) * static_cast<float>(sm >> 4);
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        const float q = static_cast<float>((__ldg(b + 16 + 32 * g + 16 * h + j) >> (2 * s)) & 3);
+        w[j] = __fsub_rn(__fmul_rn(dl, q), ml);
+    }
+    return 1.0f;
+}
+
+// Q3_K: 32 bytes of high bits (value v's is bit v / 32 of byte v % 32: set +0, clear −4), 64 bytes of 2-bit
+// values, 12 bytes of 16 6-bit scales (scale i: the nibble of byte i % 8 at bit 4·(i / 8), with bits
+// 2·(i / 4) of byte 8 + i % 4 above it, minus 32), d. A value is (d·(sc − 32))·q.
+template <> __device__ __forceinline__ float decode_half<Q3_K>(const uint8_t* b, int ib, int h, float (&w)[16]) {
+    const int g = ib / 4, s = ib % 4, i = 2 * ib + h;
+    const uint32_t low = (__ldg(b + 96 + i % 8) >> (4 * (i / 8))) & 0xf;
+    const uint32_t high = (__ldg(b + 104 + i % 4) >> (2 * (i / 4))) & 3;
+    const float dl = f16_at(b, 108) * static_cast<float>(static_cast<int>(low | (high << 4)) - 32);
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        const int l = 16 * h + j;
+        const int q = static_cast<int>((__ldg(b + 32 + 32 * g + l) >> (2 * s)) & 3);
+        const int set = (__ldg(b + l) >> ib) & 1;
+        w[j] = static_cast<float>(q - 4 * (1 - set));
+    }
+    return dl;
+}
+
+// Q5_K: d, dmin and 12 bytes of scales and mins as Q4_K's, 32 bytes of fifth bits (value v's is bit v / 32
+// of byte v % 32), 128 bytes of 4-bit values as Q4_K's. A value is d1·q − m1 (d1 = d·sc, m1 = dmin·m).
+template <> __device__ __forceinline__ float decode_half<Q5_K>(const uint8_t* b, int ib, int h, float (&w)[16]) {
+    const uint4 head = {u32_at(b, 0), u32_at(b, 4), u32_at(b, 8), u32_at(b, 12)};
+    float d1, m1;
+    q4k_scale_min(head, ib, d1, m1);
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        const int l = 16 * h + j;
+        const uint32_t low = (__ldg(b + 48 + 32 * (ib / 2) + l) >> (4 * (ib % 2))) & 0xf;
+        const uint32_t fifth = (__ldg(b + 16 + l) >> ib) & 1;
+        w[j] = __fsub_rn(__fmul_rn(d1, static_cast<float>(low | (fifth << 4))), m1);
+    }
+    return 1.0f;
 }
 
 template <Format F> __device__ __forceinline__ void decode(const uint8_t* b, int ib, float (&w)[32]) {

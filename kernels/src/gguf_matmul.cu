@@ -1,4 +1,4 @@
-// Weight-only matmuls over the GGUF block formats glm5 decodes (llama.cpp's i-quants, Q4_K):
+// Weight-only matmuls over the GGUF block formats glm5 decodes (llama.cpp's i-quants and K-quants):
 // y[m, n] = sum_k x[m, k] * W[n, k], W kept as the GGUF file's blocks in global memory and decoded in
 // registers, f32 accumulation (contract: glm5-ops gguf_matmul/mod.rs; decoders: gguf_formats.cuh).
 //
@@ -187,3 +187,6 @@ GGUF_FORMAT(iq4_nl, IQ4_NL)
 GGUF_FORMAT(iq4_xs, IQ4_XS)
 GGUF_FORMAT(q4_k, Q4_K)
 GGUF_FORMAT(q6_k, Q6_K)
+GGUF_FORMAT(q2_k, Q2_K)
+GGUF_FORMAT(q3_k, Q3_K)
+GGUF_FORMAT(q5_k, Q5_K)

@@ -657,6 +657,9 @@ MOE_GGUF_FORMAT(iq4_nl, IQ4_NL)
 MOE_GGUF_FORMAT(iq4_xs, IQ4_XS)
 MOE_GGUF_FORMAT(q4_k, Q4_K)
 MOE_GGUF_FORMAT(q6_k, Q6_K)
+MOE_GGUF_FORMAT(q2_k, Q2_K)
+MOE_GGUF_FORMAT(q3_k, Q3_K)
+MOE_GGUF_FORMAT(q5_k, Q5_K)
 
 // ---- Q4_K experts on the tensor cores (bf16) ---------------------------------------------------------------
 //

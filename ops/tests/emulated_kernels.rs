@@ -235,7 +235,8 @@ macro_rules! iq_kernels {
 
 iq_kernels! {
     Iq2Xxs => iq2_xxs, Iq2Xs => iq2_xs, Iq2S => iq2_s, Iq3Xxs => iq3_xxs, Iq3S => iq3_s,
-    Iq1S => iq1_s, Iq1M => iq1_m, Iq4Nl => iq4_nl, Iq4Xs => iq4_xs, Q4K => q4_k, Q6K => q6_k,
+    Iq1S => iq1_s, Iq1M => iq1_m, Iq4Nl => iq4_nl, Iq4Xs => iq4_xs, Q4K => q4_k, Q6K => q6_k, Q2K => q2_k, Q3K => q3_k,
+    Q5K => q5_k,
 }
 
 #[test]
@@ -917,7 +918,8 @@ extern "C" {
 
 moe_iq_kernels! {
     Iq2Xxs => iq2_xxs, Iq2Xs => iq2_xs, Iq2S => iq2_s, Iq3Xxs => iq3_xxs, Iq3S => iq3_s,
-    Iq1S => iq1_s, Iq1M => iq1_m, Iq4Nl => iq4_nl, Iq4Xs => iq4_xs, Q4K => q4_k, Q6K => q6_k,
+    Iq1S => iq1_s, Iq1M => iq1_m, Iq4Nl => iq4_nl, Iq4Xs => iq4_xs, Q4K => q4_k, Q6K => q6_k, Q2K => q2_k, Q3K => q3_k,
+    Q5K => q5_k,
 }
 
 /// Stacked experts in emulated device memory, as `moe/cuda.rs` passes them.
@@ -1396,8 +1398,11 @@ fn moe_quantized_experts_equal_the_reference() {
         // Q4_K's tensor-core kernels with several warps: gate/up's three split between the two matrices (an odd
         // count), down's two.
         (iq(GgufFormat::Q4K, GgufFormat::Q4K), (1536, 1280)),
-        // A Q4_K_M file's mix: Q4_K gate/up on the tensor cores (bf16), Q6_K down.
+        // A Q4_K_M file's mix: Q4_K gate/up on the tensor cores (bf16), Q6_K down; UD-Q2_K_XL's Q2_K / Q3_K;
+        // Q5_K_M's Q5_K.
         (iq(GgufFormat::Q4K, GgufFormat::Q6K), (512, 256)),
+        (iq(GgufFormat::Q2K, GgufFormat::Q3K), (256, 512)),
+        (iq(GgufFormat::Q5K, GgufFormat::Q5K), (256, 256)),
     ]
     .into_iter()
     .enumerate()

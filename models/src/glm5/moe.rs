@@ -15,8 +15,8 @@ pub(super) struct Mlp {
     down_proj: Proj,
 }
 
-/// `gate_proj` and `up_proj`: two weights, or, when both are GGUF blocks of one format glm5 decodes (Q4_K,
-/// Q6_K, i-quants), one weight of the gate rows then the up rows (every row is its own blocks: no value changes),
+/// `gate_proj` and `up_proj`: two weights, or, when both are GGUF blocks of one format glm5 decodes
+/// (K-quants, i-quants), one weight of the gate rows then the up rows (every row is its own blocks: no value changes),
 /// multiplied in one launch and split after.
 enum GateUp {
     Apart { gate: Proj, up: Proj },
@@ -246,7 +246,7 @@ fn expert_projections(config: &Config) -> [(&'static str, [usize; 3]); 3] {
     ]
 }
 
-/// The routed experts as the source stacks them in GGUF blocks glm5 decodes (i-quants, Q4_K, Q6_K), when gate
+/// The routed experts as the source stacks them in GGUF blocks glm5 decodes (i-quants, K-quants), when gate
 /// and up share a format (the grouped kernels' rule; published mixes do); `None` otherwise.
 fn load_stacked_gguf_blocks(
     config: &Config,

@@ -86,7 +86,7 @@ pub trait TensorSource: Send + Sync {
     }
 
     /// The format of the routed experts' projection `proj` of the MoE block `prefix` when the source stores
-    /// all experts as one `[n_experts, out, in]` tensor in GGUF blocks glm5 decodes itself (i-quants, Q4_K);
+    /// all experts as one `[n_experts, out, in]` tensor in GGUF blocks glm5 decodes itself (i-quants, K-quants);
     /// `None` otherwise. Reads headers only.
     fn stacked_gguf_block_format(
         &self,

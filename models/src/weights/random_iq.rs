@@ -25,14 +25,13 @@ pub struct RandomIqSource {
     scale: half::f16,
 }
 
-/// Writes the f16 super-scale `d` into one block (`GgufFormat::set_super_scale`; Q4_K's `dmin` too).
+/// Writes the f16 super-scale `d` into one block (`GgufFormat::set_super_scale`), and `dmin` where the
+/// format has one.
 fn set_scale(format: GgufFormat, block: &mut [u8], d: half::f16) {
     let bits = d.to_bits();
     format.set_super_scale(block, bits);
-    if format == GgufFormat::Q4K {
-        // dmin, the mins' scale: as `d`, so values d·sc·q − dmin·m take both signs.
-        block[2..4].copy_from_slice(&bits.to_le_bytes());
-    }
+    // dmin, the mins' scale (where the format has one): as `d`, so values d·sc·q − dmin·m take both signs.
+    format.set_min_scale(block, bits);
 }
 
 /// `blocks` random blocks of `format` with scale `d`, for the tensor `name`.

@@ -1,13 +1,14 @@
 //! `gguf_matmul(x, w) -> y`: a linear layer whose weight stays in one of the GGUF block formats glm5 decodes
 //! itself: llama.cpp's i-quants (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ4_NL, IQ4_XS) and the
-//! K-quant Q4_K, multiplied with the weight dequantised in the kernel (weight-only: activations are not
-//! quantised).
+//! K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), multiplied with the weight dequantised in the kernel (weight-only:
+//! activations are not quantised).
 //!
 //! candle 0.11 has no i-quant types (`GgmlDType` cannot hold them), and the published GLM-5 GGUFs use them
 //! (unsloth's `UD-IQ*` files, IQ4_XS / IQ3_S / IQ2_S expert mixes), so glm5 keeps their blocks as raw bytes
-//! and decodes them itself. candle has Q4_K, the bulk of a Q4_K_M file, but its CUDA mat-vec reads GLM-5's
-//! projections at 19-30% of the copy bandwidth (`glm5-bench matvec`), so Q4_K is decoded here too; the other
-//! K-quants and Q8_0 stay with candle's `QMatMul` (`quantized_matmul`).
+//! and decodes them itself. candle has the K-quants, the bulk of Q4_K_M, Q5_K_M and `UD-Q2_K_XL`, but its CUDA
+//! mat-vec reads GLM-5's Q4_K projections at 19-30% of the copy bandwidth (`glm5-bench matvec`) and
+//! candle-nn's GGUF MoE kernels its experts at 2-14x their floor, so they are decoded here too; Q8_0 and the
+//! legacy 32-value types stay with candle's `QMatMul` (`quantized_matmul`).
 //!
 //! # Contract
 //!
@@ -43,7 +44,7 @@ pub const MAX_ROWS: usize = glm5_kernels::interface::weight_only::MAX_ROWS;
 pub const SUB_BLOCK: usize = 32;
 
 /// One of the GGUF block formats glm5 decodes: its name, ggml type id and block geometry (ggml-common.h's
-/// `block_iq*`, `block_q4_K`, `block_q6_K`).
+/// `block_iq*`, `block_q2_K` ... `block_q6_K`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum GgufFormat {
     Iq2Xxs,
@@ -61,10 +62,15 @@ pub enum GgufFormat {
     /// Q6_K, the K-quant a Q4_K_M file keeps for `output` and about half the `ffn_down` (candle has it too;
     /// in this family a layer mixing it with Q4_K runs every projection on glm5's kernels).
     Q6K,
+    /// Q2_K, Q3_K: the routed experts of unsloth's `UD-Q2_K_XL` (gate/up, down); Q5_K: Q5_K_M's. candle has
+    /// them; in this family their experts run glm5's grouped kernels, not candle-nn's.
+    Q2K,
+    Q3K,
+    Q5K,
 }
 
 impl GgufFormat {
-    pub const ALL: [GgufFormat; 11] = [
+    pub const ALL: [GgufFormat; 14] = [
         GgufFormat::Iq2Xxs,
         GgufFormat::Iq2Xs,
         GgufFormat::Iq3Xxs,
@@ -76,6 +82,9 @@ impl GgufFormat {
         GgufFormat::Iq1M,
         GgufFormat::Q4K,
         GgufFormat::Q6K,
+        GgufFormat::Q2K,
+        GgufFormat::Q3K,
+        GgufFormat::Q5K,
     ];
 
     /// The format of ggml type id `id`, if glm5 decodes it.
@@ -97,6 +106,9 @@ impl GgufFormat {
             GgufFormat::Iq1M => 29,
             GgufFormat::Q4K => 12,
             GgufFormat::Q6K => 14,
+            GgufFormat::Q2K => 10,
+            GgufFormat::Q3K => 11,
+            GgufFormat::Q5K => 13,
         }
     }
 
@@ -113,6 +125,9 @@ impl GgufFormat {
             GgufFormat::Iq1M => "IQ1_M",
             GgufFormat::Q4K => "Q4_K",
             GgufFormat::Q6K => "Q6_K",
+            GgufFormat::Q2K => "Q2_K",
+            GgufFormat::Q3K => "Q3_K",
+            GgufFormat::Q5K => "Q5_K",
         }
     }
 
@@ -138,6 +153,9 @@ impl GgufFormat {
             GgufFormat::Iq1M => 56,
             GgufFormat::Q4K => 144,
             GgufFormat::Q6K => 210,
+            GgufFormat::Q2K => 84,
+            GgufFormat::Q3K => 110,
+            GgufFormat::Q5K => 176,
         }
     }
 
@@ -155,8 +173,21 @@ impl GgufFormat {
                 }
             }
             GgufFormat::Q6K => block[208..210].copy_from_slice(&d.to_le_bytes()),
+            GgufFormat::Q2K => block[80..82].copy_from_slice(&d.to_le_bytes()),
+            GgufFormat::Q3K => block[108..110].copy_from_slice(&d.to_le_bytes()),
             _ => block[..2].copy_from_slice(&d.to_le_bytes()),
         }
+    }
+
+    /// Writes `dmin` (f16 bits), the scale of the block's mins, where the format has one (Q2_K, Q4_K, Q5_K;
+    /// the others have none and are left as they are).
+    pub fn set_min_scale(self, block: &mut [u8], dmin: u16) {
+        let at = match self {
+            GgufFormat::Q4K | GgufFormat::Q5K => 2,
+            GgufFormat::Q2K => 82,
+            _ => return,
+        };
+        block[at..at + 2].copy_from_slice(&dmin.to_le_bytes());
     }
 
     /// Bytes of one row of `in_dim` values (`None` unless `in_dim` is a whole number of blocks).

@@ -16,6 +16,9 @@
 //! | IQ4_XS | 136 | u16 of 2 high scale bits ×8, 4 bytes of low scale nibbles, 128 bytes of 4-bit indices | `d·(ls−32) · kvalues[q]` |
 //!
 //! | Q4_K (a K-quant) | 144 | f16 `dmin`, 12 bytes of 6-bit scales `sc` and mins `m` (`q4k_scale_min`), 128 bytes of 4-bit `q`: bytes 32j.. hold sub-block 2j in low nibbles, 2j+1 in high | `d·sc·q − dmin·m` |
+//! | Q2_K | 84 | 16 bytes of 4-bit scale `sc` (low) and min `m` (high) per 16 values, 64 bytes of 2-bit `q` (value 128g + 32s + l is bits 2s of byte 32g + l), f16 `d`, `dmin` | `d·sc·q − dmin·m` |
+//! | Q3_K | 110 | 32 bytes `hmask`, 64 bytes of 2-bit low `q` (as Q2_K), 12 bytes of 16 6-bit scales (`q3k_scale`), f16 `d`; value v's high bit is bit v / 32 of `hmask[v % 32]`, set meaning +0 and clear −4 | `d·(sc − 32)·(q − 4·!h)` |
+//! | Q5_K | 176 | f16 `dmin`, 12 bytes of scales and mins as Q4_K's, 32 bytes `qh` (value v's fifth bit is bit v / 32 of `qh[v % 32]`), 128 bytes of 4-bit `q` as Q4_K's | `d·sc·q − dmin·m` |
 //! | Q6_K (a K-quant) | 210 | `d` last: 128 bytes `ql` of low nibbles, 64 bytes `qh` of high bit pairs, 16 signed 8-bit scales `sc` (one per 16 values); per half of 128 values, value 32j + l (j < 4) is `ql[l + 32(j % 2)]`'s nibble j / 2 with bits 2j of `qh[l]` above it | `d·sc·(q − 32)` |
 //!
 //! Sign bits: IQ2_XXS, IQ2_XS and IQ3_XXS store 7 per 8 values (`KSIGNS_IQ2XS` supplies the 8th: the count of
@@ -228,6 +231,41 @@ pub fn decode_block(format: GgufFormat, b: &[u8], out: &mut [f32]) {
                 }
             }
         }
+        GgufFormat::Q2K => {
+            let (scales, qs) = (&b[0..16], &b[16..80]);
+            let (d, dmin) = (f16_at(b, 80), f16_at(b, 82));
+            for v in 0..256 {
+                let (g, s, l) = (v / 128, v % 128 / 32, v % 32);
+                let q = (qs[32 * g + l] >> (2 * s) & 3) as f32;
+                let sc = scales[v / 16];
+                let (dl, ml) = (d * (sc & 0xf) as f32, dmin * (sc >> 4) as f32);
+                out[v] = dl * q - ml;
+            }
+        }
+        GgufFormat::Q3K => {
+            let (hmask, qs, scales) = (&b[0..32], &b[32..96], &b[96..108]);
+            let d = f16_at(b, 108);
+            for v in 0..256 {
+                let (g, s, l) = (v / 128, v % 128 / 32, v % 32);
+                let low = (qs[32 * g + l] >> (2 * s) & 3) as i32;
+                let high = (hmask[l] >> (v / 32) & 1) as i32;
+                let dl = d * q3k_scale(scales, v / 16) as f32;
+                out[v] = dl * (low - 4 * (1 - high)) as f32;
+            }
+        }
+        GgufFormat::Q5K => {
+            let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+            let (scales, qh, qs) = (&b[4..16], &b[16..48], &b[48..176]);
+            for sub in 0..8 {
+                let (sc, m) = q4k_scale_min(scales, sub);
+                let (d1, m1) = (d * sc as f32, dmin * m as f32);
+                for l in 0..32 {
+                    let low = qs[32 * (sub / 2) + l] >> (4 * (sub % 2)) & 0xf;
+                    let q = low | (qh[l] >> sub & 1) << 4;
+                    out[32 * sub + l] = d1 * q as f32 - m1;
+                }
+            }
+        }
         GgufFormat::Q6K => {
             let d = f16_at(b, 208);
             for half in 0..2 {
@@ -246,6 +284,14 @@ pub fn decode_block(format: GgufFormat, b: &[u8], out: &mut [f32]) {
             }
         }
     }
+}
+
+/// Q3_K's signed 6-bit scale `i` (of 16) from its 12 bytes: the low nibble of byte `i % 8` (shifted by 4 for
+/// `i >= 8`) with 2 bits of byte `8 + i % 4` (bits `2·(i / 4)`) above it, minus 32.
+fn q3k_scale(scales: &[u8], i: usize) -> i32 {
+    let low = scales[i % 8] >> (4 * (i / 8)) & 0xf;
+    let high = scales[8 + i % 4] >> (2 * (i / 4)) & 3;
+    (low | high << 4) as i32 - 32
 }
 
 /// Q6_K's 6-bit value `l + 32j` (j < 4) of the 128-value half whose 64 `ql` and 32 `qh` bytes are given (ggml's

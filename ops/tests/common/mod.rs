@@ -91,11 +91,9 @@ pub mod quantized {
         for block in bytes.chunks_exact_mut(format.block_bytes()) {
             let d = half::f16::from_f32(rng.random_range(0.5..1.5) / 256.0).to_bits();
             format.set_super_scale(block, d);
-            if format == GgufFormat::Q4K {
-                // dmin: a min of up to 63·dmin against values up to 15·63·d.
-                let dmin = half::f16::from_f32(rng.random_range(0.5..1.5) / 128.0).to_bits();
-                block[2..4].copy_from_slice(&dmin.to_le_bytes());
-            }
+            // dmin (Q2_K, Q4_K, Q5_K): a min of up to 63·dmin against values up to 15·63·d.
+            let dmin = half::f16::from_f32(rng.random_range(0.5..1.5) / 128.0).to_bits();
+            format.set_min_scale(block, dmin);
         }
         Tensor::from_vec(bytes, (rows, row), &Device::Cpu).unwrap()
     }
