@@ -234,23 +234,23 @@ pub fn decode_block(format: GgufFormat, b: &[u8], out: &mut [f32]) {
         GgufFormat::Q2K => {
             let (scales, qs) = (&b[0..16], &b[16..80]);
             let (d, dmin) = (f16_at(b, 80), f16_at(b, 82));
-            for v in 0..256 {
+            for (v, value) in out.iter_mut().enumerate() {
                 let (g, s, l) = (v / 128, v % 128 / 32, v % 32);
                 let q = (qs[32 * g + l] >> (2 * s) & 3) as f32;
                 let sc = scales[v / 16];
                 let (dl, ml) = (d * (sc & 0xf) as f32, dmin * (sc >> 4) as f32);
-                out[v] = dl * q - ml;
+                *value = dl * q - ml;
             }
         }
         GgufFormat::Q3K => {
             let (hmask, qs, scales) = (&b[0..32], &b[32..96], &b[96..108]);
             let d = f16_at(b, 108);
-            for v in 0..256 {
+            for (v, value) in out.iter_mut().enumerate() {
                 let (g, s, l) = (v / 128, v % 128 / 32, v % 32);
                 let low = (qs[32 * g + l] >> (2 * s) & 3) as i32;
                 let high = (hmask[l] >> (v / 32) & 1) as i32;
                 let dl = d * q3k_scale(scales, v / 16) as f32;
-                out[v] = dl * (low - 4 * (1 - high)) as f32;
+                *value = dl * (low - 4 * (1 - high)) as f32;
             }
         }
         GgufFormat::Q5K => {
