@@ -486,6 +486,8 @@ fn cli_args() -> Target {
             "plan\x00--model\x00x.gguf\x00--devices\x00cpu\x00--attention\x00dense\x00--layer-map\x000-3=#0\x00-v",
             "serve\x00--port\x000\x00--host\x00::1\x00--api-key\x00k\x00--max-seqs\x004\x00--max-queue\x0016",
             "serve\x00--max-model-len\x00512\x00--kv-budget\x004096\x00--prefill-chunk\x0064\x00--read-timeout\x000.5\x00--shutdown-grace\x001",
+            "serve\x00--devices\x00cuda:0,cuda:1\x00--micro-batches\x004",
+            "generate\x00--prompt\x00x\x00--presence-penalty\x00-0.5\x00--frequency-penalty\x001.5",
         ]),
         dictionary: words(&[
             "\x00--prompt\x00",

@@ -834,3 +834,22 @@ fn batched_sampled_replies_with(server_args: &[&str]) {
         );
     }
 }
+
+/// Options that cannot work stop the server before it listens, with a message naming them.
+#[test]
+fn impossible_options_are_refused_by_name() {
+    for (args, name) in [
+        (["--micro-batches", "0"], "--micro-batches"),
+        (["--max-seqs", "0"], "--max-seqs"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_glm5"))
+            .args(["serve", "--port", "0"])
+            .args(args)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} started");
+        assert!(stderr.contains(name), "{args:?}: {stderr}");
+        assert!(!stderr.contains("listening on"), "{args:?}: {stderr}");
+    }
+}
