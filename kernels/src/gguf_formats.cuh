@@ -3,9 +3,9 @@
 // value equals the CPU reference's (glm5-ops gguf_matmul/reference.rs, which has the layout table). The lookup
 // tables are generated from kernels/src/iq_grids.rs.
 //
-// I-quant, Q2_K, Q3_K and Q6_K blocks are 2-byte aligned at best (66, 74, ..., 210 bytes), so wider fields are
-// read as u16 pairs (Q5_K's byte by byte too); Q4_K's (144 bytes) are 16-byte aligned and read in 16-byte
-// vectors.
+// I-quant blocks are 2-byte aligned at best (66, 74, ... bytes), so wider fields are read as u16 pairs; the
+// mat-vecs read Q3_K's and Q6_K's (110, 210 bytes) in 16-bit words, Q2_K's (84) in 32-bit ones and Q4_K's and
+// Q5_K's (144, 176) in 16-byte vectors (`check_alignment` in glm5-ops holds a weight's start to that).
 
 #pragma once
 
@@ -422,6 +422,126 @@ template <> struct Chunks<Q6_K> {
     }
     static __device__ __forceinline__ float decode(const Chunk& chunk, float (&w)[16]) {
         return q6k_values(chunk, w);
+    }
+};
+
+/// Byte `k` of `w` as a float, exactly (the low mantissa byte of 2^23, minus 2^23).
+__device__ __forceinline__ float byte_as_float(uint32_t w, int k) {
+    return __uint_as_float(__byte_perm(w, 0x4b000000, 0x7540 + k)) - 8388608.0f;
+}
+
+/// Q2_K: a chunk's 16 bytes of 2-bit values as four 32-bit loads (its 84-byte blocks are 4-byte aligned),
+/// its scale byte and the block's d and dmin; values (d·sc)·q − dmin·m in one fma each (the mat-vecs; within
+/// an ulp of ggml's two roundings).
+template <> struct Chunks<Q2_K> {
+    static constexpr int UNROLL = 4;
+    struct Chunk {
+        uint32_t qs[4];
+        uint32_t scales;  // d | dmin << 16 (f16 bits)
+        uint32_t sm;
+        int shift;
+    };
+    static __device__ __forceinline__ Chunk load(const uint8_t* row, int c) {
+        int ib;
+        const uint8_t* b = block_of<Q2_K>(row, c / 2, ib);
+        const int g = ib / 4, s = ib % 4, h = c % 2;
+        const uint32_t* qs = reinterpret_cast<const uint32_t*>(b + 16 + 32 * g + 16 * h);
+        Chunk chunk;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) chunk.qs[i] = __ldg(qs + i);
+        chunk.scales = __ldg(reinterpret_cast<const uint32_t*>(b + 80));
+        chunk.sm = __ldg(b + 8 * g + 2 * s + h);
+        chunk.shift = 2 * s;
+        return chunk;
+    }
+    static __device__ __forceinline__ float decode(const Chunk& c, float (&w)[16]) {
+        const float dl = __half2float(__ushort_as_half(static_cast<uint16_t>(c.scales & 0xffff))) *
+                         static_cast<float>(c.sm & 0xf);
+        const float ml = __half2float(__ushort_as_half(static_cast<uint16_t>(c.scales >> 16))) *
+                         static_cast<float>(c.sm >> 4);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const uint32_t q = (c.qs[i] >> c.shift) & 0x03030303;
+#pragma unroll
+            for (int k = 0; k < 4; ++k) w[4 * i + k] = fmaf(dl, byte_as_float(q, k), -ml);
+        }
+        return 1.0f;
+    }
+};
+
+/// Q3_K: a chunk's 16 bytes of low bits and 16 of high bits as 16-bit loads (its 110-byte blocks are 2-byte
+/// aligned), its scale's two bytes and d; values q − 4·!h before the scale d·(sc − 32).
+template <> struct Chunks<Q3_K> {
+    static constexpr int UNROLL = 4;
+    struct Chunk {
+        uint16_t low[8], high[8];
+        uint16_t d;
+        uint8_t scale_low, scale_high;
+        int ib, i;
+    };
+    static __device__ __forceinline__ Chunk load(const uint8_t* row, int c) {
+        int ib;
+        const uint8_t* b = block_of<Q3_K>(row, c / 2, ib);
+        const int g = ib / 4, h = c % 2, i = 2 * ib + h;
+        const uint16_t* low = reinterpret_cast<const uint16_t*>(b + 32 + 32 * g + 16 * h);
+        const uint16_t* high = reinterpret_cast<const uint16_t*>(b + 16 * h);
+        Chunk chunk;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            chunk.low[j] = __ldg(low + j);
+            chunk.high[j] = __ldg(high + j);
+        }
+        chunk.d = __ldg(reinterpret_cast<const uint16_t*>(b + 108));
+        chunk.scale_low = __ldg(b + 96 + i % 8);
+        chunk.scale_high = __ldg(b + 104 + i % 4);
+        chunk.ib = ib;
+        chunk.i = i;
+        return chunk;
+    }
+    static __device__ __forceinline__ float decode(const Chunk& c, float (&w)[16]) {
+        const int s = c.ib % 4;
+        const uint32_t sc = ((c.scale_low >> (4 * (c.i / 8))) & 0xf) | (((c.scale_high >> (2 * (c.i / 4))) & 3) << 4);
+        const float dl = __half2float(__ushort_as_half(c.d)) * static_cast<float>(static_cast<int>(sc) - 32);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const uint32_t low = static_cast<uint32_t>(c.low[2 * j]) | (static_cast<uint32_t>(c.low[2 * j + 1]) << 16);
+            const uint32_t high =
+                static_cast<uint32_t>(c.high[2 * j]) | (static_cast<uint32_t>(c.high[2 * j + 1]) << 16);
+            // q + 4·h in 0..7 per byte, minus 4: q − 4·!h.
+            const uint32_t q = ((low >> (2 * s)) & 0x03030303) | (((high >> c.ib) & 0x01010101) << 2);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) w[4 * j + k] = byte_as_float(q, k) - 4.0f;
+        }
+        return dl;
+    }
+};
+
+/// Q5_K: three 16-byte loads a chunk (its 176-byte blocks are 16-byte aligned): the head (d, dmin, scales), the
+/// 16 bytes of low nibbles and the 16 of fifth bits; values d1·q − m1 in one fma each.
+template <> struct Chunks<Q5_K> {
+    static constexpr int UNROLL = 4;
+    struct Chunk {
+        uint4 head, qs, qh;
+        int ib;
+    };
+    static __device__ __forceinline__ Chunk load(const uint8_t* row, int c) {
+        int ib;
+        const uint8_t* b = block_of<Q5_K>(row, c / 2, ib);
+        const uint4* v = reinterpret_cast<const uint4*>(b);
+        const int h = c % 2;
+        return {__ldg(v), __ldg(v + 3 + 2 * (ib / 2) + h), __ldg(v + 1 + h), ib};
+    }
+    static __device__ __forceinline__ float decode(const Chunk& c, float (&w)[16]) {
+        float d1, m1;
+        q4k_scale_min(c.head, c.ib, d1, m1);
+        const uint32_t qs[4] = {c.qs.x, c.qs.y, c.qs.z, c.qs.w}, qh[4] = {c.qh.x, c.qh.y, c.qh.z, c.qh.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const uint32_t q = ((qs[i] >> (4 * (c.ib % 2))) & 0x0f0f0f0f) | (((qh[i] >> c.ib) & 0x01010101) << 4);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) w[4 * i + k] = fmaf(d1, byte_as_float(q, k), -m1);
+        }
+        return 1.0f;
     }
 };
 

@@ -164,13 +164,15 @@ struct RowParams(Q4kRowParams);
 // SAFETY: plain-old-data with the C layout of the kernel's parameter struct (checked at build time).
 unsafe impl DeviceRepr for RowParams {}
 
-/// The kernels read Q4_K's blocks in 16-byte vectors (a block is 144 bytes: every block of a 16-byte aligned
-/// row is aligned) and Q6_K's in 16-bit words (210 bytes); the i-quants byte by byte. A weight starting
-/// elsewhere (a view into other bytes) is a typed error, not a fault.
+/// The kernels read Q4_K's and Q5_K's blocks in 16-byte vectors (144 and 176 bytes: every block of a 16-byte
+/// aligned row is aligned), Q2_K's in 32-bit words (84 bytes), Q3_K's and Q6_K's in 16-bit ones (110, 210);
+/// the i-quants byte by byte. A weight starting elsewhere (a view into other bytes) is a typed error, not a
+/// fault.
 pub(crate) fn check_alignment(format: GgufFormat, blocks: &Tensor) -> Result<()> {
     let alignment = match format {
-        GgufFormat::Q4K => 16,
-        GgufFormat::Q6K => 2,
+        GgufFormat::Q4K | GgufFormat::Q5K => 16,
+        GgufFormat::Q2K => 4,
+        GgufFormat::Q3K | GgufFormat::Q6K => 2,
         _ => 1,
     };
     let (address, _) = device_address(blocks)?;
