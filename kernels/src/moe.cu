@@ -665,16 +665,16 @@ MOE_GGUF_FORMAT(q5_k, Q5_K)
 //
 // An expert with one token (every chosen expert at batch-1 decode, most at a few sequences) takes the one-row
 // kernels' path (q4k_mma::row): its activation row staged in the launch's dynamic shared memory
-// (`row::staged_bytes` of the row: the launcher always gives it), the warps splitting the row's blocks; gate/up's
-// warps split between the two matrices (even warps gate, odd up; one warp does both in turn). Several tokens take
-// `accumulate`, 8 at a time.
+// (`row::staged_bytes` of the row: the launcher always gives it), the warps splitting the row's blocks;
+// gate/up's warps split between the two matrices (even warps gate, odd up; one warp does both in turn).
+// Several tokens take `accumulate`, 8 at a time.
 
 namespace {
 
 constexpr int Q4K_ROW_DEPTH = 2;
 
-/// The one-row sums of `stream` (run by each warp) added over the warps whose index has parity `parity` (every
-/// warp when `stride` is 1), into lane (g, 0) / (g, 2) of warp 0 (rows g / g + 8). Every thread calls it.
+/// Each warp's one-row sums (`row::Stream::run`'s) added over the warps whose index has parity `parity` (every
+/// warp when `stride` is 1): lanes (g, 0) / (g, 2) get rows g / g + 8. Every thread calls it.
 __device__ __forceinline__ float q4k_row_sum_over_warps(float acc, int parity, int stride) {
     __shared__ float partial[glm5::q4k_mma::MAX_WARPS][32];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
@@ -687,7 +687,6 @@ __device__ __forceinline__ float q4k_row_sum_over_warps(float acc, int parity, i
 }
 
 }  // namespace
-
 
 extern "C" __global__ void __launch_bounds__(glm5::q4k_mma::MAX_WARPS * 32) moe_gate_up_q4_k_mma_bf16(
     const __nv_bfloat16* x, const uint8_t* gate, const uint8_t* up, const int* sorted, const int* offsets,

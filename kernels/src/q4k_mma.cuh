@@ -159,9 +159,10 @@ template <int N> __device__ __forceinline__ void sum_over_warps(float (&acc)[N][
 // (t + 4, t) give their activation values to the B operand: columns c and c + 4 of a product are pair c's sum
 // alone, per row. k-step i < 8 takes the low nibbles of the pair's byte word i, 8 + i its high ones, each into
 // its own accumulator (`lo`, `hi`), so after a block lane (g, t) holds the sums of sub-blocks 4(t % 2) ..
-// 4(t % 2) + 3 of both its rows, and scales those of row g (t < 2) or g + 8 (t >= 2), each by its own sc once. Within a k-step the slots pair as a word gives them (slot 2t ↔
-// byte 0, 2t + 1 ↔ byte 2, 2t + 8 ↔ byte 1, 2t + 9 ↔ byte 3); `stage` stores the activations permuted the
-// same way, so a lane's B operand is one shared-memory load.
+// 4(t % 2) + 3 of both its rows, and scales those of row g (t < 2) or g + 8 (t >= 2), each by its own sc once.
+// Within a k-step the slots pair as a word gives them (slot 2t ↔ byte 0, 2t + 1 ↔ byte 2, 2t + 8 ↔ byte 1,
+// 2t + 9 ↔ byte 3); `stage` stores the activations permuted the same way, so a lane's B operand is one
+// shared-memory load.
 //
 // A weight is one mask under bf16 128's exponent (128 + q, exact; 7 instructions a word of 8 with the shifts);
 // the 128 comes off each sub-block's sum with the sub-block sums of x that `stage` writes:
@@ -285,10 +286,10 @@ __device__ __forceinline__ void accumulate(const Block& block, const uint8_t* st
     acc = fmaf(d, scaled, fmaf(-dmin, mins, acc));
 }
 
-/// acc[r] += the warp's share of row g + 8r's blocks (`warp`, `warp + warps`, ... below `blocks`) times the
+/// acc += the warp's share of the lane's row's blocks (`warp`, `warp + warps`, ... below `k / 256`) times the
 /// staged activations, each block's loads issued DEPTH blocks ahead of its use into a ring of DEPTH + 1
-/// (`start` issues the first DEPTH, before the activations are staged). Row g's sum lands in lane (g, 0), row
-/// g + 8's in lane (g, 2).
+/// (`start` issues the first DEPTH, before the activations are staged). The quad's sums meet: row g's lands in
+/// lane (g, 0), row g + 8's in lane (g, 2).
 template <int DEPTH> struct Stream {
     static constexpr int RING = DEPTH + 1;
     Block ring[RING];
@@ -318,7 +319,6 @@ template <int DEPTH> struct Stream {
 };
 
 }  // namespace row
-
 
 }  // namespace q4k_mma
 }  // namespace glm5

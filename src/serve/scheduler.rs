@@ -20,7 +20,9 @@
 //!
 //! A finished sequence's blocks are kept, with the tokens they hold, until the blocks are needed: a new
 //! prompt that starts with those tokens takes the sequence over (prefix caching, e.g. the next turn of a
-//! chat) and only the rest is prefilled.
+//! chat) and only the rest is prefilled. A prompt that starts with what a running sequence has computed (a
+//! shared system prompt) shares its whole blocks instead ([`PagedKvCache::fork`]), where that holds more of
+//! it; a preempted sequence resumes the same way.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
