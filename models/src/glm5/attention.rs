@@ -75,10 +75,9 @@ pub(super) struct PagedStep {
 }
 
 /// §4 The DSA lightning indexer: scores every visible past token for each query and keeps the top-k.
-/// (`wk` and `weights_proj`, which project the layer's input, are loaded with the attention's
-/// [`InputProjections`].)
+/// (`wk` and `weights_proj`, which project the layer's input, and `wq_b`, which projects `q_lora`, are
+/// loaded with the attention's [`StackedProjections`].)
 struct Indexer {
-    wq_b: Proj,
     /// `k_norm` (a LayerNorm with bias): weight and bias `[head_dim]`.
     k_norm: (Tensor, Tensor),
     n_heads: usize,
@@ -100,7 +99,6 @@ impl Indexer {
     ) -> Result<Self> {
         let (heads, dim) = (config.index_n_heads, config.index_head_dim);
         Ok(Self {
-            wq_b: loader.linear(&format!("{prefix}.wq_b"), config.q_lora_rank, heads * dim)?,
             k_norm: (
                 loader.tensor(&format!("{prefix}.k_norm.weight"), &[dim])?,
                 loader.tensor(&format!("{prefix}.k_norm.bias"), &[dim])?,
@@ -113,22 +111,19 @@ impl Indexer {
         })
     }
 
-    /// `q_lora` `[T, q_lora_rank]` (after q_a_layernorm), and the layer input's `wk` and `weights_proj`
-    /// products `[T, head_dim]`, `[T, n_heads]`. Returns the selected positions `[T, index_topk]` (i32, -1
-    /// padded) and caches this call's keys.
+    /// `wq_b`'s product of `q_lora` `[T, n_heads · head_dim]`, and the layer input's `wk` and
+    /// `weights_proj` products `[T, head_dim]`, `[T, n_heads]`. Returns the selected positions
+    /// `[T, index_topk]` (i32, -1 padded) and caches this call's keys.
     pub(super) fn forward(
         &self,
-        q_lora: &Tensor,
+        q: &Tensor,
         (k, weights): (&Tensor, &Tensor),
         rope: &Rope,
         kv: LayerKv<'_>,
         row_ops: RowOps,
     ) -> Result<Tensor> {
-        let t = q_lora.dim(0)?;
-        let q = self
-            .wq_b
-            .forward(q_lora)?
-            .reshape((t, self.n_heads, self.head_dim))?;
+        let t = q.dim(0)?;
+        let q = q.reshape((t, self.n_heads, self.head_dim))?;
         // RoPE on the first qk_rope_head_dim dims of each head (the tables' width); the rest pass through.
         let (cos, sin) = rope.tables();
         let q = match row_ops {
@@ -199,20 +194,23 @@ impl Indexer {
     }
 }
 
-/// The projections of the layer's input: `q_a_proj`, `kv_a_proj_with_mqa` and the indexer's `wk` and
-/// `weights_proj`, multiplied in groups whose rows are stacked into one matrix and split after the product:
-/// fewer launches and longer weight streams per decode step (a decode step is bound by its launches).
+/// Projections of one input multiplied in groups whose rows are stacked into one matrix and split after the
+/// product: fewer launches and longer weight streams per decode step (a decode step is bound by its
+/// launches). The attention has two such sets: the layer input's `q_a_proj`, `kv_a_proj_with_mqa` and the
+/// indexer's `wk` and `weights_proj`; and `q_lora`'s `q_b_proj` and the indexer's `wq_b` (sparse mode).
 /// Dense ones (bf16, f16, f32, no bias; of one dtype) form one group. Block-scaled FP8 ones with one block
 /// shape form another, their row blocks stacked with their scales: parts whose rows are whole blocks first,
 /// then at most one whose last block is partial (`kv_a_proj_with_mqa`'s 576 rows), the stacked weight
 /// dispatched as loaded ones are. GGUF blocks of one format glm5 decodes (`gguf_matmul`: Q4_K, i-quants) form
 /// another, their rows stacked (every row is its own blocks). Other formats stay one projection each.
-struct InputProjections {
+struct StackedProjections {
     groups: Vec<ProjectionGroup>,
+    /// Products `forward` returns.
+    count: usize,
 }
 
-/// One matrix and the parts of its output: `(which of the four products, its width)`, in row order (a
-/// group of one part takes the whole output; its width is not read).
+/// One matrix and the parts of its output: `(which of the products, its width)`, in row order (a group of
+/// one part takes the whole output; its width is not read).
 struct ProjectionGroup {
     proj: Proj,
     parts: Vec<(usize, usize)>,
@@ -227,8 +225,10 @@ impl ProjectionGroup {
     }
 }
 
-impl InputProjections {
-    fn new(projections: [Proj; 4], loader: &Loader) -> Result<Self> {
+impl StackedProjections {
+    /// `projections` of one input; `what` names them in errors.
+    fn new(projections: Vec<Proj>, loader: &Loader, what: &str) -> Result<Self> {
+        let count = projections.len();
         let mut singles: Vec<(usize, Proj)> = Vec::new();
         let (mut dense, mut fp8, mut blocks) = (Vec::new(), Vec::new(), Vec::new());
         for (which, proj) in projections.into_iter().enumerate() {
@@ -300,12 +300,12 @@ impl InputProjections {
             }
             blocks = rest;
             members.sort_by_key(|(w, _)| *w);
-            groups.push(Self::stack_blocks(members, loader)?);
+            groups.push(Self::stack_blocks(members, loader, what)?);
         }
         for (which, proj) in singles {
             groups.push(ProjectionGroup::single(which, proj)?);
         }
-        Ok(Self { groups })
+        Ok(Self { groups, count })
     }
 
     /// GGUF-block parts of one format and input width, in output order, as one weight (rows are
@@ -313,6 +313,7 @@ impl InputProjections {
     fn stack_blocks(
         members: Vec<(usize, glm5_ops::gguf_matmul::GgufWeight)>,
         loader: &Loader,
+        what: &str,
     ) -> Result<ProjectionGroup> {
         if members.len() == 1 {
             let (which, weight) = members.into_iter().next().expect("one member");
@@ -324,8 +325,7 @@ impl InputProjections {
         }
         let weights: Vec<&glm5_ops::gguf_matmul::GgufWeight> =
             members.iter().map(|(_, w)| w).collect();
-        let stacked =
-            loader.stack_gguf_blocks(&weights, "the attention's stacked input projections")?;
+        let stacked = loader.stack_gguf_blocks(&weights, what)?;
         Ok(ProjectionGroup {
             proj: Proj::GgufBlocks(stacked),
             parts,
@@ -393,9 +393,9 @@ impl InputProjections {
         }
     }
 
-    /// The four products of `x`, each contiguous: `[q_a, kv_a, index k, index weights]`.
-    fn forward(&self, x: &Tensor) -> Result<[Tensor; 4]> {
-        let mut out: [Option<Tensor>; 4] = Default::default();
+    /// The products of `x` in the order of the projections given to `new`, each contiguous.
+    fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
+        let mut out: Vec<Option<Tensor>> = vec![None; self.count];
         for group in &self.groups {
             let y = group.proj.forward(x)?;
             if let [(which, _)] = group.parts.as_slice() {
@@ -408,19 +408,21 @@ impl InputProjections {
                 start += width;
             }
         }
-        let take = |t: Option<Tensor>| {
-            t.ok_or_else(|| ModelError::PlanDevices("an input projection has no group".into()))
-        };
-        let [a, b, c, d] = out;
-        Ok([take(a)?, take(b)?, take(c)?, take(d)?])
+        out.into_iter()
+            .map(|t| {
+                t.ok_or_else(|| ModelError::PlanDevices("a stacked projection has no group".into()))
+            })
+            .collect()
     }
 }
 
 /// §3.3–3.4 Multi-head latent attention with the DSA restriction, computed in the absorbed form.
 pub(super) struct Attention {
-    input_projections: InputProjections,
+    /// The layer input's `[q_a_proj, kv_a_proj_with_mqa, indexer wk, indexer weights_proj]`.
+    input_projections: StackedProjections,
     q_a_layernorm: RmsNorm,
-    q_b_proj: Proj,
+    /// `q_lora`'s `[q_b_proj, indexer wq_b]` (`[q_b_proj]` in dense mode, where the indexer does not run).
+    query_projections: StackedProjections,
     kv_a_layernorm: RmsNorm,
     /// `W_UK` per head, `[heads, qk_nope_head_dim, kv_lora_rank]`: folded into the query.
     w_uk: Tensor,
@@ -473,8 +475,8 @@ impl Attention {
                 &[heads * (nope + v), lora],
             )?
             .reshape((heads, nope + v, lora))?;
-        let input_projections = InputProjections::new(
-            [
+        let input_projections = StackedProjections::new(
+            vec![
                 loader.linear(
                     &format!("{prefix}.q_a_proj"),
                     config.hidden_size,
@@ -497,7 +499,22 @@ impl Attention {
                 )?,
             ],
             loader,
+            "the attention's stacked input projections",
         )?;
+        let mut queries = vec![loader.linear(
+            &format!("{prefix}.q_b_proj"),
+            config.q_lora_rank,
+            heads * config.qk_head_dim(),
+        )?];
+        if dsa_indexer.is_some() {
+            queries.push(loader.linear(
+                &format!("{prefix}.indexer.wq_b"),
+                config.q_lora_rank,
+                config.index_n_heads * config.index_head_dim,
+            )?);
+        }
+        let query_projections =
+            StackedProjections::new(queries, loader, "q_b_proj stacked with the indexer's wq_b")?;
         Ok(Self {
             input_projections,
             q_a_layernorm: loader.rms_norm(
@@ -505,11 +522,7 @@ impl Attention {
                 config.q_lora_rank,
                 LATENT_NORM_EPS,
             )?,
-            q_b_proj: loader.linear(
-                &format!("{prefix}.q_b_proj"),
-                config.q_lora_rank,
-                heads * config.qk_head_dim(),
-            )?,
+            query_projections,
             kv_a_layernorm: loader.rms_norm(
                 &format!("{prefix}.kv_a_layernorm"),
                 lora,
@@ -541,13 +554,14 @@ impl Attention {
     ) -> Result<(Tensor, Tensor)> {
         let t = hidden.dim(0)?;
         // Queries: q_lora (shared with the indexer) → per-head [nope | rope].
-        let [q_a, kv_a, index_k, index_weights] = self.input_projections.forward(hidden)?;
+        let [q_a, kv_a, index_k, index_weights]: [Tensor; 4] = self
+            .input_projections
+            .forward(hidden)?
+            .try_into()
+            .map_err(|_| ModelError::PlanDevices("four input projections".into()))?;
         let q_lora = self.q_a_layernorm.forward(&q_a)?;
-        let q = self.q_b_proj.forward(&q_lora)?.reshape((
-            t,
-            self.heads,
-            self.nope_dim + self.rope_dim,
-        ))?;
+        let queries = self.query_projections.forward(&q_lora)?;
+        let q = queries[0].reshape((t, self.heads, self.nope_dim + self.rope_dim))?;
 
         // This call's latent rows [kv_a_layernorm(c) | RoPE(k_pe)] go into the cache (one fused op);
         // attention reads all cached rows.
@@ -583,8 +597,13 @@ impl Attention {
 
         let selected = match dense {
             None => profile::time(Part::Indexer, hidden.device(), || {
+                let index_q = queries.get(1).ok_or_else(|| {
+                    ModelError::PlanDevices(
+                        "the plan bound no dsa_indexer backend (dense mode)".into(),
+                    )
+                })?;
                 self.indexer
-                    .forward(&q_lora, (&index_k, &index_weights), rope, kv, row_ops)
+                    .forward(index_q, (&index_k, &index_weights), rope, kv, row_ops)
             })?,
             Some(all_positions) => all_positions.clone(),
         };
