@@ -12,7 +12,7 @@
 //! every server-supplied name passed [`names`]. hf-hub still answers what writes nothing: the offline
 //! cache lookup and the "does the repo / revision exist" API calls behind a missing `config.json`.
 //!
-//! Layout: [`error`] (what can fail), [`names`] (what may become a path), `download` (HEAD, ranged and
+//! Layout: `error` (what can fail), [`names`] (what may become a path), `download` (HEAD, ranged and
 //! resumed GET, cache layout), `validate` (size and format checks), `progress` (the bars).
 
 mod download;
