@@ -139,6 +139,13 @@ enum Command {
         /// Requests sample at temperature 1 with top-p 0.95 (GLM-5's defaults) instead of greedily.
         #[arg(long)]
         sampled: bool,
+        /// The layers split evenly over this many devices that share GPU 0, each with its own stream (as the
+        /// placement over several GPUs runs them, on one).
+        #[arg(long, default_value_t = 1)]
+        stages: usize,
+        /// The server's --micro-batches (default: one per stage).
+        #[arg(long)]
+        micro_batches: Option<usize>,
     },
 }
 
@@ -204,6 +211,8 @@ fn main() -> glm5::candle_core::Result<()> {
         prefill_chunk,
         enforce_eager,
         sampled,
+        stages,
+        micro_batches,
     }) = &cli.command
     {
         return serve::serve_rows(&serve::ServeArgs {
@@ -215,6 +224,8 @@ fn main() -> glm5::candle_core::Result<()> {
             prefill_chunk: *prefill_chunk,
             cuda_graphs: !*enforce_eager,
             sampled: *sampled,
+            stages: *stages,
+            micro_batches: *micro_batches,
         });
     }
     let device = Device::new_cuda(0)?;

@@ -33,6 +33,10 @@ pub struct ServeArgs {
     pub cuda_graphs: bool,
     /// Requests sample (temperature 1, top-p 0.95) instead of greedily.
     pub sampled: bool,
+    /// Devices sharing GPU 0 (a stream each) the layers are split over, evenly.
+    pub stages: usize,
+    /// The server's `--micro-batches` (`None`: one per stage).
+    pub micro_batches: Option<usize>,
 }
 
 /// Median time of a batch-1 decode step through `forward` (the argmax read back every step, as
@@ -69,6 +73,28 @@ fn direct_decode_step(
     Ok(step)
 }
 
+/// The slice with its layers split evenly over `devices` (in order), as `load_slice` builds it on one.
+fn load_stages(
+    config: &glm5::Config,
+    weights: &glm5::Checkpoint,
+    devices: &[Device],
+    context: usize,
+) -> Result<Glm5ForCausalLM> {
+    let mut options =
+        glm5::PlanOptions::new(glm5::candle_core::DType::BF16, glm5::AttentionMode::Sparse);
+    options.context = Some(context);
+    let layers = config.num_hidden_layers;
+    options.layer_devices = Some((0..layers).map(|l| l * devices.len() / layers).collect());
+    let descs = devices
+        .iter()
+        .map(glm5::DeviceDesc::of)
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(cuda)?;
+    let plan =
+        glm5::Plan::build(config, descs, &options, &glm5::Registry::builtin()).map_err(cuda)?;
+    Glm5ForCausalLM::load_planned(config, weights, plan, devices).map_err(cuda)
+}
+
 pub fn serve_rows(args: &ServeArgs) -> Result<()> {
     let max_streams = args.streams.iter().copied().max().unwrap_or(0);
     if args.streams.contains(&0) || max_streams == 0 || args.requests == 0 {
@@ -79,28 +105,39 @@ pub fn serve_rows(args: &ServeArgs) -> Result<()> {
             "--prompt-tokens must be at least 1 and --max-tokens at least 2",
         ));
     }
-    let device = Device::new_cuda(0)?;
-    if let Device::Cuda(dev) = &device {
-        // As `glm5 serve` runs (src/plan_cli.rs: without_event_tracking).
-        // SAFETY: the model and pool are synchronised before the server's engine thread takes them.
-        unsafe { dev.disable_event_tracking() };
+    if args.stages == 0 || args.stages > args.layers || args.micro_batches == Some(0) {
+        return Err(cuda(
+            "--stages must be 1 to --layers, --micro-batches at least 1",
+        ));
     }
+    let device = Device::new_cuda(0)?;
+    // The stages: devices sharing GPU 0, a stream each (the first the one the direct step runs on).
+    let mut devices = vec![device.clone()];
+    for _ in 1..args.stages {
+        devices.push(Device::new_cuda_with_stream(0)?);
+    }
+    // As `glm5 serve` runs (src/plan_cli.rs: without_event_tracking).
+    glm5::plan_cli::without_event_tracking(&devices);
     let config = glm5_slice(args.layers)?;
     let context = args.prompt_tokens + args.max_tokens;
     let load_start = Instant::now();
-    let model = load_slice(
-        &config,
-        &glm5::Checkpoint::random(2026, 0.02),
-        &device,
-        context,
-        false,
-        false,
-    )?;
-    device.synchronize()?;
+    let weights = glm5::Checkpoint::random(2026, 0.02);
+    let model = if args.stages == 1 {
+        load_slice(&config, &weights, &device, context, false, false)?
+    } else {
+        load_stages(&config, &weights, &devices, context)?
+    };
+    for d in &devices {
+        d.synchronize()?;
+    }
     println!(
-        "GLM-5 slice: {} layers at real sizes, random bf16 weights, one GPU (loaded in {:.1} s); \
+        "GLM-5 slice: {} layers at real sizes, random bf16 weights, one GPU{} (loaded in {:.1} s); \
          prompts of {} token ids, {} greedy tokens per request (ignore_eos), {} requests per client",
         args.layers,
+        match args.stages {
+            1 => String::new(),
+            n => format!(", the layers over {n} streams of it"),
+        },
         load_start.elapsed().as_secs_f64(),
         args.prompt_tokens,
         args.max_tokens,
@@ -138,6 +175,7 @@ pub fn serve_rows(args: &ServeArgs) -> Result<()> {
     };
     let options = ServeOptions {
         cuda_graphs: args.cuda_graphs,
+        micro_batches: args.micro_batches,
         ..serve_options(
             MODEL,
             max_streams,
