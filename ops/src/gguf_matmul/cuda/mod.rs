@@ -21,7 +21,7 @@ const FILE: KernelFile = KernelFile {
 
 /// `gguf_matvec_<format>` / `gguf_dequantize_<format>`.
 fn stem(kind: &str, w: &GgufWeight) -> String {
-    format!("iq_{kind}_{}", w.format.name().to_ascii_lowercase())
+    format!("gguf_{kind}_{}", w.format.name().to_ascii_lowercase())
 }
 
 /// `x` `[m, k]` (f32 or bf16, contiguous, on the weight's device) times `Wᵀ`, in `x`'s dtype.
