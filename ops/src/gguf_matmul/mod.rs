@@ -263,6 +263,12 @@ impl GgufWeight {
     }
 }
 
+/// The CUDA kernel name's stem for `kind` ("matvec", "dequantize") of `format`: `gguf_<kind>_<format>`, as
+/// `kernels/src/gguf_matmul.cu`'s `GGUF_KERNELS` names them (the launcher adds `_r1` and the dtype).
+pub(crate) fn kernel_stem(kind: &str, format: GgufFormat) -> String {
+    format!("gguf_{kind}_{}", format.name().to_ascii_lowercase())
+}
+
 /// `x · Wᵀ` in `x`'s dtype (see the module contract).
 pub fn gguf_matmul(x: &Tensor, w: &GgufWeight) -> Result<Tensor> {
     crate::weight_only::apply("gguf_matmul", x, w.dims()?, |x2| {
@@ -297,4 +303,31 @@ pub fn dequantize(w: &GgufWeight, dtype: DType) -> Result<Tensor> {
         }
     }
     Ok(reference::dequantize(w)?.to_dtype(dtype)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The names the CUDA launcher asks for are the ones the kernel source defines (a rename on one side
+    /// only fails here, on the CPU, not first on a GPU).
+    #[test]
+    fn launcher_kernel_names_are_the_sources() {
+        let source = include_str!("../../../kernels/src/gguf_matmul.cu");
+        for kind in ["matvec", "matvec_r1", "dequantize"] {
+            let stem = kernel_stem(kind, GgufFormat::Q4K);
+            let prefix = stem.trim_end_matches("q4_k");
+            assert!(
+                source.contains(&format!("{prefix}##NAME##_##SUFFIX(")),
+                "gguf_matmul.cu defines no {prefix}<format>_<dtype> kernels"
+            );
+        }
+        for format in GgufFormat::ALL {
+            let name = format.name().to_ascii_lowercase();
+            assert!(
+                source.contains(&format!("GGUF_FORMAT({name}, ")),
+                "gguf_matmul.cu instantiates no {name} kernels"
+            );
+        }
+    }
 }

@@ -19,9 +19,8 @@ const FILE: KernelFile = KernelFile {
     chunk_values: 16,
 };
 
-/// `gguf_matvec_<format>` / `gguf_dequantize_<format>`.
 fn stem(kind: &str, w: &GgufWeight) -> String {
-    format!("gguf_{kind}_{}", w.format.name().to_ascii_lowercase())
+    super::kernel_stem(kind, w.format)
 }
 
 /// `x` `[m, k]` (f32 or bf16, contiguous, on the weight's device) times `Wᵀ`, in `x`'s dtype.
