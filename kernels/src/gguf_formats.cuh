@@ -62,6 +62,11 @@ __device__ __forceinline__ float signed_byte_of(uint64_t entry, int j) {
     return static_cast<float>(static_cast<int8_t>(byte_of(entry, j)));
 }
 __device__ __forceinline__ float sign_of(uint32_t bits, int j) { return (bits >> j) & 1 ? -1.0f : 1.0f; }
+/// Byte `k` of `w` as a float, exactly and without a conversion instruction (a quarter-rate unit): the byte as
+/// the low mantissa byte of 2^23, minus 2^23.
+__device__ __forceinline__ float byte_as_float(uint32_t w, int k) {
+    return __uint_as_float(__byte_perm(w, 0x4b000000, 0x7540 + k)) - 8388608.0f;
+}
 
 /// Half `h` (values 16h .. 16h + 15) of sub-block `ib` (0..7; IQ4_NL: 0) of the block at `b`: its values
 /// before their scale into `w` (small integers, or IQ1's grid values ± 1/8), and the half's scale as the return
@@ -250,9 +255,7 @@ template <bool EXACT> __device__ __forceinline__ void q4k_values(const Q4kChunk&
         const uint32_t nibbles = (words[i] >> shift) & 0x0f0f0f0f;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            // Byte j as the low mantissa byte of 2^23, minus 2^23: the value q exactly, without a conversion
-            // instruction (a quarter-rate unit).
-            const float q = __uint_as_float(__byte_perm(nibbles, 0x4b000000, 0x7540 + j)) - 8388608.0f;
+            const float q = byte_as_float(nibbles, j);
             w[4 * i + j] = EXACT ? __fsub_rn(__fmul_rn(d1, q), m1) : fmaf(d1, q, -m1);
         }
     }
@@ -334,24 +337,6 @@ template <> __device__ __forceinline__ float decode_half<Q2_K>(const uint8_t* b,
     return 1.0f;
 }
 
-// Q3_K: 32 bytes of high bits (value v's is bit v / 32 of byte v % 32: set +0, clear −4), 64 bytes of 2-bit
-// values, 12 bytes of 16 6-bit scales (scale i: the nibble of byte i % 8 at bit 4·(i / 8), with bits
-// 2·(i / 4) of byte 8 + i % 4 above it, minus 32), d. A value is (d·(sc − 32))·q.
-template <> __device__ __forceinline__ float decode_half<Q3_K>(const uint8_t* b, int ib, int h, float (&w)[16]) {
-    const int g = ib / 4, s = ib % 4, i = 2 * ib + h;
-    const uint32_t low = (__ldg(b + 96 + i % 8) >> (4 * (i / 8))) & 0xf;
-    const uint32_t high = (__ldg(b + 104 + i % 4) >> (2 * (i / 4))) & 3;
-    const float dl = f16_at(b, 108) * static_cast<float>(static_cast<int>(low | (high << 4)) - 32);
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-        const int l = 16 * h + j;
-        const int q = static_cast<int>((__ldg(b + 32 + 32 * g + l) >> (2 * s)) & 3);
-        const int set = (__ldg(b + l) >> ib) & 1;
-        w[j] = static_cast<float>(q - 4 * (1 - set));
-    }
-    return dl;
-}
-
 // Q5_K: d, dmin and 12 bytes of scales and mins as Q4_K's, 32 bytes of fifth bits (value v's is bit v / 32
 // of byte v % 32), 128 bytes of 4-bit values as Q4_K's. A value is d1·q − m1 (d1 = d·sc, m1 = dmin·m).
 template <> __device__ __forceinline__ float decode_half<Q5_K>(const uint8_t* b, int ib, int h, float (&w)[16]) {
@@ -425,11 +410,6 @@ template <> struct Chunks<Q6_K> {
     }
 };
 
-/// Byte `k` of `w` as a float, exactly (the low mantissa byte of 2^23, minus 2^23).
-__device__ __forceinline__ float byte_as_float(uint32_t w, int k) {
-    return __uint_as_float(__byte_perm(w, 0x4b000000, 0x7540 + k)) - 8388608.0f;
-}
-
 /// Q2_K: a chunk's 16 bytes of 2-bit values as four 32-bit loads (its 84-byte blocks are 4-byte aligned),
 /// its scale byte and the block's d and dmin; values (d·sc)·q − dmin·m in one fma each (the mat-vecs; within
 /// an ulp of ggml's two roundings).
@@ -482,7 +462,11 @@ template <> struct Chunks<Q3_K> {
     static __device__ __forceinline__ Chunk load(const uint8_t* row, int c) {
         int ib;
         const uint8_t* b = block_of<Q3_K>(row, c / 2, ib);
-        const int g = ib / 4, h = c % 2, i = 2 * ib + h;
+        return at(b, ib, c % 2);
+    }
+    /// Half `h` of sub-block `ib` of the block at `b`.
+    static __device__ __forceinline__ Chunk at(const uint8_t* b, int ib, int h) {
+        const int g = ib / 4, i = 2 * ib + h;
         const uint16_t* low = reinterpret_cast<const uint16_t*>(b + 32 + 32 * g + 16 * h);
         const uint16_t* high = reinterpret_cast<const uint16_t*>(b + 16 * h);
         Chunk chunk;
@@ -515,6 +499,14 @@ template <> struct Chunks<Q3_K> {
         return dl;
     }
 };
+
+// Q3_K: 32 bytes of high bits (value v's is bit v / 32 of byte v % 32: set +0, clear −4), 64 bytes of 2-bit
+// values, 12 bytes of 16 6-bit scales (scale i: the nibble of byte i % 8 at bit 4·(i / 8), with bits
+// 2·(i / 4) of byte 8 + i % 4 above it, minus 32), d. A value is (d·(sc − 32))·q: the mat-vec's chunk, which
+// rounds nothing before the scale, is the dequantiser too.
+template <> __device__ __forceinline__ float decode_half<Q3_K>(const uint8_t* b, int ib, int h, float (&w)[16]) {
+    return Chunks<Q3_K>::decode(Chunks<Q3_K>::at(b, ib, h), w);
+}
 
 /// Q5_K: three 16-byte loads a chunk (its 176-byte blocks are 16-byte aligned): the head (d, dmin, scales), the
 /// 16 bytes of low nibbles and the 16 of fifth bits; values d1·q − m1 in one fma each.

@@ -150,10 +150,9 @@ extern "C" __global__ void __launch_bounds__(q4k_mma::MAX_WARPS * 32) q4k_mma_ma
     q4k_mma::row::stage(p.x, staged, p.k);
     float acc = 0.0f;
     stream.run(rows, staged, p.k, warp, warps, g, t, acc);
-    float sums[1][4] = {{acc, 0.0f, 0.0f, 0.0f}};
-    q4k_mma::sum_over_warps(sums);
+    const float sum = q4k_mma::row::sum_over_warps(acc, 0, 1);
     const int out = row0 + g + 8 * (t / 2);
-    if (warp == 0 && t % 2 == 0 && out < p.n) p.y[out] = __float2bfloat16(sums[0][0]);
+    if (warp == 0 && t % 2 == 0 && out < p.n) p.y[out] = __float2bfloat16(sum);
 }
 
 #define GGUF_KERNELS(NAME, F, SUFFIX, T)                                                                         \

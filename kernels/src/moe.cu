@@ -669,24 +669,7 @@ MOE_GGUF_FORMAT(q5_k, Q5_K)
 // gate/up's warps split between the two matrices (even warps gate, odd up; one warp does both in turn).
 // Several tokens take `accumulate`, 8 at a time.
 
-namespace {
-
 constexpr int Q4K_ROW_DEPTH = 2;
-
-/// Each warp's one-row sums (`row::Stream::run`'s) added over the warps whose index has parity `parity` (every
-/// warp when `stride` is 1): lanes (g, 0) / (g, 2) get rows g / g + 8. Every thread calls it.
-__device__ __forceinline__ float q4k_row_sum_over_warps(float acc, int parity, int stride) {
-    __shared__ float partial[glm5::q4k_mma::MAX_WARPS][32];
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
-    partial[warp][lane] = acc;
-    __syncthreads();
-    float sum = 0.0f;
-    for (int v = parity; v < warps; v += stride) sum += partial[v][lane];
-    __syncthreads();
-    return sum;
-}
-
-}  // namespace
 
 extern "C" __global__ void __launch_bounds__(glm5::q4k_mma::MAX_WARPS * 32) moe_gate_up_q4_k_mma_bf16(
     const __nv_bfloat16* x, const uint8_t* gate, const uint8_t* up, const int* sorted, const int* offsets,
@@ -704,11 +687,12 @@ extern "C" __global__ void __launch_bounds__(glm5::q4k_mma::MAX_WARPS * 32) moe_
     if (end - begin == 1) {
         extern __shared__ __align__(16) uint8_t staged[];
         // Warp w streams matrix w % 2 (gate, up) over its blocks w / 2, w / 2 + warps / 2, ...; a lone warp both.
-        const int pairs = warps >= 2 ? warps / 2 + (warp % 2 == 0 ? warps % 2 : 0) : 1;
-        const int first = warps >= 2 ? warp / 2 : 0;
+        const bool split = warps >= 2;
+        const int pairs = split ? warps / 2 + (warp % 2 == 0 ? warps % 2 : 0) : 1;
+        const int first = split ? warp / 2 : 0;
         float acc[2] = {0.0f, 0.0f};  // gate, up
-        for (int p = 0; p < (warps >= 2 ? 1 : 2); ++p) {
-            const int matrix = warps >= 2 ? warp % 2 : p;
+        for (int p = 0; p < (split ? 1 : 2); ++p) {
+            const int matrix = split ? warp % 2 : p;
             // Selected element by element: a runtime choice of array would put both in local memory.
             const uint8_t* const rows[2] = {matrix == 0 ? gate_rows[0] : up_rows[0],
                                             matrix == 0 ? gate_rows[1] : up_rows[1]};
@@ -717,9 +701,9 @@ extern "C" __global__ void __launch_bounds__(glm5::q4k_mma::MAX_WARPS * 32) moe_
             if (p == 0) q::row::stage(x + (size_t)(sorted[begin] / slots) * hidden, staged, hidden);
             stream.run(rows, staged, hidden, first, pairs, g, t, acc[matrix]);
         }
-        const int stride = warps >= 2 ? 2 : 1;
-        const float gate_v = round_to(q4k_row_sum_over_warps(acc[0], 0, stride), x);
-        const float up_v = round_to(q4k_row_sum_over_warps(acc[1], warps >= 2 ? 1 : 0, stride), x);
+        const int stride = split ? 2 : 1;
+        const float gate_v = round_to(q::row::sum_over_warps(acc[0], 0, stride), x);
+        const float up_v = round_to(q::row::sum_over_warps(acc[1], split ? 1 : 0, stride), x);
         const int row = row0 + g + 8 * (t / 2);
         if (warp == 0 && t % 2 == 0 && row < inter) {
             // As gate_up_quantized: each projection rounded, silu(gate) rounded, the product stored.
@@ -772,7 +756,7 @@ extern "C" __global__ void __launch_bounds__(glm5::q4k_mma::MAX_WARPS * 32) moe_
         q::row::stage(h + (size_t)a * inter, staged, inter);
         float acc = 0.0f;
         stream.run(rows, staged, inter, warp, warps, g, t, acc);
-        const float sum = q4k_row_sum_over_warps(acc, 0, 1);
+        const float sum = q::row::sum_over_warps(acc, 0, 1);
         const int row = row0 + g + 8 * (t / 2);
         if (warp == 0 && t % 2 == 0 && row < hidden) y[(size_t)a * hidden + row] = gates[a] * sum;
         return;

@@ -230,11 +230,6 @@ __device__ __forceinline__ uint32_t offset_pair(uint32_t w, int shift) {
     return and_or<0x000f000f, 0x43004300>(w >> shift);
 }
 
-/// Byte `j` of `w` as a float, exactly (the low mantissa byte of 2^23, minus 2^23).
-__device__ __forceinline__ float byte_value(uint32_t w, int j) {
-    return __uint_as_float(__byte_perm(w, 0x4b000000, 0x7540 + j)) - 8388608.0f;
-}
-
 /// acc += block `b`'s part of the lane's row (g for t < 2, g + 8 for t >= 2) times the activations `staged` by
 /// `stage` (the whole row): sub-blocks 4(t % 2) .. 4(t % 2) + 3. `mine`: the lane gives its activations to the
 /// B operand (g % 4 == t).
@@ -280,8 +275,8 @@ __device__ __forceinline__ void accumulate(const Block& block, const uint8_t* st
     float scaled = 0.0f, mins = 0.0f;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-        scaled = fmaf(byte_value(sc, j), fmaf(-128.0f, x_sum[j], sums[j]), scaled);
-        mins = fmaf(byte_value(m, j), x_sum[j], mins);
+        scaled = fmaf(gguf::byte_as_float(sc, j), fmaf(-128.0f, x_sum[j], sums[j]), scaled);
+        mins = fmaf(gguf::byte_as_float(m, j), x_sum[j], mins);
     }
     acc = fmaf(d, scaled, fmaf(-dmin, mins, acc));
 }
@@ -317,6 +312,20 @@ template <int DEPTH> struct Stream {
         acc += __shfl_xor_sync(0xffffffffu, acc, 1);
     }
 };
+
+/// Each warp's one-row sums (`Stream::run`'s) added over the warps whose index has parity `parity` (every warp
+/// when `stride` is 1): lanes (g, 0) / (g, 2) get rows g / g + 8. Every thread calls it; its shared buffer is
+/// free again when it returns.
+__device__ __forceinline__ float sum_over_warps(float acc, int parity, int stride) {
+    __shared__ float partial[MAX_WARPS][32];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+    partial[warp][lane] = acc;
+    __syncthreads();
+    float sum = 0.0f;
+    for (int v = parity; v < warps; v += stride) sum += partial[v][lane];
+    __syncthreads();
+    return sum;
+}
 
 }  // namespace row
 

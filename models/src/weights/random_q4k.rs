@@ -95,6 +95,14 @@ impl RandomQ4kSource {
     }
 }
 
+impl RandomQ4kSource {
+    /// The format of the routed experts' projection `proj` of `prefix`, `[E, out, in]` (each expert's, as its
+    /// matrix is stored), `None` if dense.
+    fn experts_format(&self, prefix: &str, proj: &str, shape: [usize; 3]) -> Option<GgufFormat> {
+        self.format_of(&format!("{prefix}.experts.0.{proj}.weight"), shape[2])
+    }
+}
+
 /// Whether the all-Q4_K source stores the linear layer `name` quantised (module docs).
 pub fn quantised_in_q4k(name: &str) -> bool {
     name != "lm_head.weight"
@@ -273,7 +281,7 @@ impl TensorSource for RandomQ4kSource {
     ) -> Result<Option<GgmlDType>> {
         Ok(self
             .via_candle
-            .then(|| self.format_of(&format!("{prefix}.experts.0.{proj}.weight"), shape[2]))
+            .then(|| self.experts_format(prefix, proj, shape))
             .flatten()
             .map(ggml_dtype))
     }
@@ -285,17 +293,16 @@ impl TensorSource for RandomQ4kSource {
         shape: [usize; 3],
         device: &Device,
     ) -> Result<Option<QTensor>> {
-        let Some(dtype) = self.stacked_experts_format(prefix, proj, shape)? else {
+        let Some(format) = self
+            .via_candle
+            .then(|| self.experts_format(prefix, proj, shape))
+            .flatten()
+        else {
             return Ok(None);
-        };
-        let format = if dtype == GgmlDType::Q6K {
-            GgufFormat::Q6K
-        } else {
-            GgufFormat::Q4K
         };
         let bytes = random_experts(format, prefix, proj, self.dense.seed, self.dense.std, shape);
         Ok(Some(qtensor_from_ggml(
-            dtype,
+            ggml_dtype(format),
             &bytes,
             shape.to_vec(),
             device,
@@ -309,7 +316,7 @@ impl TensorSource for RandomQ4kSource {
         shape: [usize; 3],
     ) -> Result<Option<GgufFormat>> {
         Ok((!self.via_candle)
-            .then(|| self.format_of(&format!("{prefix}.experts.0.{proj}.weight"), shape[2]))
+            .then(|| self.experts_format(prefix, proj, shape))
             .flatten())
     }
 

@@ -265,6 +265,7 @@ impl GgufWeight {
 
 /// The CUDA kernel name's stem for `kind` ("matvec", "dequantize") of `format`: `gguf_<kind>_<format>`, as
 /// `kernels/src/gguf_matmul.cu`'s `GGUF_KERNELS` names them (the launcher adds `_r1` and the dtype).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the CUDA launcher's, and this module's test
 pub(crate) fn kernel_stem(kind: &str, format: GgufFormat) -> String {
     format!("gguf_{kind}_{}", format.name().to_ascii_lowercase())
 }

@@ -68,6 +68,7 @@ pub(crate) fn dequantize(w: &GgufWeight, dtype: DType) -> Result<Tensor> {
         DType::F32
     };
     let blocks = w.blocks.contiguous()?;
+    check_alignment(w.format, &blocks)?;
     let pointers = [device_address(&blocks)?.0];
     let args = WeightArgs {
         pointers: &pointers,
