@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine: `bash scripts/gpu-run.sh [tests|kernel-tests|model-tests|multi-gpu|sanitize|bench|e2e|serve|profile|profile-warm|profile-detail|profile-source|variants|variant-tests|variant-bench|variant-sanitize|none]...`
+# Runs on the GPU machine: `bash scripts/gpu-run.sh [tests|kernel-tests|model-tests|multi-gpu|sanitize|bench|e2e|serve|profile|profile-warm|step-profile|profile-detail|profile-source|variants|variant-tests|variant-bench|variant-sanitize|none]...`
 # (default: tests sanitize bench), with .gpu/ (from scripts/gpu-build.sh; GPU_DIR=.gpu-NAME for another) next to it. Logs go to $OUT (or
 # ./gpu-out). scripts/README.md says what each step does.
 set -uo pipefail
@@ -70,6 +70,14 @@ for step in $steps; do
         timeout 120 ncu --cache-control none --clock-control none --launch-skip 12 --launch-count $kernels --metrics gpu__time_duration.sum -k regex:"sparse_mla|dsa_[st]" \
           /tmp/glm5-bin/glm5-bench $shape 2>&1 | grep -E "sparse_mla_|dsa_|gpu__time_duration" | tail -$((2 * kernels))
       done 2>&1 | tee "$OUT/profile-warm.txt" ;;
+    step-profile)
+      # Every kernel of one batch-1 decode step of the slice (WEIGHTS, default q4k; kernel time alone, L2 kept
+      # warm as in a step): listed in order and summed by kernel (scripts/step_kernels.py). SKIP and COUNT
+      # place ncu's window past the load and prefill, over a few decode steps.
+      timeout 400 ncu --csv --cache-control none --clock-control none --launch-skip ${SKIP:-1500} --launch-count ${COUNT:-1200} \
+        --metrics gpu__time_duration.sum /tmp/glm5-bin/glm5-bench e2e --weights ${WEIGHTS:-q4k} --contexts 4096 --batches 8 --steps 2 \
+        > "$OUT/step-kernels.csv" 2> "$OUT/step-kernels.err"; echo "ncu step-profile: rc=$?"
+      python3 scripts/step_kernels.py "$OUT/step-kernels.csv" > "$OUT/step-kernels.txt"; head -1 "$OUT/step-kernels.txt" ;;
     profile-detail)
       # Full ncu sections (occupancy, warp stalls, memory, source hot spots) of the kernels that limit the
       # open targets, one report each under $OUT/ncu-*.txt.

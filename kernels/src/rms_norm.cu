@@ -1,6 +1,6 @@
 // RMSNorm as HF computes it (contract: ops/src/rms_norm/mod.rs), one block per row: the mean square in f32,
 // `x · rsqrt(mean + eps)` rounded to the row's dtype, then times the weight and rounded again. One launch
-// where candle's tensor ops take nine.
+// where candle's tensor ops take nine; `add_rms_norm_*` also does the residual add before it.
 
 #include <cuda_bf16.h>
 
@@ -20,7 +20,37 @@ __device__ void rms_norm(const T* __restrict__ x, const T* __restrict__ weight, 
         store(dst + c, round_to(to_float(row[c]) * inv_rms, x) * to_float(weight[c]));
 }
 
+/// The residual sum `round(x + residual)` stored in `sum`, and its RMSNorm (as `rms_norm`) in `out`: the
+/// decoder's residual add and the next norm in one launch. Each thread recomputes its sums for the second pass
+/// rather than reading back `sum` (other threads' stores to it are not ordered before this block's reads).
+template <typename T>
+__device__ void add_rms_norm(const T* __restrict__ x, const T* __restrict__ residual, const T* __restrict__ weight,
+                             int cols, float eps, T* __restrict__ sum, T* __restrict__ out) {
+    const size_t row = (size_t)blockIdx.x * cols;
+    float squares = 0.0f;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        const float v = round_to(to_float(x[row + c]) + to_float(residual[row + c]), x);
+        store(sum + row + c, v);
+        squares = fmaf(v, v, squares);
+    }
+    const float inv_rms = 1.0f / sqrtf(block_sum(squares) / cols + eps);
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        const float v = round_to(to_float(x[row + c]) + to_float(residual[row + c]), x);
+        store(out + row + c, round_to(v * inv_rms, x) * to_float(weight[c]));
+    }
+}
+
 }  // namespace
+
+extern "C" __global__ void add_rms_norm_bf16(const __nv_bfloat16* x, const __nv_bfloat16* residual,
+                                             const __nv_bfloat16* w, int cols, float eps, __nv_bfloat16* sum,
+                                             __nv_bfloat16* out) {
+    add_rms_norm(x, residual, w, cols, eps, sum, out);
+}
+extern "C" __global__ void add_rms_norm_f32(const float* x, const float* residual, const float* w, int cols,
+                                            float eps, float* sum, float* out) {
+    add_rms_norm(x, residual, w, cols, eps, sum, out);
+}
 
 extern "C" __global__ void rms_norm_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, int cols, float eps,
                                          __nv_bfloat16* out) {

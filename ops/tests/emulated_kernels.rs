@@ -1661,6 +1661,72 @@ fn rms_norm_equals_the_reference() {
     }
 }
 
+extern "C" {
+    fn add_rms_norm_f32(x: Ptr, r: Ptr, w: Ptr, cols: i32, eps: f32, sum: MutPtr, out: MutPtr);
+    fn add_rms_norm_bf16(x: Ptr, r: Ptr, w: Ptr, cols: i32, eps: f32, sum: MutPtr, out: MutPtr);
+}
+
+/// The residual add and RMSNorm in one kernel, launched as `rms_norm/cuda.rs` does, against the reference
+/// (candle's add, then the norm's reference): the sum bit for bit, the norm within `rms_norm`'s bounds.
+#[test]
+fn add_rms_norm_equals_the_reference() {
+    let eps = 1e-5;
+    for (seed, (rows, cols)) in [(4810, (3, 20)), (4811, (5, 200)), (4812, (2, 6144))] {
+        for dtype in [DType::F32, DType::BF16] {
+            let d = dtype_index(dtype);
+            let x = activations(seed, rows * cols, dtype);
+            let residual = activations(seed + 1, rows * cols, dtype);
+            let w = activations(seed + 2, cols, dtype);
+            let tensor = |v: &[f32], shape: &[usize]| common::tensor(v, shape, dtype);
+            let (want_sum, want) = glm5_ops::rms_norm::add_rms_norm_reference(
+                &tensor(&x, &[rows, cols]),
+                &tensor(&residual, &[rows, cols]),
+                &tensor(&w, &[cols]),
+                eps,
+            )
+            .unwrap();
+            let (want_sum, want) = (host_f32(&want_sum), host_f32(&want));
+            let device = |v: &[f32]| Values::from_f32(v, dtype);
+            let (device_x, device_r, device_w) = (device(&x), device(&residual), device(&w));
+            let (sum, out) = (
+                Values::nan(rows * cols, dtype),
+                Values::nan(rows * cols, dtype),
+            );
+            let f = [add_rms_norm_f32, add_rms_norm_bf16][d];
+            let threads = (cols.div_ceil(32) * 32).clamp(32, 1024) as u32;
+            run(LaunchConfig::new((rows as u32, 1, 1), threads), || unsafe {
+                f(
+                    device_x.ptr(),
+                    device_r.ptr(),
+                    device_w.ptr(),
+                    cols as i32,
+                    eps as f32,
+                    sum.mut_ptr(),
+                    out.mut_ptr(),
+                )
+            });
+            for (i, (g, w)) in sum.to_f32().iter().zip(&want_sum).enumerate() {
+                assert_eq!(
+                    g.to_bits(),
+                    w.to_bits(),
+                    "{dtype:?} {rows}x{cols} sum {i}: {g} vs {w}"
+                );
+            }
+            for (i, (g, w)) in out.to_f32().iter().zip(&want).enumerate() {
+                let bound = if dtype == DType::BF16 {
+                    w.abs() / 128.0
+                } else {
+                    1e-5 * w.abs().max(1e-3)
+                };
+                assert!(
+                    (g - w).abs() <= bound,
+                    "{dtype:?} {rows}x{cols} element {i}: {g} vs the reference's {w}"
+                );
+            }
+        }
+    }
+}
+
 // ---- the attention's cache rows (attention_rows.cu) ----------------------------------------------------------
 
 extern "C" {

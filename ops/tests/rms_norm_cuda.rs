@@ -59,6 +59,46 @@ fn rms_norm_on_gpu_equals_the_reference() {
     }
 }
 
+/// The residual add and RMSNorm in one kernel against the two ops it replaces on the GPU (candle's add, then
+/// glm5's RMSNorm kernel): bit for bit, into memory filled with NaN just before.
+#[test]
+fn add_rms_norm_on_gpu_equals_the_add_then_the_norm() {
+    use glm5_ops::rms_norm::add_rms_norm;
+    let gpu = Device::new_cuda(0).expect("a CUDA device");
+    let mut r = rng(4604);
+    for dtype in [DType::F32, DType::BF16] {
+        for (rows, cols) in [(1, 6144), (3, 512), (7, 64), (2, 200), (1, 1)] {
+            let x = on_gpu(uniform(&mut r, rows * cols), &[rows, cols], dtype, &gpu);
+            let residual = on_gpu(
+                uniform(&mut r, rows * cols)
+                    .iter()
+                    .map(|v| v * 8.0)
+                    .collect(),
+                &[rows, cols],
+                dtype,
+                &gpu,
+            );
+            let w = on_gpu(uniform(&mut r, cols), &[cols], dtype, &gpu);
+            let nan = Tensor::full(f32::NAN, rows * cols * 4, &gpu).unwrap();
+            gpu.synchronize().unwrap();
+            drop(nan);
+            let (sum, normed) = add_rms_norm(&x, &residual, &w, 1e-5).unwrap();
+            let want_sum = (&x + &residual).unwrap();
+            let want = rms_norm(&want_sum, &w, 1e-5).unwrap();
+            for (what, got, want) in [("sum", &sum, &want_sum), ("norm", &normed, &want)] {
+                let (got, want) = (host_f32(got), host_f32(want));
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert_eq!(
+                        g.to_bits(),
+                        w.to_bits(),
+                        "{dtype:?} {rows}x{cols} {what} {i}: {g} vs {w}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// `values` in `shape` as a `dtype` tensor on `gpu`.
 fn on_gpu(values: Vec<f32>, shape: &[usize], dtype: DType, gpu: &Device) -> Tensor {
     Tensor::from_vec(values, shape, &Device::Cpu)

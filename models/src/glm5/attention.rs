@@ -584,11 +584,11 @@ impl Attention {
 
         // Absorb W_UK: q̃_h = W_UK_hᵀ q_nope_h, so scores are 576-wide dots against the latent rows; the
         // query is [q̃ | RoPE(q_pe)] per head (one fused op).
-        let q_latent = q
-            .narrow(2, 0, self.nope_dim)?
-            .transpose(0, 1)?
-            .contiguous()?
-            .matmul(&self.w_uk)?;
+        // One token (batch-1 decode): the head-major view is already a matmul operand (a row per head at the
+        // head stride), so no copy is launched.
+        let q_nope = q.narrow(2, 0, self.nope_dim)?.transpose(0, 1)?;
+        let q_nope = if t == 1 { q_nope } else { q_nope.contiguous()? };
+        let q_latent = q_nope.matmul(&self.w_uk)?;
         let (cos, sin) = rope.tables();
         let q_absorbed = match row_ops {
             RowOps::Fused => absorbed_query(&q, &q_latent, cos, sin)?,

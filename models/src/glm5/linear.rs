@@ -199,6 +199,19 @@ impl RmsNorm {
     }
 }
 
+impl RmsNorm {
+    /// `(x + residual, norm(x + residual))`, the add and the norm in one launch on CUDA
+    /// (`glm5_ops::rms_norm::add_rms_norm`).
+    pub(super) fn add_forward(&self, x: &Tensor, residual: &Tensor) -> Result<(Tensor, Tensor)> {
+        Ok(glm5_ops::rms_norm::add_rms_norm(
+            x,
+            residual,
+            &self.weight,
+            self.eps,
+        )?)
+    }
+}
+
 impl Module for RmsNorm {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         glm5_ops::rms_norm::rms_norm(x, &self.weight, self.eps).map_err(|e| match e {

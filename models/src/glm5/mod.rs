@@ -60,6 +60,51 @@ enum FeedForward {
     MoE(MoE),
 }
 
+/// The residual stream between blocks: `sum`, and the last block's output where it is not yet added
+/// (`pending`): the next norm adds it in its own launch (`RmsNorm::add_forward`), one launch less per block.
+#[derive(Clone)]
+struct Residual {
+    sum: Tensor,
+    pending: Option<Tensor>,
+}
+
+impl Residual {
+    fn new(x: Tensor) -> Self {
+        Self {
+            sum: x,
+            pending: None,
+        }
+    }
+
+    /// The stream, and `norm` of it.
+    fn norm(&self, norm: &RmsNorm) -> Result<(Tensor, Tensor)> {
+        match &self.pending {
+            Some(pending) => norm.add_forward(&self.sum, pending),
+            None => Ok((self.sum.clone(), norm.forward(&self.sum)?)),
+        }
+    }
+
+    /// The stream as one tensor.
+    fn resolve(self) -> Result<Tensor> {
+        Ok(match self.pending {
+            Some(pending) => (self.sum + pending)?,
+            None => self.sum,
+        })
+    }
+
+    /// The rows `rows` of the stream.
+    fn index_select(&self, rows: &Tensor) -> Result<Self> {
+        Ok(Self {
+            sum: self.sum.index_select(rows, 0)?,
+            pending: self
+                .pending
+                .as_ref()
+                .map(|p| p.index_select(rows, 0))
+                .transpose()?,
+        })
+    }
+}
+
 /// §3.1 one decoder block: `x += Attn(norm(x)); x += FFN(norm(x))`.
 struct DecoderLayer {
     /// Index of its device in the plan.
@@ -100,26 +145,32 @@ impl DecoderLayer {
         })
     }
 
+    /// The stream after this block, its FFN's output left pending, and the attended positions.
     fn forward(
         &self,
-        x: &Tensor,
+        x: &Residual,
         rope: &Rope,
         kv: LayerKv<'_>,
         dense: Option<&Tensor>,
-    ) -> Result<(Tensor, Tensor)> {
+    ) -> Result<(Residual, Tensor)> {
+        let (x, normed) = x.norm(&self.input_layernorm)?;
         let (attn, selected) = profile::time(Part::Attention, x.device(), || {
-            self.self_attn
-                .forward(&self.input_layernorm.forward(x)?, rope, kv, dense)
+            self.self_attn.forward(&normed, rope, kv, dense)
         })?;
-        let x = (x + attn)?;
-        let h = self.post_attention_layernorm.forward(&x)?;
+        let (x, h) = self.post_attention_layernorm.add_forward(&x, &attn)?;
         let ffn = match &self.mlp {
             FeedForward::Dense(mlp) => {
                 profile::time(Part::DenseMlp, h.device(), || mlp.forward(&h))?
             }
             FeedForward::MoE(moe) => profile::time(Part::Moe, h.device(), || moe.forward(&h))?,
         };
-        Ok(((x + ffn)?, selected))
+        Ok((
+            Residual {
+                sum: x,
+                pending: Some(ffn),
+            },
+            selected,
+        ))
     }
 }
 
@@ -750,10 +801,10 @@ impl Glm5ForCausalLM {
         step: Option<&DeviceStep>,
         last: Option<&Tensor>,
     ) -> Result<Tensor> {
-        let mut x = match segment.embed {
+        let mut x = Residual::new(match segment.embed {
             true => self.embed_tokens.index_select(input, 0)?,
             false => input.clone(),
-        };
+        });
         for l in segment.layers.clone() {
             let step = step
                 .ok_or_else(|| ModelError::PlanDevices(format!("no step layout for layer {l}")))?;
@@ -766,15 +817,13 @@ impl Glm5ForCausalLM {
                 .0;
         }
         if !segment.head {
-            return Ok(x);
+            return x.resolve();
         }
         if let Some(last) = last {
-            x = x.index_select(last, 0)?;
+            x = x.index_select(last)?;
         }
-        Ok(self
-            .lm_head
-            .forward(&self.norm.forward(&x)?)?
-            .to_dtype(DType::F32)?)
+        let (_, hidden) = x.norm(&self.norm)?;
+        Ok(self.lm_head.forward(&hidden)?.to_dtype(DType::F32)?)
     }
 
     fn run(
@@ -810,11 +859,11 @@ impl Glm5ForCausalLM {
         let mut per_device: Vec<Option<(Rope, Option<Tensor>)>> = vec![None; self.devices.len()];
         per_device[first] = Some((rope.clone(), dense.clone()));
         let ids = Tensor::from_slice(input_ids, t, &self.devices[first])?;
-        let mut x = self.embed_tokens.index_select(&ids, 0)?;
+        let mut x = Residual::new(self.embed_tokens.index_select(&ids, 0)?);
         let mut here = first;
         for (layer, layer_cache) in self.layers.iter().zip(&cache.layers) {
             if layer.device != here {
-                x = self.transfer(&x, layer.device)?;
+                x = Residual::new(self.transfer(&x.resolve()?, layer.device)?);
                 here = layer.device;
             }
             if per_device[here].is_none() {
@@ -839,10 +888,10 @@ impl Glm5ForCausalLM {
             x = next;
         }
         if self.plan.head_device != here {
-            x = self.transfer(&x, self.plan.head_device)?;
+            x = Residual::new(self.transfer(&x.resolve()?, self.plan.head_device)?);
         }
         cache.advance(t);
-        let hidden = self.norm.forward(&x)?;
+        let (_, hidden) = x.norm(&self.norm)?;
         let logits = self.lm_head.forward(&hidden)?.to_dtype(DType::F32)?;
         Ok((logits, hidden))
     }

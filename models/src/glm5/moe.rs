@@ -2,7 +2,7 @@
 
 use candle_core::quantized::QTensor;
 use candle_core::{DType, Module, Tensor};
-use glm5_ops::gguf_matmul::GgufFormat;
+use glm5_ops::gguf_matmul::{GgufFormat, GgufWeight};
 use glm5_ops::moe::{self, RouteRule, Routes};
 
 use super::linear::{Loader, Proj};
@@ -58,6 +58,34 @@ impl Mlp {
             GateUp::Apart { gate, up } => Some([gate, up, &self.down_proj]),
             GateUp::Stacked { .. } => None,
         }
+    }
+
+    /// `[gate, up, down]` where all three are GGUF blocks glm5 decodes (views of a stacked gate/up).
+    fn gguf_projections(&self) -> Result<Option<[GgufWeight; 3]>> {
+        let Proj::GgufBlocks(down) = &self.down_proj else {
+            return Ok(None);
+        };
+        let (gate, up) = match &self.gate_up {
+            GateUp::Apart {
+                gate: Proj::GgufBlocks(gate),
+                up: Proj::GgufBlocks(up),
+            } => (gate.clone(), up.clone()),
+            GateUp::Stacked {
+                proj: Proj::GgufBlocks(both),
+                intermediate,
+            } => {
+                let rows = |start| {
+                    GgufWeight::new(
+                        both.format,
+                        both.blocks.narrow(0, start, *intermediate)?,
+                        both.in_dim,
+                    )
+                };
+                (rows(0)?, rows(*intermediate)?)
+            }
+            _ => return Ok(None),
+        };
+        Ok(Some([gate, up, down.clone()]))
     }
 
     /// Whether any of its weights is in GGUF blocks glm5 decodes.
@@ -387,13 +415,32 @@ impl MoE {
             })
             .transpose()?;
         if let Some(weights) = load_stacked_gguf_blocks(config, loader, prefix)? {
-            return Ok(Self {
-                router,
-                experts: Experts::Quantized {
-                    weights,
-                    shared_slot: None,
+            // The shared expert as one more slot (gate 1) where its projections are in the routed ones'
+            // formats and shapes: its three mat-vecs, activation and sum join the experts' launches.
+            let folded = match shared.as_ref().filter(|_| config.n_shared_experts == 1) {
+                Some(mlp) => match mlp.gguf_projections()? {
+                    Some(parts) => weights.with_gguf_expert(parts.each_ref())?,
+                    None => None,
                 },
-                shared_expert: shared,
+                None => None,
+            };
+            return Ok(match folded {
+                Some(weights) => Self {
+                    router,
+                    experts: Experts::Quantized {
+                        weights,
+                        shared_slot: Some(n_experts as u32),
+                    },
+                    shared_expert: None,
+                },
+                None => Self {
+                    router,
+                    experts: Experts::Quantized {
+                        weights,
+                        shared_slot: None,
+                    },
+                    shared_expert: shared,
+                },
             });
         }
         let why = match load_stacked_gguf(config, loader, prefix)? {

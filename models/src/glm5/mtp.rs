@@ -15,7 +15,9 @@
 
 use candle_core::{DType, Device, Module, Tensor, D};
 
-use super::{all_causal_positions, copy_to_device, DecoderLayer, Glm5ForCausalLM, LayerKv, Rope};
+use super::{
+    all_causal_positions, copy_to_device, DecoderLayer, Glm5ForCausalLM, LayerKv, Residual, Rope,
+};
 use super::{Loader, Proj, RmsNorm};
 use crate::cache::KvCache;
 use crate::config::Config;
@@ -159,11 +161,11 @@ impl Glm5ForCausalLM {
             cache: &cache.cache.layers[0],
             start_pos,
         };
-        let (x, _) = mtp.block.forward(&x, &rope, kv, dense.as_ref())?;
+        let (x, _) = mtp
+            .block
+            .forward(&Residual::new(x), &rope, kv, dense.as_ref())?;
         cache.cache.advance(t);
-        Ok(self
-            .lm_head
-            .forward(&mtp.head_norm.forward(&x)?)?
-            .to_dtype(DType::F32)?)
+        let (_, hidden) = x.norm(&mtp.head_norm)?;
+        Ok(self.lm_head.forward(&hidden)?.to_dtype(DType::F32)?)
     }
 }

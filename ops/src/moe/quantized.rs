@@ -96,6 +96,21 @@ impl StackedGgufBlocks {
         Ok((e, rows, self.k))
     }
 
+    /// These experts and `extra` as one more, last (a copy on their device): `None` where `extra` is not one
+    /// of them (format, rows, row length or device differ).
+    pub fn with_expert(&self, extra: &GgufWeight) -> Result<Option<Self>> {
+        let (_, rows, k) = self.dims()?;
+        if extra.format != self.format
+            || extra.in_dim != k
+            || extra.blocks.dim(0)? != rows
+            || !extra.blocks.device().same_device(self.blocks.device())
+        {
+            return Ok(None);
+        }
+        let blocks = Tensor::cat(&[&self.blocks, &extra.blocks.unsqueeze(0)?], 0)?;
+        Ok(Some(Self::new(self.format, blocks, k)?))
+    }
+
     /// Expert `e`'s matrix as a weight of its own (a view).
     fn expert(&self, e: usize) -> Result<GgufWeight> {
         GgufWeight::new(self.format, self.blocks.get(e)?, self.k)
@@ -341,6 +356,28 @@ impl QuantizedExperts {
             ));
         }
         Ok((e, hidden, inter))
+    }
+
+    /// GGUF-block experts with one more, last, of projections `[gate, up, down]` (the shared expert as a
+    /// slot: its mat-vecs then run in the experts' launches): `None` where these are not GGUF blocks or a
+    /// projection is not in its stacked counterpart's format and shape.
+    pub fn with_gguf_expert(&self, [gate, up, down]: [&GgufWeight; 3]) -> Result<Option<Self>> {
+        let QuantizedExperts::GgufBlocks {
+            gate: gates,
+            up: ups,
+            down: downs,
+        } = self
+        else {
+            return Ok(None);
+        };
+        let (Some(gate), Some(up), Some(down)) = (
+            gates.with_expert(gate)?,
+            ups.with_expert(up)?,
+            downs.with_expert(down)?,
+        ) else {
+            return Ok(None);
+        };
+        Ok(Some(QuantizedExperts::GgufBlocks { gate, up, down }))
     }
 
     /// The format's name, as the experts' implementation is reported.
