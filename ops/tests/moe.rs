@@ -313,13 +313,13 @@ fn stacking_quantized_experts_of_different_shapes_is_an_error() {
     assert!(err.to_string().contains("every NVFP4 part"), "{err}");
 }
 
-/// The shared expert as one more GGUF-block slot (`with_gguf_expert`): the stacked bytes equal experts
-/// stacked with it from the start, and a projection of another format or shape is refused (`None`).
+/// The shared expert as one more GGUF-block slot (`push_gguf_expert`): the stacked bytes equal experts
+/// stacked with it from the start, and a projection of another format or shape is refused, nothing changed.
 #[test]
 fn gguf_block_experts_take_one_more_expert_of_their_formats_only() {
     use common::quantized::{experts, Format};
     use glm5_ops::gguf_matmul::{GgufFormat, GgufWeight};
-    use glm5_ops::moe::QuantizedExperts;
+    use glm5_ops::moe::{QuantizedExperts, StackedGgufBlocks};
     let mut r = rng(4903);
     let (n_experts, h, i) = (4, 512, 256);
     let format = Format::GgufBlocks {
@@ -330,38 +330,34 @@ fn gguf_block_experts_take_one_more_expert_of_their_formats_only() {
     let QuantizedExperts::GgufBlocks { gate, up, down } = &all else {
         panic!("GGUF blocks");
     };
-    let first = |s: &glm5_ops::moe::StackedGgufBlocks| glm5_ops::moe::StackedGgufBlocks {
+    let first = |s: &StackedGgufBlocks| StackedGgufBlocks {
         blocks: s.blocks.narrow(0, 0, n_experts).unwrap(),
         ..s.clone()
     };
-    let last = |s: &glm5_ops::moe::StackedGgufBlocks| {
+    let last = |s: &StackedGgufBlocks| {
         GgufWeight::new(s.format, s.blocks.get(n_experts).unwrap(), s.k).unwrap()
     };
-    let routed = QuantizedExperts::GgufBlocks {
+    let mut routed = QuantizedExperts::GgufBlocks {
         gate: first(gate),
         up: first(up),
         down: first(down),
     };
     let (g, u, d) = (last(gate), last(up), last(down));
-    let Some(QuantizedExperts::GgufBlocks {
-        gate: g2,
-        up: u2,
-        down: d2,
-    }) = routed.with_gguf_expert([&g, &u, &d]).unwrap()
-    else {
-        panic!("the shared expert's formats and shapes are the routed ones'");
-    };
     let bytes = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<u8>().unwrap();
-    for (got, want) in [(&g2, gate), (&u2, up), (&d2, down)] {
-        assert_eq!(got.format, want.format);
-        assert_eq!(bytes(&got.blocks), bytes(&want.blocks));
-    }
-    // Gate's Q4_K rows as down (not the stacked Q6_K), then down with half its rows: refused.
-    assert!(routed.with_gguf_expert([&g, &u, &g]).unwrap().is_none());
+    let stacks = |e: &QuantizedExperts| match e {
+        QuantizedExperts::GgufBlocks { gate, up, down } => {
+            [gate, up, down].map(|s| bytes(&s.blocks))
+        }
+        _ => panic!("GGUF blocks"),
+    };
+    // Gate's Q4_K rows as down (not the stacked Q6_K), then down with half its rows: refused, unchanged.
+    let before = stacks(&routed);
+    assert!(!routed.push_gguf_expert([&g, &u, &g]).unwrap());
     let half_down =
         GgufWeight::new(d.format, d.blocks.narrow(0, 0, h / 2).unwrap(), d.in_dim).unwrap();
-    assert!(routed
-        .with_gguf_expert([&g, &u, &half_down])
-        .unwrap()
-        .is_none());
+    assert!(!routed.push_gguf_expert([&g, &u, &half_down]).unwrap());
+    assert_eq!(stacks(&routed), before);
+    assert!(routed.push_gguf_expert([&g, &u, &d]).unwrap());
+    assert_eq!(routed.dims().unwrap(), (n_experts + 1, h, i));
+    assert_eq!(stacks(&routed), stacks(&all));
 }

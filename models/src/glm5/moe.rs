@@ -414,33 +414,23 @@ impl MoE {
                 Mlp::load(loader, &format!("{prefix}.shared_experts"), hidden, width)
             })
             .transpose()?;
-        if let Some(weights) = load_stacked_gguf_blocks(config, loader, prefix)? {
+        if let Some(mut weights) = load_stacked_gguf_blocks(config, loader, prefix)? {
             // The shared expert as one more slot (gate 1) where its projections are in the routed ones'
             // formats and shapes: its three mat-vecs, activation and sum join the experts' launches.
             let folded = match shared.as_ref().filter(|_| config.n_shared_experts == 1) {
                 Some(mlp) => match mlp.gguf_projections()? {
-                    Some(parts) => weights.with_gguf_expert(parts.each_ref())?,
-                    None => None,
+                    Some(parts) => weights.push_gguf_expert(parts.each_ref())?,
+                    None => false,
                 },
-                None => None,
+                None => false,
             };
-            return Ok(match folded {
-                Some(weights) => Self {
-                    router,
-                    experts: Experts::Quantized {
-                        weights,
-                        shared_slot: Some(n_experts as u32),
-                    },
-                    shared_expert: None,
+            return Ok(Self {
+                router,
+                experts: Experts::Quantized {
+                    weights,
+                    shared_slot: folded.then_some(n_experts as u32),
                 },
-                None => Self {
-                    router,
-                    experts: Experts::Quantized {
-                        weights,
-                        shared_slot: None,
-                    },
-                    shared_expert: shared,
-                },
+                shared_expert: if folded { None } else { shared },
             });
         }
         let why = match load_stacked_gguf(config, loader, prefix)? {

@@ -96,19 +96,20 @@ impl StackedGgufBlocks {
         Ok((e, rows, self.k))
     }
 
-    /// These experts and `extra` as one more, last (a copy on their device): `None` where `extra` is not one
-    /// of them (format, rows, row length or device differ).
-    pub fn with_expert(&self, extra: &GgufWeight) -> Result<Option<Self>> {
+    /// Whether `extra` can be one more of these experts: its format, rows, row length and device.
+    fn takes(&self, extra: &GgufWeight) -> Result<bool> {
         let (_, rows, k) = self.dims()?;
-        if extra.format != self.format
-            || extra.in_dim != k
-            || extra.blocks.dim(0)? != rows
-            || !extra.blocks.device().same_device(self.blocks.device())
-        {
-            return Ok(None);
-        }
+        Ok(extra.format == self.format
+            && extra.in_dim == k
+            && extra.blocks.dim(0)? == rows
+            && extra.blocks.device().same_device(self.blocks.device()))
+    }
+
+    /// Appends `extra` (checked by `takes`) as the last expert: the stack is copied once, one expert longer.
+    fn push(&mut self, extra: &GgufWeight) -> Result<()> {
         let blocks = Tensor::cat(&[&self.blocks, &extra.blocks.unsqueeze(0)?], 0)?;
-        Ok(Some(Self::new(self.format, blocks, k)?))
+        *self = Self::new(self.format, blocks, self.k)?;
+        Ok(())
     }
 
     /// Expert `e`'s matrix as a weight of its own (a view).
@@ -358,26 +359,26 @@ impl QuantizedExperts {
         Ok((e, hidden, inter))
     }
 
-    /// GGUF-block experts with one more, last, of projections `[gate, up, down]` (the shared expert as a
-    /// slot: its mat-vecs then run in the experts' launches): `None` where these are not GGUF blocks or a
-    /// projection is not in its stacked counterpart's format and shape.
-    pub fn with_gguf_expert(&self, [gate, up, down]: [&GgufWeight; 3]) -> Result<Option<Self>> {
+    /// Appends one expert of projections `[gate, up, down]` as the last of GGUF-block experts (the shared
+    /// expert as a slot: its mat-vecs then run in the experts' launches) and returns true; false, changing
+    /// nothing, where these are not GGUF blocks or a projection is not in its stack's format and shape. Each
+    /// stack is copied once, one after the other: the load needs one projection's stack more, not three.
+    pub fn push_gguf_expert(&mut self, [gate, up, down]: [&GgufWeight; 3]) -> Result<bool> {
         let QuantizedExperts::GgufBlocks {
             gate: gates,
             up: ups,
             down: downs,
         } = self
         else {
-            return Ok(None);
+            return Ok(false);
         };
-        let (Some(gate), Some(up), Some(down)) = (
-            gates.with_expert(gate)?,
-            ups.with_expert(up)?,
-            downs.with_expert(down)?,
-        ) else {
-            return Ok(None);
-        };
-        Ok(Some(QuantizedExperts::GgufBlocks { gate, up, down }))
+        if !(gates.takes(gate)? && ups.takes(up)? && downs.takes(down)?) {
+            return Ok(false);
+        }
+        gates.push(gate)?;
+        ups.push(up)?;
+        downs.push(down)?;
+        Ok(true)
     }
 
     /// The format's name, as the experts' implementation is reported.
