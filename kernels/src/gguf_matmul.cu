@@ -125,8 +125,11 @@ extern "C" __global__ void __launch_bounds__(q4k_mma::MAX_WARPS * 32)
 // step's previous kernel: a block of `blockDim.x / 32` warps owns 16 output rows; its warps issue their first
 // blocks' loads (weights only, so they overlap the previous kernel's tail), wait for that kernel (x is its
 // output), stage x in shared memory (`row::staged_bytes(k)` of dynamic shared memory), split the rows' blocks
-// and meet in shared memory.
-constexpr int ROW_DEPTH = 2;
+// and meet in shared memory. One block's loads in flight ahead of the one a warp multiplies: 76 registers, so
+// three blocks of 8 warps share a multiprocessor (two loads ahead took 105 registers: two blocks). H100, the
+// replayed Q4_K slice step: 2.09 ms against 2.14 ms with two ahead (same call); o_proj [6144, 16384] alone
+// 38 against 45 µs.
+constexpr int ROW_DEPTH = 1;
 
 struct Q4kRowParams {
     const __nv_bfloat16* x;
