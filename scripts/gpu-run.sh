@@ -73,7 +73,8 @@ for step in $steps; do
     step-profile)
       # Every kernel of one batch-1 decode step of the slice (WEIGHTS, default q4k; kernel time alone, L2 kept
       # warm as in a step): listed in order and summed by kernel (scripts/step_kernels.py). SKIP and COUNT
-      # place ncu's window past the load and prefill, over a few decode steps.
+      # place ncu's window past the prefills that fill the caches (Q4_K's dequantise each expert: tens of
+      # thousands of launches), over a few decode steps; the script says where a window landed.
       timeout 400 ncu --csv --cache-control none --clock-control none --launch-skip ${SKIP:-1500} --launch-count ${COUNT:-1200} \
         --metrics gpu__time_duration.sum /tmp/glm5-bin/glm5-bench e2e --weights ${WEIGHTS:-q4k} --contexts 4096 --batches 8 --steps 2 \
         > "$OUT/step-kernels.csv" 2> "$OUT/step-kernels.err"; echo "ncu step-profile: rc=$?"

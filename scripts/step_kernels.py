@@ -5,7 +5,7 @@ window's longest kernel (lm_head, the largest matrix), listed in order, then sum
 import csv
 import re
 import sys
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 
 def rows(path):
@@ -33,7 +33,11 @@ def main(path):
     longest = max(kernels, key=lambda k: k[2])[1]
     marks = [i for i, k in enumerate(kernels) if k[1] == longest]
     if len(marks) < 2:
-        sys.exit(f"fewer than two launches of the longest kernel ({short(longest)}) in the window")
+        common = Counter(short(k[1]) for k in kernels).most_common(5)
+        sys.exit(
+            f"fewer than two launches of the longest kernel ({short(longest)}) in the window of {len(kernels)} "
+            f"(most launched: {common}): move it (SKIP) past the prefills that fill the caches"
+        )
     # The last complete step of the window.
     start, end = marks[-2] + 1, marks[-1] + 1
     step = kernels[start:end]
