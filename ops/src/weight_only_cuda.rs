@@ -117,7 +117,10 @@ pub(crate) fn dequantize(
     weight: &WeightArgs,
     tail: &[i32],
 ) -> Result<Tensor> {
-    let out = Tensor::full(f32::NAN, (n, k), like.device())?.to_dtype(dtype)?;
+    // SAFETY: every element is written: each dequantise kernel strides its grid over all n · k values (or
+    // their sub-blocks), whatever the block count. (Filling it first took two more launches and four times
+    // the bytes the kernel writes: a prefill dequantises every active expert this way.)
+    let out = unsafe { Tensor::empty((n, k), dtype, like.device())? };
     let (out_ptr, dev) = device_address(&out)?;
     let func = kernel(&dev, file.module, file.fatbin, &kernel_name(stem, dtype)?)?;
     let stream = dev.cuda_stream();
