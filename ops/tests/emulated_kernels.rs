@@ -1607,6 +1607,16 @@ fn fp8_w8a8_quantiser_equals_the_reference() {
     }
 }
 
+/// `g` within one rounding of the reference `w` in `dtype` (bf16: 2⁻⁷ of it; f32: 1e-5 of it, at least of 1e-3).
+fn within_a_rounding(g: f32, w: f32, dtype: DType) -> bool {
+    let bound = if dtype == DType::BF16 {
+        w.abs() / 128.0
+    } else {
+        1e-5 * w.abs().max(1e-3)
+    };
+    (g - w).abs() <= bound
+}
+
 // ---- RMSNorm ---------------------------------------------------------------------------------------------
 
 extern "C" {
@@ -1647,13 +1657,8 @@ fn rms_norm_equals_the_reference() {
                 )
             });
             for (i, (g, w)) in out.to_f32().iter().zip(&want).enumerate() {
-                let bound = if dtype == DType::BF16 {
-                    w.abs() / 128.0
-                } else {
-                    1e-5 * w.abs().max(1e-3)
-                };
                 assert!(
-                    (g - w).abs() <= bound,
+                    within_a_rounding(*g, *w, dtype),
                     "{dtype:?} {rows}x{cols} element {i}: {g} vs the reference's {w}"
                 );
             }
@@ -1713,13 +1718,8 @@ fn add_rms_norm_equals_the_reference() {
                 );
             }
             for (i, (g, w)) in out.to_f32().iter().zip(&want).enumerate() {
-                let bound = if dtype == DType::BF16 {
-                    w.abs() / 128.0
-                } else {
-                    1e-5 * w.abs().max(1e-3)
-                };
                 assert!(
-                    (g - w).abs() <= bound,
+                    within_a_rounding(*g, *w, dtype),
                     "{dtype:?} {rows}x{cols} element {i}: {g} vs the reference's {w}"
                 );
             }
@@ -1819,13 +1819,8 @@ fn latent_rows_equal_the_reference() {
                 )
             });
             for (i, (g, w)) in cache.to_f32().iter().zip(&want).enumerate() {
-                let bound = if dtype == DType::BF16 {
-                    w.abs() / 128.0
-                } else {
-                    1e-5 * w.abs().max(1e-3)
-                };
                 assert!(
-                    (w.is_nan() && g.is_nan()) || (g - w).abs() <= bound,
+                    (w.is_nan() && g.is_nan()) || within_a_rounding(*g, *w, dtype),
                     "{dtype:?} by_index={by_index} cache value {i} (row {}): {g} vs the reference's {w}",
                     i / width
                 );

@@ -62,7 +62,6 @@ enum FeedForward {
 
 /// The residual stream between blocks: `sum`, and the last block's output where it is not yet added
 /// (`pending`): the next norm adds it in its own launch (`RmsNorm::add_forward`), one launch less per block.
-#[derive(Clone)]
 struct Residual {
     sum: Tensor,
     pending: Option<Tensor>,
