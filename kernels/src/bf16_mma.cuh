@@ -1,6 +1,6 @@
 // The inline-PTX instructions of the Q4_K tensor-core mat-vec (q4k_mma.cuh): mma.sync m16n8k16 over bf16 with
-// f32 accumulation, a bf16x2 subtraction, a three-input logic op and the programmatic dependent launch's
-// grid-dependency controls. Kept apart so that the CPU emulator (kernels/emu) can put its own
+// f32 accumulation, a bf16x2 subtraction, a three-input logic op, the programmatic dependent launch's
+// grid-dependency controls and 16-byte asynchronous copies into shared memory. Kept apart so that the CPU emulator (kernels/emu) can put its own
 // versions of these functions in their place (kernels/emu/include/bf16_mma.cuh) and run the rest as it is.
 #pragma once
 
@@ -37,4 +37,17 @@ __device__ __forceinline__ void wait_for_prior_grid() { asm volatile("griddepcon
 /// Lets the next grid on the stream, if launched as a programmatic dependent, be scheduled before this one ends.
 __device__ __forceinline__ void allow_dependent_grids() {
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+
+/// Starts copying 16 bytes from global `from` to shared `to` (both 16-byte aligned) without holding registers:
+/// a thread can have many in flight. They land by the thread's next `async_copies_wait`.
+__device__ __forceinline__ void async_copy16(void* to, const void* from) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(to))),
+                 "l"(from)
+                 : "memory");
+}
+
+/// Waits for this thread's `async_copy16`s: their bytes are visible to it (to other threads after a barrier).
+__device__ __forceinline__ void async_copies_wait() {
+    asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
 }

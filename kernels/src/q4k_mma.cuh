@@ -176,15 +176,19 @@ __host__ __device__ constexpr int staged_bytes(int k) { return 2 * k + 4 * (k / 
 
 /// The activation row `x` (`k` bf16 values, 16-byte aligned) into shared memory at `staged` (16-byte aligned,
 /// `staged_bytes(k)`), by the whole block: values 8i .. 8i + 7 as the bf16 pairs (0, 2), (1, 3), (4, 6), (5, 7),
-/// and each 32-value sub-block's sum after the k values.
+/// and each 32-value sub-block's sum after the k values. Every thread's copies are in flight at once and each
+/// then rearranges its own vectors in place: one L2 round trip, where a load then a store per loop pass took
+/// one each (k / 8 / blockDim.x passes: 8 for o_proj's 16384 values) while the weights' first loads waited.
 __device__ __forceinline__ void stage(const __nv_bfloat16* x, uint8_t* staged, int k) {
     const uint4* from = reinterpret_cast<const uint4*>(x);
     uint4* to = reinterpret_cast<uint4*>(staged);
     float* sums = reinterpret_cast<float*>(staged + 2 * k);
+    for (int i = threadIdx.x; i < k / 8; i += blockDim.x) async_copy16(to + i, from + i);
+    async_copies_wait();
     // k / 8 is a multiple of 32 and blockDim.x of 32: a warp's lanes stay in the loop together; a sub-block is
     // four consecutive lanes' vectors.
     for (int i = threadIdx.x; i < k / 8; i += blockDim.x) {
-        const uint4 v = __ldg(from + i);
+        const uint4 v = to[i];
         to[i] = {__byte_perm(v.x, v.y, 0x5410), __byte_perm(v.x, v.y, 0x7632), __byte_perm(v.z, v.w, 0x5410),
                  __byte_perm(v.z, v.w, 0x7632)};
         const uint32_t words[4] = {v.x, v.y, v.z, v.w};

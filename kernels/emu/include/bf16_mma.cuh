@@ -10,6 +10,8 @@
 // promise, so results agree with the GPU's to the f32 rounding of a 16-term sum, not bit for bit.
 #pragma once
 
+#include <string.h>
+
 #include "cuda_emu.h"
 
 inline float glm5_emu_bf16_half(uint32_t reg, unsigned half) {
@@ -56,3 +58,6 @@ template <uint32_t B, uint32_t C> inline uint32_t and_or(uint32_t a) { return (a
 // The emulator runs one launch at a time, in stream order: the previous grid has ended.
 inline void wait_for_prior_grid() {}
 inline void allow_dependent_grids() {}
+
+inline void async_copy16(void* to, const void* from) { memcpy(to, from, 16); }
+inline void async_copies_wait() {}

@@ -645,11 +645,15 @@ impl Attention {
             )?,
         };
 
-        // Apply W_UV per head, then the output projection.
-        let per_head = attended
-            .transpose(0, 1)?
-            .contiguous()?
-            .matmul(&self.w_uv_t)?;
+        // Apply W_UV per head, then the output projection. One token: the head-major view is already a
+        // matmul operand, as the query's is above.
+        let attended = attended.transpose(0, 1)?;
+        let attended = if t == 1 {
+            attended
+        } else {
+            attended.contiguous()?
+        };
+        let per_head = attended.matmul(&self.w_uv_t)?;
         let merged = per_head
             .transpose(0, 1)?
             .reshape((t, self.heads * self.v_head_dim))?;
