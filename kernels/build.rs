@@ -172,6 +172,8 @@ mod emu {
         "gguf_matmul",
         "moe",
         "rms_norm",
+        "swiglu",
+        "argmax",
         "attention_rows",
         "nvfp4_mma_sm120a",
         "fp8_quantize",

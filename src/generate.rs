@@ -13,7 +13,7 @@
 
 use std::time::{Duration, Instant};
 
-use candle_core::{DType, Tensor, D};
+use candle_core::{DType, Tensor};
 
 use crate::error::{Error, Result};
 use crate::models::{
@@ -684,5 +684,10 @@ pub(crate) fn take_text_before_stop(
 
 /// The argmax of `logits` `[vocab]` (what greedy sampling must return).
 pub fn argmax(logits: &Tensor) -> Result<u32> {
-    Ok(logits.argmax(D::Minus1)?.to_scalar::<u32>()?)
+    Ok(argmax_rows(logits)?.to_scalar::<u32>()?)
+}
+
+/// Each row's argmax of `logits` `[.., vocab]`, on their device (`glm5_ops::argmax`: one launch on CUDA).
+pub(crate) fn argmax_rows(logits: &Tensor) -> Result<Tensor> {
+    Ok(crate::ops::argmax::argmax(logits).map_err(glm5_models::ModelError::from)?)
 }

@@ -17,7 +17,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::error::{Error, Result};
-use crate::generate::GenerationParams;
+use crate::generate::{argmax, argmax_rows, GenerationParams};
 
 /// How the next token is drawn from the probabilities (after min-p), as `LogitsProcessor`'s `Sampling`.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -93,7 +93,7 @@ impl Sampler {
     pub fn sample(&mut self, logits: &Tensor, history: &[u32]) -> Result<u32> {
         let logits = self.penalised(logits, history)?;
         if self.rule == Rule::Greedy {
-            let token = logits.argmax(D::Minus1)?.to_scalar::<u32>()?;
+            let token = argmax(&logits)?;
             return Ok(self.emit(token));
         }
         let mut probs =
@@ -122,7 +122,7 @@ impl Sampler {
         }
         let logits = self.penalised(logits, history)?;
         if self.rule == Rule::Greedy {
-            let id = self.emit(logits.argmax(D::Minus1)?.to_scalar::<u32>()?);
+            let id = self.emit(argmax(&logits)?);
             return Ok((id, id == draft));
         }
         let mut weights =
@@ -430,7 +430,7 @@ pub fn sample_rows(
         Ok(logits.to_dtype(DType::F32)?)
     };
     if !greedy.is_empty() {
-        let picked = select(&greedy)?.argmax(D::Minus1)?.to_vec1::<u32>()?;
+        let picked = argmax_rows(&select(&greedy)?)?.to_vec1::<u32>()?;
         for (&r, id) in greedy.iter().zip(picked) {
             ids[r] = Ok(id);
         }

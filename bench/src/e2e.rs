@@ -22,6 +22,7 @@ use glm5::{AttentionMode, Checkpoint, Config, DeviceDesc, Glm5ForCausalLM, Plan,
 use crate::cuda;
 use crate::slice::glm5_slice;
 use crate::timing::median;
+use crate::Greedy;
 
 /// The weights the random slice is built with (`--weights`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -326,13 +327,13 @@ fn mtp_rows(
         let (_, h1) = model
             .forward_with_hidden(&ids[pos..pos + 1], pos, &mut cache)
             .map_err(cuda)?;
-        h1.argmax(1)?.to_vec1::<u32>()?;
+        h1.greedy()?;
         let plain_s = start.elapsed().as_secs_f64();
         let start = Instant::now();
         let (logits, h2) = model
             .forward_with_hidden(&ids[pos + 1..pos + 3], pos + 1, &mut cache)
             .map_err(cuda)?;
-        logits.argmax(1)?.to_vec1::<u32>()?;
+        logits.greedy()?;
         let verify_s = start.elapsed().as_secs_f64();
         let start = Instant::now();
         model
@@ -343,15 +344,13 @@ fn mtp_rows(
                 &mut draft_cache,
             )
             .map_err(cuda)?
-            .argmax(1)?
-            .to_vec1::<u32>()?;
+            .greedy()?;
         let one_s = start.elapsed().as_secs_f64();
         let start = Instant::now();
         model
             .forward_mtp(&ids[pos + 1..pos + 3], &h2, pos, &mut draft_cache)
             .map_err(cuda)?
-            .argmax(1)?
-            .to_vec1::<u32>()?;
+            .greedy()?;
         let two_s = start.elapsed().as_secs_f64();
         if round >= 2 {
             plain.push(plain_s);
@@ -430,8 +429,7 @@ fn batch1_step_ms(
         model
             .forward(&ids[pos..pos + 1], pos, &mut cache)
             .map_err(cuda)?
-            .argmax(1)?
-            .to_vec1::<u32>()?;
+            .greedy()?;
         if pos >= context + 3 {
             times.push(start.elapsed().as_secs_f64());
         }
@@ -585,8 +583,7 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
         model
             .forward(&ids[..args.prefill], 0, &mut cache)
             .map_err(cuda)?
-            .argmax(1)?
-            .to_vec1::<u32>()?;
+            .greedy()?;
         Ok(start.elapsed().as_secs_f64() * 1e3)
     };
     // The second of two runs.
@@ -678,8 +675,7 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
             model
                 .forward(&ids[pos..pos + 1], pos, &mut cache)
                 .map_err(cuda)?
-                .argmax(1)?
-                .to_vec1::<u32>()?;
+                .greedy()?;
             Ok(())
         };
         for _ in 0..3 {
@@ -727,7 +723,7 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
                 .forward(&ids[pos..pos + 1], pos, &mut cache)
                 .map_err(cuda)?;
             issue.push(start.elapsed().as_secs_f64());
-            logits.argmax(1)?.to_vec1::<u32>()?;
+            logits.greedy()?;
             pos += 1;
         }
         let issue_s = median(issue);
@@ -834,8 +830,7 @@ pub fn e2e_rows(args: &E2eArgs) -> Result<()> {
                 None => model.forward_batch(&chunks, &mut pool),
             }
             .map_err(cuda)?
-            .argmax(1)?
-            .to_vec1::<u32>()?;
+            .greedy()?;
             Ok(())
         };
         // Experts touched: expected under uniform routing (random weights route near-uniformly).

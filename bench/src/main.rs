@@ -161,6 +161,20 @@ fn cuda(e: impl std::fmt::Display) -> glm5::candle_core::Error {
     glm5::candle_core::Error::Cuda(e.to_string().into())
 }
 
+/// Each row's argmax read back, as a greedy generation loop takes it (`glm5::ops::argmax`, what `glm5
+/// generate` runs).
+trait Greedy {
+    fn greedy(&self) -> glm5::candle_core::Result<Vec<u32>>;
+}
+
+impl Greedy for glm5::candle_core::Tensor {
+    fn greedy(&self) -> glm5::candle_core::Result<Vec<u32>> {
+        glm5::ops::argmax::argmax(self)
+            .map_err(cuda)?
+            .to_vec1::<u32>()
+    }
+}
+
 /// splitmix64: reproducible indices without a rand dependency.
 fn next(state: &mut u64) -> u64 {
     *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);

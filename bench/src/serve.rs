@@ -17,6 +17,7 @@ use crate::cuda;
 use crate::e2e::load_slice;
 use crate::slice::glm5_slice;
 use crate::timing::median;
+use crate::Greedy;
 
 const MODEL: &str = "glm5-slice";
 
@@ -53,7 +54,7 @@ fn direct_decode_step(
         let mut cache = model.new_cache(prompt.len() + max_tokens).map_err(cuda)?;
         // The argmax of the last position's logits, read back.
         let last_argmax = |logits: Tensor| -> Result<u32> {
-            let ids = logits.argmax(1)?.to_vec1::<u32>()?;
+            let ids = logits.greedy()?;
             ids.last()
                 .copied()
                 .ok_or_else(|| cuda("forward returned no logits"))

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use glm5::candle_core::{DType, Device, Result, Tensor};
 
-use crate::cuda;
+use crate::{cuda, Greedy};
 
 /// GLM-5's first `layers` layers at real sizes (the spec's config.json, per-layer lists cut to `layers`).
 pub(crate) fn glm5_slice(layers: usize) -> Result<glm5::Config> {
@@ -76,7 +76,7 @@ pub fn slice_rows(layers: usize) -> Result<()> {
         let start = Instant::now();
         for (pos, &id) in ids.iter().enumerate().skip(prompt) {
             let logits = model.forward(&[id], pos, &mut cache).map_err(cuda)?;
-            logits.argmax(1)?.to_vec1::<u32>()?; // a generation loop reads each token back
+            logits.greedy()?; // a generation loop reads each token back
             rows.push(logits);
         }
         let rate = steps as f64 / start.elapsed().as_secs_f64();

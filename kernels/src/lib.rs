@@ -40,6 +40,14 @@ pub const MOE: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/moe.fatbin"));
 #[cfg(feature = "cuda")]
 pub const RMS_NORM: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/rms_norm.fatbin"));
 
+/// `argmax.cu`: the index of each row's largest value, a block per row.
+#[cfg(feature = "cuda")]
+pub const ARGMAX: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/argmax.fatbin"));
+
+/// `swiglu.cu`: SwiGLU of a stacked gate|up product, one launch per call.
+#[cfg(feature = "cuda")]
+pub const SWIGLU: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/swiglu.fatbin"));
+
 /// `attention_rows.cu`: the rows attention writes into its caches (the MLA latent row), one kernel each.
 #[cfg(feature = "cuda")]
 pub const ATTENTION_ROWS: &[u8] =

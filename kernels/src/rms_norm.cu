@@ -10,23 +10,70 @@ namespace {
 
 using namespace glm5::rows;
 
+/// Values a thread holds in registers: a row up to HELD · blockDim.x wide (8192 at 1024 threads; GLM-5's
+/// widths are 6144 and below) is read once, every load in flight before the first is used. The loops over
+/// memory kept one load in flight a thread and read the row twice: ~8 us a call, 12 calls a Q4_K slice step.
+constexpr int HELD = 8;
+
 template <typename T>
 __device__ void rms_norm(const T* __restrict__ x, const T* __restrict__ weight, int cols, float eps,
                          T* __restrict__ out) {
     const T* row = x + (size_t)blockIdx.x * cols;
     T* dst = out + (size_t)blockIdx.x * cols;
+    if (cols <= HELD * static_cast<int>(blockDim.x)) {
+        float v[HELD];
+#pragma unroll
+        for (int j = 0; j < HELD; ++j) {
+            const int c = threadIdx.x + j * blockDim.x;
+            v[j] = c < cols ? to_float(row[c]) : 0.0f;
+        }
+        // In the loop's order (a thread's columns ascending; the zeros past the row add nothing).
+        float squares = 0.0f;
+#pragma unroll
+        for (int j = 0; j < HELD; ++j) squares = fmaf(v[j], v[j], squares);
+        const float inv_rms = 1.0f / sqrtf(block_sum(squares) / cols + eps);
+#pragma unroll
+        for (int j = 0; j < HELD; ++j) {
+            const int c = threadIdx.x + j * blockDim.x;
+            if (c < cols) store(dst + c, round_to(v[j] * inv_rms, x) * to_float(weight[c]));
+        }
+        return;
+    }
     const float inv_rms = block_inv_rms(row, cols, eps);
     for (int c = threadIdx.x; c < cols; c += blockDim.x)
         store(dst + c, round_to(to_float(row[c]) * inv_rms, x) * to_float(weight[c]));
 }
 
 /// The residual sum `round(x + residual)` stored in `sum`, and its RMSNorm (as `rms_norm`) in `out`: the
-/// decoder's residual add and the next norm in one launch. Each thread recomputes its sums for the second pass
-/// rather than reading back `sum` (other threads' stores to it are not ordered before this block's reads).
+/// decoder's residual add and the next norm in one launch. Past HELD values a thread, each thread recomputes
+/// its sums for the second pass rather than reading back `sum` (other threads' stores to it are not ordered
+/// before this block's reads).
 template <typename T>
 __device__ void add_rms_norm(const T* __restrict__ x, const T* __restrict__ residual, const T* __restrict__ weight,
                              int cols, float eps, T* __restrict__ sum, T* __restrict__ out) {
     const size_t row = (size_t)blockIdx.x * cols;
+    if (cols <= HELD * static_cast<int>(blockDim.x)) {
+        float v[HELD];
+#pragma unroll
+        for (int j = 0; j < HELD; ++j) {
+            const int c = threadIdx.x + j * blockDim.x;
+            v[j] = c < cols ? round_to(to_float(x[row + c]) + to_float(residual[row + c]), x) : 0.0f;
+        }
+        float squares = 0.0f;
+#pragma unroll
+        for (int j = 0; j < HELD; ++j) {
+            const int c = threadIdx.x + j * blockDim.x;
+            if (c < cols) store(sum + row + c, v[j]);
+            squares = fmaf(v[j], v[j], squares);
+        }
+        const float inv_rms = 1.0f / sqrtf(block_sum(squares) / cols + eps);
+#pragma unroll
+        for (int j = 0; j < HELD; ++j) {
+            const int c = threadIdx.x + j * blockDim.x;
+            if (c < cols) store(out + row + c, round_to(v[j] * inv_rms, x) * to_float(weight[c]));
+        }
+        return;
+    }
     float squares = 0.0f;
     for (int c = threadIdx.x; c < cols; c += blockDim.x) {
         const float v = round_to(to_float(x[row + c]) + to_float(residual[row + c]), x);

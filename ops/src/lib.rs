@@ -20,6 +20,7 @@
 //! `builtin`.
 
 pub mod absorbed_query;
+pub mod argmax;
 mod builtin;
 pub mod cache_rows;
 #[cfg(feature = "cuda")]
@@ -41,6 +42,7 @@ pub mod rms_norm;
 pub mod rope_leading;
 pub mod sparse_mla;
 pub mod step_graph;
+pub mod swiglu;
 pub mod weight_only;
 #[cfg(feature = "cuda")]
 mod weight_only_cuda;

@@ -2131,3 +2131,134 @@ fn query_kernels_equal_the_reference() {
         check("leading RoPE", &out.to_f32(), &host_f32(&want));
     }
 }
+
+// ---- SwiGLU ----------------------------------------------------------------------------------------------
+
+extern "C" {
+    fn swiglu_f32(x: Ptr, rows: i32, inter: i32, vectors: i32, out: MutPtr);
+    fn swiglu_bf16(x: Ptr, rows: i32, inter: i32, vectors: i32, out: MutPtr);
+}
+
+/// SwiGLU over stacked gate|up rows as `swiglu/cuda.rs` launches it (a grid-stride loop, 16-byte vectors
+/// where the width allows, else single values), against the reference: the same f32 arithmetic on the host,
+/// so equal bit for bit.
+#[test]
+fn swiglu_equals_the_reference() {
+    for (seed, (rows, inter)) in [(4900, (3, 20)), (4901, (5, 64)), (4902, (2, 2048))] {
+        for dtype in [DType::F32, DType::BF16] {
+            let d = dtype_index(dtype);
+            let gate_up: Vec<f32> = activations(seed, rows * 2 * inter, dtype)
+                .iter()
+                .map(|v| 8.0 * v)
+                .collect();
+            let want = host_f32(
+                &glm5_ops::swiglu::swiglu_reference(
+                    &common::tensor(&gate_up, &[rows, 2 * inter], dtype),
+                    inter,
+                )
+                .unwrap(),
+            );
+            let device_in = Values::from_f32(&gate_up, dtype);
+            let per_vector = 16 / dtype.size_in_bytes();
+            for vectors in [0, 1] {
+                if vectors == 1 && inter % per_vector != 0 {
+                    continue;
+                }
+                let out = Values::nan(rows * inter, dtype);
+                let items = if vectors == 1 {
+                    rows * inter / per_vector
+                } else {
+                    rows * inter
+                };
+                // Fewer blocks than items: the grid-stride loop's later passes run too.
+                let blocks = items.div_ceil(256).div_ceil(2).max(1) as u32;
+                let f = [swiglu_f32, swiglu_bf16][d];
+                run(LaunchConfig::new((blocks, 1, 1), 256), || unsafe {
+                    f(
+                        device_in.ptr(),
+                        rows as i32,
+                        inter as i32,
+                        vectors,
+                        out.mut_ptr(),
+                    )
+                });
+                for (i, (g, w)) in out.to_f32().iter().zip(&want).enumerate() {
+                    assert_eq!(
+                        g.to_bits(),
+                        w.to_bits(),
+                        "{dtype:?} {rows}x{inter} vectors={vectors} value {i}: {g} vs {w}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+// ---- argmax ----------------------------------------------------------------------------------------------
+
+extern "C" {
+    fn argmax_f32(x: Ptr, cols: i32, vectors: i32, out: MutPtr);
+    fn argmax_bf16(x: Ptr, cols: i32, vectors: i32, out: MutPtr);
+}
+
+/// The argmax kernel as `argmax/cuda.rs` launches it (a block of 1024 threads per row; 16-byte vectors where
+/// the width allows, else single values) against the reference, on random rows with planted cases: the
+/// maximum repeated (the lowest index wins), a NaN (it wins), every value -inf, a row of one value.
+#[test]
+fn argmax_equals_the_reference() {
+    for (seed, (rows, cols)) in [
+        (4950, (4, 5000)),
+        (4951, (3, 37)),
+        (4952, (2, 1)),
+        (4953, (6, 4096)),
+    ] {
+        for dtype in [DType::F32, DType::BF16] {
+            let d = dtype_index(dtype);
+            let mut x = activations(seed, rows * cols, dtype);
+            if cols > 8 {
+                // Row 0: its maximum at two places; row 1: a NaN past a large value; row 2: all -inf.
+                x[cols / 3] = 7.0;
+                x[cols / 2] = 7.0;
+                if rows > 2 {
+                    x[cols + 1] = 9.0;
+                    x[cols + cols - 2] = f32::NAN;
+                    x[2 * cols..3 * cols].fill(f32::NEG_INFINITY);
+                }
+            }
+            let want: Vec<u32> =
+                glm5_ops::argmax::argmax_reference(&common::tensor(&x, &[rows, cols], dtype))
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap();
+            if cols > 8 {
+                assert_eq!(
+                    want[0],
+                    (cols / 3) as u32,
+                    "the reference keeps the first maximum"
+                );
+            }
+            let device_x = Values::from_f32(&x, dtype);
+            let per_vector = 16 / dtype.size_in_bytes();
+            for vectors in [0, 1] {
+                if vectors == 1 && cols % per_vector != 0 {
+                    continue;
+                }
+                let out: DeviceBuffer<u32> = DeviceBuffer::poisoned(rows, NAN_BYTE);
+                let f = [argmax_f32, argmax_bf16][d];
+                run(LaunchConfig::new((rows as u32, 1, 1), 1024), || unsafe {
+                    f(
+                        device_x.ptr(),
+                        cols as i32,
+                        vectors,
+                        out.mut_ptr() as MutPtr,
+                    )
+                });
+                assert_eq!(
+                    out.to_vec(),
+                    want,
+                    "{dtype:?} {rows}x{cols} vectors={vectors}"
+                );
+            }
+        }
+    }
+}

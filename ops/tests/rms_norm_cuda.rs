@@ -1,4 +1,4 @@
-//! The CUDA RMSNorm kernel and the fused cache-row kernels (the MLA latent row, the indexer key) against their
+//! The CUDA RMSNorm kernel, SwiGLU, argmax and the fused cache-row kernels (the MLA latent row, the indexer key) against their
 //! references (candle tensor ops, HF's order of roundings) on fresh random rows, the output landing in memory
 //! filled with NaN just before. Needs a GPU: built with `--features cuda`.
 #![cfg(feature = "cuda")]
@@ -8,7 +8,9 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use common::{rng, uniform};
+use glm5_ops::argmax::{argmax, argmax_reference};
 use glm5_ops::rms_norm::{rms_norm, rms_norm_reference};
+use glm5_ops::swiglu::{swiglu, swiglu_reference};
 
 #[test]
 fn rms_norm_on_gpu_equals_the_reference() {
@@ -377,6 +379,113 @@ fn query_kernels_on_gpu_equal_the_reference() {
                     dtype,
                     &format!("{what} {dtype:?} t={t}"),
                 );
+            }
+        }
+    }
+}
+
+/// SwiGLU over stacked gate|up rows against its reference (candle's f32 silu, rounded, times up): 16-byte
+/// vectors where the width and the start allow, single values where they do not (a width off the vector
+/// size, a view starting one value in).
+#[test]
+fn swiglu_on_gpu_equals_the_reference() {
+    let gpu = Device::new_cuda(0).expect("a CUDA device");
+    let mut r = rng(4640);
+    for dtype in [DType::F32, DType::BF16] {
+        for (rows, inter, offset) in [
+            (1, 12288, 0),
+            (37, 2048, 0),
+            (3, 20, 0),
+            (2, 6, 0),
+            (4, 2048, 1),
+        ] {
+            let len = rows * 2 * inter + offset;
+            let flat = Tensor::from_vec(uniform(&mut r, len), len, &Device::Cpu)
+                .unwrap()
+                .affine(8.0, 0.0)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap()
+                .to_device(&gpu)
+                .unwrap();
+            let gate_up = flat
+                .narrow(0, offset, rows * 2 * inter)
+                .unwrap()
+                .reshape((rows, 2 * inter))
+                .unwrap();
+            let nan = Tensor::full(f32::NAN, rows * inter * 2, &gpu).unwrap();
+            gpu.synchronize().unwrap();
+            drop(nan);
+            let got = swiglu(&gate_up, inter).unwrap();
+            assert_eq!(got.dims(), [rows, inter]);
+            let want = swiglu_reference(&gate_up.to_device(&Device::Cpu).unwrap(), inter).unwrap();
+            let got: Vec<f32> = got
+                .to_dtype(DType::F32)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            let want: Vec<f32> = want
+                .to_dtype(DType::F32)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            // The GPU's expf and the CPU's exp may differ in the last f32 place, which a bf16 rounding can
+            // carry to one step of either rounding.
+            let tolerance = if dtype == DType::F32 {
+                1e-6
+            } else {
+                2.0f32.powi(-7)
+            };
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    (g - w).abs() <= tolerance * w.abs().max(1e-3),
+                    "{dtype:?} {rows}x{inter} (offset {offset}) value {i}: {g} vs {w}"
+                );
+            }
+        }
+    }
+}
+
+/// argmax over rows against its reference (the host's scan), the maximum planted twice in one row (the lower
+/// index wins) and a NaN in another (it wins); GLM-5's vocabulary width, widths off the vector size, and a
+/// view starting one value in (single loads).
+#[test]
+fn argmax_on_gpu_equals_the_reference() {
+    let gpu = Device::new_cuda(0).expect("a CUDA device");
+    let mut r = rng(4660);
+    for dtype in [DType::F32, DType::BF16] {
+        for (rows, cols, offset) in [(1, 154880, 0), (5, 4099, 0), (3, 8, 0), (2, 1000, 1)] {
+            let len = rows * cols + offset;
+            let mut values = uniform(&mut r, len);
+            values[offset + cols / 3] = 5.0;
+            values[offset + cols / 2] = 5.0;
+            if rows > 1 {
+                values[offset + cols + cols / 4] = f32::NAN;
+            }
+            let flat = Tensor::from_vec(values, len, &Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap()
+                .to_device(&gpu)
+                .unwrap();
+            let x = flat
+                .narrow(0, offset, rows * cols)
+                .unwrap()
+                .reshape((rows, cols))
+                .unwrap();
+            let got: Vec<u32> = argmax(&x).unwrap().to_vec1().unwrap();
+            let want: Vec<u32> = argmax_reference(&x.to_device(&Device::Cpu).unwrap())
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            assert_eq!(got, want, "{dtype:?} {rows}x{cols} (offset {offset})");
+            assert_eq!(want[0], (cols / 3) as u32);
+            if rows > 1 {
+                assert_eq!(want[1], (cols / 4) as u32);
             }
         }
     }

@@ -146,7 +146,7 @@ pub(super) enum Proj {
     GgufBlocks(glm5_ops::gguf_matmul::GgufWeight),
 }
 
-fn op_error(e: glm5_ops::OpError) -> candle_core::Error {
+pub(super) fn op_error(e: glm5_ops::OpError) -> candle_core::Error {
     match e {
         glm5_ops::OpError::Candle(e) => e,
         other => candle_core::Error::Msg(other.to_string()),
@@ -214,9 +214,6 @@ impl RmsNorm {
 
 impl Module for RmsNorm {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        glm5_ops::rms_norm::rms_norm(x, &self.weight, self.eps).map_err(|e| match e {
-            glm5_ops::OpError::Candle(e) => e,
-            other => candle_core::Error::Msg(other.to_string()),
-        })
+        glm5_ops::rms_norm::rms_norm(x, &self.weight, self.eps).map_err(op_error)
     }
 }

@@ -5,7 +5,7 @@ use candle_core::{DType, Module, Tensor};
 use glm5_ops::gguf_matmul::{GgufFormat, GgufWeight};
 use glm5_ops::moe::{self, RouteRule, Routes};
 
-use super::linear::{Loader, Proj};
+use super::linear::{op_error, Loader, Proj};
 use crate::config::Config;
 use crate::error::{ModelError, Result};
 
@@ -181,19 +181,16 @@ fn stack_quantized(mlps: &[&Mlp]) -> Option<moe::QuantizedExperts> {
 
 impl Module for Mlp {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let (gate, up) = match &self.gate_up {
-            GateUp::Apart { gate, up } => (gate.forward(x)?, up.forward(x)?),
+        let activated = match &self.gate_up {
+            GateUp::Apart { gate, up } => {
+                (candle_nn::ops::silu(&gate.forward(x)?)? * up.forward(x)?)?
+            }
+            // One launch for the activation and the product (glm5_ops::swiglu).
             GateUp::Stacked { proj, intermediate } => {
-                let both = proj.forward(x)?;
-                let last = both.rank() - 1;
-                (
-                    both.narrow(last, 0, *intermediate)?,
-                    both.narrow(last, *intermediate, *intermediate)?,
-                )
+                glm5_ops::swiglu::swiglu(&proj.forward(x)?, *intermediate).map_err(op_error)?
             }
         };
-        self.down_proj
-            .forward(&(candle_nn::ops::silu(&gate)? * up)?)
+        self.down_proj.forward(&activated)
     }
 }
 

@@ -162,7 +162,7 @@ pub(super) fn experts_moe_gemm(
         slots,
         true,
     )?;
-    let h = (gate_up_out.narrow(1, 0, inter)?.silu()? * gate_up_out.narrow(1, inter, inter)?)?;
+    let h = crate::swiglu::swiglu(&gate_up_out, inter)?;
     let y = candle_nn::moe::moe_gemm(
         &h,
         &down.contiguous()?,

@@ -87,11 +87,6 @@ fn pointer_arrays(
     Ok((arrays, addresses))
 }
 
-/// `SiLU(gate) · up` from the gate/up GEMM's output `h` `[rows, 2I]` (gate the first half), contiguous.
-fn silu_times_up(h: &Tensor, inter: usize) -> Result<Tensor> {
-    Ok((h.narrow(1, 0, inter)?.silu()? * h.narrow(1, inter, inter)?)?.contiguous()?)
-}
-
 /// Runs every problem (one group each: their row counts differ) on the device's stream.
 fn grouped_gemm(
     dev: &CudaDevice,
@@ -332,7 +327,7 @@ pub(super) fn experts_grouped_gemm(
         };
     let gate_up_problems = problems((two_inter, hidden), gate_up_ptr, xs_ptr, h_ptr);
     grouped_gemm(&dev, device, dtype, &gate_up_problems)?;
-    let act = silu_times_up(&h, inter)?;
+    let act = crate::swiglu::swiglu(&h, inter)?;
     let (act_ptr, _) = device_address(&act)?;
     let down_problems = problems((hidden, inter), down_ptr, act_ptr, y_ptr);
     grouped_gemm(&dev, device, dtype, &down_problems)?;
@@ -415,7 +410,7 @@ pub(super) fn experts_bucketed_gemm(
     // Gate and up read the gathered rows in sorted order (a block's first sorted row); down reads the
     // activations in the padded blocks' rows.
     run_buckets((two_inter, hidden), gate_up_ptr, xs_ptr, |b| b.1, h_ptr)?;
-    let act = silu_times_up(&h, inter)?;
+    let act = crate::swiglu::swiglu(&h, inter)?;
     let (act_ptr, _) = device_address(&act)?;
     run_buckets((hidden, inter), down_ptr, act_ptr, |b| b.4, y_ptr)?;
     // Each sorted row's output from its block.
@@ -479,7 +474,7 @@ pub(super) fn quantized_experts_grouped_gemm(
         }
         grouped_gemm(&dev, device, dtype, &problems)?;
     }
-    let act = silu_times_up(&h, inter)?;
+    let act = crate::swiglu::swiglu(&h, inter)?;
     let (act_ptr, _) = device_address(&act)?;
     for runs in grouped.runs.chunks(chunk) {
         let dense: Vec<Tensor> = runs
