@@ -60,22 +60,6 @@ __device__ __forceinline__ void gguf_matvec(const T* __restrict__ x, const uint8
     store_split_rows<WARPS>(acc, at, column_warps, y, m, n);
 }
 
-/// The 32 values `v` rounded to T at `o` (16-byte aligned) in 16-byte stores. A thread's 32 two- or four-byte
-/// stores, each 64 or 128 bytes from the next lane's, took a memory transaction apiece: the Q4_K expert
-/// dequantise of a 4096-token prefill ran near 30 GB/s that way.
-template <typename T> __device__ __forceinline__ void store_32(T* o, const float (&v)[32]) {
-    constexpr int PER_VECTOR = 16 / sizeof(T);
-#pragma unroll
-    for (int q = 0; q < 32 / PER_VECTOR; ++q) {
-        T part[PER_VECTOR];
-#pragma unroll
-        for (int j = 0; j < PER_VECTOR; ++j) part[j] = from_float<T>(v[PER_VECTOR * q + j]);
-        uint4 packed;
-        memcpy(&packed, part, sizeof(packed));
-        reinterpret_cast<uint4*>(o)[q] = packed;
-    }
-}
-
 template <Format F, typename T>
 __device__ __forceinline__ void gguf_dequantize(const uint8_t* __restrict__ w, T* __restrict__ out, int n, int k) {
     const int subs = k / 32;
@@ -87,7 +71,7 @@ __device__ __forceinline__ void gguf_dequantize(const uint8_t* __restrict__ w, T
         const uint8_t* block = block_of<F>(w + static_cast<size_t>(r) * row_bytes<F>(k), sb, ib);
         float wv[32];
         decode<F>(block, ib, wv);
-        store_32(out + static_cast<size_t>(r) * k + 32 * sb, wv);
+        store_values(out + static_cast<size_t>(r) * k + 32 * sb, wv);
     }
 }
 

@@ -115,25 +115,66 @@ __device__ __forceinline__ void nvfp4_matvec(const T* __restrict__ x, const uint
     store_split_rows<WARPS>(acc, at, column_warps, y, m, n);
 }
 
+/// Values a dequantise work item covers where the layout allows (`vectors`: 16 consecutive weights of one scale
+/// block, one 16-byte FP8 load or one 8-byte NVFP4 group, stored as 16-byte vectors); else one value an item.
+constexpr int DEQUANTIZE_RUN = 16;
+
 template <typename T>
 __device__ __forceinline__ void fp8_dequantize(const uint8_t* __restrict__ w, const float* __restrict__ scale_inv,
-                                               T* __restrict__ out, int n, int k, int block_n, int block_k) {
+                                               T* __restrict__ out, int n, int k, int block_n, int block_k,
+                                               int vectors) {
     const int scale_cols = (k + block_k - 1) / block_k;
+    const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+    const size_t first = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x;
+    if (vectors) {
+        // k and block_k multiples of 16, w 16-byte aligned (the launcher checks): a run is in one scale block.
+        const int runs = k / DEQUANTIZE_RUN;
+        const size_t total = static_cast<size_t>(n) * runs;
+        for (size_t i = first; i < total; i += stride) {
+            const int r = static_cast<int>(i / runs), c = static_cast<int>(i % runs) * DEQUANTIZE_RUN;
+            const float scale = scale_inv[(r / block_n) * scale_cols + c / block_k];
+            float v[DEQUANTIZE_RUN];
+            fp8x16_to_float(*reinterpret_cast<const uint4*>(w + i * DEQUANTIZE_RUN), v);
+#pragma unroll
+            for (int j = 0; j < DEQUANTIZE_RUN; ++j) v[j] *= scale;
+            store_values(out + i * DEQUANTIZE_RUN, v);
+        }
+        return;
+    }
     const size_t total = static_cast<size_t>(n) * k;
-    for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < total;
-         i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    for (size_t i = first; i < total; i += stride) {
         const int r = static_cast<int>(i / k), c = static_cast<int>(i % k);
         out[i] = from_float<T>(e4m3_to_float(w[i]) * scale_inv[(r / block_n) * scale_cols + c / block_k]);
     }
 }
 
+/// A run is one 16-value group: 8 packed bytes (the even column in the low nibble) and its scale, the packed
+/// bytes 8-byte aligned where `vectors` (the launcher checks).
 template <typename T>
 __device__ __forceinline__ void nvfp4_dequantize(const uint8_t* __restrict__ packed,
                                                  const uint8_t* __restrict__ scales, float global_scale,
-                                                 T* __restrict__ out, int n, int k) {
+                                                 T* __restrict__ out, int n, int k, int vectors) {
+    const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+    const size_t first = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x;
+    if (vectors) {
+        const size_t total = static_cast<size_t>(n) * (k / DEQUANTIZE_RUN);
+        for (size_t i = first; i < total; i += stride) {
+            // Row-major groups: group i holds packed bytes 8i .. 8i + 7 and scale i.
+            const uint2 bytes = *reinterpret_cast<const uint2*>(packed + i * (DEQUANTIZE_RUN / 2));
+            const float scale = e4m3_to_float(scales[i]);
+            const uint32_t words[2] = {bytes.x, bytes.y};
+            float v[DEQUANTIZE_RUN];
+#pragma unroll
+            for (int j = 0; j < DEQUANTIZE_RUN; ++j) {
+                const uint32_t byte = words[j / 8] >> (8 * (j % 8 / 2)) & 0xff;
+                v[j] = e2m1_to_float(j % 2 == 0 ? (byte & 0xf) : (byte >> 4)) * scale * global_scale;
+            }
+            store_values(out + i * DEQUANTIZE_RUN, v);
+        }
+        return;
+    }
     const size_t total = static_cast<size_t>(n) * k;
-    for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < total;
-         i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    for (size_t i = first; i < total; i += stride) {
         const int r = static_cast<int>(i / k), c = static_cast<int>(i % k);
         const uint8_t byte = packed[static_cast<size_t>(r) * (k / 2) + c / 2];
         const uint32_t code = (c % 2 == 0) ? (byte & 0xf) : (byte >> 4);
@@ -165,13 +206,13 @@ __device__ __forceinline__ void nvfp4_dequantize(const uint8_t* __restrict__ pac
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(DEQUANTIZE_THREADS)                                           \
         fp8_dequantize_##SUFFIX(const uint8_t* w, const float* scale_inv, T* out, int n, int k, int block_n,  \
-                                int block_k) {                                                                 \
-        fp8_dequantize<T>(w, scale_inv, out, n, k, block_n, block_k);                                          \
+                                int block_k, int vectors) {                                                    \
+        fp8_dequantize<T>(w, scale_inv, out, n, k, block_n, block_k, vectors);                                 \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(DEQUANTIZE_THREADS)                                           \
         nvfp4_dequantize_##SUFFIX(const uint8_t* packed, const uint8_t* scales, float global_scale, T* out,   \
-                                  int n, int k) {                                                              \
-        nvfp4_dequantize<T>(packed, scales, global_scale, out, n, k);                                          \
+                                  int n, int k, int vectors) {                                                 \
+        nvfp4_dequantize<T>(packed, scales, global_scale, out, n, k, vectors);                                 \
     }
 
 WEIGHT_ONLY_KERNELS(f32, float)

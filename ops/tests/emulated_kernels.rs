@@ -389,9 +389,9 @@ fn q4k_mma_matvec_equals_the_reference() {
 
 type Fp8Matvec =
     unsafe extern "C" fn(Ptr, *const u8, *const f32, MutPtr, i32, i32, i32, i32, i32, i32);
-type Fp8Dequantize = unsafe extern "C" fn(*const u8, *const f32, MutPtr, i32, i32, i32, i32);
+type Fp8Dequantize = unsafe extern "C" fn(*const u8, *const f32, MutPtr, i32, i32, i32, i32, i32);
 type Nvfp4Matvec = unsafe extern "C" fn(Ptr, *const u8, *const u8, f32, MutPtr, i32, i32, i32, i32);
-type Nvfp4Dequantize = unsafe extern "C" fn(*const u8, *const u8, f32, MutPtr, i32, i32);
+type Nvfp4Dequantize = unsafe extern "C" fn(*const u8, *const u8, f32, MutPtr, i32, i32, i32);
 
 extern "C" {
     fn fp8_matvec_f32(
@@ -450,6 +450,7 @@ extern "C" {
         k: i32,
         bn: i32,
         bk: i32,
+        vectors: i32,
     );
     fn fp8_dequantize_bf16(
         w: *const u8,
@@ -459,6 +460,7 @@ extern "C" {
         k: i32,
         bn: i32,
         bk: i32,
+        vectors: i32,
     );
     fn nvfp4_matvec_f32(
         x: Ptr,
@@ -504,8 +506,24 @@ extern "C" {
         k: i32,
         column_warps: i32,
     );
-    fn nvfp4_dequantize_f32(p: *const u8, s: *const u8, g: f32, out: MutPtr, n: i32, k: i32);
-    fn nvfp4_dequantize_bf16(p: *const u8, s: *const u8, g: f32, out: MutPtr, n: i32, k: i32);
+    fn nvfp4_dequantize_f32(
+        p: *const u8,
+        s: *const u8,
+        g: f32,
+        out: MutPtr,
+        n: i32,
+        k: i32,
+        v: i32,
+    );
+    fn nvfp4_dequantize_bf16(
+        p: *const u8,
+        s: *const u8,
+        g: f32,
+        out: MutPtr,
+        n: i32,
+        k: i32,
+        v: i32,
+    );
 }
 
 const FP8_MATVEC: [Fp8Matvec; 2] = [fp8_matvec_f32, fp8_matvec_bf16];
@@ -586,9 +604,22 @@ fn fp8_kernels_equal_the_reference() {
             &dense,
             seed,
             &|dtype, out| {
+                // 16 weights an item as the launcher runs these shapes (every one's runs lie in one scale
+                // block), and one an item (its fallback) for every other shape.
                 let f = FP8_DEQUANTIZE[dtype_index(dtype)];
-                run(dequantize_config(n * k), || unsafe {
-                    f(bytes.ptr(), scales.ptr(), out, n as i32, k as i32, bn, bk)
+                let vectors = seed % 2 == 0 && k % 16 == 0 && block[1] % 16 == 0;
+                let items = if vectors { n * k / 16 } else { n * k };
+                run(dequantize_config(items), || unsafe {
+                    f(
+                        bytes.ptr(),
+                        scales.ptr(),
+                        out,
+                        n as i32,
+                        k as i32,
+                        bn,
+                        bk,
+                        i32::from(vectors),
+                    )
                 });
             },
             &|dtype, one_row, x, y, m| {
@@ -638,9 +669,21 @@ fn nvfp4_kernels_equal_the_reference() {
             &dense,
             seed,
             &|dtype, out| {
+                // A group an item as the launcher runs aligned weights, and one value an item (its fallback)
+                // for every other shape.
                 let f = NVFP4_DEQUANTIZE[dtype_index(dtype)];
-                run(dequantize_config(n * k), || unsafe {
-                    f(packed.ptr(), scales.ptr(), global, out, n as i32, k as i32)
+                let vectors = seed % 2 == 0;
+                let items = if vectors { n * k / 16 } else { n * k };
+                run(dequantize_config(items), || unsafe {
+                    f(
+                        packed.ptr(),
+                        scales.ptr(),
+                        global,
+                        out,
+                        n as i32,
+                        k as i32,
+                        i32::from(vectors),
+                    )
                 });
             },
             &|dtype, one_row, x, y, m| {

@@ -54,15 +54,19 @@ pub(crate) fn dequantize_to(w: &Fp8BlockWeight, dtype: candle_core::DType) -> Re
         scalar: None,
     };
     let (bn, bk) = (w.block[0] as i32, w.block[1] as i32);
+    // 16 weights a thread (one load, one scale, vector stores) where every run of 16 lies in one scale block
+    // and starts 16-byte aligned.
+    let vectors =
+        k.is_multiple_of(16) && w.block[1].is_multiple_of(16) && pointers[0].is_multiple_of(16);
     dequantize(
         &WEIGHT_ONLY,
         "fp8_dequantize",
         dtype,
         &w.weight,
         (n, k),
-        n * k,
+        if vectors { n * k / 16 } else { n * k },
         &args,
-        &[n as i32, k as i32, bn, bk],
+        &[n as i32, k as i32, bn, bk, i32::from(vectors)],
     )
 }
 

@@ -44,15 +44,17 @@ pub(crate) fn dequantize_to(w: &Nvfp4Weight, dtype: candle_core::DType) -> Resul
         pointers: &pointers,
         scalar: Some(&w.global_scale),
     };
+    // A 16-value group a thread (one 8-byte load, vector stores) where the packed bytes start 8-byte aligned.
+    let vectors = k.is_multiple_of(16) && pointers[0].is_multiple_of(8);
     dequantize(
         &WEIGHT_ONLY,
         "nvfp4_dequantize",
         dtype,
         &w.packed,
         (n, k),
-        n * k,
+        if vectors { n * k / 16 } else { n * k },
         &args,
-        &[n as i32, k as i32],
+        &[n as i32, k as i32, i32::from(vectors)],
     )
 }
 
