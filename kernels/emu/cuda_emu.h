@@ -66,13 +66,6 @@ template <typename T> T __shfl_up_sync(unsigned mask, T value, unsigned delta, i
     return lane >= delta ? all[lane - delta] : value;
 }
 
-/// The warp's lanes meet (a warp collective that moves nothing).
-inline void __syncwarp(unsigned mask = 0xffffffffu) {
-    if (mask != 0xffffffffu) glm5_emu_unsupported("__syncwarp of part of a warp");
-    unsigned char nothing = 0, all[32];
-    glm5_emu_warp_gather(&nothing, 1, all);
-}
-
 template <typename T> inline T __ldg(const T* p) { return *p; }
 
 /// Byte `s` nibble i (low 3 bits) of {y, x} (x bytes 0-3, y 4-7) into byte i; nibble bit 3 replicates the

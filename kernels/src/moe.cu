@@ -104,18 +104,22 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, const flo
                                      uint32_t* __restrict__ ids, float* __restrict__ gates) {
     __shared__ float score[MOE_ROUTE_MAX_EXPERTS];
     __shared__ float choice[MOE_ROUTE_MAX_EXPERTS];
+    __shared__ unsigned char taken[MOE_ROUTE_MAX_EXPERTS];
     __shared__ float group_score[MOE_ROUTE_MAX_GROUPS];
     __shared__ unsigned char group_kept[MOE_ROUTE_MAX_GROUPS];
+    __shared__ float warp_value[32];
+    __shared__ int warp_index[32];
     __shared__ int picked[MOE_ROUTE_MAX_TOPK];
 
     const int t = blockIdx.x;
     const int e = threadIdx.x;
-    const int lane = e & 31, warp = e >> 5;
+    const int lane = e & 31, warp = e >> 5, warps = blockDim.x >> 5;
     if (t >= n_tokens) return;
     if (e < n_experts) {
         const float s = 1.0f / (1.0f + expf(-logits[(size_t)t * n_experts + e]));
         score[e] = s;
         choice[e] = s + bias[e];
+        taken[e] = 0;
     }
     __syncthreads();
     const int group_size = n_experts / n_group;
@@ -143,28 +147,10 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, const flo
         }
     }
     __syncthreads();
-    // The top_k picks by warp 0 alone, lane l holding experts l, l + 32, ... in registers: a round is a lane's
-    // scan and one warp argmax, with no block barrier (two a round over the block's warps took ~12 us).
-    if (warp != 0) return;
-    constexpr int PER_LANE = MOE_ROUTE_MAX_EXPERTS / 32;
-    float allowed[PER_LANE];
-    uint32_t taken_bits = 0;  // bit j: expert lane + 32 j is picked
-#pragma unroll
-    for (int j = 0; j < PER_LANE; ++j) {
-        const int x = lane + 32 * j;
-        allowed[j] = (x < n_experts && group_kept[x / group_size]) ? choice[x] : -INFINITY;
-    }
+    const float allowed = (e < n_experts && group_kept[e / group_size]) ? choice[e] : -INFINITY;
     for (int r = 0; r < top_k; ++r) {
-        float v = -INFINITY;
-        int i = -1;
-#pragma unroll
-        for (int j = 0; j < PER_LANE; ++j) {
-            const int x = lane + 32 * j;
-            if (x < n_experts && !(taken_bits >> j & 1u) && better(allowed[j], x, v, i)) {
-                v = allowed[j];
-                i = x;
-            }
-        }
+        float v = allowed;
+        int i = (e < n_experts && !taken[e]) ? e : -1;
 #pragma unroll
         for (int offset = 16; offset > 0; offset >>= 1) {
             const float ov = __shfl_xor_sync(0xffffffffu, v, offset);
@@ -174,10 +160,24 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, const flo
                 i = oi;
             }
         }
-        if (i >= 0 && i % 32 == lane) taken_bits |= 1u << (i / 32);
-        if (lane == 0) picked[r] = i;
+        if (lane == 0) {
+            warp_value[warp] = v;
+            warp_index[warp] = i;
+        }
+        __syncthreads();
+        if (e == 0) {
+            float bv = warp_value[0];
+            int bi = warp_index[0];
+            for (int w = 1; w < warps; ++w)
+                if (better(warp_value[w], warp_index[w], bv, bi)) {
+                    bv = warp_value[w];
+                    bi = warp_index[w];
+                }
+            picked[r] = bi;
+            if (bi >= 0) taken[bi] = 1;
+        }
+        __syncthreads();
     }
-    __syncwarp();
     if (e == 0) {
         const int slots = top_k + (shared_expert >= 0 ? 1 : 0);
         float total = 0.0f;
