@@ -1,7 +1,7 @@
 // The index of each row's largest value (contract: ops/src/argmax/mod.rs): a block per row, every thread's
 // loads issued before it compares any (four 16-byte vectors a pass), then the block's best by warp shuffles
 // and shared memory. candle's argmax walks a 154,880-value logits row with one load in flight per thread:
-// ~110 us on an H100, 5% of a Q4_K slice's decode step; this one is a few microseconds.
+// 110.6 us on an H100 (ncu), 5% of a Q4_K slice's decode step; this one 17.6 us.
 
 #include <cuda_bf16.h>
 #include <stdint.h>

@@ -12,7 +12,8 @@ using namespace glm5::rows;
 
 /// Values a thread holds in registers: a row up to HELD · blockDim.x wide (8192 at 1024 threads; GLM-5's
 /// widths are 6144 and below) is read once, every load in flight before the first is used. The loops over
-/// memory kept one load in flight a thread and read the row twice: ~8 us a call, 12 calls a Q4_K slice step.
+/// memory kept one load in flight a thread and read the row twice (H100, ncu: the residual add and norm 7.9 us
+/// a call that way, 6.6 us this way; 12 calls a step of the 6-layer slice).
 constexpr int HELD = 8;
 
 template <typename T>

@@ -1,6 +1,7 @@
-//! The CUDA RMSNorm kernel, SwiGLU, argmax and the fused cache-row kernels (the MLA latent row, the indexer key) against their
-//! references (candle tensor ops, HF's order of roundings) on fresh random rows, the output landing in memory
-//! filled with NaN just before. Needs a GPU: built with `--features cuda`.
+//! The CUDA row kernels against their references on fresh random rows: RMSNorm, SwiGLU, argmax and the fused
+//! cache-row kernels (the MLA latent row, the indexer key); the references are candle tensor ops in HF's
+//! order of roundings (argmax's a scan on the host), the output landing in memory filled with NaN just
+//! before where the test says so. Needs a GPU: built with `--features cuda`.
 #![cfg(feature = "cuda")]
 
 #[allow(dead_code)]

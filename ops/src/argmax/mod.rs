@@ -9,7 +9,7 @@
 //!
 //! The reference reads the rows back to the host (any device, any float dtype); on CUDA for bf16 and f32 one
 //! kernel (`kernels/src/argmax.cu`), a block per row with many loads in flight per thread, where candle's
-//! argmax kept one in flight and took ~110 us over GLM-5's 154,880 logits on an H100.
+//! argmax kept one in flight and took 110.6 us over GLM-5's 154,880 logits on an H100, this one 17.6 us.
 
 use candle_core::{DType, Tensor, D};
 
