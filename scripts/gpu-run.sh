@@ -72,11 +72,13 @@ for step in $steps; do
       done 2>&1 | tee "$OUT/profile-warm.txt" ;;
     step-profile)
       # Every kernel of one batch-1 decode step of the slice (WEIGHTS, default q4k; kernel time alone, L2 kept
-      # warm as in a step): listed in order and summed by kernel (scripts/step_kernels.py). SKIP and COUNT
-      # place ncu's window past the prefills that fill the caches (Q4_K's dequantise each expert: tens of
-      # thousands of launches), over a few decode steps; the script says where a window landed.
-      timeout 400 ncu --csv --cache-control none --clock-control none --launch-skip ${SKIP:-1500} --launch-count ${COUNT:-1200} \
-        --metrics gpu__time_duration.sum /tmp/glm5-bin/glm5-bench e2e --weights ${WEIGHTS:-q4k} --contexts 4096 --batches 8 --steps 2 \
+      # warm as in a step): listed in order and summed by kernel (scripts/step_kernels.py). A context of 8
+      # tokens keeps the cache-filling prefills short (8 tokens, no dequantised experts; at 4096 Q4_K's take
+      # tens of thousands of launches); SKIP and COUNT place ncu's window over the decode steps that follow
+      # (3300 and 900 landed there for q4k), and the script takes the window's cheapest lm_head-to-lm_head
+      # span, a decode step. The attention's kernels so run at a short context.
+      timeout 400 ncu --csv --cache-control none --clock-control none --launch-skip ${SKIP:-3300} --launch-count ${COUNT:-900} \
+        --metrics gpu__time_duration.sum /tmp/glm5-bin/glm5-bench e2e --weights ${WEIGHTS:-q4k} --contexts 8 --prefill 8 --batches 1 --steps 4 \
         > "$OUT/step-kernels.csv" 2> "$OUT/step-kernels.err"; echo "ncu step-profile: rc=$?"
       python3 scripts/step_kernels.py "$OUT/step-kernels.csv" > "$OUT/step-kernels.txt"; head -1 "$OUT/step-kernels.txt" ;;
     profile-detail)

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Every kernel of one decode step, from `ncu --csv --metrics gpu__time_duration.sum` over a window of a
 `glm5-bench e2e` run (scripts/gpu-run.sh step-profile): the step is the span between two launches of the
-window's longest kernel (lm_head, the largest matrix), listed in order, then summed by kernel name."""
+window's longest kernel (lm_head, the largest matrix) of least kernel time, listed in order, then summed by
+kernel name."""
 import csv
 import re
 import sys
@@ -38,11 +39,15 @@ def main(path):
             f"fewer than two launches of the longest kernel ({short(longest)}) in the window of {len(kernels)} "
             f"(most launched: {common}): move it (SKIP) past the prefills that fill the caches"
         )
-    # The last complete step of the window.
-    start, end = marks[-2] + 1, marks[-1] + 1
-    step = kernels[start:end]
+    # Of the window's complete spans, the one of least kernel time: a decode step (the short prefills that
+    # fill the caches end with the same lm_head launch but take longer).
+    spans = [kernels[a + 1 : b + 1] for a, b in zip(marks, marks[1:])]
+    step = min(spans, key=lambda span: sum(k[2] for k in span))
     total = sum(k[2] for k in step)
-    print(f"one step: {len(step)} kernels, {total:.1f} us of kernel time (ends with {short(longest)})")
+    print(
+        f"one step: {len(step)} kernels, {total:.1f} us of kernel time (ends with {short(longest)}; "
+        f"the least of the window's {len(spans)} complete spans)"
+    )
     for i, (_, name, us) in enumerate(step):
         print(f"{i:4d} {us:9.2f}  {short(name)}")
     by_name = OrderedDict()
