@@ -26,6 +26,13 @@ pub(crate) fn kernel_name(stem: &str, dtype: DType) -> crate::error::Result<Stri
     }
 }
 
+/// Whether rows of `width` values of `dtype`, the first starting at device `address`, can be read and written
+/// in 16-byte vectors: every row a whole number of them and the first 16-byte aligned (the row kernels'
+/// `vectors` argument).
+pub(crate) fn rows_take_16_byte_vectors(width: usize, dtype: DType, address: u64) -> bool {
+    width.is_multiple_of(16 / dtype.size_in_bytes()) && address.is_multiple_of(16)
+}
+
 pub(crate) fn cuda_err(e: impl std::fmt::Display) -> candle_core::Error {
     candle_core::Error::Cuda(e.to_string().into())
 }

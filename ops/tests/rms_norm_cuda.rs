@@ -112,6 +112,23 @@ fn on_gpu(values: Vec<f32>, shape: &[usize], dtype: DType, gpu: &Device) -> Tens
         .unwrap()
 }
 
+/// `values` past the first `offset` as a `shape` tensor of `dtype` on `gpu`: a contiguous view that starts
+/// `offset` values into its buffer (off a 16-byte boundary for an odd offset).
+fn offset_view(
+    values: Vec<f32>,
+    offset: usize,
+    shape: &[usize],
+    dtype: DType,
+    gpu: &Device,
+) -> Tensor {
+    let len = values.len();
+    on_gpu(values, &[len], dtype, gpu)
+        .narrow(0, offset, len - offset)
+        .unwrap()
+        .reshape(shape)
+        .unwrap()
+}
+
 /// Random RoPE tables `(cos, sin)` `[t, half]` on `gpu`.
 fn rope_tables(
     r: &mut rand::rngs::StdRng,
@@ -400,40 +417,16 @@ fn swiglu_on_gpu_equals_the_reference() {
             (2, 6, 0),
             (4, 2048, 1),
         ] {
-            let len = rows * 2 * inter + offset;
-            let flat = Tensor::from_vec(uniform(&mut r, len), len, &Device::Cpu)
-                .unwrap()
-                .affine(8.0, 0.0)
-                .unwrap()
-                .to_dtype(dtype)
-                .unwrap()
-                .to_device(&gpu)
-                .unwrap();
-            let gate_up = flat
-                .narrow(0, offset, rows * 2 * inter)
-                .unwrap()
-                .reshape((rows, 2 * inter))
-                .unwrap();
+            let values = uniform(&mut r, rows * 2 * inter + offset);
+            let values = values.into_iter().map(|v| 8.0 * v).collect();
+            let gate_up = offset_view(values, offset, &[rows, 2 * inter], dtype, &gpu);
             let nan = Tensor::full(f32::NAN, rows * inter * 2, &gpu).unwrap();
             gpu.synchronize().unwrap();
             drop(nan);
             let got = swiglu(&gate_up, inter).unwrap();
             assert_eq!(got.dims(), [rows, inter]);
             let want = swiglu_reference(&gate_up.to_device(&Device::Cpu).unwrap(), inter).unwrap();
-            let got: Vec<f32> = got
-                .to_dtype(DType::F32)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
-            let want: Vec<f32> = want
-                .to_dtype(DType::F32)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
+            let (got, want) = (host_f32(&got), host_f32(&want));
             // The GPU's expf and the CPU's exp may differ in the last f32 place, which a bf16 rounding can
             // carry to one step of either rounding.
             let tolerance = if dtype == DType::F32 {
@@ -467,17 +460,7 @@ fn argmax_on_gpu_equals_the_reference() {
             if rows > 1 {
                 values[offset + cols + cols / 4] = f32::NAN;
             }
-            let flat = Tensor::from_vec(values, len, &Device::Cpu)
-                .unwrap()
-                .to_dtype(dtype)
-                .unwrap()
-                .to_device(&gpu)
-                .unwrap();
-            let x = flat
-                .narrow(0, offset, rows * cols)
-                .unwrap()
-                .reshape((rows, cols))
-                .unwrap();
+            let x = offset_view(values, offset, &[rows, cols], dtype, &gpu);
             let got: Vec<u32> = argmax(&x).unwrap().to_vec1().unwrap();
             let want: Vec<u32> = argmax_reference(&x.to_device(&Device::Cpu).unwrap())
                 .unwrap()

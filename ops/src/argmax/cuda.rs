@@ -3,7 +3,7 @@
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::{DType, Tensor, D};
 
-use crate::cuda::{cuda_err, device_address, kernel, kernel_name};
+use crate::cuda::{cuda_err, device_address, kernel, kernel_name, rows_take_16_byte_vectors};
 use crate::error::{OpError, Result};
 
 const THREADS: u32 = 1024;
@@ -28,9 +28,7 @@ pub(super) fn argmax(x: &Tensor) -> Result<Tensor> {
     };
     let (x_ptr, dev) = device_address(&x)?;
     let (out_ptr, _) = device_address(&out)?;
-    let per_vector = 16 / x.dtype().size_in_bytes();
-    // 16-byte loads where every row starts 16-byte aligned.
-    let vectors = i32::from(n.is_multiple_of(per_vector) && x_ptr.is_multiple_of(16));
+    let vectors = i32::from(rows_take_16_byte_vectors(n, x.dtype(), x_ptr));
     let func = kernel(
         &dev,
         "argmax",

@@ -13,7 +13,7 @@
 
 use candle_core::{DType, Tensor, D};
 
-use crate::error::{OpError, Result};
+use crate::error::{check_float, OpError, Result};
 
 #[cfg(feature = "cuda")]
 mod cuda;
@@ -36,13 +36,7 @@ fn check(x: &Tensor) -> Result<()> {
             found: x.dims().to_vec(),
         });
     }
-    if !x.dtype().is_float() {
-        return Err(OpError::NotFloat {
-            arg: "x",
-            found: x.dtype(),
-        });
-    }
-    Ok(())
+    check_float("x", x)
 }
 
 /// The reference: each row on the host, the contract's order, the result on `x`'s device.

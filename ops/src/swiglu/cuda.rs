@@ -3,7 +3,7 @@
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::{Tensor, D};
 
-use crate::cuda::{cuda_err, device_address, kernel, kernel_name};
+use crate::cuda::{cuda_err, device_address, kernel, kernel_name, rows_take_16_byte_vectors};
 use crate::error::{OpError, Result};
 
 const THREADS: usize = 256;
@@ -30,7 +30,8 @@ pub(super) fn swiglu(gate_up: &Tensor, inter: usize) -> Result<Tensor> {
     let (in_ptr, dev) = device_address(&gate_up)?;
     let (out_ptr, _) = device_address(&out)?;
     let per_vector = 16 / gate_up.dtype().size_in_bytes();
-    let vectors = i32::from(inter.is_multiple_of(per_vector) && in_ptr.is_multiple_of(16));
+    // The gate half's rows: `inter` values from the row start, every row 2 · inter apart.
+    let vectors = i32::from(rows_take_16_byte_vectors(inter, gate_up.dtype(), in_ptr));
     let func = kernel(
         &dev,
         "swiglu",

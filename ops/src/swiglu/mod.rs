@@ -21,7 +21,7 @@
 
 use candle_core::{DType, Tensor, D};
 
-use crate::error::{OpError, Result};
+use crate::error::{check_float, OpError, Result};
 
 #[cfg(feature = "cuda")]
 mod cuda;
@@ -45,13 +45,7 @@ fn check(gate_up: &Tensor, inter: usize) -> Result<()> {
             found: gate_up.dims().to_vec(),
         });
     }
-    if !gate_up.dtype().is_float() {
-        return Err(OpError::NotFloat {
-            arg: "gate_up",
-            found: gate_up.dtype(),
-        });
-    }
-    Ok(())
+    check_float("gate_up", gate_up)
 }
 
 /// The reference (any device): candle's silu in f32, rounded to the dtype, times up in f32, rounded.
