@@ -66,6 +66,13 @@ template <typename T> T __shfl_up_sync(unsigned mask, T value, unsigned delta, i
     return lane >= delta ? all[lane - delta] : value;
 }
 
+/// Waits for every lane of the warp (full warps only): a collective that moves nothing.
+inline void __syncwarp(unsigned mask = 0xffffffffu) {
+    if (mask != 0xffffffffu) glm5_emu_unsupported("__syncwarp of part of a warp");
+    char nothing[1];
+    glm5_emu_warp_gather(nothing, 0, nothing);
+}
+
 template <typename T> inline T __ldg(const T* p) { return *p; }
 
 /// Byte `s` nibble i (low 3 bits) of {y, x} (x bytes 0-3, y 4-7) into byte i; nibble bit 3 replicates the

@@ -284,6 +284,26 @@ pub mod weight_only {
     pub const DEFAULT_DYNAMIC_SHARED_BYTES: usize = 48 * 1024;
 }
 
+/// The constants of `moe.cu`'s router kernel (`GLM5_ROUTER_*` in the header).
+pub mod moe {
+    /// Experts and tokens of one block of `moe_router_logits_*` (every thread keeps their product of f32 sums).
+    pub const ROUTER_EXPERTS: usize = 2;
+    pub const ROUTER_TOKENS: usize = 4;
+    /// Threads of its blocks (`ROUTER_THREADS` in `moe.cu`).
+    pub const ROUTER_THREADS: usize = 256;
+
+    /// Threads of `moe_route`'s blocks for `n_experts` experts: one each, in whole warps.
+    pub const fn route_threads(n_experts: usize) -> usize {
+        n_experts.div_ceil(32) * 32
+    }
+    /// `moe_route`'s dynamic shared memory: a score and a choice per expert, and each warp's
+    /// min(`top_k`, 32) candidates (value and index).
+    pub const fn route_shared_bytes(n_experts: usize, top_k: usize) -> usize {
+        let per_warp = if top_k < 32 { top_k } else { 32 };
+        4 * (2 * n_experts + 2 * (route_threads(n_experts) / 32) * per_warp)
+    }
+}
+
 /// The constants of `nvfp4_mma_sm120a.cu` (`GLM5_NVFP4_MMA_*` in the header): the W4A4 GEMM on sm_120a's
 /// block-scaled FP4 MMA and its activation quantiser.
 pub mod nvfp4_mma {
@@ -386,6 +406,9 @@ pub const CONSTANTS: &[(&str, usize)] = &[
         "GLM5_WEIGHT_ONLY_DEQUANTIZE_THREADS",
         weight_only::DEQUANTIZE_THREADS,
     ),
+    ("GLM5_ROUTER_EXPERTS", moe::ROUTER_EXPERTS),
+    ("GLM5_ROUTER_TOKENS", moe::ROUTER_TOKENS),
+    ("GLM5_ROUTER_THREADS", moe::ROUTER_THREADS),
     ("GLM5_NVFP4_MMA_GROUP", nvfp4_mma::GROUP),
     (
         "GLM5_NVFP4_MMA_QUANTIZE_THREADS",

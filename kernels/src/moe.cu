@@ -1,6 +1,8 @@
-// Mixture of experts on the device (contract: ops/src/moe/mod.rs), a chain of five kernels with no host
+// Mixture of experts on the device (contract: ops/src/moe/mod.rs), a chain of six kernels with no host
 // round trip:
 //
+//   moe_router_logits_*  per (ROUTER_EXPERTS experts, ROUTER_TOKENS tokens), a block: the router's f32
+//                      logits x · Wᵀ of a few tokens (decode), x in the model dtype widened as it is read.
 //   moe_route          per token, a block: sigmoid scores, + correction bias for the choice, group limit
 //                      (a group's score is the sum of its two best choices; the best `topk_group` groups
 //                      stay), the `top_k` best allowed experts (equal values go to the lower expert), gates
@@ -46,6 +48,7 @@
 #define MOE_ROUTE_MAX_TOPK 64
 #define MOE_WARPS 8
 #define MOE_TOKENS_PER_PASS 8
+#define ROUTER_THREADS GLM5_ROUTER_THREADS
 
 namespace {
 
@@ -96,34 +99,134 @@ __device__ __forceinline__ bool better(float v1, int i1, float v2, int i2) {
     return v1 > v2 || (v1 == v2 && i1 < i2);
 }
 
+// The warp's best (v, i) by `better`, in every lane.
+__device__ __forceinline__ void warp_best(float& v, int& i) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, offset);
+        const int oi = __shfl_xor_sync(0xffffffffu, i, offset);
+        if (better(ov, oi, v, i)) {
+            v = ov;
+            i = oi;
+        }
+    }
+}
+
 }  // namespace
+
+// logits[t, e] = Σ_c f32(x[t, c]) · w[e, c] for the block's ROUTER_EXPERTS experts and ROUTER_TOKENS tokens:
+// each thread a strided share of the columns, 4 at a time (w as 16-byte vectors, x as 8- or 16-byte ones; the
+// launcher checks hidden % 4 and the alignment), all its experts' loads of a pass issued together; then the
+// block's sums by warp shuffles and shared memory, in a fixed order (the same logits every run). It replaces a
+// cast of x to f32 and cuBLAS's f32 GEMM, two launches that took 13 us on an H100 where one pass over GLM-5's
+// 6.3 MB router weight is 2.
+template <typename T>
+__device__ __forceinline__ void load4(const T* p, float (&out)[4]);
+template <> __device__ __forceinline__ void load4(const float* p, float (&out)[4]) {
+    const float4 v = __ldg(reinterpret_cast<const float4*>(p));
+    out[0] = v.x;
+    out[1] = v.y;
+    out[2] = v.z;
+    out[3] = v.w;
+}
+template <> __device__ __forceinline__ void load4(const __nv_bfloat16* p, float (&out)[4]) {
+    const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+    out[0] = __uint_as_float(v.x << 16);
+    out[1] = __uint_as_float(v.x & 0xffff0000u);
+    out[2] = __uint_as_float(v.y << 16);
+    out[3] = __uint_as_float(v.y & 0xffff0000u);
+}
+
+template <typename T>
+__device__ void router_logits(const T* __restrict__ x, const float* __restrict__ w, int n_tokens, int n_experts,
+                              int hidden, float* __restrict__ logits) {
+    constexpr int E = GLM5_ROUTER_EXPERTS, TOKENS = GLM5_ROUTER_TOKENS;
+    __shared__ float partial[ROUTER_THREADS / 32][E * TOKENS];
+    const int e0 = blockIdx.x * E, t0 = blockIdx.y * TOKENS;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    float acc[E][TOKENS];
+#pragma unroll
+    for (int i = 0; i < E; ++i)
+#pragma unroll
+        for (int j = 0; j < TOKENS; ++j) acc[i][j] = 0.0f;
+    // Rows past the last expert or token read the last one (in bounds); their sums are not written.
+    const float* rows[E];
+#pragma unroll
+    for (int i = 0; i < E; ++i) rows[i] = w + (size_t)min(e0 + i, n_experts - 1) * hidden;
+    const T* xs[TOKENS];
+#pragma unroll
+    for (int j = 0; j < TOKENS; ++j) xs[j] = x + (size_t)min(t0 + j, n_tokens - 1) * hidden;
+#pragma unroll 2
+    for (int c = 4 * threadIdx.x; c < hidden; c += 4 * ROUTER_THREADS) {
+        float wv[E][4], xv[TOKENS][4];
+#pragma unroll
+        for (int i = 0; i < E; ++i) load4(rows[i] + c, wv[i]);
+#pragma unroll
+        for (int j = 0; j < TOKENS; ++j) load4(xs[j] + c, xv[j]);
+#pragma unroll
+        for (int i = 0; i < E; ++i)
+#pragma unroll
+            for (int j = 0; j < TOKENS; ++j)
+#pragma unroll
+                for (int v = 0; v < 4; ++v) acc[i][j] = fmaf(xv[j][v], wv[i][v], acc[i][j]);
+    }
+#pragma unroll
+    for (int i = 0; i < E; ++i)
+#pragma unroll
+        for (int j = 0; j < TOKENS; ++j) {
+            const float sum = warp_sum(acc[i][j]);
+            if (lane == 0) partial[warp][i * TOKENS + j] = sum;
+        }
+    __syncthreads();
+    if (threadIdx.x < E * TOKENS) {
+        const int i = threadIdx.x / TOKENS, j = threadIdx.x % TOKENS;
+        float sum = 0.0f;
+        for (int v = 0; v < ROUTER_THREADS / 32; ++v) sum += partial[v][threadIdx.x];
+        if (e0 + i < n_experts && t0 + j < n_tokens) logits[(size_t)(t0 + j) * n_experts + e0 + i] = sum;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(ROUTER_THREADS)
+    moe_router_logits_bf16(const __nv_bfloat16* x, const float* w, int n_tokens, int n_experts, int hidden,
+                           float* logits) {
+    router_logits(x, w, n_tokens, n_experts, hidden, logits);
+}
+extern "C" __global__ void __launch_bounds__(ROUTER_THREADS)
+    moe_router_logits_f32(const float* x, const float* w, int n_tokens, int n_experts, int hidden, float* logits) {
+    router_logits(x, w, n_tokens, n_experts, hidden, logits);
+}
 
 extern "C" __global__ void moe_route(const float* __restrict__ logits, const float* __restrict__ bias,
                                      int n_tokens, int n_experts, int n_group, int topk_group, int top_k,
                                      int normalise, float scaling, int shared_expert,
                                      uint32_t* __restrict__ ids, float* __restrict__ gates) {
-    __shared__ float score[MOE_ROUTE_MAX_EXPERTS];
-    __shared__ float choice[MOE_ROUTE_MAX_EXPERTS];
-    __shared__ unsigned char taken[MOE_ROUTE_MAX_EXPERTS];
     __shared__ float group_score[MOE_ROUTE_MAX_GROUPS];
     __shared__ unsigned char group_kept[MOE_ROUTE_MAX_GROUPS];
-    __shared__ float warp_value[32];
-    __shared__ int warp_index[32];
     __shared__ int picked[MOE_ROUTE_MAX_TOPK];
-
+    // Dynamic shared memory (interface.rs route_shared_bytes): the experts' scores and choices, then each warp's
+    // min(top_k, 32) candidates. Sized to the call, not to MOE_ROUTE_MAX_EXPERTS: 2.5 KB for GLM-5's 256
+    // experts where fixed arrays took 17 KB.
+    extern __shared__ float route_shared[];
     const int t = blockIdx.x;
     const int e = threadIdx.x;
     const int lane = e & 31, warp = e >> 5, warps = blockDim.x >> 5;
+    const int per_warp = min(top_k, 32);
+    float* score = route_shared;
+    float* choice = score + n_experts;
+    float* candidate_value = choice + n_experts;
+    int* candidate_index = reinterpret_cast<int*>(candidate_value + warps * per_warp);
     if (t >= n_tokens) return;
     if (e < n_experts) {
         const float s = 1.0f / (1.0f + expf(-logits[(size_t)t * n_experts + e]));
         score[e] = s;
         choice[e] = s + bias[e];
-        taken[e] = 0;
     }
     __syncthreads();
     const int group_size = n_experts / n_group;
-    if (e < n_group) {
+    // Every group kept (GLM-5: one group): the group stage chooses nothing. One thread walking a 256-expert
+    // group took a third of the launch.
+    const bool every_group = topk_group >= n_group;
+    if (e < n_group && !every_group) {
         float first = -INFINITY, second = -INFINITY;
         for (int i = e * group_size; i < (e + 1) * group_size; ++i) {
             const float v = choice[i];
@@ -138,8 +241,8 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, const flo
     }
     __syncthreads();
     if (e == 0) {
-        for (int g = 0; g < n_group; ++g) group_kept[g] = 0;
-        for (int r = 0; r < topk_group; ++r) {
+        for (int g = 0; g < n_group; ++g) group_kept[g] = every_group;
+        for (int r = 0; r < topk_group && !every_group; ++r) {
             int best = -1;
             for (int g = 0; g < n_group; ++g)
                 if (!group_kept[g] && (best < 0 || group_score[g] > group_score[best])) best = g;
@@ -148,36 +251,40 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, const flo
     }
     __syncthreads();
     const float allowed = (e < n_experts && group_kept[e / group_size]) ? choice[e] : -INFINITY;
-    for (int r = 0; r < top_k; ++r) {
+    // The top_k in two rounds of warp argmaxes and one barrier: each warp its own best min(top_k, 32)
+    // experts in order (the block's best top_k are among them), then warp 0 the best top_k of those
+    // candidates. A block-wide argmax per pick took two barriers each.
+    bool mine_taken = false;
+    for (int r = 0; r < per_warp; ++r) {
         float v = allowed;
-        int i = (e < n_experts && !taken[e]) ? e : -1;
-#pragma unroll
-        for (int offset = 16; offset > 0; offset >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, v, offset);
-            const int oi = __shfl_xor_sync(0xffffffffu, i, offset);
-            if (better(ov, oi, v, i)) {
-                v = ov;
-                i = oi;
-            }
-        }
+        int i = (e < n_experts && !mine_taken) ? e : -1;
+        warp_best(v, i);
+        if (i == e) mine_taken = true;
         if (lane == 0) {
-            warp_value[warp] = v;
-            warp_index[warp] = i;
+            candidate_value[warp * per_warp + r] = v;
+            candidate_index[warp * per_warp + r] = i;
         }
-        __syncthreads();
-        if (e == 0) {
-            float bv = warp_value[0];
-            int bi = warp_index[0];
-            for (int w = 1; w < warps; ++w)
-                if (better(warp_value[w], warp_index[w], bv, bi)) {
-                    bv = warp_value[w];
-                    bi = warp_index[w];
-                }
-            picked[r] = bi;
-            if (bi >= 0) taken[bi] = 1;
-        }
-        __syncthreads();
     }
+    __syncthreads();
+    if (warp == 0) {
+        const int candidates = warps * per_warp;
+        for (int r = 0; r < top_k; ++r) {
+            float v = -INFINITY;
+            int i = -1;
+            for (int c = lane; c < candidates; c += 32)
+                if (better(candidate_value[c], candidate_index[c], v, i)) {
+                    v = candidate_value[c];
+                    i = candidate_index[c];
+                }
+            warp_best(v, i);
+            if (lane == 0) picked[r] = i;
+            // The pick leaves the candidates (expert ids are unique among them).
+            for (int c = lane; c < candidates; c += 32)
+                if (candidate_index[c] == i) candidate_index[c] = -1;
+            __syncwarp();
+        }
+    }
+    __syncthreads();
     if (e == 0) {
         const int slots = top_k + (shared_expert >= 0 ? 1 : 0);
         float total = 0.0f;

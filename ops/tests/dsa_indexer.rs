@@ -135,6 +135,33 @@ fn bf16_inputs_match_loops() {
 }
 
 #[test]
+fn a_power_of_two_on_every_head_weight_selects_the_same_positions() {
+    // The model leaves GLM-5's 1/64 ((32 · 128)^-1/2) off the head weights: such a factor scales every
+    // score exactly, ties included. Uniform values (near-ties everywhere) and dyadic ones (exact ties).
+    let mut rng = rng(6);
+    for dyadic_values in [false, true] {
+        let mut case = Case::causal(3, 32, 200, 128, 197, |len| {
+            if dyadic_values {
+                dyadic(&mut rng, len, 3, 8.0)
+            } else {
+                uniform(&mut rng, len)
+            }
+        });
+        for dtype in [DType::F32, DType::BF16] {
+            let unscaled = case.run(dtype, dtype, 64);
+            let w = case.w.clone();
+            case.w = w.iter().map(|v| v / 64.0).collect();
+            assert_eq!(
+                case.run(dtype, dtype, 64),
+                unscaled,
+                "{dtype:?} dyadic={dyadic_values}"
+            );
+            case.w = w;
+        }
+    }
+}
+
+#[test]
 fn ties_go_to_the_lower_index() {
     // Two heads reading dims 0 and 1; scores per key: 1, 2, 0, 2, 0, 2, 0.
     let keys = [

@@ -736,6 +736,22 @@ extern "C" {
         ids: *mut u32,
         gates: *mut f32,
     );
+    fn moe_router_logits_f32(
+        x: Ptr,
+        w: *const f32,
+        n_tokens: i32,
+        n_experts: i32,
+        hidden: i32,
+        logits: *mut f32,
+    );
+    fn moe_router_logits_bf16(
+        x: Ptr,
+        w: *const f32,
+        n_tokens: i32,
+        n_experts: i32,
+        hidden: i32,
+        logits: *mut f32,
+    );
     fn moe_align(
         ids: *const u32,
         n_assign: i32,
@@ -1325,7 +1341,67 @@ fn check_experts(
 }
 
 #[test]
+fn moe_router_logits_equal_the_reference() {
+    use glm5_kernels::interface::moe::{ROUTER_EXPERTS, ROUTER_THREADS, ROUTER_TOKENS};
+    use glm5_ops::moe::router_logits_reference;
+    // Expert and token counts off the block's tiles; a width that is not a whole pass of the block's threads.
+    let (n_experts, hidden) = (13, 4 * ROUTER_THREADS + 36);
+    for dtype in [DType::F32, DType::BF16] {
+        for t in [1, 5] {
+            let x = uniform(&mut rng(4760 + t as u64), t * hidden);
+            let w = uniform(&mut rng(4770 + t as u64), n_experts * hidden);
+            let device_x = Values::from_f32(&x, dtype);
+            let device_w = DeviceBuffer::from_slice(&w);
+            let logits = DeviceBuffer::<f32>::poisoned(t * n_experts, NAN_BYTE);
+            let kernel = match dtype {
+                DType::F32 => moe_router_logits_f32,
+                _ => moe_router_logits_bf16,
+            };
+            run(
+                LaunchConfig::new(
+                    (
+                        n_experts.div_ceil(ROUTER_EXPERTS) as u32,
+                        t.div_ceil(ROUTER_TOKENS) as u32,
+                        1,
+                    ),
+                    ROUTER_THREADS as u32,
+                ),
+                || unsafe {
+                    kernel(
+                        device_x.ptr(),
+                        device_w.ptr(),
+                        t as i32,
+                        n_experts as i32,
+                        hidden as i32,
+                        logits.mut_ptr(),
+                    )
+                },
+            );
+            // The reference from the values the kernel read (bf16 rounds x).
+            let want = router_logits_reference(
+                &Tensor::from_vec(device_x.to_f32(), (t, hidden), &Device::Cpu).unwrap(),
+                &Tensor::from_slice(&w, (n_experts, hidden), &Device::Cpu).unwrap(),
+            )
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+            // f32 sums in another order: within 1e-5 of the logits' scale (a wrong row or column is off by O(1)).
+            let scale = want.iter().fold(1.0f32, |m, v| m.max(v.abs()));
+            for (i, (g, w)) in logits.to_vec().iter().zip(&want).enumerate() {
+                assert!(
+                    (g - w).abs() <= 1e-5 * scale,
+                    "{dtype:?} t={t} logit {i}: {g} vs {w}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
 fn moe_route_equals_the_reference() {
+    use glm5_kernels::interface::moe::{route_shared_bytes, route_threads};
     // Every rule of common::route_rules, with ties (the lower expert wins).
     let cases = common::route_rules();
     for (seed, (e, rule)) in cases.into_iter().enumerate() {
@@ -1361,7 +1437,10 @@ fn moe_route_equals_the_reference() {
                 let ids = DeviceBuffer::<u32>::poisoned(t * slots, NAN_BYTE);
                 let gates = DeviceBuffer::<f32>::poisoned(t * slots, NAN_BYTE);
                 run(
-                    LaunchConfig::new((t as u32, 1, 1), e.div_ceil(32) as u32 * 32),
+                    LaunchConfig {
+                        shared_bytes: route_shared_bytes(e, rule.top_k),
+                        ..LaunchConfig::new((t as u32, 1, 1), route_threads(e) as u32)
+                    },
                     || unsafe {
                         moe_route(
                             device_logits.ptr(),

@@ -84,7 +84,12 @@ struct Indexer {
     head_dim: usize,
     /// Keys kept per query (`index_topk`).
     index_topk: usize,
-    weight_scale: f64,
+    /// `weights_proj`'s factor (n_heads · head_dim)^-1/2, or `None` where it is a power of two (GLM-5: 1/64).
+    /// The indexer returns the top-k positions by score, and a power-of-two factor on every head weight
+    /// scales every score exactly (it moves exponents only), so the same positions come out without it:
+    /// the kernels' own cast to f32 is then the step's one launch for the weights, where the cast and the
+    /// multiply took two.
+    weight_scale: Option<f64>,
     /// The backend the plan bound, and its name (the paged call picks its form by it); `None` when the
     /// indexer does not run (dense mode).
     kernel: Option<(DsaIndexerFn, &'static str)>,
@@ -106,7 +111,7 @@ impl Indexer {
             n_heads: heads,
             head_dim: dim,
             index_topk: config.index_topk,
-            weight_scale: config.index_weight_scale(),
+            weight_scale: Some(config.index_weight_scale()).filter(|s| !is_power_of_two(*s)),
             kernel,
         })
     }
@@ -137,7 +142,10 @@ impl Indexer {
             rope: rope.tables(),
             row_ops,
         };
-        let head_weights = (weights.to_dtype(DType::F32)? * self.weight_scale)?;
+        let head_weights = match self.weight_scale {
+            Some(scale) => (weights.to_dtype(DType::F32)? * scale)?,
+            None => weights.clone(),
+        };
         let (kernel, backend) = self.kernel.ok_or_else(|| {
             ModelError::PlanDevices("the plan bound no dsa_indexer backend (dense mode)".into())
         })?;
@@ -192,6 +200,11 @@ impl Indexer {
             }
         }
     }
+}
+
+/// Whether `x` is 2^n (a positive normal f64 with an all-zero mantissa).
+fn is_power_of_two(x: f64) -> bool {
+    x.is_normal() && x > 0.0 && x.to_bits() & ((1 << 52) - 1) == 0
 }
 
 /// Projections of one input multiplied in groups whose rows are stacked into one matrix and split after the
@@ -702,4 +715,19 @@ pub(super) fn causal_positions_of(positions: &[usize], device: &Device) -> Resul
         .flat_map(|&p| (0..width).map(move |s| if s <= p { s as i32 } else { -1 }))
         .collect();
     Ok(Tensor::from_vec(rows, (positions.len(), width), device)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_power_of_two;
+
+    #[test]
+    fn glm5s_indexer_weight_factor_is_a_power_of_two_and_the_tiny_models_is_not() {
+        assert!(is_power_of_two((32.0f64 * 128.0).powf(-0.5)));
+        assert!(!is_power_of_two((8.0f64 * 16.0).powf(-0.5)));
+        assert!(is_power_of_two(1.0));
+        assert!(!is_power_of_two(0.0));
+        assert!(!is_power_of_two(-0.25));
+        assert!(!is_power_of_two(f64::MIN_POSITIVE / 4.0)); // subnormal
+    }
 }

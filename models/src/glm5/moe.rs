@@ -206,7 +206,7 @@ struct Router {
 impl Router {
     /// Every token's experts and gates, on the hidden state's device (`glm5_ops::moe::route`).
     fn route(&self, hidden: &Tensor, shared_expert: Option<u32>) -> Result<Routes> {
-        let logits = hidden.to_dtype(DType::F32)?.matmul(&self.weight.t()?)?;
+        let logits = moe::router_logits(hidden, &self.weight)?;
         Ok(moe::route(
             &logits,
             &self.correction_bias,

@@ -3,6 +3,9 @@
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::{DType, Tensor};
 
+use glm5_kernels::interface::moe::{
+    route_shared_bytes, route_threads, ROUTER_EXPERTS, ROUTER_THREADS, ROUTER_TOKENS,
+};
 use glm5_kernels::interface::weight_only::{
     q4k_row_staged_bytes, DEFAULT_DYNAMIC_SHARED_BYTES, Q4K_MMA_MAX_WARPS, Q4K_MMA_ROW_TILE,
 };
@@ -24,6 +27,42 @@ fn launch_config(grid: (u32, u32, u32), threads: u32, shared: u32) -> LaunchConf
         block_dim: (threads, 1, 1),
         shared_mem_bytes: shared,
     }
+}
+
+/// `moe_router_logits_*` where its vector loads fit (`hidden` a multiple of 4, both rows' starts aligned);
+/// `None` where they do not (the caller takes candle's matmul).
+pub(super) fn router_logits(x: &Tensor, weight: &Tensor) -> Result<Option<Tensor>> {
+    let (tokens, hidden) = x.dims2()?;
+    let n_experts = weight.dim(0)?;
+    let (x, weight) = (x.contiguous()?, weight.contiguous()?);
+    let (x_ptr, dev) = device_address(&x)?;
+    let (w_ptr, _) = device_address(&weight)?;
+    let x_alignment = 4 * x.dtype().size_in_bytes() as u64;
+    if !hidden.is_multiple_of(4) || !x_ptr.is_multiple_of(x_alignment) || !w_ptr.is_multiple_of(16)
+    {
+        return Ok(None);
+    }
+    let logits = unsafe { Tensor::empty((tokens, n_experts), DType::F32, x.device())? };
+    let (logits_ptr, _) = device_address(&logits)?;
+    let name = crate::cuda::kernel_name("moe_router_logits", x.dtype())?;
+    let func = kernel(&dev, "moe", glm5_kernels::MOE, &name)?;
+    let grid = (
+        n_experts.div_ceil(ROUTER_EXPERTS) as u32,
+        tokens.div_ceil(ROUTER_TOKENS) as u32,
+        1,
+    );
+    let (t, e, h) = (tokens as i32, n_experts as i32, hidden as i32);
+    let stream = dev.cuda_stream();
+    let mut builder = stream.launch_builder(&func);
+    builder
+        .arg(&x_ptr)
+        .arg(&w_ptr)
+        .arg(&t)
+        .arg(&e)
+        .arg(&h)
+        .arg(&logits_ptr);
+    unsafe { builder.launch(launch_config(grid, ROUTER_THREADS as u32, 0)) }.map_err(cuda_err)?;
+    Ok(Some(logits))
 }
 
 pub(super) fn route(
@@ -48,7 +87,8 @@ pub(super) fn route(
     let (gates_ptr, _) = device_address(&gates)?;
     let func = kernel(&dev, "moe", glm5_kernels::MOE, "moe_route")?;
     let stream = dev.cuda_stream();
-    let threads = n_experts.div_ceil(32).max(1) as u32 * 32;
+    let threads = route_threads(n_experts) as u32;
+    let shared = route_shared_bytes(n_experts, rule.top_k) as u32;
     let (t, e, g, tg, k) = (
         tokens as i32,
         n_experts as i32,
@@ -57,7 +97,7 @@ pub(super) fn route(
         rule.top_k as i32,
     );
     let normalise = i32::from(rule.normalise);
-    let shared = shared_expert.map_or(-1, |s| s as i32);
+    let shared_id = shared_expert.map_or(-1, |s| s as i32);
     let mut builder = stream.launch_builder(&func);
     builder
         .arg(&logits_ptr)
@@ -69,10 +109,10 @@ pub(super) fn route(
         .arg(&k)
         .arg(&normalise)
         .arg(&rule.scaling)
-        .arg(&shared)
+        .arg(&shared_id)
         .arg(&ids_ptr)
         .arg(&gates_ptr);
-    unsafe { builder.launch(launch_config((tokens as u32, 1, 1), threads, 0)) }
+    unsafe { builder.launch(launch_config((tokens as u32, 1, 1), threads, shared)) }
         .map_err(cuda_err)?;
     Ok(Routes { ids, gates })
 }

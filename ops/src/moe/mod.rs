@@ -3,6 +3,9 @@
 //!
 //! # Contract
 //!
+//! **[`router_logits`]**: `x` `[T, H]` (any float dtype), `weight` `F32 [E, H]` → `F32 [T, E]`, the router's
+//! `f32(x) · weightᵀ` summed in f32 (the summation order is the implementation's).
+//!
 //! **[`route`]**: `logits` `F32 [T, E]` (the router's `x · Wᵀ` in f32), `correction_bias` `F32 [E]`:
 //!
 //! ```text
@@ -30,6 +33,9 @@
 //!
 //! # Implementations
 //!
+//! * [`router_logits`]: on CUDA, for bf16 or f32 `x` of at most [`ROUTER_MAX_TOKENS`] tokens (decode), one
+//!   kernel (`moe_router_logits_*`) reads `x` as it is and the weight once; otherwise a cast and candle's
+//!   matmul (cuBLAS on CUDA), which is also the reference.
 //! * `reference.rs`: routing on the host, exactly as the CPU has always done it, and one chain of candle ops
 //!   per chosen expert (gather its tokens, two matmuls, SiLU·up, down, gate, `index_add`). Any device.
 //! * `cuda.rs` (kernels in `kernels/src/moe.cu`): routing, grouping by expert, the grouped gate/up and down
@@ -86,6 +92,8 @@ pub use quantized::{
     quantized_experts_with, QuantizedExperts, StackedFp8, StackedGgufBlocks, StackedNvfp4,
 };
 
+/// Tokens up to which [`router_logits`] runs glm5's kernel on CUDA (decode); above, cuBLAS's GEMM.
+pub const ROUTER_MAX_TOKENS: usize = 16;
 /// Experts the routing kernel handles (one thread each).
 pub const MAX_EXPERTS: usize = 1024;
 /// Expert groups the routing kernel handles.
@@ -168,6 +176,40 @@ fn check_rule(rule: &RouteRule, n_experts: usize) -> Result<()> {
         return bad(format!("top_k = {} must be in 1..={n_experts}", rule.top_k));
     }
     Ok(())
+}
+
+/// The router's logits for every token (contract in the module docs).
+pub fn router_logits(x: &Tensor, weight: &Tensor) -> Result<Tensor> {
+    let hidden = x.dims2()?.1;
+    if weight.dtype() != DType::F32 {
+        return Err(OpError::Unsupported(
+            "moe router_logits: the weight must be f32".into(),
+        ));
+    }
+    if weight.dims2()?.1 != hidden {
+        return Err(OpError::Shape {
+            arg: "weight",
+            expected: format!("[E, {hidden}]"),
+            found: weight.dims().to_vec(),
+        });
+    }
+    crate::error::check_float("x", x)?;
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda()
+        && matches!(x.dtype(), DType::BF16 | DType::F32)
+        && (1..=ROUTER_MAX_TOKENS).contains(&x.dim(0)?)
+        && weight.dim(0)? > 0
+    {
+        if let Some(logits) = cuda::router_logits(x, weight)? {
+            return Ok(logits);
+        }
+    }
+    router_logits_reference(x, weight)
+}
+
+/// [`router_logits`] by a cast and candle's matmul, on any device.
+pub fn router_logits_reference(x: &Tensor, weight: &Tensor) -> Result<Tensor> {
+    Ok(x.to_dtype(DType::F32)?.matmul(&weight.t()?)?)
 }
 
 /// The router's choice for every token (contract in the module docs).

@@ -56,6 +56,17 @@ pub fn route_rules() -> Vec<(usize, glm5_ops::moe::RouteRule)> {
                 scaling: 1.0,
             },
         ),
+        // More picks than a warp has experts, the last warp part-filled.
+        (
+            100,
+            RouteRule {
+                n_group: 1,
+                topk_group: 1,
+                top_k: 40,
+                normalise: true,
+                scaling: 1.0,
+            },
+        ),
     ]
 }
 
