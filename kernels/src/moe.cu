@@ -9,7 +9,8 @@
 //                      = the chosen experts' sigmoid scores, normalised (sum + 1e-20) and scaled, and, when
 //                      the layer has one, the shared expert as one more slot with gate 1. The same float
 //                      operations in the same order as the CPU reference, so the choice and gates agree
-//                      bit for bit.
+//                      bit for bit where the device's expf rounds as the host's (an ulp apart, two experts
+//                      whose choices are that close may trade places).
 //   moe_align          one block: the assignments (token, slot) grouped by expert, in ascending assignment
 //                      order within an expert; each expert's offset; the list of experts with any token.
 //   moe_gate_up_*      per (active expert, 8 intermediate features): a warp per feature streams the
