@@ -42,6 +42,7 @@ pub(super) fn router_logits(x: &Tensor, weight: &Tensor) -> Result<Option<Tensor
     {
         return Ok(None);
     }
+    // SAFETY: the kernel writes every [tokens, n_experts] logit (its blocks tile both dims, one thread a logit).
     let logits = unsafe { Tensor::empty((tokens, n_experts), DType::F32, x.device())? };
     let (logits_ptr, _) = device_address(&logits)?;
     let name = crate::cuda::kernel_name("moe_router_logits", x.dtype())?;
@@ -61,6 +62,9 @@ pub(super) fn router_logits(x: &Tensor, weight: &Tensor) -> Result<Option<Tensor
         .arg(&e)
         .arg(&h)
         .arg(&logits_ptr);
+    // SAFETY: x [tokens, hidden] (bf16 or f32, 4-value aligned rows), the weight [n_experts, hidden] f32
+    // (16-byte aligned rows) and the logits [tokens, n_experts] f32, contiguous and live until the stream runs
+    // the launch, as moe_router_logits_* take them.
     unsafe { builder.launch(launch_config(grid, ROUTER_THREADS as u32, 0)) }.map_err(cuda_err)?;
     Ok(Some(logits))
 }
