@@ -11,17 +11,11 @@ use std::path::PathBuf;
 
 use candle_core::{DType, Device, Tensor};
 use common::quantized::gguf_blocks;
-use common::{rng, uniform};
+use common::{poison, rng, uniform};
 use glm5_ops::gguf_matmul::{self, reference, GgufFormat, GgufWeight, MAX_ROWS};
 
 fn gpu() -> Device {
     Device::new_cuda(0).expect("a CUDA device")
-}
-
-fn poison(device: &Device, bytes: usize) {
-    let nan = Tensor::full(f32::NAN, bytes / 4, device).unwrap();
-    device.synchronize().unwrap();
-    drop(nan);
 }
 
 fn fixture() -> std::collections::HashMap<String, Tensor> {

@@ -7,7 +7,7 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor};
-use common::{rng, uniform};
+use common::{poison, rng, uniform};
 use glm5_ops::moe::{
     experts_backend, experts_reference, experts_with, route, route_reference, router_logits,
     router_logits_reference, ExpertsBackend, ExpertsImpl, Routes, GROUPED_GEMM_MIN_TOKENS,
@@ -16,13 +16,6 @@ use glm5_ops::moe::{
 
 fn gpu() -> Device {
     Device::new_cuda(0).expect("a CUDA device")
-}
-
-/// Fills and frees a NaN buffer so the next allocations of the caching allocator start out as NaN.
-fn poison(device: &Device, bytes: usize) {
-    let nan = Tensor::full(f32::NAN, bytes / 4, device).unwrap();
-    device.synchronize().unwrap();
-    drop(nan);
 }
 
 #[test]

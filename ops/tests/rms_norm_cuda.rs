@@ -8,7 +8,7 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor};
-use common::{rng, uniform};
+use common::{poison, rng, uniform};
 use glm5_ops::argmax::{argmax, argmax_reference};
 use glm5_ops::rms_norm::{rms_norm, rms_norm_reference};
 use glm5_ops::swiglu::{swiglu, swiglu_reference};
@@ -33,9 +33,7 @@ fn rms_norm_on_gpu_equals_the_reference() {
                 .unwrap()
                 .to_device(&gpu)
                 .unwrap();
-            let nan = Tensor::full(f32::NAN, rows * cols * 2, &gpu).unwrap();
-            gpu.synchronize().unwrap();
-            drop(nan);
+            poison(&gpu, 4 * rows * cols * 2);
             let got = rms_norm(&x, &w, 1e-5)
                 .unwrap()
                 .to_dtype(DType::F32)
@@ -82,9 +80,7 @@ fn add_rms_norm_on_gpu_equals_the_add_then_the_norm() {
                 &gpu,
             );
             let w = on_gpu(uniform(&mut r, cols), &[cols], dtype, &gpu);
-            let nan = Tensor::full(f32::NAN, rows * cols * 4, &gpu).unwrap();
-            gpu.synchronize().unwrap();
-            drop(nan);
+            poison(&gpu, 4 * rows * cols * 4);
             let (sum, normed) = add_rms_norm(&x, &residual, &w, 1e-5).unwrap();
             let want_sum = (&x + &residual).unwrap();
             let want = rms_norm(&want_sum, &w, 1e-5).unwrap();
@@ -420,9 +416,7 @@ fn swiglu_on_gpu_equals_the_reference() {
             let values = uniform(&mut r, rows * 2 * inter + offset);
             let values = values.into_iter().map(|v| 8.0 * v).collect();
             let gate_up = offset_view(values, offset, &[rows, 2 * inter], dtype, &gpu);
-            let nan = Tensor::full(f32::NAN, rows * inter * 2, &gpu).unwrap();
-            gpu.synchronize().unwrap();
-            drop(nan);
+            poison(&gpu, 4 * rows * inter * 2);
             let got = swiglu(&gate_up, inter).unwrap();
             assert_eq!(got.dims(), [rows, inter]);
             let want = swiglu_reference(&gate_up.to_device(&Device::Cpu).unwrap(), inter).unwrap();

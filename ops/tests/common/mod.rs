@@ -13,6 +13,15 @@ pub fn uniform(rng: &mut StdRng, n: usize) -> Vec<f32> {
     (0..n).map(|_| rng.random_range(-1.0..1.0)).collect()
 }
 
+/// Fills and frees `bytes` of NaN on `device`, so that the caching allocator's next allocations there start out
+/// as NaN (the GPU tests' poisoned outputs).
+#[allow(dead_code)] // each test binary uses part of it
+pub fn poison(device: &Device, bytes: usize) {
+    let nan = Tensor::full(f32::NAN, bytes / 4, device).unwrap();
+    device.synchronize().unwrap();
+    drop(nan);
+}
+
 /// A CPU tensor of `dtype` holding `data` (f32) in `shape`.
 pub fn tensor(data: &[f32], shape: &[usize], dtype: DType) -> Tensor {
     Tensor::from_slice(data, shape, &Device::Cpu)
