@@ -1,7 +1,10 @@
-// The index of each row's largest value (contract: ops/src/argmax/mod.rs): a block per row, every thread's
-// loads issued before it compares any (four 16-byte vectors a pass), then the block's best by warp shuffles
-// and shared memory. candle's argmax walks a 154,880-value logits row with one load in flight per thread:
-// 110.6 us on an H100 (ncu), 5% of a Q4_K slice's decode step; this one 17.6 us.
+// The index of each row's largest value (contract: ops/src/argmax/mod.rs). A row's values are split into
+// spans, a block each (`argmax_span_*`): every thread's loads issued before it compares any (four 16-byte
+// vectors a pass), then the block's best by warp shuffles and shared memory; `argmax_spans` then takes each
+// row's best of its spans' (a warp a row). A row of one span takes one block and one launch (`argmax_*`).
+// candle's argmax walks a 154,880-value logits row with one load in flight per thread: 110.6 us on an H100
+// (ncu); a block a row, 17.6 us (17.2 on an H200), its one multiprocessor's loads the limit; spans of a pass
+// of 256 threads spread the row over 38 (f32) blocks.
 
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -21,15 +24,16 @@ __device__ __forceinline__ bool better(float v, int i, float best, int at) {
     return v > best || (v == best && i < at);
 }
 
+/// The best (value, index) of `row[begin, end)` into thread 0's `best` / `at` (every thread calls it). With
+/// `vectors`, `begin` and `end` are multiples of the 16-byte vector's values and the row 16-byte aligned.
 template <typename T>
-__device__ void argmax_row(const T* __restrict__ x, int cols, int vectors, uint32_t* __restrict__ out) {
+__device__ void block_best(const T* __restrict__ row, int begin, int end, int vectors, float& best, int& at) {
     constexpr int VECTOR = 16 / sizeof(T);
-    const T* row = x + static_cast<size_t>(blockIdx.x) * cols;
-    float best = -INFINITY;
-    int at = INT32_MAX;
+    best = -INFINITY;
+    at = INT32_MAX;
     if (vectors) {
-        const int count = cols / VECTOR;
-        for (int first = threadIdx.x; first < count; first += VECTORS_PER_PASS * blockDim.x) {
+        const int count = end / VECTOR;
+        for (int first = begin / VECTOR + threadIdx.x; first < count; first += VECTORS_PER_PASS * blockDim.x) {
             uint4 loaded[VECTORS_PER_PASS];
 #pragma unroll
             for (int p = 0; p < VECTORS_PER_PASS; ++p) {
@@ -53,7 +57,7 @@ __device__ void argmax_row(const T* __restrict__ x, int cols, int vectors, uint3
             }
         }
     } else {
-        for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        for (int c = begin + threadIdx.x; c < end; c += blockDim.x) {
             const float value = to_float(row[c]);
             if (better(value, c, best, at)) {
                 best = value;
@@ -84,7 +88,31 @@ __device__ void argmax_row(const T* __restrict__ x, int cols, int vectors, uint3
                 best = warp_best[w];
                 at = warp_at[w];
             }
-        out[blockIdx.x] = static_cast<uint32_t>(at);
+    }
+}
+
+/// Row `blockIdx.x` whole.
+template <typename T>
+__device__ void argmax_row(const T* __restrict__ x, int cols, int vectors, uint32_t* __restrict__ out) {
+    float best;
+    int at;
+    block_best(x + static_cast<size_t>(blockIdx.x) * cols, 0, cols, vectors, best, at);
+    if (threadIdx.x == 0) out[blockIdx.x] = static_cast<uint32_t>(at);
+}
+
+/// Span `blockIdx.y` (`span` values, the last one shorter) of row `blockIdx.x`: its best value and index at
+/// [row, span] of `best` / `at` (`gridDim.y` spans a row).
+template <typename T>
+__device__ void argmax_span(const T* __restrict__ x, int cols, int vectors, int span, float* __restrict__ best,
+                            uint32_t* __restrict__ at) {
+    const int begin = blockIdx.y * span, end = min(cols, begin + span);
+    float value;
+    int index;
+    block_best(x + static_cast<size_t>(blockIdx.x) * cols, begin, end, vectors, value, index);
+    if (threadIdx.x == 0) {
+        const size_t slot = static_cast<size_t>(blockIdx.x) * gridDim.y + blockIdx.y;
+        best[slot] = value;
+        at[slot] = static_cast<uint32_t>(index);
     }
 }
 
@@ -95,4 +123,37 @@ extern "C" __global__ void argmax_bf16(const __nv_bfloat16* x, int cols, int vec
 }
 extern "C" __global__ void argmax_f32(const float* x, int cols, int vectors, uint32_t* out) {
     argmax_row(x, cols, vectors, out);
+}
+
+extern "C" __global__ void argmax_span_bf16(const __nv_bfloat16* x, int cols, int vectors, int span, float* best,
+                                            uint32_t* at) {
+    argmax_span(x, cols, vectors, span, best, at);
+}
+extern "C" __global__ void argmax_span_f32(const float* x, int cols, int vectors, int span, float* best,
+                                           uint32_t* at) {
+    argmax_span(x, cols, vectors, span, best, at);
+}
+
+/// Row `blockIdx.x`'s best of its `spans` spans' (`argmax_span_*`'s output), by one warp; spans hold their
+/// first values' indices in order, so the lowest index among equals is still the first span's.
+extern "C" __global__ void argmax_spans(const float* __restrict__ best, const uint32_t* __restrict__ at, int spans,
+                                        uint32_t* __restrict__ out) {
+    const size_t row = static_cast<size_t>(blockIdx.x) * spans;
+    float value = -INFINITY;
+    int index = INT32_MAX;
+    for (int s = threadIdx.x; s < spans; s += 32)
+        if (better(best[row + s], static_cast<int>(at[row + s]), value, index)) {
+            value = best[row + s];
+            index = static_cast<int>(at[row + s]);
+        }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        const float other = __shfl_xor_sync(0xffffffffu, value, offset);
+        const int other_at = __shfl_xor_sync(0xffffffffu, index, offset);
+        if (better(other, other_at, value, index)) {
+            value = other;
+            index = other_at;
+        }
+    }
+    if (threadIdx.x == 0) out[blockIdx.x] = static_cast<uint32_t>(index);
 }

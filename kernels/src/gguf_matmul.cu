@@ -120,13 +120,14 @@ extern "C" __global__ void __launch_bounds__(q4k_mma::MAX_WARPS * 32)
 }
 
 // q4k_mma_matvec1_bf16: one bf16 activation row (q4k_mma::row), launched as a programmatic dependent of the
-// step's previous kernel: a block of `blockDim.x / 32` warps owns 16 output rows; its warps issue their first
-// blocks' loads (weights only, so they overlap the previous kernel's tail), wait for that kernel (x is its
+// step's previous kernel: a block of `blockDim.x / 32` warps owns 16 output rows at a time; its warps issue their
+// first blocks' loads (weights only, so they overlap the previous kernel's tail), wait for that kernel (x is its
 // output), stage x in shared memory (`row::staged_bytes(k)` of dynamic shared memory), split the rows' blocks
-// and meet in shared memory. One block's loads in flight ahead of the one a warp multiplies: 76 registers, so
-// three blocks of 8 warps share a multiprocessor (two loads ahead took 105 registers: two blocks). H100, the
-// replayed Q4_K slice step: 2.09 ms against 2.14 ms with two ahead (same call); o_proj [6144, 16384] alone
-// 38 against 45 µs.
+// and meet in shared memory. Past as many tiles as the device holds blocks (`tile_loop_blocks`), a block walks
+// tiles `blockIdx.x`, `+ gridDim.x`, ...: x is staged once a block, and each warp issues its next tile's first
+// loads before the warps meet. H100, GLM-5's dense gate/up [24576, 6144]: 38.4 -> 36.5 us against a block a
+// tile. One block's loads in flight ahead of the one a warp multiplies: 78 registers, so three blocks of 8
+// warps share a multiprocessor; two ahead take two blocks (the step's 24 mat-vecs 499 -> 529 us, H100).
 constexpr int ROW_DEPTH = 1;
 
 struct Q4kRowParams {
@@ -142,18 +143,25 @@ extern "C" __global__ void __launch_bounds__(q4k_mma::MAX_WARPS * 32) q4k_mma_ma
     allow_dependent_grids();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
     const int g = lane / 4, t = lane % 4;
-    const int row0 = blockIdx.x * 16;
+    const int tiles = (p.n + 15) / 16, blocks = p.k / 256;
     const uint8_t* rows[2];
-    q4k_mma::tile_rows(p.w, row0, p.n, p.k, g, rows);
+    q4k_mma::tile_rows(p.w, blockIdx.x * 16, p.n, p.k, g, rows);
     q4k_mma::row::Stream<ROW_DEPTH> stream;
-    stream.start(rows, warp, warps, p.k / 256, t);
+    stream.start(rows, warp, warps, blocks, t);
     wait_for_prior_grid();
     q4k_mma::row::stage(p.x, staged, p.k);
-    float acc = 0.0f;
-    stream.run(rows, staged, p.k, warp, warps, g, t, acc);
-    const float sum = q4k_mma::row::sum_over_warps(acc, 0, 1);
-    const int out = row0 + g + 8 * (t / 2);
-    if (warp == 0 && t % 2 == 0 && out < p.n) p.y[out] = __float2bfloat16(sum);
+    // The tile is the block's alone, so every thread leaves the loop together (sum_over_warps' barriers).
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        float acc = 0.0f;
+        stream.run(rows, staged, p.k, warp, warps, g, t, acc);
+        if (tile + gridDim.x < tiles) {
+            q4k_mma::tile_rows(p.w, (tile + gridDim.x) * 16, p.n, p.k, g, rows);
+            stream.start(rows, warp, warps, blocks, t);
+        }
+        const float sum = q4k_mma::row::sum_over_warps(acc, 0, 1);
+        const int out = tile * 16 + g + 8 * (t / 2);
+        if (warp == 0 && t % 2 == 0 && out < p.n) p.y[out] = __float2bfloat16(sum);
+    }
 }
 
 #define GGUF_KERNELS(NAME, F, SUFFIX, T)                                                                         \

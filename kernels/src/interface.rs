@@ -280,6 +280,16 @@ pub mod weight_only {
     pub const fn q4k_row_staged_bytes(k: usize) -> usize {
         2 * k + 4 * (k / 32) + 128
     }
+    /// Blocks of a launch that walks `tiles` tiles of output rows, a block taking tiles `blockIdx`, `+ grid`,
+    /// ... (the one-row Q4_K kernels), on a device that holds `resident` of its blocks at once: a block a tile
+    /// up to that, else as few tiles a block as one wave allows, the blocks given equal counts (1,536 tiles
+    /// on 396 blocks: 384 blocks of 4, where 396 would leave a fifth pass to 348 of them).
+    pub const fn tile_loop_blocks(tiles: usize, resident: usize) -> usize {
+        if resident == 0 || tiles <= resident {
+            return tiles;
+        }
+        tiles.div_ceil(tiles.div_ceil(resident))
+    }
     /// Dynamic shared memory a launch may take without opting in (CUDA's default limit).
     pub const DEFAULT_DYNAMIC_SHARED_BYTES: usize = 48 * 1024;
 }

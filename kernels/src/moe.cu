@@ -795,7 +795,11 @@ MOE_GGUF_FORMAT(q5_k, Q5_K)
 // kernels' path (q4k_mma::row): its activation row staged in the launch's dynamic shared memory
 // (`row::staged_bytes` of the row: the launcher always gives it), the warps splitting the row's blocks;
 // gate/up's warps split between the two matrices (even warps gate, odd up; one warp does both in turn).
-// Several tokens take `accumulate`, 8 at a time.
+// Several tokens take `accumulate`, 8 at a time. A block walks the expert's 16-row tiles `blockIdx.y`,
+// `+ gridDim.y`, ...: at one token the launcher gives each expert its share of the blocks the device holds at
+// once (`tile_loop_blocks`), so the row is staged once a block and each warp issues its next tile's first
+// loads before the warps meet, as the one-row mat-vec (gguf_matmul.cu) does (H100, the Q4_K slice's three
+// gate/up launches 190 -> 174 us a step); with more tokens, a block a tile.
 
 constexpr int Q4K_ROW_DEPTH = 2;
 
@@ -806,59 +810,75 @@ extern "C" __global__ void __launch_bounds__(glm5::q4k_mma::MAX_WARPS * 32) moe_
     if ((int)blockIdx.x >= *active_count) return;
     const int expert = active[blockIdx.x];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32, g = lane / 4, t = lane % 4;
-    const int row0 = blockIdx.y * 16, blocks = hidden / 256;
+    const int tiles = (inter + 15) / 16, blocks = hidden / 256;
     const size_t expert_bytes = (size_t)inter * blocks * q::BLOCK_BYTES;
-    const uint8_t *gate_rows[2], *up_rows[2];
-    q::tile_rows(gate + expert * expert_bytes, row0, inter, hidden, g, gate_rows);
-    q::tile_rows(up + expert * expert_bytes, row0, inter, hidden, g, up_rows);
+    const uint8_t* const gate_w = gate + expert * expert_bytes;
+    const uint8_t* const up_w = up + expert * expert_bytes;
     const int begin = offsets[expert], end = offsets[expert + 1];
+    // (Every loop below runs over the block's own tiles, so every thread leaves it together: the barriers.)
     if (end - begin == 1) {
         extern __shared__ __align__(16) uint8_t staged[];
-        // Warp w streams matrix w % 2 (gate, up) over its blocks w / 2, w / 2 + warps / 2, ...; a lone warp both.
+        // Warp w streams matrix w % 2 (gate, up) over its blocks w / 2, w / 2 + warps / 2, ...; a lone warp
+        // both, gate then up, before the next tile.
         const bool split = warps >= 2;
         const int pairs = split ? warps / 2 + (warp % 2 == 0 ? warps % 2 : 0) : 1;
         const int first = split ? warp / 2 : 0;
-        float acc[2] = {0.0f, 0.0f};  // gate, up
-        for (int p = 0; p < (split ? 1 : 2); ++p) {
-            const int matrix = split ? warp % 2 : p;
-            // Selected element by element: a runtime choice of array would put both in local memory.
-            const uint8_t* const rows[2] = {matrix == 0 ? gate_rows[0] : up_rows[0],
-                                            matrix == 0 ? gate_rows[1] : up_rows[1]};
-            q::row::Stream<Q4K_ROW_DEPTH> stream;
-            stream.start(rows, first, pairs, blocks, t);
-            if (p == 0) q::row::stage(x + (size_t)(sorted[begin] / slots) * hidden, staged, hidden);
-            stream.run(rows, staged, hidden, first, pairs, g, t, acc[matrix]);
-        }
-        const int stride = split ? 2 : 1;
-        const float gate_v = round_to(q::row::sum_over_warps(acc[0], 0, stride), x);
-        const float up_v = round_to(q::row::sum_over_warps(acc[1], split ? 1 : 0, stride), x);
-        const int row = row0 + g + 8 * (t / 2);
-        if (warp == 0 && t % 2 == 0 && row < inter) {
-            // As gate_up_quantized: each projection rounded, silu(gate) rounded, the product stored.
-            const float act = round_to(gate_v / (1.0f + expf(-gate_v)), x);
-            store(h + (size_t)sorted[begin] * inter + row, act * up_v);
+        const uint8_t* rows[2];
+        q::tile_rows(split && warp % 2 ? up_w : gate_w, blockIdx.y * 16, inter, hidden, g, rows);
+        q::row::Stream<Q4K_ROW_DEPTH> stream;
+        stream.start(rows, first, pairs, blocks, t);
+        q::row::stage(x + (size_t)(sorted[begin] / slots) * hidden, staged, hidden);
+        for (int tile = blockIdx.y; tile < tiles; tile += gridDim.y) {
+            float acc[2] = {0.0f, 0.0f};  // gate, up
+            for (int p = 0; p < (split ? 1 : 2); ++p) {
+                const int matrix = split ? warp % 2 : p;
+                stream.run(rows, staged, hidden, first, pairs, g, t, acc[matrix]);
+                // The next rows this warp streams: the lone warp's up rows of this tile after its gate rows,
+                // its gate rows of the block's next tile after its up rows; a split warp's matrix, next tile.
+                const bool then_up = !split && p == 0;
+                const int next = then_up ? tile : tile + gridDim.y;
+                const bool next_up = split ? matrix == 1 : then_up;
+                if (next < tiles) {
+                    q::tile_rows(next_up ? up_w : gate_w, next * 16, inter, hidden, g, rows);
+                    stream.start(rows, first, pairs, blocks, t);
+                }
+            }
+            const int stride = split ? 2 : 1;
+            const float gate_v = round_to(q::row::sum_over_warps(acc[0], 0, stride), x);
+            const float up_v = round_to(q::row::sum_over_warps(acc[1], split ? 1 : 0, stride), x);
+            const int row = tile * 16 + g + 8 * (t / 2);
+            if (warp == 0 && t % 2 == 0 && row < inter) {
+                // As gate_up_quantized: each projection rounded, silu(gate) rounded, the product stored.
+                const float act = round_to(gate_v / (1.0f + expf(-gate_v)), x);
+                store(h + (size_t)sorted[begin] * inter + row, act * up_v);
+            }
         }
         return;
     }
-    for (int m0 = begin; m0 < end; m0 += 8) {
-        const int m = min(8, end - m0);
-        const __nv_bfloat16* x_row = g < m ? x + (size_t)(sorted[m0 + g] / slots) * hidden : nullptr;
-        float acc[2][4] = {};  // gate, up
-        for (int b = warp; b < blocks; b += warps) {
-            const q::Block gate_block = q::load(gate_rows, b, t), up_block = q::load(up_rows, b, t);
-            q::accumulate(gate_block, x_row, b, t, acc[0]);
-            q::accumulate(up_block, x_row, b, t, acc[1]);
-        }
-        q::sum_over_warps(acc);
-        if (warp == 0) {
+    for (int tile = blockIdx.y; tile < tiles; tile += gridDim.y) {
+        const uint8_t *gate_rows[2], *up_rows[2];
+        q::tile_rows(gate_w, tile * 16, inter, hidden, g, gate_rows);
+        q::tile_rows(up_w, tile * 16, inter, hidden, g, up_rows);
+        for (int m0 = begin; m0 < end; m0 += 8) {
+            const int m = min(8, end - m0);
+            const __nv_bfloat16* x_row = g < m ? x + (size_t)(sorted[m0 + g] / slots) * hidden : nullptr;
+            float acc[2][4] = {};  // gate, up
+            for (int b = warp; b < blocks; b += warps) {
+                const q::Block gate_block = q::load(gate_rows, b, t), up_block = q::load(up_rows, b, t);
+                q::accumulate(gate_block, x_row, b, t, acc[0]);
+                q::accumulate(up_block, x_row, b, t, acc[1]);
+            }
+            q::sum_over_warps(acc);
+            if (warp == 0) {
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int row = row0 + g + 8 * (i / 2), j = 2 * t + i % 2;
-                if (row < inter && j < m) {
-                    // As gate_up_quantized: each projection rounded, silu(gate) rounded, the product stored.
-                    const float gate_v = round_to(acc[0][i], x), up_v = round_to(acc[1][i], x);
-                    const float act = round_to(gate_v / (1.0f + expf(-gate_v)), x);
-                    store(h + (size_t)sorted[m0 + j] * inter + row, act * up_v);
+                for (int i = 0; i < 4; ++i) {
+                    const int row = tile * 16 + g + 8 * (i / 2), j = 2 * t + i % 2;
+                    if (row < inter && j < m) {
+                        // As gate_up_quantized: each projection rounded, silu(gate) rounded, the product stored.
+                        const float gate_v = round_to(acc[0][i], x), up_v = round_to(acc[1][i], x);
+                        const float act = round_to(gate_v / (1.0f + expf(-gate_v)), x);
+                        store(h + (size_t)sorted[m0 + j] * inter + row, act * up_v);
+                    }
                 }
             }
         }
@@ -872,36 +892,46 @@ extern "C" __global__ void __launch_bounds__(glm5::q4k_mma::MAX_WARPS * 32) moe_
     if ((int)blockIdx.x >= *active_count) return;
     const int expert = active[blockIdx.x];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32, g = lane / 4, t = lane % 4;
-    const int row0 = blockIdx.y * 16, blocks = inter / 256;
-    const uint8_t* rows[2];
-    q::tile_rows(down + expert * (size_t)hidden * blocks * q::BLOCK_BYTES, row0, hidden, inter, g, rows);
+    const int tiles = (hidden + 15) / 16, blocks = inter / 256;
+    const uint8_t* const down_w = down + expert * (size_t)hidden * blocks * q::BLOCK_BYTES;
     const int begin = offsets[expert], end = offsets[expert + 1];
+    const uint8_t* rows[2];
     if (end - begin == 1) {
         extern __shared__ __align__(16) uint8_t staged[];
+        q::tile_rows(down_w, blockIdx.y * 16, hidden, inter, g, rows);
         q::row::Stream<Q4K_ROW_DEPTH> stream;
         stream.start(rows, warp, warps, blocks, t);
         const int a = sorted[begin];
         q::row::stage(h + (size_t)a * inter, staged, inter);
-        float acc = 0.0f;
-        stream.run(rows, staged, inter, warp, warps, g, t, acc);
-        const float sum = q::row::sum_over_warps(acc, 0, 1);
-        const int row = row0 + g + 8 * (t / 2);
-        if (warp == 0 && t % 2 == 0 && row < hidden) y[(size_t)a * hidden + row] = gates[a] * sum;
+        for (int tile = blockIdx.y; tile < tiles; tile += gridDim.y) {
+            float acc = 0.0f;
+            stream.run(rows, staged, inter, warp, warps, g, t, acc);
+            if (tile + gridDim.y < tiles) {
+                q::tile_rows(down_w, (tile + gridDim.y) * 16, hidden, inter, g, rows);
+                stream.start(rows, warp, warps, blocks, t);
+            }
+            const float sum = q::row::sum_over_warps(acc, 0, 1);
+            const int row = tile * 16 + g + 8 * (t / 2);
+            if (warp == 0 && t % 2 == 0 && row < hidden) y[(size_t)a * hidden + row] = gates[a] * sum;
+        }
         return;
     }
-    for (int m0 = begin; m0 < end; m0 += 8) {
-        const int m = min(8, end - m0);
-        const __nv_bfloat16* const x_rows[1] = {g < m ? h + (size_t)sorted[m0 + g] * inter : nullptr};
-        float acc[1][4] = {};
-        q::accumulate_warp_blocks(rows, x_rows, warp, warps, blocks, t, acc);
-        q::sum_over_warps(acc);
-        if (warp == 0) {
+    for (int tile = blockIdx.y; tile < tiles; tile += gridDim.y) {
+        q::tile_rows(down_w, tile * 16, hidden, inter, g, rows);
+        for (int m0 = begin; m0 < end; m0 += 8) {
+            const int m = min(8, end - m0);
+            const __nv_bfloat16* const x_rows[1] = {g < m ? h + (size_t)sorted[m0 + g] * inter : nullptr};
+            float acc[1][4] = {};
+            q::accumulate_warp_blocks(rows, x_rows, warp, warps, blocks, t, acc);
+            q::sum_over_warps(acc);
+            if (warp == 0) {
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int row = row0 + g + 8 * (i / 2), j = 2 * t + i % 2;
-                if (row < hidden && j < m) {
-                    const int a = sorted[m0 + j];
-                    y[(size_t)a * hidden + row] = gates[a] * acc[0][i];
+                for (int i = 0; i < 4; ++i) {
+                    const int row = tile * 16 + g + 8 * (i / 2), j = 2 * t + i % 2;
+                    if (row < hidden && j < m) {
+                        const int a = sorted[m0 + j];
+                        y[(size_t)a * hidden + row] = gates[a] * acc[0][i];
+                    }
                 }
             }
         }

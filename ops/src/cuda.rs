@@ -85,11 +85,15 @@ pub(crate) struct DeviceInfo {
 struct Loaded {
     modules: HashMap<(DeviceId, &'static str), Arc<CudaModule>>,
     functions: HashMap<(DeviceId, &'static str), HashMap<String, CudaFunction>>,
-    resident: HashMap<(DeviceId, &'static str), HashMap<String, usize>>,
+    /// `resident_blocks`' answers, by function name, then (threads, dynamic shared memory).
+    resident: HashMap<(DeviceId, &'static str), HashMap<String, BlocksByShape>>,
     /// `resident_clusters`' answers, by function name, then (threads, dynamic shared memory).
     clusters: HashMap<(DeviceId, &'static str), HashMap<String, ClustersBySize>>,
     devices: HashMap<DeviceId, DeviceInfo>,
 }
+
+/// Blocks at once, by (threads, dynamic shared memory) of a launch.
+type BlocksByShape = HashMap<(u32, u32), usize>;
 
 /// Clusters at once per cluster size, by (threads, dynamic shared memory) of a launch.
 type ClustersBySize = HashMap<(u32, u32), Vec<usize>>;
@@ -193,7 +197,7 @@ pub(crate) fn kernel(
 
 /// How many blocks of `threads` threads and `shared_bytes` of dynamic shared memory of function `name` the
 /// whole device holds at once (0 where one does not fit), from the driver's occupancy calculator; cached like
-/// the functions (a function is always launched with the same block size and shared memory).
+/// the functions, by launch shape.
 pub(crate) fn resident_blocks(
     dev: &CudaDevice,
     module: &'static str,
@@ -202,8 +206,14 @@ pub(crate) fn resident_blocks(
     threads: u32,
     shared_bytes: u32,
 ) -> candle_core::Result<usize> {
-    if let Some(blocks) = with_loaded(|l| l.resident.get(&(dev.id(), module))?.get(name).copied())?
-    {
+    let key = (threads, shared_bytes);
+    if let Some(blocks) = with_loaded(|l| {
+        l.resident
+            .get(&(dev.id(), module))?
+            .get(name)?
+            .get(&key)
+            .copied()
+    })? {
         return Ok(blocks);
     }
     let per_sm = kernel(dev, module, image, name)?
@@ -212,7 +222,10 @@ pub(crate) fn resident_blocks(
     let blocks = device_info(dev)?.sms * per_sm;
     with_loaded(|l| {
         let by_name = l.resident.entry((dev.id(), module)).or_default();
-        by_name.insert(name.to_string(), blocks)
+        by_name
+            .entry(name.to_string())
+            .or_default()
+            .insert(key, blocks)
     })?;
     Ok(blocks)
 }

@@ -17,8 +17,8 @@ use common::quantized::{experts as quantized_experts, gguf_blocks, Format};
 use common::{rng, uniform};
 use glm5_kernels::emu::{launch, DeviceBuffer, LaunchConfig};
 use glm5_kernels::interface::weight_only::{
-    column_warps, q4k_row_staged_bytes, DEQUANTIZE_THREADS, MAX_ROWS, Q4K_MMA_MAX_WARPS,
-    Q4K_MMA_ROW_TILE, WARPS,
+    column_warps, q4k_row_staged_bytes, tile_loop_blocks, DEQUANTIZE_THREADS, MAX_ROWS,
+    Q4K_MMA_MAX_WARPS, Q4K_MMA_ROW_TILE, WARPS,
 };
 use glm5_ops::gguf_matmul::{self, GgufFormat, GgufWeight};
 use glm5_ops::moe::{experts_reference, route_reference, QuantizedExperts, Routes};
@@ -298,12 +298,47 @@ extern "C" {
 }
 
 #[test]
+fn tile_loop_blocks_take_every_tile_in_one_wave() {
+    // Every tile taken, no more blocks than the device holds (or than tiles), every block with a tile, and
+    // the fewest tiles a block one wave allows.
+    for resident in 1..40 {
+        for tiles in 1..300 {
+            let blocks = tile_loop_blocks(tiles, resident);
+            let per_block = tiles.div_ceil(blocks);
+            assert!(
+                blocks <= resident.min(tiles),
+                "{tiles} tiles on {resident}: {blocks}"
+            );
+            assert_eq!(
+                per_block,
+                tiles.div_ceil(resident),
+                "{tiles} tiles on {resident}"
+            );
+            assert!(
+                (blocks - 1) * per_block < tiles,
+                "{tiles} tiles on {resident}: an idle block"
+            );
+        }
+    }
+    assert_eq!(
+        tile_loop_blocks(7, 0),
+        7,
+        "no occupancy answer: a block a tile"
+    );
+}
+
+#[test]
 fn q4k_mma_matvec1_equals_the_reference() {
-    // One activation row: 37 rows (a partial last tile of 16); rows of 1 block (one warp), 5 (three warps,
-    // the first two blocks each, ahead of use) and 40 (the most warps, five blocks each); the activations as the
-    // launcher stages them (k bf16 values of dynamic shared memory).
-    let n = 37;
-    for k in [256, 5 * 256, 40 * 256] {
+    // One activation row: 37 rows (a partial last tile of 16) and 117 (8 tiles); rows of 1 block (one warp), 5
+    // (three warps, the first two blocks each, ahead of use) and 40 (the most warps, five blocks each); the
+    // activations as the launcher stages them (k bf16 values of dynamic shared memory); a block a tile, and
+    // on a device that holds three blocks at once (blocks of 3, 3 and 2 tiles).
+    for (n, resident, k) in [
+        (37, 64, 256),
+        (37, 64, 5 * 256),
+        (37, 64, 40 * 256),
+        (117, 3, 5 * 256),
+    ] {
         let blocks = gguf_blocks(&mut rng(4890 + k as u64), GgufFormat::Q4K, n, k);
         let w = GgufWeight::new(GgufFormat::Q4K, blocks.clone(), k).unwrap();
         let dense = gguf_matmul::reference::dequantize(&w).unwrap();
@@ -312,7 +347,11 @@ fn q4k_mma_matvec1_equals_the_reference() {
         let config = LaunchConfig {
             shared_bytes: q4k_row_staged_bytes(k),
             ..LaunchConfig::new(
-                (n.div_ceil(Q4K_MMA_ROW_TILE) as u32, 1, 1),
+                (
+                    tile_loop_blocks(n.div_ceil(Q4K_MMA_ROW_TILE), resident) as u32,
+                    1,
+                    1,
+                ),
                 (warps * 32) as u32,
             )
         };
@@ -330,7 +369,7 @@ fn q4k_mma_matvec1_equals_the_reference() {
             })
         });
         assert_close(
-            &format!("Q4_K one-row mma k={k}"),
+            &format!("Q4_K one-row mma n={n} k={k}"),
             &y.to_f32(),
             &want,
             &magnitude,
@@ -1197,14 +1236,16 @@ fn emulated_experts(
             up,
             down,
         } => {
-            // Q4_K with bf16 activations: the tensor-core kernels, launched as moe/cuda.rs launches them.
+            // Q4_K with bf16 activations: the tensor-core kernels, launched as moe/cuda.rs launches them on a
+            // device that holds three of their blocks an expert at once (each block walks several tiles).
             let mma = |format: GgufFormat| format == GgufFormat::Q4K && dtype == DType::BF16;
             let mma_config = |rows: usize, k: usize| {
                 let warps = (k / 256 / 2).clamp(1, Q4K_MMA_MAX_WARPS);
+                let tiles = rows.div_ceil(Q4K_MMA_ROW_TILE);
                 LaunchConfig {
                     shared_bytes: q4k_row_staged_bytes(k),
                     ..LaunchConfig::new(
-                        (blocks, rows.div_ceil(Q4K_MMA_ROW_TILE) as u32, 1),
+                        (blocks, tile_loop_blocks(tiles, 3) as u32, 1),
                         (warps * 32) as u32,
                     )
                 }
@@ -1744,6 +1785,23 @@ fn within_a_rounding(g: f32, w: f32, dtype: DType) -> bool {
 extern "C" {
     fn rms_norm_f32(x: Ptr, w: Ptr, cols: i32, eps: f32, out: MutPtr);
     fn rms_norm_bf16(x: Ptr, w: Ptr, cols: i32, eps: f32, out: MutPtr);
+    fn rms_norm_vectors_f32(x: Ptr, w: Ptr, cols: i32, eps: f32, out: MutPtr);
+    fn rms_norm_vectors_bf16(x: Ptr, w: Ptr, cols: i32, eps: f32, out: MutPtr);
+}
+
+/// The row kernels' launches as `rms_norm/cuda.rs` makes them, for rows of `cols` values of `dtype`: the
+/// scalar kernel (the row's width in threads up to 1024) and, where the width is whole 16-byte vectors, the
+/// vector kernel (a thread per 4 vectors, whole warps); `(vectors, threads)` each.
+fn row_norm_launches(cols: usize, dtype: DType) -> Vec<(bool, u32)> {
+    let mut launches = vec![(false, (cols.div_ceil(32) * 32).clamp(32, 1024) as u32)];
+    let per_vector = 16 / dtype.size_in_bytes();
+    if cols % per_vector == 0 {
+        launches.push((
+            true,
+            ((cols / per_vector).div_ceil(4).div_ceil(32) * 32) as u32,
+        ));
+    }
+    launches
 }
 
 /// RMSNorm as `rms_norm/cuda.rs` launches it (a block per row, the row's width in threads up to 1024), against
@@ -1766,23 +1824,28 @@ fn rms_norm_equals_the_reference() {
                 .unwrap(),
             );
             let (device_x, device_w) = (Values::from_f32(&x, dtype), Values::from_f32(&w, dtype));
-            let out = Values::nan(rows * cols, dtype);
-            let f = [rms_norm_f32, rms_norm_bf16][d];
-            let threads = (cols.div_ceil(32) * 32).clamp(32, 1024) as u32;
-            run(LaunchConfig::new((rows as u32, 1, 1), threads), || unsafe {
-                f(
-                    device_x.ptr(),
-                    device_w.ptr(),
-                    cols as i32,
-                    eps as f32,
-                    out.mut_ptr(),
-                )
-            });
-            for (i, (g, w)) in out.to_f32().iter().zip(&want).enumerate() {
-                assert!(
-                    within_a_rounding(*g, *w, dtype),
-                    "{dtype:?} {rows}x{cols} element {i}: {g} vs the reference's {w}"
-                );
+            for (vectors, threads) in row_norm_launches(cols, dtype) {
+                let out = Values::nan(rows * cols, dtype);
+                let f = if vectors {
+                    [rms_norm_vectors_f32, rms_norm_vectors_bf16][d]
+                } else {
+                    [rms_norm_f32, rms_norm_bf16][d]
+                };
+                run(LaunchConfig::new((rows as u32, 1, 1), threads), || unsafe {
+                    f(
+                        device_x.ptr(),
+                        device_w.ptr(),
+                        cols as i32,
+                        eps as f32,
+                        out.mut_ptr(),
+                    )
+                });
+                for (i, (g, w)) in out.to_f32().iter().zip(&want).enumerate() {
+                    assert!(
+                        within_a_rounding(*g, *w, dtype),
+                        "{dtype:?} {rows}x{cols} vectors={vectors} element {i}: {g} vs the reference's {w}"
+                    );
+                }
             }
         }
     }
@@ -1791,6 +1854,24 @@ fn rms_norm_equals_the_reference() {
 extern "C" {
     fn add_rms_norm_f32(x: Ptr, r: Ptr, w: Ptr, cols: i32, eps: f32, sum: MutPtr, out: MutPtr);
     fn add_rms_norm_bf16(x: Ptr, r: Ptr, w: Ptr, cols: i32, eps: f32, sum: MutPtr, out: MutPtr);
+    fn add_rms_norm_vectors_f32(
+        x: Ptr,
+        r: Ptr,
+        w: Ptr,
+        cols: i32,
+        eps: f32,
+        sum: MutPtr,
+        out: MutPtr,
+    );
+    fn add_rms_norm_vectors_bf16(
+        x: Ptr,
+        r: Ptr,
+        w: Ptr,
+        cols: i32,
+        eps: f32,
+        sum: MutPtr,
+        out: MutPtr,
+    );
 }
 
 /// The residual add and RMSNorm in one kernel, launched as `rms_norm/cuda.rs` does, against the reference
@@ -1815,35 +1896,40 @@ fn add_rms_norm_equals_the_reference() {
             let (want_sum, want) = (host_f32(&want_sum), host_f32(&want));
             let device = |v: &[f32]| Values::from_f32(v, dtype);
             let (device_x, device_r, device_w) = (device(&x), device(&residual), device(&w));
-            let (sum, out) = (
-                Values::nan(rows * cols, dtype),
-                Values::nan(rows * cols, dtype),
-            );
-            let f = [add_rms_norm_f32, add_rms_norm_bf16][d];
-            let threads = (cols.div_ceil(32) * 32).clamp(32, 1024) as u32;
-            run(LaunchConfig::new((rows as u32, 1, 1), threads), || unsafe {
-                f(
-                    device_x.ptr(),
-                    device_r.ptr(),
-                    device_w.ptr(),
-                    cols as i32,
-                    eps as f32,
-                    sum.mut_ptr(),
-                    out.mut_ptr(),
-                )
-            });
-            for (i, (g, w)) in sum.to_f32().iter().zip(&want_sum).enumerate() {
-                assert_eq!(
-                    g.to_bits(),
-                    w.to_bits(),
-                    "{dtype:?} {rows}x{cols} sum {i}: {g} vs {w}"
+            for (vectors, threads) in row_norm_launches(cols, dtype) {
+                let (sum, out) = (
+                    Values::nan(rows * cols, dtype),
+                    Values::nan(rows * cols, dtype),
                 );
-            }
-            for (i, (g, w)) in out.to_f32().iter().zip(&want).enumerate() {
-                assert!(
-                    within_a_rounding(*g, *w, dtype),
-                    "{dtype:?} {rows}x{cols} element {i}: {g} vs the reference's {w}"
-                );
+                let f = if vectors {
+                    [add_rms_norm_vectors_f32, add_rms_norm_vectors_bf16][d]
+                } else {
+                    [add_rms_norm_f32, add_rms_norm_bf16][d]
+                };
+                run(LaunchConfig::new((rows as u32, 1, 1), threads), || unsafe {
+                    f(
+                        device_x.ptr(),
+                        device_r.ptr(),
+                        device_w.ptr(),
+                        cols as i32,
+                        eps as f32,
+                        sum.mut_ptr(),
+                        out.mut_ptr(),
+                    )
+                });
+                for (i, (g, w)) in sum.to_f32().iter().zip(&want_sum).enumerate() {
+                    assert_eq!(
+                        g.to_bits(),
+                        w.to_bits(),
+                        "{dtype:?} {rows}x{cols} vectors={vectors} sum {i}: {g} vs {w}"
+                    );
+                }
+                for (i, (g, w)) in out.to_f32().iter().zip(&want).enumerate() {
+                    assert!(
+                        within_a_rounding(*g, *w, dtype),
+                        "{dtype:?} {rows}x{cols} vectors={vectors} element {i}: {g} vs the reference's {w}"
+                    );
+                }
             }
         }
     }
@@ -2321,6 +2407,9 @@ fn swiglu_equals_the_reference() {
 extern "C" {
     fn argmax_f32(x: Ptr, cols: i32, vectors: i32, out: MutPtr);
     fn argmax_bf16(x: Ptr, cols: i32, vectors: i32, out: MutPtr);
+    fn argmax_span_f32(x: Ptr, cols: i32, vectors: i32, span: i32, best: MutPtr, at: MutPtr);
+    fn argmax_span_bf16(x: Ptr, cols: i32, vectors: i32, span: i32, best: MutPtr, at: MutPtr);
+    fn argmax_spans(best: Ptr, at: Ptr, spans: i32, out: MutPtr);
 }
 
 /// The argmax kernel as `argmax/cuda.rs` launches it (a block of 1024 threads per row; 16-byte vectors where
@@ -2379,6 +2468,40 @@ fn argmax_equals_the_reference() {
                     out.to_vec(),
                     want,
                     "{dtype:?} {rows}x{cols} vectors={vectors}"
+                );
+                // Spans of 160 vectors' values (several a row, more than one pass of a warp each, the last
+                // one short), then their best a row, as the launcher chains them for long rows.
+                let span = 160 * per_vector;
+                let spans = cols.div_ceil(span);
+                let best: DeviceBuffer<f32> = DeviceBuffer::poisoned(rows * spans, NAN_BYTE);
+                let at: DeviceBuffer<u32> = DeviceBuffer::poisoned(rows * spans, NAN_BYTE);
+                let out: DeviceBuffer<u32> = DeviceBuffer::poisoned(rows, NAN_BYTE);
+                let f = [argmax_span_f32, argmax_span_bf16][d];
+                run(
+                    LaunchConfig::new((rows as u32, spans as u32, 1), 32),
+                    || unsafe {
+                        f(
+                            device_x.ptr(),
+                            cols as i32,
+                            vectors,
+                            span as i32,
+                            best.mut_ptr() as MutPtr,
+                            at.mut_ptr() as MutPtr,
+                        )
+                    },
+                );
+                run(LaunchConfig::new((rows as u32, 1, 1), 32), || unsafe {
+                    argmax_spans(
+                        best.ptr() as Ptr,
+                        at.ptr() as Ptr,
+                        spans as i32,
+                        out.mut_ptr() as MutPtr,
+                    )
+                });
+                assert_eq!(
+                    out.to_vec(),
+                    want,
+                    "{dtype:?} {rows}x{cols} vectors={vectors} in {spans} spans"
                 );
             }
         }

@@ -6,7 +6,11 @@ use candle_core::{DType, Tensor, D};
 use crate::cuda::{cuda_err, device_address, kernel, kernel_name, rows_take_16_byte_vectors};
 use crate::error::{OpError, Result};
 
+/// Threads of a block that takes a row whole (rows of one span).
 const THREADS: u32 = 1024;
+/// Threads of a span's block, and 16-byte vectors each of its threads loads: a span is one pass of them.
+const SPAN_THREADS: usize = 256;
+const SPAN_VECTORS: usize = 4;
 
 pub(super) fn argmax(x: &Tensor) -> Result<Tensor> {
     let x = x.contiguous()?;
@@ -36,15 +40,65 @@ pub(super) fn argmax(x: &Tensor) -> Result<Tensor> {
         &kernel_name("argmax", x.dtype())?,
     )?;
     let stream = dev.cuda_stream();
+    // A row's spans: one pass of a span block's threads each (in 16-byte vectors' worth of values).
+    let span = SPAN_THREADS * SPAN_VECTORS * 16 / x.dtype().size_in_bytes();
+    let spans = n.div_ceil(span);
+    // (A row of more spans than a grid's second dimension takes, past 268M values, is taken whole too.)
+    if spans == 1 || spans > u16::MAX as usize {
+        let cfg = LaunchConfig {
+            grid_dim: (grid, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut builder = stream.launch_builder(&func);
+        builder.arg(&x_ptr).arg(&cols).arg(&vectors).arg(&out_ptr);
+        // SAFETY: the arguments match argmax.cu's kernels: `x` [rows, n] contiguous, `out` [rows] u32, both
+        // live until the stream runs the launch; `vectors` only where its alignment holds.
+        unsafe { builder.launch(cfg) }.map_err(cuda_err)?;
+        return Ok(out);
+    }
+    // SAFETY: `argmax_span_*` writes every [row, span] slot of both.
+    let best = unsafe { Tensor::empty((rows, spans), DType::F32, x.device())? };
+    let at = unsafe { Tensor::empty((rows, spans), DType::U32, x.device())? };
+    let (best_ptr, _) = device_address(&best)?;
+    let (at_ptr, _) = device_address(&at)?;
+    let (span_arg, spans_arg) = (span as i32, spans as i32);
+    let span_fn = kernel(
+        &dev,
+        "argmax",
+        glm5_kernels::ARGMAX,
+        &kernel_name("argmax_span", x.dtype())?,
+    )?;
+    let mut builder = stream.launch_builder(&span_fn);
+    builder
+        .arg(&x_ptr)
+        .arg(&cols)
+        .arg(&vectors)
+        .arg(&span_arg)
+        .arg(&best_ptr)
+        .arg(&at_ptr);
     let cfg = LaunchConfig {
-        grid_dim: (grid, 1, 1),
-        block_dim: (THREADS, 1, 1),
+        grid_dim: (grid, spans as u32, 1),
+        block_dim: (SPAN_THREADS as u32, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut builder = stream.launch_builder(&func);
-    builder.arg(&x_ptr).arg(&cols).arg(&vectors).arg(&out_ptr);
-    // SAFETY: the arguments match argmax.cu's kernels: `x` [rows, n] contiguous, `out` [rows] u32, both live
-    // until the stream runs the launch; `vectors` only where its alignment holds.
+    // SAFETY: the arguments match `argmax_span_*`: `x` [rows, n] contiguous, `best` / `at` [rows, spans],
+    // all live until the stream runs the launch; spans are multiples of the vector (`span` is), so `vectors`
+    // holds for each.
+    unsafe { builder.launch(cfg) }.map_err(cuda_err)?;
+    let spans_fn = kernel(&dev, "argmax", glm5_kernels::ARGMAX, "argmax_spans")?;
+    let mut builder = stream.launch_builder(&spans_fn);
+    builder
+        .arg(&best_ptr)
+        .arg(&at_ptr)
+        .arg(&spans_arg)
+        .arg(&out_ptr);
+    let cfg = LaunchConfig {
+        grid_dim: (grid, 1, 1),
+        block_dim: (32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: `best` / `at` [rows, spans] as written above, `out` [rows] u32.
     unsafe { builder.launch(cfg) }.map_err(cuda_err)?;
     Ok(out)
 }

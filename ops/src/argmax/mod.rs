@@ -7,9 +7,11 @@
 //!
 //! # Implementations
 //!
-//! The reference reads the rows back to the host (any device, any float dtype); on CUDA for bf16 and f32 one
-//! kernel (`kernels/src/argmax.cu`), a block per row with many loads in flight per thread, where candle's
-//! argmax kept one in flight and took 110.6 us over GLM-5's 154,880 logits on an H100, this one 17.6 us.
+//! The reference reads the rows back to the host (any device, any float dtype); on CUDA for bf16 and f32
+//! (`kernels/src/argmax.cu`) a row's spans (one pass of a 256-thread block each) take a block each, many loads
+//! in flight per thread, and a second kernel takes each row's best of its spans'; a row of one span takes
+//! one block. Over GLM-5's 154,880 f32 logits on an H100: candle's argmax (one load in flight) 110.6 us, a
+//! block a row 17.4 us, the spans 4.2 + 3.0 us.
 
 use candle_core::{DType, Tensor, D};
 

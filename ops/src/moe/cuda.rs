@@ -7,12 +7,13 @@ use glm5_kernels::interface::moe::{
     route_shared_bytes, route_threads, ROUTER_EXPERTS, ROUTER_THREADS, ROUTER_TOKENS,
 };
 use glm5_kernels::interface::weight_only::{
-    q4k_row_staged_bytes, DEFAULT_DYNAMIC_SHARED_BYTES, Q4K_MMA_MAX_WARPS, Q4K_MMA_ROW_TILE,
+    q4k_row_staged_bytes, tile_loop_blocks, DEFAULT_DYNAMIC_SHARED_BYTES, Q4K_MMA_MAX_WARPS,
+    Q4K_MMA_ROW_TILE,
 };
 
 use super::quantized::{QuantizedExperts, StackedFp8, StackedNvfp4};
 use super::{RouteRule, Routes};
-use crate::cuda::{cuda_err, device_address, kernel};
+use crate::cuda::{cuda_err, device_address, kernel, resident_blocks};
 use crate::error::Result;
 use crate::gguf_matmul::GgufFormat;
 
@@ -283,20 +284,39 @@ impl MatVec {
         }
     }
 
-    /// (blocks along the output rows, threads a block, dynamic shared memory bytes) for `rows` output rows.
-    fn geometry(&self, rows: usize) -> (u32, u32, u32) {
-        match self {
+    /// (blocks along the output rows, threads a block, dynamic shared memory bytes) of kernel `name` for
+    /// `rows` output rows of each of `experts` block rows. With one token (batch-1 decode: every expert's
+    /// row one token's) the Q4_K kernels walk their tiles, each expert given no more blocks than its share of
+    /// what the device holds at once (the row staged once a block, loads in flight across tiles:
+    /// `tile_loop_blocks`). With more, a block a tile, for the scheduler to spread: an expert of several
+    /// tokens takes the slower many-row path, and on a few blocks it became the launch's tail (H100, the Q4_K
+    /// slice's batch-8 step 3.9 -> 5.0 ms).
+    fn geometry(
+        &self,
+        dev: &candle_core::cuda_backend::CudaDevice,
+        name: &str,
+        rows: usize,
+        (experts, one_token): (u32, bool),
+    ) -> Result<(u32, u32, u32)> {
+        Ok(match self {
             MatVec::WarpPerRow(_) => (
                 rows.div_ceil(MATVEC_WARPS) as u32,
                 (MATVEC_WARPS * 32) as u32,
                 0,
             ),
-            MatVec::Q4kMma { warps, staged } => (
-                rows.div_ceil(Q4K_MMA_ROW_TILE) as u32,
-                (warps * 32) as u32,
-                *staged as u32,
-            ),
-        }
+            MatVec::Q4kMma { warps, staged } => {
+                let (threads, shared) = ((warps * 32) as u32, *staged as u32);
+                let tiles = rows.div_ceil(Q4K_MMA_ROW_TILE);
+                let blocks = if one_token {
+                    let resident =
+                        resident_blocks(dev, "moe", glm5_kernels::MOE, name, threads, shared)?;
+                    tile_loop_blocks(tiles, (resident / experts.max(1) as usize).max(1))
+                } else {
+                    tiles
+                };
+                (blocks as u32, threads, shared)
+            }
+        })
     }
 }
 
@@ -347,12 +367,8 @@ fn grouped_experts_with(
     // One token (batch-1 decode): every expert has at most one assignment, so the kernels built for one
     // (`t1_`) skip the other token slots' tests.
     let one = tokens == 1;
-    let gate_up_fn = kernel(
-        &dev,
-        "moe",
-        glm5_kernels::MOE,
-        &gate_up_kernel.name("gate_up", one, suffix),
-    )?;
+    let gate_up_name = gate_up_kernel.name("gate_up", one, suffix);
+    let gate_up_fn = kernel(&dev, "moe", glm5_kernels::MOE, &gate_up_name)?;
     let mut builder = stream.launch_builder(&gate_up_fn);
     builder.arg(&x_ptr);
     push_args(&mut builder, gate_up_args);
@@ -362,25 +378,23 @@ fn grouped_experts_with(
         .arg(&hidden_arg)
         .arg(&inter_arg)
         .arg(&h_ptr);
-    let (row_blocks, threads, shared) = gate_up_kernel.geometry(inter);
+    let (row_blocks, threads, shared) =
+        gate_up_kernel.geometry(&dev, &gate_up_name, inter, (expert_blocks, one))?;
     let grid = (expert_blocks, row_blocks, 1);
     // SAFETY: the arguments match the kernel's signature (moe.cu); x [T, H], h [T·slots, I], the weights
     // and the grouping are live device allocations of the sizes the kernel reads (checked by the callers).
     unsafe { builder.launch(launch_config(grid, threads, shared)) }.map_err(cuda_err)?;
 
-    let down_fn = kernel(
-        &dev,
-        "moe",
-        glm5_kernels::MOE,
-        &down_kernel.name("down", one, suffix),
-    )?;
+    let down_name = down_kernel.name("down", one, suffix);
+    let down_fn = kernel(&dev, "moe", glm5_kernels::MOE, &down_name)?;
     let mut builder = stream.launch_builder(&down_fn);
     builder.arg(&h_ptr);
     push_args(&mut builder, down_args);
     builder.arg(&gates_ptr);
     push_args(&mut builder, &grouping_args);
     builder.arg(&hidden_arg).arg(&inter_arg).arg(&y_ptr);
-    let (row_blocks, threads, shared) = down_kernel.geometry(hidden);
+    let (row_blocks, threads, shared) =
+        down_kernel.geometry(&dev, &down_name, hidden, (expert_blocks, one))?;
     let grid = (expert_blocks, row_blocks, 1);
     // SAFETY: as above; y is [T·slots, H] f32.
     unsafe { builder.launch(launch_config(grid, threads, shared)) }.map_err(cuda_err)?;

@@ -3,7 +3,7 @@
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::{DType, Tensor, D};
 
-use crate::cuda::{cuda_err, device_address, kernel};
+use crate::cuda::{cuda_err, device_address, kernel, rows_take_16_byte_vectors};
 use crate::error::Result;
 
 pub(super) fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
@@ -22,9 +22,13 @@ pub(super) fn add_rms_norm(
     Ok((sum, out))
 }
 
+/// 16-byte vectors a thread of the `*_vectors_*` kernels holds (`HELD_VECTORS` in rms_norm.cu).
+const HELD_VECTORS: usize = 4;
+
 /// Kernel `{stem}_{bf16,f32}(inputs..., weight, cols, eps, outputs...)` over rows of `[rows, cols]` (the
-/// inputs and `N` outputs of one shape and dtype, `weight` `[cols]`), a block per row, the row's width in
-/// threads (whole warps, at most 1024).
+/// inputs and `N` outputs of one shape and dtype, `weight` `[cols]`), a block per row: where every row of
+/// every pointer takes 16-byte vectors, `{stem}_vectors_*` with a thread per `HELD_VECTORS` of them; else
+/// the row's width in threads (whole warps, at most 1024).
 fn launch_rows<const N: usize>(
     stem: &str,
     inputs: [&Tensor; N],
@@ -60,12 +64,21 @@ fn launch_rows<const N: usize>(
     } else {
         "f32"
     };
-    let func = kernel(
-        &dev,
-        "rms_norm",
-        glm5_kernels::RMS_NORM,
-        &format!("{stem}_{suffix}"),
-    )?;
+    let per_vector = 16 / x.dtype().size_in_bytes();
+    let vectors = pointers
+        .iter()
+        .all(|&p| rows_take_16_byte_vectors(cols, x.dtype(), p))
+        && cols / per_vector <= HELD_VECTORS * 1024;
+    let (name, threads) = if vectors {
+        let threads = (cols / per_vector).div_ceil(HELD_VECTORS).div_ceil(32) * 32;
+        (format!("{stem}_vectors_{suffix}"), threads.max(32))
+    } else {
+        (
+            format!("{stem}_{suffix}"),
+            (cols.div_ceil(32) * 32).clamp(32, 1024),
+        )
+    };
+    let func = kernel(&dev, "rms_norm", glm5_kernels::RMS_NORM, &name)?;
     let stream = dev.cuda_stream();
     let (cols_arg, eps_arg) = (cols as i32, eps as f32);
     let mut builder = stream.launch_builder(&func);
@@ -78,11 +91,12 @@ fn launch_rows<const N: usize>(
     }
     let cfg = LaunchConfig {
         grid_dim: (rows as u32, 1, 1),
-        block_dim: ((cols.div_ceil(32) * 32).clamp(32, 1024) as u32, 1, 1),
+        block_dim: (threads as u32, 1, 1),
         shared_mem_bytes: 0,
     };
     // SAFETY: the arguments match the kernels' signatures (rms_norm.cu): the inputs and outputs [rows, cols]
-    // of one dtype, weight [cols], all contiguous and live until the stream runs the launch.
+    // of one dtype, weight [cols], all contiguous and live until the stream runs the launch; the vector
+    // kernels only where every pointer's rows take 16-byte vectors and a block's threads hold the row.
     unsafe { builder.launch(cfg) }.map_err(cuda_err)?;
     Ok(outputs)
 }

@@ -17,7 +17,9 @@
 //! # Implementations
 //!
 //! The reference is candle tensor ops (nine of them, any device); on CUDA for bf16 and f32 one kernel
-//! (`kernels/src/rms_norm.cu`), a block per row, and one for the add and the norm together. A decode step
+//! (`kernels/src/rms_norm.cu`), a block per row, and one for the add and the norm together; rows of whole
+//! 16-byte vectors take them in vectors, four a thread (H100, GLM-5's 6144 bf16 values: the add and norm 6.7
+//! -> 4.2 us a call, the norm alone 4.6 -> 3.5). A decode step
 //! runs four RMSNorms and two residual adds per layer, so the launches saved are a visible share of the step.
 
 use candle_core::{DType, Tensor, D};

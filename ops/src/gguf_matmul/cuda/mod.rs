@@ -4,12 +4,13 @@
 use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::{DType, Tensor};
 use glm5_kernels::interface::weight_only::{
-    q4k_row_staged_bytes, DEFAULT_DYNAMIC_SHARED_BYTES, Q4K_MMA_MAX_WARPS, Q4K_MMA_ROW_TILE,
+    q4k_row_staged_bytes, tile_loop_blocks, DEFAULT_DYNAMIC_SHARED_BYTES, Q4K_MMA_MAX_WARPS,
+    Q4K_MMA_ROW_TILE,
 };
 use glm5_kernels::interface::Q4kRowParams;
 
 use super::{GgufFormat, GgufWeight, MAX_ROWS};
-use crate::cuda::{cuda_err, device_address, kernel, launch_dependent};
+use crate::cuda::{cuda_err, device_address, kernel, launch_dependent, resident_blocks};
 use crate::error::{OpError, Result};
 use crate::weight_only_cuda::{self, KernelFile, WeightArgs};
 
@@ -129,7 +130,9 @@ fn q4k_mma_matvec(x: &Tensor, blocks: &Tensor, n: usize) -> Result<Tensor> {
 
 /// Q4_K times one bf16 row on the tensor cores (`q4k_mma_matvec1_bf16`): as `q4k_mma_matvec`, the row staged in
 /// shared memory (`q4k_row_staged_bytes(k)`, within the default limit: the caller checks), launched as a
-/// programmatic dependent of the stream's previous kernel (its weight loads start during that kernel's tail).
+/// programmatic dependent of the stream's previous kernel (its weight loads start during that kernel's tail),
+/// in no more blocks than the device holds at once, each walking its share of the 16-row tiles
+/// (`tile_loop_blocks`).
 fn q4k_mma_matvec1(x: &Tensor, blocks: &Tensor, n: usize) -> Result<Tensor> {
     let (_, k) = x.dims2()?;
     let x = &weight_only_cuda::vector_aligned(x)?;
@@ -143,12 +146,19 @@ fn q4k_mma_matvec1(x: &Tensor, blocks: &Tensor, n: usize) -> Result<Tensor> {
         n: n as i32,
         k: k as i32,
     });
-    let func = kernel(&dev, FILE.module, FILE.fatbin, "q4k_mma_matvec1_bf16")?;
-    let warps = (k / 256 / 2).clamp(1, Q4K_MMA_MAX_WARPS);
+    let name = "q4k_mma_matvec1_bf16";
+    let func = kernel(&dev, FILE.module, FILE.fatbin, name)?;
+    let threads = (k / 256 / 2).clamp(1, Q4K_MMA_MAX_WARPS) as u32 * 32;
+    let shared = q4k_row_staged_bytes(k) as u32;
+    let resident = resident_blocks(&dev, FILE.module, FILE.fatbin, name, threads, shared)?;
     let cfg = LaunchConfig {
-        grid_dim: (n.div_ceil(Q4K_MMA_ROW_TILE) as u32, 1, 1),
-        block_dim: ((warps * 32) as u32, 1, 1),
-        shared_mem_bytes: q4k_row_staged_bytes(k) as u32,
+        grid_dim: (
+            tile_loop_blocks(n.div_ceil(Q4K_MMA_ROW_TILE), resident) as u32,
+            1,
+            1,
+        ),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: shared,
     };
     // SAFETY: the kernel takes one `Q4kRowParams` (layout checked at build time): x [1, k] bf16 (16-byte
     // aligned), the blocks [n, k / 256 · 144] bytes (checked aligned), y [1, n] bf16, all live until the
