@@ -24,6 +24,19 @@ __device__ __forceinline__ bool better(float v, int i, float best, int at) {
     return v > best || (v == best && i < at);
 }
 
+/// The warp's best (value, index) pair, in every lane.
+__device__ __forceinline__ void warp_best(float& best, int& at) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        const float other = __shfl_xor_sync(0xffffffffu, best, offset);
+        const int other_at = __shfl_xor_sync(0xffffffffu, at, offset);
+        if (better(other, other_at, best, at)) {
+            best = other;
+            at = other_at;
+        }
+    }
+}
+
 /// The best (value, index) of `row[begin, end)` into thread 0's `best` / `at` (every thread calls it). With
 /// `vectors`, `begin` and `end` are multiples of the 16-byte vector's values and the row 16-byte aligned.
 template <typename T>
@@ -65,27 +78,19 @@ __device__ void block_best(const T* __restrict__ row, int begin, int end, int ve
             }
         }
     }
-    __shared__ float warp_best[32];
+    __shared__ float warp_best_value[32];
     __shared__ int warp_at[32];
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) {
-        const float other = __shfl_xor_sync(0xffffffffu, best, offset);
-        const int other_at = __shfl_xor_sync(0xffffffffu, at, offset);
-        if (better(other, other_at, best, at)) {
-            best = other;
-            at = other_at;
-        }
-    }
+    warp_best(best, at);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (lane == 0) {
-        warp_best[warp] = best;
+        warp_best_value[warp] = best;
         warp_at[warp] = at;
     }
     __syncthreads();
     if (threadIdx.x == 0) {
         for (int w = 1; w < static_cast<int>(blockDim.x / 32); ++w)
-            if (better(warp_best[w], warp_at[w], best, at)) {
-                best = warp_best[w];
+            if (better(warp_best_value[w], warp_at[w], best, at)) {
+                best = warp_best_value[w];
                 at = warp_at[w];
             }
     }
@@ -146,14 +151,6 @@ extern "C" __global__ void argmax_spans(const float* __restrict__ best, const ui
             value = best[row + s];
             index = static_cast<int>(at[row + s]);
         }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) {
-        const float other = __shfl_xor_sync(0xffffffffu, value, offset);
-        const int other_at = __shfl_xor_sync(0xffffffffu, index, offset);
-        if (better(other, other_at, value, index)) {
-            value = other;
-            index = other_at;
-        }
-    }
+    warp_best(value, index);
     if (threadIdx.x == 0) out[blockIdx.x] = static_cast<uint32_t>(index);
 }

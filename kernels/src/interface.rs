@@ -275,6 +275,18 @@ pub mod weight_only {
     /// splitting a block's rows along `in`.
     pub const Q4K_MMA_ROW_TILE: usize = 16;
     pub const Q4K_MMA_MAX_WARPS: usize = 8;
+    /// Warps of a Q4_K tensor-core block over rows of `k` values: about two of the row's 256-value blocks a
+    /// warp, at most `Q4K_MMA_MAX_WARPS`.
+    pub const fn q4k_mma_warps(k: usize) -> usize {
+        let warps = k / 256 / 2;
+        if warps < 1 {
+            1
+        } else if warps > Q4K_MMA_MAX_WARPS {
+            Q4K_MMA_MAX_WARPS
+        } else {
+            warps
+        }
+    }
     /// The dynamic shared memory of the one-row Q4_K kernels (`q4k_mma::row::staged_bytes` in `q4k_mma.cuh`)
     /// for `k` activations: the values (bf16), one f32 sum per 32, 128 bytes of zeros.
     pub const fn q4k_row_staged_bytes(k: usize) -> usize {

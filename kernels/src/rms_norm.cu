@@ -115,6 +115,26 @@ __device__ __forceinline__ uint4 pack(const float (&in)[16 / sizeof(T)]) {
     return v;
 }
 
+/// The normalised row out of a thread's held vectors: `round(v · inv_rms) · w` per value, stored at `dst`'s
+/// vectors `threadIdx.x + j · blockDim.x` (as held). `x` picks the rounding (the row's dtype).
+template <typename T>
+__device__ __forceinline__ void store_normed_vectors(const uint4 (&xs)[HELD_VECTORS], const uint4 (&ws)[HELD_VECTORS],
+                                                     int vectors, float inv_rms, const T* x, uint4* __restrict__ dst) {
+    constexpr int N = 16 / sizeof(T);
+#pragma unroll
+    for (int j = 0; j < HELD_VECTORS; ++j) {
+        const int i = threadIdx.x + j * blockDim.x;
+        if (i < vectors) {
+            float v[N], wv[N];
+            unpack<T>(xs[j], v);
+            unpack<T>(ws[j], wv);
+#pragma unroll
+            for (int e = 0; e < N; ++e) v[e] = round_to(v[e] * inv_rms, x) * wv[e];
+            dst[i] = pack<T>(v);
+        }
+    }
+}
+
 /// `rms_norm` over vectors (the rounding order the same; the squares summed in another order).
 template <typename T>
 __device__ void rms_norm_vectors(const T* __restrict__ x, const T* __restrict__ weight, int cols, float eps,
@@ -144,18 +164,7 @@ __device__ void rms_norm_vectors(const T* __restrict__ x, const T* __restrict__ 
         }
     }
     const float inv_rms = 1.0f / sqrtf(block_sum(squares) / cols + eps);
-#pragma unroll
-    for (int j = 0; j < HELD_VECTORS; ++j) {
-        const int i = threadIdx.x + j * blockDim.x;
-        if (i < vectors) {
-            float v[N], wv[N];
-            unpack<T>(xs[j], v);
-            unpack<T>(ws[j], wv);
-#pragma unroll
-            for (int e = 0; e < N; ++e) v[e] = round_to(v[e] * inv_rms, x) * wv[e];
-            dst[i] = pack<T>(v);
-        }
-    }
+    store_normed_vectors(xs, ws, vectors, inv_rms, x, dst);
 }
 
 /// `add_rms_norm` over vectors.
@@ -197,18 +206,7 @@ __device__ void add_rms_norm_vectors(const T* __restrict__ x, const T* __restric
         }
     }
     const float inv_rms = 1.0f / sqrtf(block_sum(squares) / cols + eps);
-#pragma unroll
-    for (int j = 0; j < HELD_VECTORS; ++j) {
-        const int i = threadIdx.x + j * blockDim.x;
-        if (i < vectors) {
-            float v[N], wv[N];
-            unpack<T>(xs[j], v);
-            unpack<T>(ws[j], wv);
-#pragma unroll
-            for (int e = 0; e < N; ++e) v[e] = round_to(v[e] * inv_rms, x) * wv[e];
-            reinterpret_cast<uint4*>(out)[row + i] = pack<T>(v);
-        }
-    }
+    store_normed_vectors(xs, ws, vectors, inv_rms, x, reinterpret_cast<uint4*>(out) + row);
 }
 
 }  // namespace

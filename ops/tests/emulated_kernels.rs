@@ -17,8 +17,8 @@ use common::quantized::{experts as quantized_experts, gguf_blocks, Format};
 use common::{rng, uniform};
 use glm5_kernels::emu::{launch, DeviceBuffer, LaunchConfig};
 use glm5_kernels::interface::weight_only::{
-    column_warps, q4k_row_staged_bytes, tile_loop_blocks, DEQUANTIZE_THREADS, MAX_ROWS,
-    Q4K_MMA_MAX_WARPS, Q4K_MMA_ROW_TILE, WARPS,
+    column_warps, q4k_mma_warps, q4k_row_staged_bytes, tile_loop_blocks, DEQUANTIZE_THREADS,
+    MAX_ROWS, Q4K_MMA_ROW_TILE, WARPS,
 };
 use glm5_ops::gguf_matmul::{self, GgufFormat, GgufWeight};
 use glm5_ops::moe::{experts_reference, route_reference, QuantizedExperts, Routes};
@@ -343,7 +343,7 @@ fn q4k_mma_matvec1_equals_the_reference() {
         let w = GgufWeight::new(GgufFormat::Q4K, blocks.clone(), k).unwrap();
         let dense = gguf_matmul::reference::dequantize(&w).unwrap();
         let device_blocks = bytes_of(&blocks);
-        let warps = (k / 256 / 2).clamp(1, Q4K_MMA_MAX_WARPS);
+        let warps = q4k_mma_warps(k);
         let config = LaunchConfig {
             shared_bytes: q4k_row_staged_bytes(k),
             ..LaunchConfig::new(
@@ -388,7 +388,7 @@ fn q4k_mma_matvec_equals_the_reference() {
         let w = GgufWeight::new(GgufFormat::Q4K, blocks.clone(), k).unwrap();
         let dense = gguf_matmul::reference::dequantize(&w).unwrap();
         let device_blocks = bytes_of(&blocks);
-        let warps = (k / 256 / 2).clamp(1, Q4K_MMA_MAX_WARPS);
+        let warps = q4k_mma_warps(k);
         let config = LaunchConfig::new(
             (n.div_ceil(Q4K_MMA_ROW_TILE) as u32, 1, 1),
             (warps * 32) as u32,
@@ -1240,7 +1240,7 @@ fn emulated_experts(
             // device that holds three of their blocks an expert at once (each block walks several tiles).
             let mma = |format: GgufFormat| format == GgufFormat::Q4K && dtype == DType::BF16;
             let mma_config = |rows: usize, k: usize| {
-                let warps = (k / 256 / 2).clamp(1, Q4K_MMA_MAX_WARPS);
+                let warps = q4k_mma_warps(k);
                 let tiles = rows.div_ceil(Q4K_MMA_ROW_TILE);
                 LaunchConfig {
                     shared_bytes: q4k_row_staged_bytes(k),
@@ -1795,7 +1795,7 @@ extern "C" {
 fn row_norm_launches(cols: usize, dtype: DType) -> Vec<(bool, u32)> {
     let mut launches = vec![(false, (cols.div_ceil(32) * 32).clamp(32, 1024) as u32)];
     let per_vector = 16 / dtype.size_in_bytes();
-    if cols % per_vector == 0 {
+    if cols.is_multiple_of(per_vector) {
         launches.push((
             true,
             ((cols / per_vector).div_ceil(4).div_ceil(32) * 32) as u32,

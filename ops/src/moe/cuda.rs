@@ -7,7 +7,7 @@ use glm5_kernels::interface::moe::{
     route_shared_bytes, route_threads, ROUTER_EXPERTS, ROUTER_THREADS, ROUTER_TOKENS,
 };
 use glm5_kernels::interface::weight_only::{
-    q4k_row_staged_bytes, tile_loop_blocks, DEFAULT_DYNAMIC_SHARED_BYTES, Q4K_MMA_MAX_WARPS,
+    q4k_mma_warps, q4k_row_staged_bytes, tile_loop_blocks, DEFAULT_DYNAMIC_SHARED_BYTES,
     Q4K_MMA_ROW_TILE,
 };
 
@@ -513,7 +513,7 @@ pub(super) fn quantized_experts(
                     && staged <= DEFAULT_DYNAMIC_SHARED_BYTES
                 {
                     MatVec::Q4kMma {
-                        warps: (k / 256 / 2).clamp(1, Q4K_MMA_MAX_WARPS),
+                        warps: q4k_mma_warps(k),
                         staged,
                     }
                 } else {

@@ -4,7 +4,7 @@
 use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::{DType, Tensor};
 use glm5_kernels::interface::weight_only::{
-    q4k_row_staged_bytes, tile_loop_blocks, DEFAULT_DYNAMIC_SHARED_BYTES, Q4K_MMA_MAX_WARPS,
+    q4k_mma_warps, q4k_row_staged_bytes, tile_loop_blocks, DEFAULT_DYNAMIC_SHARED_BYTES,
     Q4K_MMA_ROW_TILE,
 };
 use glm5_kernels::interface::Q4kRowParams;
@@ -106,7 +106,7 @@ fn q4k_mma_matvec(x: &Tensor, blocks: &Tensor, n: usize) -> Result<Tensor> {
         "q4k_mma_matvec16_bf16"
     };
     let func = kernel(&dev, FILE.module, FILE.fatbin, name)?;
-    let warps = (k / 256 / 2).clamp(1, Q4K_MMA_MAX_WARPS);
+    let warps = q4k_mma_warps(k);
     let cfg = LaunchConfig {
         grid_dim: (n.div_ceil(Q4K_MMA_ROW_TILE) as u32, 1, 1),
         block_dim: ((warps * 32) as u32, 1, 1),
@@ -148,7 +148,7 @@ fn q4k_mma_matvec1(x: &Tensor, blocks: &Tensor, n: usize) -> Result<Tensor> {
     });
     let name = "q4k_mma_matvec1_bf16";
     let func = kernel(&dev, FILE.module, FILE.fatbin, name)?;
-    let threads = (k / 256 / 2).clamp(1, Q4K_MMA_MAX_WARPS) as u32 * 32;
+    let threads = q4k_mma_warps(k) as u32 * 32;
     let shared = q4k_row_staged_bytes(k) as u32;
     let resident = resident_blocks(&dev, FILE.module, FILE.fatbin, name, threads, shared)?;
     let cfg = LaunchConfig {
