@@ -33,18 +33,18 @@ pub(super) fn argmax(x: &Tensor) -> Result<Tensor> {
     let (x_ptr, dev) = device_address(&x)?;
     let (out_ptr, _) = device_address(&out)?;
     let vectors = i32::from(rows_take_16_byte_vectors(n, x.dtype(), x_ptr));
-    let func = kernel(
-        &dev,
-        "argmax",
-        glm5_kernels::ARGMAX,
-        &kernel_name("argmax", x.dtype())?,
-    )?;
     let stream = dev.cuda_stream();
     // A row's spans: one pass of a span block's threads each (in 16-byte vectors' worth of values).
     let span = SPAN_THREADS * SPAN_VECTORS * 16 / x.dtype().size_in_bytes();
     let spans = n.div_ceil(span);
     // (A row of more spans than a grid's second dimension takes, past 268M values, is taken whole too.)
     if spans == 1 || spans > u16::MAX as usize {
+        let func = kernel(
+            &dev,
+            "argmax",
+            glm5_kernels::ARGMAX,
+            &kernel_name("argmax", x.dtype())?,
+        )?;
         let cfg = LaunchConfig {
             grid_dim: (grid, 1, 1),
             block_dim: (THREADS, 1, 1),
