@@ -96,6 +96,8 @@ inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fdiv_rn(float a, float b) { return a / b; }
 
 inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+/// Round to nearest even (the host's default rounding mode).
+inline int __float2int_rn(float x) { return static_cast<int>(nearbyintf(x)); }
 
 inline float __uint_as_float(unsigned v) { return glm5_emu_bits_to_float(v); }
 inline unsigned __float_as_uint(float f) { return glm5_emu_float_to_bits(f); }

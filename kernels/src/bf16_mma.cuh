@@ -51,3 +51,14 @@ __device__ __forceinline__ void async_copy16(void* to, const void* from) {
 __device__ __forceinline__ void async_copies_wait() {
     asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
 }
+
+/// d += A · B for one m16n8k32 product of int8 (s32 sums; lane (g, t): a[0] = A[g][4t .. 4t + 3],
+/// a[1] = A[g + 8][4t ..], a[2] = A[g][16 + 4t ..], a[3] = A[g + 8][16 + 4t ..], the lowest k in the low byte;
+/// b[0] = B[4t .. 4t + 3][g], b[1] = B[16 + 4t ..][g]; d as mma_bf16_16816's).
+__device__ __forceinline__ void mma_s8_16832(int (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}

@@ -153,7 +153,7 @@ extern "C" __global__ void __launch_bounds__(q4k_mma::MAX_WARPS * 32) q4k_mma_ma
     // The tile is the block's alone, so every thread leaves the loop together (sum_over_warps' barriers).
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         float acc = 0.0f;
-        stream.run(rows, staged, p.k, warp, warps, g, t, acc);
+        stream.run(staged, p.k, warp, warps, g, t, acc);
         if (tile + gridDim.x < tiles) {
             q4k_mma::tile_rows(p.w, (tile + gridDim.x) * 16, p.n, p.k, g, rows);
             stream.start(rows, warp, warps, blocks, t);

@@ -288,9 +288,10 @@ pub mod weight_only {
         }
     }
     /// The dynamic shared memory of the one-row Q4_K kernels (`q4k_mma::row::staged_bytes` in `q4k_mma.cuh`)
-    /// for `k` activations: the values (bf16), one f32 sum per 32, 128 bytes of zeros.
+    /// for `k` activations: the values quantised to int8, two f32 a 32-value sub-block (d8 and d8 · Σ q8),
+    /// 64 bytes of zeros.
     pub const fn q4k_row_staged_bytes(k: usize) -> usize {
-        2 * k + 4 * (k / 32) + 128
+        k + 8 * (k / 32) + 64
     }
     /// Blocks of a launch that walks `tiles` tiles of output rows, a block taking tiles `blockIdx`, `+ grid`,
     /// ... (the one-row Q4_K kernels), on a device that holds `resident` of its blocks at once: a block a tile

@@ -792,8 +792,8 @@ MOE_GGUF_FORMAT(q5_k, Q5_K)
 // ---- Q4_K experts on the tensor cores (bf16) ---------------------------------------------------------------
 //
 // An expert with one token (every chosen expert at batch-1 decode, most at a few sequences) takes the one-row
-// kernels' path (q4k_mma::row): its activation row staged in the launch's dynamic shared memory
-// (`row::staged_bytes` of the row: the launcher always gives it), the warps splitting the row's blocks;
+// kernels' path (q4k_mma::row, int8 MMAs): its activation row quantised as q8_1 into the launch's dynamic shared
+// memory (`row::staged_bytes` of the row: the launcher always gives it), the warps splitting the row's blocks;
 // gate/up's warps split between the two matrices (even warps gate, odd up; one warp does both in turn).
 // Several tokens take `accumulate`, 8 at a time. A block walks the expert's 16-row tiles `blockIdx.y`,
 // `+ gridDim.y`, ...: at one token the launcher gives each expert its share of the blocks the device holds at
@@ -832,7 +832,7 @@ extern "C" __global__ void __launch_bounds__(glm5::q4k_mma::MAX_WARPS * 32) moe_
             float acc[2] = {0.0f, 0.0f};  // gate, up
             for (int p = 0; p < (split ? 1 : 2); ++p) {
                 const int matrix = split ? warp % 2 : p;
-                stream.run(rows, staged, hidden, first, pairs, g, t, acc[matrix]);
+                stream.run(staged, hidden, first, pairs, g, t, acc[matrix]);
                 // The next rows this warp streams: the lone warp's up rows of this tile after its gate rows,
                 // its gate rows of the block's next tile after its up rows; a split warp's matrix, next tile.
                 const bool then_up = !split && p == 0;
@@ -905,7 +905,7 @@ extern "C" __global__ void __launch_bounds__(glm5::q4k_mma::MAX_WARPS * 32) moe_
         q::row::stage(h + (size_t)a * inter, staged, inter);
         for (int tile = blockIdx.y; tile < tiles; tile += gridDim.y) {
             float acc = 0.0f;
-            stream.run(rows, staged, inter, warp, warps, g, t, acc);
+            stream.run(staged, inter, warp, warps, g, t, acc);
             if (tile + gridDim.y < tiles) {
                 q::tile_rows(down_w, (tile + gridDim.y) * 16, hidden, inter, g, rows);
                 stream.start(rows, warp, warps, blocks, t);

@@ -24,7 +24,7 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
-// mma_bf16_16816 and bf16x2_sub: the includer includes bf16_mma.cuh first (itself, so that the CPU emulator's
+// mma_bf16_16816, mma_s8_16832 and bf16x2_sub: the includer includes bf16_mma.cuh first (itself, so that the CPU emulator's
 // include path puts its own versions in their place).
 #include "glm5_interface.h"
 #include "gguf_formats.cuh"
@@ -154,53 +154,66 @@ template <int N> __device__ __forceinline__ void sum_over_warps(float (&acc)[N][
 //
 // With one activation row (batch-1 decode; an expert chosen by one token) `accumulate` leaves 7 of the mma's 8
 // columns empty and spends most of its instructions on each sub-block's scales. `row` spends the columns on the
-// scales instead. Lane (g, t) decodes, of rows g and g + 8, sub-block pair t (the block's bytes 16 + 32t ..:
-// values 64t .. 64t + 63, the low nibbles sub-block 2t, the high ones 2t + 1), and only lanes (t, t) and
-// (t + 4, t) give their activation values to the B operand: columns c and c + 4 of a product are pair c's sum
-// alone, per row. k-step i < 8 takes the low nibbles of the pair's byte word i, 8 + i its high ones, each into
-// its own accumulator (`lo`, `hi`), so after a block lane (g, t) holds the sums of sub-blocks 4(t % 2) ..
-// 4(t % 2) + 3 of both its rows, and scales those of row g (t < 2) or g + 8 (t >= 2), each by its own sc once.
-// Within a k-step the slots pair as a word gives them (slot 2t ↔ byte 0, 2t + 1 ↔ byte 2, 2t + 8 ↔ byte 1,
-// 2t + 9 ↔ byte 3); `stage` stores the activations permuted the same way, so a lane's B operand is one
-// shared-memory load.
+// scales instead, on the int8 tensor cores (m16n8k32): the activations quantised per 32-value sub-block as
+// llama.cpp's mat-vecs quantise them (its q8_1: d8 = max |x| / 127, q8 = round(x / d8)), a weight's nibble an
+// int8 by one mask (the high nibbles a shift first): 3 instructions for 8 weights, where bf16 (128 + q under a
+// bf16 exponent) took 7, and half the MMAs (sm_90 SASS: ~155 warp instructions a block of 16 rows, ~255 in bf16).
 //
-// A weight is one mask under bf16 128's exponent (128 + q, exact; 7 instructions a word of 8 with the shifts);
-// the 128 comes off each sub-block's sum with the sub-block sums of x that `stage` writes:
+// Lane (g, t) decodes, of rows g and g + 8, sub-block pair t (the block's bytes 16 + 32t ..: values 64t ..
+// 64t + 63, the low nibbles sub-block 2t, the high ones 2t + 1) into the A slots of segment t (k 4t .. 4t + 3 and
+// 16 + 4t ..: 8 values a k-step), the low nibbles into accumulator `lo`, the high into `hi`; only lanes (t, t)
+// and (t + 4, t) give the B operand their pair's int8 activations, so column c of a product is pair c % 4's sum
+// alone, per row. After a block lane (g, t) holds the sums of sub-blocks 4(t % 2) .. 4(t % 2) + 3 of both its
+// rows, and scales those of row g (t < 2) or g + 8 (t >= 2). Per sub-block j of a row, as llama.cpp's mat-vecs
+// (the row times x as quantised, the mins with s_j = d8_j · Σ q8):
 //
-//   y[r] += d · Σ_s sc[r][s] · (Σ_l (128 + q[r][l]) x[l] − 128 Σ_l x[l])  −  dmin · Σ_s m[r][s] · Σ_l x[l]
+//   y[r] += d · Σ_j sc[r][j] · d8_j · Σ_l q[r][l] q8[l]  −  dmin · Σ_j m[r][j] · s_j
 namespace row {
 
-/// The shared memory `stage` fills for `k` activations: the permuted values, one f32 sum a sub-block, and 128
+/// The shared memory `stage` fills for `k` activations: the int8 values, d8 and s a sub-block (f32), and 64
 /// bytes of zeros (the B operand of the lanes that give none).
-__host__ __device__ constexpr int staged_bytes(int k) { return 2 * k + 4 * (k / 32) + 128; }
+__host__ __device__ constexpr int staged_bytes(int k) { return k + 8 * (k / 32) + 64; }
 
-/// The activation row `x` (`k` bf16 values, 16-byte aligned) into shared memory at `staged` (16-byte aligned,
-/// `staged_bytes(k)`), by the whole block: values 8i .. 8i + 7 as the bf16 pairs (0, 2), (1, 3), (4, 6), (5, 7),
-/// and each 32-value sub-block's sum after the k values. Every thread's copies are in flight at once and each
-/// then rearranges its own vectors in place: one L2 round trip, where a load then a store per loop pass took
-/// one each (k / 8 / blockDim.x passes: 8 for o_proj's 16384 values) while the weights' first loads waited.
+__device__ __forceinline__ uint32_t pack4(int a, int b, int c, int d) {
+    return (a & 0xff) | ((b & 0xff) << 8) | ((c & 0xff) << 16) | (static_cast<uint32_t>(d & 0xff) << 24);
+}
+
+/// The activation row `x` (`k` bf16 values, 16-byte aligned) quantised into shared memory at `staged` (16-byte
+/// aligned, `staged_bytes(k)`) by the whole block, in order: sub-block s's 32 values at bytes 32s ...
 __device__ __forceinline__ void stage(const __nv_bfloat16* x, uint8_t* staged, int k) {
-    const uint4* from = reinterpret_cast<const uint4*>(x);
-    uint4* to = reinterpret_cast<uint4*>(staged);
-    float* sums = reinterpret_cast<float*>(staged + 2 * k);
-    for (int i = threadIdx.x; i < k / 8; i += blockDim.x) async_copy16(to + i, from + i);
-    async_copies_wait();
+    float* d8 = reinterpret_cast<float*>(staged + k);
+    float* s = d8 + k / 32;
     // k / 8 is a multiple of 32 and blockDim.x of 32: a warp's lanes stay in the loop together; a sub-block is
     // four consecutive lanes' vectors.
     for (int i = threadIdx.x; i < k / 8; i += blockDim.x) {
-        const uint4 v = to[i];
-        to[i] = {__byte_perm(v.x, v.y, 0x5410), __byte_perm(v.x, v.y, 0x7632), __byte_perm(v.z, v.w, 0x5410),
-                 __byte_perm(v.z, v.w, 0x7632)};
+        const uint4 v = __ldg(reinterpret_cast<const uint4*>(x) + i);
         const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-        float sum = 0.0f;
+        float f[8];
+        float amax = 0.0f;
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
-            sum += __uint_as_float(words[j] << 16) + __uint_as_float(words[j] & 0xffff0000u);
+        for (int j = 0; j < 4; ++j) {
+            f[2 * j] = __uint_as_float(words[j] << 16);
+            f[2 * j + 1] = __uint_as_float(words[j] & 0xffff0000u);
+            amax = fmaxf(amax, fmaxf(fabsf(f[2 * j]), fabsf(f[2 * j + 1])));
+        }
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        int q[8], sum = 0;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            q[j] = __float2int_rn(f[j] * id);
+            sum += q[j];
+        }
+        reinterpret_cast<uint2*>(staged)[i] = {pack4(q[0], q[1], q[2], q[3]), pack4(q[4], q[5], q[6], q[7])};
         sum += __shfl_xor_sync(0xffffffffu, sum, 1);
         sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        if (i % 4 == 0) sums[i / 4] = sum;
+        if (i % 4 == 0) {
+            d8[i / 4] = d;
+            s[i / 4] = d * static_cast<float>(sum);
+        }
     }
-    if (threadIdx.x < 8) reinterpret_cast<uint4*>(sums + k / 32)[threadIdx.x] = {0, 0, 0, 0};
+    if (threadIdx.x < 4) reinterpret_cast<uint4*>(s + k / 32)[threadIdx.x] = {0, 0, 0, 0};
     __syncthreads();
 }
 
@@ -211,76 +224,53 @@ struct Block {
     uint4 head;
 };
 
-__device__ __forceinline__ Block load(const uint8_t* const (&rows)[2], int b, int t) {
-    Block block;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const uint4* at = reinterpret_cast<const uint4*>(rows[r] + static_cast<size_t>(b) * BLOCK_BYTES);
-        block.qs[r][0] = __ldg(at + 1 + 2 * t);
-        block.qs[r][1] = __ldg(at + 2 + 2 * t);
-    }
-    // (A select, not rows[t / 2]: a runtime index would put the array in local memory.)
-    const uint8_t* scaled_row = t >= 2 ? rows[1] : rows[0];
-    block.head = __ldg(reinterpret_cast<const uint4*>(scaled_row + static_cast<size_t>(b) * BLOCK_BYTES));
-    return block;
-}
-
 __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
     return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
-}
-
-/// The bf16 pair (128 + nibble of byte 0 or 1, 128 + the same nibble of byte 2 or 3) at bit `shift` (0, 4, 8, 12).
-__device__ __forceinline__ uint32_t offset_pair(uint32_t w, int shift) {
-    return and_or<0x000f000f, 0x43004300>(w >> shift);
 }
 
 /// acc += block `b`'s part of the lane's row (g for t < 2, g + 8 for t >= 2) times the activations `staged` by
 /// `stage` (the whole row): sub-blocks 4(t % 2) .. 4(t % 2) + 3. `mine`: the lane gives its activations to the
 /// B operand (g % 4 == t).
-__device__ __forceinline__ void accumulate(const Block& block, const uint8_t* staged, int k, bool mine, int b, int t,
-                                           float& acc) {
-    float lo[4] = {0.0f, 0.0f, 0.0f, 0.0f}, hi[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    // The lane's values of the pair, or the zeros after the sums (no predicated loads, no zeroing).
-    const uint4* pair = mine ? reinterpret_cast<const uint4*>(staged) + 32 * b + 8 * t
-                             : reinterpret_cast<const uint4*>(staged + 2 * k + 4 * (k / 32));
+__device__ __forceinline__ void accumulate(const Block& block, const uint8_t* staged, int k, bool mine, int b,
+                                           int t, float& acc) {
+    constexpr uint32_t NIBBLES = 0x0f0f0f0f;
+    int lo[4] = {0, 0, 0, 0}, hi[4] = {0, 0, 0, 0};
+    // Sub-block 2t's 32 int8 values then 2t + 1's, or the zeros after the scales.
+    const uint4* pair = mine ? reinterpret_cast<const uint4*>(staged + 256 * b + 64 * t)
+                             : reinterpret_cast<const uint4*>(staged + k + 8 * (k / 32));
+    const uint4 even[2] = {pair[0], pair[1]}, odd[2] = {pair[2], pair[3]};
 #pragma unroll
-    for (int i = 0; i < 8; i += 2) {
-        // Values 4i .. 4i + 7 of the pair's even (low) and odd (high) sub-block: k-steps i and i + 1.
-        const uint4 even = pair[i / 2], odd = pair[4 + i / 2];
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-            const int step = i + u;
-            const uint32_t w[2] = {word(block.qs[0][step / 4], step % 4), word(block.qs[1][step / 4], step % 4)};
-            const uint32_t b_even[2] = {word(even, 2 * u), word(even, 2 * u + 1)};
-            const uint32_t b_odd[2] = {word(odd, 2 * u), word(odd, 2 * u + 1)};
-            const uint32_t a_even[4] = {offset_pair(w[0], 0), offset_pair(w[1], 0), offset_pair(w[0], 8),
-                                        offset_pair(w[1], 8)};
-            const uint32_t a_odd[4] = {offset_pair(w[0], 4), offset_pair(w[1], 4), offset_pair(w[0], 12),
-                                       offset_pair(w[1], 12)};
-            mma_bf16_16816(lo, a_even, b_even);
-            mma_bf16_16816(hi, a_odd, b_odd);
-        }
+    for (int m = 0; m < 4; ++m) {
+        // Values 8m .. 8m + 3 (A slots 4t ..) and 8m + 4 .. 8m + 7 (16 + 4t ..) of both sub-blocks.
+        const int i = 2 * (m % 2);
+        const uint32_t w[2][2] = {{word(block.qs[0][m / 2], i), word(block.qs[0][m / 2], i + 1)},
+                                  {word(block.qs[1][m / 2], i), word(block.qs[1][m / 2], i + 1)}};
+        const uint32_t a_lo[4] = {w[0][0] & NIBBLES, w[1][0] & NIBBLES, w[0][1] & NIBBLES, w[1][1] & NIBBLES};
+        const uint32_t a_hi[4] = {(w[0][0] >> 4) & NIBBLES, (w[1][0] >> 4) & NIBBLES, (w[0][1] >> 4) & NIBBLES,
+                                  (w[1][1] >> 4) & NIBBLES};
+        const uint32_t b_lo[2] = {word(even[m / 2], i), word(even[m / 2], i + 1)};
+        const uint32_t b_hi[2] = {word(odd[m / 2], i), word(odd[m / 2], i + 1)};
+        mma_s8_16832(lo, a_lo, b_lo);
+        mma_s8_16832(hi, a_hi, b_hi);
     }
-    // Column 2(t % 2) + c (or that + 4) is pair 2(t % 2) + c, so sub-block 4(t % 2) + j is lo[c] (j = 2c) or
-    // hi[c] (j = 2c + 1) for row g, lo / hi[2 + c] for row g + 8.
     const int half = t % 2;
-    const float4 x_sums = reinterpret_cast<const float4*>(staged + 2 * k)[2 * b + half];
-    const float x_sum[4] = {x_sums.x, x_sums.y, x_sums.z, x_sums.w};
+    const float* d8_all = reinterpret_cast<const float*>(staged + k);
+    const float4 d8v = reinterpret_cast<const float4*>(d8_all)[2 * b + half];
+    const float4 sv = reinterpret_cast<const float4*>(d8_all + k / 32)[2 * b + half];
+    const float d8[4] = {d8v.x, d8v.y, d8v.z, d8v.w}, s[4] = {sv.x, sv.y, sv.z, sv.w};
     const bool upper = t >= 2;
-    const float sums[4] = {upper ? lo[2] : lo[0], upper ? hi[2] : hi[0], upper ? lo[3] : lo[1], upper ? hi[3] : hi[1]};
+    const int sums[4] = {upper ? lo[2] : lo[0], upper ? hi[2] : hi[0], upper ? lo[3] : lo[1], upper ? hi[3] : hi[1]};
     const uint4& head = block.head;
     const float d = __half2float(__ushort_as_half(static_cast<uint16_t>(head.x & 0xffff)));
     const float dmin = __half2float(__ushort_as_half(static_cast<uint16_t>(head.x >> 16)));
-    // ggml's get_scale_min_k4 for 4 sub-blocks at once: 0-3 the low 6 bits of scale bytes j and j + 4, 4-7 a
-    // nibble of byte j + 8 with the top 2 bits of bytes j and j + 4.
     const uint32_t sc = half == 0 ? head.y & 0x3f3f3f3f : (head.w & 0x0f0f0f0f) | ((head.y >> 2) & 0x30303030);
-    const uint32_t m =
+    const uint32_t mn =
         half == 0 ? head.z & 0x3f3f3f3f : ((head.w >> 4) & 0x0f0f0f0f) | ((head.z >> 2) & 0x30303030);
     float scaled = 0.0f, mins = 0.0f;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-        scaled = fmaf(gguf::byte_as_float(sc, j), fmaf(-128.0f, x_sum[j], sums[j]), scaled);
-        mins = fmaf(gguf::byte_as_float(m, j), x_sum[j], mins);
+        scaled = fmaf(gguf::byte_as_float(sc, j), d8[j] * static_cast<float>(sums[j]), scaled);
+        mins = fmaf(gguf::byte_as_float(mn, j), s[j], mins);
     }
     acc = fmaf(d, scaled, fmaf(-dmin, mins, acc));
 }
@@ -292,15 +282,33 @@ __device__ __forceinline__ void accumulate(const Block& block, const uint8_t* st
 template <int DEPTH> struct Stream {
     static constexpr int RING = DEPTH + 1;
     Block ring[RING];
+    // The lane's addresses in block 0 of its rows (`start` sets them a tile): pair t's bytes of rows g and g + 8,
+    // the head of the row it scales; a block is BLOCK_BYTES on (not recomputed from the rows a block).
+    const uint8_t* qs[2];
+    const uint8_t* head;
 
-    __device__ __forceinline__ void start(const uint8_t* const (&rows)[2], int warp, int warps, int blocks, int t) {
+    __device__ __forceinline__ Block load_block(int b) const {
+        const size_t at = static_cast<size_t>(b) * BLOCK_BYTES;
+        Block block;
 #pragma unroll
-        for (int d = 0; d < DEPTH; ++d)
-            if (warp + d * warps < blocks) ring[d] = load(rows, warp + d * warps, t);
+        for (int r = 0; r < 2; ++r) {
+            block.qs[r][0] = __ldg(reinterpret_cast<const uint4*>(qs[r] + at));
+            block.qs[r][1] = __ldg(reinterpret_cast<const uint4*>(qs[r] + at) + 1);
+        }
+        block.head = __ldg(reinterpret_cast<const uint4*>(head + at));
+        return block;
     }
 
-    __device__ __forceinline__ void run(const uint8_t* const (&rows)[2], const uint8_t* staged, int k, int warp,
-                                        int warps, int g, int t, float& acc) {
+    __device__ __forceinline__ void start(const uint8_t* const (&rows)[2], int warp, int warps, int blocks, int t) {
+        qs[0] = rows[0] + 16 + 32 * t;
+        qs[1] = rows[1] + 16 + 32 * t;
+        head = t >= 2 ? rows[1] : rows[0];
+#pragma unroll
+        for (int d = 0; d < DEPTH; ++d)
+            if (warp + d * warps < blocks) ring[d] = load_block(warp + d * warps);
+    }
+
+    __device__ __forceinline__ void run(const uint8_t* staged, int k, int warp, int warps, int g, int t, float& acc) {
         const int blocks = k / 256;
         const bool mine = g % 4 == t;
         for (int b0 = warp; b0 < blocks; b0 += RING * warps) {
@@ -308,7 +316,7 @@ template <int DEPTH> struct Stream {
             for (int d = 0; d < RING; ++d) {
                 const int b = b0 + d * warps;
                 if (b < blocks) {
-                    if (b + DEPTH * warps < blocks) ring[(d + DEPTH) % RING] = load(rows, b + DEPTH * warps, t);
+                    if (b + DEPTH * warps < blocks) ring[(d + DEPTH) % RING] = load_block(b + DEPTH * warps);
                     accumulate(ring[d], staged, k, mine, b, t, acc);
                 }
             }

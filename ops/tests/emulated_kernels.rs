@@ -356,7 +356,7 @@ fn q4k_mma_matvec1_equals_the_reference() {
             )
         };
         let x = activations(4895 + k as u64, k, DType::BF16);
-        let (want, magnitude) = reference_product(&x, (1, k), &dense);
+        let (want, magnitude) = reference_product(&common::q8_1_quantized(&x), (1, k), &dense);
         let device_x = Values::from_f32(&x, DType::BF16);
         let y = Values::nan(n, DType::BF16);
         run(config, || unsafe {

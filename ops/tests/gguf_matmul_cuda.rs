@@ -11,7 +11,7 @@ use std::path::PathBuf;
 
 use candle_core::{DType, Device, Tensor};
 use common::quantized::gguf_blocks;
-use common::{poison, rng, uniform};
+use common::{poison, q8_1_quantized, rng, uniform};
 use glm5_ops::gguf_matmul::{self, reference, GgufFormat, GgufWeight, MAX_ROWS};
 
 fn gpu() -> Device {
@@ -103,11 +103,19 @@ fn check(format: GgufFormat, blocks: &Tensor, inp: usize, seed: u64) {
         let x = Tensor::from_vec(uniform(&mut r, rows * inp), (rows, inp), &Device::Cpu).unwrap();
         for dtype in [DType::F32, DType::BF16] {
             let x = x.to_dtype(dtype).unwrap();
-            let want = gguf_matmul::gguf_matmul(&x.to_dtype(DType::F32).unwrap(), &cpu_w).unwrap();
+            // Q4_K times one bf16 row runs on the int8 tensor cores: x quantised as q8_1 (the contract).
+            let x_f32 = x.to_dtype(DType::F32).unwrap();
+            let x_f32 = if format == GgufFormat::Q4K && dtype == DType::BF16 && rows == 1 {
+                let values = x_f32.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                Tensor::from_vec(q8_1_quantized(&values), (rows, inp), &Device::Cpu).unwrap()
+            } else {
+                x_f32
+            };
+            let want = gguf_matmul::gguf_matmul(&x_f32, &cpu_w).unwrap();
             poison(&gpu, rows * blocks.dim(0).unwrap() * 8);
             let got = gguf_matmul::gguf_matmul(&x.to_device(&gpu).unwrap(), &gpu_w).unwrap();
             assert_eq!(got.dtype(), dtype);
-            let ratio = worst_ratio(&got.to_device(&Device::Cpu).unwrap(), &want, &x, &dense);
+            let ratio = worst_ratio(&got.to_device(&Device::Cpu).unwrap(), &want, &x_f32, &dense);
             println!(
                 "{format} [{}, {inp}] rows {rows} {dtype:?}: worst error {ratio:.2} of its bound",
                 blocks.dim(0).unwrap()

@@ -61,3 +61,29 @@ inline void allow_dependent_grids() {}
 
 inline void async_copy16(void* to, const void* from) { memcpy(to, from, 16); }
 inline void async_copies_wait() {}
+
+// mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 from the PTX ISA's layouts: a0 = A[g][4t .. 4t + 3],
+// a1 = A[g + 8][4t ..], a2 = A[g][16 + 4t ..], a3 = A[g + 8][16 + 4t ..]; b0 = B[4t .. 4t + 3][g],
+// b1 = B[16 + 4t ..][g]; byte i of a register is k = base + i. Exact (s32 sums).
+inline void mma_s8_16832(int (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+    struct Fragment {
+        uint32_t a[4], b[2];
+    };
+    const Fragment mine = {{a[0], a[1], a[2], a[3]}, {b[0], b[1]}};
+    Fragment all[32];
+    glm5_emu_warp_gather(&mine, sizeof(Fragment), all);
+    const unsigned lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    auto byte = [](uint32_t reg, unsigned i) { return static_cast<int>(static_cast<int8_t>(reg >> (8 * i))); };
+    auto a_at = [&](unsigned row, unsigned k) {
+        return byte(all[4 * (row % 8) + (k % 16) / 4].a[row / 8 + 2 * (k / 16)], k % 4);
+    };
+    auto b_at = [&](unsigned k, unsigned col) { return byte(all[4 * col + (k % 16) / 4].b[k / 16], k % 4); };
+    for (unsigned half = 0; half < 2; ++half) {
+        for (unsigned c = 0; c < 2; ++c) {
+            const unsigned row = g + 8 * half, col = 2 * t + c;
+            int sum = 0;
+            for (unsigned k = 0; k < 32; ++k) sum += a_at(row, k) * b_at(k, col);
+            d[2 * half + c] += sum;
+        }
+    }
+}

@@ -605,7 +605,7 @@ impl MoE {
                 moe::QuantizedExperts::GgufBlocks { gate, down, .. }
                     if gate.format == GgufFormat::Q4K || down.format == GgufFormat::Q4K =>
                 {
-                    "moe-matvec GGUF blocks (decode; Q4_K with bf16 on the tensor cores), dequantise + cuBLAS grouped GEMM (prefill)"
+                    "moe-matvec GGUF blocks (decode; Q4_K with bf16 on the tensor cores, int8 with q8_1 rows at one token), dequantise + cuBLAS grouped GEMM (prefill)"
                 }
                 moe::QuantizedExperts::GgufBlocks { .. } => {
                     "moe-matvec GGUF blocks (decode), dequantise + cuBLAS grouped GEMM (prefill)"

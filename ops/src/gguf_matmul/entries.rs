@@ -14,7 +14,7 @@ pub fn backends() -> Vec<WeightOnlyBackend> {
             name: "gguf-w16-cuda",
             description: "glm5's GGUF block kernels (i-quants, K-quants): a mat-vec decoding the blocks in \
                           registers (f32 accumulation) up to MAX_ROWS rows, Q4_K's 2..MAX_ROWS bf16 rows on \
-                          the tensor cores; above, dequantise to the activations' dtype and use candle's \
+                          the tensor cores and one bf16 row on the int8 ones (x quantised as q8_1); above, dequantise to the activations' dtype and use candle's \
                           matmul",
             devices: DeviceMatch::Cuda(
                 [9, 12]

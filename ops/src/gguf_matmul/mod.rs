@@ -1,7 +1,7 @@
 //! `gguf_matmul(x, w) -> y`: a linear layer whose weight stays in one of the GGUF block formats glm5 decodes
 //! itself: llama.cpp's i-quants (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ4_NL, IQ4_XS) and the
 //! K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), multiplied with the weight dequantised in the kernel (weight-only:
-//! activations are not quantised).
+//! activations are not quantised, except Q4_K times one bf16 row on CUDA, below).
 //!
 //! candle 0.11 has no i-quant types (`GgmlDType` cannot hold them), and the published GLM-5 GGUFs use them
 //! (unsloth's `UD-IQ*` files, IQ4_XS / IQ3_S / IQ2_S expert mixes), so glm5 keeps their blocks as raw bytes
@@ -23,6 +23,9 @@
 //! * CPU: the reference ([`reference::dequantize`] to f32, then a matmul). CUDA: rows `<= MAX_ROWS` run the
 //!   mat-vec kernel (each weight byte read once, decoded in registers); more rows dequantise the matrix to
 //!   `x`'s dtype in a transient buffer and use candle's matmul.
+//! * CUDA, Q4_K times one bf16 row (batch-1 decode): on the int8 tensor cores, `x` quantised per 32 values as
+//!   llama.cpp's mat-vecs quantise it (its q8_1: d = max |x| / 127, q = x / d rounded half to even), so `y` is
+//!   `(d · q) · Wᵀ` accumulated in f32: ~0.4% of a projection's scale from `x · Wᵀ`, as llama.cpp's.
 //! * Which implementation runs is checked per weight when the graph is built ([`dispatch`]).
 
 mod entries;

@@ -491,7 +491,8 @@ pub(super) fn quantized_experts(
         }
         QuantizedExperts::GgufBlocks { gate, up, down } => {
             // One kernel name per format pair: gate/up's format for moe_gate_up_*, down's for moe_down_*;
-            // Q4_K with bf16 activations on the tensor cores (`*_q4_k_mma_bf16`).
+            // Q4_K with bf16 activations on the tensor cores (`*_q4_k_mma_bf16`: an expert of one token on the
+            // int8 ones, its row quantised as q8_1, as gguf_matmul's one-row kernel).
             let (gate_blocks, up_blocks, down_blocks) = (
                 gate.blocks.contiguous()?,
                 up.blocks.contiguous()?,

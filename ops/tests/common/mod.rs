@@ -84,6 +84,20 @@ pub fn route_rules() -> Vec<(usize, glm5_ops::moe::RouteRule)> {
 /// 0xff) under random block multipliers, or NVFP4 codes under random e4m3 group scales (exponents 5-8) and a
 /// random global scale per part.
 #[allow(dead_code)] // each test binary uses part of it
+/// `x` as the one-row Q4_K CUDA kernel multiplies it (`gguf_matmul`'s contract): each 32 values quantised to int8
+/// as llama.cpp's q8_1 (d = max |x| / 127, q = x / d rounded half to even), then d·q.
+pub fn q8_1_quantized(x: &[f32]) -> Vec<f32> {
+    x.chunks(32)
+        .flat_map(|sub| {
+            let d = sub.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
+            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            sub.iter()
+                .map(move |v| (v * id).round_ties_even() * d)
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
 pub mod quantized {
     use super::*;
     use glm5_ops::fp8_matmul::{self, Fp8BlockWeight};

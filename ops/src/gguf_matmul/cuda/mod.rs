@@ -35,10 +35,10 @@ pub(crate) fn gguf_matmul_with(x: &Tensor, w: &GgufWeight, tensor_cores: bool) -
     let (n, _) = w.dims()?;
     let blocks = w.blocks.contiguous()?;
     check_alignment(w.format, &blocks)?;
-    // Q4_K with bf16 rows: the tensor-core kernels, one row (batch-1 decode) on its own (`q4k_mma::row`: the
-    // mma's columns carry the sub-block scales; sm_90 SASS, ~260 warp instructions per 16 rows of a block
-    // against ~630 for the several-row kernel with one row). A row too long to stage in the default shared
-    // memory (k above ~23K, longer than any GLM-5 projection's) takes the FFMA mat-vec.
+    // Q4_K with bf16 rows: the tensor-core kernels, one row (batch-1 decode) on its own (`q4k_mma::row`: int8
+    // MMAs on the row quantised as q8_1, the mma's columns carrying the sub-block scales; sm_90 SASS, ~155 warp
+    // instructions per 16 rows of a block against ~630 for the several-row bf16 kernel with one row). A row too long to stage in the default shared
+    // memory (k above ~39K, longer than any GLM-5 projection's) takes the FFMA mat-vec.
     if tensor_cores && w.format == GgufFormat::Q4K && x.dtype() == DType::BF16 {
         let (m, k) = x.dims2()?;
         if m == 1 && q4k_row_staged_bytes(k) <= DEFAULT_DYNAMIC_SHARED_BYTES {
@@ -128,7 +128,7 @@ fn q4k_mma_matvec(x: &Tensor, blocks: &Tensor, n: usize) -> Result<Tensor> {
     Ok(y)
 }
 
-/// Q4_K times one bf16 row on the tensor cores (`q4k_mma_matvec1_bf16`): as `q4k_mma_matvec`, the row staged in
+/// Q4_K times one bf16 row on the int8 tensor cores (`q4k_mma_matvec1_bf16`): as `q4k_mma_matvec`, the row quantised (q8_1) into
 /// shared memory (`q4k_row_staged_bytes(k)`, within the default limit: the caller checks), launched as a
 /// programmatic dependent of the stream's previous kernel (its weight loads start during that kernel's tail),
 /// in no more blocks than the device holds at once, each walking its share of the 16-row tiles
