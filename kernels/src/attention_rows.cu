@@ -14,11 +14,15 @@
 //                  nope..])] from W_UK's product (head-major) and q_b_proj's output (token-major).
 //   rope_leading_*  one block per (token, head): rope_i on the first R values of x[t, h], the rest copied
 //                  (the indexer's query).
+//   head_products_*  one token's per-head products y[h] = x[h] · W[h] (W_UK, W_UV at decode), W streamed
+//                  once: a block per (64 columns, head); with `rope` > 0 one more block a head writes
+//                  rope_i(pe[h]) after the n columns (the absorbed query in the launch of W_UK's product).
 
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <stdint.h>
 
+#include "glm5_interface.h"
 #include "row_norm.cuh"
 
 namespace {
@@ -155,6 +159,80 @@ __device__ void rope_leading(const T* __restrict__ x, const T* __restrict__ cos,
     for (int c = rope + threadIdx.x; c < dim; c += blockDim.x) dst[c] = src[c];
 }
 
+constexpr int PRODUCT_COLUMNS = GLM5_HEAD_PRODUCT_COLUMNS;  // a block's columns: 8 lanes of 8
+constexpr int PRODUCT_MAX_WARPS = GLM5_HEAD_PRODUCT_WARPS;
+static_assert(PRODUCT_COLUMNS == 64, "8 lanes of 8 columns");
+
+/// The 8 values at `p` (16-byte aligned) as floats.
+__device__ __forceinline__ void load8(const __nv_bfloat16* p, float (&v)[8]) {
+    const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
+    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        v[2 * j] = __uint_as_float(words[j] << 16);
+        v[2 * j + 1] = __uint_as_float(words[j] & 0xffff0000u);
+    }
+}
+__device__ __forceinline__ void load8(const float* p, float (&v)[8]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p) + h);
+        v[4 * h] = __uint_as_float(raw.x);
+        v[4 * h + 1] = __uint_as_float(raw.y);
+        v[4 * h + 2] = __uint_as_float(raw.z);
+        v[4 * h + 3] = __uint_as_float(raw.w);
+    }
+}
+
+/// y[h, c] = Σ_r x[h, r] · w[h, r, c] for the block's 64 columns c of head h (x rows at `x_stride`, w [H, k, n]
+/// contiguous with n % 8 == 0 and 16-byte aligned, y rows at `y_stride`): lane (r, c) of a warp takes row
+/// 4 · warp + r (then + 4 · warps, ...) and columns 8c .. 8c + 7, one 16-byte load of bf16; f32 sums over the
+/// row groups by shuffles, over the warps in shared memory, one rounding. The block past the columns (with
+/// `rope` > 0) writes rope_i(pe[h][..rope]) at y[h, n ..] (cos and sin: one token's tables).
+template <typename T>
+__device__ void head_products(const T* __restrict__ x, int x_stride, const T* __restrict__ w, int k, int n,
+                              T* __restrict__ y, int y_stride, const T* __restrict__ pe, int pe_stride,
+                              const T* __restrict__ cos, const T* __restrict__ sin, int rope) {
+    const int h = blockIdx.y, first = blockIdx.x * PRODUCT_COLUMNS;
+    T* out = y + (size_t)h * y_stride;
+    if (first >= n) {
+        const T* src = pe + (size_t)h * pe_stride;
+        for (int i = threadIdx.x; i < rope / 2; i += blockDim.x)
+            rope_pair(to_float(src[2 * i]), to_float(src[2 * i + 1]), to_float(cos[i]), to_float(sin[i]),
+                      out + n + 2 * i);
+        return;
+    }
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+    const int group = lane / 8, column = first + 8 * (lane % 8);
+    const T* xh = x + (size_t)h * x_stride;
+    const T* wh = w + (size_t)h * k * n + column;
+    float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    if (column < n) {
+#pragma unroll 4
+        for (int r = 4 * warp + group; r < k; r += 4 * warps) {
+            float v[8];
+            load8(wh + (size_t)r * n, v);
+            const float xr = to_float(xh[r]);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) acc[j] = fmaf(xr, v[j], acc[j]);
+        }
+    }
+    __shared__ float partial[PRODUCT_MAX_WARPS][PRODUCT_COLUMNS];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], 8);
+        acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], 16);
+        if (group == 0) partial[warp][8 * lane + j] = acc[j];
+    }
+    __syncthreads();
+    const int c = threadIdx.x;
+    if (c < PRODUCT_COLUMNS && first + c < n) {
+        float sum = 0.0f;
+        for (int v = 0; v < warps; ++v) sum += partial[v][c];
+        store(out + first + c, sum);
+    }
+}
+
 }  // namespace
 
 #define ATTENTION_ROWS_KERNELS(SUFFIX, T)                                                                          \
@@ -179,6 +257,11 @@ __device__ void rope_leading(const T* __restrict__ x, const T* __restrict__ cos,
     extern "C" __global__ void rope_leading_##SUFFIX(const T* x, const T* cos, const T* sin, int heads,       \
                                                      int dim, int rope, T* out) {                              \
         rope_leading(x, cos, sin, heads, dim, rope, out);                                                      \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(PRODUCT_MAX_WARPS * 32) head_products_##SUFFIX(              \
+        const T* x, int x_stride, const T* w, int k, int n, T* y, int y_stride, const T* pe, int pe_stride,   \
+        const T* cos, const T* sin, int rope) {                                                               \
+        head_products(x, x_stride, w, k, n, y, y_stride, pe, pe_stride, cos, sin, rope);                      \
     }
 
 ATTENTION_ROWS_KERNELS(bf16, __nv_bfloat16)

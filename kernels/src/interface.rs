@@ -307,6 +307,14 @@ pub mod weight_only {
     pub const DEFAULT_DYNAMIC_SHARED_BYTES: usize = 48 * 1024;
 }
 
+/// The constants of `attention_rows.cu`'s `head_products_*` (`GLM5_HEAD_PRODUCT_*` in the header).
+pub mod attention_rows {
+    /// Columns of one block: 8 lanes of 8 values.
+    pub const HEAD_PRODUCT_COLUMNS: usize = 64;
+    /// Warps of its blocks (each takes 4 rows at a time).
+    pub const HEAD_PRODUCT_WARPS: usize = 8;
+}
+
 /// The constants of `moe.cu`'s router kernel (`GLM5_ROUTER_*` in the header).
 pub mod moe {
     /// Experts and tokens of one block of `moe_router_logits_*` (every thread keeps their product of f32 sums).
@@ -358,6 +366,14 @@ pub mod fp8_quantize {
 
 /// Every constant as `(header name, value)`, for `build.rs`.
 pub const CONSTANTS: &[(&str, usize)] = &[
+    (
+        "GLM5_HEAD_PRODUCT_COLUMNS",
+        attention_rows::HEAD_PRODUCT_COLUMNS,
+    ),
+    (
+        "GLM5_HEAD_PRODUCT_WARPS",
+        attention_rows::HEAD_PRODUCT_WARPS,
+    ),
     ("GLM5_SPARSE_MLA_TILE", sparse_mla::TILE),
     ("GLM5_SPARSE_MLA_ROW_PAD", sparse_mla::ROW_PAD),
     ("GLM5_SPARSE_MLA_MAX_SPLITS", sparse_mla::MAX_SPLITS),

@@ -30,6 +30,7 @@ pub mod dsa_indexer;
 pub mod error;
 pub mod fp8_matmul;
 pub mod gguf_matmul;
+pub mod head_products;
 pub mod index_key_rows;
 pub mod index_keys;
 pub mod latent_rows;

@@ -2340,6 +2340,131 @@ fn query_kernels_equal_the_reference() {
     }
 }
 
+extern "C" {
+    fn head_products_f32(
+        x: Ptr,
+        x_stride: i32,
+        w: Ptr,
+        k: i32,
+        n: i32,
+        y: MutPtr,
+        y_stride: i32,
+        pe: Ptr,
+        pe_stride: i32,
+        cos: Ptr,
+        sin: Ptr,
+        rope: i32,
+    );
+    fn head_products_bf16(
+        x: Ptr,
+        x_stride: i32,
+        w: Ptr,
+        k: i32,
+        n: i32,
+        y: MutPtr,
+        y_stride: i32,
+        pe: Ptr,
+        pe_stride: i32,
+        cos: Ptr,
+        sin: Ptr,
+        rope: i32,
+    );
+}
+
+/// The per-head products as `absorbed_query_one_token` launches them (x the rows of q at its head stride,
+/// the RoPE half by one more block a head) and as `head_products` does (no RoPE): against the products in
+/// f32 (candle's matmul) rounded once, and the RoPE half as `absorbed_query_reference`'s; within f32
+/// summation of Σ|x·w| (the order differs) and in bf16 one rounding. GLM-5's W_UK and W_UV widths over 3
+/// heads, and a shape with a partial column block and fewer rows than the block's warps take at once.
+#[test]
+fn head_products_equal_the_reference() {
+    use glm5_kernels::interface::attention_rows::{HEAD_PRODUCT_COLUMNS, HEAD_PRODUCT_WARPS};
+    use glm5_ops::absorbed_query::absorbed_query_reference;
+    use glm5_ops::head_products::head_products_reference;
+    for (seed, (heads, k, n, rope)) in [
+        (4950, (3, 192, 512, 64)),
+        (4951, (3, 512, 256, 0)),
+        (4952, (2, 7, 24, 4)),
+    ] {
+        for dtype in [DType::F32, DType::BF16] {
+            let d = dtype_index(dtype);
+            let width = k + rope;
+            let q = activations(seed, heads * width, dtype);
+            let w = activations(seed + 100, heads * k * n, dtype);
+            let (cos, sin) = rope_tables(seed + 200, 1, rope / 2, dtype);
+            let q_t = Tensor::from_slice(&q, (1, heads, width), &Device::Cpu).unwrap();
+            let w_t = Tensor::from_slice(&w, (heads, k, n), &Device::Cpu).unwrap();
+            let x_t = q_t.squeeze(0).unwrap().narrow(1, 0, k).unwrap();
+            let product = head_products_reference(&x_t, &w_t)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let want = if rope > 0 {
+                let tensor = |v: &[f32], shape: &[usize]| common::tensor(v, shape, dtype);
+                absorbed_query_reference(
+                    &q_t.to_dtype(dtype).unwrap(),
+                    &product.unsqueeze(1).unwrap(),
+                    &tensor(&cos, &[1, rope / 2]),
+                    &tensor(&sin, &[1, rope / 2]),
+                )
+                .unwrap()
+            } else {
+                product
+            };
+            let want = host_f32(&want);
+            let (dq, dw) = (Values::from_f32(&q, dtype), Values::from_f32(&w, dtype));
+            let (dcos, dsin) = (Values::from_f32(&cos, dtype), Values::from_f32(&sin, dtype));
+            let out = Values::nan(heads * (n + rope), dtype);
+            let f = [head_products_f32, head_products_bf16][d];
+            let blocks = n.div_ceil(HEAD_PRODUCT_COLUMNS) + usize::from(rope > 0);
+            run(
+                LaunchConfig::new(
+                    (blocks as u32, heads as u32, 1),
+                    (HEAD_PRODUCT_WARPS * 32) as u32,
+                ),
+                || unsafe {
+                    f(
+                        dq.ptr(),
+                        width as i32,
+                        dw.ptr(),
+                        k as i32,
+                        n as i32,
+                        out.mut_ptr(),
+                        (n + rope) as i32,
+                        dq.ptr().byte_add(k * dtype.size_in_bytes()),
+                        width as i32,
+                        dcos.ptr(),
+                        dsin.ptr(),
+                        rope as i32,
+                    )
+                },
+            );
+            let got = out.to_f32();
+            let own = if dtype == DType::BF16 {
+                1.0 / 128.0
+            } else {
+                0.0
+            };
+            for (i, (g, v)) in got.iter().zip(&want).enumerate() {
+                let (h, c) = (i / (n + rope), i % (n + rope));
+                let bound = if c < n {
+                    let magnitude: f32 = (0..k)
+                        .map(|r| (q[h * width + r] * w[(h * k + r) * n + c]).abs())
+                        .sum();
+                    k as f32 * f32::EPSILON * magnitude + own * v.abs()
+                } else {
+                    // RoPE: the same roundings as the reference's.
+                    own * v.abs() + 1e-6
+                };
+                assert!(
+                    (g - v).abs() <= bound,
+                    "{dtype:?} [{heads}, {k}, {n}] head {h} column {c}: {g} vs {v}"
+                );
+            }
+        }
+    }
+}
+
 // ---- SwiGLU ----------------------------------------------------------------------------------------------
 
 extern "C" {

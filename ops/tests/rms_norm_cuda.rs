@@ -398,6 +398,85 @@ fn query_kernels_on_gpu_equal_the_reference() {
     }
 }
 
+/// `head_products` and `absorbed_query_one_token` on the GPU (one kernel) against their references (cuBLAS's
+/// batched matmul; the absorbed query's RoPE half as `absorbed_query_reference`), their outputs landing in
+/// NaN: MLA's W_UK and W_UV at GLM-5's widths over 64 heads, and small odd shapes (a partial column block,
+/// rows fewer than a block's warps take). A product within f32 summation of Σ|x·w| (the order differs), and
+/// in bf16 one rounding of its own size too.
+#[test]
+fn head_products_on_gpu_equal_the_reference() {
+    use glm5_ops::absorbed_query::{absorbed_query_one_token, absorbed_query_reference};
+    use glm5_ops::head_products::{head_products, head_products_reference};
+    let gpu = Device::new_cuda(0).expect("a CUDA device");
+    let mut r = rng(4850);
+    for dtype in [DType::F32, DType::BF16] {
+        let own = if dtype == DType::BF16 {
+            1.0 / 128.0
+        } else {
+            0.0
+        };
+        for (heads, k, n, rope) in [
+            (64, 192, 512, 64),
+            (64, 512, 256, 0),
+            (3, 7, 24, 4),
+            (2, 40, 8, 0),
+        ] {
+            let x_host = uniform(&mut r, heads * (k + rope));
+            let w_host = uniform(&mut r, heads * k * n);
+            let q = on_gpu(x_host, &[1, heads, k + rope], dtype, &gpu);
+            let w = on_gpu(w_host, &[heads, k, n], dtype, &gpu);
+            let x = q
+                .squeeze(0)
+                .unwrap()
+                .narrow(1, 0, k)
+                .unwrap()
+                .contiguous()
+                .unwrap();
+            // Σ_r |x[h, r] · w[h, r, c]| from the values as the dtype holds them.
+            let (xs, ws) = (host_f32(&x), host_f32(&w));
+            let magnitude: Vec<f32> = (0..heads * n)
+                .map(|i| {
+                    let (h, c) = (i / n, i % n);
+                    (0..k)
+                        .map(|row| (xs[h * k + row] * ws[(h * k + row) * n + c]).abs())
+                        .sum()
+                })
+                .collect();
+            // Values of heads `first..` in order.
+            let check = |what: &str, got: &[f32], want: &[f32], first: usize| {
+                for (i, (g, v)) in got.iter().zip(want).enumerate() {
+                    let bound = k as f32 * f32::EPSILON * magnitude[first * n + i] + own * v.abs();
+                    assert!(
+                        (g - v).abs() <= bound,
+                        "{what} {dtype:?} [{heads}, {k}, {n}] value {i} of head {first}..: {g} vs {v}"
+                    );
+                }
+            };
+            poison(&gpu, 4 * heads * (n + rope));
+            let got = head_products(&x, &w).unwrap();
+            let want = head_products_reference(&x, &w).unwrap();
+            assert_eq!(got.dims(), [heads, n]);
+            check("head products", &host_f32(&got), &host_f32(&want), 0);
+            if rope == 0 {
+                continue;
+            }
+            let (cos, sin) = rope_tables(&mut r, 1, rope / 2, dtype, &gpu);
+            poison(&gpu, 4 * heads * (n + rope));
+            let got = absorbed_query_one_token(&q, &w, &cos, &sin).unwrap();
+            let want =
+                absorbed_query_reference(&q, &want.unsqueeze(1).unwrap(), &cos, &sin).unwrap();
+            assert_eq!(got.dims(), [1, heads, n + rope]);
+            let (got, want) = (host_f32(&got), host_f32(&want));
+            for h in 0..heads {
+                let row = h * (n + rope);
+                let (g, v) = (&got[row..row + n + rope], &want[row..row + n + rope]);
+                check("absorbed query's product", &g[..n], &v[..n], h);
+                assert_rows_close(&g[n..], &v[n..], rope, dtype, "absorbed query's RoPE half");
+            }
+        }
+    }
+}
+
 /// SwiGLU over stacked gate|up rows against its reference (candle's f32 silu, rounded, times up): 16-byte
 /// vectors where the width and the start allow, single values where they do not (a width off the vector
 /// size, a view starting one value in).

@@ -4,8 +4,11 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::Linear;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use glm5_ops::absorbed_query::{absorbed_query, absorbed_query_reference};
+use glm5_ops::absorbed_query::{
+    absorbed_query, absorbed_query_one_token, absorbed_query_reference,
+};
 use glm5_ops::fp8_matmul::Fp8Prefill;
+use glm5_ops::head_products::head_products;
 use glm5_ops::registry::{DsaIndexerFn, SparseMlaFn};
 use glm5_ops::rope_leading::{rope_leading, rope_leading_reference};
 use glm5_ops::{
@@ -596,16 +599,22 @@ impl Attention {
         };
 
         // Absorb W_UK: q̃_h = W_UK_hᵀ q_nope_h, so scores are 576-wide dots against the latent rows; the
-        // query is [q̃ | RoPE(q_pe)] per head (one fused op).
-        // One token (batch-1 decode): the head-major view is already a matmul operand (a row per head at the
-        // head stride), so no copy is launched.
-        let q_nope = q.narrow(2, 0, self.nope_dim)?.transpose(0, 1)?;
-        let q_nope = if t == 1 { q_nope } else { q_nope.contiguous()? };
-        let q_latent = q_nope.matmul(&self.w_uk)?;
+        // query is [q̃ | RoPE(q_pe)] per head (one fused op; at one token the product is in it too, streaming
+        // W_UK once where cuBLAS's batched GEMM of one row a head read it at half of copy).
         let (cos, sin) = rope.tables();
         let q_absorbed = match row_ops {
-            RowOps::Fused => absorbed_query(&q, &q_latent, cos, sin)?,
-            RowOps::CandleOps => absorbed_query_reference(&q, &q_latent, cos, sin)?,
+            RowOps::Fused if t == 1 => absorbed_query_one_token(&q, &self.w_uk, cos, sin)?,
+            _ => {
+                let q_nope = q
+                    .narrow(2, 0, self.nope_dim)?
+                    .transpose(0, 1)?
+                    .contiguous()?;
+                let q_latent = q_nope.matmul(&self.w_uk)?;
+                match row_ops {
+                    RowOps::Fused => absorbed_query(&q, &q_latent, cos, sin)?,
+                    RowOps::CandleOps => absorbed_query_reference(&q, &q_latent, cos, sin)?,
+                }
+            }
         };
 
         let selected = match dense {
@@ -658,18 +667,17 @@ impl Attention {
             )?,
         };
 
-        // Apply W_UV per head, then the output projection. One token: the head-major view is already a
-        // matmul operand, as the query's is above.
-        let attended = attended.transpose(0, 1)?;
-        let attended = if t == 1 {
-            attended
+        // Apply W_UV per head (at one token `head_products`, as W_UK above), then the output projection.
+        let merged = if t == 1 && row_ops == RowOps::Fused {
+            head_products(&attended.squeeze(0)?, &self.w_uv_t)?
         } else {
-            attended.contiguous()?
+            attended
+                .transpose(0, 1)?
+                .contiguous()?
+                .matmul(&self.w_uv_t)?
+                .transpose(0, 1)?
         };
-        let per_head = attended.matmul(&self.w_uv_t)?;
-        let merged = per_head
-            .transpose(0, 1)?
-            .reshape((t, self.heads * self.v_head_dim))?;
+        let merged = merged.reshape((t, self.heads * self.v_head_dim))?;
         Ok((self.o_proj.forward(&merged)?, selected))
     }
 }

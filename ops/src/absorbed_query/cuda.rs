@@ -5,6 +5,7 @@ use candle_core::Tensor;
 
 use crate::cuda::{cuda_err, device_address, kernel, kernel_name};
 use crate::error::Result;
+use crate::head_products::cuda::{launch, RopeTail};
 
 /// Threads per (token, head) block: four latent values each at GLM-5's 512.
 const THREADS: u32 = 128;
@@ -53,5 +54,39 @@ pub(super) fn absorbed_query(
     // SAFETY: the arguments match the kernel's signature (attention_rows.cu); q [T, H, nope + R], q_latent
     // [H, T, lora], cos/sin [T, R/2] and out [T, H, lora + R] are contiguous live allocations of those sizes.
     unsafe { builder.launch(cfg) }.map_err(cuda_err)?;
+    Ok(out)
+}
+
+/// The kernel's path of [`super::absorbed_query_one_token`] (arguments checked there): `head_products`' kernel
+/// writes each head's `lora` product values and, from one more block a head, its RoPE half.
+pub(super) fn absorbed_query_one_token(
+    q: &Tensor,
+    w_uk: &Tensor,
+    (nope, rope, lora): (usize, usize, usize),
+    cos: &Tensor,
+    sin: &Tensor,
+) -> Result<Tensor> {
+    let heads = q.dim(1)?;
+    let q = q.contiguous()?;
+    // SAFETY: every element is written by the kernel (the product's columns and the RoPE half) before
+    // anything reads `out`.
+    let out = unsafe { Tensor::empty((1, heads, lora + rope), q.dtype(), q.device())? };
+    let tail = RopeTail {
+        pe: &q,
+        pe_offset: nope,
+        pe_stride: nope + rope,
+        cos,
+        sin,
+        rope,
+    };
+    launch(
+        &q,
+        nope + rope,
+        w_uk,
+        (heads, nope, lora),
+        &out,
+        lora + rope,
+        Some(tail),
+    )?;
     Ok(out)
 }

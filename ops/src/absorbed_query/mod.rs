@@ -16,10 +16,20 @@
 //!
 //! The reference: `rope_i` on the RoPE slice and a concatenation (three launches on a GPU). On CUDA for
 //! bf16 and f32 one kernel (`kernels/src/attention_rows.cu`), a block per (token, head).
+//!
+//! # One token
+//!
+//! [`absorbed_query_one_token`] takes `W_UK` `[H, nope, lora]` in place of `q_latent` and forms the product
+//! too: `absorbed_query(q, head_products(q[0, :, ..nope], W_UK) as [H, 1, lora], cos, sin)`. On CUDA (bf16
+//! and f32, `lora` a multiple of 8) one launch of `head_products`' kernel, its RoPE half by one more block a
+//! head; elsewhere the two ops.
 
 use candle_core::Tensor;
 
 use crate::error::{OpError, Result};
+#[cfg(feature = "cuda")]
+use crate::head_products::kernel_serves;
+use crate::head_products::{check_shapes, head_products};
 
 #[cfg(feature = "cuda")]
 mod cuda;
@@ -87,4 +97,51 @@ pub fn absorbed_query(q: &Tensor, q_latent: &Tensor, cos: &Tensor, sin: &Tensor)
         return cuda::absorbed_query(q, q_latent, cos, sin);
     }
     absorbed_query_reference(q, q_latent, cos, sin)
+}
+
+/// The absorbed query `[1, H, lora + R]` of one token from `q` `[1, H, nope + R]` and `W_UK` `[H, nope, lora]`
+/// (contract above, "One token").
+pub fn absorbed_query_one_token(
+    q: &Tensor,
+    w_uk: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+) -> Result<Tensor> {
+    let (t, heads, width) = q.dims3()?;
+    let nope = w_uk.dim(1)?;
+    if t != 1 || nope > width {
+        return Err(OpError::Shape {
+            arg: "q",
+            expected: format!("[1, H, {nope} + R]"),
+            found: q.dims().to_vec(),
+        });
+    }
+    let (_, _, lora) = check_shapes(heads, nope, q, w_uk)?;
+    let half = cos.dim(1)?;
+    let rope = width - nope;
+    for (arg, tensor) in [("cos", cos), ("sin", sin)] {
+        if tensor.dims() != [1, half] || 2 * half != rope {
+            return Err(OpError::Shape {
+                arg,
+                expected: format!("[1, {}]", rope / 2),
+                found: tensor.dims().to_vec(),
+            });
+        }
+        if tensor.dtype() != q.dtype() {
+            return Err(OpError::DTypeMismatch {
+                arg,
+                other: "q",
+                expected: q.dtype(),
+                found: tensor.dtype(),
+            });
+        }
+    }
+    #[cfg(feature = "cuda")]
+    if kernel_serves(q, lora) && heads > 0 {
+        return cuda::absorbed_query_one_token(q, w_uk, (nope, rope, lora), cos, sin);
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = lora;
+    let q_latent = head_products(&q.squeeze(0)?.narrow(1, 0, nope)?, w_uk)?;
+    absorbed_query(q, &q_latent.unsqueeze(1)?, cos, sin)
 }
