@@ -8,7 +8,6 @@ use glm5_ops::absorbed_query::{
     absorbed_query, absorbed_query_one_token, absorbed_query_reference,
 };
 use glm5_ops::fp8_matmul::Fp8Prefill;
-use glm5_ops::head_products::head_products;
 use glm5_ops::registry::{DsaIndexerFn, SparseMlaFn};
 use glm5_ops::rope_leading::{rope_leading, rope_leading_reference};
 use glm5_ops::{
@@ -667,17 +666,18 @@ impl Attention {
             )?,
         };
 
-        // Apply W_UV per head (at one token `head_products`, as W_UK above), then the output projection.
-        let merged = if t == 1 && row_ops == RowOps::Fused {
-            head_products(&attended.squeeze(0)?, &self.w_uv_t)?
-        } else {
+        // Apply W_UV per head, then the output projection. One token: the head-major view is already a
+        // matmul operand (cuBLAS outran glm5_ops::head_products here, its docs say by how much).
+        let attended = attended.transpose(0, 1)?;
+        let attended = if t == 1 {
             attended
-                .transpose(0, 1)?
-                .contiguous()?
-                .matmul(&self.w_uv_t)?
-                .transpose(0, 1)?
+        } else {
+            attended.contiguous()?
         };
-        let merged = merged.reshape((t, self.heads * self.v_head_dim))?;
+        let per_head = attended.matmul(&self.w_uv_t)?;
+        let merged = per_head
+            .transpose(0, 1)?
+            .reshape((t, self.heads * self.v_head_dim))?;
         Ok((self.o_proj.forward(&merged)?, selected))
     }
 }
