@@ -41,20 +41,24 @@ pub(crate) fn launch(
             found: w.dims().to_vec(),
         });
     }
-    let (pe_ptr, cos_ptr, sin_ptr, pe_stride, rope) = match &tail {
-        Some(t) => {
-            let (cos, sin) = (t.cos.contiguous()?, t.sin.contiguous()?);
+    // The tables made contiguous live until the launch is queued.
+    let tables = match &tail {
+        Some(t) => Some((t.cos.contiguous()?, t.sin.contiguous()?)),
+        None => None,
+    };
+    let (pe_ptr, cos_ptr, sin_ptr, pe_stride, rope) = match (&tail, &tables) {
+        (Some(t), Some((cos, sin))) => {
             let (pe, _) = device_address(t.pe)?;
             let elem = t.pe.dtype().size_in_bytes() as u64;
             (
                 pe + t.pe_offset as u64 * elem,
-                device_address(&cos)?.0,
-                device_address(&sin)?.0,
+                device_address(cos)?.0,
+                device_address(sin)?.0,
                 t.pe_stride,
                 t.rope,
             )
         }
-        None => (0, 0, 0, 0, 0),
+        _ => (0, 0, 0, 0, 0),
     };
     let name = kernel_name("head_products", x.dtype())?;
     let func = kernel(&dev, "attention_rows", glm5_kernels::ATTENTION_ROWS, &name)?;
