@@ -26,7 +26,7 @@
 
 use candle_core::Tensor;
 
-use crate::error::{OpError, Result};
+use crate::error::{check_same_dtype, OpError, Result};
 #[cfg(feature = "cuda")]
 use crate::head_products::kernel_serves;
 use crate::head_products::{check_shapes, head_products};
@@ -127,14 +127,7 @@ pub fn absorbed_query_one_token(
                 found: tensor.dims().to_vec(),
             });
         }
-        if tensor.dtype() != q.dtype() {
-            return Err(OpError::DTypeMismatch {
-                arg,
-                other: "q",
-                expected: q.dtype(),
-                found: tensor.dtype(),
-            });
-        }
+        check_same_dtype(arg, tensor, "q", q)?;
     }
     #[cfg(feature = "cuda")]
     if kernel_serves(q, lora) && heads > 0 {

@@ -26,7 +26,7 @@
 
 use candle_core::Tensor;
 
-use crate::error::{OpError, Result};
+use crate::error::{check_same_dtype, check_shape, Result};
 
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
@@ -43,23 +43,10 @@ pub(crate) fn check_shapes(
     x: &Tensor,
     w: &Tensor,
 ) -> Result<(usize, usize, usize)> {
-    let (heads, rows, n) = w.dims3()?;
-    if heads != x_heads || rows != k {
-        return Err(OpError::Shape {
-            arg: "w",
-            expected: format!("[{x_heads}, {k}, N]"),
-            found: w.dims().to_vec(),
-        });
-    }
-    if w.dtype() != x.dtype() {
-        return Err(OpError::DTypeMismatch {
-            arg: "w",
-            other: "x",
-            expected: x.dtype(),
-            found: w.dtype(),
-        });
-    }
-    Ok((heads, k, n))
+    let [heads, rows, n] =
+        check_shape("w", w, [("H", Some(x_heads)), ("K", Some(k)), ("N", None)])?;
+    check_same_dtype("w", w, "x", x)?;
+    Ok((heads, rows, n))
 }
 
 /// Whether the kernel serves these inputs (the module doc): a CUDA device, bf16 or f32, `N` a multiple of 8.

@@ -79,13 +79,9 @@ pub fn route_rules() -> Vec<(usize, glm5_ops::moe::RouteRule)> {
     ]
 }
 
-/// Random experts kept quantised, stacked, with their dequantised f32 copies (`gate_up` `[E, 2I, H]`,
-/// `down` `[E, H, I]`), built on the CPU from random codes: FP8 e4m3 bytes (never the NaN codes 0x7f /
-/// 0xff) under random block multipliers, or NVFP4 codes under random e4m3 group scales (exponents 5-8) and a
-/// random global scale per part.
-#[allow(dead_code)] // each test binary uses part of it
 /// `x` as the one-row Q4_K CUDA kernel multiplies it (`gguf_matmul`'s contract): each 32 values quantised to int8
 /// as llama.cpp's q8_1 (d = max |x| / 127, q = x / d rounded half to even), then d·q.
+#[allow(dead_code)] // each test binary uses part of it
 pub fn q8_1_quantized(x: &[f32]) -> Vec<f32> {
     x.chunks(32)
         .flat_map(|sub| {
@@ -98,6 +94,11 @@ pub fn q8_1_quantized(x: &[f32]) -> Vec<f32> {
         .collect()
 }
 
+/// Random experts kept quantised, stacked, with their dequantised f32 copies (`gate_up` `[E, 2I, H]`,
+/// `down` `[E, H, I]`), built on the CPU from random codes: FP8 e4m3 bytes (never the NaN codes 0x7f /
+/// 0xff) under random block multipliers, or NVFP4 codes under random e4m3 group scales (exponents 5-8) and a
+/// random global scale per part.
+#[allow(dead_code)] // each test binary uses part of it
 pub mod quantized {
     use super::*;
     use glm5_ops::fp8_matmul::{self, Fp8BlockWeight};
