@@ -14,6 +14,8 @@
 //                  nope..])] from W_UK's product (head-major) and q_b_proj's output (token-major).
 //   rope_leading_*  one block per (token, head): rope_i on the first R values of x[t, h], the rest copied
 //                  (the indexer's query).
+//   attention_rows_*  latent_rows, index_key_rows and rope_leading of the same tokens in one launch (a decode
+//                  step's three launches were three kernels' start-up latencies for a few KB of work).
 //   head_products_*  one token's per-head products y[h] = x[h] · W[h] (W_UK, W_UV at decode), W streamed
 //                  once: a block per (64 columns, head); with `rope` > 0 one more block a head writes
 //                  rope_i(pe[h]) after the n columns (the absorbed query in the launch of W_UK's product).
@@ -60,13 +62,13 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+/// Token t's key, by the warp whose lane this is.
 template <typename T>
-__device__ void index_key_rows(const T* __restrict__ k, const T* __restrict__ ln_weight, const T* __restrict__ ln_bias,
-                               float eps, const T* __restrict__ cos, const T* __restrict__ sin, int tokens, int dim,
-                               int rope, T* __restrict__ float_cache, uint8_t* __restrict__ fp8_bytes,
-                               float* __restrict__ fp8_scales, const uint32_t* __restrict__ rows, int first_row) {
-    const int t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (t >= tokens) return;
+__device__ void index_key_row(int t, int lane, const T* __restrict__ k, const T* __restrict__ ln_weight,
+                              const T* __restrict__ ln_bias, float eps, const T* __restrict__ cos,
+                              const T* __restrict__ sin, int dim, int rope, T* __restrict__ float_cache,
+                              uint8_t* __restrict__ fp8_bytes, float* __restrict__ fp8_scales,
+                              const uint32_t* __restrict__ rows, int first_row) {
     const T* x = k + (size_t)t * dim;
     float sum = 0.0f, sum2 = 0.0f;
     for (int d = lane; d < dim; d += 32) {
@@ -147,16 +149,45 @@ __device__ void absorbed_query(const T* __restrict__ q, const T* __restrict__ q_
                   to_float(sin[(size_t)t * half + i]), dst + lora + 2 * i);
 }
 
+/// Token t's head h, by `threads` threads of which this is `thread`.
 template <typename T>
-__device__ void rope_leading(const T* __restrict__ x, const T* __restrict__ cos, const T* __restrict__ sin,
-                             int heads, int dim, int rope, T* __restrict__ out) {
-    const int t = blockIdx.x, h = blockIdx.y, half = rope / 2;
+__device__ void rope_leading(int t, int h, int thread, int threads, const T* __restrict__ x,
+                             const T* __restrict__ cos, const T* __restrict__ sin, int heads, int dim, int rope,
+                             T* __restrict__ out) {
+    const int half = rope / 2;
     const T* src = x + ((size_t)t * heads + h) * dim;
     T* dst = out + ((size_t)t * heads + h) * dim;
-    for (int i = threadIdx.x; i < half; i += blockDim.x)
+    for (int i = thread; i < half; i += threads)
         rope_pair(to_float(src[2 * i]), to_float(src[2 * i + 1]), to_float(cos[(size_t)t * half + i]),
                   to_float(sin[(size_t)t * half + i]), dst + 2 * i);
-    for (int c = rope + threadIdx.x; c < dim; c += blockDim.x) dst[c] = src[c];
+    for (int c = rope + thread; c < dim; c += threads) dst[c] = src[c];
+}
+
+/// The three row steps of one call's tokens in one launch (the contract of glm5-ops attention_rows): a grid of
+/// (T, 2 + ceil(H / W)) blocks of W warps. Block (t, 0) writes token t's latent row (the whole block, as
+/// latent_rows_*), block (t, 1) its indexer key (warp 0, as index_key_rows_*), block (t, 2 + j) the RoPE of its
+/// indexer query's heads W·j .. W·j + W − 1 (a warp a head, as rope_leading_*). One row list (or first row)
+/// places both cache writes: a token's latent row and key share their position.
+template <typename T>
+__device__ void attention_rows(const T* __restrict__ kv_a, const T* __restrict__ norm_weight, float norm_eps,
+                               T* __restrict__ latent_cache, int lora, const T* __restrict__ k,
+                               const T* __restrict__ ln_weight, const T* __restrict__ ln_bias, float ln_eps,
+                               T* __restrict__ float_keys, uint8_t* __restrict__ fp8_bytes,
+                               float* __restrict__ fp8_scales, int key_dim, const T* __restrict__ q, int heads,
+                               int q_dim, T* __restrict__ q_out, const T* __restrict__ cos,
+                               const T* __restrict__ sin, int rope, const uint32_t* __restrict__ rows,
+                               int first_row) {
+    const int t = blockIdx.x, job = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (job == 0) {
+        latent_rows(kv_a, norm_weight, norm_eps, cos, sin, latent_cache, rows, first_row, lora, rope);
+    } else if (job == 1) {
+        if (warp == 0)
+            index_key_row(t, lane, k, ln_weight, ln_bias, ln_eps, cos, sin, key_dim, rope, float_keys, fp8_bytes,
+                          fp8_scales, rows, first_row);
+    } else {
+        const int h = (job - 2) * (blockDim.x / 32) + warp;
+        if (h < heads) rope_leading(t, h, lane, 32, q, cos, sin, heads, q_dim, rope, q_out);
+    }
 }
 
 constexpr int PRODUCT_COLUMNS = GLM5_HEAD_PRODUCT_COLUMNS;  // a block's columns: 8 lanes of 8
@@ -246,8 +277,10 @@ __device__ void head_products(const T* __restrict__ x, int x_stride, const T* __
         const T* k, const T* ln_weight, const T* ln_bias, float eps, const T* cos, const T* sin, int tokens,  \
         int dim, int rope, T* float_cache, uint8_t* fp8_bytes, float* fp8_scales, const uint32_t* rows,       \
         int first_row) {                                                                                       \
-        index_key_rows(k, ln_weight, ln_bias, eps, cos, sin, tokens, dim, rope, float_cache, fp8_bytes,        \
-                       fp8_scales, rows, first_row);                                                           \
+        const int t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;                                       \
+        if (t < tokens)                                                                                        \
+            index_key_row(t, threadIdx.x % 32, k, ln_weight, ln_bias, eps, cos, sin, dim, rope, float_cache,   \
+                          fp8_bytes, fp8_scales, rows, first_row);                                             \
     }                                                                                                          \
     extern "C" __global__ void absorbed_query_##SUFFIX(const T* q, const T* q_latent, const T* cos,           \
                                                        const T* sin, int tokens, int heads, int nope,          \
@@ -256,7 +289,16 @@ __device__ void head_products(const T* __restrict__ x, int x_stride, const T* __
     }                                                                                                          \
     extern "C" __global__ void rope_leading_##SUFFIX(const T* x, const T* cos, const T* sin, int heads,       \
                                                      int dim, int rope, T* out) {                              \
-        rope_leading(x, cos, sin, heads, dim, rope, out);                                                      \
+        rope_leading(blockIdx.x, blockIdx.y, threadIdx.x, blockDim.x, x, cos, sin, heads, dim, rope, out);     \
+    }                                                                                                          \
+    extern "C" __global__ void attention_rows_##SUFFIX(                                                       \
+        const T* kv_a, const T* norm_weight, float norm_eps, T* latent_cache, int lora, const T* k,           \
+        const T* ln_weight, const T* ln_bias, float ln_eps, T* float_keys, uint8_t* fp8_bytes,                \
+        float* fp8_scales, int key_dim, const T* q, int heads, int q_dim, T* q_out, const T* cos,             \
+        const T* sin, int rope, const uint32_t* rows, int first_row) {                                        \
+        attention_rows(kv_a, norm_weight, norm_eps, latent_cache, lora, k, ln_weight, ln_bias, ln_eps,         \
+                       float_keys, fp8_bytes, fp8_scales, key_dim, q, heads, q_dim, q_out, cos, sin, rope,     \
+                       rows, first_row);                                                                       \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(PRODUCT_MAX_WARPS * 32) head_products_##SUFFIX(              \
         const T* x, int x_stride, const T* w, int k, int n, T* y, int y_stride, const T* pe, int pe_stride,   \

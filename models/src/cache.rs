@@ -9,9 +9,11 @@
 //! Storage is allocated once for `capacity` tokens; a forward that would go past it is a `CacheFull` error.
 
 use candle_core::{DType, Device, Tensor};
+use glm5_ops::attention_rows::{write_attention_rows, IndexKeyStep, LatentRowsStep};
 use glm5_ops::cache_rows::{write_rows, CacheRows};
 use glm5_ops::index_key_rows::{index_key_rows_reference, write_index_key_rows};
 use glm5_ops::latent_rows::{latent_rows_reference, write_latent_rows};
+use glm5_ops::rope_leading::rope_leading_reference;
 use glm5_ops::{quantize_fp8, IndexKeys, KeyFormat};
 
 use crate::config::Config;
@@ -86,6 +88,54 @@ impl KeyRows<'_> {
     }
 }
 
+/// A call's inputs to the row steps that run together when the indexer runs: the latent rows from
+/// `kv_a`, the indexer keys from `k` (both written at the call's rows), and the indexer query `index_q`
+/// `[T, H, D]`, returned with RoPE on its leading dims.
+pub(crate) struct AttentionRows<'a> {
+    pub kv_a: &'a Tensor,
+    pub latent: LatentRows<'a>,
+    pub k: &'a Tensor,
+    pub keys: KeyRows<'a>,
+    pub index_q: &'a Tensor,
+}
+
+impl AttentionRows<'_> {
+    /// Writes the rows into `latent_cache` and `key_cache` at `rows` and returns the rotated query:
+    /// `glm5_ops::attention_rows` (one launch on CUDA), or the three steps' candle-op references.
+    pub(crate) fn write(
+        &self,
+        latent_cache: &Tensor,
+        key_cache: IndexKeys<'_>,
+        rows: CacheRows<'_>,
+    ) -> Result<Tensor> {
+        let (cos, sin) = self.latent.rope;
+        if self.latent.row_ops == RowOps::Fused {
+            let latent = LatentRowsStep {
+                kv_a: self.kv_a,
+                norm_weight: self.latent.norm_weight,
+                eps: self.latent.eps,
+                cache: latent_cache,
+            };
+            let key = IndexKeyStep {
+                k: self.k,
+                layer_norm: self.keys.layer_norm,
+                eps: self.keys.eps,
+                cache: key_cache,
+            };
+            return Ok(write_attention_rows(
+                latent,
+                key,
+                self.index_q,
+                (cos, sin),
+                rows,
+            )?);
+        }
+        self.latent.write(self.kv_a, latent_cache, rows)?;
+        self.keys.write(self.k, key_cache, rows)?;
+        Ok(rope_leading_reference(self.index_q, cos, sin)?)
+    }
+}
+
 pub(crate) struct LayerCache {
     latent: Tensor,
     index_keys: IndexKeyStore,
@@ -125,27 +175,27 @@ impl LayerCache {
         Ok(self.latent.narrow(0, 0, offset + kv_a.dim(0)?)?)
     }
 
-    /// Computes the indexer keys of `k`'s tokens (`glm5_ops::index_key_rows`, quantised for an FP8 cache)
-    /// into positions `offset..` and returns all keys up to and including them.
-    pub(crate) fn append_index_keys(
+    /// Writes the call's latent rows and indexer keys into positions `offset..` (see [`AttentionRows`]) and
+    /// returns all latent rows and keys up to and including them, and the rotated indexer query.
+    pub(crate) fn append_rows(
         &self,
-        k: &Tensor,
-        rows: KeyRows<'_>,
+        rows: &AttentionRows<'_>,
         offset: usize,
-    ) -> Result<CachedIndexKeys> {
-        let len = offset + k.dim(0)?;
+    ) -> Result<(Tensor, CachedIndexKeys, Tensor)> {
+        let len = offset + rows.kv_a.dim(0)?;
         let store = match &self.index_keys {
             IndexKeyStore::Float(store) => IndexKeys::Float(store),
             IndexKeyStore::Fp8 { bytes, scales } => IndexKeys::Fp8 { bytes, scales },
         };
-        rows.write(k, store, CacheRows::From(offset))?;
-        Ok(match &self.index_keys {
+        let index_q = rows.write(&self.latent, store, CacheRows::From(offset))?;
+        let keys = match &self.index_keys {
             IndexKeyStore::Float(store) => CachedIndexKeys::Float(store.narrow(0, 0, len)?),
             IndexKeyStore::Fp8 { bytes, scales } => CachedIndexKeys::Fp8 {
                 bytes: bytes.narrow(0, 0, len)?,
                 scales: scales.narrow(0, 0, len)?,
             },
-        })
+        };
+        Ok((self.latent.narrow(0, 0, len)?, keys, index_q))
     }
 }
 

@@ -25,7 +25,7 @@ use candle_core::{DType, Device, Tensor};
 use glm5_ops::cache_rows::CacheRows;
 use glm5_ops::{IndexKeys, KeyFormat};
 
-use crate::cache::{KeyRows, LatentRows};
+use crate::cache::{AttentionRows, LatentRows};
 use crate::config::Config;
 use crate::error::{ModelError, Result};
 
@@ -123,15 +123,15 @@ impl PagedLayer {
         latent.write(kv_a, &flat, CacheRows::At(rows))
     }
 
-    /// Computes the indexer keys of `k`'s tokens (`glm5_ops::index_key_rows`, quantised for FP8 blocks)
-    /// into physical rows `rows` (`U32 [T]`).
-    pub(crate) fn write_index_keys(
+    /// Writes the call's latent rows and indexer keys into physical rows `rows` (`U32 [T]`; see
+    /// [`AttentionRows`]) and returns the rotated indexer query.
+    pub(crate) fn write_rows(
         &self,
-        k: &Tensor,
-        key: KeyRows<'_>,
+        attention: &AttentionRows<'_>,
         rows: &Tensor,
-    ) -> Result<()> {
-        // The blocks viewed as rows: [blocks · block_size, D] keys (and [blocks · block_size] scales).
+    ) -> Result<Tensor> {
+        // The blocks viewed as rows: [blocks · block_size, W] latent rows and keys (and
+        // [blocks · block_size] scales).
         let as_rows = |t: &Tensor| -> Result<Tensor> {
             let dims = t.dims();
             let slots = dims[0] * dims[1];
@@ -140,6 +140,7 @@ impl PagedLayer {
                 _ => t.reshape((slots, dims[2]))?,
             })
         };
+        let latent = as_rows(&self.latent)?;
         let (first, second);
         let store = match &self.keys {
             PagedKeyStore::Float(store) => {
@@ -155,7 +156,7 @@ impl PagedLayer {
                 }
             }
         };
-        key.write(k, store, CacheRows::At(rows))
+        attention.write(&latent, store, CacheRows::At(rows))
     }
 }
 

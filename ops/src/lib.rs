@@ -21,6 +21,7 @@
 
 pub mod absorbed_query;
 pub mod argmax;
+pub mod attention_rows;
 mod builtin;
 pub mod cache_rows;
 #[cfg(feature = "cuda")]

@@ -2341,6 +2341,210 @@ fn query_kernels_equal_the_reference() {
 }
 
 extern "C" {
+    fn attention_rows_f32(
+        kv_a: Ptr,
+        norm_weight: Ptr,
+        norm_eps: f32,
+        latent_cache: MutPtr,
+        lora: i32,
+        k: Ptr,
+        ln_weight: Ptr,
+        ln_bias: Ptr,
+        ln_eps: f32,
+        float_keys: MutPtr,
+        fp8_bytes: *mut u8,
+        fp8_scales: *mut f32,
+        key_dim: i32,
+        q: Ptr,
+        heads: i32,
+        q_dim: i32,
+        q_out: MutPtr,
+        cos: Ptr,
+        sin: Ptr,
+        rope: i32,
+        rows: *const u32,
+        first_row: i32,
+    );
+    fn attention_rows_bf16(
+        kv_a: Ptr,
+        norm_weight: Ptr,
+        norm_eps: f32,
+        latent_cache: MutPtr,
+        lora: i32,
+        k: Ptr,
+        ln_weight: Ptr,
+        ln_bias: Ptr,
+        ln_eps: f32,
+        float_keys: MutPtr,
+        fp8_bytes: *mut u8,
+        fp8_scales: *mut f32,
+        key_dim: i32,
+        q: Ptr,
+        heads: i32,
+        q_dim: i32,
+        q_out: MutPtr,
+        cos: Ptr,
+        sin: Ptr,
+        rope: i32,
+        rows: *const u32,
+        first_row: i32,
+    );
+}
+
+/// The one-launch attention rows as `attention_rows/cuda.rs` launches them (8 warps a block; blocks per token:
+/// the latent row, the key, and the query's heads 8 at a time) against the three kernels it replaces, each
+/// checked against its reference above, on the same inputs into caches of poison: the same bits in the
+/// latent cache, the key cache (float, or FP8 bytes and scales) and the rotated query. GLM-5's widths (latent
+/// 512 + RoPE 64, keys and query heads 128 with RoPE on 64) with 11 query heads (a part-filled block), for
+/// 3 tokens placed by offset and by row index.
+#[test]
+fn attention_rows_equal_the_three_kernels() {
+    let (t, lora, rope, key_dim, heads, slots) = (3, 512, 64, 128, 11, 16);
+    let width = lora + rope;
+    let indexed: Vec<u32> = vec![13, 2, 7];
+    for dtype in [DType::F32, DType::BF16] {
+        let d = dtype_index(dtype);
+        let values =
+            |seed: u64, len: usize| Values::from_f32(&activations(seed, len, dtype), dtype);
+        let (kv_a, norm_w) = (values(4960, t * width), values(4961, lora));
+        let (k, ln_w, ln_b) = (
+            values(4962, t * key_dim),
+            values(4963, key_dim),
+            values(4964, key_dim),
+        );
+        let q = values(4965, t * heads * key_dim);
+        let (cos, sin) = rope_tables(4966, t, rope / 2, dtype);
+        let (cos, sin) = (Values::from_f32(&cos, dtype), Values::from_f32(&sin, dtype));
+        let rows = DeviceBuffer::from_slice(&indexed);
+        for (by_index, fp8) in [(false, false), (true, false), (false, true), (true, true)] {
+            let rows_ptr = if by_index {
+                rows.ptr()
+            } else {
+                std::ptr::null()
+            };
+            // [0]: the three kernels; [1]: the one launch.
+            let outputs: [_; 2] = std::array::from_fn(|_| {
+                (
+                    Values::nan(slots * width, dtype),
+                    Values::nan(slots * key_dim, dtype),
+                    DeviceBuffer::<u8>::poisoned(slots * key_dim, 0xff),
+                    DeviceBuffer::<f32>::poisoned(slots, NAN_BYTE),
+                    Values::nan(t * heads * key_dim, dtype),
+                )
+            });
+            let key_pointers = |(_, floats, bytes, scales, _): &(
+                Values,
+                Values,
+                DeviceBuffer<u8>,
+                DeviceBuffer<f32>,
+                Values,
+            )| {
+                if fp8 {
+                    (std::ptr::null_mut(), bytes.mut_ptr(), scales.mut_ptr())
+                } else {
+                    (floats.mut_ptr(), std::ptr::null_mut(), std::ptr::null_mut())
+                }
+            };
+            let (latent, _, _, _, q_out) = &outputs[0];
+            let (float_keys, bytes, scales) = key_pointers(&outputs[0]);
+            run(LaunchConfig::new((t as u32, 1, 1), 256), || unsafe {
+                [latent_rows_f32, latent_rows_bf16][d](
+                    kv_a.ptr(),
+                    norm_w.ptr(),
+                    1e-6,
+                    cos.ptr(),
+                    sin.ptr(),
+                    latent.mut_ptr(),
+                    rows_ptr,
+                    4,
+                    lora as i32,
+                    rope as i32,
+                )
+            });
+            run(LaunchConfig::new((1, 1, 1), 256), || unsafe {
+                [index_key_rows_f32, index_key_rows_bf16][d](
+                    k.ptr(),
+                    ln_w.ptr(),
+                    ln_b.ptr(),
+                    1e-6,
+                    cos.ptr(),
+                    sin.ptr(),
+                    t as i32,
+                    key_dim as i32,
+                    rope as i32,
+                    float_keys,
+                    bytes,
+                    scales,
+                    rows_ptr,
+                    4,
+                )
+            });
+            run(
+                LaunchConfig::new((t as u32, heads as u32, 1), 32),
+                || unsafe {
+                    [rope_leading_f32, rope_leading_bf16][d](
+                        q.ptr(),
+                        cos.ptr(),
+                        sin.ptr(),
+                        heads as i32,
+                        key_dim as i32,
+                        rope as i32,
+                        q_out.mut_ptr(),
+                    )
+                },
+            );
+            let (latent, _, _, _, q_out) = &outputs[1];
+            let (float_keys, bytes, scales) = key_pointers(&outputs[1]);
+            run(
+                LaunchConfig::new((t as u32, (2 + heads.div_ceil(8)) as u32, 1), 256),
+                || unsafe {
+                    [attention_rows_f32, attention_rows_bf16][d](
+                        kv_a.ptr(),
+                        norm_w.ptr(),
+                        1e-6,
+                        latent.mut_ptr(),
+                        lora as i32,
+                        k.ptr(),
+                        ln_w.ptr(),
+                        ln_b.ptr(),
+                        1e-6,
+                        float_keys,
+                        bytes,
+                        scales,
+                        key_dim as i32,
+                        q.ptr(),
+                        heads as i32,
+                        key_dim as i32,
+                        q_out.mut_ptr(),
+                        cos.ptr(),
+                        sin.ptr(),
+                        rope as i32,
+                        rows_ptr,
+                        4,
+                    )
+                },
+            );
+            let what = format!("{dtype:?} by_index={by_index} fp8={fp8}");
+            let bits = |v: &Values| v.to_f32().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            let scale_bits =
+                |v: &DeviceBuffer<f32>| v.to_vec().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            let [(l0, f0, b0, s0, q0), (l1, f1, b1, s1, q1)] = &outputs;
+            assert_eq!(bits(l1), bits(l0), "{what}: the latent cache");
+            assert_eq!(bits(f1), bits(f0), "{what}: the float key cache");
+            assert_eq!(b1.to_vec(), b0.to_vec(), "{what}: the FP8 key bytes");
+            assert_eq!(scale_bits(s1), scale_bits(s0), "{what}: the FP8 key scales");
+            assert_eq!(bits(q1), bits(q0), "{what}: the rotated query");
+            // The kernels wrote something: the rows placed (and only those) are no longer poison.
+            let written = bits(l0)
+                .chunks(width)
+                .filter(|row| row.iter().all(|b| !f32::from_bits(*b).is_nan()))
+                .count();
+            assert_eq!(written, t, "{what}: latent rows written");
+        }
+    }
+}
+
+extern "C" {
     fn head_products_f32(
         x: Ptr,
         x_stride: i32,

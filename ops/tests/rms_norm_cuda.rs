@@ -219,6 +219,123 @@ fn latent_rows_on_gpu_equal_the_reference() {
     }
 }
 
+/// `write_attention_rows` on the GPU (one kernel) against the three ops it stands for on the GPU
+/// (`write_latent_rows`, `write_index_key_rows`, `rope_leading`: one kernel each, each tested against its
+/// reference here), on the same inputs into caches of NaN (keys: float, or FP8 bytes of 0xff and NaN scales):
+/// the same bits everywhere, by offset and by row index, at GLM-5's widths with 32 query heads (four blocks of
+/// eight) and 13 (a part-filled block).
+#[test]
+fn attention_rows_on_gpu_equal_the_three_ops() {
+    use glm5_ops::attention_rows::{write_attention_rows, IndexKeyStep, LatentRowsStep};
+    use glm5_ops::cache_rows::CacheRows;
+    use glm5_ops::index_key_rows::write_index_key_rows;
+    use glm5_ops::latent_rows::write_latent_rows;
+    use glm5_ops::rope_leading::rope_leading;
+    use glm5_ops::IndexKeys;
+    let gpu = Device::new_cuda(0).expect("a CUDA device");
+    let mut r = rng(4970);
+    let (lora, rope, key_dim, slots) = (512, 64, 128, 40);
+    let width = lora + rope;
+    for dtype in [DType::F32, DType::BF16] {
+        for (t, heads) in [(1, 32), (5, 13)] {
+            let kv_a = on_gpu(uniform(&mut r, t * width), &[t, width], dtype, &gpu);
+            let norm_w = on_gpu(uniform(&mut r, lora), &[lora], dtype, &gpu);
+            let k = on_gpu(uniform(&mut r, t * key_dim), &[t, key_dim], dtype, &gpu);
+            let ln_w = on_gpu(uniform(&mut r, key_dim), &[key_dim], dtype, &gpu);
+            let ln_b = on_gpu(uniform(&mut r, key_dim), &[key_dim], dtype, &gpu);
+            let q = on_gpu(
+                uniform(&mut r, t * heads * key_dim),
+                &[t, heads, key_dim],
+                dtype,
+                &gpu,
+            );
+            let (cos, sin) = rope_tables(&mut r, t, rope / 2, dtype, &gpu);
+            let rows: Vec<u32> = (0..t as u32).map(|i| (i * 7 + 3) % slots as u32).collect();
+            let rows = Tensor::from_vec(rows, t, &gpu).unwrap();
+            for (by_index, fp8) in [(false, false), (true, false), (false, true), (true, true)] {
+                let place = if by_index {
+                    CacheRows::At(&rows)
+                } else {
+                    CacheRows::From(slots - t)
+                };
+                // The latent cache, and the key caches: float keys, FP8 bytes and scales.
+                let caches = || {
+                    (
+                        on_gpu(vec![f32::NAN; slots * width], &[slots, width], dtype, &gpu),
+                        (
+                            on_gpu(
+                                vec![f32::NAN; slots * key_dim],
+                                &[slots, key_dim],
+                                dtype,
+                                &gpu,
+                            ),
+                            Tensor::full(0xffu8, (slots, key_dim), &gpu).unwrap(),
+                            Tensor::full(f32::NAN, slots, &gpu).unwrap(),
+                        ),
+                    )
+                };
+                fn view(keys: &(Tensor, Tensor, Tensor), fp8: bool) -> IndexKeys<'_> {
+                    if fp8 {
+                        IndexKeys::Fp8 {
+                            bytes: &keys.1,
+                            scales: &keys.2,
+                        }
+                    } else {
+                        IndexKeys::Float(&keys.0)
+                    }
+                }
+                let (want, got) = (caches(), caches());
+                write_latent_rows(&kv_a, &norm_w, 1e-6, (&cos, &sin), &want.0, place).unwrap();
+                let layer_norm = (&ln_w, &ln_b);
+                write_index_key_rows(
+                    &k,
+                    layer_norm,
+                    1e-6,
+                    (&cos, &sin),
+                    view(&want.1, fp8),
+                    place,
+                )
+                .unwrap();
+                let want_q = rope_leading(&q, &cos, &sin).unwrap();
+                let latent = LatentRowsStep {
+                    kv_a: &kv_a,
+                    norm_weight: &norm_w,
+                    eps: 1e-6,
+                    cache: &got.0,
+                };
+                let key = IndexKeyStep {
+                    k: &k,
+                    layer_norm,
+                    eps: 1e-6,
+                    cache: view(&got.1, fp8),
+                };
+                let got_q = write_attention_rows(latent, key, &q, (&cos, &sin), place).unwrap();
+                let what = format!("{dtype:?} t={t} heads={heads} by_index={by_index} fp8={fp8}");
+                let bits = |x: &Tensor| host_f32(x).iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                let bytes = |x: &Tensor| x.flatten_all().unwrap().to_vec1::<u8>().unwrap();
+                assert_eq!(bits(&got.0), bits(&want.0), "{what}: the latent cache");
+                assert_eq!(bits(&got.1 .0), bits(&want.1 .0), "{what}: the float keys");
+                assert_eq!(
+                    bytes(&got.1 .1),
+                    bytes(&want.1 .1),
+                    "{what}: the FP8 key bytes"
+                );
+                assert_eq!(
+                    bits(&got.1 .2),
+                    bits(&want.1 .2),
+                    "{what}: the FP8 key scales"
+                );
+                assert_eq!(bits(&got_q), bits(&want_q), "{what}: the rotated query");
+                let written = host_f32(&want.0)
+                    .chunks(width)
+                    .filter(|row| !row[0].is_nan())
+                    .count();
+                assert_eq!(written, t, "{what}: latent rows written");
+            }
+        }
+    }
+}
+
 /// `write_index_key_rows` on the GPU (one kernel) against its reference on the GPU (candle-nn's layer_norm and
 /// rope_i, index_keys' FP8 quantiser, scatters), float and FP8 caches, by offset and by row index, at GLM-5's
 /// key width (128, RoPE on 64).

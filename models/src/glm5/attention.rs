@@ -9,7 +9,6 @@ use glm5_ops::absorbed_query::{
 };
 use glm5_ops::fp8_matmul::Fp8Prefill;
 use glm5_ops::registry::{DsaIndexerFn, SparseMlaFn};
-use glm5_ops::rope_leading::{rope_leading, rope_leading_reference};
 use glm5_ops::{
     dsa_indexer_paged_reference, dsa_indexer_paged_with, sparse_mla_paged_reference,
     sparse_mla_paged_with, DsaIndexerLaunch, Kernel, Op, PagedIndexKeys, PagedLatentCache,
@@ -18,7 +17,7 @@ use glm5_ops::{
 
 use super::linear::{Loader, Proj, RmsNorm};
 use super::rope::Rope;
-use crate::cache::{KeyRows, LatentRows, LayerCache};
+use crate::cache::{AttentionRows, CachedIndexKeys, KeyRows, LatentRows, LayerCache};
 use crate::config::{Config, INDEX_KEY_NORM_EPS, LATENT_NORM_EPS};
 use crate::error::{ModelError, Result};
 use crate::paged_cache::PagedLayer;
@@ -118,32 +117,27 @@ impl Indexer {
         })
     }
 
-    /// `wq_b`'s product of `q_lora` `[T, n_heads · head_dim]`, and the layer input's `wk` and
-    /// `weights_proj` products `[T, head_dim]`, `[T, n_heads]`. Returns the selected positions
-    /// `[T, index_topk]` (i32, -1 padded) and caches this call's keys.
-    pub(super) fn forward(
-        &self,
-        q: &Tensor,
-        (k, weights): (&Tensor, &Tensor),
-        rope: &Rope,
-        kv: LayerKv<'_>,
-        row_ops: RowOps,
-    ) -> Result<Tensor> {
-        let t = q.dim(0)?;
-        let q = q.reshape((t, self.n_heads, self.head_dim))?;
-        // RoPE on the first qk_rope_head_dim dims of each head (the tables' width); the rest pass through.
-        let (cos, sin) = rope.tables();
-        let q = match row_ops {
-            RowOps::Fused => rope_leading(&q, cos, sin)?,
-            RowOps::CandleOps => rope_leading_reference(&q, cos, sin)?,
-        };
-        // This call's keys [RoPE(k_norm(k))[..R] | k_norm(k)[R..]] go into the cache (one fused op).
-        let key_rows = KeyRows {
+    /// `wq_b`'s product of `q_lora` `[T, n_heads · head_dim]` as the heads `[T, n_heads, head_dim]` the
+    /// query's RoPE takes.
+    fn query_heads(&self, q: &Tensor) -> Result<Tensor> {
+        Ok(q.reshape((q.dim(0)?, self.n_heads, self.head_dim))?)
+    }
+
+    /// What turns `wk`'s output into the cached keys `[RoPE(k_norm(k))[..R] | k_norm(k)[R..]]`.
+    fn key_rows<'a>(&'a self, rope: &'a Rope, row_ops: RowOps) -> KeyRows<'a> {
+        KeyRows {
             layer_norm: (&self.k_norm.0, &self.k_norm.1),
             eps: INDEX_KEY_NORM_EPS,
             rope: rope.tables(),
             row_ops,
-        };
+        }
+    }
+
+    /// The selected positions `[T, index_topk]` (i32, -1 padded) for the rotated queries `q`
+    /// `[T, n_heads, head_dim]` and `weights_proj`'s product `[T, n_heads]`, over `keys`, which already hold
+    /// this call's keys.
+    fn select(&self, q: &Tensor, weights: &Tensor, keys: IndexedKeys<'_>) -> Result<Tensor> {
+        let t = q.dim(0)?;
         let head_weights = match self.weight_scale {
             Some(scale) => (weights.to_dtype(DType::F32)? * scale)?,
             None => weights.clone(),
@@ -151,20 +145,18 @@ impl Indexer {
         let (kernel, backend) = self.kernel.ok_or_else(|| {
             ModelError::PlanDevices("the plan bound no dsa_indexer backend (dense mode)".into())
         })?;
-        match kv {
-            LayerKv::Contiguous { cache, start_pos } => {
-                let keys = cache.append_index_keys(k, key_rows, start_pos)?;
+        match keys {
+            IndexedKeys::Contiguous { keys, start_pos } => {
                 let visible: Vec<usize> = (1..=t).map(|i| start_pos + i).collect();
                 Ok(kernel(
-                    &q,
+                    q,
                     &head_weights,
                     keys.view(),
                     &visible,
                     self.index_topk,
                 )?)
             }
-            LayerKv::Paged { cache, step } => {
-                cache.write_index_keys(k, key_rows, &step.write_rows)?;
+            IndexedKeys::Paged { cache, step } => {
                 let paged = PagedIndexKeys {
                     keys: cache.index_keys(),
                     block_table: &step.block_table,
@@ -179,7 +171,7 @@ impl Indexer {
                         .map(|v| v as usize)
                         .collect();
                     dsa_indexer_paged_reference(
-                        &q,
+                        q,
                         &head_weights,
                         &paged,
                         &visible,
@@ -191,7 +183,7 @@ impl Indexer {
                         max_visible: step.max_visible,
                     };
                     dsa_indexer_paged_with(
-                        &q,
+                        q,
                         &head_weights,
                         &paged,
                         visible,
@@ -202,6 +194,19 @@ impl Indexer {
             }
         }
     }
+}
+
+/// The indexer keys a call's queries score, this call's among them: a contiguous cache's keys up to the last
+/// token (the call's tokens at positions `start_pos..`), or a paged layer's blocks and the batch's layout.
+enum IndexedKeys<'a> {
+    Contiguous {
+        keys: CachedIndexKeys,
+        start_pos: usize,
+    },
+    Paged {
+        cache: &'a PagedLayer,
+        step: &'a PagedStep,
+    },
 }
 
 /// Whether `x` is 2^n (a positive normal f64 with an all-zero mantissa).
@@ -578,8 +583,9 @@ impl Attention {
         let queries = self.query_projections.forward(&q_lora)?;
         let q = queries[0].reshape((t, self.heads, self.nope_dim + self.rope_dim))?;
 
-        // This call's latent rows [kv_a_layernorm(c) | RoPE(k_pe)] go into the cache (one fused op);
-        // attention reads all cached rows.
+        // This call's latent rows [kv_a_layernorm(c) | RoPE(k_pe)] go into the cache; attention reads all
+        // cached rows. Where the indexer runs, its keys and its query's RoPE are computed in the same op (one
+        // launch where the fused ops run).
         let row_ops = self.row_ops();
         let rows = LatentRows {
             norm_weight: self.kv_a_layernorm.weight(),
@@ -587,13 +593,46 @@ impl Attention {
             rope: rope.tables(),
             row_ops,
         };
-        let latent = match kv {
-            LayerKv::Contiguous { cache, start_pos } => {
-                CachedLatent::Rows(cache.append_latent(&kv_a, rows, start_pos)?)
+        let (latent, indexed) = match (dense, queries.get(1)) {
+            (Some(_), _) => {
+                let latent = match kv {
+                    LayerKv::Contiguous { cache, start_pos } => {
+                        CachedLatent::Rows(cache.append_latent(&kv_a, rows, start_pos)?)
+                    }
+                    LayerKv::Paged { cache, step } => {
+                        cache.write_latent(&kv_a, rows, &step.write_rows)?;
+                        CachedLatent::Paged(cache, step)
+                    }
+                };
+                (latent, None)
             }
-            LayerKv::Paged { cache, step } => {
-                cache.write_latent(&kv_a, rows, &step.write_rows)?;
-                CachedLatent::Paged(cache, step)
+            (None, Some(index_q)) => {
+                let index_q = self.indexer.query_heads(index_q)?;
+                let attention_rows = AttentionRows {
+                    kv_a: &kv_a,
+                    latent: rows,
+                    k: &index_k,
+                    keys: self.indexer.key_rows(rope, row_ops),
+                    index_q: &index_q,
+                };
+                match kv {
+                    LayerKv::Contiguous { cache, start_pos } => {
+                        let (latent, keys, index_q) =
+                            cache.append_rows(&attention_rows, start_pos)?;
+                        let keys = IndexedKeys::Contiguous { keys, start_pos };
+                        (CachedLatent::Rows(latent), Some((index_q, keys)))
+                    }
+                    LayerKv::Paged { cache, step } => {
+                        let index_q = cache.write_rows(&attention_rows, &step.write_rows)?;
+                        let keys = IndexedKeys::Paged { cache, step };
+                        (CachedLatent::Paged(cache, step), Some((index_q, keys)))
+                    }
+                }
+            }
+            (None, None) => {
+                return Err(ModelError::PlanDevices(
+                    "the plan bound no dsa_indexer backend (dense mode)".into(),
+                ))
             }
         };
 
@@ -616,17 +655,14 @@ impl Attention {
             }
         };
 
-        let selected = match dense {
-            None => profile::time(Part::Indexer, hidden.device(), || {
-                let index_q = queries.get(1).ok_or_else(|| {
-                    ModelError::PlanDevices(
-                        "the plan bound no dsa_indexer backend (dense mode)".into(),
-                    )
-                })?;
-                self.indexer
-                    .forward(index_q, (&index_k, &index_weights), rope, kv, row_ops)
+        let selected = match indexed {
+            Some((index_q, keys)) => profile::time(Part::Indexer, hidden.device(), || {
+                self.indexer.select(&index_q, &index_weights, keys)
             })?,
-            Some(all_positions) => all_positions.clone(),
+            // `indexed` is made whenever `dense` is None.
+            None => dense.cloned().ok_or_else(|| {
+                ModelError::PlanDevices("neither indexer keys nor dense positions".into())
+            })?,
         };
         let (sparse_mla, backend) = self.sparse_mla;
         let (attended, _lse) = match latent {

@@ -92,7 +92,7 @@ pub fn write_index_key_rows(
     }
 }
 
-fn check(
+pub(crate) fn check(
     k: &Tensor,
     (ln_weight, ln_bias): (&Tensor, &Tensor),
     (cos, sin): (&Tensor, &Tensor),

@@ -75,7 +75,7 @@ pub fn write_latent_rows(
     write_rows(cache, &values, rows)
 }
 
-fn check(
+pub(crate) fn check(
     kv_a: &Tensor,
     norm_weight: &Tensor,
     (cos, sin): (&Tensor, &Tensor),

@@ -33,6 +33,22 @@ pub fn rope_leading_reference(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<
 
 /// `x` with its leading dims rotated (contract above).
 pub fn rope_leading(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    check(x, cos, sin)?;
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda()
+        && x.dim(0)? > 0
+        && matches!(
+            x.dtype(),
+            candle_core::DType::BF16 | candle_core::DType::F32
+        )
+    {
+        return cuda::rope_leading(x, cos, sin);
+    }
+    rope_leading_reference(x, cos, sin)
+}
+
+/// The contract's shapes and dtypes.
+pub(crate) fn check(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<()> {
     let (t, _, dim) = x.dims3()?;
     let half = cos.dim(1)?;
     for (arg, tensor) in [("cos", cos), ("sin", sin)] {
@@ -52,15 +68,5 @@ pub fn rope_leading(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
             });
         }
     }
-    #[cfg(feature = "cuda")]
-    if x.device().is_cuda()
-        && t > 0
-        && matches!(
-            x.dtype(),
-            candle_core::DType::BF16 | candle_core::DType::F32
-        )
-    {
-        return cuda::rope_leading(x, cos, sin);
-    }
-    rope_leading_reference(x, cos, sin)
+    Ok(())
 }
