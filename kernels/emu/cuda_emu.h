@@ -73,6 +73,28 @@ inline void __syncwarp(unsigned mask = 0xffffffffu) {
     glm5_emu_warp_gather(nothing, 0, nothing);
 }
 
+/// Every lane's MMA operands (`mine`: this lane's fragment registers), by lane: what an emulated mma.sync
+/// reads its A and B elements from.
+template <typename Fragment> inline void glm5_emu_gather_fragments(const Fragment& mine, Fragment (&all)[32]) {
+    glm5_emu_warp_gather(&mine, sizeof(Fragment), all);
+}
+
+/// An m16n8 MMA's accumulation into this lane's four C/D elements (PTX layout: d[2·half + c] is
+/// D[g + 8·half][2t + c], g = lane / 4, t = lane % 4): d += Σ_k A[row][k] · B[k][col] over `K` in ascending k,
+/// A and B read through `a_at(row, k)` and `b_at(k, col)` (each format's fragment layout).
+template <unsigned K, typename Acc, typename AAt, typename BAt>
+inline void glm5_emu_mma_accumulate(Acc (&d)[4], AAt a_at, BAt b_at) {
+    const unsigned lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    for (unsigned half = 0; half < 2; ++half) {
+        for (unsigned c = 0; c < 2; ++c) {
+            const unsigned row = g + 8 * half, col = 2 * t + c;
+            Acc sum = 0;
+            for (unsigned k = 0; k < K; ++k) sum += a_at(row, k) * b_at(k, col);
+            d[2 * half + c] += sum;
+        }
+    }
+}
+
 template <typename T> inline T __ldg(const T* p) { return *p; }
 
 /// Byte `s` nibble i (low 3 bits) of {y, x} (x bytes 0-3, y 4-7) into byte i; nibble bit 3 replicates the

@@ -22,10 +22,8 @@ inline void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t
     struct Fragment {
         uint32_t a[4], b[2];
     };
-    const Fragment mine = {{a[0], a[1], a[2], a[3]}, {b[0], b[1]}};
     Fragment all[32];
-    glm5_emu_warp_gather(&mine, sizeof(Fragment), all);
-    const unsigned lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    glm5_emu_gather_fragments(Fragment{{a[0], a[1], a[2], a[3]}, {b[0], b[1]}}, all);
     auto a_at = [&](unsigned row, unsigned k) {
         const unsigned owner = 4 * (row % 8) + (k % 8) / 2;
         return glm5_emu_bf16_half(all[owner].a[row / 8 + 2 * (k / 8)], k % 2);
@@ -34,14 +32,7 @@ inline void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t
         const unsigned owner = 4 * col + (k % 8) / 2;
         return glm5_emu_bf16_half(all[owner].b[k / 8], k % 2);
     };
-    for (unsigned half = 0; half < 2; ++half) {
-        for (unsigned c = 0; c < 2; ++c) {
-            const unsigned row = g + 8 * half, col = 2 * t + c;
-            float sum = 0.0f;
-            for (unsigned k = 0; k < 16; ++k) sum += a_at(row, k) * b_at(k, col);
-            d[2 * half + c] += sum;
-        }
-    }
+    glm5_emu_mma_accumulate<16>(d, a_at, b_at);
 }
 
 inline uint32_t bf16x2_sub(uint32_t a, uint32_t b) {
@@ -69,21 +60,12 @@ inline void mma_s8_16832(int (&d)[4], const uint32_t (&a)[4], const uint32_t (&b
     struct Fragment {
         uint32_t a[4], b[2];
     };
-    const Fragment mine = {{a[0], a[1], a[2], a[3]}, {b[0], b[1]}};
     Fragment all[32];
-    glm5_emu_warp_gather(&mine, sizeof(Fragment), all);
-    const unsigned lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    glm5_emu_gather_fragments(Fragment{{a[0], a[1], a[2], a[3]}, {b[0], b[1]}}, all);
     auto byte = [](uint32_t reg, unsigned i) { return static_cast<int>(static_cast<int8_t>(reg >> (8 * i))); };
     auto a_at = [&](unsigned row, unsigned k) {
         return byte(all[4 * (row % 8) + (k % 16) / 4].a[row / 8 + 2 * (k / 16)], k % 4);
     };
     auto b_at = [&](unsigned k, unsigned col) { return byte(all[4 * col + (k % 16) / 4].b[k / 16], k % 4); };
-    for (unsigned half = 0; half < 2; ++half) {
-        for (unsigned c = 0; c < 2; ++c) {
-            const unsigned row = g + 8 * half, col = 2 * t + c;
-            int sum = 0;
-            for (unsigned k = 0; k < 32; ++k) sum += a_at(row, k) * b_at(k, col);
-            d[2 * half + c] += sum;
-        }
-    }
+    glm5_emu_mma_accumulate<32>(d, a_at, b_at);
 }

@@ -53,10 +53,8 @@ inline void mma_fp4(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2
     struct Fragment {
         uint32_t a[4], b[2], sfa, sfb;
     };
-    const Fragment mine = {{a[0], a[1], a[2], a[3]}, {b[0], b[1]}, sfa, sfb};
     Fragment all[32];
-    glm5_emu_warp_gather(&mine, sizeof(Fragment), all);
-    const unsigned lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    glm5_emu_gather_fragments(Fragment{{a[0], a[1], a[2], a[3]}, {b[0], b[1]}, sfa, sfb}, all);
     auto a_at = [&](unsigned row, unsigned k) {
         const uint32_t reg = all[4 * (row % 8) + (k % 32) / 8].a[row / 8 + 2 * (k / 32)];
         const uint32_t scale = all[4 * (row % 8) + row / 8].sfa >> (8 * (k / 16));
@@ -67,12 +65,5 @@ inline void mma_fp4(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2
         const uint32_t scale = all[4 * col].sfb >> (8 * (k / 16));
         return glm5_emu_e2m1(reg >> (4 * (k % 8))) * glm5_emu_ue4m3(scale & 0xff);
     };
-    for (unsigned half = 0; half < 2; ++half) {
-        for (unsigned c = 0; c < 2; ++c) {
-            const unsigned row = g + 8 * half, col = 2 * t + c;
-            float sum = 0.0f;
-            for (unsigned k = 0; k < 64; ++k) sum += a_at(row, k) * b_at(k, col);
-            d[2 * half + c] += sum;
-        }
-    }
+    glm5_emu_mma_accumulate<64>(d, a_at, b_at);
 }
