@@ -57,9 +57,8 @@ pub fn absorbed_query_reference(
 
 /// The absorbed query `[T, H, lora + R]` (contract above).
 pub fn absorbed_query(q: &Tensor, q_latent: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    let (t, heads, width) = q.dims3()?;
+    let (t, heads, _) = q.dims3()?;
     let (latent_heads, latent_t, _) = q_latent.dims3()?;
-    let half = cos.dim(1)?;
     if latent_heads != heads || latent_t != t {
         return Err(OpError::Shape {
             arg: "q_latent",
@@ -67,25 +66,8 @@ pub fn absorbed_query(q: &Tensor, q_latent: &Tensor, cos: &Tensor, sin: &Tensor)
             found: q_latent.dims().to_vec(),
         });
     }
-    for (arg, tensor) in [("cos", cos), ("sin", sin)] {
-        if tensor.dims() != [t, half] || 2 * half > width {
-            return Err(OpError::Shape {
-                arg,
-                expected: format!("[{t}, R / 2] with R <= {width}"),
-                found: tensor.dims().to_vec(),
-            });
-        }
-    }
-    for (arg, tensor) in [("q_latent", q_latent), ("cos", cos), ("sin", sin)] {
-        if tensor.dtype() != q.dtype() {
-            return Err(OpError::DTypeMismatch {
-                arg,
-                other: "q",
-                expected: q.dtype(),
-                found: tensor.dtype(),
-            });
-        }
-    }
+    crate::rope_leading::check_tables("q", q, cos, sin)?;
+    check_same_dtype("q_latent", q_latent, "q", q)?;
     #[cfg(feature = "cuda")]
     if q.device().is_cuda()
         && t > 0

@@ -65,7 +65,7 @@ pub fn write_attention_rows(
     )?;
     crate::index_key_rows::check(key.k, key.layer_norm, (cos, sin), key.cache, rows)?;
     // Each check ties its op's tokens and dtype to the shared tables': together they agree.
-    crate::rope_leading::check(index_q, cos, sin)?;
+    crate::rope_leading::check_tables("index_q", index_q, cos, sin)?;
     #[cfg(feature = "cuda")]
     if index_q.device().is_cuda()
         && index_q.dim(0)? > 0

@@ -33,7 +33,7 @@ pub fn rope_leading_reference(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<
 
 /// `x` with its leading dims rotated (contract above).
 pub fn rope_leading(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    check(x, cos, sin)?;
+    check_tables("x", x, cos, sin)?;
     #[cfg(feature = "cuda")]
     if x.device().is_cuda()
         && x.dim(0)? > 0
@@ -47,8 +47,13 @@ pub fn rope_leading(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     rope_leading_reference(x, cos, sin)
 }
 
-/// The contract's shapes and dtypes.
-pub(crate) fn check(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<()> {
+/// RoPE tables `cos`, `sin` `[T, R / 2]` for `x` `[T, H, D]` (named `other` in errors): `R <= D`, one dtype.
+pub(crate) fn check_tables(
+    other: &'static str,
+    x: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+) -> Result<()> {
     let (t, _, dim) = x.dims3()?;
     let half = cos.dim(1)?;
     for (arg, tensor) in [("cos", cos), ("sin", sin)] {
@@ -62,7 +67,7 @@ pub(crate) fn check(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<()> {
         if tensor.dtype() != x.dtype() {
             return Err(OpError::DTypeMismatch {
                 arg,
-                other: "x",
+                other,
                 expected: x.dtype(),
                 found: tensor.dtype(),
             });
