@@ -196,13 +196,7 @@ static_assert(PRODUCT_COLUMNS == 64, "8 lanes of 8 columns");
 
 /// The 8 values at `p` (16-byte aligned) as floats.
 __device__ __forceinline__ void load8(const __nv_bfloat16* p, float (&v)[8]) {
-    const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
-    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        v[2 * j] = __uint_as_float(words[j] << 16);
-        v[2 * j + 1] = __uint_as_float(words[j] & 0xffff0000u);
-    }
+    unpack_bf16x8(__ldg(reinterpret_cast<const uint4*>(p)), v);
 }
 __device__ __forceinline__ void load8(const float* p, float (&v)[8]) {
 #pragma unroll

@@ -42,6 +42,7 @@
 #include "bf16_mma.cuh"
 #include "gguf_formats.cuh"
 #include "q4k_mma.cuh"
+#include "row_norm.cuh"
 #include "weight_formats.cuh"
 
 #define MOE_ROUTE_MAX_EXPERTS 1024
@@ -119,10 +120,10 @@ template <> __device__ __forceinline__ void load4(const float* p, float (&out)[4
 }
 template <> __device__ __forceinline__ void load4(const __nv_bfloat16* p, float (&out)[4]) {
     const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
-    out[0] = __uint_as_float(v.x << 16);
-    out[1] = __uint_as_float(v.x & 0xffff0000u);
-    out[2] = __uint_as_float(v.y << 16);
-    out[3] = __uint_as_float(v.y & 0xffff0000u);
+    out[0] = glm5::rows::bf16_low(v.x);
+    out[1] = glm5::rows::bf16_high(v.x);
+    out[2] = glm5::rows::bf16_low(v.y);
+    out[3] = glm5::rows::bf16_high(v.y);
 }
 
 template <typename T>

@@ -1,14 +1,30 @@
-// Per-row helpers shared by rms_norm.cu and attention_rows.cu: the float view of a value, the model dtype's
+// Per-row helpers shared by the row kernels (rms_norm.cu, attention_rows.cu, swiglu.cu, argmax.cu), the
+// MoE router and the one-row Q4_K staging: the float view of a value (and of packed bf16), the model dtype's
 // rounding, and a block's RMS of one row.
 #pragma once
 
 #include <cuda_bf16.h>
+#include <stdint.h>
 
 namespace glm5 {
 namespace rows {
 
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ float to_float(float v) { return v; }
+
+/// The bf16 in a 32-bit word's low / high half as a float (a bf16 is an f32's high half).
+__device__ __forceinline__ float bf16_low(uint32_t word) { return __uint_as_float(word << 16); }
+__device__ __forceinline__ float bf16_high(uint32_t word) { return __uint_as_float(word & 0xffff0000u); }
+
+/// The eight values of a 16-byte vector of bf16, in order.
+__device__ __forceinline__ void unpack_bf16x8(const uint4& v, float (&f)[8]) {
+    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        f[2 * j] = bf16_low(words[j]);
+        f[2 * j + 1] = bf16_high(words[j]);
+    }
+}
 __device__ __forceinline__ float round_to(float v, const __nv_bfloat16*) { return __bfloat162float(__float2bfloat16(v)); }
 __device__ __forceinline__ float round_to(float v, const float*) { return v; }
 __device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16(v); }
