@@ -179,51 +179,59 @@ __device__ __forceinline__ uint32_t pack4(int a, int b, int c, int d) {
     return (a & 0xff) | ((b & 0xff) << 8) | ((c & 0xff) << 16) | (static_cast<uint32_t>(d & 0xff) << 24);
 }
 
-/// Vector `i` of the row (values 8i .. 8i + 7, `f`) quantised into `staged` (see `stage`): a sub-block is four
-/// consecutive lanes' vectors, so the lanes of a warp call it together.
-__device__ __forceinline__ void stage_vector(const float (&f)[8], int i, uint8_t* staged, int k) {
-    float* d8 = reinterpret_cast<float*>(staged + k);
-    float* s = d8 + k / 32;
-    float amax = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(f[j]));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-    int q[8], sum = 0;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        q[j] = __float2int_rn(f[j] * id);
-        sum += q[j];
-    }
-    reinterpret_cast<uint2*>(staged)[i] = {pack4(q[0], q[1], q[2], q[3]), pack4(q[4], q[5], q[6], q[7])};
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    if (i % 4 == 0) {
-        d8[i / 4] = d;
-        s[i / 4] = d * static_cast<float>(sum);
-    }
-}
+/// The staged row's three parts in shared memory (see `stage`): its int8 values, d8 and s a sub-block.
+struct StagedRow {
+    uint8_t* values;
+    float* d8;
+    float* s;
 
-/// The zeros after the scales, then the block's barrier: the staged row is ready.
-__device__ __forceinline__ void finish_stage(uint8_t* staged, int k) {
-    float* s = reinterpret_cast<float*>(staged + k) + k / 32;
-    if (threadIdx.x < 4) reinterpret_cast<uint4*>(s + k / 32)[threadIdx.x] = {0, 0, 0, 0};
-    __syncthreads();
-}
+    __device__ __forceinline__ StagedRow(uint8_t* staged, int k)
+        : values(staged), d8(reinterpret_cast<float*>(staged + k)), s(d8 + k / 32) {}
+
+    /// Vector `i` of the row (values 8i .. 8i + 7, `f`) quantised: a sub-block is four consecutive lanes'
+    /// vectors, so the lanes of a warp call it together.
+    __device__ __forceinline__ void put(const float (&f)[8], int i) const {
+        float amax = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) amax = fmaxf(amax, fmaxf(fabsf(f[2 * j]), fabsf(f[2 * j + 1])));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        int q[8], sum = 0;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            q[j] = __float2int_rn(f[j] * id);
+            sum += q[j];
+        }
+        reinterpret_cast<uint2*>(values)[i] = {pack4(q[0], q[1], q[2], q[3]), pack4(q[4], q[5], q[6], q[7])};
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        if (i % 4 == 0) {
+            d8[i / 4] = d;
+            s[i / 4] = d * static_cast<float>(sum);
+        }
+    }
+
+    /// The zeros after the scales, then the block's barrier: the staged row is ready.
+    __device__ __forceinline__ void finish(int k) const {
+        if (threadIdx.x < 4) reinterpret_cast<uint4*>(s + k / 32)[threadIdx.x] = {0, 0, 0, 0};
+        __syncthreads();
+    }
+};
 
 /// The activation row `x` (`k` bf16 values, 16-byte aligned) quantised into shared memory at `staged` (16-byte
 /// aligned, `staged_bytes(k)`) by the whole block, in order: sub-block s's 32 values at bytes 32s ..
 /// 32s + 31, then d8 = max |x| / 127 of every sub-block (f32), then s = d8 · Σq of every sub-block (f32),
 /// then the zeros.
 __device__ __forceinline__ void stage(const __nv_bfloat16* x, uint8_t* staged, int k) {
+    const StagedRow row(staged, k);
     // k / 8 is a multiple of 32 and blockDim.x of 32: a warp's lanes stay in the loop together.
     for (int i = threadIdx.x; i < k / 8; i += blockDim.x) {
         float f[8];
         rows::unpack_bf16x8(__ldg(reinterpret_cast<const uint4*>(x) + i), f);
-        stage_vector(f, i, staged, k);
+        row.put(f, i);
     }
-    finish_stage(staged, k);
+    row.finish(k);
 }
 
 /// Most 16-byte vectors of the row a thread holds between `stage_normed`'s two passes (the launcher checks
@@ -268,7 +276,8 @@ __device__ __forceinline__ void stage_normed(const __nv_bfloat16* x, const __nv_
         for (int e = 0; e < 8; ++e) squares = fmaf(f[e], f[e], squares);
     }
     const float inv_rms = 1.0f / sqrtf(rows::block_sum(squares) / k + eps);
-    // Whole warps skip a held slot together (k / 8 and blockDim.x are multiples of 32), as stage_vector needs.
+    const StagedRow row(staged, k);
+    // Whole warps skip a held slot together (k / 8 and blockDim.x are multiples of 32), as `put` needs.
 #pragma unroll
     for (int j = 0; j < NORMED_HELD_VECTORS; ++j) {
         const int i = threadIdx.x + j * blockDim.x;
@@ -278,9 +287,9 @@ __device__ __forceinline__ void stage_normed(const __nv_bfloat16* x, const __nv_
         rows::unpack_bf16x8(ws[j], w);
 #pragma unroll
         for (int e = 0; e < 8; ++e) f[e] = round_bf16(round_bf16(f[e] * inv_rms) * w[e]);
-        stage_vector(f, i, staged, k);
+        row.put(f, i);
     }
-    finish_stage(staged, k);
+    row.finish(k);
 }
 
 /// What one lane reads of one Q4_K block of its two rows: sub-block pair t's 32 bytes of both, and the 16-byte
