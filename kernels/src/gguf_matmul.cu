@@ -9,7 +9,6 @@
 //                                   all m activation rows, so every weight byte is read once.
 //   q4k_mma_matvec{8,16}_bf16       Q4_K, bf16 rows m <= 8 / 16, on the tensor cores (below).
 //   q4k_mma_matvec1_bf16            Q4_K, one bf16 row, on the tensor cores (q4k_mma::row, below).
-//   q4k_mma_matvec1_normed_bf16     the same, of the row's RMSNorm (after a residual add), normed as staged.
 //   gguf_dequantize_<format>_<dtype>  the whole W in the activations' dtype (one thread per sub-block), for
 //                                   the many-row (prefill) path's matmul.
 
@@ -135,16 +134,11 @@ struct Q4kRowParams {
     const __nv_bfloat16* x;
     const uint8_t* w;
     __nv_bfloat16* y;
-    // The normed kernel's: residual (or null), the norm's weight, and where block 0 writes x + residual.
-    const __nv_bfloat16* residual;
-    const __nv_bfloat16* norm_weight;
-    __nv_bfloat16* sum;
     int n, k;
-    float eps;
 };
 GLM5_CHECK_Q4kRowParams();  // the layout of kernels/src/interface.rs
 
-template <bool NORMED> __device__ __forceinline__ void q4k_mma_matvec1(const Q4kRowParams& p) {
+extern "C" __global__ void __launch_bounds__(q4k_mma::MAX_WARPS * 32) q4k_mma_matvec1_bf16(Q4kRowParams p) {
     extern __shared__ __align__(16) uint8_t staged[];
     allow_dependent_grids();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
@@ -155,10 +149,7 @@ template <bool NORMED> __device__ __forceinline__ void q4k_mma_matvec1(const Q4k
     q4k_mma::row::Stream<ROW_DEPTH> stream;
     stream.start(rows, warp, warps, blocks, t);
     wait_for_prior_grid();
-    if (NORMED)
-        q4k_mma::row::stage_normed(p.x, p.residual, p.norm_weight, p.eps, p.sum, staged, p.k);
-    else
-        q4k_mma::row::stage(p.x, staged, p.k);
+    q4k_mma::row::stage(p.x, staged, p.k);
     // The tile is the block's alone, so every thread leaves the loop together (sum_over_warps' barriers).
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         float acc = 0.0f;
@@ -171,17 +162,6 @@ template <bool NORMED> __device__ __forceinline__ void q4k_mma_matvec1(const Q4k
         const int out = tile * 16 + g + 8 * (t / 2);
         if (warp == 0 && t % 2 == 0 && out < p.n) p.y[out] = __float2bfloat16(sum);
     }
-}
-
-extern "C" __global__ void __launch_bounds__(q4k_mma::MAX_WARPS * 32) q4k_mma_matvec1_bf16(Q4kRowParams p) {
-    q4k_mma_matvec1<false>(p);
-}
-
-// q4k_mma_matvec1_normed_bf16: the same product of RMSNorm(x + residual) (or of RMSNorm(x) where residual is
-// null), normed as rms_norm.cu norms it, while the row is staged (q4k_mma::row::stage_normed): the norm's own
-// launch before the mat-vec saved (batch-1 decode: a layer's input projections and its queries' q_lora).
-extern "C" __global__ void __launch_bounds__(q4k_mma::MAX_WARPS * 32) q4k_mma_matvec1_normed_bf16(Q4kRowParams p) {
-    q4k_mma_matvec1<true>(p);
 }
 
 #define GGUF_KERNELS(NAME, F, SUFFIX, T)                                                                         \

@@ -174,8 +174,7 @@ c_struct! {
 
 c_struct! {
     /// `Q4kRowParams` of `gguf_matmul.cu`: Q4_K times one bf16 activation row on the tensor cores
-    /// (`q4k_mma_matvec1_bf16`, and `q4k_mma_matvec1_normed_bf16` of the row's RMSNorm; programmatic
-    /// dependent launches; pointers as device addresses).
+    /// (`q4k_mma_matvec1_bf16`, a programmatic dependent launch; pointers as device addresses).
     #[repr(C)]
     pub struct Q4kRowParams {
         /// `[1, k]` bf16, 16-byte aligned.
@@ -184,17 +183,8 @@ c_struct! {
         pub w: u64 => w,
         /// `[1, n]` bf16.
         pub y: u64 => y,
-        /// The normed kernel's residual, `[1, k]` bf16, 16-byte aligned, added to `x` before the norm; 0 for
-        /// none.
-        pub residual: u64 => residual,
-        /// The normed kernel's RMSNorm weight, `[k]` bf16, 16-byte aligned.
-        pub norm_weight: u64 => norm_weight,
-        /// The normed kernel's `x + residual`, `[1, k]` bf16, 16-byte aligned (written where `residual` is set).
-        pub sum: u64 => sum,
         pub n: i32 => n,
         pub k: i32 => k,
-        /// The normed kernel's RMSNorm epsilon.
-        pub eps: f32 => eps,
     }
 }
 
@@ -285,9 +275,6 @@ pub mod weight_only {
     /// splitting a block's rows along `in`.
     pub const Q4K_MMA_ROW_TILE: usize = 16;
     pub const Q4K_MMA_MAX_WARPS: usize = 8;
-    /// The normed one-row kernel holds the row in registers, at most this many 16-byte vectors a thread: rows
-    /// of `k <= 8 · Q4K_NORMED_HELD_VECTORS · 32 · q4k_mma_warps(k)` values (GLM-5's 6144 and 2048: 3 and 2).
-    pub const Q4K_NORMED_HELD_VECTORS: usize = 4;
     /// Warps of a Q4_K tensor-core block over rows of `k` values: about two of the row's 256-value blocks a
     /// warp, at most `Q4K_MMA_MAX_WARPS`.
     pub const fn q4k_mma_warps(k: usize) -> usize {
@@ -454,10 +441,6 @@ pub const CONSTANTS: &[(&str, usize)] = &[
     ("GLM5_WEIGHT_ONLY_MAX_ROWS", weight_only::MAX_ROWS),
     ("GLM5_WEIGHT_ONLY_WARPS", weight_only::WARPS),
     ("GLM5_Q4K_MMA_MAX_WARPS", weight_only::Q4K_MMA_MAX_WARPS),
-    (
-        "GLM5_Q4K_NORMED_HELD_VECTORS",
-        weight_only::Q4K_NORMED_HELD_VECTORS,
-    ),
     (
         "GLM5_WEIGHT_ONLY_DEQUANTIZE_THREADS",
         weight_only::DEQUANTIZE_THREADS,

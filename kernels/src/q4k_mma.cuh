@@ -179,18 +179,16 @@ __device__ __forceinline__ uint32_t pack4(int a, int b, int c, int d) {
     return (a & 0xff) | ((b & 0xff) << 8) | ((c & 0xff) << 16) | (static_cast<uint32_t>(d & 0xff) << 24);
 }
 
-/// The staged row's three parts in shared memory (see `stage`): its int8 values, d8 and s a sub-block.
-struct StagedRow {
-    uint8_t* values;
-    float* d8;
-    float* s;
-
-    __device__ __forceinline__ StagedRow(uint8_t* staged, int k)
-        : values(staged), d8(reinterpret_cast<float*>(staged + k)), s(d8 + k / 32) {}
-
-    /// Vector `i` of the row (values 8i .. 8i + 7, `f`) quantised: a sub-block is four consecutive lanes'
-    /// vectors, so the lanes of a warp call it together.
-    __device__ __forceinline__ void put(const float (&f)[8], int i) const {
+/// The activation row `x` (`k` bf16 values, 16-byte aligned) quantised into shared memory at `staged` (16-byte
+/// aligned, `staged_bytes(k)`) by the whole block, in order: sub-block s's 32 values at bytes 32s ...
+__device__ __forceinline__ void stage(const __nv_bfloat16* x, uint8_t* staged, int k) {
+    float* d8 = reinterpret_cast<float*>(staged + k);
+    float* s = d8 + k / 32;
+    // k / 8 is a multiple of 32 and blockDim.x of 32: a warp's lanes stay in the loop together; a sub-block is
+    // four consecutive lanes' vectors.
+    for (int i = threadIdx.x; i < k / 8; i += blockDim.x) {
+        float f[8];
+        rows::unpack_bf16x8(__ldg(reinterpret_cast<const uint4*>(x) + i), f);
         float amax = 0.0f;
 #pragma unroll
         for (int j = 0; j < 4; ++j) amax = fmaxf(amax, fmaxf(fabsf(f[2 * j]), fabsf(f[2 * j + 1])));
@@ -203,7 +201,7 @@ struct StagedRow {
             q[j] = __float2int_rn(f[j] * id);
             sum += q[j];
         }
-        reinterpret_cast<uint2*>(values)[i] = {pack4(q[0], q[1], q[2], q[3]), pack4(q[4], q[5], q[6], q[7])};
+        reinterpret_cast<uint2*>(staged)[i] = {pack4(q[0], q[1], q[2], q[3]), pack4(q[4], q[5], q[6], q[7])};
         sum += __shfl_xor_sync(0xffffffffu, sum, 1);
         sum += __shfl_xor_sync(0xffffffffu, sum, 2);
         if (i % 4 == 0) {
@@ -211,85 +209,8 @@ struct StagedRow {
             s[i / 4] = d * static_cast<float>(sum);
         }
     }
-
-    /// The zeros after the scales, then the block's barrier: the staged row is ready.
-    __device__ __forceinline__ void finish(int k) const {
-        if (threadIdx.x < 4) reinterpret_cast<uint4*>(s + k / 32)[threadIdx.x] = {0, 0, 0, 0};
-        __syncthreads();
-    }
-};
-
-/// The activation row `x` (`k` bf16 values, 16-byte aligned) quantised into shared memory at `staged` (16-byte
-/// aligned, `staged_bytes(k)`) by the whole block, in order: sub-block s's 32 values at bytes 32s ..
-/// 32s + 31, then d8 = max |x| / 127 of every sub-block (f32), then s = d8 · Σq of every sub-block (f32),
-/// then the zeros.
-__device__ __forceinline__ void stage(const __nv_bfloat16* x, uint8_t* staged, int k) {
-    const StagedRow row(staged, k);
-    // k / 8 is a multiple of 32 and blockDim.x of 32: a warp's lanes stay in the loop together.
-    for (int i = threadIdx.x; i < k / 8; i += blockDim.x) {
-        float f[8];
-        rows::unpack_bf16x8(__ldg(reinterpret_cast<const uint4*>(x) + i), f);
-        row.put(f, i);
-    }
-    row.finish(k);
-}
-
-/// Most 16-byte vectors of the row a thread holds between `stage_normed`'s two passes (the launcher checks
-/// `k / 8 <= NORMED_HELD_VECTORS · blockDim.x`).
-constexpr int NORMED_HELD_VECTORS = GLM5_Q4K_NORMED_HELD_VECTORS;
-
-__device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16(v)); }
-
-/// `stage` of the RMSNorm of `x` (+ `residual`, where not null) as `rms_norm` / `add_rms_norm` compute it:
-/// the sum rounded to bf16, the normalised value rounded before the weight `weight` multiplies it and after
-/// (the squares summed in another order). The block holds the row in registers (one load of each vector), sums
-/// the squares, then quantises the normed values. With a residual, block 0 writes the rounded sum to `sum`.
-__device__ __forceinline__ void stage_normed(const __nv_bfloat16* x, const __nv_bfloat16* residual,
-                                             const __nv_bfloat16* weight, float eps, __nv_bfloat16* sum,
-                                             uint8_t* staged, int k) {
-    const int vectors = k / 8;
-    uint4 xs[NORMED_HELD_VECTORS], ws[NORMED_HELD_VECTORS];
-    float squares = 0.0f;
-#pragma unroll
-    for (int j = 0; j < NORMED_HELD_VECTORS; ++j) {
-        const int i = threadIdx.x + j * blockDim.x;
-        if (i >= vectors) continue;
-        xs[j] = __ldg(reinterpret_cast<const uint4*>(x) + i);
-        ws[j] = __ldg(reinterpret_cast<const uint4*>(weight) + i);
-        float f[8];
-        rows::unpack_bf16x8(xs[j], f);
-        if (residual != nullptr) {
-            float r[8];
-            rows::unpack_bf16x8(__ldg(reinterpret_cast<const uint4*>(residual) + i), r);
-            uint32_t words[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                f[2 * e] = round_bf16(f[2 * e] + r[2 * e]);
-                f[2 * e + 1] = round_bf16(f[2 * e + 1] + r[2 * e + 1]);
-                // The rounded pair, exact in bf16: its high halves.
-                words[e] = (__float_as_uint(f[2 * e]) >> 16) | (__float_as_uint(f[2 * e + 1]) & 0xffff0000u);
-            }
-            xs[j] = {words[0], words[1], words[2], words[3]};
-            if (blockIdx.x == 0) reinterpret_cast<uint4*>(sum)[i] = xs[j];
-        }
-#pragma unroll
-        for (int e = 0; e < 8; ++e) squares = fmaf(f[e], f[e], squares);
-    }
-    const float inv_rms = 1.0f / sqrtf(rows::block_sum(squares) / k + eps);
-    const StagedRow row(staged, k);
-    // Whole warps skip a held slot together (k / 8 and blockDim.x are multiples of 32), as `put` needs.
-#pragma unroll
-    for (int j = 0; j < NORMED_HELD_VECTORS; ++j) {
-        const int i = threadIdx.x + j * blockDim.x;
-        if (i >= vectors) continue;
-        float f[8], w[8];
-        rows::unpack_bf16x8(xs[j], f);
-        rows::unpack_bf16x8(ws[j], w);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) f[e] = round_bf16(round_bf16(f[e] * inv_rms) * w[e]);
-        row.put(f, i);
-    }
-    row.finish(k);
+    if (threadIdx.x < 4) reinterpret_cast<uint4*>(s + k / 32)[threadIdx.x] = {0, 0, 0, 0};
+    __syncthreads();
 }
 
 /// What one lane reads of one Q4_K block of its two rows: sub-block pair t's 32 bytes of both, and the 16-byte

@@ -18,7 +18,7 @@ use common::{rng, uniform};
 use glm5_kernels::emu::{launch, DeviceBuffer, LaunchConfig};
 use glm5_kernels::interface::weight_only::{
     column_warps, q4k_mma_warps, q4k_row_staged_bytes, tile_loop_blocks, DEQUANTIZE_THREADS,
-    MAX_ROWS, Q4K_MMA_ROW_TILE, Q4K_NORMED_HELD_VECTORS, WARPS,
+    MAX_ROWS, Q4K_MMA_ROW_TILE, WARPS,
 };
 use glm5_ops::gguf_matmul::{self, GgufFormat, GgufWeight};
 use glm5_ops::moe::{experts_reference, route_reference, QuantizedExperts, Routes};
@@ -295,7 +295,6 @@ extern "C" {
     fn q4k_mma_matvec8_bf16(x: Ptr, w: *const u8, y: MutPtr, m: i32, n: i32, k: i32);
     fn q4k_mma_matvec16_bf16(x: Ptr, w: *const u8, y: MutPtr, m: i32, n: i32, k: i32);
     fn q4k_mma_matvec1_bf16(p: Q4kRowParams);
-    fn q4k_mma_matvec1_normed_bf16(p: Q4kRowParams);
 }
 
 #[test]
@@ -367,7 +366,6 @@ fn q4k_mma_matvec1_equals_the_reference() {
                 y: y.mut_ptr() as u64,
                 n: n as i32,
                 k: k as i32,
-                ..Q4kRowParams::default()
             })
         });
         assert_close(
@@ -377,104 +375,6 @@ fn q4k_mma_matvec1_equals_the_reference() {
             &magnitude,
             DType::BF16,
         );
-    }
-}
-
-#[test]
-fn q4k_mma_matvec1_normed_equals_the_norm_then_the_product() {
-    // The row RMSNorm'd after a residual add (and without one) as the kernel stages it, against the ops' CPU
-    // norm (bf16) then the q8_1 product: rows of 1 block (one warp, a vector a thread), 5 (two warps, the
-    // third held vector of the first warp only) and 24 (GLM-5's hidden 6144: eight warps, three vectors a
-    // thread); a block a tile, and three blocks walking 8 tiles. Block 0 writes the rounded sum: exactly the
-    // reference's.
-    for (n, resident, k, with_residual) in [
-        (37, 64, 256, true),
-        (37, 64, 5 * 256, true),
-        (117, 3, 5 * 256, false),
-        (37, 64, 24 * 256, true),
-    ] {
-        assert!(k / 8 <= Q4K_NORMED_HELD_VECTORS * q4k_mma_warps(k) * 32);
-        let blocks = gguf_blocks(&mut rng(5120 + k as u64), GgufFormat::Q4K, n, k);
-        let w = GgufWeight::new(GgufFormat::Q4K, blocks.clone(), k).unwrap();
-        let dense = gguf_matmul::reference::dequantize(&w).unwrap();
-        let device_blocks = bytes_of(&blocks);
-        let config = LaunchConfig {
-            shared_bytes: q4k_row_staged_bytes(k),
-            ..LaunchConfig::new(
-                (
-                    tile_loop_blocks(n.div_ceil(Q4K_MMA_ROW_TILE), resident) as u32,
-                    1,
-                    1,
-                ),
-                (q4k_mma_warps(k) * 32) as u32,
-            )
-        };
-        // Rows of a few units, as a residual stream's; the weight around 1, as a trained norm's.
-        let scaled = |seed: u64, scale: f32, offset: f32| -> Vec<f32> {
-            let v: Vec<f32> = uniform(&mut rng(seed), k)
-                .iter()
-                .map(|v| v * scale + offset)
-                .collect();
-            activations_like(&v, DType::BF16)
-        };
-        let (x, residual, norm_weight) = (
-            scaled(5125 + k as u64, 3.0, 0.0),
-            scaled(5126 + k as u64, 2.0, 0.0),
-            scaled(5127 + k as u64, 0.5, 1.0),
-        );
-        let cpu = |v: &[f32], shape: &[usize]| {
-            Tensor::from_slice(v, shape, &Device::Cpu)
-                .unwrap()
-                .to_dtype(DType::BF16)
-                .unwrap()
-        };
-        let (x_t, residual_t, weight_t) = (
-            cpu(&x, &[1, k]),
-            cpu(&residual, &[1, k]),
-            cpu(&norm_weight, &[k]),
-        );
-        let eps = 1e-5;
-        let (want_sum, normed) = if with_residual {
-            glm5_ops::rms_norm::add_rms_norm_reference(&x_t, &residual_t, &weight_t, eps).unwrap()
-        } else {
-            let normed = glm5_ops::rms_norm::rms_norm_reference(&x_t, &weight_t, eps).unwrap();
-            (x_t.clone(), normed)
-        };
-        let (want, magnitude) =
-            reference_product(&common::q8_1_quantized(&host_f32(&normed)), (1, k), &dense);
-        let (device_x, device_residual, device_weight) = (
-            Values::from_f32(&x, DType::BF16),
-            Values::from_f32(&residual, DType::BF16),
-            Values::from_f32(&norm_weight, DType::BF16),
-        );
-        let (y, sum) = (Values::nan(n, DType::BF16), Values::nan(k, DType::BF16));
-        run(config, || unsafe {
-            q4k_mma_matvec1_normed_bf16(Q4kRowParams {
-                x: device_x.ptr() as u64,
-                w: device_blocks.ptr() as u64,
-                y: y.mut_ptr() as u64,
-                residual: if with_residual {
-                    device_residual.ptr() as u64
-                } else {
-                    0
-                },
-                norm_weight: device_weight.ptr() as u64,
-                sum: sum.mut_ptr() as u64,
-                n: n as i32,
-                k: k as i32,
-                eps: eps as f32,
-            })
-        });
-        let what = format!("Q4_K one-row normed mma n={n} k={k} residual={with_residual}");
-        assert_close(&what, &y.to_f32(), &want, &magnitude, DType::BF16);
-        if with_residual {
-            assert_eq!(sum.to_f32(), host_f32(&want_sum), "{what}: the sum");
-        } else {
-            assert!(
-                sum.to_f32().iter().all(|v| v.is_nan()),
-                "{what}: no residual, yet the sum was written"
-            );
-        }
     }
 }
 

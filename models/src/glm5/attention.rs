@@ -9,7 +9,6 @@ use glm5_ops::absorbed_query::{
 };
 use glm5_ops::fp8_matmul::Fp8Prefill;
 use glm5_ops::registry::{DsaIndexerFn, SparseMlaFn};
-use glm5_ops::rms_norm::NormInput;
 use glm5_ops::{
     dsa_indexer_paged_reference, dsa_indexer_paged_with, sparse_mla_paged_reference,
     sparse_mla_paged_with, DsaIndexerLaunch, Kernel, Op, PagedIndexKeys, PagedLatentCache,
@@ -418,61 +417,23 @@ impl StackedProjections {
     fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
         let mut out: Vec<Option<Tensor>> = vec![None; self.count];
         for group in &self.groups {
-            group.split(group.proj.forward(x)?, &mut out)?;
+            let y = group.proj.forward(x)?;
+            if let [(which, _)] = group.parts.as_slice() {
+                out[*which] = Some(y);
+                continue;
+            }
+            let mut start = 0;
+            for &(which, width) in &group.parts {
+                out[which] = Some(y.narrow(1, start, width)?.contiguous()?);
+                start += width;
+            }
         }
-        Self::collect(out)
-    }
-
-    /// The products of the norm of `input`, and the row the norm took (`input`'s after its residual add):
-    /// where one GGUF-block group holds every projection, its kernel norms the row itself
-    /// (`gguf_matmul_normed`: one launch where Q4_K times one bf16 row has it); else the norm's op, then
-    /// [`Self::forward`].
-    fn forward_normed(&self, input: &NormInput) -> Result<(Tensor, Vec<Tensor>)> {
-        if let [group @ ProjectionGroup {
-            proj: Proj::GgufBlocks(weight),
-            ..
-        }] = self.groups.as_slice()
-        {
-            let (sum, y) = glm5_ops::gguf_matmul::gguf_matmul_normed(input, weight)?;
-            let mut out: Vec<Option<Tensor>> = vec![None; self.count];
-            group.split(y, &mut out)?;
-            return Ok((sum, Self::collect(out)?));
-        }
-        let (sum, normed) = input.apply()?;
-        Ok((sum, self.forward(&normed)?))
-    }
-
-    fn collect(out: Vec<Option<Tensor>>) -> Result<Vec<Tensor>> {
         out.into_iter()
             .map(|t| {
                 t.ok_or_else(|| ModelError::PlanDevices("a stacked projection has no group".into()))
             })
             .collect()
     }
-}
-
-impl ProjectionGroup {
-    /// The group's product `y` split into its parts' slots of `out`.
-    fn split(&self, y: Tensor, out: &mut [Option<Tensor>]) -> Result<()> {
-        if let [(which, _)] = self.parts.as_slice() {
-            out[*which] = Some(y);
-            return Ok(());
-        }
-        let mut start = 0;
-        for &(which, width) in &self.parts {
-            out[which] = Some(y.narrow(1, start, width)?.contiguous()?);
-            start += width;
-        }
-        Ok(())
-    }
-}
-
-/// A layer input's four projections (`Attention::project_input`).
-pub(super) struct InputRows {
-    q_a: Tensor,
-    kv_a: Tensor,
-    index_k: Tensor,
-    index_weights: Tensor,
 }
 
 /// §3.3–3.4 Multi-head latent attention with the DSA restriction, computed in the absorbed form.
@@ -602,46 +563,24 @@ impl Attention {
         })
     }
 
-    /// The layer input's projections, of its norm `input` (the decoder's `input_layernorm` of the stream),
-    /// and the stream after the residual add the norm took: one launch where the projections' kernel norms
-    /// the row itself (`StackedProjections::forward_normed`).
-    pub(super) fn project_input(&self, input: &NormInput) -> Result<(Tensor, InputRows)> {
-        let (sum, products) = self.input_projections.forward_normed(input)?;
-        let [q_a, kv_a, index_k, index_weights]: [Tensor; 4] = products
-            .try_into()
-            .map_err(|_| ModelError::PlanDevices("four input projections".into()))?;
-        Ok((
-            sum,
-            InputRows {
-                q_a,
-                kv_a,
-                index_k,
-                index_weights,
-            },
-        ))
-    }
-
-    /// Attention over this call's tokens and the cached ones, from their input projections
-    /// ([`Self::project_input`]): writes the tokens' latent rows (and the indexer's keys) into `kv`, returns
-    /// the output `[T, hidden]` and the attended positions `[T, K]`.
+    /// Attention over this call's tokens and the cached ones: writes the tokens' latent rows (and the
+    /// indexer's keys) into `kv`, returns the output `[T, hidden]` and the attended positions `[T, K]`.
     pub(super) fn forward(
         &self,
-        input: InputRows,
+        hidden: &Tensor,
         rope: &Rope,
         kv: LayerKv<'_>,
         dense: Option<&Tensor>,
     ) -> Result<(Tensor, Tensor)> {
-        let InputRows {
-            q_a,
-            kv_a,
-            index_k,
-            index_weights,
-        } = input;
-        let t = q_a.dim(0)?;
-        // Queries: q_lora (shared with the indexer) → per-head [nope | rope]; q_a_layernorm in the product's
-        // launch where its kernel norms the row.
-        let q_lora = self.q_a_layernorm.input(&q_a, None);
-        let (_, queries) = self.query_projections.forward_normed(&q_lora)?;
+        let t = hidden.dim(0)?;
+        // Queries: q_lora (shared with the indexer) → per-head [nope | rope].
+        let [q_a, kv_a, index_k, index_weights]: [Tensor; 4] = self
+            .input_projections
+            .forward(hidden)?
+            .try_into()
+            .map_err(|_| ModelError::PlanDevices("four input projections".into()))?;
+        let q_lora = self.q_a_layernorm.forward(&q_a)?;
+        let queries = self.query_projections.forward(&q_lora)?;
         let q = queries[0].reshape((t, self.heads, self.nope_dim + self.rope_dim))?;
 
         // This call's latent rows [kv_a_layernorm(c) | RoPE(k_pe)] go into the cache; attention reads all
@@ -717,7 +656,7 @@ impl Attention {
         };
 
         let selected = match indexed {
-            Some((index_q, keys)) => profile::time(Part::Indexer, q_a.device(), || {
+            Some((index_q, keys)) => profile::time(Part::Indexer, hidden.device(), || {
                 self.indexer.select(&index_q, &index_weights, keys)
             })?,
             // `indexed` is made whenever `dense` is None.

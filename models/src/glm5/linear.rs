@@ -4,7 +4,6 @@
 use candle_core::quantized::QMatMul;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::Linear;
-use glm5_ops::rms_norm::NormInput;
 use glm5_ops::DeviceDesc;
 
 use crate::config::Config;
@@ -201,21 +200,6 @@ impl RmsNorm {
 }
 
 impl RmsNorm {
-    /// The norm of `x` (after adding `residual`, where there is one), left for the product that consumes
-    /// it to compute ([`NormInput`]).
-    pub(super) fn input<'a>(
-        &'a self,
-        x: &'a Tensor,
-        residual: Option<&'a Tensor>,
-    ) -> NormInput<'a> {
-        NormInput {
-            x,
-            residual,
-            weight: &self.weight,
-            eps: self.eps,
-        }
-    }
-
     /// `(x + residual, norm(x + residual))`, the add and the norm in one launch on CUDA
     /// (`glm5_ops::rms_norm::add_rms_norm`).
     pub(super) fn add_forward(&self, x: &Tensor, residual: &Tensor) -> Result<(Tensor, Tensor)> {

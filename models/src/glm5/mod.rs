@@ -20,7 +20,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use candle_core::{DType, Device, DeviceLocation, Module, Tensor};
 use candle_nn::Linear;
-use glm5_ops::rms_norm::NormInput;
 use glm5_ops::{DeviceDesc, DeviceKind, Op, Registry};
 
 use crate::cache::KvCache;
@@ -78,12 +77,10 @@ impl Residual {
 
     /// The stream, and `norm` of it.
     fn norm(&self, norm: &RmsNorm) -> Result<(Tensor, Tensor)> {
-        Ok(self.normed(norm).apply()?)
-    }
-
-    /// `norm` of the stream, left for the product that consumes it (which adds `pending` too).
-    fn normed<'a>(&'a self, norm: &'a RmsNorm) -> NormInput<'a> {
-        norm.input(&self.sum, self.pending.as_ref())
+        match &self.pending {
+            Some(pending) => norm.add_forward(&self.sum, pending),
+            None => Ok((self.sum.clone(), norm.forward(&self.sum)?)),
+        }
     }
 
     /// The stream as one tensor.
@@ -155,12 +152,9 @@ impl DecoderLayer {
         kv: LayerKv<'_>,
         dense: Option<&Tensor>,
     ) -> Result<(Residual, Tensor)> {
-        let (x, attn, selected) = profile::time(Part::Attention, x.sum.device(), || {
-            let (x, rows) = self
-                .self_attn
-                .project_input(&x.normed(&self.input_layernorm))?;
-            let (attn, selected) = self.self_attn.forward(rows, rope, kv, dense)?;
-            Ok::<_, ModelError>((x, attn, selected))
+        let (x, normed) = x.norm(&self.input_layernorm)?;
+        let (attn, selected) = profile::time(Part::Attention, x.device(), || {
+            self.self_attn.forward(&normed, rope, kv, dense)
         })?;
         let (x, h) = self.post_attention_layernorm.add_forward(&x, &attn)?;
         let ffn = match &self.mlp {

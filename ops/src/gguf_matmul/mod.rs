@@ -26,8 +26,6 @@
 //! * CUDA, Q4_K times one bf16 row (batch-1 decode): on the int8 tensor cores, `x` quantised per 32 values as
 //!   llama.cpp's mat-vecs quantise it (its q8_1: d = max |x| / 127, q = x / d rounded half to even), so `y` is
 //!   `(d · q) · Wᵀ` accumulated in f32: ~0.4% of a projection's scale from `x · Wᵀ`, as llama.cpp's.
-//! * [`gguf_matmul_normed`] is the product of an RMSNorm'd row ([`NormInput`]): the norm's op, then
-//!   `gguf_matmul`; on CUDA, Q4_K times one bf16 row, both in one launch.
 //! * Which implementation runs is checked per weight when the graph is built ([`dispatch`]).
 
 mod entries;
@@ -41,7 +39,6 @@ pub use entries::{backends, dispatch};
 use candle_core::{DType, Tensor};
 
 use crate::error::{OpError, Result};
-use crate::rms_norm::NormInput;
 
 /// Rows of `x` the CUDA mat-vec kernel takes in one launch.
 pub const MAX_ROWS: usize = glm5_kernels::interface::weight_only::MAX_ROWS;
@@ -285,23 +282,6 @@ pub fn gguf_matmul(x: &Tensor, w: &GgufWeight) -> Result<Tensor> {
         }
         reference::gguf_matmul(x2, w)
     })
-}
-
-/// `(sum, y)`: the norm of `input` ([`NormInput::apply`]: `sum` the row after its residual add, or `x`), and
-/// `y = gguf_matmul(rms_norm(sum), w)`. CUDA, Q4_K times one bf16 row: one launch, the kernel norming the row
-/// as it stages it (`q4k_mma_matvec1_normed_bf16`: `rms_norm`'s roundings, the squares summed in another
-/// order; block 0 writes `sum`), the norm's own launch saved; anywhere else, the norm's op then
-/// [`gguf_matmul`].
-pub fn gguf_matmul_normed(input: &NormInput, w: &GgufWeight) -> Result<(Tensor, Tensor)> {
-    input.check()?;
-    #[cfg(feature = "cuda")]
-    if input.x.device().is_cuda() {
-        if let Some(fused) = cuda::gguf_matmul_normed(input, w)? {
-            return Ok(fused);
-        }
-    }
-    let (sum, normed) = input.apply()?;
-    Ok((sum, gguf_matmul(&normed, w)?))
 }
 
 /// [`gguf_matmul`] without the tensor-core kernels (Q4_K with bf16 rows takes the FFMA mat-vec as the other

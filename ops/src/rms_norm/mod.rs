@@ -12,8 +12,7 @@
 //! weight multiplies it, as HF does.
 //!
 //! [`add_rms_norm`] is the decoder's residual add and the norm after it: `sum = round(x + residual)`, and
-//! the RMSNorm of `sum`; it returns both. [`NormInput`] is either, not yet computed: what a product that
-//! norms its own input row takes (`gguf_matmul::gguf_matmul_normed`).
+//! the RMSNorm of `sum`; it returns both.
 //!
 //! # Implementations
 //!
@@ -69,47 +68,6 @@ pub fn add_rms_norm(
     weight: &Tensor,
     eps: f64,
 ) -> Result<(Tensor, Tensor)> {
-    check_residual(x, residual)?;
-    check_weight(x, weight)?;
-    #[cfg(feature = "cuda")]
-    if x.device().is_cuda() && matches!(x.dtype(), DType::BF16 | DType::F32) {
-        return cuda::add_rms_norm(x, residual, weight, eps);
-    }
-    add_rms_norm_reference(x, residual, weight, eps)
-}
-
-/// A row still to be normed, kept apart so that the product that consumes it can norm it itself
-/// ([`crate::gguf_matmul::gguf_matmul_normed`]): `x` `[rows, D]`, the `residual` to add first where there is
-/// one (as [`add_rms_norm`]), and the norm's `weight` `[D]` and `eps`.
-#[derive(Clone, Copy)]
-pub struct NormInput<'a> {
-    pub x: &'a Tensor,
-    pub residual: Option<&'a Tensor>,
-    pub weight: &'a Tensor,
-    pub eps: f64,
-}
-
-impl NormInput<'_> {
-    /// `(sum, rms_norm(sum))`, `sum` being `round(x + residual)` ([`add_rms_norm`]), or `x` where there is no
-    /// residual ([`rms_norm`]).
-    pub fn apply(&self) -> Result<(Tensor, Tensor)> {
-        match self.residual {
-            Some(residual) => add_rms_norm(self.x, residual, self.weight, self.eps),
-            None => Ok((self.x.clone(), rms_norm(self.x, self.weight, self.eps)?)),
-        }
-    }
-
-    /// The checks [`Self::apply`] makes, for a caller that norms the row its own way.
-    pub(crate) fn check(&self) -> Result<()> {
-        if let Some(residual) = self.residual {
-            check_residual(self.x, residual)?;
-        }
-        check_weight(self.x, self.weight)
-    }
-}
-
-/// `residual` has `x`'s shape and dtype.
-fn check_residual(x: &Tensor, residual: &Tensor) -> Result<()> {
     if residual.dims() != x.dims() {
         return Err(OpError::Shape {
             arg: "residual",
@@ -125,7 +83,12 @@ fn check_residual(x: &Tensor, residual: &Tensor) -> Result<()> {
             found: residual.dtype(),
         });
     }
-    Ok(())
+    check_weight(x, weight)?;
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() && matches!(x.dtype(), DType::BF16 | DType::F32) {
+        return cuda::add_rms_norm(x, residual, weight, eps);
+    }
+    add_rms_norm_reference(x, residual, weight, eps)
 }
 
 /// [`add_rms_norm`]'s reference (any device): candle's add, then [`rms_norm_reference`].

@@ -5,14 +5,13 @@ use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKe
 use candle_core::{DType, Tensor};
 use glm5_kernels::interface::weight_only::{
     q4k_mma_warps, q4k_row_staged_bytes, tile_loop_blocks, DEFAULT_DYNAMIC_SHARED_BYTES,
-    Q4K_MMA_ROW_TILE, Q4K_NORMED_HELD_VECTORS,
+    Q4K_MMA_ROW_TILE,
 };
 use glm5_kernels::interface::Q4kRowParams;
 
 use super::{GgufFormat, GgufWeight, MAX_ROWS};
 use crate::cuda::{cuda_err, device_address, kernel, launch_dependent, resident_blocks};
 use crate::error::{OpError, Result};
-use crate::rms_norm::NormInput;
 use crate::weight_only_cuda::{self, KernelFile, WeightArgs};
 
 const FILE: KernelFile = KernelFile {
@@ -137,84 +136,17 @@ fn q4k_mma_matvec(x: &Tensor, blocks: &Tensor, n: usize) -> Result<Tensor> {
 fn q4k_mma_matvec1(x: &Tensor, blocks: &Tensor, n: usize) -> Result<Tensor> {
     let (_, k) = x.dims2()?;
     let x = &weight_only_cuda::vector_aligned(x)?;
+    let (w, dev) = device_address(blocks)?;
     // SAFETY: every element is written by the kernel (each output row by a lane of its block's first warp).
     let y = unsafe { Tensor::empty((1, n), x.dtype(), x.device())? };
-    let (w, _) = device_address(blocks)?;
-    launch_matvec1(
-        "q4k_mma_matvec1_bf16",
-        Q4kRowParams {
-            x: device_address(x)?.0,
-            w,
-            y: device_address(&y)?.0,
-            n: n as i32,
-            k: k as i32,
-            ..Q4kRowParams::default()
-        },
-        blocks,
-    )?;
-    Ok(y)
-}
-
-/// `gguf_matmul_normed` in one launch (`q4k_mma_matvec1_normed_bf16`) where it applies: Q4_K, one bf16 row
-/// (no more than the kernel holds in registers, staged within the default shared memory); `None` elsewhere.
-pub(crate) fn gguf_matmul_normed(
-    input: &NormInput,
-    w: &GgufWeight,
-) -> Result<Option<(Tensor, Tensor)>> {
-    let x = input.x;
-    if w.format != GgufFormat::Q4K || x.dtype() != DType::BF16 || x.rank() != 2 || x.dim(0)? != 1 {
-        return Ok(None);
-    }
-    w.check()?;
-    let (n, k) = w.dims()?;
-    let threads = q4k_mma_warps(k) * 32;
-    if x.dim(1)? != k
-        || q4k_row_staged_bytes(k) > DEFAULT_DYNAMIC_SHARED_BYTES
-        || k / 8 > Q4K_NORMED_HELD_VECTORS * threads
-    {
-        return Ok(None);
-    }
-    let blocks = w.blocks.contiguous()?;
-    check_alignment(w.format, &blocks)?;
-    let x = weight_only_cuda::vector_aligned(&x.contiguous()?)?;
-    let residual = match input.residual {
-        Some(r) => Some(weight_only_cuda::vector_aligned(&r.contiguous()?)?),
-        None => None,
-    };
-    let weight = weight_only_cuda::vector_aligned(&input.weight.contiguous()?)?;
-    // SAFETY: every element is written by the kernel: y's by a lane of its tile's block's first warp, the sum
-    // (where there is a residual) by block 0's threads, each its held vectors.
-    let y = unsafe { Tensor::empty((1, n), x.dtype(), x.device())? };
-    let sum = match &residual {
-        Some(_) => unsafe { Tensor::empty((1, k), x.dtype(), x.device())? },
-        None => x.clone(),
-    };
-    let (w_address, _) = device_address(&blocks)?;
-    launch_matvec1(
-        "q4k_mma_matvec1_normed_bf16",
-        Q4kRowParams {
-            x: device_address(&x)?.0,
-            w: w_address,
-            y: device_address(&y)?.0,
-            residual: match &residual {
-                Some(r) => device_address(r)?.0,
-                None => 0,
-            },
-            norm_weight: device_address(&weight)?.0,
-            sum: device_address(&sum)?.0,
-            n: n as i32,
-            k: k as i32,
-            eps: input.eps as f32,
-        },
-        &blocks,
-    )?;
-    Ok(Some((sum, y)))
-}
-
-/// Launches a one-row kernel of `Q4kRowParams` over `params.n` rows of `blocks`' weight.
-fn launch_matvec1(name: &str, params: Q4kRowParams, blocks: &Tensor) -> Result<()> {
-    let (_, dev) = device_address(blocks)?;
-    let (n, k) = (params.n as usize, params.k as usize);
+    let params = RowParams(Q4kRowParams {
+        x: device_address(x)?.0,
+        w,
+        y: device_address(&y)?.0,
+        n: n as i32,
+        k: k as i32,
+    });
+    let name = "q4k_mma_matvec1_bf16";
     let func = kernel(&dev, FILE.module, FILE.fatbin, name)?;
     let threads = q4k_mma_warps(k) as u32 * 32;
     let shared = q4k_row_staged_bytes(k) as u32;
@@ -228,13 +160,11 @@ fn launch_matvec1(name: &str, params: Q4kRowParams, blocks: &Tensor) -> Result<(
         block_dim: (threads, 1, 1),
         shared_mem_bytes: shared,
     };
-    // SAFETY: the kernels take one `Q4kRowParams` (layout checked at build time): x [1, k] bf16 (16-byte
-    // aligned), the blocks [n, k / 256 · 144] bytes (checked aligned), y [1, n] bf16; the normed kernel's
-    // residual (or 0), sum [1, k] and norm weight [k] bf16, 16-byte aligned, with k / 8 within the vectors
-    // its threads hold; all live until the stream runs the launch; the shared memory is the kernel's
-    // staged_bytes(k).
-    unsafe { launch_dependent(&func, &dev.cuda_stream(), cfg, &RowParams(params)) }?;
-    Ok(())
+    // SAFETY: the kernel takes one `Q4kRowParams` (layout checked at build time): x [1, k] bf16 (16-byte
+    // aligned), the blocks [n, k / 256 · 144] bytes (checked aligned), y [1, n] bf16, all live until the
+    // stream runs the launch; the shared memory is the kernel's staged_bytes(k).
+    unsafe { launch_dependent(&func, &dev.cuda_stream(), cfg, &params) }?;
+    Ok(y)
 }
 
 /// The one-row kernel's parameter struct, passed by value.
