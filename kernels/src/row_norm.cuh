@@ -25,6 +25,7 @@ __device__ __forceinline__ void unpack_bf16x8(const uint4& v, float (&f)[8]) {
         f[2 * j + 1] = bf16_high(words[j]);
     }
 }
+
 __device__ __forceinline__ float round_to(float v, const __nv_bfloat16*) { return __bfloat162float(__float2bfloat16(v)); }
 __device__ __forceinline__ float round_to(float v, const float*) { return v; }
 __device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16(v); }
