@@ -54,13 +54,9 @@
 
 namespace {
 
-__device__ __forceinline__ float round_to(float v, const __nv_bfloat16*) {
-    return __bfloat162float(__float2bfloat16(v));
-}
-__device__ __forceinline__ float round_to(float v, const float*) { return v; }
-
-__device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16(v); }
-__device__ __forceinline__ void store(float* p, float v) { *p = v; }
+// The model dtype's rounding and stores (row_norm.cuh's).
+using glm5::rows::round_to;
+using glm5::rows::store;
 
 // 16 bytes of T as floats: 8 bf16 or 4 f32.
 template <typename T> struct Vec;
